@@ -1,0 +1,192 @@
+"""π0.5 input transforms, applied in this order: resize images, discretise state, build and tokenise the
+prompt, pad state/actions to the model's dimension.
+
+Each step is a small pure function so that it can be tested against the reference behaviour of openpi
+and LeRobot (see shared/reference/pi05_architecture.md, "State tokenization" and "resize_with_pad").
+The state reaching `discretize_state` must already be quantile-normalised (`runtime.normalize`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rmuscle_ros.models.tokenizer import Tokenizer
+
+MODEL_IMAGE_SIZE = 224
+STATE_BINS = 256
+
+
+def _require_rgb_u8(image: np.ndarray, name: str = "image") -> None:
+    if not isinstance(image, np.ndarray):
+        raise ValueError(f"{name} must be a numpy array, got {type(image).__name__}")
+    if image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"{name} must have shape (H, W, 3), got {image.shape}")
+    if image.dtype != np.uint8:
+        raise ValueError(f"{name} must have dtype uint8, got {image.dtype}")
+    if image.shape[0] < 1 or image.shape[1] < 1:
+        raise ValueError(f"{name} must be at least 1x1 pixels, got {image.shape}")
+
+
+def _fitted_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """(new_h, new_w) of the aspect-preserving fit into size x size.
+
+    Same arithmetic as openpi/LeRobot, truncation included: for some input sizes (e.g. 225) the long
+    side comes out as size - 1 and gets one padded row/column, and we keep that for parity.
+    """
+    ratio = max(width / size, height / size)
+    # max(1, ...) only matters for extreme aspect ratios (e.g. 1 x 1000), where the reference would fail.
+    return max(1, int(height / ratio)), max(1, int(width / ratio))
+
+
+def resize_with_pad(image: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> np.ndarray:
+    """Fit an RGB image into size x size: aspect-preserving bilinear resize, then centered zero padding.
+
+    Args:
+        image: (H, W, 3) uint8, any H, W >= 1.
+        size: output side in pixels.
+
+    Returns:
+        (size, size, 3) uint8. An input that is already (size, size, 3) is returned as is (same object,
+        not resampled). Padding is 0 (black); top/left get (size - new) // 2, bottom/right the rest.
+    """
+    _require_rgb_u8(image)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    height, width = image.shape[:2]
+    if (height, width) == (size, size):
+        return image
+
+    new_h, new_w = _fitted_size(height, width, size)
+    # interpolate works on (N, C, H, W) float; uint8 is resampled in float32 then rounded back, as the
+    # reference PyTorch implementations do.
+    chw = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+    resized = F.interpolate(chw, size=(new_h, new_w), mode="bilinear", align_corners=False)
+    resized_u8 = (
+        resized.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy()
+    )  # (new_h, new_w, 3)
+
+    top = (size - new_h) // 2
+    left = (size - new_w) // 2
+    padded = np.zeros((size, size, 3), dtype=np.uint8)
+    padded[top : top + new_h, left : left + new_w] = resized_u8
+    return padded
+
+
+def image_to_model(image_u8: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> torch.Tensor:
+    """(size, size, 3) uint8 RGB -> (3, size, size) float32 tensor in [-1, 1] (x / 255 * 2 - 1)."""
+    _require_rgb_u8(image_u8, "image_u8")
+    if image_u8.shape[:2] != (size, size):
+        raise ValueError(
+            f"image_u8 must be {size}x{size} (run resize_with_pad first), got {image_u8.shape[:2]}"
+        )
+    # Same operation order as openpi (x / 255 then * 2 - 1) so results match bit for bit in float32.
+    chw = torch.from_numpy(np.ascontiguousarray(image_u8)).permute(2, 0, 1).to(torch.float32)
+    return (chw / 255.0 * 2.0 - 1.0).contiguous()
+
+
+def discretize_state(state_normalized: np.ndarray) -> np.ndarray:
+    """Bin a normalised state into 256 bins over [-1, 1] for the text prompt.
+
+    Args:
+        state_normalized: float array, any shape, nominally in [-1, 1] (quantile-normalised).
+
+    Returns:
+        int64 array of the same shape. Values in [-1, 1] map to 0..255; values below -1 map to -1 and
+        values above 1 to 255 (the reference clips nothing; -1 then appears in the prompt).
+    """
+    state = np.asarray(state_normalized)
+    if not np.issubdtype(state.dtype, np.number) or np.issubdtype(state.dtype, np.complexfloating):
+        raise ValueError(f"state must be a real numeric array, got dtype {state.dtype}")
+    if not np.all(np.isfinite(state)):
+        raise ValueError(f"state contains NaN or Inf: {state}")
+    # Left bin edges -1, -1 + 2/256, ..., 1 - 2/256: digitize returns 1..256 inside [-1, 1].
+    left_edges = np.linspace(-1.0, 1.0, STATE_BINS + 1)[:-1]
+    return (np.digitize(state, bins=left_edges) - 1).astype(np.int64)
+
+
+def build_prompt(task: str, discretized_state: np.ndarray) -> str:
+    """The π0.5 prompt: "Task: <task>, State: <bins>;\\nAction: ".
+
+    Args:
+        task: free-text instruction; surrounding whitespace is stripped, "_" and newlines become spaces.
+        discretized_state: (state_dim,) integer bins from `discretize_state`.
+    """
+    bins = np.asarray(discretized_state)
+    if bins.ndim != 1 or not np.issubdtype(bins.dtype, np.integer):
+        raise ValueError(
+            f"discretized_state must be a 1-D integer array, got shape {bins.shape} dtype {bins.dtype}"
+        )
+    cleaned = task.strip().replace("_", " ").replace("\n", " ")
+    state_text = " ".join(str(b) for b in bins.tolist())
+    return f"Task: {cleaned}, State: {state_text};\nAction: "
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt tokenised to a fixed length.
+
+    tokens: (max_len,) int64, right-padded with the tokenizer's pad id.
+    mask: (max_len,) bool, True for real tokens (a prefix of the row).
+    truncated: the prompt had more than max_len tokens and its tail was dropped.
+    num_tokens: token count of the full prompt before truncation (so it can exceed max_len);
+        the kept count is `mask.sum()` = min(num_tokens, max_len).
+    """
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    truncated: bool
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1 or self.tokens.dtype != np.int64:
+            raise ValueError(
+                f"tokens must be 1-D int64, got shape {self.tokens.shape} dtype {self.tokens.dtype}"
+            )
+        if self.mask.shape != self.tokens.shape or self.mask.dtype != np.bool_:
+            raise ValueError(f"mask must be bool with shape {self.tokens.shape}, got {self.mask.shape}")
+        max_len = self.tokens.shape[0]
+        if self.num_tokens < 0 or self.truncated != (self.num_tokens > max_len):
+            raise ValueError(
+                f"inconsistent truncated={self.truncated} for num_tokens={self.num_tokens}, max_len={max_len}"
+            )
+        if int(self.mask.sum()) != min(self.num_tokens, max_len) or not self.mask[: self.num_tokens].all():
+            raise ValueError("mask must be True exactly on the first min(num_tokens, max_len) slots")
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: str, max_len: int) -> TokenizedPrompt:
+    """Tokenise `prompt` (BOS included) into exactly `max_len` slots.
+
+    Longer prompts are truncated to `max_len` like openpi does, and `truncated` is set so that the
+    caller can log or count it instead of silently losing the end of the state.
+    """
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    ids = tokenizer.encode(prompt)
+    num_tokens = len(ids)
+    kept = min(num_tokens, max_len)
+    tokens = np.full(max_len, tokenizer.pad_id, dtype=np.int64)
+    tokens[:kept] = ids[:kept]
+    mask = np.zeros(max_len, dtype=np.bool_)
+    mask[:kept] = True
+    return TokenizedPrompt(tokens=tokens, mask=mask, truncated=num_tokens > max_len, num_tokens=num_tokens)
+
+
+def pad_to_dim(x: np.ndarray, dim: int) -> np.ndarray:
+    """Zero-pad the last axis of `x` to `dim` (e.g. a 14-D ALOHA state to the model's 32).
+
+    Returns `x` itself when its last axis is already `dim`; raises when it is larger.
+    """
+    x = np.asarray(x)
+    if x.ndim == 0:
+        raise ValueError("pad_to_dim needs an array with at least one axis, got a scalar")
+    current = x.shape[-1]
+    if current > dim:
+        raise ValueError(f"last axis has {current} entries, more than the target dim {dim}")
+    if current == dim:
+        return x
+    padding = [(0, 0)] * (x.ndim - 1) + [(0, dim - current)]
+    return np.pad(x, padding)

@@ -1,0 +1,219 @@
+"""Quantile normalisation and the LeRobot / openpi stats file formats."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from rmuscle_ros.runtime.normalize import (
+    NormStats,
+    QuantileStats,
+    identity_stats,
+    load_norm_stats,
+)
+
+Q01 = np.array([-2.0, 0.0, 5.0], dtype=np.float32)
+Q99 = np.array([2.0, 0.5, 5.0], dtype=np.float32)  # last dimension is constant: zero range
+
+
+def _stats(convention: str) -> QuantileStats:
+    return QuantileStats(q01=Q01, q99=Q99, convention=convention)  # type: ignore[arg-type]
+
+
+def test_openpi_formula() -> None:
+    x = np.array([0.0, 0.5, 5.0], dtype=np.float32)
+    expected = (x - Q01) / (Q99 - Q01 + np.float32(1e-6)) * 2 - 1
+    np.testing.assert_array_equal(_stats("openpi").normalize(x), expected)
+    assert _stats("openpi").normalize(x)[2] == -1.0  # zero range: x == q01 maps to -1
+
+
+def test_lerobot_formula() -> None:
+    x = np.array([0.0, 0.5, 5.0], dtype=np.float32)
+    y = _stats("lerobot").normalize(x)
+    np.testing.assert_allclose(y[:2], [0.0, 1.0], rtol=0, atol=1e-7)
+    assert y[2] == -1.0  # zero range uses 1e-8 as the denominator, and 0 / 1e-8 = 0
+
+
+@pytest.mark.parametrize("convention", ["openpi", "lerobot"])
+def test_roundtrip_and_padded_dims_pass_through(convention: str) -> None:
+    stats = _stats(convention)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-3, 3, size=(4, 50, 8)).astype(np.float32)
+    x[..., 2] = 5.0  # the constant dimension only ever takes its constant value
+    y = stats.normalize(x)
+    assert y.shape == x.shape and y.dtype == np.float32
+    np.testing.assert_array_equal(y[..., 3:], x[..., 3:])
+    np.testing.assert_allclose(stats.unnormalize(y), x, rtol=0, atol=1e-5)
+    z = rng.uniform(-1, 1, size=(50, 32)).astype(np.float32)
+    np.testing.assert_allclose(stats.normalize(stats.unnormalize(z))[:, :2], z[:, :2], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(stats.unnormalize(z)[:, 3:], z[:, 3:])
+
+
+def test_normalize_rejects_short_input() -> None:
+    with pytest.raises(ValueError, match="shorter than the stats' dim 3"):
+        _stats("openpi").normalize(np.zeros(2, dtype=np.float32))
+
+
+def test_quantile_stats_validation() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        QuantileStats(q01=Q01.astype(np.float64), q99=Q99, convention="openpi")
+    with pytest.raises(ValueError, match="shape"):
+        QuantileStats(q01=Q01, q99=Q99[:2], convention="openpi")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        QuantileStats(q01=np.array([np.nan], np.float32), q99=np.ones(1, np.float32), convention="openpi")
+    with pytest.raises(ValueError, match=re.escape("q99 < q01 in dimensions [0]")):
+        QuantileStats(q01=np.ones(1, np.float32), q99=np.zeros(1, np.float32), convention="openpi")
+    with pytest.raises(ValueError, match="convention"):
+        QuantileStats(q01=Q01, q99=Q99, convention="zscore")  # type: ignore[arg-type]
+
+
+def test_quantile_stats_are_immutable_copies() -> None:
+    source = Q01.copy()
+    stats = QuantileStats(q01=source, q99=Q99, convention="openpi")
+    source[0] = 100.0
+    assert stats.q01[0] == -2.0
+    with pytest.raises(ValueError):
+        stats.q01[0] = 1.0
+
+
+def test_norm_stats_rejects_mixed_conventions() -> None:
+    with pytest.raises(ValueError, match="convention"):
+        NormStats(state=_stats("openpi"), actions=_stats("lerobot"))
+
+
+def test_identity_stats() -> None:
+    stats = identity_stats(state_dim=14, action_dim=14)
+    x = np.random.default_rng(1).uniform(-1, 1, size=(50, 32)).astype(np.float32)
+    np.testing.assert_allclose(stats.state.normalize(x), x, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(stats.actions.unnormalize(x), x, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="state_dim"):
+        identity_stats(0, 14)
+
+
+# --- LeRobot safetensors -----------------------------------------------------------------------
+
+
+def _write_lerobot(path: Path, drop: str | None = None) -> Path:
+    tensors = {
+        "observation.state.q01": np.array([-1.0, 0.0], np.float32),
+        "observation.state.q99": np.array([1.0, 2.0], np.float32),
+        "observation.state.mean": np.zeros(2, np.float32),
+        "observation.state.std": np.ones(2, np.float32),
+        "action.q01": np.array([0.0, 0.0, -3.0], np.float32),
+        "action.q99": np.array([1.0, 4.0, 3.0], np.float32),
+        "action.min": np.zeros(3, np.float32),
+        "action.max": np.ones(3, np.float32),
+    }
+    if drop is not None:
+        del tensors[drop]
+    save_file(tensors, str(path))
+    return path
+
+
+def test_load_lerobot_safetensors(tmp_path: Path) -> None:
+    stats = load_norm_stats(_write_lerobot(tmp_path / "normalizer_processor.safetensors"))
+    assert stats.state.convention == stats.actions.convention == "lerobot"
+    np.testing.assert_array_equal(stats.state.q99, [1.0, 2.0])
+    np.testing.assert_array_equal(stats.actions.q01, [0.0, 0.0, -3.0])
+    assert stats.actions.q01.dtype == np.float32
+
+
+@pytest.mark.parametrize("key", ["observation.state.q01", "action.q99"])
+def test_lerobot_missing_key_is_named(tmp_path: Path, key: str) -> None:
+    path = _write_lerobot(tmp_path / "stats.safetensors", drop=key)
+    with pytest.raises(ValueError, match=re.escape(f"stats.safetensors has no key {key}")):
+        load_norm_stats(path)
+
+
+def test_lerobot_corrupt_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(ValueError, match=re.escape("broken.safetensors is not a readable safetensors file")):
+        load_norm_stats(path)
+
+
+def test_lerobot_non_vector_stat(tmp_path: Path) -> None:
+    path = tmp_path / "stats.safetensors"
+    tensors = {"observation.state.q01": np.zeros((2, 2), np.float32), "observation.state.q99": np.ones(2)}
+    save_file(
+        {**tensors, "action.q01": np.zeros(1, np.float32), "action.q99": np.ones(1, np.float32)}, str(path)
+    )
+    with pytest.raises(ValueError, match=re.escape("observation.state.q01 must be a non-empty 1-D array")):
+        load_norm_stats(path)
+
+
+# --- openpi JSON -------------------------------------------------------------------------------
+
+
+def _openpi_document() -> dict[str, Any]:
+    return {
+        "norm_stats": {
+            "state": {"mean": [0.0, 0.0], "std": [1.0, 1.0], "q01": [-1.0, 0.5], "q99": [1.0, 1.5]},
+            "actions": {"mean": [0.0], "std": [1.0], "q01": [-0.25], "q99": [0.75]},
+        }
+    }
+
+
+def test_load_openpi_json(tmp_path: Path) -> None:
+    path = tmp_path / "norm_stats.json"
+    path.write_text(json.dumps(_openpi_document()))
+    stats = load_norm_stats(path)
+    assert stats.state.convention == stats.actions.convention == "openpi"
+    np.testing.assert_array_equal(stats.state.q01, np.array([-1.0, 0.5], np.float32))
+    np.testing.assert_array_equal(stats.actions.q99, np.array([0.75], np.float32))
+    assert stats.state.q01.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("edit", "key"),
+    [
+        (lambda d: d.pop("norm_stats"), "norm_stats"),
+        (lambda d: d["norm_stats"].pop("actions"), "norm_stats.actions"),
+        (lambda d: d["norm_stats"]["state"].pop("q99"), "norm_stats.state.q99"),
+        (lambda d: d["norm_stats"]["actions"].update(q01=None), "norm_stats.actions.q01"),
+    ],
+)
+def test_openpi_missing_key_is_named(tmp_path: Path, edit: Any, key: str) -> None:
+    document = _openpi_document()
+    edit(document)
+    path = tmp_path / "norm_stats.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=re.escape(f"norm_stats.json has no key {key}")):
+        load_norm_stats(path)
+
+
+def test_openpi_bad_values(tmp_path: Path) -> None:
+    document = _openpi_document()
+    document["norm_stats"]["state"]["q01"] = ["a", "b"]
+    path = tmp_path / "norm_stats.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=re.escape("norm_stats.state.q01 is not a numeric array")):
+        load_norm_stats(path)
+
+    document = _openpi_document()
+    document["norm_stats"]["state"]["q99"] = [1.0]
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=r"norm_stats\.json: norm_stats\.state: .*shape"):
+        load_norm_stats(path)
+
+
+def test_openpi_invalid_json(tmp_path: Path) -> None:
+    path = tmp_path / "norm_stats.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape("norm_stats.json is not valid JSON")):
+        load_norm_stats(path)
+
+
+def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
+    pickled = tmp_path / "stats.pkl"
+    pickled.write_bytes(b"\x80\x04")
+    with pytest.raises(ValueError, match=re.escape("stats.pkl: unknown format '.pkl'")):
+        load_norm_stats(pickled)
+    with pytest.raises(ValueError, match=re.escape("missing.json does not exist")):
+        load_norm_stats(tmp_path / "missing.json")

@@ -1,0 +1,182 @@
+"""π0.5 input transforms: image resize/pad, state discretisation, prompt, tokenisation, padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rmuscle_ros.models.tokenizer import ByteTokenizer
+from rmuscle_ros.runtime.transforms import (
+    TokenizedPrompt,
+    build_prompt,
+    discretize_state,
+    image_to_model,
+    pad_to_dim,
+    resize_with_pad,
+    tokenize_prompt,
+)
+
+
+def _random_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+
+
+# --- resize_with_pad ---------------------------------------------------------------------------
+
+
+def test_resize_aloha_frame_is_letterboxed() -> None:
+    # 480x640 -> ratio 640/224: content 168x224, 28 black rows above and below.
+    image = _random_image(480, 640)
+    out = resize_with_pad(image)
+    assert out.shape == (224, 224, 3) and out.dtype == np.uint8
+    assert not out[:28].any() and not out[196:].any()
+
+    chw = torch.from_numpy(image).permute(2, 0, 1)[None].float()
+    expected = F.interpolate(chw, size=(168, 224), mode="bilinear", align_corners=False)
+    expected_u8 = expected.round().clamp(0, 255).byte()[0].permute(1, 2, 0).numpy()
+    np.testing.assert_array_equal(out[28:196], expected_u8)
+
+
+def test_resize_tall_image_pads_left_right_with_remainder_on_right() -> None:
+    # 300x101 -> ratio 300/224: content 224 x int(101/ratio) = 75 wide; pad 149 -> 74 left, 75 right.
+    out = resize_with_pad(np.full((300, 101, 3), 200, dtype=np.uint8))
+    columns_with_content = np.flatnonzero(out.any(axis=(0, 2)))
+    assert columns_with_content.tolist() == list(range(74, 74 + 75))
+    assert (out[:, 74:149] == 200).all()
+
+
+def test_resize_upscales_small_images() -> None:
+    out = resize_with_pad(np.full((2, 4, 3), 255, dtype=np.uint8))
+    # 2x4 -> 112x224: rows 56..167 filled.
+    assert (out[56:168] == 255).all() and not out[:56].any() and not out[168:].any()
+
+
+def test_resize_same_size_is_returned_untouched() -> None:
+    image = _random_image(224, 224)
+    assert resize_with_pad(image) is image
+
+
+def test_resize_custom_size_and_degenerate_aspect() -> None:
+    assert resize_with_pad(_random_image(10, 20), size=8).shape == (8, 8, 3)
+    # 1x1000 would give a zero-height image in the reference formula; we keep one row.
+    out = resize_with_pad(_random_image(1, 1000))
+    assert out.shape == (224, 224, 3)
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        (np.zeros((224, 224), dtype=np.uint8), "shape"),
+        (np.zeros((224, 224, 4), dtype=np.uint8), "shape"),
+        (np.zeros((224, 224, 3), dtype=np.float32), "dtype"),
+        (np.zeros((0, 5, 3), dtype=np.uint8), "1x1"),
+        ([[[0, 0, 0]]], "numpy array"),
+    ],
+)
+def test_resize_rejects_bad_images(image: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resize_with_pad(image)
+
+
+# --- image_to_model ----------------------------------------------------------------------------
+
+
+def test_image_to_model_layout_and_range() -> None:
+    image = _random_image(224, 224)
+    image[0, 0] = (0, 128, 255)
+    tensor = image_to_model(image)
+    assert tensor.shape == (3, 224, 224) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert tensor[:, 0, 0].tolist() == pytest.approx([-1.0, 128 / 255 * 2 - 1, 1.0], abs=1e-6)
+    expected = image.astype(np.float32) / 255.0 * 2.0 - 1.0
+    np.testing.assert_array_equal(tensor.permute(1, 2, 0).numpy(), expected)
+
+
+def test_image_to_model_requires_resized_input() -> None:
+    with pytest.raises(ValueError, match="resize_with_pad"):
+        image_to_model(_random_image(480, 640))
+
+
+# --- discretize_state --------------------------------------------------------------------------
+
+
+def test_discretize_state_bins() -> None:
+    state = np.array([-1.5, -1.0, -0.99, 0.0, 0.5, 0.99, 1.0, 1.5], dtype=np.float32)
+    bins = discretize_state(state)
+    assert bins.dtype == np.int64
+    # bin width 2/256 = 1/128: -0.99 is 0.01 above -1 (bin 1); 0 -> 128; 0.5 -> 192; >= 1 - 1/128 -> 255.
+    assert bins.tolist() == [-1, 0, 1, 128, 192, 254, 255, 255]
+
+
+def test_discretize_state_keeps_shape() -> None:
+    assert discretize_state(np.zeros((2, 3))).shape == (2, 3)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_discretize_state_rejects_non_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        discretize_state(np.array([0.0, bad]))
+
+
+# --- build_prompt / tokenize_prompt ------------------------------------------------------------
+
+
+def test_build_prompt_format() -> None:
+    prompt = build_prompt("  pick_up the\ncube \n", np.array([0, 128, 255, -1]))
+    assert prompt == "Task: pick up the cube, State: 0 128 255 -1;\nAction: "
+
+
+def test_build_prompt_rejects_float_state() -> None:
+    with pytest.raises(ValueError, match="integer"):
+        build_prompt("task", np.array([0.5]))
+
+
+def test_tokenize_prompt_pads_right() -> None:
+    tokenizer = ByteTokenizer()
+    result = tokenize_prompt(tokenizer, "ab", max_len=6)
+    assert isinstance(result, TokenizedPrompt)
+    assert result.tokens.dtype == np.int64 and result.mask.dtype == np.bool_
+    assert result.tokens.tolist() == [2, 3 + 97, 3 + 98, 0, 0, 0]
+    assert result.mask.tolist() == [True, True, True, False, False, False]
+    assert (result.truncated, result.num_tokens) == (False, 3)
+
+
+def test_tokenize_prompt_exact_fit_is_not_truncated() -> None:
+    result = tokenize_prompt(ByteTokenizer(), "abc", max_len=4)
+    assert result.mask.all() and not result.truncated and result.num_tokens == 4
+
+
+def test_tokenize_prompt_truncates_and_flags() -> None:
+    result = tokenize_prompt(ByteTokenizer(), "abcdef", max_len=4)
+    assert result.tokens.tolist() == [2, 3 + 97, 3 + 98, 3 + 99]
+    assert result.mask.all()
+    assert result.truncated and result.num_tokens == 7
+
+
+def test_tokenized_prompt_validates_consistency() -> None:
+    with pytest.raises(ValueError, match="truncated"):
+        TokenizedPrompt(np.zeros(3, np.int64), np.ones(3, np.bool_), truncated=False, num_tokens=5)
+    with pytest.raises(ValueError, match="mask"):
+        TokenizedPrompt(np.zeros(3, np.int64), np.array([False, True, False]), truncated=False, num_tokens=1)
+
+
+def test_full_prompt_pipeline_with_byte_tokenizer() -> None:
+    prompt = build_prompt("fold_towel", discretize_state(np.array([-1.0, 0.0, 0.999])))
+    assert prompt == "Task: fold towel, State: 0 128 255;\nAction: "
+    result = tokenize_prompt(ByteTokenizer(), prompt, max_len=200)
+    assert result.num_tokens == len(prompt) + 1 and not result.truncated
+
+
+# --- pad_to_dim --------------------------------------------------------------------------------
+
+
+def test_pad_to_dim() -> None:
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) + 1
+    padded = pad_to_dim(x, 5)
+    assert padded.shape == (2, 5) and padded.dtype == np.float32
+    np.testing.assert_array_equal(padded[:, :3], x)
+    assert not padded[:, 3:].any()
+    assert pad_to_dim(x, 3) is x
+    with pytest.raises(ValueError, match="more than the target dim 2"):
+        pad_to_dim(x, 2)
