@@ -1,0 +1,270 @@
+"""π0.5 latency benchmark on a GPU: eager vs the graph engine in one process, on the same inputs.
+
+Setting (issue #2): full `pi05` size, 3 cameras, a prompt of ~50 valid tokens (task text + 14-D ALOHA
+state; padding not computed), 10 denoising steps, horizon 50. Weights are seeded random (no trained
+π0.5 weights on the benchmark machine): timings do not depend on values, accuracy ratios are
+graph-vs-eager on the same weights.
+
+Writes bench/results/<name>.md and .json: date, gpu, commit, command, setting, measured ceilings,
+FLOPs/bytes per call and roofline floor, and `results: {variant: {median_ms, hz, stages_ms, ...}}`.
+
+    python bench/bench_pi05.py --preset pi05 --out bench/results --commit $(git rev-parse --short HEAD)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rmuscle_ros.engine import create_engine
+from rmuscle_ros.engine.cost import call_cost, total
+from rmuscle_ros.models.checkpoint import init_random_
+from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times
+
+
+def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> list[float]:
+    """Per-iteration device time (CUDA events) in ms."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """bf16 matmul rate and device-to-device copy bandwidth, measured now (random data, not zeros)."""
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm = statistics.median(cuda_time_ms(lambda: a @ b, 20)) / 1e3
+    src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    cp = statistics.median(cuda_time_ms(lambda: dst.copy_(src), 20)) / 1e3
+    return {"bf16_tflops": 2 * n**3 / mm / 1e12, "copy_tb_s": 2 * src.numel() * 2 / cp / 1e12}
+
+
+def make_inputs(cfg, prompt_tokens: int, device: torch.device, seed: int) -> tuple[ModelInputs, torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    c, s = cfg.num_cameras, cfg.vision.image_size
+    images = torch.rand(1, c, 3, s, s, generator=gen) * 2 - 1
+    tokens = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=gen)
+    tokens[0, 0] = 2  # BOS
+    inputs = ModelInputs(
+        images, torch.ones(1, c, dtype=torch.bool), tokens, torch.ones(1, prompt_tokens, dtype=torch.bool)
+    )
+    noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=gen)
+    return inputs.to(device), noise.to(device)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def eager_stages(
+    model: Pi05Model, inputs: ModelInputs, noise: torch.Tensor
+) -> dict[str, Callable[[], object]]:
+    state: dict[str, object] = {}
+
+    def vision() -> None:
+        state["prefix"] = model.embed_prefix(inputs)
+
+    def prefill() -> None:
+        state["cache"] = model.prefill(*state["prefix"])
+
+    def denoise() -> None:
+        x, dt_ = noise.float(), -1.0 / model.cfg.num_steps
+        for t in euler_times(model.cfg.num_steps):
+            x = x + dt_ * model.velocity(x, torch.full((1,), t, device=x.device), state["cache"])
+
+    return {"vision": vision, "prefill": prefill, "denoise": denoise}
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    med = statistics.median(samples)
+    q = statistics.quantiles(samples, n=100) if len(samples) > 2 else [med] * 99
+    return {
+        "median_ms": round(med, 3),
+        "p10_ms": round(q[9], 3),
+        "p90_ms": round(q[89], 3),
+        "hz": round(1e3 / med, 1),
+    }
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="pi05")
+    p.add_argument("--prompt-tokens", type=int, default=50)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--eager-iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--name", default=None, help="result file stem (default: <preset>_<gpu>_<date>)")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args()
+
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = torch.cuda.get_device_name(device)
+    cfg = get_preset(args.preset)
+    print(
+        f"[bench] {gpu}, preset {args.preset}, {cfg.num_cameras} cameras, {args.prompt_tokens} prompt tokens",
+        flush=True,
+    )
+
+    ceilings = measure_ceilings(device)
+    print(f"[bench] ceilings: {ceilings}", flush=True)
+
+    model = Pi05Model(cfg).to(device).eval()
+    init_random_(model, args.seed)
+    inputs, noise = make_inputs(cfg, args.prompt_tokens, device, args.seed)
+
+    t0 = time.perf_counter()
+    graph = create_engine("graph", model, device)
+    build_s = time.perf_counter() - t0
+    capture = graph.warmup()
+    print(
+        f"[bench] graph engine built in {build_s:.1f} s, {len(capture)} graphs captured in {sum(capture.values()):.1f} s",
+        flush=True,
+    )
+
+    # Accuracy: graph (bf16) vs eager float32 (the reference) and eager bf16, same weights/inputs/noise.
+    ref_f32 = model.sample_actions(inputs, noise)
+    out_graph = graph.sample_actions(inputs, noise)
+    results: dict[str, dict] = {}
+    samples = cuda_time_ms(lambda: model.sample_actions(inputs, noise), max(3, args.eager_iters // 2))
+    results["eager-fp32"] = summarize(samples)
+    model.to(torch.bfloat16)
+    out_eager_bf16 = model.sample_actions(inputs, noise)
+    accuracy = {
+        "graph_vs_eager_bf16_rel_l2": rel_l2(out_graph, out_eager_bf16),
+        "graph_vs_eager_fp32_rel_l2": rel_l2(out_graph, ref_f32),
+        "eager_bf16_vs_eager_fp32_rel_l2": rel_l2(out_eager_bf16, ref_f32),
+    }
+    print(f"[bench] accuracy: {accuracy}", flush=True)
+
+    # Speed: eager bf16, fused kernels without graphs, graph; each with a per-stage split.
+    stages_e = eager_stages(model, inputs, noise)
+    results["eager"] = summarize(cuda_time_ms(lambda: model.sample_actions(inputs, noise), args.eager_iters))
+    results["eager"]["stages_ms"] = {
+        k: round(statistics.median(cuda_time_ms(f, args.eager_iters)), 3) for k, f in stages_e.items()
+    }
+    bucket = graph.load_inputs(inputs, noise)
+    for variant, use_graphs in (("fused-nograph", False), ("graph", True)):
+        graph.use_cuda_graphs = use_graphs
+        saved = graph._graphs
+        if not use_graphs:
+            graph._graphs = {}
+        results[variant] = summarize(cuda_time_ms(lambda: graph.sample_actions(inputs, noise), args.iters))
+        graph.load_inputs(inputs, noise)
+        results[variant]["stages_ms"] = {
+            s: round(statistics.median(cuda_time_ms(lambda s=s: graph.run_stage(s, bucket), args.iters)), 3)
+            for s in ("vision", "prefill", "denoise")
+        }
+        graph._graphs = saved
+    results["graph"]["speedup_vs_eager"] = round(
+        results["eager"]["median_ms"] / results["graph"]["median_ms"], 2
+    )
+    results["graph"]["prompt_bucket"] = bucket
+
+    costs = call_cost(cfg, args.prompt_tokens)
+    peak, bw = ceilings["bf16_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12
+    floor = {k: round(c.floor_s(peak, bw) * 1e3, 3) for k, c in costs.items()}
+    floor_total = round(sum(floor.values()), 3)
+    cost_json = {
+        k: {"gflop": round(c.flops / 1e9, 1), "gbytes": round(c.bytes / 1e9, 3)} for k, c in costs.items()
+    }
+    tot = total(costs)
+    results["graph"]["x_roofline_floor"] = round(results["graph"]["median_ms"] / floor_total, 2)
+
+    record = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "commit": args.commit,
+        "command": " ".join(["python", *sys.argv]),
+        "torch": torch.__version__,
+        "setting": {
+            "preset": args.preset,
+            "cameras": cfg.num_cameras,
+            "prompt_tokens": args.prompt_tokens,
+            "steps": cfg.num_steps,
+            "horizon": cfg.horizon,
+            "weights": f"random (seed {args.seed})",
+            "iters": args.iters,
+        },
+        "ceilings": {k: round(v, 1 if "tflops" in k else 2) for k, v in ceilings.items()},
+        "cost_per_call": {
+            **cost_json,
+            "total": {"gflop": round(tot.flops / 1e9, 1), "gbytes": round(tot.bytes / 1e9, 3)},
+        },
+        "roofline_floor_ms": {**floor, "total": floor_total},
+        "accuracy": {k: float(f"{v:.3e}") for k, v in accuracy.items()},
+        "capture_s": round(sum(capture.values()), 2),
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{args.preset}_{gpu.split()[-1].lower()}_{record['date'][:10]}"
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(to_markdown(record))
+    print(to_markdown(record), flush=True)
+
+
+def to_markdown(r: dict) -> str:
+    s = r["setting"]
+    lines = [
+        f"# π0.5 `{s['preset']}` latency — {r['gpu']}, {r['date']}",
+        "",
+        f"commit `{r['commit']}`, torch {r['torch']}, command `{r['command']}`",
+        "",
+        f"Setting: {s['cameras']} cameras, {s['prompt_tokens']} prompt tokens, {s['steps']} steps, horizon "
+        f"{s['horizon']}, weights {s['weights']}, medians of {s['iters']} calls (CUDA events).",
+        "",
+        "| variant | median ms | p10 | p90 | Hz | vision ms | prefill ms | denoise ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in r["results"].items():
+        st = v.get("stages_ms", {})
+        lines.append(
+            f"| {name} | {v['median_ms']} | {v['p10_ms']} | {v['p90_ms']} | {v['hz']} | "
+            f"{st.get('vision', '–')} | {st.get('prefill', '–')} | {st.get('denoise', '–')} |"
+        )
+    g = r["results"]["graph"]
+    f = r["roofline_floor_ms"]
+    c = r["cost_per_call"]
+    lines += [
+        "",
+        f"graph vs eager (bf16): **{g['speedup_vs_eager']}×**; graph = {g['x_roofline_floor']}× the roofline floor.",
+        "",
+        f"Ceilings measured in this run: {r['ceilings']['bf16_tflops']} TFLOP/s bf16 matmul, "
+        f"{r['ceilings']['copy_tb_s']} TB/s device copy.",
+        "",
+        "| stage | GFLOP | GB moved (min) | roofline floor ms |",
+        "|---|---|---|---|",
+    ]
+    for k in ("vision", "prefill", "denoise"):
+        lines.append(f"| {k} | {c[k]['gflop']} | {c[k]['gbytes']} | {f[k]} |")
+    lines.append(f"| total | {c['total']['gflop']} | {c['total']['gbytes']} | {f['total']} |")
+    lines += ["", "Accuracy (relative L2 of the action chunk, same weights, inputs and noise):", ""]
+    lines += [f"- {k}: {v}" for k, v in r["accuracy"].items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""π0.5 rewritten for static shapes and fused operators: the computation the graph engine captures.
+
+Built once from a loaded `Pi05Model`, it folds what is constant per model into the weights:
+- Gemma RMSNorm (1 + w) multipliers into the next projections (q/k/v and gate/up);
+- SigLIP LayerNorm affine terms into the next projections (qkv, fc1, multimodal projector);
+- q, k, v and gate, up concatenated into one matrix each (one matmul instead of three / two);
+- the adaRMS scale, shift and gate of every (denoising step, expert layer): the step times are fixed
+  (t = 1, 0.9, …), so the whole time-conditioning path is precomputed;
+- the Euler step size into the action output head (x ← x + h·(dt·W)ᵀ + dt·b).
+The residual stream is float32, matmuls run in `dtype` (bf16 on the GPU). The prefix's last layer only
+computes K/V: nothing reads its attention or MLP output.
+
+The operators come from an ops module (`ops` = PyTorch definitions, `triton_ops` = fused kernels) so the
+same code runs on the CPU in tests and under CUDA-graph capture on the GPU. Batch size is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rmuscle_ros.models.config import Pi05Config
+from rmuscle_ros.models.pi05 import Pi05Model, euler_times, sincos_time_embedding
+
+NEG_INF = -1e30  # additive mask for keys that must not be attended (finite, so masked rows stay finite)
+KV_ALIGN = 16  # key lengths padded to this multiple: aligned masks keep the fused SDPA kernels eligible
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class VisionLayer:
+    qkv_w: Tensor  # (3·Wv, Wv), LayerNorm-1 affine folded in
+    qkv_b: Tensor
+    out_w: Tensor
+    out_b: Tensor
+    fc1_w: Tensor  # LayerNorm-2 affine folded in
+    fc1_b: Tensor
+    fc2_w: Tensor
+    fc2_b: Tensor
+
+
+@dataclass
+class GemmaLayerWeights:
+    qkv_w: Tensor  # ((H + 2·KVH)·Dh, W), pre-attention RMSNorm (1+w) folded in for the prefix
+    o_w: Tensor
+    gate_up_w: Tensor  # (2·F, W), pre-FFN RMSNorm (1+w) folded in for the prefix
+    down_w: Tensor
+
+
+@dataclass
+class StepModulation:
+    """adaRMS terms for every (step, expert layer), float32: norm(x)·mul + add, residual += y·gate."""
+
+    attn_mul: Tensor  # (steps, depth, We) = 1 + scale of the pre-attention norm
+    attn_add: Tensor
+    attn_gate: Tensor
+    ffn_mul: Tensor
+    ffn_add: Tensor
+    ffn_gate: Tensor
+    final_mul: Tensor  # (steps, We)
+    final_add: Tensor
+
+
+@dataclass
+class KVBuffers:
+    """Per-layer K/V for one call: prefix rows [0, Lp) then the action rows, padded to KV_ALIGN."""
+
+    keys: list[Tensor]  # depth × (KVH, capacity, Dh)
+    values: list[Tensor]
+
+    @staticmethod
+    def allocate(cfg: Pi05Config, capacity: int, device: torch.device, dtype: torch.dtype) -> KVBuffers:
+        shape = (cfg.vlm.num_kv_heads, capacity, cfg.vlm.head_dim)
+        # Zero-filled: padded slots are masked, but 0·NaN would still poison the softmax·V product.
+        return KVBuffers(
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.vlm.depth)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.vlm.depth)],
+        )
+
+
+def _fold_rms(weight: Tensor, norm_weight: Tensor) -> Tensor:
+    """W · diag(1 + w): the Gemma norm multiplier applied to the input columns."""
+    return weight * (1.0 + norm_weight)[None, :]
+
+
+def _fold_layer_norm(weight: Tensor, bias: Tensor | None, ln: torch.nn.LayerNorm) -> tuple[Tensor, Tensor]:
+    """W·(γ⊙n + β) + b = (W·diag γ)·n + (W·β + b)."""
+    folded_b = weight @ ln.bias + (0 if bias is None else bias)
+    return weight * ln.weight[None, :], folded_b
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """positions (N,) int -> cos, sin (N, head_dim/2) float32 for split-halves RoPE."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+class FusedPi05:
+    """Static-shape π0.5 forward with folded weights. See the module docstring."""
+
+    def __init__(self, model: Pi05Model, *, device: torch.device | str, dtype: torch.dtype, ops: ModuleType):
+        self.cfg = model.cfg
+        self.device, self.dtype, self.ops = torch.device(device), dtype, ops
+        self.gelu_in_matmul = False  # set by the graph engine once cuBLASLt's GELU epilogue is verified
+        with torch.no_grad():
+            self._prepare(model)
+
+    # ── weight preparation (float32 arithmetic, then cast) ──────────────────────────────────────────────
+
+    def _to(self, t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        return t.detach().to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def _prepare(self, model: Pi05Model) -> None:
+        cfg = self.cfg
+        f32 = lambda t: t.detach().float()  # noqa: E731
+        vt = model.vision_tower
+        self.patch_w = self._to(vt.embeddings.patch_embedding.weight)
+        self.patch_b = self._to(vt.embeddings.patch_embedding.bias, torch.float32)
+        self.pos_emb = self._to(vt.embeddings.position_embedding.weight, torch.float32)
+        self.vision_layers = []
+        for layer in vt.encoder.layers:
+            a = layer.self_attn
+            ln1 = _as_f32(layer.layer_norm1)
+            ln2 = _as_f32(layer.layer_norm2)
+            qkv_w = torch.cat([f32(a.q_proj.weight), f32(a.k_proj.weight), f32(a.v_proj.weight)])
+            qkv_b = torch.cat([f32(a.q_proj.bias), f32(a.k_proj.bias), f32(a.v_proj.bias)])
+            qkv_w, qkv_b = _fold_layer_norm(qkv_w, qkv_b, ln1)
+            fc1_w, fc1_b = _fold_layer_norm(f32(layer.mlp.fc1.weight), f32(layer.mlp.fc1.bias), ln2)
+            self.vision_layers.append(
+                VisionLayer(
+                    self._to(qkv_w),
+                    self._to(qkv_b),
+                    self._to(a.out_proj.weight),
+                    self._to(a.out_proj.bias, torch.float32),
+                    self._to(fc1_w),
+                    self._to(fc1_b),
+                    self._to(layer.mlp.fc2.weight),
+                    self._to(layer.mlp.fc2.bias, torch.float32),
+                )
+            )
+        proj_w, proj_b = _fold_layer_norm(
+            f32(model.projector.weight), f32(model.projector.bias), _as_f32(vt.post_layernorm)
+        )
+        self.proj_w, self.proj_b = self._to(proj_w), self._to(proj_b)
+
+        self.embed = self._to(model.llm.embed_tokens.weight)
+        self.prefix_layers = []
+        for layer in model.llm.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([f32(att.q_proj.weight), f32(att.k_proj.weight), f32(att.v_proj.weight)])
+            gate_up = torch.cat([f32(mlp.gate_proj.weight), f32(mlp.up_proj.weight)])
+            self.prefix_layers.append(
+                GemmaLayerWeights(
+                    self._to(_fold_rms(qkv, f32(layer.input_layernorm.weight))),
+                    self._to(att.o_proj.weight),
+                    self._to(_fold_rms(gate_up, f32(layer.post_attention_layernorm.weight))),
+                    self._to(mlp.down_proj.weight),
+                )
+            )
+
+        self.expert_layers = []
+        for layer in model.expert.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            self.expert_layers.append(
+                GemmaLayerWeights(
+                    self._to(
+                        torch.cat([f32(att.q_proj.weight), f32(att.k_proj.weight), f32(att.v_proj.weight)])
+                    ),
+                    self._to(att.o_proj.weight),
+                    self._to(torch.cat([f32(mlp.gate_proj.weight), f32(mlp.up_proj.weight)])),
+                    self._to(mlp.down_proj.weight),
+                )
+            )
+        self.modulation = self._precompute_modulation(model)
+        dt = -1.0 / cfg.num_steps
+        self.action_in_w = self._to(model.action_in_proj.weight, torch.float32)
+        self.action_in_b = self._to(model.action_in_proj.bias, torch.float32)
+        self.euler_w = self._to(f32(model.action_out_proj.weight) * dt, torch.float32)
+        self.euler_b = self._to(f32(model.action_out_proj.bias) * dt, torch.float32)
+
+    def _precompute_modulation(self, model: Pi05Model) -> StepModulation:
+        """Run the time MLP and every adaRMS projection for the fixed Euler times, in float32."""
+        cfg = self.cfg
+        mlp_in, mlp_out = _as_f32(model.time_mlp_in), _as_f32(model.time_mlp_out)
+        times = torch.tensor(euler_times(cfg.num_steps), dtype=torch.float32, device=mlp_in.weight.device)
+        emb = sincos_time_embedding(times, cfg.expert.width, cfg.time_min_period, cfg.time_max_period)
+        cond = F.silu(mlp_out(F.silu(mlp_in(emb))))  # (steps, We)
+
+        def terms(norms: list[torch.nn.Module]) -> tuple[Tensor, Tensor, Tensor]:
+            stacked = torch.stack([_as_f32(n.dense)(cond) for n in norms], dim=1)  # (steps, depth, 3·We)
+            scale, shift, gate = stacked.chunk(3, dim=-1)
+            return 1.0 + scale, shift, gate
+
+        attn = terms([layer.input_layernorm for layer in model.expert.layers])
+        ffn = terms([layer.post_attention_layernorm for layer in model.expert.layers])
+        final_mul, final_add, _ = terms([model.expert.norm])
+        f = lambda t: self._to(t, torch.float32)  # noqa: E731
+        return StepModulation(
+            *map(f, attn), *map(f, ffn), final_mul=f(final_mul[:, 0]), final_add=f(final_add[:, 0])
+        )
+
+    # ── forward stages ───────────────────────────────────────────────────────────────────────────────────
+
+    def encode_images(self, images: Tensor, out: Tensor) -> Tensor:
+        """images (C, 3, 224, 224) in [-1, 1] -> out (C·256, W) visual tokens in `dtype`."""
+        v = self.cfg.vision
+        ops = self.ops
+        c = images.shape[0]
+        patches = F.conv2d(images.to(self.dtype), self.patch_w, stride=v.patch_size)  # (C, Wv, 16, 16)
+        res = (patches.flatten(2).transpose(1, 2).float() + self.patch_b + self.pos_emb).reshape(-1, v.width)
+        n = res.shape[0]
+        h = torch.empty(n, v.width, device=self.device, dtype=self.dtype)
+        ops.add_norm(res, None, h, eps=v.layer_norm_eps, rms=False)
+        for layer in self.vision_layers:
+            qkv = torch.addmm(layer.qkv_b, h, layer.qkv_w.t())  # (N, 3·Wv)
+            q, k, vv = qkv.view(c, v.tokens_per_image, 3, v.num_heads, v.head_dim).unbind(2)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vv.transpose(1, 2))
+            attn = attn.transpose(1, 2).reshape(n, v.width)
+            ops.add_norm(res, attn @ layer.out_w.t(), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.out_b)
+            if self.gelu_in_matmul:  # cuBLASLt bias + tanh-GELU epilogue
+                act = torch._addmm_activation(layer.fc1_b, h, layer.fc1_w.t(), use_gelu=True)
+            else:
+                act = F.gelu(torch.addmm(layer.fc1_b, h, layer.fc1_w.t()), approximate="tanh")
+            ops.add_norm(res, act @ layer.fc2_w.t(), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.fc2_b)
+        return torch.addmm(self.proj_b, h, self.proj_w.t(), out=out)
+
+    def prefill(self, visual: Tensor, tokens: Tensor, pad_mask: Tensor, kv: KVBuffers) -> Tensor:
+        """Run the VLM over [visual tokens; prompt tokens] and write every layer's K/V into `kv`.
+
+        visual (C·256, W); tokens (L,) int64; pad_mask (Lp,) bool with Lp = C·256 + L.
+        Returns the key bias (Lp,) float32 (0 = attended, NEG_INF = missing camera or padding).
+        """
+        g = self.cfg.vlm
+        ops = self.ops
+        lp = pad_mask.shape[0]
+        text = self.embed[tokens].float() * math.sqrt(g.width)
+        res = torch.cat([visual.float(), text])  # (Lp, W) float32 residual stream
+        cos, sin = rope_tables(pad_mask.cumsum(0) - 1, g.head_dim, g.rope_theta)  # padding keeps position
+        key_bias = torch.where(pad_mask, 0.0, NEG_INF).float()
+        h = torch.empty(lp, g.width, device=self.device, dtype=self.dtype)
+        q = torch.empty(lp, g.num_heads * g.head_dim, device=self.device, dtype=self.dtype)
+        ops.add_norm(res, None, h, eps=g.rms_norm_eps, rms=True)
+        last = len(self.prefix_layers) - 1
+        for i, layer in enumerate(self.prefix_layers):
+            k, v = kv.keys[i][:, :lp], kv.values[i][:, :lp]
+            ops.rope_qkv(h @ layer.qkv_w.t(), cos, sin, q, k, v, g.num_heads, g.num_kv_heads)
+            if i == last:
+                break  # only the last layer's K/V is ever read
+            attn = ops.attention(q, k, v, key_bias, g.num_heads)
+            ops.add_norm(res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True)
+            gate_up = h @ layer.gate_up_w.t()
+            act = ops.geglu(gate_up, torch.empty(lp, g.mlp_dim, device=self.device, dtype=self.dtype))
+            ops.add_norm(res, act @ layer.down_w.t(), h, eps=g.rms_norm_eps, rms=True)
+        return key_bias
+
+    def denoise(self, noise: Tensor, prefix_key_bias: Tensor, kv: KVBuffers, out: Tensor) -> Tensor:
+        """10 Euler steps of the action expert attending the prefix K/V. noise, out (horizon, action_dim) f32."""
+        cfg, e = self.cfg, self.cfg.expert
+        ops, mod = self.ops, self.modulation
+        lp, ha = prefix_key_bias.shape[0], cfg.horizon
+        capacity = round_up(lp + ha, KV_ALIGN)
+        key_bias = torch.full((capacity,), NEG_INF, device=self.device)
+        key_bias[:lp] = prefix_key_bias
+        key_bias[lp : lp + ha] = 0.0  # actions attend each other bidirectionally
+        valid_prefix = (prefix_key_bias == 0).sum()
+        cos, sin = rope_tables(valid_prefix + torch.arange(ha, device=self.device), e.head_dim, e.rope_theta)
+        h = torch.empty(ha, e.width, device=self.device, dtype=self.dtype)
+        q = torch.empty(ha, e.num_heads * e.head_dim, device=self.device, dtype=self.dtype)
+        act = torch.empty(ha, e.mlp_dim, device=self.device, dtype=self.dtype)
+        x_t = out.copy_(noise)
+        last = len(self.expert_layers) - 1
+        for s in range(cfg.num_steps):
+            res = torch.addmm(self.action_in_b, x_t, self.action_in_w.t())  # (Ha, We) float32
+            ops.add_norm(
+                res, None, h, eps=e.rms_norm_eps, rms=True, mul=mod.attn_mul[s, 0], add=mod.attn_add[s, 0]
+            )
+            for i, layer in enumerate(self.expert_layers):
+                k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
+                ops.rope_qkv(
+                    h @ layer.qkv_w.t(),
+                    cos,
+                    sin,
+                    q,
+                    k[:, lp : lp + ha],
+                    v[:, lp : lp + ha],
+                    e.num_heads,
+                    e.num_kv_heads,
+                )
+                attn = ops.attention(q, k, v, key_bias, e.num_heads)
+                ops.add_norm(
+                    res, attn @ layer.o_w.t(), h, eps=e.rms_norm_eps, rms=True,
+                    gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
+                )  # fmt: skip
+                ops.geglu(h @ layer.gate_up_w.t(), act)
+                nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
+                nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
+                ops.add_norm(
+                    res, act @ layer.down_w.t(), h, eps=e.rms_norm_eps, rms=True,
+                    gate=mod.ffn_gate[s, i], mul=nxt_mul, add=nxt_add,
+                )  # fmt: skip
+            x_t.addmm_(h.float(), self.euler_w.t()).add_(self.euler_b)  # x ← x + dt·v
+        return x_t
+
+
+def _as_f32(module: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of a small module (norms, time MLP) for exact precomputation."""
+    import copy
+
+    return copy.deepcopy(module).float()

@@ -1,0 +1,111 @@
+"""The fused operators of the graph engine, as plain PyTorch.
+
+Each function here is the *definition* of a fused kernel in `triton_ops.py`: the graph engine calls the
+Triton version on CUDA and these on the CPU, so the CPU test suite checks the engine's weight folding and
+data layout, and GPU tests check each kernel against its definition. All 2-D operands are row-major
+(tokens × features); the graph engine runs one observation at a time (batch 1), so per-feature vectors
+(gates, adaRMS scale/shift) are 1-D.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+def add_norm(
+    res: Tensor,
+    y: Tensor | None,
+    out: Tensor,
+    *,
+    eps: float,
+    rms: bool,
+    y_bias: Tensor | None = None,
+    gate: Tensor | None = None,
+    mul: Tensor | None = None,
+    add: Tensor | None = None,
+) -> Tensor:
+    """Residual update then normalisation, in one pass over the row.
+
+    res (N, D) float32 residual stream, updated in place: res += (y + y_bias) * gate.
+    out (N, D) = norm(res) * mul + add, where norm is RMSNorm (`rms`) or LayerNorm without affine
+    (affine terms are folded into the next matmul). Missing optional terms are identity.
+    """
+    if y is not None:
+        delta = y.float()
+        if y_bias is not None:
+            delta = delta + y_bias.float()
+        if gate is not None:
+            delta = delta * gate.float()
+        res += delta
+    x = res.float()
+    if rms:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        h = F.layer_norm(x, x.shape[-1:], eps=eps)
+    if mul is not None:
+        h = h * mul.float()
+    if add is not None:
+        h = h + add.float()
+    out.copy_(h)
+    return out
+
+
+def geglu(gate_up: Tensor, out: Tensor) -> Tensor:
+    """gate_up (N, 2F) = [x W_gate | x W_up] -> out (N, F) = gelu_tanh(gate) * up, computed in float32."""
+    f = out.shape[-1]
+    g, u = gate_up[:, :f].float(), gate_up[:, f:].float()
+    out.copy_(F.gelu(g, approximate="tanh") * u)
+    return out
+
+
+def rope_qkv(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_out: Tensor,
+    k_out: Tensor,
+    v_out: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Split a fused QKV projection, rotate q and k (split-halves RoPE) and scatter to attention buffers.
+
+    qkv (N, (H + 2·KVH)·Dh); cos, sin (N, Dh/2) float32; q_out (N, H·Dh);
+    k_out, v_out (KVH, N, Dh) — views into the layer's K/V buffers at the right token offset.
+    """
+    n = qkv.shape[0]
+    dh = q_out.shape[-1] // num_heads
+    heads = qkv.view(n, num_heads + 2 * num_kv_heads, dh).float()
+    x1, x2 = heads[..., : dh // 2], heads[..., dh // 2 :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    q_out.copy_(rotated[:, :num_heads].reshape(n, -1))
+    k_out.copy_(rotated[:, num_heads : num_heads + num_kv_heads].transpose(0, 1))
+    v_out.copy_(heads[:, num_heads + num_kv_heads :].transpose(0, 1))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
+    """Attention of N queries over Lk keys with an additive key mask.
+
+    q (N, H·Dh); k, v (KVH, Lk, Dh); key_bias (Lk,) 0 for attended keys, a large negative number for
+    masked ones. Returns (N, H·Dh). Dispatches to PyTorch's fused SDPA kernels on CUDA.
+    """
+    n = q.shape[0]
+    kvh, lk, dh = k.shape
+    qh = q.view(1, n, num_heads, dh).transpose(1, 2)  # (1, H, N, Dh), a strided view
+    if kvh == num_heads:
+        kh, vh = k[None], v[None]
+    elif kvh == 1:  # multi-query: broadcast the single K/V head without a copy
+        kh, vh = k[None].expand(1, num_heads, lk, dh), v[None].expand(1, num_heads, lk, dh)
+    else:
+        group = num_heads // kvh
+        kh, vh = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
+    bias = key_bias.to(q.dtype).view(1, 1, 1, lk).expand(1, num_heads, n, lk)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)  # (1, H, N, Dh)
+    return out.transpose(1, 2).reshape(n, num_heads * dh)
