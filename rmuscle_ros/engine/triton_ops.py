@@ -12,7 +12,7 @@ from torch import Tensor
 
 from rmuscle_ros.engine import ops
 
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
