@@ -1,0 +1,58 @@
+"""Kernel-level profile of the graph engine's stages (run without graph capture so kernels are visible).
+
+Prints, per stage, the kernels with the most device time: where the gap to the roofline floor is.
+
+    python bench/profile_stages.py --preset pi05 --stage denoise
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_pi05 import make_inputs
+from rmuscle_ros.engine import create_engine
+from rmuscle_ros.models.checkpoint import init_random_
+from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.pi05 import Pi05Model
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="pi05")
+    p.add_argument("--prompt-tokens", type=int, default=50)
+    p.add_argument("--stage", action="append", default=None, choices=["vision", "prefill", "denoise"])
+    p.add_argument("--rows", type=int, default=25)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    cfg = get_preset(args.preset)
+    model = Pi05Model(cfg).to(device).eval()
+    init_random_(model, 0)
+    engine = create_engine("graph", model, device, use_cuda_graphs=False)
+    del model
+    inputs, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
+    bucket = engine.load_inputs(inputs, noise)
+    for stage in args.stage or ["vision", "prefill", "denoise"]:
+        for _ in range(3):
+            engine.run_stage(stage, bucket)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.run_stage(stage, bucket)
+            torch.cuda.synchronize()
+        print(f"\n=== {stage} ===")
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
