@@ -123,3 +123,29 @@ def test_graph_engine_rejects_batches() -> None:
     long_inputs, _ = _inputs(cfg, 40, 40, False)
     with pytest.raises(ValueError, match="largest bucket"):
         engine.sample_actions(long_inputs, noise)
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "kvh", "dh", "lk"),
+    [(50, 8, 1, 256, 880), (832, 8, 1, 256, 832), (60, 16, 16, 256, 900), (37, 8, 2, 16, 100)],
+)
+def test_attention_matches_definition(triton_ops, n: int, h: int, kvh: int, dh: int, lk: int) -> None:
+    q = torch.randn(n, h * dh, device=CUDA, dtype=torch.bfloat16)
+    k = torch.randn(kvh, lk + 32, dh, device=CUDA, dtype=torch.bfloat16)[:, :lk]
+    v = torch.randn(kvh, lk + 32, dh, device=CUDA, dtype=torch.bfloat16)[:, :lk]
+    bias = torch.where(torch.rand(lk, device=CUDA) < 0.3, -1e30, 0.0)
+    bias[:64] = -1e30  # a whole masked key block (a missing camera)
+    ref = ops.attention(q, k, v, bias, h)
+    out = triton_ops.attention(q, k, v, bias, h)
+    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "splits"),
+    [(50, 2560, 1024, 1), (50, 1024, 4096, 4), (50, 8192, 1024, 1), (100, 64, 64, 1)],
+)
+def test_linear_matches_definition(triton_ops, m: int, n: int, k: int, splits: int) -> None:
+    a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5
+    ref, out = ops.linear(a, w, splits), triton_ops.linear(a, w, splits)
+    assert out.shape == ref.shape and rel(out, ref) < 1e-2

@@ -86,6 +86,11 @@ class KVBuffers:
         )
 
 
+def split_k(k: int, splits: int = 4, block: int = 128) -> int:
+    """How many K slices a few-row matmul uses (each slice a multiple of the kernel's K block)."""
+    return splits if k % (splits * block) == 0 else 1
+
+
 def _fold_rms(weight: Tensor, norm_weight: Tensor) -> Tensor:
     """W · diag(1 + w): the Gemma norm multiplier applied to the input columns."""
     return weight * (1.0 + norm_weight)[None, :]
@@ -111,6 +116,11 @@ class FusedPi05:
         self.cfg = model.cfg
         self.device, self.dtype, self.ops = torch.device(device), dtype, ops
         self.gelu_in_matmul = False  # set by the graph engine once cuBLASLt's GELU epilogue is verified
+        # The expert's o- and down-projections have few output columns: split K so the weight streams
+        # through every SM (the partial products are summed, in a fixed order, by add_norm).
+        e = self.cfg.expert
+        self.o_splits = split_k(e.num_heads * e.head_dim)
+        self.down_splits = split_k(e.mlp_dim)
         with torch.no_grad():
             self._prepare(model)
 
@@ -285,26 +295,20 @@ class FusedPi05:
             )
             for i, layer in enumerate(self.expert_layers):
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
+                qkv = ops.linear(h, layer.qkv_w)
                 ops.rope_qkv(
-                    h @ layer.qkv_w.t(),
-                    cos,
-                    sin,
-                    q,
-                    k[:, lp : lp + ha],
-                    v[:, lp : lp + ha],
-                    e.num_heads,
-                    e.num_kv_heads,
+                    qkv, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha], e.num_heads, e.num_kv_heads
                 )
                 attn = ops.attention(q, k, v, key_bias, e.num_heads)
                 ops.add_norm(
-                    res, attn @ layer.o_w.t(), h, eps=e.rms_norm_eps, rms=True,
+                    res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
                 )  # fmt: skip
-                ops.geglu(h @ layer.gate_up_w.t(), act)
+                ops.geglu(ops.linear(h, layer.gate_up_w), act)
                 nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
                 nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
                 ops.add_norm(
-                    res, act @ layer.down_w.t(), h, eps=e.rms_norm_eps, rms=True,
+                    res, ops.linear(act, layer.down_w, self.down_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.ffn_gate[s, i], mul=nxt_mul, add=nxt_add,
                 )  # fmt: skip
             x_t.addmm_(h.float(), self.euler_w.t()).add_(self.euler_b)  # x ← x + dt·v

@@ -32,12 +32,13 @@ def add_norm(
 ) -> Tensor:
     """Residual update then normalisation, in one pass over the row.
 
-    res (N, D) float32 residual stream, updated in place: res += (y + y_bias) * gate.
+    res (N, D) float32 residual stream, updated in place: res += (y + y_bias) * gate; y is (N, D) or
+    (splits, N, D) partial products to be summed.
     out (N, D) = norm(res) * mul + add, where norm is RMSNorm (`rms`) or LayerNorm without affine
     (affine terms are folded into the next matmul). Missing optional terms are identity.
     """
     if y is not None:
-        delta = y.float()
+        delta = y.float() if y.ndim == 2 else y.float().sum(0)  # (splits, N, D): split-K partials
         if y_bias is not None:
             delta = delta + y_bias.float()
         if gate is not None:
@@ -54,6 +55,21 @@ def add_norm(
         h = h + add.float()
     out.copy_(h)
     return out
+
+
+def linear(a: Tensor, w: Tensor, splits: int = 1) -> Tensor:
+    """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices (splits, M, N)."""
+    if splits == 1:
+        return a @ w.t()
+    k = a.shape[1]
+    if k % splits:
+        raise ValueError(f"K={k} is not divisible into {splits} splits")
+    return torch.stack(
+        [
+            (a_s.float() @ w_s.t().float())
+            for a_s, w_s in zip(a.chunk(splits, 1), w.chunk(splits, 1), strict=True)
+        ]
+    )
 
 
 def geglu(gate_up: Tensor, out: Tensor) -> Tensor:

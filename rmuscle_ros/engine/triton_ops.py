@@ -6,6 +6,9 @@ Only imported by the graph engine on a CUDA device (and by the interpreter-mode 
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -28,7 +31,9 @@ def _add_norm_kernel(
     eps,
     stride_res,
     stride_y,
+    stride_y_split,
     stride_out,
+    Y_SPLITS: tl.constexpr,
     HAS_Y: tl.constexpr,
     HAS_Y_BIAS: tl.constexpr,
     HAS_GATE: tl.constexpr,
@@ -43,6 +48,8 @@ def _add_norm_kernel(
     x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_Y:
         y = tl.load(y_ptr + row * stride_y + cols, mask=valid, other=0.0).to(tl.float32)
+        for split in range(1, Y_SPLITS):  # split-K partial products, summed in a fixed order
+            y += tl.load(y_ptr + split * stride_y_split + row * stride_y + cols, mask=valid, other=0.0)
         if HAS_Y_BIAS:
             y += tl.load(y_bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
         if HAS_GATE:
@@ -86,8 +93,10 @@ def add_norm(
         d,
         eps,
         res.stride(0),
-        0 if y is None else y.stride(0),
+        0 if y is None else y.stride(-2),
+        y.stride(0) if y is not None and y.ndim == 3 else 0,
         out.stride(0),
+        Y_SPLITS=y.shape[0] if y is not None and y.ndim == 3 else 1,
         HAS_Y=y is not None,
         HAS_Y_BIAS=y_bias is not None,
         HAS_GATE=gate is not None,
@@ -198,5 +207,173 @@ def rope_qkv(
     )
 
 
-# Attention goes through PyTorch's fused SDPA kernels (flash / memory-efficient / cuDNN).
-attention = ops.attention
+@triton.jit
+def _attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    stats_ptr,
+    N,
+    Lk,
+    scale,
+    stride_q,
+    stride_k_head,
+    stride_k_tok,
+    stride_v_head,
+    stride_v_tok,
+    stride_out,
+    G: tl.constexpr,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    SPLIT: tl.constexpr,
+    KEYS_PER_SPLIT: tl.constexpr,
+):
+    """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
+
+    With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
+    its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
+    """
+    kv_head = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
+    split = tl.program_id(2)
+    row_ok = rows < G * N
+    head = kv_head * G + rows // N
+    tok = rows % N
+    d = tl.arange(0, DH)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q + head[:, None] * DH + d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    m_i = tl.full([BM], -1e30, tl.float32)  # finite: a fully masked block must not produce inf - inf
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DH], tl.float32)
+    start = split * KEYS_PER_SPLIT
+    stop = tl.minimum(start + KEYS_PER_SPLIT, Lk)
+    for n0 in range(0, KEYS_PER_SPLIT, BN):
+        cols = start + n0 + tl.arange(0, BN)
+        col_ok = cols < stop
+        k = tl.load(
+            k_ptr + kv_head * stride_k_head + cols[:, None] * stride_k_tok + d[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale
+        s += tl.load(bias_ptr + cols, mask=col_ok, other=-1e30)[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(
+            v_ptr + kv_head * stride_v_head + cols[:, None] * stride_v_tok + d[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    if SPLIT:
+        flat = kv_head * G * N + rows  # partials are indexed by (split, global row)
+        total = tl.num_programs(0) * G * N
+        tl.store(part_ptr + (split * total + flat)[:, None] * DH + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(stats_ptr + (2 * split) * total + flat, m_i, mask=row_ok)
+        tl.store(stats_ptr + (2 * split + 1) * total + flat, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        dst = out_ptr + tok[:, None] * stride_out + head[:, None] * DH + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attention_combine_kernel(
+    part_ptr, stats_ptr, out_ptr, N, total, num_splits, stride_out, SPLITS_P2: tl.constexpr, DH: tl.constexpr
+):
+    row = tl.program_id(0)  # global row = kv_head·G·N + head-in-group·N + token = head·N + token
+    head = row // N
+    tok = row % N
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < num_splits
+    m = tl.load(stats_ptr + (2 * s) * total + row, mask=s_ok, other=-1e30)
+    l_s = tl.load(stats_ptr + (2 * s + 1) * total + row, mask=s_ok, other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    d = tl.arange(0, DH)
+    acc = tl.load(part_ptr + (s[:, None] * total + row) * DH + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + tok * stride_out + head * DH + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _skinny_matmul_kernel(
+    a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split,
+    K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BK):
+        ks = split * K_PER_SPLIT + k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
+        acc += tl.dot(a, tl.trans(w))
+    dst = c_ptr + split * stride_c_split + rows[:, None] * stride_c + cols[None, :]
+    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def linear(a: Tensor, w: Tensor, splits: int = 1) -> Tensor:
+    """a (M, K) @ w (N, K)ᵀ. Few rows (the denoising steps): a weight-streaming Triton kernel, returning
+    `splits` float32 partial products (splits, M, N) when splits > 1 (summed by `add_norm`), else (M, N)
+    in a's dtype. Many rows: cuBLAS."""
+    m, k = a.shape
+    n = w.shape[0]
+    bk = 128
+    if m > 64 or k % (splits * bk) or a.stride(-1) != 1 or w.stride(-1) != 1:
+        out = a @ w.t()
+        return out[None].float() if splits > 1 else out
+    bn = 64 if n >= 4096 else 32
+    shape = (splits, m, n) if splits > 1 else (m, n)
+    c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
+    _skinny_matmul_kernel[(triton.cdiv(n, bn), splits)](
+        a, w, c, m, n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
+        K_PER_SPLIT=k // splits, BM=64, BN=bn, BK=bk, num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return c
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # interpreter mode: pretend to be an H100/H200
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
+    n = q.shape[0]
+    kvh, lk, dh = k.shape
+    group = num_heads // kvh
+    if dh & (dh - 1) or dh < 16 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        return ops.attention(q, k, v, key_bias, num_heads)
+    out = torch.empty(n, num_heads * dh, device=q.device, dtype=q.dtype)
+    bm, bn = 64, (32 if dh >= 256 else 64)
+    row_blocks = triton.cdiv(group * n, bm)
+    # Few query rows (the denoising steps): split the keys so that every SM has work (flash-decoding).
+    splits = min(max(1, _sm_count(q.device) // (kvh * row_blocks)), triton.cdiv(lk, bn), 16)
+    keys_per_split = triton.cdiv(triton.cdiv(lk, splits), bn) * bn
+    splits = triton.cdiv(lk, keys_per_split)
+    split = splits > 1
+    total = kvh * group * n
+    part = torch.empty(splits, total, dh, device=q.device, dtype=torch.float32) if split else out
+    stats = torch.empty(2 * splits, total, device=q.device, dtype=torch.float32) if split else out
+    _attention_kernel[(kvh, row_blocks, splits)](
+        q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
+        q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, num_warps=8 if dh >= 128 else 4, num_stages=2,
+    )  # fmt: skip
+    if split:
+        _attention_combine_kernel[(total,)](
+            part, stats, out, n, total, splits, out.stride(0),
+            SPLITS_P2=triton.next_power_of_2(splits), DH=dh, num_warps=4,
+        )  # fmt: skip
+    return out
