@@ -322,22 +322,24 @@ def _skinny_matmul_kernel(
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def linear(a: Tensor, w: Tensor, splits: int = 1) -> Tensor:
+def linear(a: Tensor, w: Tensor, splits: int = 1, config: dict[str, int] | None = None) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ. Few rows (the denoising steps): a weight-streaming Triton kernel, returning
     `splits` float32 partial products (splits, M, N) when splits > 1 (summed by `add_norm`), else (M, N)
     in a's dtype. Many rows: cuBLAS."""
     m, k = a.shape
     n = w.shape[0]
-    bk = 128
+    cfg = {"bn": 64 if n >= 4096 else 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    bk = cfg["bk"]
     if m > 64 or k % (splits * bk) or a.stride(-1) != 1 or w.stride(-1) != 1:
         out = a @ w.t()
         return out[None].float() if splits > 1 else out
-    bn = 64 if n >= 4096 else 32
+    bn = cfg["bn"]
     shape = (splits, m, n) if splits > 1 else (m, n)
     c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
     _skinny_matmul_kernel[(triton.cdiv(n, bn), splits)](
         a, w, c, m, n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
-        K_PER_SPLIT=k // splits, BM=64, BN=bn, BK=bk, num_warps=4, num_stages=4,
+        K_PER_SPLIT=k // splits, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
     return c
 
@@ -349,17 +351,27 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int, config: dict[str, int] | None = None
+) -> Tensor:
     n = q.shape[0]
     kvh, lk, dh = k.shape
     group = num_heads // kvh
     if dh & (dh - 1) or dh < 16 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         return ops.attention(q, k, v, key_bias, num_heads)
     out = torch.empty(n, num_heads * dh, device=q.device, dtype=q.dtype)
-    bm, bn = 64, (32 if dh >= 256 else 64)
+    cfg = {
+        "bm": 64,
+        "bn": 32 if dh >= 256 else 64,
+        "warps": 8 if dh >= 128 else 4,
+        "stages": 2,
+        "max_splits": 16,
+    }
+    cfg |= config or {}
+    bm, bn = cfg["bm"], cfg["bn"]
     row_blocks = triton.cdiv(group * n, bm)
     # Few query rows (the denoising steps): split the keys so that every SM has work (flash-decoding).
-    splits = min(max(1, _sm_count(q.device) // (kvh * row_blocks)), triton.cdiv(lk, bn), 16)
+    splits = min(max(1, _sm_count(q.device) // (kvh * row_blocks)), triton.cdiv(lk, bn), cfg["max_splits"])
     keys_per_split = triton.cdiv(triton.cdiv(lk, splits), bn) * bn
     splits = triton.cdiv(lk, keys_per_split)
     split = splits > 1
@@ -369,7 +381,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int)
     _attention_kernel[(kvh, row_blocks, splits)](
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, num_warps=8 if dh >= 128 else 4, num_stages=2,
+        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
     if split:
         _attention_combine_kernel[(total,)](

@@ -1,0 +1,110 @@
+"""Sweep launch configurations of the graph engine's Triton kernels at full-size π0.5 shapes (GPU).
+
+For each shape: every configuration is checked against the PyTorch definition, timed inside a CUDA graph
+(`triton.testing.do_bench_cudagraph`, median µs), and compared with the cuBLAS / SDPA baseline.
+The chosen defaults in `rmuscle_ros/engine/triton_ops.py` come from this table.
+
+    python bench/tune_kernels.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rmuscle_ros.engine import ops, triton_ops
+
+CUDA = torch.device("cuda")
+
+
+def us(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sweep(name: str, run, reference, baseline, grid: dict[str, list[int]]) -> dict:
+    ref = reference()
+    rows = []
+    for values in itertools.product(*grid.values()):
+        cfg = dict(zip(grid, values, strict=True))
+        try:
+            out = run(cfg)
+            err = rel(out, ref)
+            if not (err < 1e-2):
+                rows.append({"config": cfg, "error": f"rel {err:.2e}"})
+                continue
+            rows.append({"config": cfg, "us": round(us(lambda cfg=cfg: run(cfg)), 2)})
+        except Exception as e:
+            rows.append({"config": cfg, "error": type(e).__name__})
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    base = round(us(baseline), 2)
+    print(
+        f"\n{name}: baseline {base} us; best " + "; ".join(f"{r['us']} us {r['config']}" for r in ok[:4]),
+        flush=True,
+    )
+    return {"baseline_us": base, "best": ok[:8], "failed": [r for r in rows if "error" in r][:8]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    results = {}
+    linear_shapes = {  # π0.5 expert at horizon 50: (M, N, K, splits)
+        "expert_qkv": (50, 2560, 1024, [1]),
+        "expert_o": (50, 1024, 2048, [1, 2, 4, 8]),
+        "expert_gate_up": (50, 8192, 1024, [1]),
+        "expert_down": (50, 1024, 4096, [1, 2, 4, 8]),
+    }
+    for name, (m, n, k, split_options) in linear_shapes.items():
+        a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5
+        for splits in split_options:
+            results[f"{name}_split{splits}"] = sweep(
+                f"{name} split {splits}",
+                lambda cfg, a=a, w=w, splits=splits: triton_ops.linear(a, w, splits, cfg),
+                lambda a=a, w=w, splits=splits: ops.linear(a, w, splits),
+                lambda a=a, w=w: a @ w.t(),
+                {"bn": [32, 64, 128], "bk": [64, 128, 256], "warps": [4, 8], "stages": [3, 4, 5]},
+            )
+    attn_shapes = {"denoise": (50, 8, 1, 256, 880), "prefill": (832, 8, 1, 256, 832)}
+    for name, (n, h, kvh, dh, lk) in attn_shapes.items():
+        q = torch.randn(n, h * dh, device=CUDA, dtype=torch.bfloat16)
+        kk = torch.randn(kvh, lk, dh, device=CUDA, dtype=torch.bfloat16)
+        vv = torch.randn(kvh, lk, dh, device=CUDA, dtype=torch.bfloat16)
+        bias = torch.where(torch.rand(lk, device=CUDA) < 0.05, -1e30, 0.0)
+        results[f"attention_{name}"] = sweep(
+            f"attention {name}",
+            lambda cfg, q=q, kk=kk, vv=vv, bias=bias, h=h: triton_ops.attention(q, kk, vv, bias, h, cfg),
+            lambda q=q, kk=kk, vv=vv, bias=bias, h=h: ops.attention(q, kk, vv, bias, h),
+            lambda q=q, kk=kk, vv=vv, bias=bias, h=h: ops.attention(q, kk, vv, bias, h),
+            {
+                "bm": [16, 32, 64, 128],
+                "bn": [32, 64],
+                "warps": [4, 8],
+                "stages": [1, 2, 3],
+                "max_splits": [1, 4, 8, 16] if name == "denoise" else [1],
+            },
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    (args.out / "triton_tuning_h200.json").write_text(
+        json.dumps({"gpu": gpu, "results": results}, indent=1) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
