@@ -149,3 +149,30 @@ def test_linear_matches_definition(triton_ops, m: int, n: int, k: int, splits: i
     w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5
     ref, out = ops.linear(a, w, splits), triton_ops.linear(a, w, splits)
     assert out.shape == ref.shape and rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize(("m", "f", "k"), [(50, 4096, 1024), (20, 128, 64)])
+def test_linear_geglu_matches_definition(triton_ops, m: int, f: int, k: int) -> None:
+    a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    w = torch.randn(2 * f, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5
+    ref = ops.linear_geglu(a, w, torch.empty(m, f, device=CUDA, dtype=torch.bfloat16))
+    out = triton_ops.linear_geglu(a, w, torch.full((m, f), float("nan"), device=CUDA, dtype=torch.bfloat16))
+    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize(("h", "kvh", "dh"), [(8, 1, 256), (16, 16, 256), (8, 1, 16)])
+def test_qkv_rope_matches_definition(triton_ops, h: int, kvh: int, dh: int) -> None:
+    n, width, cap, off = 50, 1024, 960, 900
+    a = torch.randn(n, width, device=CUDA, dtype=torch.bfloat16)
+    w = torch.randn((h + 2 * kvh) * dh, width, device=CUDA, dtype=torch.bfloat16) * width**-0.5
+    ang = torch.rand(n, dh // 2, device=CUDA) * 10
+    outs = []
+    for impl in (ops, triton_ops):
+        q = torch.full((n, h * dh), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        k = torch.zeros(kvh, cap, dh, device=CUDA, dtype=torch.bfloat16)
+        v = torch.zeros_like(k)
+        impl.qkv_rope(a, w, ang.cos(), ang.sin(), q, k[:, off : off + n], v[:, off : off + n], h, kvh)
+        outs.append((q, k, v))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert torch.isfinite(got).all() and rel(got, want) < 1e-2
+    assert (outs[1][1][:, :off] == 0).all(), "qkv_rope wrote outside its K slice"

@@ -86,9 +86,9 @@ class KVBuffers:
         )
 
 
-def split_k(k: int, splits: int = 4, block: int = 128) -> int:
-    """How many K slices a few-row matmul uses (each slice a multiple of the kernel's K block)."""
-    return splits if k % (splits * block) == 0 else 1
+def split_k(k: int, slice_len: int = 512, max_splits: int = 8) -> int:
+    """How many K slices a few-row matmul uses: slices of 512 (tuned on an H200), at most 8."""
+    return min(max_splits, k // slice_len) if k % slice_len == 0 and k >= slice_len else 1
 
 
 def _fold_rms(weight: Tensor, norm_weight: Tensor) -> Tensor:
@@ -295,16 +295,23 @@ class FusedPi05:
             )
             for i, layer in enumerate(self.expert_layers):
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
-                qkv = ops.linear(h, layer.qkv_w)
-                ops.rope_qkv(
-                    qkv, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha], e.num_heads, e.num_kv_heads
+                ops.qkv_rope(
+                    h,
+                    layer.qkv_w,
+                    cos,
+                    sin,
+                    q,
+                    k[:, lp : lp + ha],
+                    v[:, lp : lp + ha],
+                    e.num_heads,
+                    e.num_kv_heads,
                 )
                 attn = ops.attention(q, k, v, key_bias, e.num_heads)
                 ops.add_norm(
                     res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
                 )  # fmt: skip
-                ops.geglu(ops.linear(h, layer.gate_up_w), act)
+                ops.linear_geglu(h, layer.gate_up_w, act)
                 nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
                 nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
                 ops.add_norm(

@@ -72,6 +72,11 @@ def linear(a: Tensor, w: Tensor, splits: int = 1) -> Tensor:
     )
 
 
+def linear_geglu(a: Tensor, gate_up: Tensor, out: Tensor) -> Tensor:
+    """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K)."""
+    return geglu(a @ gate_up.t(), out)
+
+
 def geglu(gate_up: Tensor, out: Tensor) -> Tensor:
     """gate_up (N, 2F) = [x W_gate | x W_up] -> out (N, F) = gelu_tanh(gate) * up, computed in float32."""
     f = out.shape[-1]
@@ -104,6 +109,21 @@ def rope_qkv(
     q_out.copy_(rotated[:, :num_heads].reshape(n, -1))
     k_out.copy_(rotated[:, num_heads : num_heads + num_kv_heads].transpose(0, 1))
     v_out.copy_(heads[:, num_heads + num_kv_heads :].transpose(0, 1))
+
+
+def qkv_rope(
+    a: Tensor,
+    w_qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_out: Tensor,
+    k_out: Tensor,
+    v_out: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """The QKV projection a (N, W) @ w_qkvᵀ followed by `rope_qkv` (one kernel on the GPU)."""
+    rope_qkv(a @ w_qkv.t(), cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:

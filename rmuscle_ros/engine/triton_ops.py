@@ -306,42 +306,149 @@ def _attention_combine_kernel(
 @triton.jit
 def _skinny_matmul_kernel(
     a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split,
-    K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
 ):  # fmt: skip
-    """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once."""
+    """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
+
+    With GEGLU, w is [W_gate; W_up] (2N rows) and c = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), (M, N).
+    """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
     rows = tl.arange(0, BM)
     acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K_PER_SPLIT, BK):
         ks = split * K_PER_SPLIT + k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
         acc += tl.dot(a, tl.trans(w))
+        if GEGLU:
+            w_up = tl.load(
+                w_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0
+            )
+            acc_up += tl.dot(a, tl.trans(w_up))
+    if GEGLU:
+        z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z) * acc_up
     dst = c_ptr + split * stride_c_split + rows[:, None] * stride_c + cols[None, :]
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def _launch_skinny(
+    a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int]
+) -> None:
+    _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
+        a, w, c, a.shape[0], n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
+        K_PER_SPLIT=a.shape[1] // splits, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
+        BK=cfg["bk"], GEGLU=geglu, num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )  # fmt: skip
+
+
+def _skinny_ok(a: Tensor, w: Tensor, splits: int, bk: int) -> bool:
+    return a.shape[0] <= 64 and a.shape[1] % (splits * bk) == 0 and a.stride(-1) == 1 and w.stride(-1) == 1
 
 
 def linear(a: Tensor, w: Tensor, splits: int = 1, config: dict[str, int] | None = None) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ. Few rows (the denoising steps): a weight-streaming Triton kernel, returning
     `splits` float32 partial products (splits, M, N) when splits > 1 (summed by `add_norm`), else (M, N)
-    in a's dtype. Many rows: cuBLAS."""
-    m, k = a.shape
-    n = w.shape[0]
-    cfg = {"bn": 64 if n >= 4096 else 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
-    bk = cfg["bk"]
-    if m > 64 or k % (splits * bk) or a.stride(-1) != 1 or w.stride(-1) != 1:
-        out = a @ w.t()
-        return out[None].float() if splits > 1 else out
-    bn = cfg["bn"]
+    in a's dtype. Many rows: cuBLAS. Default launch configs come from bench/tune_kernels.py on an H200."""
+    m, n = a.shape[0], w.shape[0]
+    if splits > 1:
+        cfg = {"bn": 32 if splits <= 4 else 64, "bk": 64, "warps": 4, "stages": 4}
+    else:
+        cfg = {"bn": 32 if n <= 4096 else 64, "bk": 64, "warps": 8, "stages": 4}
+    cfg |= config or {}
+    if not _skinny_ok(a, w, splits, cfg["bk"]):
+        return ops.linear(a, w, splits)
     shape = (splits, m, n) if splits > 1 else (m, n)
     c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
-    _skinny_matmul_kernel[(triton.cdiv(n, bn), splits)](
-        a, w, c, m, n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
-        K_PER_SPLIT=k // splits, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk,
+    _launch_skinny(a, w, c, n, splits, False, cfg)
+    return c
+
+
+def linear_geglu(a: Tensor, gate_up: Tensor, out: Tensor, config: dict[str, int] | None = None) -> Tensor:
+    """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K), in one kernel."""
+    cfg = {"bn": 32, "bk": 64, "warps": 8, "stages": 4} | (config or {})
+    if not _skinny_ok(a, gate_up, 1, cfg["bk"]):
+        return ops.linear_geglu(a, gate_up, out)
+    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg)
+    return out
+
+
+@triton.jit
+def _skinny_qkv_rope_kernel(
+    a_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, M,
+    stride_a, stride_w, stride_cs, stride_q, stride_k_head, stride_k_tok, stride_v_head, stride_v_tok,
+    K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """QKV projection with RoPE in the epilogue, for a few rows. Each program owns BN rotation pairs of
+    one head: columns d and d + Dh/2, so the rotation needs nothing from other programs."""
+    blocks_per_head: tl.constexpr = HALF // BN
+    head = tl.program_id(0) // blocks_per_head
+    d = (tl.program_id(0) % blocks_per_head) * BN + tl.arange(0, BN)  # index within the first half
+    cols = head * 2 * HALF + d
+    rows = tl.arange(0, BM)
+    acc1 = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        w1 = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
+        w2 = tl.load(w_ptr + (cols + HALF)[:, None] * stride_w + ks[None, :])
+        acc1 += tl.dot(a, tl.trans(w1))
+        acc2 += tl.dot(a, tl.trans(w2))
+    row_ok = rows[:, None] < M
+    if head < H + KVH:
+        c = tl.load(cos_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
+        s = tl.load(sin_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
+        r1 = acc1 * c - acc2 * s
+        r2 = acc2 * c + acc1 * s
+        if head < H:
+            dst = q_ptr + rows[:, None] * stride_q + head * 2 * HALF + d[None, :]
+            tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(dst + HALF, r2.to(q_ptr.dtype.element_ty), mask=row_ok)
+        else:
+            dst = k_ptr + (head - H) * stride_k_head + rows[:, None] * stride_k_tok + d[None, :]
+            tl.store(dst, r1.to(k_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(dst + HALF, r2.to(k_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        dst = v_ptr + (head - H - KVH) * stride_v_head + rows[:, None] * stride_v_tok + d[None, :]
+        tl.store(dst, acc1.to(v_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(dst + HALF, acc2.to(v_ptr.dtype.element_ty), mask=row_ok)
+
+
+def qkv_rope(
+    a: Tensor,
+    w_qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_out: Tensor,
+    k_out: Tensor,
+    v_out: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    config: dict[str, int] | None = None,
+) -> None:
+    half = cos.shape[-1]
+    cfg = {"bn": 16, "bk": 64, "warps": 4, "stages": 4} | (config or {})
+    if (
+        not _skinny_ok(a, w_qkv, 1, cfg["bk"])
+        or half % cfg["bn"]
+        or q_out.stride(-1) != 1
+        or k_out.stride(-1) != 1
+        or v_out.stride(-1) != 1
+    ):
+        return ops.qkv_rope(a, w_qkv, cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
+    grid = ((num_heads + 2 * num_kv_heads) * (half // cfg["bn"]),)
+    _skinny_qkv_rope_kernel[grid](
+        a, w_qkv, cos, sin, q_out, k_out, v_out, a.shape[0],
+        a.stride(0), w_qkv.stride(0), cos.stride(0), q_out.stride(0),
+        k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+        K=a.shape[1], H=num_heads, KVH=num_kv_heads, HALF=half,
+        BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"], BK=cfg["bk"],
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
-    return c
 
 
 @functools.cache
