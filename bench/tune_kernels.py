@@ -57,19 +57,67 @@ def sweep(name: str, run, reference, baseline, grid: dict[str, list[int]]) -> di
     return {"baseline_us": base, "best": ok[:8], "failed": [r for r in rows if "error" in r][:8]}
 
 
+def sweep_fused() -> dict:
+    """The expert's fused epilogue kernels (QKV+RoPE, gate/up+GeGLU) against their unfused pairs."""
+    m, width, f, h, kvh, dh = 50, 1024, 4096, 8, 1, 256
+    grid = {"bn": [16, 32, 64], "bk": [64, 128], "warps": [4, 8], "stages": [3, 4]}
+    a = torch.randn(m, width, device=CUDA, dtype=torch.bfloat16)
+    gate_up = torch.randn(2 * f, width, device=CUDA, dtype=torch.bfloat16) * width**-0.5
+    act = torch.empty(m, f, device=CUDA, dtype=torch.bfloat16)
+    out = {
+        "expert_gate_up_geglu": sweep(
+            "gate_up+geglu fused",
+            lambda cfg: triton_ops.linear_geglu(a, gate_up, act, cfg),
+            lambda: ops.linear_geglu(a, gate_up, torch.empty_like(act)),
+            lambda: triton_ops.geglu(triton_ops.linear(a, gate_up), act),  # baseline: the unfused pair
+            grid,
+        )
+    }
+    w_qkv = torch.randn((h + 2 * kvh) * dh, width, device=CUDA, dtype=torch.bfloat16) * width**-0.5
+    ang = torch.rand(m, dh // 2, device=CUDA) * 10
+    cos, sin = ang.cos(), ang.sin()
+    q = torch.empty(m, h * dh, device=CUDA, dtype=torch.bfloat16)
+    k = torch.zeros(kvh, 960, dh, device=CUDA, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+
+    def fused(cfg):
+        triton_ops.qkv_rope(a, w_qkv, cos, sin, q, k[:, 900:950], v[:, 900:950], h, kvh, cfg)
+        return q
+
+    def reference():
+        q_ref = torch.empty_like(q)
+        ops.qkv_rope(a, w_qkv, cos, sin, q_ref, k.clone()[:, 900:950], v.clone()[:, 900:950], h, kvh)
+        return q_ref
+
+    out["expert_qkv_rope"] = sweep(
+        "qkv+rope fused",
+        fused,
+        reference,
+        lambda: triton_ops.rope_qkv(
+            triton_ops.linear(a, w_qkv), cos, sin, q, k[:, 900:950], v[:, 900:950], h, kvh
+        ),
+        grid,
+    )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--only", action="append", choices=["linear", "fused", "attention"], default=None)
     args = p.parse_args()
+    groups = args.only or ["linear", "fused", "attention"]
     torch.manual_seed(0)
     results = {}
+    if "fused" in groups:
+        results |= sweep_fused()
     linear_shapes = {  # π0.5 expert at horizon 50: (M, N, K, splits)
         "expert_qkv": (50, 2560, 1024, [1]),
         "expert_o": (50, 1024, 2048, [1, 2, 4, 8]),
         "expert_gate_up": (50, 8192, 1024, [1]),
         "expert_down": (50, 1024, 4096, [1, 2, 4, 8]),
     }
-    for name, (m, n, k, split_options) in linear_shapes.items():
+    for name, (m, n, k, split_options) in linear_shapes.items() if "linear" in groups else ():
         a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5
         for splits in split_options:
@@ -81,7 +129,7 @@ def main() -> None:
                 {"bn": [32, 64, 128], "bk": [64, 128, 256], "warps": [4, 8], "stages": [3, 4, 5]},
             )
     attn_shapes = {"denoise": (50, 8, 1, 256, 880), "prefill": (832, 8, 1, 256, 832)}
-    for name, (n, h, kvh, dh, lk) in attn_shapes.items():
+    for name, (n, h, kvh, dh, lk) in attn_shapes.items() if "attention" in groups else ():
         q = torch.randn(n, h * dh, device=CUDA, dtype=torch.bfloat16)
         kk = torch.randn(kvh, lk, dh, device=CUDA, dtype=torch.bfloat16)
         vv = torch.randn(kvh, lk, dh, device=CUDA, dtype=torch.bfloat16)
@@ -101,7 +149,7 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
-    (args.out / "triton_tuning_h200.json").write_text(
+    (args.out / f"triton_tuning_{'_'.join(groups)}.json").write_text(
         json.dumps({"gpu": gpu, "results": results}, indent=1) + "\n"
     )
 
