@@ -112,10 +112,11 @@ def sweep_fused() -> dict:
         "qkv+rope fused",
         fused,
         reference,
-        lambda: triton_ops.rope_qkv(
-            triton_ops.linear(a, w_qkv), cos, sin, q, k[:, 900:950], v[:, 900:950], h, kvh
+        lambda i: triton_ops.rope_qkv(
+            triton_ops.linear(a, w_qkv[i]), cos, sin, q, k[:, 900:950], v[:, 900:950], h, kvh
         ),
         grid,
+        len(w_qkv),
     )
     return out
 
