@@ -465,13 +465,10 @@ def attention(
     if dh & (dh - 1) or dh < 16 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         return ops.attention(q, k, v, key_bias, num_heads)
     out = torch.empty(n, num_heads * dh, device=q.device, dtype=q.dtype)
-    cfg = {
-        "bm": 64,
-        "bn": 32 if dh >= 256 else 64,
-        "warps": 8 if dh >= 128 else 4,
-        "stages": 2,
-        "max_splits": 16,
-    }
+    if group * n <= 1024:  # denoising steps: few query rows, split the keys (H200: 10.2 µs vs 54 for SDPA)
+        cfg = {"bm": 32, "bn": 64, "warps": 4, "stages": 3, "max_splits": 8}
+    else:  # prefill (H200: 27 µs vs 55 for SDPA)
+        cfg = {"bm": 64, "bn": 32, "warps": 4, "stages": 3, "max_splits": 1}
     cfg |= config or {}
     bm, bn = cfg["bm"], cfg["bn"]
     row_blocks = triton.cdiv(group * n, bm)
