@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import Pi05Model
 
 # Our module prefix -> the checkpoint's (Hugging Face PaliGemma + Gemma expert) prefix.
@@ -176,3 +177,22 @@ def weights_fingerprint(model: nn.Module) -> str:
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:".encode())
             h.update(sample)
     return h.hexdigest()[:16]
+
+
+def load_model(
+    cfg: Pi05Config, checkpoint: str | os.PathLike[str] | None = None, *, seed: int = 0, device: str = "cpu"
+) -> Pi05Model:
+    """Build the model for `cfg`: weights from `checkpoint`, or seeded random weights when it is None.
+
+    With a checkpoint the module is created without initialisation (meta device), so a full-size model
+    is allocated once, not twice.
+    """
+    if checkpoint is None:
+        model = Pi05Model(cfg).to(device)
+        init_random_(model, seed)
+        return model.eval()
+    with torch.device("meta"):
+        model = Pi05Model(cfg)
+    model = model.to_empty(device=device)
+    load_state(model, checkpoint)
+    return model.eval()

@@ -1,0 +1,202 @@
+"""Policy = preprocess -> engine -> postprocess, for one robot observation at a time.
+
+    Observation (camera images, joint state, task prompt)
+      -> resize-with-pad to 224², map to [-1, 1]; missing camera -> masked slot
+      -> quantile-normalise the state, discretise it into the prompt, tokenise
+      -> engine.sample_actions (eager or graph backend)
+      -> drop the padded action dims, un-normalise -> ActionChunk in robot units
+
+Nothing here imports rclpy: the ROS node (next layer up) only converts messages to an Observation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rmuscle_ros.engine import BACKENDS, Engine, create_engine
+from rmuscle_ros.models.checkpoint import load_model
+from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
+from rmuscle_ros.models.pi05 import ModelInputs
+from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
+from rmuscle_ros.runtime.normalize import NormStats, identity_stats, load_norm_stats
+from rmuscle_ros.runtime.transforms import (
+    build_prompt,
+    discretize_state,
+    image_to_model,
+    resize_with_pad,
+    tokenize_prompt,
+)
+
+PI05_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What a deployment chooses: model, weights, hardware, and the robot's dimensions."""
+
+    preset: str = "tiny"
+    checkpoint: str | None = None  # LeRobot/openpi model.safetensors; None = seeded random weights
+    norm_stats: str | None = None  # LeRobot normalizer .safetensors or openpi norm_stats.json
+    tokenizer: str | None = None  # SentencePiece tokenizer.model; None = built-in byte tokenizer
+    device: str = "cpu"
+    backend: str = "eager"
+    dtype: str = "float32"  # eager backend only; the graph backend is bf16
+    cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
+    state_dim: int = 14  # ALOHA: 2 × (6 joints + gripper)
+    action_dim: int = 14
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: unknown {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: unknown {self.backend!r}; choose one of {sorted(BACKENDS)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device: {e}") from None
+        model = get_preset(self.preset)
+        if not 1 <= len(self.cameras) <= model.num_cameras or len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(
+                f"cameras: need 1..{model.num_cameras} distinct names (π0.5 slots), got {list(self.cameras)}"
+            )
+        for name in ("state_dim", "action_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= model.action_dim:
+                raise ValueError(f"{name}: must be an int in 1..{model.action_dim}, got {value!r}")
+
+    @property
+    def model(self) -> Pi05Config:
+        # Camera slots the robot does not have stay in the model, always masked (openpi's convention).
+        return get_preset(self.preset)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One synchronised observation. images: camera name -> (H, W, 3) uint8 RGB; state: (state_dim,)."""
+
+    images: Mapping[str, np.ndarray]
+    state: np.ndarray
+    prompt: str
+    stamp_ns: int = 0
+
+
+@dataclass(frozen=True)
+class ActionChunk:
+    actions: np.ndarray  # (horizon, action_dim) float32, robot units
+    stamp_ns: int  # the observation's stamp
+    latency_s: float  # preprocess + inference + postprocess, wall clock
+    prompt_tokens: int
+    prompt_truncated: bool
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+class Policy:
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.model_cfg = cfg.model
+        self.device = torch.device(cfg.device)
+        model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
+        options = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
+        self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
+        self.stats: NormStats = (
+            load_norm_stats(cfg.norm_stats)
+            if cfg.norm_stats
+            else identity_stats(cfg.state_dim, cfg.action_dim)
+        )
+        if self.stats.state.dim != cfg.state_dim or self.stats.actions.dim != cfg.action_dim:
+            raise ValueError(
+                f"norm_stats: state/action dims {self.stats.state.dim}/{self.stats.actions.dim} do not match "
+                f"state_dim/action_dim {cfg.state_dim}/{cfg.action_dim}"
+            )
+        self.tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer)
+        if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer: vocabulary {self.tokenizer.vocab_size} exceeds the model's {self.model_cfg.vocab_size}"
+            )
+        self._noise = torch.Generator().manual_seed(cfg.seed)
+
+    def warmup(self, prompt: str = "warm up") -> dict[str, float]:
+        """Backend warm-up (graph capture) plus one full inference on a synthetic observation (seconds)."""
+        start = time.perf_counter()
+        timings = dict(self.engine.warmup())
+        self.infer(synthetic_observation(self.cfg, prompt))
+        timings["warmup_total"] = time.perf_counter() - start
+        return timings
+
+    def preprocess(self, obs: Observation) -> tuple[ModelInputs, int, bool]:
+        """-> model inputs (batch 1), prompt token count, whether the prompt was truncated."""
+        unknown = set(obs.images) - set(self.cfg.cameras)
+        if unknown:
+            raise ValueError(f"unknown camera(s) {sorted(unknown)}; configured: {list(self.cfg.cameras)}")
+        size = self.model_cfg.vision.image_size
+        slots = self.model_cfg.num_cameras
+        images = torch.full((1, slots, 3, size, size), -1.0)  # missing slot = black, masked out
+        masks = torch.zeros(1, slots, dtype=torch.bool)
+        for slot, name in enumerate(self.cfg.cameras):
+            if name in obs.images:
+                try:
+                    images[0, slot] = image_to_model(resize_with_pad(obs.images[name], size), size)
+                except ValueError as e:
+                    raise ValueError(f"camera {name!r}: {e}") from None
+                masks[0, slot] = True
+        if not masks.any():
+            raise ValueError("observation has no camera image")
+        state = np.asarray(obs.state, dtype=np.float32)
+        if state.shape != (self.cfg.state_dim,):
+            raise ValueError(f"state must have shape ({self.cfg.state_dim},), got {state.shape}")
+        if not np.isfinite(state).all():
+            raise ValueError(f"state contains NaN or Inf: {state.tolist()}")
+        prompt = build_prompt(obs.prompt, discretize_state(self.stats.state.normalize(state)))
+        tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len)
+        inputs = ModelInputs(
+            images, masks, torch.from_numpy(tok.tokens)[None], torch.from_numpy(tok.mask)[None]
+        ).to(self.device)
+        return inputs, tok.num_tokens, tok.truncated
+
+    def postprocess(self, actions: torch.Tensor) -> np.ndarray:
+        """(1, horizon, padded action dim) normalised -> (horizon, action_dim) robot units, float32."""
+        raw = actions[0, :, : self.cfg.action_dim].float().cpu().numpy()
+        return self.stats.actions.unnormalize(raw).astype(np.float32)
+
+    @torch.no_grad()
+    def infer(self, obs: Observation, noise: torch.Tensor | None = None) -> ActionChunk:
+        start = time.perf_counter()
+        inputs, num_tokens, truncated = self.preprocess(obs)
+        if noise is None:
+            noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
+        t_model = time.perf_counter()
+        raw = self.engine.sample_actions(inputs, noise.to(self.device))
+        actions = self.postprocess(raw)  # .cpu() synchronises the device
+        t_end = time.perf_counter()
+        return ActionChunk(
+            actions=actions,
+            stamp_ns=obs.stamp_ns,
+            latency_s=t_end - start,
+            prompt_tokens=num_tokens,
+            prompt_truncated=truncated,
+            timings_s={"preprocess": t_model - start, "model_and_postprocess": t_end - t_model},
+        )
+
+
+def synthetic_observation(
+    cfg: PolicyConfig,
+    prompt: str,
+    *,
+    seed: int = 0,
+    size: tuple[int, int] = (480, 640),
+    cameras: Sequence[str] | None = None,
+) -> Observation:
+    """A random ALOHA-like observation (480×640 RGB per camera, a state in the stats' range)."""
+    rng = np.random.default_rng(seed)
+    names = cfg.cameras if cameras is None else cameras
+    images = {name: rng.integers(0, 256, (*size, 3), dtype=np.uint8) for name in names}
+    state = rng.uniform(-1.0, 1.0, cfg.state_dim).astype(np.float32)
+    return Observation(images=images, state=state, prompt=prompt)

@@ -1,0 +1,67 @@
+"""Shared fixtures: the LeRobot parity fixture and small models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rmuscle_ros.models.checkpoint import init_random_
+from rmuscle_ros.models.config import GemmaConfig, Pi05Config, VisionConfig, get_preset
+from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
+
+LEROBOT_FIXTURE = Path(__file__).parent / "data" / "lerobot_pi05_reduced"
+
+
+def lerobot_fixture_config() -> Pi05Config:
+    """Our config for the dims LeRobot's reduced π0.5 was built with (config.json of the fixture)."""
+    meta = json.loads((LEROBOT_FIXTURE / "config.json").read_text())
+    dims, v = meta["dims"], meta["dims"]["vision"]
+    return Pi05Config(
+        vision=VisionConfig(width=v["width"], depth=v["depth"], mlp_dim=v["mlp_dim"], num_heads=v["heads"]),
+        vlm=GemmaConfig(**dims["vlm"]),
+        expert=GemmaConfig(**dims["expert"]),
+        vocab_size=dims["vocab"],
+        action_dim=dims["action_dim"],
+        horizon=dims["horizon"],
+        num_steps=dims["steps"],
+        num_cameras=len(meta["cameras"]),
+    )
+
+
+def lerobot_fixture_io() -> tuple[ModelInputs, torch.Tensor, torch.Tensor]:
+    """(inputs, noise, LeRobot's actions) for the fixture's batch of 2."""
+    meta = json.loads((LEROBOT_FIXTURE / "config.json").read_text())
+    io = load_file(str(LEROBOT_FIXTURE / "io.safetensors"))
+    images = torch.stack([io[f"image_{cam}"] for cam in meta["cameras"]], dim=1)
+    return ModelInputs(images, io["image_masks"], io["tokens"], io["token_mask"]), io["noise"], io["actions"]
+
+
+def random_inputs(
+    cfg: Pi05Config, batch: int = 1, valid_tokens: int = 12, pad_to: int = 16, seed: int = 0
+) -> tuple[ModelInputs, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    c, s = cfg.num_cameras, cfg.vision.image_size
+    images = torch.rand(batch, c, 3, s, s, generator=gen) * 2 - 1
+    tokens = torch.randint(0, cfg.vocab_size, (batch, pad_to), generator=gen)
+    token_mask = (torch.arange(pad_to) < valid_tokens).expand(batch, pad_to).clone()
+    noise = torch.randn(batch, cfg.horizon, cfg.action_dim, generator=gen)
+    return ModelInputs(images, torch.ones(batch, c, dtype=torch.bool), tokens, token_mask), noise
+
+
+def tiny_model(cfg: Pi05Config | None = None, seed: int = 0) -> Pi05Model:
+    model = Pi05Model(cfg or get_preset("tiny")).eval()
+    init_random_(model, seed)
+    return model
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Pi05Model:
+    return tiny_model()

@@ -1,0 +1,113 @@
+"""Policy: camera images + joint state + prompt in, an action chunk in robot units out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from rmuscle_ros.demo import load_demo_config, main
+from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig, synthetic_observation
+
+CAMERAS = ("cam_high", "cam_left_wrist", "cam_right_wrist")
+
+
+@pytest.fixture(scope="module")
+def policy() -> Policy:
+    return Policy(PolicyConfig(cameras=CAMERAS))
+
+
+def test_chunk_from_aloha_sized_images(policy: Policy) -> None:
+    obs = synthetic_observation(policy.cfg, "pick up the cube", seed=1)
+    obs = Observation(obs.images, obs.state, obs.prompt, stamp_ns=123)
+    chunk = policy.infer(obs)
+    assert chunk.actions.shape == (50, 14) and chunk.actions.dtype == np.float32
+    assert np.isfinite(chunk.actions).all()
+    assert chunk.stamp_ns == 123 and chunk.latency_s > 0 and not chunk.prompt_truncated
+
+
+def test_same_noise_same_chunk(policy: Policy) -> None:
+    obs = synthetic_observation(policy.cfg, "stack the blocks", seed=2)
+    noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(0))
+    assert np.array_equal(policy.infer(obs, noise).actions, policy.infer(obs, noise).actions)
+
+
+def test_missing_camera_is_masked_not_an_error(policy: Policy) -> None:
+    obs = synthetic_observation(policy.cfg, "x", cameras=("cam_high", "cam_left_wrist"))
+    assert policy.infer(obs).actions.shape == (50, 14)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda o: Observation(
+                {**o.images, "cam_high": o.images["cam_high"].astype(np.float32)}, o.state, o.prompt
+            ),
+            "cam_high.*uint8",
+        ),
+        (
+            lambda o: Observation({**o.images, "cam_low": o.images["cam_high"]}, o.state, o.prompt),
+            "unknown camera.*cam_low",
+        ),
+        (lambda o: Observation({}, o.state, o.prompt), "no camera image"),
+        (lambda o: Observation(o.images, o.state[:7], o.prompt), r"state must have shape \(14,\)"),
+        (lambda o: Observation(o.images, np.full(14, np.nan, np.float32), o.prompt), "NaN"),
+    ],
+)
+def test_bad_observations_are_rejected_clearly(policy: Policy, edit, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy.infer(edit(synthetic_observation(policy.cfg, "x")))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("preset", "pi0"),
+        ("backend", "tensorrt"),
+        ("dtype", "float16"),
+        ("state_dim", 40),
+        ("cameras", ("a", "a")),
+    ],
+)
+def test_invalid_config_names_the_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        PolicyConfig(**{field: value})
+
+
+def test_norm_stats_are_applied_to_the_output(tmp_path: Path) -> None:
+    """Actions come back in robot units: with q01 = 0, q99 = 2 every action moves up by exactly 1."""
+    stats = tmp_path / "policy_preprocessor_step_3_normalizer_processor.safetensors"
+    ones = np.ones(14, np.float32)
+    save_file(
+        {
+            "observation.state.q01": -ones,
+            "observation.state.q99": ones,
+            "action.q01": 0 * ones,
+            "action.q99": 2 * ones,
+        },
+        str(stats),
+    )
+    plain = Policy(PolicyConfig(cameras=CAMERAS))
+    scaled = Policy(PolicyConfig(cameras=CAMERAS, norm_stats=str(stats)))
+    obs = synthetic_observation(plain.cfg, "x")
+    noise = torch.randn(1, 50, 32)
+    np.testing.assert_allclose(
+        scaled.infer(obs, noise).actions, plain.infer(obs, noise).actions + 1, atol=1e-5
+    )
+
+
+def test_demo_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "action chunk 50 x 14" in out and "median" in out
+
+
+def test_demo_config_rejects_unknown_keys(tmp_path: Path) -> None:
+    bad = tmp_path / "demo.yaml"
+    bad.write_text("preset: tiny\nbakend: eager\n")
+    with pytest.raises(ValueError, match="bakend"):
+        load_demo_config(bad)
