@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, total
+from rmuscle_ros.engine.graph import STAGES
 from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times
@@ -168,17 +169,19 @@ def main() -> None:
     }
     bucket = graph.load_inputs(inputs, noise)
     for variant, use_graphs in (("fused-nograph", False), ("graph", True)):
-        graph.use_cuda_graphs = use_graphs
-        saved = graph._graphs
-        if not use_graphs:
-            graph._graphs = {}
-        results[variant] = summarize(cuda_time_ms(lambda: graph.sample_actions(inputs, noise), args.iters))
+        results[variant] = summarize(
+            cuda_time_ms(lambda u=use_graphs: graph.sample_actions(inputs, noise, use_graphs=u), args.iters)
+        )
         graph.load_inputs(inputs, noise)
         results[variant]["stages_ms"] = {
-            s: round(statistics.median(cuda_time_ms(lambda s=s: graph.run_stage(s, bucket), args.iters)), 3)
-            for s in ("vision", "prefill", "denoise")
+            s: round(
+                statistics.median(
+                    cuda_time_ms(lambda s=s, u=use_graphs: graph.run_stage(s, bucket, u), args.iters)
+                ),
+                3,
+            )
+            for s in STAGES
         }
-        graph._graphs = saved
     results["graph"]["speedup_vs_eager"] = round(
         results["eager"]["median_ms"] / results["graph"]["median_ms"], 2
     )

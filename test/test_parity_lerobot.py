@@ -6,8 +6,9 @@ import torch
 from conftest import LEROBOT_FIXTURE, lerobot_fixture_config, lerobot_fixture_io, rel_l2
 
 from rmuscle_ros.engine import ops
-from rmuscle_ros.engine.fused import KV_ALIGN, FusedPi05, KVBuffers, round_up
+from rmuscle_ros.engine.fused import FusedPi05, round_up
 from rmuscle_ros.models.checkpoint import load_model
+from rmuscle_ros.models.pi05 import ModelInputs
 
 
 def test_eager_reproduces_lerobot_actions() -> None:
@@ -25,20 +26,9 @@ def test_fused_forward_reproduces_lerobot_actions() -> None:
     model = load_model(cfg, LEROBOT_FIXTURE / "model.safetensors")
     inputs, noise, expected = lerobot_fixture_io()
     fused = FusedPi05(model, device="cpu", dtype=torch.float32, ops=ops)
-    per_image = cfg.vision.tokens_per_image
     for i in range(expected.shape[0]):
-        tokens = inputs.tokens[i][inputs.token_mask[i]]
-        bucket = round_up(len(tokens), 16)
-        padded = torch.zeros(bucket, dtype=torch.long)
-        padded[: len(tokens)] = tokens
-        pad_mask = torch.cat(
-            [inputs.image_masks[i].repeat_interleave(per_image), torch.arange(bucket) < len(tokens)]
+        one = ModelInputs(
+            *(t[i : i + 1] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask))
         )
-        kv = KVBuffers.allocate(
-            cfg, round_up(len(pad_mask) + cfg.horizon, KV_ALIGN), torch.device("cpu"), torch.float32
-        )
-        with torch.no_grad():
-            visual = fused.encode_images(inputs.images[i], torch.empty(cfg.image_tokens, cfg.vlm.width))
-            key_bias = fused.prefill(visual, padded, pad_mask, kv)
-            actions = fused.denoise(noise[i], key_bias, kv, torch.empty_like(noise[i]))
+        actions = fused.run(one, noise[i : i + 1], bucket=round_up(int(inputs.token_mask[i].sum()), 16))
         assert rel_l2(actions, expected[i]) < 1e-5, f"sample {i}"

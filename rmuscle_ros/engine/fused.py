@@ -16,6 +16,7 @@ same code runs on the CPU in tests and under CUDA-graph capture on the GPU. Batc
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rmuscle_ros.models.config import Pi05Config
-from rmuscle_ros.models.pi05 import Pi05Model, euler_times, sincos_time_embedding
+from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times, sincos_time_embedding
 
 NEG_INF = -1e30  # additive mask for keys that must not be attended (finite, so masked rows stay finite)
 KV_ALIGN = 16  # key lengths padded to this multiple: aligned masks keep the fused SDPA kernels eligible
@@ -86,6 +87,19 @@ class KVBuffers:
         )
 
 
+def pack_prompt(tokens: Tensor, mask: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
+    """One prompt row -> (bucket,) tokens with the valid ones first, and their mask.
+
+    Exact for any padding layout: positions and attention only ever see valid tokens, in order.
+    """
+    valid = tokens[mask.bool()]
+    if valid.shape[0] > bucket:
+        raise ValueError(f"prompt has {valid.shape[0]} tokens, more than the bucket of {bucket}")
+    packed = torch.zeros(bucket, dtype=torch.long, device=tokens.device)
+    packed[: valid.shape[0]] = valid
+    return packed, torch.arange(bucket, device=tokens.device) < valid.shape[0]
+
+
 def split_k(k: int, slice_len: int = 512, max_splits: int = 8) -> int:
     """How many K slices a few-row matmul uses: slices of 512 (tuned on an H200), at most 8."""
     return min(max_splits, k // slice_len) if k % slice_len == 0 and k >= slice_len else 1
@@ -139,12 +153,9 @@ class FusedPi05:
         self.vision_layers = []
         for layer in vt.encoder.layers:
             a = layer.self_attn
-            ln1 = _as_f32(layer.layer_norm1)
-            ln2 = _as_f32(layer.layer_norm2)
-            qkv_w = torch.cat([f32(a.q_proj.weight), f32(a.k_proj.weight), f32(a.v_proj.weight)])
-            qkv_b = torch.cat([f32(a.q_proj.bias), f32(a.k_proj.bias), f32(a.v_proj.bias)])
-            qkv_w, qkv_b = _fold_layer_norm(qkv_w, qkv_b, ln1)
-            fc1_w, fc1_b = _fold_layer_norm(f32(layer.mlp.fc1.weight), f32(layer.mlp.fc1.bias), ln2)
+            ln1, ln2 = _as_f32(layer.layer_norm1), _as_f32(layer.layer_norm2)
+            qkv_w, qkv_b = _fold_layer_norm(*_stack_rows(a.q_proj, a.k_proj, a.v_proj), ln1)
+            fc1_w, fc1_b = _fold_layer_norm(*_stack_rows(layer.mlp.fc1), ln2)
             self.vision_layers.append(
                 VisionLayer(
                     self._to(qkv_w),
@@ -157,17 +168,15 @@ class FusedPi05:
                     self._to(layer.mlp.fc2.bias, torch.float32),
                 )
             )
-        proj_w, proj_b = _fold_layer_norm(
-            f32(model.projector.weight), f32(model.projector.bias), _as_f32(vt.post_layernorm)
-        )
+        proj_w, proj_b = _fold_layer_norm(*_stack_rows(model.projector), _as_f32(vt.post_layernorm))
         self.proj_w, self.proj_b = self._to(proj_w), self._to(proj_b)
 
         self.embed = self._to(model.llm.embed_tokens.weight)
         self.prefix_layers = []
         for layer in model.llm.layers:
             att, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([f32(att.q_proj.weight), f32(att.k_proj.weight), f32(att.v_proj.weight)])
-            gate_up = torch.cat([f32(mlp.gate_proj.weight), f32(mlp.up_proj.weight)])
+            qkv, _ = _stack_rows(att.q_proj, att.k_proj, att.v_proj)
+            gate_up, _ = _stack_rows(mlp.gate_proj, mlp.up_proj)
             self.prefix_layers.append(
                 GemmaLayerWeights(
                     self._to(_fold_rms(qkv, f32(layer.input_layernorm.weight))),
@@ -182,11 +191,9 @@ class FusedPi05:
             att, mlp = layer.self_attn, layer.mlp
             self.expert_layers.append(
                 GemmaLayerWeights(
-                    self._to(
-                        torch.cat([f32(att.q_proj.weight), f32(att.k_proj.weight), f32(att.v_proj.weight)])
-                    ),
+                    self._to(_stack_rows(att.q_proj, att.k_proj, att.v_proj)[0]),
                     self._to(att.o_proj.weight),
-                    self._to(torch.cat([f32(mlp.gate_proj.weight), f32(mlp.up_proj.weight)])),
+                    self._to(_stack_rows(mlp.gate_proj, mlp.up_proj)[0]),
                     self._to(mlp.down_proj.weight),
                 )
             )
@@ -321,9 +328,33 @@ class FusedPi05:
             x_t.addmm_(h.float(), self.euler_w.t()).add_(self.euler_b)  # x ← x + dt·v
         return x_t
 
+    @torch.no_grad()
+    def run(self, inputs: ModelInputs, noise: Tensor, bucket: int) -> Tensor:
+        """One observation through the three stages without graph capture (CPU tests, debugging).
+
+        inputs: batch 1; noise (1, horizon, action_dim). Returns (horizon, action_dim) float32.
+        """
+        cfg = self.cfg
+        tokens, token_mask = pack_prompt(inputs.tokens[0], inputs.token_mask[0], bucket)
+        pad_mask = torch.cat(
+            [inputs.image_masks[0].repeat_interleave(cfg.vision.tokens_per_image), token_mask]
+        )
+        kv = KVBuffers.allocate(cfg, round_up(len(pad_mask) + cfg.horizon, KV_ALIGN), self.device, self.dtype)
+        visual = torch.empty(cfg.image_tokens, cfg.vlm.width, device=self.device, dtype=self.dtype)
+        self.encode_images(inputs.images[0].to(self.device), visual)
+        key_bias = self.prefill(visual, tokens.to(self.device), pad_mask.to(self.device), kv)
+        out = torch.empty(cfg.horizon, cfg.action_dim, device=self.device)
+        return self.denoise(noise[0].to(self.device).float(), key_bias, kv, out)
+
 
 def _as_f32(module: torch.nn.Module) -> torch.nn.Module:
     """A float32 copy of a small module (norms, time MLP) for exact precomputation."""
-    import copy
-
     return copy.deepcopy(module).float()
+
+
+def _stack_rows(*linears: torch.nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """Weights (and biases) of several projections of one input as a single float32 matrix."""
+    weight = torch.cat([lin.weight.detach().float() for lin in linears])
+    if linears[0].bias is None:
+        return weight, None
+    return weight, torch.cat([lin.bias.detach().float() for lin in linears])

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rmuscle_ros.engine.fused import KV_ALIGN, FusedPi05, KVBuffers, round_up
+from rmuscle_ros.engine.fused import KV_ALIGN, FusedPi05, KVBuffers, pack_prompt, round_up
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class GraphEngine:
 
     # ── the three stages, written against the static buffers ─────────────────────────────────────────────
 
-    def _run_vision(self) -> None:
+    def _run_vision(self, bucket: int) -> None:  # the images do not depend on the prompt bucket
         self.fused.encode_images(self.images, self.visual)
 
     def _run_prefill(self, bucket: int) -> None:
@@ -99,11 +99,8 @@ class GraphEngine:
         self.fused.denoise(self.noise, self.key_bias[bucket], self.kv, self.actions)
 
     def _stage_fn(self, stage: str, bucket: int) -> Callable[[], None]:
-        if stage == "vision":
-            return self._run_vision
-        return (
-            (lambda: self._run_prefill(bucket)) if stage == "prefill" else (lambda: self._run_denoise(bucket))
-        )
+        runners = {"vision": self._run_vision, "prefill": self._run_prefill, "denoise": self._run_denoise}
+        return lambda: runners[stage](bucket)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream(self.device)
@@ -125,14 +122,12 @@ class GraphEngine:
         timings: dict[str, float] = {}
         if not self.use_cuda_graphs:
             return timings
-        for bucket in self.buckets:
-            for stage in STAGES:
-                if (stage, bucket) in self._graphs or (stage == "vision" and self._graphs):
-                    continue
+        keys = [("vision", 0)] + [(stage, b) for b in self.buckets for stage in ("prefill", "denoise")]
+        for key in keys:
+            if key not in self._graphs:
                 start = time.perf_counter()
-                key = (stage, 0 if stage == "vision" else bucket)
-                self._graphs[key] = self._capture(self._stage_fn(stage, bucket))
-                timings[f"capture_{stage}_{key[1]}"] = time.perf_counter() - start
+                self._graphs[key] = self._capture(self._stage_fn(*key))
+                timings[f"capture_{key[0]}_{key[1]}"] = time.perf_counter() - start
         torch.cuda.synchronize(self.device)
         log.info("graph engine: captured %d graphs in %.2f s", len(self._graphs), sum(timings.values()))
         return timings
@@ -147,23 +142,21 @@ class GraphEngine:
             raise ValueError(
                 f"images must be (1, {', '.join(map(str, self.images.shape))}), got {tuple(inputs.images.shape)}"
             )
-        # Compacting the valid tokens to the front is exact: positions and attention only see valid tokens.
-        valid = inputs.tokens[0][inputs.token_mask[0].bool()]
-        n = int(valid.shape[0])
+        n = int(inputs.token_mask[0].sum())
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
+        tokens, token_mask = pack_prompt(inputs.tokens[0], inputs.token_mask[0], bucket)
         self.images.copy_(inputs.images[0], non_blocking=True)
         self.image_mask.copy_(inputs.image_masks[0], non_blocking=True)
-        self.tokens[bucket].zero_()
-        self.tokens[bucket][:n].copy_(valid, non_blocking=True)
-        self.token_mask[bucket].copy_(torch.arange(bucket, device=self.device) < n)
+        self.tokens[bucket].copy_(tokens, non_blocking=True)
+        self.token_mask[bucket].copy_(token_mask, non_blocking=True)
         self.noise.copy_(noise[0], non_blocking=True)
         return bucket
 
-    def run_stage(self, stage: str, bucket: int) -> None:
-        """Run one stage on the loaded inputs (a graph replay once captured)."""
-        graph = self._graphs.get((stage, 0 if stage == "vision" else bucket))
+    def run_stage(self, stage: str, bucket: int, use_graph: bool = True) -> None:
+        """Run one stage on the loaded inputs: a graph replay once captured, else the fused ops directly."""
+        graph = self._graphs.get((stage, 0 if stage == "vision" else bucket)) if use_graph else None
         if graph is not None:
             graph.replay()
         else:
@@ -171,8 +164,10 @@ class GraphEngine:
                 self._stage_fn(stage, bucket)()
 
     @torch.no_grad()
-    def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
+    def sample_actions(
+        self, inputs: ModelInputs, noise: torch.Tensor, use_graphs: bool = True
+    ) -> torch.Tensor:
         bucket = self.load_inputs(inputs, noise)
         for stage in STAGES:
-            self.run_stage(stage, bucket)
+            self.run_stage(stage, bucket, use_graphs)
         return self.actions.clone()[None]
