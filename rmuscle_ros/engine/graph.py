@@ -142,11 +142,13 @@ class GraphEngine:
             raise ValueError(
                 f"images must be (1, {', '.join(map(str, self.images.shape))}), got {tuple(inputs.images.shape)}"
             )
-        n = int(inputs.token_mask[0].sum())
+        # Pack the prompt on the host: a handful of integers, and no small kernels or syncs on the GPU.
+        token_row, mask_row = inputs.tokens[0].cpu(), inputs.token_mask[0].cpu()
+        n = int(mask_row.sum())
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
-        tokens, token_mask = pack_prompt(inputs.tokens[0], inputs.token_mask[0], bucket)
+        tokens, token_mask = pack_prompt(token_row, mask_row, bucket)
         self.images.copy_(inputs.images[0], non_blocking=True)
         self.image_mask.copy_(inputs.image_masks[0], non_blocking=True)
         self.tokens[bucket].copy_(tokens, non_blocking=True)
