@@ -1,0 +1,176 @@
+"""Conversion of ROS image messages to the (H, W, 3) uint8 RGB arrays the policy takes.
+
+cv_bridge is not usable from the PyPI ROS wheels (see shared/reference/ros2_from_pypi.md §4), so this
+module converts with numpy (raw `sensor_msgs/Image`) and Pillow (`sensor_msgs/CompressedImage`).
+It never imports rclpy or sensor_msgs: the functions read only the message's fields, so any object
+with those attributes works (a real message, or a `types.SimpleNamespace` in tests).
+
+Every function returns a new, writable, C-contiguous array that owns its memory: the message's buffer
+is never aliased, so a publisher reusing or mutating the message cannot change an observation that
+has already been taken.
+"""
+
+from __future__ import annotations
+
+import array
+import io
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias
+
+import numpy as np
+from PIL import Image as PILImage
+
+ByteData: TypeAlias = "bytes | bytearray | memoryview | array.array[int] | np.ndarray | Sequence[int]"
+
+
+class ImageConversionError(ValueError):
+    """An image message that cannot be turned into an RGB array; the message names the problem."""
+
+
+class RawImageMessage(Protocol):
+    """The fields of `sensor_msgs/Image` that are read."""
+
+    height: int
+    width: int
+    encoding: str
+    is_bigendian: int
+    step: int  # bytes per row, >= width * channels (rows may be padded)
+    data: ByteData
+
+
+class CompressedImageMessage(Protocol):
+    """The fields of `sensor_msgs/CompressedImage` that are read."""
+
+    format: str
+    data: ByteData
+
+
+# encoding -> (bytes per pixel, source channel feeding output R, G, B). All are 8 bits per channel,
+# so is_bigendian does not affect them.
+_RAW_ENCODINGS: dict[str, tuple[int, tuple[int, int, int]]] = {
+    "rgb8": (3, (0, 1, 2)),
+    "bgr8": (3, (2, 1, 0)),
+    "rgba8": (4, (0, 1, 2)),
+    "bgra8": (4, (2, 1, 0)),
+    "mono8": (1, (0, 0, 0)),
+}
+
+# Compression name in CompressedImage.format -> the one Pillow decoder allowed for it.
+_COMPRESSED_FORMATS = {"jpeg": "JPEG", "jpg": "JPEG", "png": "PNG"}
+
+# Pillow modes that are 8 bits per channel (or a palette / bilevel) and convert to RGB losslessly.
+_EIGHT_BIT_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "La", "CMYK", "YCbCr"}
+
+
+def _byte_view(data: ByteData) -> np.ndarray:
+    """The message's data as a flat uint8 array, without copying when it is a byte buffer."""
+    if isinstance(data, list | tuple):
+        try:
+            return np.asarray(data, dtype=np.uint8)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ImageConversionError(f"image data list is not a list of bytes (0..255): {exc}") from exc
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise ImageConversionError(
+            f"image data of type {type(data).__name__} is neither a byte buffer nor a list of ints"
+        ) from None
+    if view.itemsize != 1 or not view.c_contiguous:
+        raise ImageConversionError(
+            f"image data must be a contiguous buffer of bytes, got format {view.format!r} "
+            f"with item size {view.itemsize}"
+        )
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+def image_to_rgb(msg: RawImageMessage) -> np.ndarray:
+    """`sensor_msgs/Image` -> (height, width, 3) uint8 RGB array (new memory, C-contiguous).
+
+    Encodings: rgb8, bgr8, rgba8, bgra8 (alpha dropped), mono8 (grey replicated to three channels).
+    Rows may be padded (step > width * channels); bytes beyond step * height are ignored.
+    Raises ImageConversionError for an unknown encoding, a non-positive size, a step shorter than a
+    row, or data shorter than step * height.
+    """
+    height, width, step, encoding = int(msg.height), int(msg.width), int(msg.step), msg.encoding
+    layout = _RAW_ENCODINGS.get(encoding)
+    if layout is None:
+        raise ImageConversionError(
+            f"unsupported encoding {encoding!r} (supported: {', '.join(sorted(_RAW_ENCODINGS))})"
+        )
+    channels, rgb_order = layout
+    if height <= 0 or width <= 0:
+        raise ImageConversionError(f"image size must be positive, got height {height} x width {width}")
+    row_bytes = width * channels
+    if step < row_bytes:
+        raise ImageConversionError(
+            f"step {step} < width*channels {row_bytes} (width {width} x {channels} for {encoding!r})"
+        )
+    flat = _byte_view(msg.data)
+    expected = step * height
+    if flat.size < expected:
+        raise ImageConversionError(
+            f"truncated image: {flat.size} bytes, expected {expected} ({height} rows x step {step})"
+        )
+    # (height * step,) -> (height, step) -> drop row padding -> (height, width, channels); still a view
+    src = flat[:expected].reshape(height, step)[:, :row_bytes].reshape(height, width, channels)
+    if channels == 3 and rgb_order == (0, 1, 2):
+        return src.copy()  # rgb8: one block copy per row
+    # One strided copy per output channel: several times faster than copying a [..., ::-1] or
+    # [..., :3] view, which numpy does element by element over the short last axis.
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    for dst_channel, src_channel in enumerate(rgb_order):
+        out[..., dst_channel] = src[..., src_channel]
+    return out
+
+
+def _compression_of(fmt: str) -> str:
+    """The compression named by CompressedImage.format, lower case.
+
+    image_transport writes "<raw encoding>; <compression> compressed <encoding>" (e.g. "rgb8; jpeg
+    compressed bgr8") and older publishers just "jpeg" or "png"; the compression is the first word
+    after the last ';'. The encoding words only say what the encoder was fed: JPEG and PNG streams
+    carry their own colour space, so Pillow's RGB is already correct for "compressed bgr8".
+    """
+    words = fmt.rsplit(";", 1)[-1].split()
+    return words[0].lower() if words else ""
+
+
+def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
+    """`sensor_msgs/CompressedImage` (JPEG or PNG) -> (H, W, 3) uint8 RGB array (new memory).
+
+    Greyscale, palette and RGBA images are converted to RGB (alpha dropped). Only the decoder named
+    by msg.format is tried, so mislabelled data is an error rather than a guess.
+    Raises ImageConversionError for another format (including compressedDepth), empty, corrupt or
+    truncated data, or a 16-bit / float image.
+    """
+    compression = _compression_of(msg.format)
+    pil_format = _COMPRESSED_FORMATS.get(compression)
+    if pil_format is None:
+        raise ImageConversionError(
+            f"unsupported compressed image format {msg.format!r} (supported: jpeg, png)"
+        )
+    flat = _byte_view(msg.data)
+    if flat.size == 0:
+        raise ImageConversionError(f"empty {pil_format} image data")
+    try:
+        with PILImage.open(io.BytesIO(flat), formats=[pil_format]) as image:
+            image.load()  # decodes now, so truncated or corrupt data fails here
+            if image.mode not in _EIGHT_BIT_MODES:
+                raise ImageConversionError(
+                    f"{pil_format} image has mode {image.mode!r}, not 8 bits per channel "
+                    "(16-bit and float images are not colour camera frames)"
+                )
+            rgb = image if image.mode == "RGB" else image.convert("RGB")
+            # np.asarray goes through a read-only bytes object; copy once into memory we own
+            return np.array(rgb, dtype=np.uint8, copy=True)
+    except PILImage.UnidentifiedImageError:
+        raise ImageConversionError(
+            f"corrupt or mislabelled image: {flat.size} bytes are not a {pil_format} stream "
+            f"(format {msg.format!r})"
+        ) from None
+    except (OSError, SyntaxError, PILImage.DecompressionBombError) as exc:
+        # Pillow reports truncated data as OSError ("image file is truncated") and some corrupt
+        # headers as SyntaxError
+        raise ImageConversionError(
+            f"corrupt or truncated {pil_format} data ({flat.size} bytes): {exc}"
+        ) from exc
