@@ -1,7 +1,8 @@
-"""Setuptools shim: metadata lives in pyproject.toml; this adds the ROS 2 data files.
+"""Setuptools shim for pip: metadata lives in pyproject.toml; this adds the ROS 2 data files.
 
-colcon/ament_python (and the later ament_cmake build) find the package through the ament index marker
-and read package.xml from share/, so both are installed as data files next to the config YAMLs.
+The ROS build is ament_cmake (CMakeLists.txt), which installs all of this itself; for a pip install
+(the dev venv) the ament index marker, package.xml and the config YAMLs are installed as data files so
+that ament_index finds the package. scripts/setup_ros_venv.sh then adds the generated interfaces.
 """
 
 from glob import glob
@@ -16,5 +17,7 @@ setup(
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/config", sorted(glob("config/*.yaml"))),
+        # pip ignores setup.cfg install_scripts; launch_ros looks for lib/<package>/<executable>.
+        (f"lib/{PACKAGE}", ["libexec/rmuscle_node"]),
     ],
 )

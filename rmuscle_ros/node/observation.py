@@ -1,0 +1,128 @@
+"""Assembling one policy observation from the latest sensor messages, or saying why there is none.
+
+Pure Python (no rclpy): the node stores the newest message per topic here from its callbacks and the
+inference worker asks for an observation. Every refusal has a reason from `DropReason`, which the node
+counts, logs and reports on /diagnostics.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rmuscle_ros.node.images import ImageConversionError, compressed_to_rgb, image_to_rgb
+from rmuscle_ros.runtime.policy import Observation
+
+
+class DropReason(enum.Enum):
+    MISSING_CAMERA = "missing_camera"  # no image received yet on a camera topic
+    MISSING_JOINTS = "missing_joints"  # a configured joint name was never received
+    STALE_IMAGE = "stale_image"  # newest image older than max_image_age_s
+    STALE_JOINTS = "stale_joints"
+    SKEW = "skew"  # the messages' stamps are further apart than max_skew_s
+    FUTURE_STAMP = "future_stamp"  # a stamp ahead of the node clock (clock jump or a bad publisher)
+    BAD_IMAGE = "bad_image"  # encoding, size or truncated data
+    BAD_STATE = "bad_state"  # NaN/Inf joint positions
+    INFERENCE_ERROR = "inference_error"  # the policy raised; the node keeps running
+
+
+class ObservationUnavailable(Exception):
+    def __init__(self, reason: DropReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_image_age_ns: int
+    max_joint_age_ns: int
+    max_skew_ns: int
+
+
+def stamp_ns(header: Any) -> int:
+    return int(header.stamp.sec) * 1_000_000_000 + int(header.stamp.nanosec)
+
+
+class ObservationBuffer:
+    """The newest camera frame per slot and joint state per topic, guarded by one lock."""
+
+    def __init__(
+        self, num_cameras: int, joint_names: Sequence[str], compressed: bool, limits: Limits
+    ) -> None:
+        self._lock = threading.Lock()
+        self._images: list[Any | None] = [None] * num_cameras
+        self._joints: dict[str, tuple[int, float]] = {}  # joint name -> (stamp ns, position)
+        self._joint_names = tuple(joint_names)
+        self._decode: Callable[[Any], np.ndarray] = compressed_to_rgb if compressed else image_to_rgb
+        self.limits = limits
+
+    # Called from subscription callbacks: store only, never convert (the executor must stay quick).
+    def put_image(self, slot: int, msg: Any) -> None:
+        with self._lock:
+            self._images[slot] = msg
+
+    def put_joint_state(self, msg: Any) -> None:
+        t = stamp_ns(msg.header)
+        with self._lock:
+            for name, position in zip(msg.name, msg.position, strict=False):
+                self._joints[name] = (t, float(position))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._images = [None] * len(self._images)
+            self._joints.clear()
+
+    def observation(self, now_ns: int, prompt: str, slot_names: Sequence[str]) -> Observation:
+        """The observation at `now_ns`, or ObservationUnavailable with the reason. Stamp = newest image."""
+        with self._lock:
+            images = list(self._images)
+            joints = dict(self._joints)
+        lim = self.limits
+        stamps: list[int] = []
+        rgb: dict[str, np.ndarray] = {}
+        for slot, msg in enumerate(images):
+            if msg is None:
+                raise ObservationUnavailable(
+                    DropReason.MISSING_CAMERA, f"no image yet for {slot_names[slot]}"
+                )
+            t = stamp_ns(msg.header)
+            if now_ns - t > lim.max_image_age_ns:
+                raise ObservationUnavailable(
+                    DropReason.STALE_IMAGE, f"{slot_names[slot]} is {(now_ns - t) / 1e6:.0f} ms old"
+                )
+            stamps.append(t)
+            try:
+                rgb[slot_names[slot]] = self._decode(msg)
+            except ImageConversionError as e:
+                raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{slot_names[slot]}: {e}") from None
+        missing = [n for n in self._joint_names if n not in joints]
+        if missing:
+            raise ObservationUnavailable(DropReason.MISSING_JOINTS, f"no position yet for {missing}")
+        state = np.array([joints[n][1] for n in self._joint_names], dtype=np.float32)
+        joint_stamps = [joints[n][0] for n in self._joint_names]
+        oldest_joint = min(joint_stamps)
+        if now_ns - oldest_joint > lim.max_joint_age_ns:
+            raise ObservationUnavailable(
+                DropReason.STALE_JOINTS, f"joint state is {(now_ns - oldest_joint) / 1e6:.0f} ms old"
+            )
+        stamps += joint_stamps
+        if max(stamps) > now_ns + lim.max_skew_ns:
+            raise ObservationUnavailable(
+                DropReason.FUTURE_STAMP,
+                f"a stamp is {(max(stamps) - now_ns) / 1e6:.0f} ms ahead of the node clock",
+            )
+        if max(stamps) - min(stamps) > lim.max_skew_ns:
+            raise ObservationUnavailable(
+                DropReason.SKEW, f"stamps span {(max(stamps) - min(stamps)) / 1e6:.0f} ms"
+            )
+        if not np.isfinite(state).all():
+            bad = [n for n, v in zip(self._joint_names, state, strict=True) if not np.isfinite(v)]
+            raise ObservationUnavailable(DropReason.BAD_STATE, f"non-finite position for {bad}")
+        newest_image = max(stamps[: len(images)])
+        return Observation(images=rgb, state=state, prompt=prompt, stamp_ns=newest_image)

@@ -1,0 +1,162 @@
+"""ROS parameters of `rmuscle_node` <-> a frozen, validated `NodeConfig`.
+
+One function maps the flat parameter dictionary (what `--params-file` / `-p` give the node) onto the
+dataclasses and rejects unknown or invalid values with a message that names the parameter. No rclpy
+here: the node declares `parameter_defaults()` and passes what it reads to `node_config()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rmuscle_ros.runtime.policy import PI05_CAMERA_SLOTS, PolicyConfig
+
+ALOHA_JOINTS = tuple(
+    f"{side}_{joint}"
+    for side in ("left", "right")
+    for joint in ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
+)
+
+
+class ParameterError(ValueError):
+    """An invalid node parameter; the message starts with the parameter's name."""
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    """rMuscle settings (used once the caches land; validated now so profiles stay honest)."""
+
+    enabled: bool = False
+    rho_p: float = 0.4  # fraction of visual tokens whose prefill FFN is recomputed
+    rho_n: float = 0.5  # fraction of expert MLP neurons updated after the anchor step
+    similarity_threshold: float = 0.8  # below it: dense for the rest of the episode
+    library_path: str = ""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    prompt: str = "do the task"
+    # Camera topics in π0.5 slot order (base, left wrist, right wrist); the launch file remaps them onto
+    # the cell's topics (ALOHA: /cam_high/camera/color/image_rect_raw, ...).
+    camera_topics: tuple[str, ...] = ("images/base", "images/left_wrist", "images/right_wrist")
+    compressed_images: bool = False  # sensor_msgs/CompressedImage instead of sensor_msgs/Image
+    joint_state_topics: tuple[str, ...] = ("joint_states/left", "joint_states/right")
+    joint_names: tuple[str, ...] = ALOHA_JOINTS  # state order fed to the policy
+    action_joint_names: tuple[str, ...] = ALOHA_JOINTS  # meaning of each action dimension
+    control_period_s: float = 0.02  # the arm consumes one action per period (ALOHA: 50 Hz)
+    actions_per_inference: int = 25  # actions executed before the next chunk is requested
+    max_image_age_s: float = 0.25  # an observation older than this is stale (no chunk)
+    max_joint_age_s: float = 0.1
+    max_skew_s: float = 0.1  # largest stamp difference between the observation's messages
+    publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
+    warmup: bool = True
+    cache: CacheParams = field(default_factory=CacheParams)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out |= _flatten(value, f"{name}.")
+        else:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+# PolicyConfig fields the node derives from its topics and joint names instead of declaring them.
+DERIVED = {
+    "model.cameras": "camera_topics",
+    "model.state_dim": "joint_names",
+    "model.action_dim": "action_joint_names",
+}
+
+
+def parameter_defaults() -> dict[str, Any]:
+    """Every parameter the node declares, with its default (dotted names: `model.preset`, `cache.rho_p`)."""
+    defaults = _flatten(NodeConfig())
+    # ROS has no None: optional paths are empty strings.
+    return {k: ("" if v is None else v) for k, v in defaults.items() if k not in DERIVED}
+
+
+def _check_type(name: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, (list, tuple)):
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        value = tuple(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ParameterError(f"{name}: expected {type(default).__name__}, got {value!r}")
+    return value
+
+
+def node_config(params: Mapping[str, Any]) -> NodeConfig:
+    """Validate `params` (dotted names, as declared) and build the NodeConfig."""
+    defaults = parameter_defaults()
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
+    values = {
+        name: _check_type(name, params.get(name, default), default) for name, default in defaults.items()
+    }
+
+    def positive(name: str) -> None:
+        if not (values[name] > 0 and math.isfinite(values[name])):
+            raise ParameterError(f"{name}: must be > 0, got {values[name]!r}")
+
+    for name in ("control_period_s", "max_image_age_s", "max_joint_age_s", "max_skew_s"):
+        positive(name)
+    for name in ("cache.rho_p", "cache.rho_n"):
+        if not 0.0 < values[name] <= 1.0:
+            raise ParameterError(f"{name}: must be in (0, 1], got {values[name]}")
+    if not 0.0 <= values["cache.similarity_threshold"] <= 1.0:
+        raise ParameterError(
+            f"cache.similarity_threshold: must be in [0, 1], got {values['cache.similarity_threshold']}"
+        )
+    for name in ("camera_topics", "joint_state_topics", "joint_names", "action_joint_names"):
+        if (
+            not values[name]
+            or any(not v for v in values[name])
+            or len(set(values[name])) != len(values[name])
+        ):
+            raise ParameterError(f"{name}: needs distinct, non-empty entries, got {list(values[name])}")
+    if not values["prompt"].strip():
+        raise ParameterError("prompt: must not be empty")
+
+    model_fields = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
+    for optional in ("checkpoint", "norm_stats", "tokenizer"):
+        model_fields[optional] = model_fields[optional] or None
+    # Observations are keyed by π0.5 slot; topic i feeds slot i.
+    model_fields["cameras"] = PI05_CAMERA_SLOTS[: len(values["camera_topics"])]
+    model_fields["state_dim"] = len(values["joint_names"])
+    model_fields["action_dim"] = len(values["action_joint_names"])
+    if len(values["camera_topics"]) > len(PI05_CAMERA_SLOTS):
+        raise ParameterError(
+            f"camera_topics: π0.5 has {len(PI05_CAMERA_SLOTS)} image slots, got {len(values['camera_topics'])}"
+        )
+    try:
+        model = PolicyConfig(**model_fields)
+    except ValueError as e:  # PolicyConfig names its field first; report the parameter that sets it
+        field_name = str(e).split(":")[0]
+        parameter = DERIVED.get(f"model.{field_name}", f"model.{field_name}")
+        raise ParameterError(f"{parameter}:{str(e).split(':', 1)[1]}") from None
+    horizon = model.model.horizon
+    if not 1 <= values["actions_per_inference"] <= horizon:
+        raise ParameterError(f"actions_per_inference: must be in 1..{horizon} (the chunk length)")
+
+    cache = CacheParams(**{k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")})
+    top = {k: v for k, v in values.items() if "." not in k}
+    return NodeConfig(model=model, cache=cache, **top)

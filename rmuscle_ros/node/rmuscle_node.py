@@ -1,0 +1,339 @@
+"""`rmuscle_node`: an rclpy LifecycleNode that turns camera + joint topics into π0.5 action chunks.
+
+Lifecycle (what `ros2 lifecycle set` drives):
+- configure: validate every parameter (FAILURE names the bad one), load weights, warm up (timed);
+  create the publishers and the reset service.
+- activate: sensor-QoS subscriptions, the inference timer, the diagnostics timer, the worker thread.
+- deactivate / cleanup / shutdown undo exactly that; cleanup releases the model and GPU memory.
+
+Inference runs on a worker thread: the timer only wakes it, so the executor (single-threaded; see
+DESIGN.md §6) never blocks on the model. Each wake-up assembles an observation from the newest
+messages; an incomplete, stale or bad one gives no chunk and a counted, logged reason.
+"""
+
+from __future__ import annotations
+
+import array
+import gc
+import statistics
+import sys
+import threading
+import time
+from collections import Counter, deque
+from typing import Any
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import Empty
+from std_srvs.srv import Trigger
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
+from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults
+
+LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
+
+
+class RMuscleNode(LifecycleNode):
+    def __init__(self, node_name: str = "rmuscle_node", **kwargs: Any) -> None:
+        super().__init__(node_name, **kwargs)
+        for name, default in parameter_defaults().items():
+            self.declare_parameter(name, default)
+        # Everything below is created by a transition and released by its inverse.
+        self.cfg: NodeConfig | None = None
+        self.policy: Any = None
+        self._chunk_pub: Any = None
+        self._trajectory_pub: Any = None
+        self._diag_pub: Any = None
+        self._reset_srv: Any = None
+        self._reset_sub: Any = None
+        self._subs: list[Any] = []
+        self._timers: list[Any] = []
+        self._buffer: ObservationBuffer | None = None
+        self._worker: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stats_lock = threading.Lock()
+        self.last_error = ""  # why the last transition failed (also logged), for operators and tests
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        with self._stats_lock:
+            self.episode_id = 0
+            self.chunk_id = 0
+            self.drops: Counter[str] = Counter()
+            self.latencies_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+
+    # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
+
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            cfg = node_config({name: self.get_parameter(name).value for name in parameter_defaults()})
+        except ParameterError as e:
+            return self._fail(f"configure: invalid parameter {e}")
+        from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring
+
+        try:
+            start = time.perf_counter()
+            policy = Policy(cfg.model)
+            loaded = time.perf_counter() - start
+            warm = policy.warmup(cfg.prompt) if cfg.warmup else {}
+        except (ValueError, RuntimeError, OSError) as e:  # CheckpointError is a ValueError
+            return self._fail(f"configure: cannot load the policy: {e}")
+        self.get_logger().info(
+            f"configure: {cfg.model.preset} on {cfg.model.device} ({cfg.model.backend}) loaded in {loaded:.2f} s"
+            + (f", warm-up {warm.get('warmup_total', 0.0):.2f} s" if warm else "")
+        )
+        from rmuscle_ros.msg import ActionChunk
+
+        self.cfg, self.policy = cfg, policy
+        self._chunk_pub = self.create_lifecycle_publisher(ActionChunk, "~/action_chunk", 10)
+        if cfg.publish_joint_trajectory:
+            self._trajectory_pub = self.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
+        self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._reset_srv = self.create_service(Trigger, "~/reset_episode", self._on_reset_service)
+        self._reset_sub = self.create_subscription(
+            Empty, "~/reset_episode", lambda _msg: self.reset_episode(), 10
+        )
+        limits = Limits(
+            int(cfg.max_image_age_s * 1e9), int(cfg.max_joint_age_s * 1e9), int(cfg.max_skew_s * 1e9)
+        )
+        self._buffer = ObservationBuffer(
+            len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits
+        )
+        return TransitionCallbackReturn.SUCCESS
+
+    def _fail(self, message: str) -> TransitionCallbackReturn:
+        self.last_error = message
+        self.get_logger().error(message)
+        return TransitionCallbackReturn.FAILURE
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        cfg, buffer = self.cfg, self._buffer
+        assert cfg is not None and buffer is not None
+        image_type = CompressedImage if cfg.compressed_images else Image
+        for slot, topic in enumerate(cfg.camera_topics):
+            self._subs.append(
+                self.create_subscription(
+                    image_type,
+                    topic,
+                    lambda msg, slot=slot: buffer.put_image(slot, msg),
+                    qos_profile_sensor_data,
+                )
+            )
+        for topic in cfg.joint_state_topics:
+            self._subs.append(
+                self.create_subscription(JointState, topic, buffer.put_joint_state, qos_profile_sensor_data)
+            )
+        period = cfg.actions_per_inference * cfg.control_period_s
+        self._timers = [
+            self.create_timer(period, self._wake.set),
+            self.create_timer(1.0, self._publish_diagnostics),
+        ]
+        self._stop.clear()
+        self._worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
+        self._worker.start()
+        self.get_logger().info(f"activate: one chunk every {period * 1e3:.0f} ms")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_worker()
+        for timer in self._timers:
+            self.destroy_timer(timer)
+        for sub in self._subs:
+            self.destroy_subscription(sub)
+        self._timers, self._subs = [], []
+        if self._buffer is not None:
+            self._buffer.clear()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_worker()
+        for timer in self._timers:
+            self.destroy_timer(timer)
+        for sub in self._subs:
+            self.destroy_subscription(sub)
+        self._timers, self._subs = [], []
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_worker(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        self._wake.clear()
+
+    def _release(self) -> None:
+        """Undo on_configure: publishers, services, the model and its (GPU) memory."""
+        for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        if self._reset_srv is not None:
+            self.destroy_service(self._reset_srv)
+        if self._reset_sub is not None:
+            self.destroy_subscription(self._reset_sub)
+        self._chunk_pub = self._trajectory_pub = self._diag_pub = self._reset_srv = self._reset_sub = None
+        device = self.cfg.model.device if self.cfg is not None else "cpu"
+        self.policy, self.cfg, self._buffer = None, None, None
+        gc.collect()
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        self._reset_stats()
+
+    # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
+
+    def reset_episode(self) -> int:
+        with self._stats_lock:
+            self.episode_id += 1
+            self.chunk_id = 0
+            episode = self.episode_id
+        self.get_logger().info(f"episode {episode} starts")
+        return episode
+
+    def _on_reset_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        response.success = True
+        response.message = f"episode {self.reset_episode()}"
+        return response
+
+    # ── inference worker ─────────────────────────────────────────────────────────────────────────────────
+
+    def _inference_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self._infer_once()
+
+    def _infer_once(self) -> None:
+        cfg, buffer, policy = self.cfg, self._buffer, self.policy
+        if cfg is None or buffer is None or policy is None:
+            return
+        now_ns = self.get_clock().now().nanoseconds
+        try:
+            obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
+            chunk = policy.infer(obs)
+        except ObservationUnavailable as e:
+            self._drop(e.reason, e.detail)
+            return
+        except Exception as e:  # the hot path logs, counts and keeps the node alive
+            self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
+            return
+        if self._stop.is_set():
+            return
+        with self._stats_lock:
+            episode, chunk_id = self.episode_id, self.chunk_id
+            self.chunk_id += 1
+            self.latencies_ms.append(chunk.latency_s * 1e3)
+            self._chunk_times.append(time.monotonic())
+        self._publish_chunk(cfg, chunk, episode, chunk_id)
+
+    def _drop(self, reason: DropReason, detail: str) -> None:
+        with self._stats_lock:
+            self.drops[reason.value] += 1
+            count = self.drops[reason.value]
+        # First occurrence at warn level, then throttled: a camera that died must not flood the log.
+        if count == 1 or count % 50 == 0:
+            self.get_logger().warning(f"no chunk ({reason.value}, {count}x): {detail}")
+
+    def _publish_chunk(self, cfg: NodeConfig, chunk: Any, episode: int, chunk_id: int) -> None:
+        from rmuscle_ros.msg import ActionChunk
+
+        msg = ActionChunk()
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(chunk.stamp_ns, 1_000_000_000)
+        msg.header.frame_id = ""
+        msg.episode_id, msg.chunk_id = episode, chunk_id
+        msg.joint_names = list(cfg.action_joint_names)
+        msg.horizon, msg.action_dim = (int(n) for n in chunk.actions.shape)
+        msg.control_period_s = cfg.control_period_s
+        flat = array.array("f")  # assigning a numpy array to a sequence field is ~100x slower
+        flat.frombytes(np.ascontiguousarray(chunk.actions, dtype=np.float32).tobytes())
+        msg.actions = flat
+        msg.inference_latency_s = chunk.latency_s
+        msg.cache_mode = ActionChunk.CACHE_DENSE
+        msg.cache_similarity = 0.0
+        self._chunk_pub.publish(msg)
+        if self._trajectory_pub is not None:
+            traj = JointTrajectory()
+            traj.header = msg.header
+            traj.joint_names = msg.joint_names
+            for i, row in enumerate(chunk.actions):
+                point = JointTrajectoryPoint()
+                point.positions = row.astype(np.float64).tolist()
+                point.time_from_start.sec, point.time_from_start.nanosec = divmod(
+                    round((i + 1) * cfg.control_period_s * 1e9), 1_000_000_000
+                )
+                traj.points.append(point)
+            self._trajectory_pub.publish(traj)
+
+    # ── diagnostics ──────────────────────────────────────────────────────────────────────────────────────
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            lat = list(self.latencies_ms)
+            times = list(self._chunk_times)
+            drops = dict(self.drops)
+            chunks = self.chunk_id
+        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+        p50 = statistics.median(lat) if lat else 0.0
+        p99 = float(np.percentile(lat, 99)) if lat else 0.0
+        return {
+            "rate_hz": rate,
+            "latency_p50_ms": p50,
+            "latency_p99_ms": p99,
+            "chunks": chunks,
+            "drops": drops,
+        }
+
+    def _publish_diagnostics(self) -> None:
+        s = self.stats()
+        status = DiagnosticStatus()
+        status.name = f"{self.get_name()}: inference"
+        status.hardware_id = self.cfg.model.device if self.cfg else ""
+        status.level = DiagnosticStatus.WARN if s["drops"] else DiagnosticStatus.OK
+        status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
+        values = {k: s[k] for k in ("rate_hz", "latency_p50_ms", "latency_p99_ms", "chunks")}
+        values |= {f"drops.{k}": v for k, v in s["drops"].items()}
+        status.values = [
+            KeyValue(key=k, value=f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in values.items()
+        ]
+        array = DiagnosticArray()
+        array.header.stamp = self.get_clock().now().to_msg()
+        array.status = [status]
+        self._diag_pub.publish(array)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rmuscle_node` executable: the lifecycle node on a single-threaded executor."""
+    rclpy.init(args=argv if argv is not None else sys.argv)
+    node = RMuscleNode()
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""rmuscle_node with the real middleware: lifecycle services, topics, bad input, repeated cycles.
+
+Transitions go through `~/change_state` exactly as `ros2 lifecycle set` does. Everything runs in this
+process on one SingleThreadedExecutor (like the node's own `main`), over real DDS on loopback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
+
+from lifecycle_msgs.msg import State, Transition  # noqa: E402
+from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
+from rcl_interfaces.msg import Log  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from std_srvs.srv import Trigger  # noqa: E402
+
+from rmuscle_ros.msg import ActionChunk  # noqa: E402
+from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
+from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
+
+CAMERAS = ("images/base", "images/left_wrist", "images/right_wrist")
+# Node names are unique per process: rcl's /rosout routing is keyed by logger (node) name, and a name
+# reused after a node is destroyed in another context can leave its log lines unrouted.
+_NODE_IDS = itertools.count()
+JOINT_TOPICS = ("joint_states/left", "joint_states/right")
+
+
+@dataclass
+class Harness:
+    """The node under test, a peer node standing in for the robot, and an executor thread."""
+
+    context: Any
+    node: RMuscleNode
+    peer: Any
+    executor: SingleThreadedExecutor
+    chunks: list = field(default_factory=list)
+    logs: list = field(default_factory=list)
+
+    def call(self, client: Any, request: Any, timeout: float = 30.0) -> Any:
+        assert client.wait_for_service(timeout_sec=10.0), f"service {client.srv_name} not available"
+        future = client.call_async(request)
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            assert time.monotonic() < deadline, f"{client.srv_name} did not answer"
+            time.sleep(0.01)
+        return future.result()
+
+    def transition(self, transition_id: int) -> bool:
+        req = ChangeState.Request()
+        req.transition.id = transition_id
+        return self.call(self._change, req).success
+
+    def state(self) -> int:
+        return self.call(self._get, GetState.Request()).current_state.id
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def setup_clients(self) -> None:
+        name = self.node.get_name()
+        self._change = self.peer.create_client(ChangeState, f"/{name}/change_state")
+        self._get = self.peer.create_client(GetState, f"/{name}/get_state")
+        self.reset = self.peer.create_client(Trigger, f"/{name}/reset_episode")
+        self.peer.create_subscription(ActionChunk, f"/{name}/action_chunk", self.chunks.append, 10)
+        self.peer.create_subscription(Log, "/rosout", self.logs.append, 100)
+        self.image_pubs = [self.peer.create_publisher(Image, t, qos_profile_sensor_data) for t in CAMERAS]
+        self.joint_pubs = [
+            self.peer.create_publisher(JointState, t, qos_profile_sensor_data) for t in JOINT_TOPICS
+        ]
+
+    def now(self) -> Any:
+        return self.peer.get_clock().now()
+
+    def publish_observation(
+        self, *, skip_camera: int | None = None, image_edit: Callable[[Image], None] | None = None,
+        joint_value: float = 0.1, stamp_offset_s: float = 0.0,
+    ) -> int:  # fmt: skip
+        """One frame per camera (480×640 rgb8) and both arms' joint states, stamped now(+offset)."""
+        stamp = (self.now() + rclpy.duration.Duration(seconds=stamp_offset_s)).to_msg()
+        for i, pub in enumerate(self.image_pubs):
+            if i == skip_camera:
+                continue
+            msg = Image(height=48, width=64, encoding="rgb8", step=64 * 3)
+            msg.header.stamp = stamp
+            msg.data = bytes(np.full(48 * 64 * 3, 40 * i, np.uint8))
+            if image_edit is not None:
+                image_edit(msg)
+            pub.publish(msg)
+        for side, pub in zip(("left", "right"), self.joint_pubs, strict=True):
+            js = JointState(name=[n for n in ALOHA_JOINTS if n.startswith(side)])
+            js.header.stamp = stamp
+            js.position = [joint_value] * len(js.name)
+            pub.publish(js)
+        return stamp.sec * 1_000_000_000 + stamp.nanosec
+
+    def feed_until(self, predicate: Callable[[], bool], timeout: float = 30.0, **observation: Any) -> bool:
+        """Publish observations at ~30 Hz until `predicate` holds."""
+
+        def step() -> bool:
+            self.publish_observation(**observation)
+            time.sleep(0.03)
+            return predicate()
+
+        return self.wait_for(step, timeout)
+
+    def drops(self) -> dict:
+        return self.node.stats()["drops"]
+
+
+def _recording(publish: Callable[..., int], stamps: list[int]) -> Callable[..., int]:
+    def wrapped(**kwargs: Any) -> int:
+        stamps.append(publish(**kwargs))
+        return stamps[-1]
+
+    return wrapped
+
+
+@pytest.fixture
+def harness() -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def make(**params: Any) -> Harness:
+        context = rclpy.Context()
+        rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
+        defaults = {"warmup": False, "actions_per_inference": 5, "max_image_age_s": 1.0, "max_joint_age_s": 1.0,
+                    "max_skew_s": 0.5, "prompt": "pick"}  # fmt: skip
+        overrides = [Parameter(k, value=v) for k, v in (defaults | params).items()]
+        n = next(_NODE_IDS)
+        node = RMuscleNode(f"rmuscle_test_{n}", context=context, parameter_overrides=overrides)
+        peer = rclpy.create_node(f"robot_{n}", context=context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        executor.add_node(peer)
+        threading.Thread(target=executor.spin, daemon=True).start()
+        h = Harness(context, node, peer, executor)
+        h.setup_clients()
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        if h.node.policy is not None or h.node._worker is not None:
+            h.node.on_shutdown(None)
+        h.executor.shutdown()
+        h.node.destroy_node()
+        h.peer.destroy_node()
+        rclpy.shutdown(context=h.context)
+
+
+def test_lifecycle_services_and_chunks(harness) -> None:
+    h = harness()
+    assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == State.PRIMARY_STATE_INACTIVE
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.state() == State.PRIMARY_STATE_ACTIVE
+    stamps: list[int] = []
+    h.publish_observation = _recording(h.publish_observation, stamps)
+    assert h.feed_until(lambda: len(h.chunks) >= 3), f"no chunks; drops {h.drops()}"
+    chunk = h.chunks[0]
+    assert (chunk.horizon, chunk.action_dim) == (50, 14) and len(chunk.actions) == 700
+    assert list(chunk.joint_names) == list(ALOHA_JOINTS) and chunk.control_period_s == pytest.approx(0.02)
+    assert chunk.header.stamp.sec * 1_000_000_000 + chunk.header.stamp.nanosec in stamps
+    assert [c.chunk_id for c in h.chunks[:3]] == [0, 1, 2] and {c.episode_id for c in h.chunks[:3]} == {0}
+    assert np.isfinite(np.asarray(chunk.actions)).all() and chunk.inference_latency_s > 0
+    assert chunk.cache_mode == ActionChunk.CACHE_DENSE
+
+    assert h.call(h.reset, Trigger.Request()).success
+    before = len(h.chunks)
+    assert h.feed_until(lambda: len(h.chunks) > before + 1)
+    after_reset = h.chunks[before + 1]  # the chunk in flight during the reset may still say episode 0
+    assert (after_reset.episode_id, after_reset.chunk_id) in {(1, 0), (1, 1)}
+
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert h.state() == State.PRIMARY_STATE_INACTIVE
+    settled = len(h.chunks)
+    h.feed_until(lambda: False, timeout=0.5)
+    assert len(h.chunks) == settled, "an inactive node published"
+    assert h.transition(Transition.TRANSITION_CLEANUP)
+    assert h.state() == State.PRIMARY_STATE_UNCONFIGURED and h.node.policy is None
+    assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
+    assert h.state() == State.PRIMARY_STATE_FINALIZED
+
+
+def _configure_fails_saying(h: Harness, text: str) -> None:
+    # /rosout is how an operator sees the reason. Handshake first: a log line of the node's must arrive.
+    def rosout_connected() -> bool:
+        h.node.get_logger().info("rosout handshake")
+        time.sleep(0.1)
+        return any(log.msg == "rosout handshake" for log in h.logs)
+
+    assert h.wait_for(rosout_connected, timeout=10.0)
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
+    assert text in h.node.last_error
+    assert h.wait_for(lambda: any(text in log.msg for log in h.logs), timeout=5.0), [
+        log.msg for log in h.logs
+    ]
+
+
+def test_invalid_parameter_fails_configure_and_says_why(harness) -> None:
+    _configure_fails_saying(harness(**{"cache.rho_p": 2.0}), "cache.rho_p")
+
+
+def test_missing_checkpoint_fails_configure(harness, tmp_path) -> None:
+    _configure_fails_saying(
+        harness(**{"model.checkpoint": str(tmp_path / "absent.safetensors")}), "absent.safetensors"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ({"image_edit": lambda m: setattr(m, "encoding", "yuv422")}, "bad_image"),
+        ({"image_edit": lambda m: setattr(m, "data", bytes(m.data[:100]))}, "bad_image"),
+        ({"joint_value": float("nan")}, "bad_state"),
+        ({"skip_camera": 2}, "missing_camera"),
+        ({"stamp_offset_s": 30.0}, "future_stamp"),
+        ({"stamp_offset_s": -30.0}, "stale_image"),
+    ],
+)
+def test_bad_input_gives_no_chunk_and_the_node_stays_active(harness, bad: dict, reason: str) -> None:
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+
+    assert h.feed_until(lambda: h.drops().get(reason, 0) > 0, **bad), (
+        f"expected a {reason} drop, got {h.drops()}"
+    )
+    assert h.chunks == [] and h.state() == State.PRIMARY_STATE_ACTIVE
+    # Good input afterwards gives chunks again.
+    assert h.feed_until(lambda: len(h.chunks) > 0)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
+    h = harness()
+
+    def cycle() -> None:
+        for t in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE,
+                  Transition.TRANSITION_DEACTIVATE, Transition.TRANSITION_CLEANUP):  # fmt: skip
+            assert h.transition(t)
+
+    for _ in range(10):  # allocator pools, DDS entities and caches reach their steady state
+        cycle()
+    threads, rss = _threads(), _rss_mb()
+    for _ in range(100):
+        cycle()
+    assert _threads() <= threads, "threads grew over 100 lifecycle cycles"
+    assert _rss_mb() - rss < 40.0, f"memory grew {_rss_mb() - rss:.1f} MB over 100 cycles"

@@ -1,0 +1,100 @@
+"""Observation assembly from the newest messages: every refusal carries its reason."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
+
+MS = 1_000_000
+SLOTS = ("base_0_rgb", "left_wrist_0_rgb")
+JOINTS = ("a", "b", "c")
+
+
+def header(t_ns: int) -> SimpleNamespace:
+    return SimpleNamespace(stamp=SimpleNamespace(sec=t_ns // 1_000_000_000, nanosec=t_ns % 1_000_000_000))
+
+
+def image(t_ns: int, encoding: str = "rgb8", value: int = 7) -> SimpleNamespace:
+    return SimpleNamespace(
+        header=header(t_ns),
+        height=4,
+        width=6,
+        encoding=encoding,
+        is_bigendian=0,
+        step=18,
+        data=bytes([value] * 72),
+    )
+
+
+def joints(t_ns: int, names=JOINTS, value: float = 0.5) -> SimpleNamespace:
+    return SimpleNamespace(header=header(t_ns), name=list(names), position=[value] * len(names))
+
+
+def buffer() -> ObservationBuffer:
+    return ObservationBuffer(len(SLOTS), JOINTS, compressed=False, limits=Limits(100 * MS, 50 * MS, 80 * MS))
+
+
+def full(t: int) -> ObservationBuffer:
+    b = buffer()
+    b.put_image(0, image(t))
+    b.put_image(1, image(t + 10 * MS))
+    b.put_joint_state(joints(t + 5 * MS))
+    return b
+
+
+def reason(b: ObservationBuffer, now: int) -> DropReason:
+    with pytest.raises(ObservationUnavailable) as e:
+        b.observation(now, "task", SLOTS)
+    return e.value.reason
+
+
+def test_complete_observation() -> None:
+    t = 10**12
+    obs = full(t).observation(t + 20 * MS, "task", SLOTS)
+    assert obs.stamp_ns == t + 10 * MS  # the newest image
+    assert obs.images["left_wrist_0_rgb"].shape == (4, 6, 3)
+    assert obs.state.tolist() == [0.5, 0.5, 0.5] and obs.prompt == "task"
+
+
+def test_each_refusal_has_its_reason() -> None:
+    t = 10**12
+    b = buffer()
+    b.put_image(0, image(t))
+    assert reason(b, t) is DropReason.MISSING_CAMERA
+    b.put_image(1, image(t))
+    assert reason(b, t) is DropReason.MISSING_JOINTS
+    b.put_joint_state(joints(t, names=("a", "b")))
+    assert reason(b, t) is DropReason.MISSING_JOINTS
+    assert reason(full(t), t + 150 * MS) is DropReason.STALE_IMAGE
+    stale_joints = full(t)
+    stale_joints.put_joint_state(joints(t - 60 * MS))
+    assert reason(stale_joints, t + 10 * MS) is DropReason.STALE_JOINTS
+    skewed = full(t)
+    skewed.put_image(1, image(t + 90 * MS))
+    skewed.put_joint_state(joints(t + 45 * MS))
+    assert reason(skewed, t + 90 * MS) is DropReason.SKEW
+    assert reason(full(t + 10**9), t) is DropReason.FUTURE_STAMP
+    nan = full(t)
+    nan.put_joint_state(joints(t, value=float("nan")))
+    assert reason(nan, t + 10 * MS) is DropReason.BAD_STATE
+    bad = full(t)
+    bad.put_image(0, image(t, encoding="yuv422"))
+    assert reason(bad, t + 10 * MS) is DropReason.BAD_IMAGE
+
+
+def test_clear_forgets_everything() -> None:
+    t = 10**12
+    b = full(t)
+    b.clear()
+    assert reason(b, t) is DropReason.MISSING_CAMERA
+
+
+def test_image_copy_is_independent_of_the_message() -> None:
+    t = 10**12
+    b = full(t)
+    obs = b.observation(t + 20 * MS, "task", SLOTS)
+    assert np.all(obs.images["base_0_rgb"] == 7)
