@@ -143,6 +143,20 @@ class RMuscleNode(LifecycleNode):
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_activity()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_activity()  # shutdown may come from any state: undo activate, then configure
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_activity(self) -> None:
+        """Undo on_activate: the worker thread, timers and subscriptions; forget buffered messages."""
         self._stop_worker()
         for timer in self._timers:
             self.destroy_timer(timer)
@@ -151,21 +165,6 @@ class RMuscleNode(LifecycleNode):
         self._timers, self._subs = [], []
         if self._buffer is not None:
             self._buffer.clear()
-        return super().on_deactivate(state)
-
-    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._release()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop_worker()
-        for timer in self._timers:
-            self.destroy_timer(timer)
-        for sub in self._subs:
-            self.destroy_subscription(sub)
-        self._timers, self._subs = [], []
-        self._release()
-        return TransitionCallbackReturn.SUCCESS
 
     def _stop_worker(self) -> None:
         self._stop.set()
