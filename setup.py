@@ -17,6 +17,7 @@ setup(
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/config", sorted(glob("config/*.yaml"))),
+        (f"share/{PACKAGE}/launch", sorted(glob("launch/*.launch.py"))),
         # pip ignores setup.cfg install_scripts; launch_ros looks for lib/<package>/<executable>.
         (f"lib/{PACKAGE}", ["libexec/rmuscle_node"]),
     ],
