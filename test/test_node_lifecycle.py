@@ -6,6 +6,7 @@ process on one SingleThreadedExecutor (like the node's own `main`), over real DD
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 import threading
@@ -15,19 +16,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import PIL.Image
 import pytest
 
 rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
 pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
 
+from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Log  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from sensor_msgs.msg import Image, JointState  # noqa: E402
+from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 from rmuscle_ros.msg import ActionChunk  # noqa: E402
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
@@ -48,8 +52,11 @@ class Harness:
     node: RMuscleNode
     peer: Any
     executor: SingleThreadedExecutor
+    compressed: bool = False
     chunks: list = field(default_factory=list)
     logs: list = field(default_factory=list)
+    trajectories: list = field(default_factory=list)
+    diagnostics: list = field(default_factory=list)
 
     def call(self, client: Any, request: Any, timeout: float = 30.0) -> Any:
         assert client.wait_for_service(timeout_sec=10.0), f"service {client.srv_name} not available"
@@ -83,7 +90,14 @@ class Harness:
         self.reset = self.peer.create_client(Trigger, f"/{name}/reset_episode")
         self.peer.create_subscription(ActionChunk, f"/{name}/action_chunk", self.chunks.append, 10)
         self.peer.create_subscription(Log, "/rosout", self.logs.append, 100)
-        self.image_pubs = [self.peer.create_publisher(Image, t, qos_profile_sensor_data) for t in CAMERAS]
+        self.peer.create_subscription(
+            JointTrajectory, f"/{name}/joint_trajectory", self.trajectories.append, 10
+        )
+        self.peer.create_subscription(DiagnosticArray, "/diagnostics", self.diagnostics.append, 10)
+        image_type = CompressedImage if self.compressed else Image
+        self.image_pubs = [
+            self.peer.create_publisher(image_type, t, qos_profile_sensor_data) for t in CAMERAS
+        ]
         self.joint_pubs = [
             self.peer.create_publisher(JointState, t, qos_profile_sensor_data) for t in JOINT_TOPICS
         ]
@@ -100,9 +114,12 @@ class Harness:
         for i, pub in enumerate(self.image_pubs):
             if i == skip_camera:
                 continue
-            msg = Image(height=48, width=64, encoding="rgb8", step=64 * 3)
+            pixels = np.full((48, 64, 3), 40 * i, np.uint8)
+            if self.compressed:
+                msg = CompressedImage(format="jpeg", data=_jpeg(pixels))
+            else:
+                msg = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=pixels.tobytes())
             msg.header.stamp = stamp
-            msg.data = bytes(np.full(48 * 64 * 3, 40 * i, np.uint8))
             if image_edit is not None:
                 image_edit(msg)
             pub.publish(msg)
@@ -127,6 +144,12 @@ class Harness:
         return self.node.stats()["drops"]
 
 
+def _jpeg(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(out, format="JPEG")
+    return out.getvalue()
+
+
 def _recording(publish: Callable[..., int], stamps: list[int]) -> Callable[..., int]:
     def wrapped(**kwargs: Any) -> int:
         stamps.append(publish(**kwargs))
@@ -139,7 +162,7 @@ def _recording(publish: Callable[..., int], stamps: list[int]) -> Callable[..., 
 def harness() -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def make(**params: Any) -> Harness:
+    def make(compressed: bool = False, **params: Any) -> Harness:
         context = rclpy.Context()
         rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
         defaults = {"warmup": False, "actions_per_inference": 5, "max_image_age_s": 1.0, "max_joint_age_s": 1.0,
@@ -152,7 +175,9 @@ def harness() -> Iterator[Callable[..., Harness]]:
         executor.add_node(node)
         executor.add_node(peer)
         threading.Thread(target=executor.spin, daemon=True).start()
-        h = Harness(context, node, peer, executor)
+        if compressed:
+            node.set_parameters([Parameter("compressed_images", value=True)])
+        h = Harness(context, node, peer, executor, compressed=compressed)
         h.setup_clients()
         made.append(h)
         return h
@@ -200,6 +225,29 @@ def test_lifecycle_services_and_chunks(harness) -> None:
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED and h.node.policy is None
     assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
     assert h.state() == State.PRIMARY_STATE_FINALIZED
+
+
+def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
+    h = harness(compressed=True, publish_joint_trajectory=True)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2 and len(h.trajectories) >= 2), f"drops {h.drops()}"
+    traj = h.trajectories[0]
+    assert list(traj.joint_names) == list(ALOHA_JOINTS) and len(traj.points) == 50
+    assert traj.points[0].time_from_start.nanosec == 20_000_000  # one control period
+    assert np.allclose(traj.points[0].positions, np.asarray(h.chunks[0].actions[:14]), atol=1e-6)
+    # Camera 0 goes silent: its last frame ages past max_image_age_s, a drop to report.
+    assert h.feed_until(lambda: h.drops().get("stale_image", 0) > 0, skip_camera=0)
+
+    def reported() -> bool:
+        for array in h.diagnostics:
+            for status in array.status:
+                values = {kv.key: kv.value for kv in status.values}
+                ours = h.node.get_name() in status.name
+                if ours and int(values.get("chunks", 0)) >= 2 and "drops.stale_image" in values:
+                    return float(values["latency_p50_ms"]) > 0
+        return False
+
+    assert h.wait_for(reported, timeout=10.0), "diagnostics never reported chunks, latency and the drop"
 
 
 def _configure_fails_saying(h: Harness, text: str) -> None:
