@@ -1,0 +1,167 @@
+"""rosbag2 files without rosbag2_py (not on PyPI): write, replay with original timing, record.
+
+- `write_aloha_episode` writes an ALOHA-like episode (cameras at 30 Hz, 480×640 rgb8; both follower
+  arms' joint states at 100 Hz) as MCAP or sqlite3, with the `rosbags` package.
+- `BagPlayer` publishes a bag's messages (their CDR bytes, unchanged) on their topics at the recorded
+  pace, with /clock, which is what `ros2 bag play --clock` does; nodes run with use_sim_time.
+- `write_messages` records received messages (e.g. the node's ActionChunks) into a bag.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rosbags.highlevel import AnyReader
+from rosbags.rosbag2 import StoragePlugin, Writer
+from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+ALOHA_CAMERA_TOPICS = (
+    "/cam_high/camera/color/image_rect_raw",
+    "/cam_left_wrist/camera/color/image_rect_raw",
+    "/cam_right_wrist/camera/color/image_rect_raw",
+    "/cam_low/camera/color/image_rect_raw",
+)
+ALOHA_JOINT_TOPICS = ("/follower_left/joint_states", "/follower_right/joint_states")
+ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
+STORAGE = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+MSG_DIR = Path(__file__).resolve().parents[2] / "msg"
+
+
+def typestore(with_interfaces: bool = False) -> Any:
+    """The ROS 2 Jazzy typestore, optionally with this package's messages registered."""
+    store = get_typestore(Stores.ROS2_JAZZY)
+    if with_interfaces:
+        for msg in sorted(MSG_DIR.glob("*.msg")):
+            store.register(get_types_from_msg(msg.read_text(), f"rmuscle_ros/msg/{msg.stem}"))
+    return store
+
+
+def write_aloha_episode(
+    path: Path,
+    *,
+    storage: str = "mcap",
+    seconds: float = 3.0,
+    cameras: int = 3,
+    image_hz: float = 30.0,
+    joint_hz: float = 100.0,
+    size: tuple[int, int] = (480, 640),
+    start_ns: int = 1_700_000_000 * 10**9,
+) -> dict[str, list[int]]:
+    """Write a synthetic episode; returns the header stamps (ns) written per topic."""
+    store = typestore()
+    types = store.types
+    Image, JointState, Header, Time = (  # message classes
+        types["sensor_msgs/msg/Image"],
+        types["sensor_msgs/msg/JointState"],
+        types["std_msgs/msg/Header"],
+        types["builtin_interfaces/msg/Time"],
+    )
+    h, w = size
+    base = np.add.outer(np.arange(h, dtype=np.uint16), np.arange(w, dtype=np.uint16))
+    events: list[tuple[int, str, Any, str]] = []
+    for cam in range(cameras):
+        for i in range(int(seconds * image_hz)):
+            t = start_ns + round(i * 1e9 / image_hz)
+            frame = ((base + 7 * i + 60 * cam) % 256).astype(np.uint8)  # a moving gradient per camera
+            rgb = np.repeat(frame[:, :, None], 3, axis=2)
+            header = Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id=f"cam{cam}")
+            msg = Image(
+                header=header,
+                height=h,
+                width=w,
+                encoding="rgb8",
+                is_bigendian=0,
+                step=w * 3,
+                data=rgb.reshape(-1),
+            )
+            events.append((t, ALOHA_CAMERA_TOPICS[cam], msg, "sensor_msgs/msg/Image"))
+    for side, topic in zip(("left", "right"), ALOHA_JOINT_TOPICS, strict=True):
+        for i in range(int(seconds * joint_hz)):
+            t = start_ns + round(i * 1e9 / joint_hz)
+            header = Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id="")
+            position = 0.3 * np.sin(np.linspace(0, 1, 7) + 2 * np.pi * 0.5 * i / joint_hz)
+            msg = JointState(
+                header=header,
+                name=[f"{side}_{j}" for j in ALOHA_ARM_JOINTS],
+                position=position.astype(np.float64),
+                velocity=np.zeros(0),
+                effort=np.zeros(0),
+            )
+            events.append((t, topic, msg, "sensor_msgs/msg/JointState"))
+    events.sort(key=lambda e: e[0])
+    stamps: dict[str, list[int]] = {}
+    with Writer(path, version=9, storage_plugin=STORAGE[storage]) as writer:
+        connections = {}
+        for t, topic, msg, msgtype in events:
+            if topic not in connections:
+                connections[topic] = writer.add_connection(topic, msgtype, typestore=store)
+            writer.write(connections[topic], t, store.serialize_cdr(msg, msgtype))
+            stamps.setdefault(topic, []).append(t)
+    return stamps
+
+
+def _message_class(msgtype: str) -> Any:
+    package, _, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{package}.msg"), name)
+
+
+class BagPlayer:
+    """Publishes a bag into a live ROS graph at the recorded pace (with /clock), from an rclpy node."""
+
+    def __init__(self, node: Any, path: Path, qos: Any, remap: Mapping[str, str] | None = None) -> None:
+        from rosgraph_msgs.msg import Clock
+
+        self.node, self.path, self.remap = node, path, dict(remap or {})
+        self._clock_pub = node.create_publisher(Clock, "/clock", 10)
+        self._clock_type = Clock
+        self._qos = qos
+        self.published = 0
+
+    def play(self, rate: float = 1.0) -> None:
+        """Blocks until every message has been published at its recorded time (scaled by `rate`)."""
+        with AnyReader([self.path]) as reader:
+            pubs = {
+                c.topic: self.node.create_publisher(
+                    _message_class(c.msgtype), self.remap.get(c.topic, c.topic), self._qos
+                )
+                for c in reader.connections
+            }
+            time.sleep(0.5)  # discovery: let subscribers match before the first message
+            wall0, bag0 = time.monotonic(), None
+            for connection, t, raw in reader.messages():
+                bag0 = t if bag0 is None else bag0
+                delay = wall0 + (t - bag0) / 1e9 / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                clock = self._clock_type()
+                clock.clock.sec, clock.clock.nanosec = divmod(t, 10**9)
+                self._clock_pub.publish(clock)
+                pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes, unchanged
+                self.published += 1
+            for pub in pubs.values():
+                self.node.destroy_publisher(pub)
+
+
+def write_messages(
+    path: Path, topic: str, msgtype: str, messages: Iterable[tuple[int, bytes]], storage: str = "mcap"
+) -> None:
+    """Record (receive time ns, serialized CDR) pairs of one topic into a bag."""
+    store = typestore(with_interfaces=True)
+    with Writer(path, version=9, storage_plugin=STORAGE[storage]) as writer:
+        connection = writer.add_connection(topic, msgtype, typestore=store)
+        for t, raw in messages:
+            writer.write(connection, t, raw)
+
+
+def read_messages(path: Path, topic: str) -> list[tuple[int, Any]]:
+    """(bag time ns, deserialized message) for every message on `topic`, in order."""
+    with AnyReader([path], default_typestore=typestore(with_interfaces=True)) as reader:
+        connections = [c for c in reader.connections if c.topic == topic]
+        return [
+            (t, reader.deserialize(raw, c.msgtype)) for c, t, raw in reader.messages(connections=connections)
+        ]
