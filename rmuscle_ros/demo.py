@@ -1,9 +1,11 @@
-"""The README's first command: load a policy from config/demo.yaml and run it on synthetic observations.
+"""The README's first command.
 
-    python -m rmuscle_ros.demo [--config config/demo.yaml]
+    python -m rmuscle_ros.demo              # rmuscle_node on a replayed ALOHA-like bag (node/replay_demo.py)
+    python -m rmuscle_ros.demo --synthetic  # the policy alone (config/demo.yaml), synthetic observations
 
-Prints the action chunk's shape and the latency of each call (median and p90 over the calls after
-warm-up). The defaults need no files and no GPU: the `tiny` preset on the CPU with seeded weights.
+Both need no files and no GPU: the `tiny` preset on the CPU with seeded weights. The bag demo prints
+chunks, rate, latency p50/p99 and drops by reason, and writes a plot; the synthetic one prints the chunk
+shape and the latency per call (median and p90 after warm-up).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import yaml
 
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "demo.yaml"
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "config" / "demo.yaml"
 POLICY_KEYS = {f for f in PolicyConfig.__dataclass_fields__}
 
 
@@ -39,9 +42,21 @@ def load_demo_config(path: Path) -> tuple[PolicyConfig, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--calls", type=int, default=None, help="override the number of timed calls")
+    p.add_argument("--synthetic", action="store_true", help="policy only, synthetic observations, no ROS")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="--synthetic: policy config")
+    p.add_argument("--calls", type=int, default=None, help="--synthetic: number of timed calls")
+    p.add_argument("--seconds", type=float, default=6.0, help="bag demo: episode length")
+    p.add_argument("--out", type=Path, default=REPO / "build" / "demo", help="bag demo: output folder")
     args = p.parse_args(argv)
+    if not args.synthetic:
+        from rmuscle_ros.node.replay_demo import print_summary, run
+
+        print(
+            f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a replayed {args.seconds:g} s ALOHA-like episode"
+        )
+        summary = run(args.out, seconds=args.seconds)
+        print_summary(summary)
+        return 0 if summary["chunks"] > 0 else 1
     cfg, demo = load_demo_config(args.config)
     calls = args.calls or demo["calls"]
 

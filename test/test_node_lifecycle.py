@@ -372,3 +372,13 @@ def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str) -> No
     assert (gaps > 0).all(), gaps
     assert period_s - 0.1 <= gaps.mean() <= max(period_s, slowest) + 0.25, (gaps, slowest)
     assert all((c.horizon, c.action_dim, len(c.actions)) == (50, 14, 700) for c in chunks)
+
+
+def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rmuscle_ros.demo import main
+
+    assert main(["--seconds", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "chunks at" in out and "latency p50" in out and "drops by reason" in out
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    assert read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")

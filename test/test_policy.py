@@ -100,8 +100,8 @@ def test_norm_stats_are_applied_to_the_output(tmp_path: Path) -> None:
     )
 
 
-def test_demo_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--calls", "2"]) == 0
+def test_synthetic_demo_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--synthetic", "--calls", "2"]) == 0
     out = capsys.readouterr().out
     assert "action chunk 50 x 14" in out and "median" in out
 
