@@ -5,9 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
-from rmuscle_ros.node.params import ALOHA_JOINTS, ParameterError, node_config, parameter_defaults
+from rmuscle_ros.node.params import (
+    ALOHA_JOINTS,
+    ParameterError,
+    load_params_file,
+    node_config,
+    parameter_defaults,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
@@ -22,16 +27,7 @@ def test_defaults_build_a_valid_config() -> None:
 
 @pytest.mark.parametrize("profile", sorted(p.name for p in CONFIG_DIR.glob("rmuscle_*.yaml")))
 def test_shipped_profiles_are_valid(profile: str) -> None:
-    doc = yaml.safe_load((CONFIG_DIR / profile).read_text())
-    params = doc["rmuscle_node"]["ros__parameters"]
-
-    def flatten(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-        return out
-
-    node_config(flatten(params))
+    node_config(load_params_file(CONFIG_DIR / profile))
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from rmuscle_ros.runtime.policy import PI05_CAMERA_SLOTS, PolicyConfig
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 ALOHA_JOINTS = tuple(
     f"{side}_{joint}"
@@ -76,6 +81,18 @@ DERIVED = {
     "model.state_dim": "joint_names",
     "model.action_dim": "action_joint_names",
 }
+
+
+def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, Any]:
+    """The `ros__parameters` of a ROS params file, flattened to dotted names (what --params-file gives)."""
+
+    def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    return flatten(yaml.safe_load(path.read_text())[node_name]["ros__parameters"])
 
 
 def parameter_defaults() -> dict[str, Any]:

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import rclpy
-import yaml
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
@@ -33,22 +32,10 @@ from rmuscle_ros.node.bags import (
     write_aloha_episode,
     write_messages,
 )
-from rmuscle_ros.node.params import parameter_defaults
+from rmuscle_ros.node.params import load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out |= _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-    return out
-
-
-def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, Any]:
-    """The `ros__parameters` of a params file, flattened to dotted names (what --params-file gives)."""
-    return _flatten(yaml.safe_load(path.read_text())[node_name]["ros__parameters"])
 
 
 def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, Any]:
