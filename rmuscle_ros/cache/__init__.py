@@ -1,0 +1,1 @@
+"""rMuscle: the reference library, retrieval and alignment (sliding window and caches come next)."""

@@ -1,0 +1,246 @@
+"""The rMuscle reference library on disk: dense episodes the cell has already run.
+
+Layout of a library folder:
+
+    index.json                  versioned header + one entry per episode (file, sha256, calls, bytes, …)
+    episode_<id>.safetensors    one file per episode, tensors stacked over its calls:
+        descriptors   (T, C, D) float32  retrieval descriptor: pooled visual embedding per camera
+        images        (T, C, H, W, 3) uint8  the preprocessed observation, to rebuild the VLM states
+        tokens        (T, L) int64, token_mask (T, L) bool  the prompt with the discretised state
+        action_masks  (T, steps, depth, k) int16  top-ρn expert neurons per (step, layer), if recorded
+
+Guarantees:
+- **Keyed by content.** The index records the model's weights fingerprint and shapes; a library from
+  other weights is refused with a message saying so (`LibraryMismatch`).
+- **Atomic.** Episode files and the index are written to a temporary name, fsynced and renamed; the
+  index is replaced last, so a crash leaves the previous library intact.
+- **Checked.** Every episode file's sha256 is verified on open; a corrupt or missing episode is reported
+  and left out (its file is kept for inspection), never silently used. A corrupt index is an error; it is
+  moved aside (not deleted) before a new library is saved in its place.
+- **Bounded.** `max_bytes` / `max_episodes`, evicting the least recently used episodes.
+No pickle: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+LIBRARY_VERSION = 1
+INDEX = "index.json"
+EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")  # action_masks is optional
+
+
+class LibraryError(RuntimeError):
+    """A library that cannot be used (corrupt index, unknown version)."""
+
+
+class LibraryMismatch(LibraryError):
+    """A library recorded with other weights or shapes."""
+
+
+@dataclass(frozen=True)
+class LibraryKey:
+    """What a library must match: the model's weights fingerprint and the shapes it stores."""
+
+    weights: str  # rmuscle_ros.models.checkpoint.weights_fingerprint(model)
+    shapes: Mapping[str, int]  # e.g. cameras, descriptor_dim, image_size, max_tokens
+
+    def to_json(self) -> dict:
+        return {"weights": self.weights, "shapes": dict(self.shapes)}
+
+
+@dataclass
+class EpisodeEntry:
+    id: int
+    file: str
+    sha256: str
+    calls: int
+    bytes: int
+    created: float
+    last_used: float
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One recorded dense episode, arrays stacked over its calls."""
+
+    descriptors: np.ndarray  # (T, C, D) float32
+    images: np.ndarray  # (T, C, H, W, 3) uint8
+    tokens: np.ndarray  # (T, L) int64
+    token_mask: np.ndarray  # (T, L) bool
+    action_masks: np.ndarray | None = None  # (T, steps, depth, k) int16
+
+    def __post_init__(self) -> None:
+        t = self.descriptors.shape[0]
+        checks = {
+            "descriptors": (self.descriptors, 3, np.float32),
+            "images": (self.images, 5, np.uint8),
+            "tokens": (self.tokens, 2, np.int64),
+            "token_mask": (self.token_mask, 2, np.bool_),
+        }
+        if self.action_masks is not None:
+            checks["action_masks"] = (self.action_masks, 4, np.int16)
+        for name, (array, ndim, dtype) in checks.items():
+            if array.ndim != ndim or array.dtype != dtype or array.shape[0] != t:
+                raise ValueError(
+                    f"episode {name}: expected {ndim}-D {np.dtype(dtype).name} with {t} calls, "
+                    f"got shape {array.shape} dtype {array.dtype}"
+                )
+        if t == 0:
+            raise ValueError("an episode needs at least one call")
+
+    @property
+    def calls(self) -> int:
+        return self.descriptors.shape[0]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        out = {k: np.ascontiguousarray(getattr(self, k)) for k in EPISODE_TENSORS}
+        if self.action_masks is not None:
+            out["action_masks"] = np.ascontiguousarray(self.action_masks)
+        return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ReferenceLibrary:
+    """Episodes in memory (indexed) and on disk. Not thread-safe: one owner (the node's cache)."""
+
+    def __init__(
+        self, root: Path, key: LibraryKey, *, max_bytes: int = 4 << 30, max_episodes: int = 64
+    ) -> None:
+        if max_bytes <= 0 or max_episodes <= 0:
+            raise ValueError("max_bytes and max_episodes must be positive")
+        self.root, self.key = Path(root), key
+        self.max_bytes, self.max_episodes = max_bytes, max_episodes
+        self.entries: dict[int, EpisodeEntry] = {}
+        self.problems: list[str] = []  # what open() found wrong, for logs and CacheStatus
+        self._next_id = 0
+
+    # ── open / save ──────────────────────────────────────────────────────────────────────────────────────
+
+    @classmethod
+    def open(cls, root: Path, key: LibraryKey, **bounds: int) -> ReferenceLibrary:
+        """Load the index at `root` (empty library if there is none) and verify every episode file."""
+        lib = cls(root, key, **bounds)
+        index_path = lib.root / INDEX
+        if not index_path.exists():
+            return lib
+        try:
+            index = json.loads(index_path.read_text())
+            version, stored_key, episodes = index["version"], index["key"], index["episodes"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise LibraryError(
+                f"{index_path}: unreadable library index ({e}); it was left untouched"
+            ) from None
+        if version != LIBRARY_VERSION:
+            raise LibraryError(f"{index_path}: library version {version}, this build reads {LIBRARY_VERSION}")
+        if stored_key != key.to_json():
+            what = "weights" if stored_key.get("weights") != key.weights else "shapes"
+            raise LibraryMismatch(
+                f"{index_path}: recorded with other {what} ({stored_key}) than the loaded model ({key.to_json()}); "
+                "point library_path elsewhere or delete it to record a new library"
+            )
+        for raw in episodes:
+            entry = EpisodeEntry(**raw)
+            path = lib.root / entry.file
+            if not path.exists():
+                lib.problems.append(f"episode {entry.id}: {entry.file} is missing")
+            elif path.stat().st_size != entry.bytes or _sha256(path) != entry.sha256:
+                lib.problems.append(
+                    f"episode {entry.id}: {entry.file} is corrupt (checksum mismatch); left out"
+                )
+            else:
+                lib.entries[entry.id] = entry
+        for problem in lib.problems:
+            log.warning("reference library %s: %s", lib.root, problem)
+        lib._next_id = max([e["id"] for e in episodes], default=-1) + 1
+        return lib
+
+    def save_index(self) -> None:
+        """Atomically replace index.json with the current entries (episode files are already on disk)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        index_path = self.root / INDEX
+        if index_path.exists():
+            try:
+                json.loads(index_path.read_text())
+            except ValueError:  # never overwrite what we could not read: keep it for inspection
+                index_path.rename(index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}"))
+        index = {
+            "version": LIBRARY_VERSION,
+            "key": self.key.to_json(),
+            "episodes": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.id)],
+        }
+        _write_atomic(index_path, json.dumps(index, indent=1).encode())
+
+    # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
+
+    def add(self, episode: Episode, meta: Mapping[str, str] | None = None) -> int:
+        """Write a recorded episode, update the index atomically, evict LRU episodes past the bounds."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        episode_id = self._next_id
+        self._next_id += 1
+        name = f"episode_{episode_id:06d}.safetensors"
+        tmp = self.root / f".{name}.tmp-{os.getpid()}"
+        save_file(episode.tensors(), str(tmp), metadata={"episode": str(episode_id)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / name)
+        now = time.time()
+        path = self.root / name
+        self.entries[episode_id] = EpisodeEntry(
+            episode_id, name, _sha256(path), episode.calls, path.stat().st_size, now, now, dict(meta or {})
+        )
+        evicted = self._evict()
+        self.save_index()
+        for entry in evicted:  # delete files only once the index no longer names them
+            (self.root / entry.file).unlink(missing_ok=True)
+        return episode_id
+
+    def load(self, episode_id: int) -> Episode:
+        """Read an episode (checksum verified on open; marks it used for LRU eviction)."""
+        entry = self.entries[episode_id]
+        tensors = load_file(str(self.root / entry.file))
+        entry.last_used = time.time()
+        return Episode(**{k: tensors[k] for k in EPISODE_TENSORS}, action_masks=tensors.get("action_masks"))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries.values())
+
+    def _evict(self) -> list[EpisodeEntry]:
+        evicted = []
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.max_episodes or self.total_bytes > self.max_bytes
+        ):
+            oldest = min(self.entries.values(), key=lambda e: (e.last_used, e.id))
+            evicted.append(self.entries.pop(oldest.id))
+            log.info("reference library %s: evicted episode %d (least recently used)", self.root, oldest.id)
+        return evicted

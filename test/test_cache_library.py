@@ -1,0 +1,121 @@
+"""rMuscle reference library (persistence) and retrieval/alignment, on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rmuscle_ros.cache.library import Episode, LibraryError, LibraryKey, LibraryMismatch, ReferenceLibrary
+from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
+
+KEY = LibraryKey(
+    weights="abc123", shapes={"cameras": 2, "descriptor_dim": 8, "image_size": 16, "max_tokens": 12}
+)
+
+
+def episode(calls: int = 5, seed: int = 0, masks: bool = True) -> Episode:
+    rng = np.random.default_rng(seed)
+    return Episode(
+        descriptors=rng.standard_normal((calls, 2, 8)).astype(np.float32),
+        images=rng.integers(0, 256, (calls, 2, 16, 16, 3), dtype=np.uint8),
+        tokens=rng.integers(0, 300, (calls, 12)),
+        token_mask=np.ones((calls, 12), dtype=bool),
+        action_masks=rng.integers(0, 64, (calls, 3, 2, 32)).astype(np.int16) if masks else None,
+    )
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    ids = [lib.add(episode(seed=s), {"prompt": "fold"}) for s in range(3)]
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == ids and again.problems == []
+    loaded, original = again.load(ids[1]), episode(seed=1)
+    for name in ("descriptors", "images", "tokens", "token_mask", "action_masks"):
+        assert np.array_equal(getattr(loaded, name), getattr(original, name)), name
+    assert again.entries[ids[0]].meta == {"prompt": "fold"}
+
+
+def test_other_weights_are_refused(tmp_path: Path) -> None:
+    ReferenceLibrary.open(tmp_path, KEY).add(episode())
+    other = LibraryKey(weights="def456", shapes=KEY.shapes)
+    with pytest.raises(LibraryMismatch, match="other weights"):
+        ReferenceLibrary.open(tmp_path, other)
+
+
+def test_corrupt_episode_is_reported_and_left_out_not_deleted(tmp_path: Path) -> None:
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    good, bad = lib.add(episode(seed=1)), lib.add(episode(seed=2))
+    path = tmp_path / lib.entries[bad].file
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert list(again.entries) == [good]
+    assert any("corrupt" in p for p in again.problems) and path.exists()
+
+
+def test_corrupt_index_is_an_error_and_is_kept_when_a_new_library_is_saved(tmp_path: Path) -> None:
+    ReferenceLibrary.open(tmp_path, KEY).add(episode())
+    (tmp_path / "index.json").write_text('{"version": 1, "key": ')  # a partial write
+    with pytest.raises(LibraryError, match="unreadable library index"):
+        ReferenceLibrary.open(tmp_path, KEY)
+    fresh = ReferenceLibrary(tmp_path, KEY)
+    fresh.add(episode(seed=3))
+    assert list(tmp_path.glob("index.json.corrupt-*")), "the unreadable index was not kept"
+    assert json.loads((tmp_path / "index.json").read_text())["version"] == 1
+
+
+def test_bounded_size_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
+    first, second = lib.add(episode(seed=1)), lib.add(episode(seed=2))
+    lib.load(first)  # used more recently than `second`
+    third = lib.add(episode(seed=3))
+    assert sorted(lib.entries) == [first, third]
+    assert not list(tmp_path.glob(f"episode_{second:06d}*")), "evicted episode file still on disk"
+
+
+def test_episode_shapes_are_validated() -> None:
+    with pytest.raises(ValueError, match="images"):
+        Episode(
+            descriptors=np.zeros((2, 2, 8), np.float32),
+            images=np.zeros((3, 2, 16, 16, 3), np.uint8),
+            tokens=np.zeros((2, 12), np.int64),
+            token_mask=np.ones((2, 12), bool),
+        )
+
+
+def walk(seed: int, calls: int = 30) -> np.ndarray:
+    """Descriptors of a repetitive episode: a smooth path through descriptor space."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((2, 8))
+    drift = rng.standard_normal((2, 8)) * 0.15
+    return np.stack([base + t * drift for t in range(calls)]).astype(np.float32)
+
+
+def test_retrieval_finds_and_follows_the_same_task() -> None:
+    library = {0: walk(0), 1: walk(1), 2: walk(2)}
+    r = Retriever(RetrievalConfig(top_k=2, lookahead=4, threshold=0.8), library)
+    live = walk(1) + np.random.default_rng(9).standard_normal((30, 2, 8)).astype(np.float32) * 0.01
+    for t in range(0, 30, 3):  # the live episode advances 3 calls between queries: within the lookahead
+        matches = r.query(live[t])
+        assert matches[0].episode == 1 and matches[0].position == t and matches[0].similarity > 0.99
+        assert len(matches) == 2 and matches[0].similarity >= matches[1].similarity
+
+
+def test_alignment_only_looks_ahead() -> None:
+    r = Retriever(RetrievalConfig(top_k=1, lookahead=4, threshold=-1.0), {0: walk(0)})
+    assert r.query(walk(0)[10])[0].position == 10
+    assert r.query(walk(0)[2])[0].position == 10  # never aligns backwards
+    assert r.query(walk(0)[20])[0].position == 14  # at most `lookahead` ahead per call
+
+
+def test_fallback_is_sticky_until_reset() -> None:
+    r = Retriever(RetrievalConfig(threshold=0.8), {0: walk(0)})
+    assert r.query(walk(0)[5])
+    assert r.query(-walk(0)[6]) == [] and r.fallback  # the scene left the repertoire
+    assert r.query(walk(0)[7]) == []  # stays dense for the rest of the episode
+    r.reset()
+    assert r.query(walk(0)[0])[0].position == 0
