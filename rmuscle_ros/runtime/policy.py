@@ -156,9 +156,11 @@ class Policy:
             raise ValueError(f"state contains NaN or Inf: {state.tolist()}")
         prompt = build_prompt(obs.prompt, discretize_state(self.stats.state.normalize(state)))
         tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len)
+        # Host tensors: each engine places them (the graph engine copies into its static buffers and packs
+        # the prompt on the host, so a device copy here would only be read back).
         inputs = ModelInputs(
             images, masks, torch.from_numpy(tok.tokens)[None], torch.from_numpy(tok.mask)[None]
-        ).to(self.device)
+        )
         return inputs, tok.num_tokens, tok.truncated
 
     def postprocess(self, actions: torch.Tensor) -> np.ndarray:
@@ -173,7 +175,7 @@ class Policy:
         if noise is None:
             noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
         t_model = time.perf_counter()
-        raw = self.engine.sample_actions(inputs, noise.to(self.device))
+        raw = self.engine.sample_actions(inputs, noise)
         actions = self.postprocess(raw)  # .cpu() synchronises the device
         t_end = time.perf_counter()
         return ActionChunk(
