@@ -146,6 +146,11 @@ def main() -> None:
         flush=True,
     )
 
+    # The same engine with serial launches (no programmatic dependent launch), to measure what PDL buys.
+    serial = create_engine("graph", model, device, pdl=False) if graph.pdl else None
+    if serial is not None:
+        serial.warmup()
+
     # Accuracy: graph (bf16) vs eager float32 (the reference) and eager bf16, same weights/inputs/noise.
     ref_f32 = model.sample_actions(inputs, noise)
     out_graph = graph.sample_actions(inputs, noise)
@@ -156,6 +161,11 @@ def main() -> None:
     out_eager_bf16 = model.sample_actions(inputs, noise)
     accuracy = {
         "graph_vs_eager_bf16_rel_l2": rel_l2(out_graph, out_eager_bf16),
+        **(
+            {"graph_vs_graph_nopdl_rel_l2": rel_l2(out_graph, serial.sample_actions(inputs, noise))}
+            if serial
+            else {}
+        ),
         "graph_vs_eager_fp32_rel_l2": rel_l2(out_graph, ref_f32),
         "eager_bf16_vs_eager_fp32_rel_l2": rel_l2(out_eager_bf16, ref_f32),
     }
@@ -168,15 +178,20 @@ def main() -> None:
         k: round(statistics.median(cuda_time_ms(f, args.eager_iters)), 3) for k, f in stages_e.items()
     }
     bucket = graph.load_inputs(inputs, noise)
-    for variant, use_graphs in (("fused-nograph", False), ("graph", True)):
+    variants = [("fused-nograph", graph, False), ("graph", graph, True)]
+    if serial is not None:
+        variants.insert(1, ("graph-nopdl", serial, True))
+    for variant, engine, use_graphs in variants:
         results[variant] = summarize(
-            cuda_time_ms(lambda u=use_graphs: graph.sample_actions(inputs, noise, use_graphs=u), args.iters)
+            cuda_time_ms(
+                lambda e=engine, u=use_graphs: e.sample_actions(inputs, noise, use_graphs=u), args.iters
+            )
         )
-        graph.load_inputs(inputs, noise)
+        engine.load_inputs(inputs, noise)
         results[variant]["stages_ms"] = {
             s: round(
                 statistics.median(
-                    cuda_time_ms(lambda s=s, u=use_graphs: graph.run_stage(s, bucket, u), args.iters)
+                    cuda_time_ms(lambda e=engine, s=s, u=use_graphs: e.run_stage(s, bucket, u), args.iters)
                 ),
                 3,
             )
@@ -186,6 +201,7 @@ def main() -> None:
         results["eager"]["median_ms"] / results["graph"]["median_ms"], 2
     )
     results["graph"]["prompt_bucket"] = bucket
+    results["graph"]["pdl"] = graph.pdl
 
     costs = call_cost(cfg, args.prompt_tokens)
     peak, bw = ceilings["bf16_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12

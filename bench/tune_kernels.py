@@ -85,7 +85,7 @@ def sweep_fused() -> dict:
     out = {
         "expert_gate_up_geglu": sweep(
             "gate_up+geglu fused",
-            lambda cfg, i: triton_ops.linear_geglu(a, gate_up[i], act, cfg),
+            lambda cfg, i: triton_ops.linear_geglu(a, gate_up[i], act, config=cfg),
             lambda: ops.linear_geglu(a, gate_up[0], torch.empty_like(act)),
             lambda i: triton_ops.geglu(triton_ops.linear(a, gate_up[i]), act),  # baseline: the unfused pair
             grid,

@@ -10,7 +10,7 @@ import torch
 
 from rmuscle_ros.engine import create_engine, ops
 from rmuscle_ros.models.checkpoint import init_random_
-from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.config import GemmaConfig, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 pytestmark = [
@@ -110,6 +110,41 @@ def test_graph_engine_matches_eager_tiny(missing_camera: bool) -> None:
     assert torch.equal(out, again)
 
 
+def test_pdl_gives_the_same_actions_as_serial_launches() -> None:
+    """Programmatic dependent launch only overlaps weight prefetches with the previous kernel: the
+    arithmetic, and so the result, is bit-identical to the same engine launching kernels one by one."""
+    from rmuscle_ros.engine import triton_ops
+
+    if not triton_ops.pdl_supported(CUDA):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    # Widths at which the expert's matmuls take the weight-streaming kernels (which prefetch under PDL).
+    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
+    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma)
+    model = Pi05Model(cfg).to(CUDA).eval()
+    init_random_(model, 2)
+    inputs, noise = _inputs(cfg, valid_tokens=37, pad_to=60, missing_camera=False)
+    outs = []
+    for pdl in (True, False):
+        engine = create_engine("graph", model, CUDA, pdl=pdl)
+        engine.warmup()
+        outs.append(engine.sample_actions(inputs, noise))
+        outs.append(engine.sample_actions(inputs, noise, use_graphs=False))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_graph_engine_takes_host_tensors() -> None:
+    """The policy hands CPU tensors to the engine; the result equals that of device-resident inputs."""
+    cfg = get_preset("tiny")
+    model = Pi05Model(cfg).to(CUDA).eval()
+    init_random_(model, 3)
+    inputs, noise = _inputs(cfg, valid_tokens=20, pad_to=48, missing_camera=True)
+    engine = create_engine("graph", model, CUDA)
+    engine.warmup()
+    on_device = engine.sample_actions(inputs, noise)
+    on_host = engine.sample_actions(inputs.to(torch.device("cpu")), noise.cpu())
+    assert torch.equal(on_device, on_host)
+
+
 def test_graph_engine_rejects_batches() -> None:
     cfg = get_preset("tiny")
     model = Pi05Model(cfg).to(CUDA).eval()
@@ -176,3 +211,21 @@ def test_qkv_rope_matches_definition(triton_ops, h: int, kvh: int, dh: int) -> N
     for got, want in zip(outs[1], outs[0], strict=True):
         assert torch.isfinite(got).all() and rel(got, want) < 1e-2
     assert (outs[1][1][:, :off] == 0).all(), "qkv_rope wrote outside its K slice"
+
+
+def test_action_cache_kernels_match_definition(triton_ops) -> None:
+    """Full-size expert shapes: 2048 of 4096 neurons, gathered in place (no weight copies)."""
+    m, width, f, sel = 50, 1024, 4096, 2048
+    x = torch.randn(m, width, device=CUDA, dtype=torch.bfloat16)
+    gate_up = torch.randn(2 * f, width, device=CUDA, dtype=torch.bfloat16) * width**-0.5
+    down_t = torch.randn(f, width, device=CUDA, dtype=torch.bfloat16) * f**-0.5
+    neurons = torch.sort(torch.randperm(f, device=CUDA)[:sel]).values.to(torch.int32)
+    anchor = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
+    outs = []
+    for impl in (ops, triton_ops):
+        delta = impl.linear_geglu(
+            x, gate_up, torch.empty(m, sel, device=CUDA, dtype=torch.bfloat16), neurons=neurons, anchor=anchor
+        )
+        outs.append((delta, impl.linear(delta, down_t, 4, neurons=neurons)))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert torch.isfinite(got).all() and rel(got, want) < 1e-2

@@ -94,7 +94,7 @@ def test_few_row_matmuls(splits: int, no_fallback) -> None:
     out = triton_ops.linear(a, w, splits, cfg)
     assert out.shape == ((splits, 13, 48) if splits > 1 else (13, 48))
     assert rel(out, expected) < 1e-5
-    assert rel(triton_ops.linear_geglu(a, gate_up, torch.empty(13, 48), cfg), expected_geglu) < 1e-5
+    assert rel(triton_ops.linear_geglu(a, gate_up, torch.empty(13, 48), config=cfg), expected_geglu) < 1e-5
 
 
 def test_qkv_with_rope_epilogue(no_fallback) -> None:
@@ -110,3 +110,44 @@ def test_qkv_with_rope_epilogue(no_fallback) -> None:
         outs.append((q, k, v))
     assert all(rel(x, y) < 1e-5 for x, y in zip(outs[1], outs[0], strict=True))
     assert (outs[1][1][:, :9] == 0).all()
+
+
+def test_action_cache_kernels_read_only_selected_neurons(no_fallback) -> None:
+    """Gathered GeGLU minus the anchor, the down-projection over the same neurons from a K-major weight
+    (split-K), and add_norm adding the anchor output back (and storing it at the anchor step): each
+    equals its definition."""
+    m, width, f = 6, 128, 256
+    x, gate_up = torch.randn(m, width), torch.randn(2 * f, width) * 0.1
+    down_t = torch.randn(f, width) * 0.1  # (F, We): neuron j's output weights are row j
+    neurons = torch.sort(torch.randperm(f)[:128]).values.to(torch.int32)
+    anchor, y_anchor, res = torch.randn(m, f), torch.randn(m, width), torch.randn(m, width)
+    outs = []
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        cfg = {"config": {"bn": 16, "bk": 64}} if impl is triton_ops else {}
+        delta = impl.linear_geglu(x, gate_up, torch.empty(m, 128), neurons=neurons, anchor=anchor, **cfg)
+        y = impl.linear(delta, down_t, 2, neurons=neurons, **cfg)
+        r, h, stored = res.clone(), torch.empty(m, width), torch.empty(m, width)
+        impl.add_norm(r, y, h, eps=1e-6, rms=True, gate=torch.randn(width, generator=torch.Generator().manual_seed(1)),
+                      y_base=y_anchor, y_store=stored)  # fmt: skip
+        outs.append((delta, y, r, h, stored))
+    assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True))
+
+
+def test_whole_fused_forward_with_the_kernels() -> None:
+    """The fused π0.5 forward wired to the Triton kernels (interpreted) equals the same forward on the
+    PyTorch definitions: checks every call site's arguments, strides and buffers, not just each kernel.
+    Widths at which the expert takes the few-row kernels, split-K and the deferred norms."""
+    from conftest import random_inputs, tiny_model
+
+    from rmuscle_ros.engine.fused import FusedPi05
+    from rmuscle_ros.models.config import GemmaConfig, get_preset
+
+    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
+    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma, num_cameras=1, horizon=10, num_steps=2)
+    model = tiny_model(cfg, seed=7)
+    inputs, noise = random_inputs(cfg, valid_tokens=9, pad_to=12)
+    expected = FusedPi05(model, device="cpu", dtype=torch.float32, ops=ops).run(inputs, noise, bucket=16)
+    got = FusedPi05(model, device="cpu", dtype=torch.float32, ops=triton_ops).run(inputs, noise, bucket=16)
+    assert rel(got, expected) < 1e-5

@@ -233,7 +233,9 @@ class FusedPi05:
         ops = self.ops
         c = images.shape[0]
         patches = F.conv2d(images.to(self.dtype), self.patch_w, stride=v.patch_size)  # (C, Wv, 16, 16)
-        res = (patches.flatten(2).transpose(1, 2).float() + self.patch_b + self.pos_emb).reshape(-1, v.width)
+        # (C·256, Wv) float32 residual stream; contiguous, whatever layout the convolution returned.
+        tokens = patches.flatten(2).transpose(1, 2).float() + self.patch_b + self.pos_emb
+        res = tokens.reshape(-1, v.width).contiguous()
         n = res.shape[0]
         h = torch.empty(n, v.width, device=self.device, dtype=self.dtype)
         ops.add_norm(res, None, h, eps=v.layer_norm_eps, rms=False)

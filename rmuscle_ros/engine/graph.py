@@ -6,6 +6,10 @@ is computed is at most `bucket_step - 1` tokens rather than the full 200-token c
 graphs are captured in `warmup()`, before the first live call; the three stages (vision, prefill,
 denoise) are separate graphs replayed back to back, so the benchmark can time each one.
 
+On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`, see `triton_ops`):
+each kernel prefetches its weights while the previous one finishes. `pdl=False` turns it off (the
+benchmark measures both).
+
 All tensors that cross a graph boundary live in buffers allocated here, outside the graphs' shared
 memory pool, so graphs may be replayed in any order.
 """
@@ -58,12 +62,19 @@ class GraphEngine:
         buckets: list[int] | None = None,
         bucket_step: int = 32,
         use_cuda_graphs: bool = True,
+        pdl: bool | None = None,
     ) -> None:
         from rmuscle_ros.engine import triton_ops  # CUDA-only import, deferred on purpose
 
         cfg = self.cfg = model.cfg
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs
+        self._triton_ops = triton_ops
+        self.pdl = triton_ops.pdl_supported(device) if pdl is None else pdl
+        if self.pdl and not triton_ops.pdl_supported(device):
+            raise ValueError(
+                f"programmatic dependent launch needs compute capability 9.0+, {device} has less"
+            )
         self.fused = FusedPi05(model, device=device, dtype=torch.bfloat16, ops=triton_ops)
         self.fused.gelu_in_matmul = _cublaslt_gelu_is_tanh(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(cfg.max_token_len, bucket_step)
@@ -99,8 +110,15 @@ class GraphEngine:
         self.fused.denoise(self.noise, self.key_bias[bucket], self.kv, self.actions)
 
     def _stage_fn(self, stage: str, bucket: int) -> Callable[[], None]:
-        runners = {"vision": self._run_vision, "prefill": self._run_prefill, "denoise": self._run_denoise}
-        return lambda: runners[stage](bucket)
+        runner = {"vision": self._run_vision, "prefill": self._run_prefill, "denoise": self._run_denoise}[
+            stage
+        ]
+
+        def run() -> None:
+            with self._triton_ops.programmatic_launch(self.pdl):
+                runner(bucket)
+
+        return run
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream(self.device)

@@ -29,18 +29,25 @@ def add_norm(
     gate: Tensor | None = None,
     mul: Tensor | None = None,
     add: Tensor | None = None,
+    y_base: Tensor | None = None,
+    y_store: Tensor | None = None,
 ) -> Tensor:
     """Residual update then normalisation, in one pass over the row.
 
-    res (N, D) float32 residual stream, updated in place: res += (y + y_bias) * gate; y is (N, D) or
-    (splits, N, D) partial products to be summed.
+    res (N, D) float32 residual stream, updated in place: res += (y_base + y + y_bias) * gate; y is (N, D)
+    or (splits, N, D) partial products to be summed; y_store, if given, receives y_base + y + y_bias
+    before the gate (the Action Cache keeps the anchor step's FFN output this way; y_base adds it back).
     out (N, D) = norm(res) * mul + add, where norm is RMSNorm (`rms`) or LayerNorm without affine
     (affine terms are folded into the next matmul). Missing optional terms are identity.
     """
     if y is not None:
         delta = y.float() if y.ndim == 2 else y.float().sum(0)  # (splits, N, D): split-K partials
+        if y_base is not None:
+            delta = delta + y_base.float()
         if y_bias is not None:
             delta = delta + y_bias.float()
+        if y_store is not None:
+            y_store.copy_(delta)
         if gate is not None:
             delta = delta * gate.float()
         res += delta
@@ -57,24 +64,45 @@ def add_norm(
     return out
 
 
-def linear(a: Tensor, w: Tensor, splits: int = 1) -> Tensor:
-    """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices (splits, M, N)."""
+def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = None) -> Tensor:
+    """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices (splits, M, N).
+
+    With `neurons` (K,) the weight is instead K-major, w (K_full, N), and only its rows `neurons` are
+    read: a @ w[neurons] (the Action Cache's down-projection over the selected neurons).
+    """
+    w_nk = w if neurons is None else w[neurons.long()].t()  # (N, K)
     if splits == 1:
-        return a @ w.t()
+        return a @ w_nk.t()
     k = a.shape[1]
     if k % splits:
         raise ValueError(f"K={k} is not divisible into {splits} splits")
     return torch.stack(
         [
             (a_s.float() @ w_s.t().float())
-            for a_s, w_s in zip(a.chunk(splits, 1), w.chunk(splits, 1), strict=True)
+            for a_s, w_s in zip(a.chunk(splits, 1), w_nk.chunk(splits, 1), strict=True)
         ]
     )
 
 
-def linear_geglu(a: Tensor, gate_up: Tensor, out: Tensor) -> Tensor:
-    """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K)."""
-    return geglu(a @ gate_up.t(), out)
+def linear_geglu(
+    a: Tensor, gate_up: Tensor, out: Tensor, *, neurons: Tensor | None = None, anchor: Tensor | None = None
+) -> Tensor:
+    """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K).
+
+    With `neurons` (S,): only those neurons, reading only their rows of W_gate and W_up; out is (M, S).
+    With `anchor` (M, F) too: out = act[:, S] − anchor[:, S], the Action Cache's change since the anchor.
+    """
+    if neurons is None:
+        pre = a @ gate_up.t()
+    else:
+        f = gate_up.shape[0] // 2
+        idx = neurons.long()
+        pre = a @ gate_up[torch.cat([idx, idx + f])].t()
+    if anchor is None:
+        return geglu(pre, out)
+    act = geglu(pre, torch.empty(out.shape, dtype=torch.float32, device=out.device))
+    out.copy_(act - (anchor if neurons is None else anchor[:, neurons.long()]).float())
+    return out
 
 
 def geglu(gate_up: Tensor, out: Tensor) -> Tensor:

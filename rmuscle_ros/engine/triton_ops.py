@@ -2,11 +2,22 @@
 
 Each function has the same signature and meaning as its definition in `rmuscle_ros.engine.ops`.
 Only imported by the graph engine on a CUDA device (and by the interpreter-mode tests).
+
+**Programmatic dependent launch (PDL, Hopper and later).** Inside `programmatic_launch(True)` every
+kernel is launched so that it may start while the kernel before it is still running: it first prefetches
+what does not depend on that kernel (its weights, into L2), then waits (`griddepcontrol.wait`, which
+returns once the previous kernel has completed and its writes are visible) and only then reads
+activations or writes anything, and right after the wait it lets the next kernel start launching. A
+kernel may therefore overlap only the one before it, and only with weight prefetches: the results are
+the same as without PDL. The denoising loop is a chain of ~1,400 small dependent kernels, so hiding each
+launch and overlapping each weight stream with the previous kernel is where its time goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -16,6 +27,52 @@ from torch import Tensor
 from rmuscle_ros.engine import ops
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+
+_pdl = False  # read at launch time: graphs captured inside `programmatic_launch(True)` keep it
+
+
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool) -> Iterator[None]:
+    """Launch the kernels issued inside this block with programmatic dependent launch (module docstring)."""
+    global _pdl
+    previous, _pdl = _pdl, enabled
+    try:
+        yield
+    finally:
+        _pdl = previous
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """PDL needs compute capability 9.0 (Hopper) or later; the Triton interpreter has none."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _launch_opts() -> dict[str, bool]:
+    """Extra launch arguments: the PDL attribute only when enabled (the interpreter knows no such option)."""
+    return {"launch_pdl": True} if _pdl else {}
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 to fetch the 128-byte lines under `ptrs` (no registers are filled, nothing waits on it)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, rows, n_rows, stride_w, k_start, K_LEN: tl.constexpr, LINES: tl.constexpr):
+    """Prefetch w[rows, k_start : k_start + K_LEN] (bf16: one 128-byte line per 64 elements) into L2.
+    Out-of-range rows and the padding of LINES to a power of two are clamped to valid addresses."""
+    ks = k_start + tl.minimum(tl.arange(0, LINES) * 64, K_LEN - 1)
+    _prefetch_l2(w_ptr + tl.minimum(rows, n_rows - 1)[:, None] * stride_w + ks[None, :])
+
+
+@triton.jit
+def _pdl_enter():
+    """Wait until the previous kernel has finished (its writes visible), then let the next one launch."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -27,12 +84,16 @@ def _add_norm_kernel(
     mul_ptr,
     add_ptr,
     out_ptr,
+    base_ptr,
+    store_ptr,
     D,
     eps,
     stride_res,
     stride_y,
     stride_y_split,
     stride_out,
+    stride_base,
+    stride_store,
     Y_SPLITS: tl.constexpr,
     HAS_Y: tl.constexpr,
     HAS_Y_BIAS: tl.constexpr,
@@ -41,7 +102,12 @@ def _add_norm_kernel(
     HAS_ADD: tl.constexpr,
     RMS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_BASE: tl.constexpr,
+    STORE_Y: tl.constexpr,
 ):
+    if PDL:
+        _pdl_enter()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     valid = cols < D
@@ -50,8 +116,12 @@ def _add_norm_kernel(
         y = tl.load(y_ptr + row * stride_y + cols, mask=valid, other=0.0).to(tl.float32)
         for split in range(1, Y_SPLITS):  # split-K partial products, summed in a fixed order
             y += tl.load(y_ptr + split * stride_y_split + row * stride_y + cols, mask=valid, other=0.0)
+        if HAS_BASE:
+            y += tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
         if HAS_Y_BIAS:
             y += tl.load(y_bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        if STORE_Y:
+            tl.store(store_ptr + row * stride_store + cols, y, mask=valid)
         if HAS_GATE:
             y *= tl.load(gate_ptr + cols, mask=valid, other=0.0).to(tl.float32)
         x += y
@@ -79,8 +149,15 @@ def add_norm(
     gate: Tensor | None = None,
     mul: Tensor | None = None,
     add: Tensor | None = None,
+    y_base: Tensor | None = None,
+    y_store: Tensor | None = None,
 ) -> Tensor:
     n, d = res.shape
+    if any(t is not None and t.stride(-1) != 1 for t in (res, y, out, y_base, y_store)):  # rows only
+        return ops.add_norm(
+            res, y, out, eps=eps, rms=rms, y_bias=y_bias, gate=gate, mul=mul, add=add, y_base=y_base,
+            y_store=y_store,
+        )  # fmt: skip
     block = triton.next_power_of_2(d)
     _add_norm_kernel[(n,)](
         res,
@@ -90,12 +167,16 @@ def add_norm(
         res if mul is None else mul,
         res if add is None else add,
         out,
+        res if y_base is None else y_base,
+        res if y_store is None else y_store,
         d,
         eps,
         res.stride(0),
         0 if y is None else y.stride(-2),
         y.stride(0) if y is not None and y.ndim == 3 else 0,
         out.stride(0),
+        0 if y_base is None else y_base.stride(0),
+        0 if y_store is None else y_store.stride(0),
         Y_SPLITS=y.shape[0] if y is not None and y.ndim == 3 else 1,
         HAS_Y=y is not None,
         HAS_Y_BIAS=y_bias is not None,
@@ -104,13 +185,19 @@ def add_norm(
         HAS_ADD=add is not None,
         RMS=rms,
         BLOCK=block,
+        PDL=_pdl,
+        HAS_BASE=y_base is not None and y is not None,
+        STORE_Y=y_store is not None and y is not None,
         num_warps=4 if block <= 1024 else 8,
+        **_launch_opts(),
     )
     return out
 
 
 @triton.jit
-def _geglu_kernel(gu_ptr, out_ptr, F, stride_gu, stride_out, BLOCK: tl.constexpr):
+def _geglu_kernel(gu_ptr, out_ptr, F, stride_gu, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        _pdl_enter()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < F
@@ -125,7 +212,9 @@ def _geglu_kernel(gu_ptr, out_ptr, F, stride_gu, stride_out, BLOCK: tl.constexpr
 def geglu(gate_up: Tensor, out: Tensor) -> Tensor:
     n, f = out.shape
     block = 1024
-    _geglu_kernel[(n, triton.cdiv(f, block))](gate_up, out, f, gate_up.stride(0), out.stride(0), BLOCK=block)
+    _geglu_kernel[(n, triton.cdiv(f, block))](
+        gate_up, out, f, gate_up.stride(0), out.stride(0), BLOCK=block, PDL=_pdl, **_launch_opts()
+    )
     return out
 
 
@@ -147,7 +236,10 @@ def _rope_qkv_kernel(
     H: tl.constexpr,
     KVH: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        _pdl_enter()
     tok = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1 query heads, then KVH key heads, then KVH value heads
     offs = tl.arange(0, HALF)
@@ -204,6 +296,8 @@ def rope_qkv(
         H=num_heads,
         KVH=num_kv_heads,
         HALF=half,
+        PDL=_pdl,
+        **_launch_opts(),
     )
 
 
@@ -231,12 +325,15 @@ def _attention_kernel(
     BN: tl.constexpr,
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
     its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
     """
+    if PDL:
+        _pdl_enter()
     kv_head = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
     split = tl.program_id(2)
@@ -287,8 +384,11 @@ def _attention_kernel(
 
 @triton.jit
 def _attention_combine_kernel(
-    part_ptr, stats_ptr, out_ptr, N, total, num_splits, stride_out, SPLITS_P2: tl.constexpr, DH: tl.constexpr
-):
+    part_ptr, stats_ptr, out_ptr, N, total, num_splits, stride_out,
+    SPLITS_P2: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    if PDL:
+        _pdl_enter()
     row = tl.program_id(0)  # global row = kv_head·G·N + head-in-group·N + token = head·N + token
     head = row // N
     tok = row % N
@@ -305,71 +405,128 @@ def _attention_combine_kernel(
 
 @triton.jit
 def _skinny_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split,
+    a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
+    anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
+    PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
+    SUB_ANCHOR: tl.constexpr,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
 
-    With GEGLU, w is [W_gate; W_up] (2N rows) and c = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), (M, N).
+    GEGLU: w is [W_gate; W_up] (up rows start at `up_offset`) and c = gelu_tanh(g) * u, (M, N).
+    The Action Cache's gathers read only the selected neurons' weights, where they lie:
+    GATHER_N: output column j uses weight row idx[j] (and up_offset + idx[j]); SUB_ANCHOR: c -= anchor[:, idx[j]].
+    GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k].
+    The indices are written before the call, so they may be read before the PDL wait.
     """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
+    col_ok = cols < N
+    src = tl.load(idx_ptr + cols, mask=col_ok, other=0).to(tl.int64) if GATHER_N else cols
+    if PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
+        if GATHER_K:  # one short segment (BN columns) per selected row
+            kk = split * K_PER_SPLIT + tl.minimum(tl.arange(0, LINES), K_PER_SPLIT - 1)
+            _prefetch_l2(w_ptr + tl.load(idx_ptr + kk).to(tl.int64) * stride_w + tl.program_id(0) * BN)
+        else:
+            _prefetch_rows(w_ptr, src, up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES)
+            if GEGLU:
+                _prefetch_rows(
+                    w_ptr, up_offset + src, 2 * up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES
+                )
+        _pdl_enter()
     rows = tl.arange(0, BM)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K_PER_SPLIT, BK):
         ks = split * K_PER_SPLIT + k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
-        acc += tl.dot(a, tl.trans(w))
+        if GATHER_K:
+            k_src = tl.load(idx_ptr + ks).to(tl.int64)
+            w_kn = tl.load(w_ptr + k_src[:, None] * stride_w + cols[None, :], mask=col_ok[None, :], other=0.0)
+            acc += tl.dot(a, w_kn)
+        else:
+            w = tl.load(w_ptr + src[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0)
+            acc += tl.dot(a, tl.trans(w))
         if GEGLU:
             w_up = tl.load(
-                w_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0
+                w_ptr + (up_offset + src)[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0
             )
             acc_up += tl.dot(a, tl.trans(w_up))
     if GEGLU:
         z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
         acc = acc * tl.sigmoid(2.0 * z) * acc_up
+    out_ok = (rows[:, None] < M) & col_ok[None, :]
+    if SUB_ANCHOR:
+        anchor = tl.load(anchor_ptr + rows[:, None] * stride_anchor + src[None, :], mask=out_ok, other=0.0)
+        acc -= anchor.to(tl.float32)
     dst = c_ptr + split * stride_c_split + rows[:, None] * stride_c + cols[None, :]
-    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
 
 
 def _launch_skinny(
-    a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int]
-) -> None:
+    a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
+    neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
+) -> None:  # fmt: skip
+    k_split = a.shape[1] // splits
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
         a, w, c, a.shape[0], n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
-        K_PER_SPLIT=a.shape[1] // splits, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
-        BK=cfg["bk"], GEGLU=geglu, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
+        a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
+        K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
+        BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
+        LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
+        GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
+
+
+def _prefetch_lines(k: int) -> int:
+    return triton.next_power_of_2(max(1, k // 64))
 
 
 def _skinny_ok(a: Tensor, w: Tensor, splits: int, bk: int) -> bool:
     return a.shape[0] <= 64 and a.shape[1] % (splits * bk) == 0 and a.stride(-1) == 1 and w.stride(-1) == 1
 
 
-def linear(a: Tensor, w: Tensor, splits: int = 1, config: dict[str, int] | None = None) -> Tensor:
+def linear(
+    a: Tensor,
+    w: Tensor,
+    splits: int = 1,
+    config: dict[str, int] | None = None,
+    *,
+    neurons: Tensor | None = None,
+) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ. Few rows (the denoising steps): a weight-streaming Triton kernel, returning
     `splits` float32 partial products (splits, M, N) when splits > 1 (summed by `add_norm`), else (M, N)
-    in a's dtype. Many rows: cuBLAS. Default launch configs come from bench/tune_kernels.py on an H200."""
-    m, n = a.shape[0], w.shape[0]
+    in a's dtype. Many rows: cuBLAS. Default launch configs come from bench/tune_kernels.py on an H200.
+    `neurons`: w is K-major (K_full, N) and only those rows are read (see ops.linear)."""
+    m = a.shape[0]
+    n = w.shape[1] if neurons is not None else w.shape[0]
     # One config serves the expert's qkv, o (split 4), gate/up and down (split 8): within 4 % of the best
     # per shape in bench/results/triton_tuning_h200_hbm.json, and 1.0-1.7x faster than cuBLAS there.
     cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
-    if not _skinny_ok(a, w, splits, cfg["bk"]):
-        return ops.linear(a, w, splits)
+    if not _skinny_ok(a, w, splits, cfg["bk"]) or (neurons is not None and neurons.numel() != a.shape[1]):
+        return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
     c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
-    _launch_skinny(a, w, c, n, splits, False, cfg)
+    _launch_skinny(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None)
     return c
 
 
-def linear_geglu(a: Tensor, gate_up: Tensor, out: Tensor, config: dict[str, int] | None = None) -> Tensor:
-    """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K), in one kernel."""
-    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})  # 7.2 µs vs 9.4 unfused (H200)
-    if not _skinny_ok(a, gate_up, 1, cfg["bk"]):
-        return ops.linear_geglu(a, gate_up, out)
-    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg)
+def linear_geglu(
+    a: Tensor,
+    gate_up: Tensor,
+    out: Tensor,
+    *,
+    neurons: Tensor | None = None,
+    anchor: Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> Tensor:
+    """ops.linear_geglu in one kernel (H200, dense: 7.2 µs vs 9.4 unfused)."""
+    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
+        return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
+    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
     return out
 
 
@@ -378,7 +535,7 @@ def _skinny_qkv_rope_kernel(
     a_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, M,
     stride_a, stride_w, stride_cs, stride_q, stride_k_head, stride_k_tok, stride_v_head, stride_v_tok,
     K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
 ):  # fmt: skip
     """QKV projection with RoPE in the epilogue, for a few rows. Each program owns BN rotation pairs of
     one head: columns d and d + Dh/2, so the rotation needs nothing from other programs."""
@@ -387,6 +544,11 @@ def _skinny_qkv_rope_kernel(
     d = (tl.program_id(0) % blocks_per_head) * BN + tl.arange(0, BN)  # index within the first half
     cols = head * 2 * HALF + d
     rows = tl.arange(0, BM)
+    if PDL:  # prefetch this program's weight rows (both halves of each rotation pair), then wait
+        n_rows = (H + 2 * KVH) * 2 * HALF
+        _prefetch_rows(w_ptr, cols, n_rows, stride_w, 0, K, LINES)
+        _prefetch_rows(w_ptr, cols + HALF, n_rows, stride_w, 0, K, LINES)
+        _pdl_enter()
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
@@ -444,8 +606,8 @@ def qkv_rope(
         a.stride(0), w_qkv.stride(0), cos.stride(0), q_out.stride(0),
         k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
         K=a.shape[1], H=num_heads, KVH=num_kv_heads, HALF=half,
-        BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"], BK=cfg["bk"],
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"], BK=cfg["bk"], PDL=_pdl,
+        LINES=_prefetch_lines(a.shape[1]), num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
 
 
@@ -483,12 +645,12 @@ def attention(
     _attention_kernel[(kvh, row_blocks, splits)](
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
     if split:
         _attention_combine_kernel[(total,)](
             part, stats, out, n, total, splits, out.stride(0),
-            SPLITS_P2=triton.next_power_of_2(splits), DH=dh, num_warps=4,
+            SPLITS_P2=triton.next_power_of_2(splits), DH=dh, PDL=_pdl, num_warps=4, **_launch_opts(),
         )  # fmt: skip
     return out
