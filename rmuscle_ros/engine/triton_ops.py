@@ -502,9 +502,9 @@ def linear(
     `neurons`: w is K-major (K_full, N) and only those rows are read (see ops.linear)."""
     m = a.shape[0]
     n = w.shape[1] if neurons is not None else w.shape[0]
-    # One config serves the expert's qkv, o (split 4), gate/up and down (split 8): within 4 % of the best
-    # per shape in bench/results/triton_tuning_h200_hbm.json, and 1.0-1.7x faster than cuBLAS there.
-    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    # The expert's o (split 4) and down (split 8) projections: tuned inside the denoise graph with PDL
+    # (bench/results/tune_in_graph_h200.json; BN 64 beat 32 by 0.13 and 0.22 ms per call).
+    cfg = {"bn": 64, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, w, splits, cfg["bk"]) or (neurons is not None and neurons.numel() != a.shape[1]):
         return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
@@ -591,7 +591,7 @@ def qkv_rope(
     config: dict[str, int] | None = None,
 ) -> None:
     half = cos.shape[-1]
-    cfg = {"bn": 16, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    cfg = {"bn": 16, "bk": 128, "warps": 4, "stages": 3} | (config or {})  # in-graph tuning, H200
     if (
         not _skinny_ok(a, w_qkv, 1, cfg["bk"])
         or half % cfg["bn"]

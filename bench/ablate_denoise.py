@@ -1,0 +1,120 @@
+"""Where the denoising graph's time goes: re-capture it with one kind of kernel replaced by nothing.
+
+Each variant's actions are meaningless; only the replay time is of interest. The time a kernel kind
+costs *inside the graph* (its own run time plus the launch gap it adds, minus any overlap) is the
+dense replay time minus the replay time without it. Prints a table and writes JSON to --out.
+
+    python bench/ablate_denoise.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_pi05 import cuda_time_ms, make_inputs
+from rmuscle_ros.engine import create_engine, triton_ops
+from rmuscle_ros.models.checkpoint import init_random_
+from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.pi05 import Pi05Model
+
+KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm")
+EXTRA = ("attention_unsplit", "all")  # attention without split-KV (no combine kernel); every kind removed
+
+
+def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
+    """triton_ops with the given kernel kinds replaced by returning a preallocated buffer of the right shape."""
+    m = types.ModuleType("ablated")
+    for name in dir(triton_ops):
+        setattr(m, name, getattr(triton_ops, name))
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def buf(shape, dtype, device):
+        key = (tuple(shape), dtype)
+        if key not in cache:
+            cache[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return cache[key]
+
+    e = fused.cfg.expert
+    dropped_k = {e.num_heads * e.head_dim for k in kinds if k == "o_proj"} | {
+        e.mlp_dim for k in kinds if k == "down_proj"
+    }
+    if "qkv_rope" in kinds:
+        m.qkv_rope = lambda *a, **k: None
+    if "attention" in kinds:
+        m.attention = lambda q, *a, **k: q
+    if "attention_unsplit" in kinds:
+        m.attention = lambda *a, **k: triton_ops.attention(*a, config={"max_splits": 1}, **k)
+    if dropped_k:
+
+        def linear(a, w, s=1, *args, **kw):
+            if a.shape[1] in dropped_k:
+                shape = (s, a.shape[0], w.shape[0]) if s > 1 else (a.shape[0], w.shape[0])
+                return buf(shape, torch.float32 if s > 1 else a.dtype, a.device)
+            return triton_ops.linear(a, w, s, *args, **kw)
+
+        m.linear = linear
+    if "linear_geglu" in kinds:
+        m.linear_geglu = lambda a, w, out, **k: out
+    if "add_norm" in kinds:
+        m.add_norm = lambda res, y, out, **k: out
+    return m
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="pi05")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    cfg = get_preset(args.preset)
+    model = Pi05Model(cfg).to(device).eval()
+    init_random_(model, 0)
+    engine = create_engine("graph", model, device)
+    del model
+    inputs, noise = make_inputs(cfg, 50, device, 0)
+    bucket = engine.load_inputs(inputs, noise)
+    engine.warmup()
+    results = {}
+
+    def time_denoise() -> float:
+        return statistics.median(cuda_time_ms(lambda: engine.run_stage("denoise", bucket), args.iters))
+
+    results["dense"] = time_denoise()
+    real_ops = engine.fused.ops
+    for kind in KINDS + EXTRA:
+        engine.fused.ops = ablated_ops(set(KINDS) if kind == "all" else {kind}, engine.fused)
+        engine._graphs.pop(("denoise", bucket))
+        engine._graphs[("denoise", bucket)] = engine._capture(engine._stage_fn("denoise", bucket))
+        results[f"without {kind}"] = time_denoise()
+    engine.fused.ops = real_ops
+    steps, depth = cfg.num_steps, cfg.expert.depth
+    print(f"denoise graph replay, {steps} steps x {depth} layers: dense {results['dense']:.3f} ms")
+    print("| kernel kind | ms in graph | µs per layer-step |\n|---|---|---|")
+    rows = {}
+    for kind in KINDS + EXTRA:
+        cost = results["dense"] - results[f"without {kind}"]
+        per = cost * 1e3 / (steps * depth)
+        rows[kind] = {"ms": round(cost, 3), "us_per_layer_step": round(per, 2)}
+        print(f"| {kind} | {cost:.3f} | {per:.2f} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ablate_denoise.json").write_text(
+            json.dumps(
+                {"gpu": torch.cuda.get_device_name(device), "replay_ms": results, "kinds": rows}, indent=1
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

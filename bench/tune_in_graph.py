@@ -1,0 +1,129 @@
+"""Tune the denoising loop's kernel configurations where they run: inside the captured denoise graph.
+
+Isolated sweeps (tune_kernels.py) cannot see launch overlap (programmatic dependent launch) or the
+caches as the chain leaves them. Here each candidate configuration of one kernel kind is set, the
+full-size denoise graph is re-captured, and its replay is timed (median of --iters); the other kinds
+keep their defaults. Also checks each candidate's actions against the default's (bf16 tolerance).
+Writes bench/results/tune_in_graph_<gpu>.json.
+
+    python bench/tune_in_graph.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_pi05 import cuda_time_ms, make_inputs
+from rmuscle_ros.engine import create_engine, triton_ops
+from rmuscle_ros.models.checkpoint import init_random_
+from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.pi05 import Pi05Model
+
+GRIDS: dict[str, dict[str, list[int]]] = {
+    "attention": {
+        "bm": [16, 32, 64],
+        "bn": [32, 64],
+        "max_splits": [4, 8, 16],
+        "warps": [4, 8],
+        "stages": [3],
+    },
+    "qkv_rope": {"bn": [16, 32], "bk": [64, 128, 256], "warps": [4, 8], "stages": [3, 4]},
+    "linear_geglu": {"bn": [16, 32, 64], "bk": [64, 128, 256], "warps": [4], "stages": [3, 4]},
+    "o_proj": {"splits": [2, 4, 8], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
+    "down_proj": {"splits": [4, 8, 16], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
+}
+
+
+def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
+    m = types.ModuleType("configured")
+    for name in dir(triton_ops):
+        setattr(m, name, getattr(triton_ops, name))
+    kcfg = {k: v for k, v in cfg.items() if k != "splits"}
+    e = fused.cfg.expert
+    if kind == "attention":
+        m.attention = lambda *a, **k: triton_ops.attention(*a, config=kcfg)
+    elif kind == "qkv_rope":
+        m.qkv_rope = lambda *a, **k: triton_ops.qkv_rope(*a, config=kcfg)
+    elif kind == "linear_geglu":
+        m.linear_geglu = lambda a, w, out, **k: triton_ops.linear_geglu(a, w, out, config=kcfg, **k)
+    else:
+        k_dim = e.num_heads * e.head_dim if kind == "o_proj" else e.mlp_dim
+
+        def linear(a, w, s=1, config=None, **kw):
+            return triton_ops.linear(a, w, s, kcfg if a.shape[1] == k_dim else config, **kw)
+
+        m.linear = linear
+    return m
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="pi05")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--only", action="append", choices=list(GRIDS), default=None)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args()
+    device = torch.device("cuda")
+    cfg = get_preset(args.preset)
+    model = Pi05Model(cfg).to(device).eval()
+    init_random_(model, 0)
+    engine = create_engine("graph", model, device)
+    del model
+    inputs, noise = make_inputs(cfg, 50, device, 0)
+    bucket = engine.load_inputs(inputs, noise)
+    engine.warmup()
+    fused = engine.fused
+    defaults = {"o_splits": fused.o_splits, "down_splits": fused.down_splits}
+    key = ("denoise", bucket)
+
+    def replay_ms() -> float:
+        return statistics.median(cuda_time_ms(lambda: engine.run_stage("denoise", bucket), args.iters))
+
+    engine.run_stage("prefill", bucket)
+    engine.run_stage("denoise", bucket)
+    reference = engine.actions.clone()
+    results: dict[str, dict] = {"default_ms": round(replay_ms(), 4)}
+    print(f"default denoise replay: {results['default_ms']} ms", flush=True)
+    for kind in args.only or list(GRIDS):
+        rows = []
+        grid = GRIDS[kind]
+        for values in itertools.product(*grid.values()):
+            c = dict(zip(grid, values, strict=True))
+            fused.ops = configured_ops(kind, c, fused)
+            if "splits" in c:
+                setattr(fused, "o_splits" if kind == "o_proj" else "down_splits", c["splits"])
+            try:
+                engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket))
+                engine.run_stage("denoise", bucket)
+                err = ((engine.actions - reference).norm() / reference.norm()).item()
+                row = {"config": c, "ms": round(replay_ms(), 4), "rel_err_vs_default": float(f"{err:.2e}")}
+            except Exception as exc:  # a config the kernel cannot compile (shared memory, shapes)
+                row = {"config": c, "error": f"{type(exc).__name__}: {str(exc)[:80]}"}
+            rows.append(row)
+            fused.ops = triton_ops
+            fused.o_splits, fused.down_splits = defaults["o_splits"], defaults["down_splits"]
+        ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+        results[kind] = {"best": ok[:6], "failed": [r for r in rows if "error" in r][:6]}
+        print(f"{kind}: " + "; ".join(f"{r['ms']} ms {r['config']}" for r in ok[:4]), flush=True)
+        engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket))
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(device)
+    (args.out / f"tune_in_graph_{gpu.split()[-1].lower()}.json").write_text(
+        json.dumps({"gpu": gpu, "preset": args.preset, "pdl": engine.pdl, "results": results}, indent=1)
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
