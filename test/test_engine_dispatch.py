@@ -13,7 +13,7 @@ from rmuscle_ros.engine import BACKENDS, create_engine
 
 
 def test_unknown_backend_lists_the_choices(tiny) -> None:
-    with pytest.raises(ValueError, match=r"unknown backend 'tensorrt'.*\['eager', 'graph'\]"):
+    with pytest.raises(ValueError, match=r"unknown backend 'tensorrt'.*\['eager', 'fused', 'graph'\]"):
         create_engine("tensorrt", tiny, "cpu")
 
 
@@ -34,14 +34,15 @@ def test_eager_engine_runs_the_model() -> None:
         create_engine("eager", model, "cpu", dtype="float16")
 
 
-def test_cpu_path_never_imports_gpu_modules() -> None:
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_cpu_path_never_imports_gpu_modules(backend: str) -> None:
     code = (
         "import sys; from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation;"
-        "p = Policy(PolicyConfig()); p.infer(synthetic_observation(p.cfg, 'x'));"
-        "print(sorted(m for m in sys.modules if m == 'triton' or m.endswith(('triton_ops', 'engine.graph'))))"
+        f"p = Policy(PolicyConfig(backend={backend!r})); p.infer(synthetic_observation(p.cfg, 'x'));"
+        "print(sorted(m for m in sys.modules if m == 'triton' or m.endswith('triton_ops')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip() == "[]"
-    assert set(BACKENDS) == {"eager", "graph"}
+    assert set(BACKENDS) == {"eager", "fused", "graph"}

@@ -229,3 +229,47 @@ def test_action_cache_kernels_match_definition(triton_ops) -> None:
         outs.append((delta, impl.linear(delta, down_t, 4, neurons=neurons)))
     for got, want in zip(outs[1], outs[0], strict=True):
         assert torch.isfinite(got).all() and rel(got, want) < 1e-2
+
+
+def _rmuscle_call(engine, inputs, noise, variant: str, use_graphs: bool = True) -> torch.Tensor:
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket, use_graphs)
+    engine.run_stage("prefill", bucket, use_graphs, variant="cached" if variant == "cached" else "dense")
+    engine.run_stage("denoise", bucket, use_graphs, variant=variant)
+    return engine.actions.clone()
+
+
+def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation() -> None:
+    from rmuscle_ros.engine.fused import ContextRef
+    from rmuscle_ros.engine.graph import CacheShapes
+
+    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
+    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma)
+    model = Pi05Model(cfg).to(CUDA).eval()
+    init_random_(model, 4)
+    ref_inputs, noise = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
+    live_inputs, _ = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
+    live_inputs.images.add_(0.02 * torch.randn_like(live_inputs.images)).clamp_(-1, 1)
+    for shapes in (CacheShapes(1.0, 1.0), CacheShapes(0.4, 0.5)):
+        engine = create_engine("graph", model, CUDA, buckets=[64], cache=shapes)
+        engine.warmup()
+        bucket = engine.load_inputs(ref_inputs, noise)
+        for stage, variant in (("vision", "dense"), ("prefill", "dense"), ("denoise", "record")):
+            engine.run_stage(stage, bucket, variant=variant)
+        masks = engine.recorded_masks.clone()
+        entry, entry_nograph = (ContextRef.allocate(cfg, CUDA, torch.bfloat16) for _ in range(2))
+        engine.rebuild_entry(ref_inputs, entry)
+        engine.rebuild_stream.synchronize()
+        engine.rebuild_entry(ref_inputs, entry_nograph, use_graphs=False)
+        engine.rebuild_stream.synchronize()
+        assert torch.equal(entry.ffn_in, entry_nograph.ffn_in) and torch.equal(
+            entry.ffn_out, entry_nograph.ffn_out
+        )
+        dense = _rmuscle_call(engine, live_inputs, noise, "dense")
+        engine.load_reference(entry, masks)
+        cached = _rmuscle_call(engine, live_inputs, noise, "cached")
+        if shapes.rho_p == 1.0:
+            assert torch.equal(cached, dense), "ρ = 1 must replay the dense graphs"
+        else:
+            assert torch.isfinite(cached).all() and not torch.equal(cached, dense)
+            assert torch.equal(cached, _rmuscle_call(engine, live_inputs, noise, "cached", use_graphs=False))

@@ -32,6 +32,8 @@ class Engine(Protocol):
 BACKENDS: dict[str, tuple[str, str, bool]] = {
     "eager": ("rmuscle_ros.engine.eager", "EagerEngine", False),
     "graph": ("rmuscle_ros.engine.graph", "GraphEngine", True),
+    # The graph engine's computation on any device without graphs (CPU: float32 PyTorch definitions).
+    "fused": ("rmuscle_ros.engine.graph", "GraphEngine", False),
 }
 
 

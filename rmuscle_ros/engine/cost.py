@@ -77,3 +77,29 @@ def call_cost(cfg: Pi05Config, prompt_tokens: int, weight_bytes: int = 2) -> dic
 
 def total(costs: dict[str, StageCost]) -> StageCost:
     return StageCost(sum(c.flops for c in costs.values()), sum(c.bytes for c in costs.values()))
+
+
+def rmuscle_cost(
+    cfg: Pi05Config, prompt_tokens: int, rho_p: float, rho_n: float, anchors: int = 1, weight_bytes: int = 2
+) -> dict[str, StageCost]:
+    """Cost of one rMuscle call: the Context Cache recomputes the prefix FFNs for ceil(ρp·visual) + prompt
+    rows and reads the reference entry (FFN inputs and outputs of the visual tokens); the Action Cache
+    reads and multiplies ceil(ρn·F) of the expert's F neurons in every step after the anchors."""
+    from rmuscle_ros.engine.fused import rho_count  # torch-free callers of call_cost stay torch-free
+
+    base = call_cost(cfg, prompt_tokens, weight_bytes)
+    g, e = cfg.vlm, cfg.expert
+    n_img, n = cfg.image_tokens, cfg.image_tokens + prompt_tokens
+    recomputed = rho_count(rho_p, n_img) + prompt_tokens
+    ffn_layers = g.depth - 1
+    prefill = StageCost(
+        base["prefill"].flops - ffn_layers * 2 * (n - recomputed) * g.width * 3 * g.mlp_dim,
+        base["prefill"].bytes + ffn_layers * 2 * n_img * g.width * weight_bytes,
+    )
+    skipped = e.mlp_dim - rho_count(rho_n, e.mlp_dim)
+    cached = (cfg.num_steps - anchors) * e.depth
+    denoise = StageCost(
+        base["denoise"].flops - cached * 2 * cfg.horizon * 3 * e.width * skipped,
+        base["denoise"].bytes - cached * 3 * e.width * skipped * weight_bytes,
+    )
+    return {"vision": base["vision"], "prefill": prefill, "denoise": denoise}

@@ -10,6 +10,18 @@ Built once from a loaded `Pi05Model`, it folds what is constant per model into t
 The residual stream is float32, matmuls run in `dtype` (bf16 on the GPU). The prefix's last layer only
 computes K/V: nothing reads its attention or MLP output.
 
+rMuscle (DESIGN.md §4) enters here as optional arguments, so the cached computation is the dense one with
+a few operators swapped, on any backend:
+- `prefill(context=...)`: the Context Cache. Per layer, the visual tokens whose FFN input drifted least
+  from the reference entry copy the reference's FFN output; the top ρp, and every prompt token, are
+  recomputed. `prefill(record=...)` writes a reference entry (the FFN inputs and outputs of the visual
+  tokens) instead: that is how the sliding window is rebuilt from a library observation.
+- `denoise(action=...)`: the Action Cache. Dense anchor step(s), then each expert FFN reads only the
+  selected neurons' weights and adds its change onto the anchor's output. `denoise(record_masks=...)`
+  runs dense and writes the top-ρn neurons by contribution score per (step, layer): what a recorded
+  episode stores for later cached calls.
+Without those arguments the computation is exactly the dense one (same operators, same order).
+
 The operators come from an ops module (`ops` = PyTorch definitions, `triton_ops` = fused kernels) so the
 same code runs on the CPU in tests and under CUDA-graph capture on the GPU. Batch size is 1.
 """
@@ -68,6 +80,56 @@ class StepModulation:
     ffn_gate: Tensor
     final_mul: Tensor  # (steps, We)
     final_add: Tensor
+
+
+@dataclass
+class ContextRef:
+    """One reference entry of the Context Cache: per prefix layer that has an FFN (depth − 1), the FFN
+    input (post-attention norm) and FFN output of the visual tokens, in the engine's dtype."""
+
+    ffn_in: Tensor  # (depth − 1, C·256, W)
+    ffn_out: Tensor
+
+    @staticmethod
+    def allocate(cfg: Pi05Config, device: torch.device, dtype: torch.dtype) -> ContextRef:
+        shape = (cfg.vlm.depth - 1, cfg.image_tokens, cfg.vlm.width)
+        return ContextRef(
+            torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        )
+
+    def copy_(self, other: ContextRef) -> ContextRef:
+        self.ffn_in.copy_(other.ffn_in, non_blocking=True)
+        self.ffn_out.copy_(other.ffn_out, non_blocking=True)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.ffn_in.numel() * self.ffn_in.element_size()
+
+
+@dataclass
+class ContextCache:
+    """Context Cache arguments of a prefill: the matched reference entry and how many visual tokens to
+    recompute per layer (ceil(ρp · C·256))."""
+
+    ref: ContextRef
+    keep: int
+
+
+@dataclass
+class ActionCache:
+    """Action Cache arguments of a denoise: steps < anchors run dense (the last one is the anchor); later
+    steps use neurons[s, i], the selected expert neurons of (step s, layer i), sorted, int32."""
+
+    neurons: Tensor  # (steps, depth, S) int32
+    anchors: int = 1
+
+
+def rho_count(rho: float, n: int) -> int:
+    """How many of n items a fraction ρ keeps: ceil(ρ·n), at least 1 (exact for ρ·n integral)."""
+    if not 0.0 < rho <= 1.0:
+        raise ValueError(f"a keep fraction must be in (0, 1], got {rho}")
+    return max(1, min(n, math.ceil(rho * n - 1e-9)))
 
 
 @dataclass
@@ -137,6 +199,16 @@ class FusedPi05:
         self.down_splits = split_k(e.mlp_dim)
         with torch.no_grad():
             self._prepare(model)
+        self.down_t: list[Tensor] | None = None  # K-major expert down-projections, for the Action Cache
+
+    def prepare_action_cache(self) -> int:
+        """Build what the Action Cache reads: each expert layer's down-projection stored K-major (F, We), so
+        that a selected neuron's output weights are one contiguous row, and their column norms for the
+        contribution scores. Returns the extra bytes held (a one-time copy, never per call)."""
+        if self.down_t is None:
+            self.down_t = [layer.down_w.t().contiguous() for layer in self.expert_layers]
+            self.down_norms = torch.stack([layer.down_w.float().norm(dim=0) for layer in self.expert_layers])
+        return sum(t.numel() * t.element_size() for t in self.down_t) + self.down_norms.numel() * 4
 
     # ── weight preparation (float32 arithmetic, then cast) ──────────────────────────────────────────────
 
@@ -252,10 +324,20 @@ class FusedPi05:
             ops.add_norm(res, act @ layer.fc2_w.t(), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.fc2_b)
         return torch.addmm(self.proj_b, h, self.proj_w.t(), out=out)
 
-    def prefill(self, visual: Tensor, tokens: Tensor, pad_mask: Tensor, kv: KVBuffers) -> Tensor:
+    def prefill(
+        self,
+        visual: Tensor,
+        tokens: Tensor,
+        pad_mask: Tensor,
+        kv: KVBuffers,
+        *,
+        context: ContextCache | None = None,
+        record: ContextRef | None = None,
+    ) -> Tensor:
         """Run the VLM over [visual tokens; prompt tokens] and write every layer's K/V into `kv`.
 
         visual (C·256, W); tokens (L,) int64; pad_mask (Lp,) bool with Lp = C·256 + L.
+        context: run the FFNs with the Context Cache; record: write this call's visual FFN inputs/outputs.
         Returns the key bias (Lp,) float32 (0 = attended, NEG_INF = missing camera or padding).
         """
         g = self.cfg.vlm
@@ -276,13 +358,56 @@ class FusedPi05:
                 break  # only the last layer's K/V is ever read
             attn = ops.attention(q, k, v, key_bias, g.num_heads)
             ops.add_norm(res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True)
-            gate_up = h @ layer.gate_up_w.t()
-            act = ops.geglu(gate_up, torch.empty(lp, g.mlp_dim, device=self.device, dtype=self.dtype))
-            ops.add_norm(res, act @ layer.down_w.t(), h, eps=g.rms_norm_eps, rms=True)
+            if context is None:
+                y = self._prefix_ffn(h, layer)
+            else:
+                y = self._context_cached_ffn(
+                    h, layer, context.ref.ffn_in[i], context.ref.ffn_out[i], context.keep
+                )
+            if record is not None:
+                nv = record.ffn_in.shape[1]
+                record.ffn_in[i].copy_(h[:nv])
+                record.ffn_out[i].copy_(y[:nv])
+            ops.add_norm(res, y, h, eps=g.rms_norm_eps, rms=True)
         return key_bias
 
-    def denoise(self, noise: Tensor, prefix_key_bias: Tensor, kv: KVBuffers, out: Tensor) -> Tensor:
-        """10 Euler steps of the action expert attending the prefix K/V. noise, out (horizon, action_dim) f32."""
+    def _prefix_ffn(self, x: Tensor, layer: GemmaLayerWeights) -> Tensor:
+        act = self.ops.geglu(
+            x @ layer.gate_up_w.t(),
+            torch.empty(x.shape[0], layer.down_w.shape[1], device=self.device, dtype=self.dtype),
+        )
+        return act @ layer.down_w.t()
+
+    def _context_cached_ffn(
+        self, h: Tensor, layer: GemmaLayerWeights, ref_in: Tensor, ref_out: Tensor, keep: int
+    ) -> Tensor:
+        """FFN output of [visual; prompt] rows: the `keep` visual rows whose input drifted most from the
+        reference (squared L2) and every prompt row recomputed, the other visual rows copied."""
+        nv = ref_in.shape[0]
+        drift = (h[:nv].float() - ref_in.float()).pow(2).sum(-1)
+        chosen = torch.topk(drift, keep, sorted=False).indices
+        rows = torch.cat([chosen, torch.arange(nv, h.shape[0], device=h.device)])
+        y = torch.cat(
+            [ref_out, torch.empty(h.shape[0] - nv, h.shape[1], device=h.device, dtype=ref_out.dtype)]
+        )
+        y[rows] = self._prefix_ffn(h[rows], layer).to(y.dtype)
+        return y
+
+    def denoise(
+        self,
+        noise: Tensor,
+        prefix_key_bias: Tensor,
+        kv: KVBuffers,
+        out: Tensor,
+        *,
+        action: ActionCache | None = None,
+        record_masks: Tensor | None = None,
+    ) -> Tensor:
+        """10 Euler steps of the action expert attending the prefix K/V. noise, out (horizon, action_dim) f32.
+
+        action: run the expert FFNs with the Action Cache. record_masks (steps, depth, S) int32: run dense
+        and write, for every step after the first, the S neurons with the largest contribution score
+        (|a_s − a_0| summed over the chunk, times ‖W_down[:, j]‖), sorted."""
         cfg, e = self.cfg, self.cfg.expert
         ops, mod = self.ops, self.modulation
         lp, ha = prefix_key_bias.shape[0], cfg.horizon
@@ -295,6 +420,20 @@ class FusedPi05:
         h = torch.empty(ha, e.width, device=self.device, dtype=self.dtype)
         q = torch.empty(ha, e.num_heads * e.head_dim, device=self.device, dtype=self.dtype)
         act = torch.empty(ha, e.mlp_dim, device=self.device, dtype=self.dtype)
+        anchors = 0
+        if action is not None or record_masks is not None:
+            if self.down_t is None:
+                raise RuntimeError("call prepare_action_cache() before running the Action Cache")
+            anchors = action.anchors if action is not None else 1
+            if not 1 <= anchors < cfg.num_steps:
+                raise ValueError(f"Action Cache anchors must be in 1..{cfg.num_steps - 1}, got {anchors}")
+            depth = len(self.expert_layers)
+            act_anchor = torch.empty(depth, ha, e.mlp_dim, device=self.device, dtype=self.dtype)
+            y_anchor = torch.empty(depth, ha, e.width, device=self.device)
+            if action is not None:
+                sel = action.neurons.shape[-1]
+                delta = torch.empty(ha, sel, device=self.device, dtype=self.dtype)
+                sel_splits = split_k(sel)
         x_t = out.copy_(noise)
         last = len(self.expert_layers) - 1
         for s in range(cfg.num_steps):
@@ -320,15 +459,36 @@ class FusedPi05:
                     res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
                 )  # fmt: skip
-                ops.linear_geglu(h, layer.gate_up_w, act)
                 nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
                 nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
-                ops.add_norm(
-                    res, ops.linear(act, layer.down_w, self.down_splits), h, eps=e.rms_norm_eps, rms=True,
-                    gate=mod.ffn_gate[s, i], mul=nxt_mul, add=nxt_add,
-                )  # fmt: skip
+                norm = {
+                    "eps": e.rms_norm_eps,
+                    "rms": True,
+                    "gate": mod.ffn_gate[s, i],
+                    "mul": nxt_mul,
+                    "add": nxt_add,
+                }
+                if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
+                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
+                    y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
+                    ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
+                elif action is not None:  # cached: only the selected neurons, added onto the anchor
+                    idx = action.neurons[s, i]
+                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
+                    y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
+                    ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
+                else:
+                    ops.linear_geglu(h, layer.gate_up_w, act)
+                    ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
+                    if record_masks is not None:
+                        record_masks[s, i] = self._top_neurons(act, act_anchor[i], i, record_masks.shape[-1])
             x_t.addmm_(h.float(), self.euler_w.t()).add_(self.euler_b)  # x ← x + dt·v
         return x_t
+
+    def _top_neurons(self, act: Tensor, act_anchor: Tensor, layer: int, count: int) -> Tensor:
+        """The `count` neurons with the largest contribution score, sorted, int32 (cache.sparse_ffn)."""
+        score = (act.float() - act_anchor.float()).abs().sum(0) * self.down_norms[layer]
+        return torch.topk(score, count, sorted=False).indices.sort().values.to(torch.int32)
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: Tensor, bucket: int) -> Tensor:

@@ -10,25 +10,51 @@ On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`,
 each kernel prefetches its weights while the previous one finishes. `pdl=False` turns it off (the
 benchmark measures both).
 
+With `cache` (rMuscle shapes) the engine also captures the cached variants — prefill with the Context
+Cache, denoise with the Action Cache — and a dense denoise that records Action Cache masks, all reading
+and writing static buffers (`ctx_ref`, `neurons`, `recorded_masks`). A second set of buffers, the
+*rebuild lane*, reconstructs reference entries (vision + a recording prefill on a library observation)
+on a low-priority CUDA stream with its own graph memory pool, so it can run while a live call does.
+ρ = 1 selects the dense graphs themselves: that is what makes ρ = 1 exact.
+
 All tensors that cross a graph boundary live in buffers allocated here, outside the graphs' shared
 memory pool, so graphs may be replayed in any order.
+
+On a CPU device the same engine runs the PyTorch definitions in float32 without graphs (backend
+"fused"): the CPU tests and the demo use it for rMuscle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from rmuscle_ros.engine.fused import KV_ALIGN, FusedPi05, KVBuffers, pack_prompt, round_up
+from rmuscle_ros.engine import ops as torch_ops
+from rmuscle_ros.engine.fused import (
+    KV_ALIGN,
+    ActionCache,
+    ContextCache,
+    ContextRef,
+    FusedPi05,
+    KVBuffers,
+    pack_prompt,
+    rho_count,
+    round_up,
+)
+from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 log = logging.getLogger(__name__)
 
 STAGES = ("vision", "prefill", "denoise")
+VARIANTS = {"vision": ("dense",), "prefill": ("dense", "cached"), "denoise": ("dense", "cached", "record")}
 
 
 def default_buckets(max_tokens: int, step: int) -> list[int]:
@@ -51,6 +77,48 @@ def _cublaslt_gelu_is_tanh(device: torch.device) -> bool:
     return err_tanh < 1e-4 < err_erf
 
 
+@dataclass(frozen=True)
+class CacheShapes:
+    """What fixes the cached graphs' shapes: keep fractions and the number of dense anchor steps."""
+
+    rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per layer
+    rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated per step
+    anchors: int = 1  # dense denoising steps before the Action Cache takes over
+
+    def __post_init__(self) -> None:
+        for name in ("rho_p", "rho_n"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if self.anchors < 1:
+            raise ValueError(f"anchors must be >= 1, got {self.anchors}")
+
+    def keep_tokens(self, cfg: Pi05Config) -> int:
+        return rho_count(self.rho_p, cfg.image_tokens)
+
+    def keep_neurons(self, cfg: Pi05Config) -> int:
+        return rho_count(self.rho_n, cfg.expert.mlp_dim)
+
+
+class _Lane:
+    """Static buffers for one stream of calls (the live lane, or the rebuild lane)."""
+
+    def __init__(self, cfg: Pi05Config, buckets: list[int], device: torch.device, dtype: torch.dtype) -> None:
+        c, per_image = cfg.num_cameras, cfg.vision.tokens_per_image
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
+        self.images = zeros(c, 3, cfg.vision.image_size, cfg.vision.image_size)
+        self.image_mask = zeros(c, dtype=torch.bool)
+        self.noise = zeros(cfg.horizon, cfg.action_dim)
+        self.actions = zeros(cfg.horizon, cfg.action_dim)
+        self.visual = zeros(c * per_image, cfg.vlm.width, dtype=dtype)
+        self.descriptor = zeros(c, cfg.vlm.width)  # retrieval descriptor: mean visual token per camera
+        self.tokens = {b: zeros(b, dtype=torch.long) for b in buckets}
+        self.token_mask = {b: zeros(b, dtype=torch.bool) for b in buckets}
+        self.key_bias = {b: zeros(c * per_image + b) for b in buckets}
+        capacity = round_up(c * per_image + max(buckets) + cfg.horizon, KV_ALIGN)
+        self.kv = KVBuffers.allocate(cfg, capacity, device, dtype)
+
+
 class GraphEngine:
     name = "graph"
 
@@ -63,64 +131,120 @@ class GraphEngine:
         bucket_step: int = 32,
         use_cuda_graphs: bool = True,
         pdl: bool | None = None,
+        cache: CacheShapes | None = None,
     ) -> None:
-        from rmuscle_ros.engine import triton_ops  # CUDA-only import, deferred on purpose
-
         cfg = self.cfg = model.cfg
-        self.device = device
-        self.use_cuda_graphs = use_cuda_graphs
-        self._triton_ops = triton_ops
-        self.pdl = triton_ops.pdl_supported(device) if pdl is None else pdl
-        if self.pdl and not triton_ops.pdl_supported(device):
-            raise ValueError(
-                f"programmatic dependent launch needs compute capability 9.0+, {device} has less"
-            )
-        self.fused = FusedPi05(model, device=device, dtype=torch.bfloat16, ops=triton_ops)
-        self.fused.gelu_in_matmul = _cublaslt_gelu_is_tanh(device)
+        self.device = device = torch.device(device)
+        cuda = device.type == "cuda"
+        ops: ModuleType
+        if cuda:
+            from rmuscle_ros.engine import triton_ops  # CUDA-only import, deferred on purpose
+
+            ops = triton_ops
+            self.pdl = triton_ops.pdl_supported(device) if pdl is None else pdl
+            if self.pdl and not triton_ops.pdl_supported(device):
+                raise ValueError(
+                    f"programmatic dependent launch needs compute capability 9.0+, {device} has less"
+                )
+        else:
+            ops, self.pdl, self.name = torch_ops, False, "fused"
+        self._triton_ops = ops if cuda else None
+        self.use_cuda_graphs = use_cuda_graphs and cuda
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.fused = FusedPi05(model, device=device, dtype=self.dtype, ops=ops)
+        self.fused.gelu_in_matmul = cuda and _cublaslt_gelu_is_tanh(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(cfg.max_token_len, bucket_step)
         if any(b % 16 for b in self.buckets):
             raise ValueError(f"prompt buckets must be multiples of 16, got {self.buckets}")
 
-        c, per_image = cfg.num_cameras, cfg.vision.tokens_per_image
-        zeros = lambda *shape, dtype=torch.float32: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
-        self.images = zeros(c, 3, cfg.vision.image_size, cfg.vision.image_size)
-        self.image_mask = zeros(c, dtype=torch.bool)
-        self.noise = zeros(cfg.horizon, cfg.action_dim)
-        self.actions = zeros(cfg.horizon, cfg.action_dim)
-        self.visual = zeros(c * per_image, cfg.vlm.width, dtype=torch.bfloat16)
-        self.tokens = {b: zeros(b, dtype=torch.long) for b in self.buckets}
-        self.token_mask = {b: zeros(b, dtype=torch.bool) for b in self.buckets}
-        self.key_bias = {b: zeros(c * per_image + b) for b in self.buckets}
-        capacity = round_up(c * per_image + max(self.buckets) + cfg.horizon, KV_ALIGN)
-        self.kv = KVBuffers.allocate(cfg, capacity, device, torch.bfloat16)
-        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self._pool: tuple[int, int] | None = None
+        self.live = _Lane(cfg, self.buckets, device, self.dtype)
+        # Names of the live buffers kept as attributes: the benchmark and tests read them directly.
+        self.images, self.image_mask, self.noise = self.live.images, self.live.image_mask, self.live.noise
+        self.actions, self.visual, self.kv = self.live.actions, self.live.visual, self.live.kv
+        self.tokens, self.token_mask, self.key_bias = (
+            self.live.tokens,
+            self.live.token_mask,
+            self.live.key_bias,
+        )
 
-    # ── the three stages, written against the static buffers ─────────────────────────────────────────────
+        self.cache = cache
+        self.rebuild: _Lane | None = None
+        if cache is not None:
+            self.cache_bytes = self.fused.prepare_action_cache()
+            self.keep_tokens, self.keep_neurons = cache.keep_tokens(cfg), cache.keep_neurons(cfg)
+            mask_shape = (cfg.num_steps, cfg.expert.depth, self.keep_neurons)
+            self.ctx_ref = ContextRef.allocate(cfg, device, self.dtype)  # input of the cached prefill
+            self.neurons = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # cached denoise
+            self.recorded_masks = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # record
+            self.rebuild = _Lane(cfg, self.buckets, device, self.dtype)
+            self.rebuilt_ref = ContextRef.allocate(cfg, device, self.dtype)  # output of the rebuild lane
+            # Rebuilds on the lowest-priority stream; live calls should run on `live_stream` (the highest),
+            # so that the GPU schedules a live call's kernels first whenever both have work queued.
+            lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
+            self.rebuild_stream = torch.cuda.Stream(device, priority=lowest) if cuda else None
+            self.live_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
+            self.cache_bytes += 2 * self.ctx_ref.nbytes + 2 * self.neurons.numel() * 4
+        self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
+        self._pools: dict[str, tuple[int, int] | None] = {"live": None, "rebuild": None}
 
-    def _run_vision(self, bucket: int) -> None:  # the images do not depend on the prompt bucket
-        self.fused.encode_images(self.images, self.visual)
+    # ── the stages, written against a lane's static buffers ──────────────────────────────────────────────
 
-    def _run_prefill(self, bucket: int) -> None:
+    def _run_vision(self, lane: _Lane) -> None:
+        self.fused.encode_images(lane.images, lane.visual)
+        c = self.cfg.num_cameras
+        lane.descriptor.copy_(lane.visual.view(c, -1, lane.visual.shape[-1]).float().mean(1))
+
+    def _run_prefill(self, lane: _Lane, bucket: int, variant: str) -> None:
         per_image = self.cfg.vision.tokens_per_image
-        pad_mask = torch.cat([self.image_mask.repeat_interleave(per_image), self.token_mask[bucket]])
-        self.key_bias[bucket].copy_(self.fused.prefill(self.visual, self.tokens[bucket], pad_mask, self.kv))
+        pad_mask = torch.cat([lane.image_mask.repeat_interleave(per_image), lane.token_mask[bucket]])
+        kw = {}
+        if variant == "cached" and self.keep_tokens < self.cfg.image_tokens:
+            kw["context"] = ContextCache(self.ctx_ref, self.keep_tokens)
+        elif variant == "record":
+            kw["record"] = self.rebuilt_ref
+        lane.key_bias[bucket].copy_(
+            self.fused.prefill(lane.visual, lane.tokens[bucket], pad_mask, lane.kv, **kw)
+        )
 
-    def _run_denoise(self, bucket: int) -> None:
-        self.fused.denoise(self.noise, self.key_bias[bucket], self.kv, self.actions)
+    def _run_denoise(self, lane: _Lane, bucket: int, variant: str) -> None:
+        kw = {}
+        if variant == "cached" and self.keep_neurons < self.cfg.expert.mlp_dim:
+            kw["action"] = ActionCache(self.neurons, self.cache.anchors)
+        elif variant == "record":
+            kw["record_masks"] = self.recorded_masks
+        self.fused.denoise(lane.noise, lane.key_bias[bucket], lane.kv, lane.actions, **kw)
 
-    def _stage_fn(self, stage: str, bucket: int) -> Callable[[], None]:
-        runner = {"vision": self._run_vision, "prefill": self._run_prefill, "denoise": self._run_denoise}[
-            stage
-        ]
+    def _run_rebuild(self, bucket: int) -> None:
+        self._run_vision(self.rebuild)
+        self._run_prefill(self.rebuild, bucket, "record")
+
+    def _stage_fn(self, stage: str, bucket: int, variant: str = "dense") -> Callable[[], None]:
+        if stage == "vision":
+            runner = lambda: self._run_vision(self.live)  # noqa: E731
+        elif stage == "prefill":
+            runner = lambda: self._run_prefill(self.live, bucket, variant)  # noqa: E731
+        elif stage == "denoise":
+            runner = lambda: self._run_denoise(self.live, bucket, variant)  # noqa: E731
+        elif stage == "rebuild":
+            runner = lambda: self._run_rebuild(bucket)  # noqa: E731
+        else:
+            raise ValueError(f"unknown stage {stage!r}")
+
+        # The recording variants copy activations out with memory-copy nodes right after a kernel that
+        # lets its dependents launch early; captured into a graph, such a copy read its source before the
+        # kernel had written it (H200, CUDA 13: a rebuilt entry of zeros). They are off the latency path
+        # (rebuilds) or rare (recorded dense episodes), so they launch kernels serially.
+        pdl = self.pdl and variant != "record" and stage != "rebuild"
 
         def run() -> None:
-            with self._triton_ops.programmatic_launch(self.pdl):
-                runner(bucket)
+            if self._triton_ops is None:
+                return runner()
+            with self._triton_ops.programmatic_launch(pdl):
+                runner()
 
         return run
 
-    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    def _capture(self, fn: Callable[[], None], pool: str = "live") -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
@@ -128,10 +252,19 @@ class GraphEngine:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+        with torch.cuda.graph(graph, pool=self._pools[pool]), torch.no_grad():
             fn()
-        self._pool = graph.pool()
+        self._pools[pool] = graph.pool()
         return graph
+
+    def _graph_keys(self) -> list[tuple[str, int, str]]:
+        keys = [("vision", 0, "dense")]
+        for b in self.buckets:
+            keys += [("prefill", b, "dense"), ("denoise", b, "dense")]
+            if self.cache is not None:
+                keys += [("prefill", b, "cached"), ("denoise", b, "cached"), ("denoise", b, "record")]
+                keys += [("rebuild", b, "record")]
+        return keys
 
     # ── Engine API ───────────────────────────────────────────────────────────────────────────────────────
 
@@ -140,25 +273,24 @@ class GraphEngine:
         timings: dict[str, float] = {}
         if not self.use_cuda_graphs:
             return timings
-        keys = [("vision", 0)] + [(stage, b) for b in self.buckets for stage in ("prefill", "denoise")]
-        for key in keys:
+        for key in self._graph_keys():
             if key not in self._graphs:
                 start = time.perf_counter()
-                self._graphs[key] = self._capture(self._stage_fn(*key))
-                timings[f"capture_{key[0]}_{key[1]}"] = time.perf_counter() - start
+                pool = "rebuild" if key[0] == "rebuild" else "live"
+                self._graphs[key] = self._capture(self._stage_fn(*key), pool)
+                timings[f"capture_{key[0]}_{key[1]}_{key[2]}"] = time.perf_counter() - start
         torch.cuda.synchronize(self.device)
         log.info("graph engine: captured %d graphs in %.2f s", len(self._graphs), sum(timings.values()))
         return timings
 
-    def load_inputs(self, inputs: ModelInputs, noise: torch.Tensor) -> int:
-        """Copy one observation into the static buffers; returns the prompt bucket it uses."""
-        if inputs.tokens.shape[0] != 1 or noise.shape[0] != 1:
+    def _load(self, lane: _Lane, inputs: ModelInputs, noise: torch.Tensor | None) -> int:
+        if inputs.tokens.shape[0] != 1 or (noise is not None and noise.shape[0] != 1):
             raise ValueError(
                 f"the graph engine runs one observation per call, got batch {inputs.tokens.shape[0]}"
             )
-        if tuple(inputs.images.shape[1:]) != tuple(self.images.shape):
+        if tuple(inputs.images.shape[1:]) != tuple(lane.images.shape):
             raise ValueError(
-                f"images must be (1, {', '.join(map(str, self.images.shape))}), got {tuple(inputs.images.shape)}"
+                f"images must be (1, {', '.join(map(str, lane.images.shape))}), got {tuple(inputs.images.shape)}"
             )
         # Pack the prompt on the host: a handful of integers, and no small kernels or syncs on the GPU.
         token_row, mask_row = inputs.tokens[0].cpu(), inputs.token_mask[0].cpu()
@@ -167,21 +299,60 @@ class GraphEngine:
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
         tokens, token_mask = pack_prompt(token_row, mask_row, bucket)
-        self.images.copy_(inputs.images[0], non_blocking=True)
-        self.image_mask.copy_(inputs.image_masks[0], non_blocking=True)
-        self.tokens[bucket].copy_(tokens, non_blocking=True)
-        self.token_mask[bucket].copy_(token_mask, non_blocking=True)
-        self.noise.copy_(noise[0], non_blocking=True)
+        lane.images.copy_(inputs.images[0], non_blocking=True)
+        lane.image_mask.copy_(inputs.image_masks[0], non_blocking=True)
+        lane.tokens[bucket].copy_(tokens, non_blocking=True)
+        lane.token_mask[bucket].copy_(token_mask, non_blocking=True)
+        if noise is not None:
+            lane.noise.copy_(noise[0], non_blocking=True)
         return bucket
 
-    def run_stage(self, stage: str, bucket: int, use_graph: bool = True) -> None:
+    def load_inputs(self, inputs: ModelInputs, noise: torch.Tensor) -> int:
+        """Copy one observation into the live buffers; returns the prompt bucket it uses."""
+        return self._load(self.live, inputs, noise)
+
+    def run_stage(self, stage: str, bucket: int, use_graph: bool = True, variant: str = "dense") -> None:
         """Run one stage on the loaded inputs: a graph replay once captured, else the fused ops directly."""
-        graph = self._graphs.get((stage, 0 if stage == "vision" else bucket)) if use_graph else None
+        if variant not in VARIANTS.get(stage, ("record",)):
+            raise ValueError(f"stage {stage!r} has no variant {variant!r}")
+        if variant != "dense" and self.cache is None:
+            raise RuntimeError(f"the {variant} {stage} needs an engine built with cache shapes")
+        graph = self._graphs.get((stage, 0 if stage == "vision" else bucket, variant)) if use_graph else None
         if graph is not None:
             graph.replay()
         else:
             with torch.no_grad():
-                self._stage_fn(stage, bucket)()
+                self._stage_fn(stage, bucket, variant)()
+
+    def descriptor(self) -> torch.Tensor:
+        """The retrieval descriptor of the loaded observation (after the vision stage): (cameras, W) f32."""
+        return self.live.descriptor
+
+    def load_reference(self, ref: ContextRef, neurons: torch.Tensor) -> None:
+        """Copy a reference entry and its Action Cache masks into the cached graphs' input buffers."""
+        if self.cache is None:
+            raise RuntimeError("load_reference needs an engine built with cache shapes")
+        self.ctx_ref.copy_(ref)
+        self.neurons.copy_(neurons, non_blocking=True)
+
+    @torch.no_grad()
+    def rebuild_entry(self, inputs: ModelInputs, out: ContextRef, use_graphs: bool = True) -> None:
+        """Reconstruct the reference entry of a library observation into `out` (a window slot).
+
+        Runs vision and a recording prefill on the rebuild lane, on the low-priority stream; returns
+        without waiting (the stream orders it; `rebuild_stream.synchronize()` waits)."""
+        if self.rebuild is None:
+            raise RuntimeError("rebuild_entry needs an engine built with cache shapes")
+        stream = self.rebuild_stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            bucket = self._load(self.rebuild, inputs, None)
+            graph = self._graphs.get(("rebuild", bucket, "record")) if use_graphs else None
+            if graph is not None:
+                graph.replay()
+            else:
+                self._stage_fn("rebuild", bucket)()
+            out.copy_(self.rebuilt_ref)
 
     @torch.no_grad()
     def sample_actions(

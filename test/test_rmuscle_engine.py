@@ -1,0 +1,129 @@
+"""rMuscle inside the engine (CPU, float32 PyTorch definitions of every kernel).
+
+The guarantees a user relies on: ρ = 1 is the dense result bit for bit; recording masks does not change
+the dense result; the cached arithmetic with nothing left out reproduces dense; a reference entry rebuilt
+from the same observation is what the dense prefill computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_inputs, rel_l2, tiny_model
+
+from rmuscle_ros.engine import create_engine
+from rmuscle_ros.engine.fused import ActionCache, ContextCache, ContextRef, rho_count
+from rmuscle_ros.engine.graph import CacheShapes
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=11)
+
+
+def _run(engine, inputs, noise, prefill: str, denoise: str) -> torch.Tensor:
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket)
+    engine.run_stage("prefill", bucket, variant=prefill)
+    engine.run_stage("denoise", bucket, variant=denoise)
+    return engine.actions.clone()
+
+
+def _reference(engine, inputs, noise) -> tuple[ContextRef, torch.Tensor]:
+    """Record an observation densely: its Action Cache masks and its rebuilt Context Cache entry."""
+    _run(engine, inputs, noise, "dense", "record")
+    masks = engine.recorded_masks.clone()
+    entry = ContextRef.allocate(engine.cfg, engine.device, engine.dtype)
+    engine.rebuild_entry(inputs, entry)
+    return entry, masks
+
+
+def test_rho_one_is_the_dense_result_bit_for_bit(model) -> None:
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=1.0, rho_n=1.0))
+    inputs, noise = random_inputs(model.cfg, valid_tokens=15, pad_to=20)
+    dense = _run(engine, inputs, noise, "dense", "dense")
+    entry, masks = _reference(engine, *random_inputs(model.cfg, valid_tokens=9, pad_to=20, seed=4))
+    engine.load_reference(entry, masks)
+    assert torch.equal(_run(engine, inputs, noise, "cached", "cached"), dense)
+
+
+def test_recording_masks_does_not_change_the_result(model) -> None:
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes())
+    inputs, noise = random_inputs(model.cfg, valid_tokens=15, pad_to=20)
+    assert torch.equal(
+        _run(engine, inputs, noise, "dense", "record"), _run(engine, inputs, noise, "dense", "dense")
+    )
+    masks = engine.recorded_masks
+    keep = rho_count(0.5, model.cfg.expert.mlp_dim)
+    assert masks.shape == (model.cfg.num_steps, model.cfg.expert.depth, keep)
+    later = masks[1:]  # step 0 is the anchor: its row is never used
+    assert (later[..., 1:] > later[..., :-1]).all(), "masks are sorted and without repeats"
+    assert int(later.min()) >= 0 and int(later.max()) < model.cfg.expert.mlp_dim
+
+
+def test_rebuilt_entry_is_what_the_dense_prefill_computed(model) -> None:
+    """The rebuild lane reproduces the live lane's FFN inputs/outputs for the same observation, so a
+    call whose reference is itself drifts by zero everywhere and the Context Cache copies exact values."""
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=0.4, rho_n=1.0))
+    inputs, noise = random_inputs(model.cfg, valid_tokens=15, pad_to=20)
+    entry, masks = _reference(engine, inputs, noise)
+    again = ContextRef.allocate(engine.cfg, engine.device, engine.dtype)
+    engine.rebuild_entry(inputs, again)
+    assert torch.equal(entry.ffn_in, again.ffn_in) and torch.equal(entry.ffn_out, again.ffn_out)
+    assert entry.ffn_in.abs().sum() > 0
+    engine.load_reference(entry, masks)
+    dense = _run(engine, inputs, noise, "dense", "dense")
+    assert rel_l2(_run(engine, inputs, noise, "cached", "cached"), dense) < 1e-5
+
+
+def test_cached_arithmetic_with_nothing_left_out_is_dense(model) -> None:
+    """Forced through the cached code paths (not the ρ = 1 shortcut): every visual token recomputed and
+    every neuron updated must give the dense actions (up to float32 rounding)."""
+    cfg = model.cfg
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes())
+    inputs, noise = random_inputs(cfg, valid_tokens=12, pad_to=20)
+    dense = _run(engine, inputs, noise, "dense", "dense")
+    entry, _ = _reference(engine, *random_inputs(cfg, valid_tokens=7, pad_to=20, seed=8))  # another scene
+    fused = engine.fused
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket)
+    pad_mask = torch.cat([engine.image_mask.repeat_interleave(256), engine.token_mask[bucket]])
+    key_bias = fused.prefill(
+        engine.visual,
+        engine.tokens[bucket],
+        pad_mask,
+        engine.kv,
+        context=ContextCache(entry, cfg.image_tokens),
+    )
+    every = torch.arange(cfg.expert.mlp_dim, dtype=torch.int32).expand(cfg.num_steps, cfg.expert.depth, -1)
+    out = torch.empty(cfg.horizon, cfg.action_dim)
+    fused.denoise(engine.noise, key_bias, engine.kv, out, action=ActionCache(every.contiguous(), anchors=1))
+    assert rel_l2(out, dense) < 1e-5
+
+
+def test_cached_call_differs_from_dense_only_by_the_approximation(model) -> None:
+    """A similar observation served from a reference: finite, the right shape, close to dense."""
+    cfg = model.cfg
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes())
+    ref_inputs, noise = random_inputs(cfg, valid_tokens=12, pad_to=20)
+    entry, masks = _reference(engine, ref_inputs, noise)
+    live = random_inputs(cfg, valid_tokens=12, pad_to=20)[0]
+    live.images.add_(0.02 * torch.randn_like(live.images)).clamp_(-1, 1)
+    dense = _run(engine, live, noise, "dense", "dense")
+    engine.load_reference(entry, masks)
+    cached = _run(engine, live, noise, "cached", "cached")
+    assert torch.isfinite(cached).all() and cached.shape == dense.shape
+    assert not torch.equal(cached, dense)
+    assert rel_l2(cached, dense) < 0.5
+
+
+def test_cache_shapes_are_validated() -> None:
+    with pytest.raises(ValueError, match="rho_p"):
+        CacheShapes(rho_p=0.0)
+    with pytest.raises(ValueError, match="rho_n"):
+        CacheShapes(rho_n=1.5)
+    with pytest.raises(ValueError, match="anchors"):
+        CacheShapes(anchors=0)
+    engine = create_engine("fused", tiny_model(), "cpu")
+    with pytest.raises(RuntimeError, match="cache shapes"):
+        engine.run_stage("prefill", 32, variant="cached")
