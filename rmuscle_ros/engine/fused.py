@@ -433,7 +433,7 @@ class FusedPi05:
             if action is not None:
                 sel = action.neurons.shape[-1]
                 delta = torch.empty(ha, sel, device=self.device, dtype=self.dtype)
-                sel_splits = split_k(sel)
+                sel_splits = split_k(sel, slice_len=256)  # as many programs as the dense down-projection
         x_t = out.copy_(noise)
         last = len(self.expert_layers) - 1
         for s in range(cfg.num_steps):

@@ -344,6 +344,8 @@ class GraphEngine:
         if self.rebuild is None:
             raise RuntimeError("rebuild_entry needs an engine built with cache shapes")
         stream = self.rebuild_stream
+        if stream is not None:  # ordered after the caller's earlier work (e.g. the allocation of `out`)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             bucket = self._load(self.rebuild, inputs, None)

@@ -504,7 +504,8 @@ def linear(
     n = w.shape[1] if neurons is not None else w.shape[0]
     # The expert's o (split 4) and down (split 8) projections: tuned inside the denoise graph with PDL
     # (bench/results/tune_in_graph_h200.json; BN 64 beat 32 by 0.13 and 0.22 ms per call).
-    cfg = {"bn": 64, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    # Gathered (Action Cache) rows: narrower column blocks, so as many programs stream as in the dense case.
+    cfg = {"bn": 64 if neurons is None else 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, w, splits, cfg["bk"]) or (neurons is not None and neurons.numel() != a.shape[1]):
         return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
@@ -523,7 +524,7 @@ def linear_geglu(
     config: dict[str, int] | None = None,
 ) -> Tensor:
     """ops.linear_geglu in one kernel (H200, dense: 7.2 µs vs 9.4 unfused)."""
-    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    cfg = {"bn": 32 if neurons is None else 16, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
     _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
