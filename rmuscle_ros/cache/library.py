@@ -8,6 +8,7 @@ Layout of a library folder:
         images        (T, C, H, W, 3) uint8  the preprocessed observation, to rebuild the VLM states
         tokens        (T, L) int64, token_mask (T, L) bool  the prompt with the discretised state
         action_masks  (T, steps, depth, k) int16  top-ρn expert neurons per (step, layer), if recorded
+        image_masks   (T, C) bool  which cameras were present, if recorded (else all)
 
 Guarantees:
 - **Keyed by content.** The index records the model's weights fingerprint and shapes; a library from
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 LIBRARY_VERSION = 1
 INDEX = "index.json"
-EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")  # action_masks is optional
+EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")
+OPTIONAL_TENSORS = ("action_masks", "image_masks")
 
 
 class LibraryError(RuntimeError):
@@ -82,6 +84,7 @@ class Episode:
     tokens: np.ndarray  # (T, L) int64
     token_mask: np.ndarray  # (T, L) bool
     action_masks: np.ndarray | None = None  # (T, steps, depth, k) int16
+    image_masks: np.ndarray | None = None  # (T, C) bool, False = camera missing in that call
 
     def __post_init__(self) -> None:
         t = self.descriptors.shape[0]
@@ -93,6 +96,8 @@ class Episode:
         }
         if self.action_masks is not None:
             checks["action_masks"] = (self.action_masks, 4, np.int16)
+        if self.image_masks is not None:
+            checks["image_masks"] = (self.image_masks, 2, np.bool_)
         for name, (array, ndim, dtype) in checks.items():
             if array.ndim != ndim or array.dtype != dtype or array.shape[0] != t:
                 raise ValueError(
@@ -108,8 +113,9 @@ class Episode:
 
     def tensors(self) -> dict[str, np.ndarray]:
         out = {k: np.ascontiguousarray(getattr(self, k)) for k in EPISODE_TENSORS}
-        if self.action_masks is not None:
-            out["action_masks"] = np.ascontiguousarray(self.action_masks)
+        for name in OPTIONAL_TENSORS:
+            if getattr(self, name) is not None:
+                out[name] = np.ascontiguousarray(getattr(self, name))
         return out
 
 
@@ -229,7 +235,9 @@ class ReferenceLibrary:
         entry = self.entries[episode_id]
         tensors = load_file(str(self.root / entry.file))
         entry.last_used = time.time()
-        return Episode(**{k: tensors[k] for k in EPISODE_TENSORS}, action_masks=tensors.get("action_masks"))
+        return Episode(
+            **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
+        )
 
     @property
     def total_bytes(self) -> int:

@@ -50,10 +50,16 @@ class Retriever:
         """A new episode on the cell: forget alignments, leave fallback."""
         self.positions: dict[int, int] = {}
         self.fallback = False
+        self.last_similarity = 0.0  # best similarity of the latest query (0.0 with no episodes)
 
     def query(self, descriptor: np.ndarray) -> list[Match]:
         """descriptor (cameras, dim) -> up to top_k matches, best first; [] means run dense."""
-        if self.fallback or not self._episodes:
+        if not self._episodes:
+            self.last_similarity = 0.0
+            return []
+        if self.fallback:  # still report how far the scene is from the repertoire
+            q = _unit_rows(descriptor[None])[0]
+            self.last_similarity = max(float((rows @ q).max()) for rows in self._episodes.values())
             return []
         q = _unit_rows(descriptor[None])[0]
         best: list[Match] = []
@@ -66,6 +72,7 @@ class Retriever:
             i = int(np.argmax(sims))
             best.append(Match(eid, lo + i, float(sims[i])))
         best.sort(key=lambda m: (-m.similarity, m.episode))
+        self.last_similarity = best[0].similarity
         if best[0].similarity < self.cfg.threshold:
             self.fallback = True  # sticky: the scene left the repertoire for this episode
             return []

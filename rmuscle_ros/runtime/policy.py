@@ -3,7 +3,8 @@
     Observation (camera images, joint state, task prompt)
       -> resize-with-pad to 224², map to [-1, 1]; missing camera -> masked slot
       -> quantile-normalise the state, discretise it into the prompt, tokenise
-      -> engine.sample_actions (eager or graph backend)
+      -> engine.sample_actions (eager, fused or graph backend), or rMuscle when a cache is configured
+         (retrieval, Context/Action Cache, recording of dense episodes; cache.runtime)
       -> drop the padded action dims, un-normalise -> ActionChunk in robot units
 
 Nothing here imports rclpy: the ROS node (next layer up) only converts messages to an Observation.
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
 from rmuscle_ros.engine import BACKENDS, Engine, create_engine
-from rmuscle_ros.models.checkpoint import load_model
+from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
 from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs
 from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
@@ -96,16 +98,25 @@ class ActionChunk:
     prompt_tokens: int
     prompt_truncated: bool
     timings_s: dict[str, float] = field(default_factory=dict)
+    cache_mode: str = "dense"  # rMuscle path: dense, cached or fallback (cache.runtime.MODES)
+    cache_similarity: float = 0.0  # best library match's cosine similarity (0.0 without a library)
 
 
 class Policy:
-    def __init__(self, cfg: PolicyConfig) -> None:
+    def __init__(self, cfg: PolicyConfig, cache: RMuscleConfig | None = None) -> None:
+        """cache: run with rMuscle (backends 'graph' or 'fused'); None = always dense."""
         self.cfg = cfg
         self.model_cfg = cfg.model
         self.device = torch.device(cfg.device)
+        if cache is not None and cfg.backend == "eager":
+            raise ValueError("cache: rMuscle needs backend 'graph' (GPU) or 'fused' (CPU), not 'eager'")
         model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
-        options = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
+        options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
+        if cache is not None:
+            options["cache"] = cache.shapes()
         self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
+        self.rmuscle = RMuscle(self.engine, cache, weights_fingerprint(model)) if cache is not None else None
+        del model  # the engines hold what they need (folded copies for graph/fused)
         self.stats: NormStats = (
             load_norm_stats(cfg.norm_stats)
             if cfg.norm_stats
@@ -128,6 +139,8 @@ class Policy:
         start = time.perf_counter()
         timings = dict(self.engine.warmup())
         self.infer(synthetic_observation(self.cfg, prompt))
+        if self.rmuscle is not None:
+            self.rmuscle.discard_recording()
         timings["warmup_total"] = time.perf_counter() - start
         return timings
 
@@ -175,7 +188,10 @@ class Policy:
         if noise is None:
             noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
         t_model = time.perf_counter()
-        raw = self.engine.sample_actions(inputs, noise)
+        if self.rmuscle is not None:
+            raw, info = self.rmuscle.infer(inputs, noise)
+        else:
+            raw, info = self.engine.sample_actions(inputs, noise), CallInfo("dense", 0.0, reason="no cache")
         actions = self.postprocess(raw)  # .cpu() synchronises the device
         t_end = time.perf_counter()
         return ActionChunk(
@@ -185,7 +201,27 @@ class Policy:
             prompt_tokens=num_tokens,
             prompt_truncated=truncated,
             timings_s={"preprocess": t_model - start, "model_and_postprocess": t_end - t_model},
+            cache_mode=info.mode,
+            cache_similarity=info.similarity,
         )
+
+    # ── rMuscle hooks (no-ops without a cache) ───────────────────────────────────────────────────────────
+
+    def reset_episode(self) -> int | None:
+        """A new episode on the cell; returns the library id the finished episode was recorded as."""
+        return self.rmuscle.reset_episode() if self.rmuscle is not None else None
+
+    def rebuild_cache(self, max_entries: int | None = None) -> int:
+        """Refill the sliding window (call while the arm executes a chunk). Returns entries started."""
+        return self.rmuscle.rebuild(max_entries) if self.rmuscle is not None else 0
+
+    def cache_status(self) -> dict[str, object] | None:
+        return self.rmuscle.status() if self.rmuscle is not None else None
+
+    def close(self) -> int | None:
+        """Record the current episode if it qualifies and release the cache's temporary files."""
+        rm, self.rmuscle = self.rmuscle, None
+        return rm.close() if rm is not None else None
 
 
 def synthetic_observation(

@@ -1,0 +1,350 @@
+"""rMuscle at run time: which calls run cached, what is recorded, and the sliding window of entries.
+
+Per call (`RMuscle.infer`):
+  1. the vision stage runs; its retrieval descriptor (mean visual token per camera) comes to the host;
+  2. retrieval against the library (top-k episodes, aligned positions with lookahead, sticky fallback);
+  3. if the best match's entry is in the window: the cached prefill and denoise (mode "cached");
+     otherwise dense — mode "fallback" once similarity fell below the threshold (sticky until the
+     episode resets), else "dense" (empty library, or the entry not rebuilt yet);
+  4. a dense call of a dense episode is recorded (descriptor, 224² uint8 images, prompt tokens, the
+     Action Cache masks of its own denoising run); at `reset_episode` an episode with no cached call is
+     added to the library.
+Between calls (`RMuscle.rebuild`, called by the node right after publishing a chunk, while the arm
+executes it) the window is refilled with the entries retrieval asked for: the best candidates' aligned
+positions and their lookahead, best first. Rebuilds run on the engine's rebuild lane (a low-priority
+stream); an entry becomes usable when its rebuild has finished on the GPU.
+
+The window holds `top_k × (lookahead + 1)` entries (20 by default), allocated once.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rmuscle_ros.cache.library import Episode, LibraryKey, ReferenceLibrary
+from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
+from rmuscle_ros.engine.fused import ContextRef
+from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
+from rmuscle_ros.models.pi05 import ModelInputs
+
+log = logging.getLogger(__name__)
+
+MODES = ("dense", "cached", "fallback")  # ActionChunk.msg CACHE_DENSE=0, CACHE_CACHED=1, CACHE_FALLBACK=2
+
+
+@dataclass(frozen=True)
+class RMuscleConfig:
+    """rMuscle settings of a deployment (validated)."""
+
+    rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per prefill layer
+    rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated after the anchor step
+    anchors: int = 1  # dense denoising steps per call
+    top_k: int = 4  # candidate episodes kept by retrieval
+    lookahead: int = 4  # positions past the aligned one that are kept ready
+    threshold: float = 0.8  # best similarity below this: dense for the rest of the episode
+    library_path: str = ""  # folder of the reference library; "" = a temporary folder, lost at exit
+    record: bool = True  # add dense episodes to the library
+    max_library_mb: int = 4096
+    max_episodes: int = 64
+    rebuilds_per_tick: int = 2  # entries rebuilt per motion window (each is one vision + prefill)
+
+    def __post_init__(self) -> None:
+        self.shapes()  # validates rho_p, rho_n, anchors
+        RetrievalConfig(self.top_k, self.lookahead, self.threshold)  # validates those three
+        for name in ("max_library_mb", "max_episodes", "rebuilds_per_tick"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def shapes(self) -> CacheShapes:
+        return CacheShapes(self.rho_p, self.rho_n, self.anchors)
+
+    @property
+    def window_size(self) -> int:
+        return self.top_k * (self.lookahead + 1)
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """How one chunk was produced."""
+
+    mode: str  # one of MODES
+    similarity: float  # best library match's cosine similarity; 0.0 with an empty library
+    episode: int | None = None  # matched library episode (cached calls)
+    position: int | None = None  # matched call within it
+    reason: str = ""  # why a call was not cached
+
+
+@dataclass
+class _Slot:
+    ref: ContextRef
+    neurons: torch.Tensor  # (steps, depth, S) int32
+    key: tuple[int, int] | None = None  # (library episode, call) held here
+    ready: torch.cuda.Event | None = None  # recorded after the rebuild (GPU); None = ready
+
+
+@dataclass
+class _Recording:
+    descriptors: list[np.ndarray] = field(default_factory=list)
+    images: list[np.ndarray] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)
+    token_mask: list[np.ndarray] = field(default_factory=list)
+    masks: list[np.ndarray] = field(default_factory=list)
+    image_masks: list[np.ndarray] = field(default_factory=list)
+
+
+def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
+    """What a library must match to be used with this engine: weights and every recorded shape."""
+    cfg = engine.cfg
+    return LibraryKey(
+        weights,
+        {
+            "cameras": cfg.num_cameras,
+            "descriptor_dim": cfg.vlm.width,
+            "image_size": cfg.vision.image_size,
+            "max_tokens": cfg.max_token_len,
+            "steps": cfg.num_steps,
+            "expert_depth": cfg.expert.depth,
+            "mask_neurons": engine.keep_neurons,
+        },
+    )
+
+
+def images_to_u8(images: torch.Tensor) -> np.ndarray:
+    """Model images (C, 3, S, S) in [-1, 1] (x/255·2−1 of uint8 pixels) -> (C, S, S, 3) uint8, exactly."""
+    u8 = torch.round((images.float() + 1.0) * 127.5).clamp(0, 255).to(torch.uint8)
+    return u8.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+
+
+def images_from_u8(u8: np.ndarray) -> torch.Tensor:
+    """Inverse of `images_to_u8`, with the preprocessing's own arithmetic (bit-identical inputs)."""
+    chw = torch.from_numpy(np.ascontiguousarray(u8)).permute(0, 3, 1, 2).to(torch.float32)
+    return chw / 255.0 * 2.0 - 1.0
+
+
+class RMuscle:
+    """Library, retrieval, window and recording around a GraphEngine built with cache shapes."""
+
+    def __init__(self, engine: GraphEngine, cfg: RMuscleConfig, weights: str) -> None:
+        if engine.cache is None or engine.cache != cfg.shapes():
+            raise ValueError(f"the engine must be built with cache={cfg.shapes()}, got {engine.cache}")
+        self.engine, self.cfg = engine, cfg
+        self._tmp = None
+        if cfg.library_path:
+            root = Path(cfg.library_path)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rmuscle-library-")
+            root = Path(self._tmp.name)
+        self.library = ReferenceLibrary.open(
+            root,
+            library_key(weights, engine),
+            max_bytes=cfg.max_library_mb << 20,
+            max_episodes=cfg.max_episodes,
+        )
+        self._episodes: dict[int, Episode] = {}
+        self._refresh_retriever()
+        mask_shape = engine.neurons.shape
+        self.window = [
+            _Slot(
+                ContextRef.allocate(engine.cfg, engine.device, engine.dtype),
+                torch.zeros(mask_shape, dtype=torch.int32, device=engine.device),
+            )
+            for _ in range(cfg.window_size)
+        ]
+        self.episode_id = 0
+        self._recording = _Recording()
+        self._episode_cached = False
+        self._wanted: list[tuple[int, int]] = []
+        self.calls = self.cached_calls = 0
+        self.last = CallInfo("dense", 0.0, reason="no call yet")
+
+    # ── library and retrieval ────────────────────────────────────────────────────────────────────────────
+
+    def _episode(self, episode_id: int) -> Episode:
+        if episode_id not in self._episodes:
+            self._episodes[episode_id] = self.library.load(episode_id)
+        return self._episodes[episode_id]
+
+    def _refresh_retriever(self) -> None:
+        self._episodes = {i: e for i, e in self._episodes.items() if i in self.library.entries}
+        descriptors = {i: self._episode(i).descriptors for i in sorted(self.library.entries)}
+        retrieval = RetrievalConfig(self.cfg.top_k, self.cfg.lookahead, self.cfg.threshold)
+        self.retriever = Retriever(retrieval, descriptors)
+
+    # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
+
+    def reset_episode(self) -> int | None:
+        """End the current episode (recording it if it ran dense) and start the next. Returns the id the
+        finished episode got in the library, or None if it was not recorded."""
+        added = self.finish_episode()
+        self.retriever.reset()
+        self.episode_id += 1
+        self.calls = self.cached_calls = 0
+        self._wanted = []
+        return added
+
+    def discard_recording(self) -> None:
+        """Forget what this episode recorded so far (warm-up calls are not part of any episode)."""
+        self._recording = _Recording()
+        self.calls = self.cached_calls = 0
+
+    def finish_episode(self) -> int | None:
+        """Add the current episode to the library if it is recordable: recording on, at least one call,
+        and every call dense (an episode served from the cache is not a reference)."""
+        rec, self._recording = self._recording, _Recording()
+        if not self.cfg.record or not rec.descriptors or self._episode_cached:
+            self._episode_cached = False
+            return None
+        self._episode_cached = False
+        episode = Episode(
+            np.stack(rec.descriptors),
+            np.stack(rec.images),
+            np.stack(rec.tokens),
+            np.stack(rec.token_mask),
+            np.stack(rec.masks),
+            np.stack(rec.image_masks),
+        )
+        added = self.library.add(episode, meta={"session_episode": str(self.episode_id)})
+        self._episodes[added] = episode
+        self._refresh_retriever()
+        log.info(
+            "rMuscle: recorded episode %d (%d calls) as library episode %d",
+            self.episode_id,
+            episode.calls,
+            added,
+        )
+        return added
+
+    # ── calls ────────────────────────────────────────────────────────────────────────────────────────────
+
+    def _ready_slot(self, key: tuple[int, int]) -> _Slot | None:
+        for slot in self.window:
+            if slot.key == key and (slot.ready is None or slot.ready.query()):
+                return slot
+        return None
+
+    @torch.no_grad()
+    def infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
+        """One observation (batch 1) -> (actions (1, horizon, action_dim), how they were produced)."""
+        e = self.engine
+        bucket = e.load_inputs(inputs, noise)
+        e.run_stage("vision", bucket)
+        descriptor = e.descriptor().cpu().numpy()
+        matches = self.retriever.query(descriptor)
+        similarity = self.retriever.last_similarity
+        slot = self._ready_slot((matches[0].episode, matches[0].position)) if matches else None
+        if slot is not None:
+            e.load_reference(slot.ref, slot.neurons)
+            e.run_stage("prefill", bucket, variant="cached")
+            e.run_stage("denoise", bucket, variant="cached")
+            info = CallInfo("cached", similarity, matches[0].episode, matches[0].position)
+            self._episode_cached = True
+            self.cached_calls += 1
+        else:
+            record = self.cfg.record and not self._episode_cached
+            e.run_stage("prefill", bucket)
+            e.run_stage("denoise", bucket, variant="record" if record else "dense")
+            if self.retriever.fallback:
+                info = CallInfo("fallback", similarity, reason=f"similarity below {self.cfg.threshold}")
+            elif not self.library.entries:
+                info = CallInfo("dense", similarity, reason="empty library")
+            else:
+                info = CallInfo("dense", similarity, reason="entry not rebuilt yet")
+            if record:
+                self._record(inputs, descriptor)
+        self._wanted = [
+            (m.episode, p)
+            for m in matches
+            for p in range(
+                m.position, min(m.position + self.cfg.lookahead + 1, self._episode(m.episode).calls)
+            )
+        ]
+        self.calls += 1
+        self.last = info
+        return e.actions.clone()[None], info
+
+    def _record(self, inputs: ModelInputs, descriptor: np.ndarray) -> None:
+        rec = self._recording
+        rec.descriptors.append(descriptor.astype(np.float32))
+        rec.images.append(images_to_u8(inputs.images[0]))
+        rec.tokens.append(inputs.tokens[0].cpu().numpy().astype(np.int64))
+        rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
+        rec.masks.append(self.engine.recorded_masks.cpu().numpy().astype(np.int16))
+        rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
+
+    # ── the sliding window ───────────────────────────────────────────────────────────────────────────────
+
+    @torch.no_grad()
+    def rebuild(self, max_entries: int | None = None) -> int:
+        """Rebuild up to `max_entries` (default rebuilds_per_tick) wanted entries missing from the window,
+        best first, into slots holding entries nobody wants. Returns how many were started."""
+        budget = self.cfg.rebuilds_per_tick if max_entries is None else max_entries
+        held = {slot.key for slot in self.window}
+        wanted = set(self._wanted)
+        started = 0
+        for key in self._wanted:
+            if started >= budget:
+                break
+            if key in held:
+                continue
+            free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
+            if free is None:
+                break
+            episode = self._episode(key[0])
+            call = key[1]
+            present = (
+                episode.image_masks[call]
+                if episode.image_masks is not None
+                else np.ones(episode.images.shape[1], dtype=np.bool_)
+            )
+            inputs = ModelInputs(
+                images_from_u8(episode.images[call])[None],
+                torch.from_numpy(np.ascontiguousarray(present))[None],
+                torch.from_numpy(episode.tokens[call])[None],
+                torch.from_numpy(episode.token_mask[call])[None],
+            )
+            free.key = None  # not usable while it is being rewritten
+            self.engine.rebuild_entry(inputs, free.ref)
+            masks = torch.from_numpy(episode.action_masks[call].astype(np.int32))
+            stream = self.engine.rebuild_stream
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    free.neurons.copy_(masks, non_blocking=True)
+                    free.ready = torch.cuda.Event()
+                    free.ready.record(stream)
+            else:
+                free.neurons.copy_(masks)
+                free.ready = None
+            free.key = key
+            held.add(key)
+            started += 1
+        return started
+
+    # ── status ───────────────────────────────────────────────────────────────────────────────────────────
+
+    def status(self) -> dict[str, object]:
+        """What CacheStatus reports."""
+        return {
+            "episode_id": self.episode_id,
+            "mode": self.last.mode,
+            "similarity": self.last.similarity,
+            "hit_rate": self.cached_calls / self.calls if self.calls else 0.0,
+            "library_episodes": len(self.library.entries),
+            "window_entries": sum(1 for s in self.window if s.key is not None),
+            "library_bytes": self.library.total_bytes,
+            "library_path": str(self.library.root) if self.cfg.library_path else "",
+            "library_problems": list(self.library.problems),
+        }
+
+    def close(self) -> int | None:
+        """Record the current episode if it qualifies (the library is already on disk otherwise)."""
+        added = self.finish_episode()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return added

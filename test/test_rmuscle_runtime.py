@@ -1,0 +1,148 @@
+"""rMuscle at run time on the CPU (tiny model, fused backend): what a cell operator relies on.
+
+Dense warm-up episodes are recorded; a repeat of the task is served from the cache once the window
+holds its entries; below the threshold the episode falls back to dense for good; ρ = 1 and fallback
+chunks are the dense chunks bit for bit; the library persists, is refused for other weights, and a
+corrupt episode is reported and left out.
+
+Random weights: the tiny model's retrieval descriptors barely tell scenes apart (similarities ≈ 0.998
+for any two), so the fallback tests raise the threshold to 1 instead of changing the scene, and the
+window is rebuilt whole after each call (alignment on such descriptors jumps within the lookahead).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rmuscle_ros.cache.library import LibraryMismatch
+from rmuscle_ros.cache.runtime import RMuscleConfig
+from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+
+CFG = PolicyConfig(backend="fused")
+FULL_REBUILD = 20  # rebuilds per tick that refill the whole default window
+
+
+def scene(t: float, seed: int = 0, light: float = 1.0, noise: float = 0.0) -> np.ndarray:
+    """A textured bench with an object that moves along a fixed path as the task progresses (t in [0, 1])."""
+    h, w = 120, 160
+    yy, xx = np.mgrid[0:h, 0:w]
+    bench = np.random.default_rng(1234).integers(60, 200, (h // 8, w // 8, 3)).repeat(8, 0).repeat(8, 1)
+    cx, cy = w * (0.25 + 0.5 * t), h * (0.6 - 0.3 * np.sin(np.pi * t))
+    blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * 10.0**2))[..., None] * np.array([200, 60, -80])
+    img = (bench + blob) * light + noise * np.random.default_rng(seed).standard_normal((h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def episode(n: int, *, offset: float = 0.0, light: float = 1.0, noise: float = 0.0) -> list[Observation]:
+    out = []
+    for i, t in enumerate(np.linspace(offset, 1.0, n)):
+        img = scene(t, seed=i, light=light, noise=noise)
+        out.append(Observation({c: img for c in CFG.cameras}, np.full(14, t, np.float32), "stack the cups"))
+    return out
+
+
+def run(policy: Policy, observations: list[Observation], rebuild: bool = True) -> list:
+    """Infer each observation with noise fixed by its index (policies can then be compared call by call)."""
+    chunks = []
+    for i, obs in enumerate(observations):
+        noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
+        chunks.append(policy.infer(obs, noise))
+        if rebuild:
+            policy.rebuild_cache()  # the node does this right after publishing, in the motion window
+    return chunks
+
+
+def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_path) -> None:
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    warm = run(policy, episode(6))
+    assert [c.cache_mode for c in warm] == ["dense"] * 6
+    assert policy.reset_episode() == 0, "the dense episode is recorded as library episode 0"
+    status = policy.cache_status()
+    assert status["library_episodes"] == 1 and status["library_bytes"] > 0
+
+    repeat = run(policy, episode(6, offset=0.05, light=0.97, noise=2.0))
+    modes = [c.cache_mode for c in repeat]
+    assert modes[0] == "dense", "the first call of an episode finds the window empty"
+    assert modes[1:] == ["cached"] * 5
+    assert all(c.cache_similarity > 0.8 for c in repeat)
+    assert all(np.isfinite(c.actions).all() and c.actions.shape == (50, 14) for c in repeat)
+    status = policy.cache_status()
+    assert status["hit_rate"] == pytest.approx(5 / 6) and status["window_entries"] > 0
+    assert policy.reset_episode() is None, "an episode served from the cache is not recorded"
+    assert policy.cache_status()["library_episodes"] == 1
+    policy.close()
+
+
+def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
+    dense = Policy(CFG)
+    exact = Policy(CFG, RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=FULL_REBUILD))
+    fallback = Policy(CFG, RMuscleConfig(threshold=1.0))
+    for p in (exact, fallback):
+        run(p, episode(4))
+        p.reset_episode()
+    live = episode(4, offset=0.1, noise=2.0)
+    want = [c.actions for c in run(dense, live)]
+    got_exact = run(exact, live)
+    assert [c.cache_mode for c in got_exact][1:] == ["cached"] * 3
+    got_fallback = run(fallback, live)
+    assert [c.cache_mode for c in got_fallback] == ["fallback"] * 4
+    for chunks in (got_exact, got_fallback):
+        assert all(np.array_equal(c.actions, w) for c, w in zip(chunks, want, strict=True))
+
+
+def test_fallback_is_sticky_until_the_episode_resets(tmp_path) -> None:
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(4))
+    policy.reset_episode()
+    retriever = policy.rmuscle.retriever
+    threshold = retriever.cfg.threshold
+    retriever.cfg = type(retriever.cfg)(4, 4, 1.0)  # the scene leaves the repertoire...
+    live = episode(4, offset=0.1, noise=2.0)
+    assert policy.infer(live[0]).cache_mode == "fallback"
+    retriever.cfg = type(retriever.cfg)(4, 4, threshold)  # ...and comes back within the same episode
+    assert [c.cache_mode for c in run(policy, live[1:])] == ["fallback"] * 3, "sticky for the episode"
+    assert policy.reset_episode() == 1, "an all-dense (fallback) episode becomes a new reference"
+    assert [c.cache_mode for c in run(policy, episode(3, offset=0.1))][1:] == ["cached"] * 2
+
+
+def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
+    lib = str(tmp_path / "lib")
+    first = Policy(CFG, RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD))
+    run(first, episode(3))
+    assert first.close() == 0, "closing records the episode in progress"
+    again = Policy(CFG, RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD))
+    assert again.cache_status()["library_episodes"] == 1
+    chunks = run(again, episode(3, offset=0.1))
+    assert chunks[-1].cache_mode == "cached"
+    with pytest.raises(LibraryMismatch, match="other weights"):
+        Policy(PolicyConfig(backend="fused", seed=1), RMuscleConfig(library_path=lib))
+
+
+def test_a_corrupt_episode_is_reported_left_out_and_kept(tmp_path) -> None:
+    lib = tmp_path / "lib"
+    first = Policy(CFG, RMuscleConfig(library_path=str(lib)))
+    run(first, episode(3))
+    first.close()
+    episode_file = next(lib.glob("episode_*.safetensors"))
+    data = bytearray(episode_file.read_bytes())
+    data[-100] ^= 0xFF
+    episode_file.write_bytes(bytes(data))
+    policy = Policy(CFG, RMuscleConfig(library_path=str(lib)))
+    status = policy.cache_status()
+    assert status["library_episodes"] == 0
+    assert any("corrupt" in p for p in status["library_problems"])
+    assert [c.cache_mode for c in run(policy, episode(2))] == ["dense", "dense"]
+    assert episode_file.exists(), "the corrupt file is kept for inspection"
+
+
+def test_cache_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="rho_p"):
+        RMuscleConfig(rho_p=0.0)
+    with pytest.raises(ValueError, match="threshold"):
+        RMuscleConfig(threshold=2.0)
+    with pytest.raises(ValueError, match="rebuilds_per_tick"):
+        RMuscleConfig(rebuilds_per_tick=0)
+    with pytest.raises(ValueError, match="eager"):
+        Policy(PolicyConfig(backend="eager"), RMuscleConfig())
