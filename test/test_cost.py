@@ -27,3 +27,19 @@ def test_pi05_call_is_prefill_bound_in_flops_and_denoise_bound_in_bytes() -> Non
     # On an H200 (≈780 TFLOP/s, ≈4.2 TB/s) the floor is ≈6.4 ms, the figure issue #2 quotes as ≈6.7 ms.
     floor = sum(c.floor_s(780e12, 4.2e12) for c in costs.values())
     assert 6.0e-3 < floor < 6.8e-3
+
+
+def test_rmuscle_cost_is_dense_at_rho_one_and_saves_what_the_caches_skip() -> None:
+    from rmuscle_ros.engine.cost import rmuscle_cost
+
+    cfg = get_preset("pi05")
+    dense = call_cost(cfg, prompt_tokens=50)
+    assert rmuscle_cost(cfg, 50, 1.0, 1.0) == dense, "ρ = 1 runs the dense graphs"
+    cached = rmuscle_cost(cfg, 50, 0.4, 0.5)
+    g, e = cfg.vlm, cfg.expert
+    # Context Cache: 768 − 308 visual rows skip the FFN in 17 layers; the reference entry is read.
+    assert dense["prefill"].flops - cached["prefill"].flops == 17 * 2 * 460 * g.width * 3 * g.mlp_dim
+    assert cached["prefill"].bytes - dense["prefill"].bytes == 17 * 2 * 768 * g.width * 2
+    # Action Cache: 9 cached steps × 18 layers read half of the expert MLP weights.
+    assert dense["denoise"].bytes - cached["denoise"].bytes == 9 * 18 * 3 * e.width * 2048 * 2
+    assert cached["vision"] == dense["vision"]

@@ -92,10 +92,12 @@ def rmuscle_cost(
     n_img, n = cfg.image_tokens, cfg.image_tokens + prompt_tokens
     recomputed = rho_count(rho_p, n_img) + prompt_tokens
     ffn_layers = g.depth - 1
-    prefill = StageCost(
-        base["prefill"].flops - ffn_layers * 2 * (n - recomputed) * g.width * 3 * g.mlp_dim,
-        base["prefill"].bytes + ffn_layers * 2 * n_img * g.width * weight_bytes,
-    )
+    prefill = base["prefill"]
+    if recomputed < n:  # ρp = 1 runs the dense prefill itself (no reference entry is read)
+        prefill = StageCost(
+            prefill.flops - ffn_layers * 2 * (n - recomputed) * g.width * 3 * g.mlp_dim,
+            prefill.bytes + ffn_layers * 2 * n_img * g.width * weight_bytes,
+        )
     skipped = e.mlp_dim - rho_count(rho_n, e.mlp_dim)
     cached = (cfg.num_steps - anchors) * e.depth
     denoise = StageCost(

@@ -230,10 +230,11 @@ class GraphEngine:
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
-        # The recording variants copy activations out with memory-copy nodes right after a kernel that
-        # lets its dependents launch early; captured into a graph, such a copy read its source before the
-        # kernel had written it (H200, CUDA 13: a rebuilt entry of zeros). They are off the latency path
-        # (rebuilds) or rare (recorded dense episodes), so they launch kernels serially.
+        # The recording variants launch kernels serially. They copy activations out with memory-copy
+        # nodes right after kernels that let their dependents launch early, and no GPU test has yet
+        # compared them with PDL against without. (The all-zero entry first seen on the H200 and blamed
+        # on this was a stream race, fixed in `rebuild_entry`.) They are off the latency path (rebuilds)
+        # or rare (recorded dense episodes), so this costs little.
         pdl = self.pdl and variant != "record" and stage != "rebuild"
 
         def run() -> None:
