@@ -273,3 +273,50 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
         else:
             assert torch.isfinite(cached).all() and not torch.equal(cached, dense)
             assert torch.equal(cached, _rmuscle_call(engine, live_inputs, noise, "cached", use_graphs=False))
+
+
+def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_rho_one(tmp_path) -> None:
+    """The policy-level runtime on the graph backend: live calls on the high-priority stream, rebuilds on
+    the low-priority one; a recorded warm-up makes the repeat cached; ρ = 1 chunks equal dense ones."""
+    import numpy as np
+
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+    from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+
+    cfg = PolicyConfig(backend="graph", device="cuda")
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
+
+    def episode(n: int, noise: float) -> list[Observation]:
+        out = []
+        for i in range(n):
+            img = np.clip(base + noise * rng.standard_normal(base.shape), 0, 255).astype(np.uint8)
+            out.append(Observation({c: img for c in cfg.cameras}, np.full(14, i / n, np.float32), "stack"))
+        return out
+
+    def run(policy: Policy, observations: list[Observation]) -> list:
+        chunks = []
+        for i, obs in enumerate(observations):
+            noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
+            chunks.append(policy.infer(obs, noise))
+            policy.rebuild_cache()
+        return chunks
+
+    dense = Policy(cfg)
+    dense.warmup()
+    for shapes in (
+        RMuscleConfig(rebuilds_per_tick=20),
+        RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20),
+    ):
+        policy = Policy(cfg, shapes)
+        policy.warmup()
+        assert [c.cache_mode for c in run(policy, episode(4, 0.0))] == ["dense"] * 4
+        assert policy.reset_episode() == 0
+        live = episode(4, 2.0)
+        chunks = run(policy, live)
+        assert [c.cache_mode for c in chunks][1:] == ["cached"] * 3
+        assert all(np.isfinite(c.actions).all() for c in chunks)
+        if shapes.rho_p == 1.0:
+            want = run(dense, live)
+            assert all(np.array_equal(c.actions, w.actions) for c, w in zip(chunks, want, strict=True))
+        policy.close()

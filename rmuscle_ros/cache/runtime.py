@@ -230,7 +230,22 @@ class RMuscle:
 
     @torch.no_grad()
     def infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
-        """One observation (batch 1) -> (actions (1, horizon, action_dim), how they were produced)."""
+        """One observation (batch 1) -> (actions (1, horizon, action_dim), how they were produced).
+
+        On a GPU the call runs on the engine's highest-priority stream, so that rebuilds queued on the
+        lowest-priority stream yield to it; the result is ordered back onto the caller's stream."""
+        stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
+        if stream is None:
+            return self._infer(inputs, noise)
+        caller = torch.cuda.current_stream(self.engine.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            actions, info = self._infer(inputs, noise)
+        caller.wait_stream(stream)
+        actions.record_stream(caller)
+        return actions, info
+
+    def _infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
         e = self.engine
         bucket = e.load_inputs(inputs, noise)
         e.run_stage("vision", bucket)
