@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,14 @@ class ReferenceLibrary:
         return Episode(
             **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
         )
+
+    def load_field(self, episode_id: int, name: str) -> np.ndarray:
+        """One tensor of an episode (e.g. its descriptors for retrieval), without reading the rest."""
+        entry = self.entries[episode_id]
+        with safe_open(str(self.root / entry.file), framework="numpy") as f:
+            if name not in set(f.keys()):  # a safetensors handle, not a dict
+                raise KeyError(f"episode {episode_id} has no {name!r}")
+            return f.get_tensor(name)
 
     @property
     def total_bytes(self) -> int:

@@ -146,7 +146,8 @@ class RMuscle:
             max_bytes=cfg.max_library_mb << 20,
             max_episodes=cfg.max_episodes,
         )
-        self._episodes: dict[int, Episode] = {}
+        self._episodes: dict[int, Episode] = {}  # full episodes, for rebuilds: the few most recent
+        self._descriptors: dict[int, np.ndarray] = {}  # every library episode's descriptors, for retrieval
         self._refresh_retriever()
         mask_shape = engine.neurons.shape
         self.window = [
@@ -166,15 +167,23 @@ class RMuscle:
     # ── library and retrieval ────────────────────────────────────────────────────────────────────────────
 
     def _episode(self, episode_id: int) -> Episode:
-        if episode_id not in self._episodes:
-            self._episodes[episode_id] = self.library.load(episode_id)
-        return self._episodes[episode_id]
+        """A whole episode (images, prompts, masks): kept for the top_k most recently used ones only, so
+        memory does not grow with the library (a 100-call episode holds ~45 MB of images)."""
+        episode = self._episodes.pop(episode_id, None) or self.library.load(episode_id)
+        self._episodes[episode_id] = episode  # most recent last
+        while len(self._episodes) > self.cfg.top_k:
+            self._episodes.pop(next(iter(self._episodes)))
+        return episode
 
     def _refresh_retriever(self) -> None:
-        self._episodes = {i: e for i, e in self._episodes.items() if i in self.library.entries}
-        descriptors = {i: self._episode(i).descriptors for i in sorted(self.library.entries)}
+        for stale in set(self._episodes) - set(self.library.entries):
+            del self._episodes[stale]
+        self._descriptors = {
+            i: self._descriptors[i] if i in self._descriptors else self.library.load_field(i, "descriptors")
+            for i in sorted(self.library.entries)
+        }
         retrieval = RetrievalConfig(self.cfg.top_k, self.cfg.lookahead, self.cfg.threshold)
-        self.retriever = Retriever(retrieval, descriptors)
+        self.retriever = Retriever(retrieval, self._descriptors)
 
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
@@ -210,7 +219,7 @@ class RMuscle:
             np.stack(rec.image_masks),
         )
         added = self.library.add(episode, meta={"session_episode": str(self.episode_id)})
-        self._episodes[added] = episode
+        self._descriptors[added] = episode.descriptors
         self._refresh_retriever()
         log.info(
             "rMuscle: recorded episode %d (%d calls) as library episode %d",
@@ -276,7 +285,7 @@ class RMuscle:
             (m.episode, p)
             for m in matches
             for p in range(
-                m.position, min(m.position + self.cfg.lookahead + 1, self._episode(m.episode).calls)
+                m.position, min(m.position + self.cfg.lookahead + 1, len(self._descriptors[m.episode]))
             )
         ]
         self.calls += 1
