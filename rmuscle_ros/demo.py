@@ -3,9 +3,11 @@
     python -m rmuscle_ros.demo              # rmuscle_node on a replayed ALOHA-like bag (node/replay_demo.py)
     python -m rmuscle_ros.demo --synthetic  # the policy alone (config/demo.yaml), synthetic observations
 
-Both need no files and no GPU: the `tiny` preset on the CPU with seeded weights. The bag demo prints
-chunks, rate, latency p50/p99 and drops by reason, and writes a plot; the synthetic one prints the chunk
-shape and the latency per call (median and p90 after warm-up).
+Both need no files and no GPU: the `tiny` preset on the CPU with seeded weights. The bag demo replays
+the episode twice with rMuscle on: a dense warm-up episode that the node records into its reference
+library, then a repeat of the task served from the cache. It prints chunks by cache mode and hit rate
+per episode, rate, latency p50/p99 and drops by reason, and writes a plot; the synthetic one prints the
+chunk shape and the latency per call (median and p90 after warm-up).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         from rmuscle_ros.node.replay_demo import print_summary, run
 
         print(
-            f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a replayed {args.seconds:g} s ALOHA-like episode"
+            f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
+            "replayed twice: a dense warm-up, then a repeat served by rMuscle"
         )
         summary = run(args.out, seconds=args.seconds)
         print_summary(summary)

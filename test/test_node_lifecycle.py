@@ -6,6 +6,7 @@ process on one SingleThreadedExecutor (like the node's own `main`), over real DD
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
@@ -166,8 +167,9 @@ def _recording(publish: Callable[..., int], stamps: list[int]) -> Callable[..., 
     return wrapped
 
 
-@pytest.fixture
-def harness() -> Iterator[Callable[..., Harness]]:
+@contextlib.contextmanager
+def harnesses() -> Iterator[Callable[..., Harness]]:
+    """A factory of harnesses (node parameters as keyword arguments), all torn down on exit."""
     made: list[Harness] = []
 
     def make(compressed: bool = False, **params: Any) -> Harness:
@@ -190,14 +192,22 @@ def harness() -> Iterator[Callable[..., Harness]]:
         made.append(h)
         return h
 
-    yield make
-    for h in made:
-        if h.node.policy is not None or h.node._worker is not None:
-            h.node.on_shutdown(None)
-        h.executor.shutdown()
-        h.node.destroy_node()
-        h.peer.destroy_node()
-        rclpy.shutdown(context=h.context)
+    try:
+        yield make
+    finally:
+        for h in made:
+            if h.node.policy is not None or h.node._worker is not None:
+                h.node.on_shutdown(None)
+            h.executor.shutdown()
+            h.node.destroy_node()
+            h.peer.destroy_node()
+            rclpy.shutdown(context=h.context)
+
+
+@pytest.fixture
+def harness() -> Iterator[Callable[..., Harness]]:
+    with harnesses() as make:
+        yield make
 
 
 def test_lifecycle_services_and_chunks(harness) -> None:
@@ -380,5 +390,12 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert main(["--seconds", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "chunks at" in out and "latency p50" in out and "drops by reason" in out
+    # The rMuscle story: a dense warm-up episode, recorded at the reset, then its repeat from the cache.
+    assert "episode 0 (dense warm-up)" in out and "episode 1 (repeat of the task)" in out
+    assert "episode 0 recorded as library episode 0" in out and "last ~/cache_status" in out
     assert (tmp_path / "demo.png").stat().st_size > 10_000
-    assert read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")
+    chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
+    warmup = [c.cache_mode for c in chunks if c.episode_id == 0]
+    repeat = [c.cache_mode for c in chunks if c.episode_id == 1]
+    assert warmup and set(warmup) == {ActionChunk.CACHE_DENSE}
+    assert ActionChunk.CACHE_CACHED in repeat, repeat

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.node.params import (
     ALOHA_JOINTS,
+    CacheParams,
     ParameterError,
     load_params_file,
     node_config,
@@ -39,6 +42,19 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"max_skew_s": float("nan")}, r"^max_skew_s"),
         ({"cache.rho_p": 1.5}, r"^cache\.rho_p: must be in \(0, 1\]"),
         ({"cache.similarity_threshold": -0.1}, r"^cache\.similarity_threshold"),
+        ({"cache.rho_n": 0.0}, r"^cache\.rho_n: must be in \(0, 1\]"),
+        ({"cache.anchors": 0}, r"^cache\.anchors: must be >= 1"),
+        ({"cache.top_k": 0}, r"^cache\.top_k"),
+        ({"cache.lookahead": -1}, r"^cache\.lookahead"),
+        ({"cache.max_library_mb": 0}, r"^cache\.max_library_mb: must be >= 1"),
+        ({"cache.max_episodes": 0}, r"^cache\.max_episodes: must be >= 1"),
+        ({"cache.rebuilds_per_tick": 0}, r"^cache\.rebuilds_per_tick: must be >= 1"),
+        ({"cache.status_period_s": 0.0}, r"^cache\.status_period_s: must be > 0"),
+        ({"cache.record": 1}, r"^cache\.record: expected bool"),
+        (
+            {"cache.enabled": True},
+            r"^model\.backend: cache\.enabled needs backend 'fused' \(CPU\) or 'graph'",
+        ),
         ({"actions_per_inference": 51}, r"^actions_per_inference: must be in 1\.\.50"),
         ({"camera_topics": ["a", "a"]}, r"^camera_topics: needs distinct"),
         ({"camera_topics": ["a", "b", "c", "d"]}, r"^camera_topics: π0\.5 has 3 image slots"),
@@ -52,3 +68,40 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
 def test_invalid_parameters_are_named(params: dict, message: str) -> None:
     with pytest.raises(ParameterError, match=message):
         node_config(params)
+
+
+def test_cache_parameters_cover_the_runtime_config() -> None:
+    """Every RMuscleConfig field is set by a cache.* parameter, with the same default."""
+    runtime = {f.name for f in dataclasses.fields(RMuscleConfig)}
+    assert set(CacheParams().runtime_fields()) == runtime
+    assert CacheParams().to_runtime() == RMuscleConfig()
+    assert {f"cache.{f.name}" for f in dataclasses.fields(CacheParams)} <= set(parameter_defaults())
+
+
+def test_cache_parameters_map_onto_the_runtime_config() -> None:
+    cfg = node_config(
+        {
+            "model.backend": "fused",
+            "cache.enabled": True,
+            "cache.similarity_threshold": 0.9,
+            "cache.lookahead": 2,
+            "cache.rebuilds_per_tick": 20,
+            "cache.library_path": "/var/lib/rmuscle/library",
+            "cache.status_period_s": 0.5,
+        }
+    )
+    runtime = cfg.cache.to_runtime()
+    assert (runtime.threshold, runtime.lookahead, runtime.rebuilds_per_tick) == (0.9, 2, 20)
+    assert runtime.library_path == "/var/lib/rmuscle/library" and runtime.window_size == 4 * 3
+    assert cfg.cache.status_period_s == 0.5
+    # Switched off, the eager reference is fine, and the cache settings are still checked.
+    assert not node_config({"cache.enabled": False}).cache.enabled
+    with pytest.raises(ParameterError, match=r"^cache\.anchors"):
+        node_config({"cache.enabled": False, "cache.anchors": 0})
+
+
+def test_the_default_profile_runs_the_cache_on_the_cpu() -> None:
+    """`make demo` shows rMuscle on config/rmuscle_default.yaml."""
+    cfg = node_config(load_params_file(CONFIG_DIR / "rmuscle_default.yaml"))
+    assert cfg.cache.enabled and (cfg.model.backend, cfg.model.device) == ("fused", "cpu")
+    assert cfg.cache.library_path == "", "a temporary library: the demo leaves nothing behind"

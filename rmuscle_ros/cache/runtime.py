@@ -190,17 +190,23 @@ class RMuscle:
     def reset_episode(self) -> int | None:
         """End the current episode (recording it if it ran dense) and start the next. Returns the id the
         finished episode got in the library, or None if it was not recorded."""
-        added = self.finish_episode()
-        self.retriever.reset()
-        self.episode_id += 1
-        self.calls = self.cached_calls = 0
-        self._wanted = []
-        return added
+        try:
+            return self.finish_episode()
+        finally:  # a library that cannot be written must not carry this episode's state into the next
+            self.retriever.reset()
+            self.episode_id += 1
+            self.calls = self.cached_calls = 0
+            self._wanted = []
 
     def discard_recording(self) -> None:
-        """Forget what this episode recorded so far (warm-up calls are not part of any episode)."""
+        """Forget this episode's calls so far: warm-up calls are not part of any episode (nothing they
+        did may be recorded, counted, or steer retrieval's alignment or fallback)."""
         self._recording = _Recording()
+        self._episode_cached = False
         self.calls = self.cached_calls = 0
+        self._wanted = []
+        self.retriever.reset()
+        self.last = CallInfo("dense", 0.0, reason="no call yet")
 
     def finish_episode(self) -> int | None:
         """Add the current episode to the library if it is recordable: recording on, at least one call,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import PI05_CAMERA_SLOTS, PolicyConfig
 
 if TYPE_CHECKING:
@@ -31,15 +32,71 @@ class ParameterError(ValueError):
     """An invalid node parameter; the message starts with the parameter's name."""
 
 
+# CacheParams field -> RMuscleConfig field, where the ROS name says more than the runtime's.
+_RUNTIME_NAMES = {"similarity_threshold": "threshold"}
+# Node-side settings that RMuscleConfig does not have.
+_NODE_ONLY = ("enabled", "status_period_s")
+
+
 @dataclass(frozen=True)
 class CacheParams:
-    """rMuscle settings (used once the caches land; validated now so profiles stay honest)."""
+    """The `cache.*` parameters: rMuscle's settings (RMuscleConfig) plus what the node does with them.
+
+    Validated even when disabled, so a profile that would fail once the cache is switched on fails now.
+    """
 
     enabled: bool = False
     rho_p: float = 0.4  # fraction of visual tokens whose prefill FFN is recomputed
     rho_n: float = 0.5  # fraction of expert MLP neurons updated after the anchor step
+    anchors: int = 1  # dense denoising steps per call
+    top_k: int = 4  # candidate library episodes kept by retrieval
+    lookahead: int = 4  # positions past the aligned one kept ready in the window
     similarity_threshold: float = 0.8  # below it: dense for the rest of the episode
-    library_path: str = ""
+    library_path: str = ""  # "" = a temporary folder, lost when the node is cleaned up
+    record: bool = True  # add dense episodes to the library at each episode reset
+    max_library_mb: int = 4096
+    max_episodes: int = 64
+    rebuilds_per_tick: int = 2  # window entries rebuilt after each published chunk
+    status_period_s: float = 1.0  # ~/cache_status period while active
+
+    def __post_init__(self) -> None:
+        if not (self.status_period_s > 0 and math.isfinite(self.status_period_s)):
+            raise ParameterError(f"cache.status_period_s: must be > 0, got {self.status_period_s!r}")
+        # A negative cosine similarity as the bar for "the same task" would accept any scene.
+        if not 0.0 <= self.similarity_threshold <= 1.0:
+            raise ParameterError(
+                f"cache.similarity_threshold: must be in [0, 1], got {self.similarity_threshold}"
+            )
+        try:
+            self.to_runtime()
+        except ValueError as e:
+            raise ParameterError(self._name_the_parameter(str(e))) from None
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """RMuscleConfig's keyword arguments (its field names)."""
+        return {
+            _RUNTIME_NAMES.get(f.name, f.name): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _NODE_ONLY
+        }
+
+    def to_runtime(self) -> RMuscleConfig:
+        """The policy-level cache configuration (RMuscleConfig validates it)."""
+        return RMuscleConfig(**self.runtime_fields())
+
+    def _name_the_parameter(self, message: str) -> str:
+        """RMuscleConfig's error -> "cache.<parameter>: <what is wrong>"."""
+        # Its messages may name several fields at once ("top_k must be >= 1 and lookahead >= 0"): trying
+        # each value alone against the defaults finds the one that is wrong.
+        for name, value in self.runtime_fields().items():
+            try:
+                RMuscleConfig(**{name: value})
+            except ValueError:
+                param = next((k for k, v in _RUNTIME_NAMES.items() if v == name), name)
+                head, _, rest = message.partition(" ")
+                # "rho_p must be in (0, 1]" -> "cache.rho_p: must be in (0, 1]"
+                return f"cache.{param}: {rest if head == name else message}"
+        return f"cache: {message}"  # only the combination of values is invalid
 
 
 @dataclass(frozen=True)
@@ -136,13 +193,6 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
 
     for name in ("control_period_s", "max_image_age_s", "max_joint_age_s", "max_skew_s"):
         positive(name)
-    for name in ("cache.rho_p", "cache.rho_n"):
-        if not 0.0 < values[name] <= 1.0:
-            raise ParameterError(f"{name}: must be in (0, 1], got {values[name]}")
-    if not 0.0 <= values["cache.similarity_threshold"] <= 1.0:
-        raise ParameterError(
-            f"cache.similarity_threshold: must be in [0, 1], got {values['cache.similarity_threshold']}"
-        )
     for name in ("camera_topics", "joint_state_topics", "joint_names", "action_joint_names"):
         if (
             not values[name]
@@ -175,5 +225,10 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         raise ParameterError(f"actions_per_inference: must be in 1..{horizon} (the chunk length)")
 
     cache = CacheParams(**{k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")})
+    if cache.enabled and model.backend == "eager":
+        raise ParameterError(
+            "model.backend: cache.enabled needs backend 'fused' (CPU) or 'graph' (CUDA), got 'eager' "
+            "(the eager reference has no Context/Action Cache)"
+        )
     top = {k: v for k, v in values.items() if "." not in k}
     return NodeConfig(model=model, cache=cache, **top)

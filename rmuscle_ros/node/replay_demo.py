@@ -1,19 +1,26 @@
-"""The README's first command: `rmuscle_node` (tiny model, CPU) fed by a replayed ALOHA-like rosbag.
+"""The README's first command: `rmuscle_node` (tiny model, CPU) fed by a replayed ALOHA-like rosbag, twice.
 
     python -m rmuscle_ros.demo            # this, via rmuscle_ros/demo.py
     python -m rmuscle_ros.demo --synthetic  # the policy alone on synthetic observations, no ROS
 
 Writes an episode bag (3 cameras at 30 Hz, 480×640; joints at 100 Hz), starts the lifecycle node with
-config/rmuscle_default.yaml and use_sim_time, configures and activates it, replays the bag with /clock,
-records the node's chunks to a bag, then prints a summary (chunks, rate, latency p50/p99, drops by
-reason) and writes a plot of the latency over time and the action trajectories.
+config/rmuscle_default.yaml (fused backend, rMuscle cache on, library in a temporary folder) and
+use_sim_time, configures and activates it, and replays the bag with /clock: a dense warm-up episode.
+Then it resets the episode through `~/reset_episode` (the node records the dense episode into its
+library) and replays the same task again, from a second bag that continues the clock where the first
+ended: the repeat is served from the cache. The node's chunks are recorded to a bag; the summary gives
+chunks, rate, latency p50/p99, drops by reason, chunks by cache mode per episode, the hit rate, and the
+last `~/cache_status`; the plot shows latency over time coloured by cache mode and the action
+trajectories.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +29,9 @@ import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
+from std_srvs.srv import Trigger
 
-from rmuscle_ros.msg import ActionChunk
+from rmuscle_ros.msg import ActionChunk, CacheStatus
 from rmuscle_ros.node.bags import (
     ALOHA_CAMERA_TOPICS,
     ALOHA_JOINT_TOPICS,
@@ -36,17 +44,31 @@ from rmuscle_ros.node.params import load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
+START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
+MODE_NAMES = {
+    ActionChunk.CACHE_DENSE: "dense",
+    ActionChunk.CACHE_CACHED: "cached",
+    ActionChunk.CACHE_FALLBACK: "fallback",
+}
+MODE_COLOURS = {"dense": "tab:blue", "cached": "tab:green", "fallback": "tab:red"}
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    return path
 
 
 def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, Any]:
-    """Replay an episode into the node; returns the summary. Files land in `out_dir`."""
+    """Replay a warm-up episode, reset, replay its repeat; returns the summary. Files land in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    bag = out_dir / "aloha_episode"
-    if bag.exists():
-        for f in bag.iterdir():
-            f.unlink()
-        bag.rmdir()
-    written = write_aloha_episode(bag, storage="mcap", seconds=seconds, cameras=3)
+    # The repeat is the same task (the same frames and joint motion) one episode later: its bag starts
+    # where the first ends, so the node's clock runs on as on a cell and no buffered frame goes stale.
+    bags = [_fresh(out_dir / "aloha_episode"), _fresh(out_dir / "aloha_episode_repeat")]
+    written = write_aloha_episode(bags[0], storage="mcap", seconds=seconds, cameras=3, start_ns=START_NS)
+    write_aloha_episode(
+        bags[1], storage="mcap", seconds=seconds, cameras=3, start_ns=START_NS + round(seconds * 1e9)
+    )
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain_id)
@@ -67,15 +89,22 @@ def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, A
     peer.create_subscription(
         ActionChunk, topic, lambda raw: received.append((time.time_ns(), raw)), 10, raw=True
     )
+    statuses: list[CacheStatus] = []
+    peer.create_subscription(CacheStatus, f"/{node.get_name()}/cache_status", statuses.append, 10)
+    reset = peer.create_client(Trigger, f"/{node.get_name()}/reset_episode")
     try:
         start = time.perf_counter()
         node.trigger_configure()
         node.trigger_activate()
         configure_s = time.perf_counter() - start
+        assert node.cfg is not None, f"configure failed: {node.last_error}"
         remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], node.cfg.camera_topics, strict=True))
         remap |= dict(zip(ALOHA_JOINT_TOPICS, node.cfg.joint_state_topics, strict=True))
-        BagPlayer(peer, bag, qos_profile_sensor_data, remap=remap).play()
+        BagPlayer(peer, bags[0], qos_profile_sensor_data, remap=remap).play()
         time.sleep(1.0)  # the last inference
+        reset_message = _call(reset, Trigger.Request()).message
+        BagPlayer(peer, bags[1], qos_profile_sensor_data, remap=remap).play()
+        time.sleep(1.0)
         stats = node.stats()
         node.trigger_deactivate()
         node.trigger_cleanup()
@@ -86,42 +115,87 @@ def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, A
         rclpy.shutdown(context=context)
         spinner.join(timeout=5.0)
 
-    record = out_dir / "action_chunks"
-    if record.exists():
-        for f in record.iterdir():
-            f.unlink()
-        record.rmdir()
+    record = _fresh(out_dir / "action_chunks")
     write_messages(record, topic, "rmuscle_ros/msg/ActionChunk", received)
     chunks = [m for _, m in read_messages(record, topic)]
     stamps = np.array([c.header.stamp.sec + c.header.stamp.nanosec * 1e-9 for c in chunks])
     t0 = written[ALOHA_CAMERA_TOPICS[0]][0] * 1e-9
     latencies = [c.inference_latency_s * 1e3 for c in chunks]
+    modes = [MODE_NAMES[c.cache_mode] for c in chunks]
+    episodes = []
+    for episode in sorted({c.episode_id for c in chunks}):
+        counts = Counter(m for c, m in zip(chunks, modes, strict=True) if c.episode_id == episode)
+        n = sum(counts.values())
+        episodes.append(
+            {"episode": episode, "chunks": n, "modes": dict(counts), "hit_rate": counts["cached"] / n}
+        )
+    by_mode = {
+        mode: statistics.median(lat for lat, m in zip(latencies, modes, strict=True) if m == mode)
+        for mode in sorted(set(modes))
+    }
+    last = statuses[-1] if statuses else None
     summary = {
         "chunks": len(chunks),
+        # The repeat's bag continues the first one's clock, so this is one rate over both episodes.
         "rate_hz": (len(chunks) - 1) / (stamps[-1] - stamps[0]) if len(chunks) > 1 else 0.0,
         "latency_p50_ms": statistics.median(latencies) if latencies else 0.0,
         "latency_p99_ms": float(np.percentile(latencies, 99)) if latencies else 0.0,
+        "latency_p50_by_mode_ms": by_mode,
         "drops": stats["drops"],
+        "errors": stats["errors"],
+        "episodes": episodes,
+        "reset": reset_message,
+        "cache_status": None
+        if last is None
+        else {
+            "bag_time_s": last.header.stamp.sec + last.header.stamp.nanosec * 1e-9 - t0,
+            "episode_id": last.episode_id,
+            "mode": MODE_NAMES[last.mode],
+            "hit_rate": last.hit_rate,
+            "library_episodes": last.library_episodes,
+            "window_entries": last.window_entries,
+            "library_bytes": last.library_bytes,
+        },
         "configure_activate_s": configure_s,
-        "bag": str(bag),
+        "bag": ", ".join(str(b) for b in bags),
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
     }
-    _plot(out_dir / "demo.png", stamps - t0, latencies, chunks)
+    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds)
     return summary
 
 
-def _plot(path: Path, t: np.ndarray, latencies: list[float], chunks: list[Any]) -> None:
+def _call(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
+    """A service call answered on the executor thread (this thread only waits)."""
+    assert client.wait_for_service(timeout_sec=10.0), f"{client.srv_name} is not available"
+    future = client.call_async(request)
+    deadline = time.monotonic() + timeout_s
+    while not future.done():
+        assert time.monotonic() < deadline, f"{client.srv_name} did not answer"
+        time.sleep(0.01)
+    return future.result()
+
+
+def _plot(
+    path: Path, t: np.ndarray, latencies: list[float], modes: list[str], chunks: list[Any], seconds: float
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_lat, ax_act) = plt.subplots(2, 1, figsize=(9, 6), constrained_layout=True)
-    ax_lat.plot(t, latencies, "o-")
+    ax_lat.plot(t, latencies, "-", color="0.75", zorder=1)
+    for mode, colour in MODE_COLOURS.items():
+        picked = [i for i, m in enumerate(modes) if m == mode]
+        if picked:
+            ax_lat.scatter(t[picked], np.asarray(latencies)[picked], color=colour, label=mode, zorder=2)
+    ax_lat.axvline(seconds, color="k", ls="--", lw=0.8)
+    ax_lat.text(seconds, ax_lat.get_ylim()[1], " reset: repeat of the task", va="top", fontsize=8)
+    ax_lat.legend(title="cache mode", loc="best", fontsize=8)
     ax_lat.set_xlabel("bag time of the observation (s)")
     ax_lat.set_ylabel("inference latency (ms)")
-    ax_lat.set_title("rmuscle_node on a replayed episode (tiny model with random weights, CPU)")
+    ax_lat.set_title("rmuscle_node on a replayed episode and its repeat (tiny model, random weights, CPU)")
     for c, start in zip(chunks, t, strict=True):
         actions = np.asarray(c.actions, dtype=np.float32).reshape(c.horizon, c.action_dim)
         steps = start + np.arange(c.horizon) * c.control_period_s
@@ -141,7 +215,27 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(
         f"[demo] inference latency p50 {summary['latency_p50_ms']:.1f} ms, p99 {summary['latency_p99_ms']:.1f} ms"
     )
+    by_mode = ", ".join(f"{m} {v:.1f} ms" for m, v in summary["latency_p50_by_mode_ms"].items())
+    print(f"[demo] latency p50 by cache mode: {by_mode or 'no chunks'}")
     print(f"[demo] drops by reason: {drops}")
+    for i, e in enumerate(summary["episodes"]):
+        what = "dense warm-up" if i == 0 else "repeat of the task"
+        modes = ", ".join(f"{m} {e['modes'].get(m, 0)}" for m in MODE_COLOURS)
+        print(
+            f"[demo] episode {e['episode']} ({what}): {e['chunks']} chunks: {modes}; hit rate {e['hit_rate']:.2f}"
+        )
+    print(f"[demo] reset between them: {summary['reset']}")
+    status = summary["cache_status"]
+    if status is None:
+        print("[demo] no ~/cache_status received")
+    else:
+        print(
+            f"[demo] last ~/cache_status (bag time {status['bag_time_s']:.1f} s): episode {status['episode_id']}, "
+            f"mode {status['mode']}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
+            f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB, window {status['window_entries']} entries"
+        )
+    if summary["errors"]:
+        print(f"[demo] errors the node survived: {summary['errors']}")
     print(
-        f"[demo] episode bag {summary['bag']}, recorded chunks {summary['recorded']}, plot {summary['plot']}"
+        f"[demo] episode bags {summary['bag']}, recorded chunks {summary['recorded']}, plot {summary['plot']}"
     )

@@ -1,14 +1,18 @@
 """`rmuscle_node`: an rclpy LifecycleNode that turns camera + joint topics into π0.5 action chunks.
 
 Lifecycle (what `ros2 lifecycle set` drives):
-- configure: validate every parameter (FAILURE names the bad one), load weights, warm up (timed);
-  create the publishers and the reset service.
-- activate: sensor-QoS subscriptions, the inference timer, the diagnostics timer, the worker thread.
-- deactivate / cleanup / shutdown undo exactly that; cleanup releases the model and GPU memory.
+- configure: validate every parameter (FAILURE names the bad one), load weights, open the rMuscle
+  library (cache.enabled), warm up (timed); create the publishers and the reset service.
+- activate: sensor-QoS subscriptions, the inference timer, the diagnostics (and cache status) timers,
+  the worker thread.
+- deactivate / cleanup / shutdown undo exactly that; cleanup records the episode in progress into the
+  library (`Policy.close`), then releases the model and GPU memory.
 
 Inference runs on a worker thread: the timer only wakes it, so the executor (single-threaded; see
 DESIGN.md §6) never blocks on the model. Each wake-up assembles an observation from the newest
-messages; an incomplete, stale or bad one gives no chunk and a counted, logged reason.
+messages; an incomplete, stale or bad one gives no chunk and a counted, logged reason. After publishing
+a chunk the same thread refills rMuscle's window (`Policy.rebuild_cache`): that is the motion window,
+while the arm executes the chunk.
 """
 
 from __future__ import annotations
@@ -33,10 +37,19 @@ from std_msgs.msg import Empty
 from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
+from rmuscle_ros.cache.runtime import MODES
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
+
+
+def _mode_codes(message: Any) -> dict[str, int]:
+    """rMuscle mode name -> the CACHE_* constant of ActionChunk / CacheStatus (same values in both)."""
+    codes = {"dense": message.CACHE_DENSE, "cached": message.CACHE_CACHED, "fallback": message.CACHE_FALLBACK}
+    if set(codes) != set(MODES):  # the runtime grew a mode the messages cannot say: refuse at load time
+        raise RuntimeError(f"cache modes {MODES} do not match the message constants {sorted(codes)}")
+    return codes
 
 
 class RMuscleNode(LifecycleNode):
@@ -50,6 +63,7 @@ class RMuscleNode(LifecycleNode):
         self._chunk_pub: Any = None
         self._trajectory_pub: Any = None
         self._diag_pub: Any = None
+        self._status_pub: Any = None
         self._reset_srv: Any = None
         self._reset_sub: Any = None
         self._subs: list[Any] = []
@@ -59,6 +73,10 @@ class RMuscleNode(LifecycleNode):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
+        # Serialises every call into the policy: the worker's infer/rebuild and the executor's episode
+        # reset (RMuscle is not thread-safe). A reset therefore waits for at most one call in flight.
+        self._policy_lock = threading.Lock()
+        self._modes: dict[str, int] = {}
         self.last_error = ""  # why the last transition failed (also logged), for operators and tests
         self._reset_stats()
 
@@ -69,6 +87,8 @@ class RMuscleNode(LifecycleNode):
             self.drops: Counter[str] = Counter()
             self.latencies_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
+            self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -77,26 +97,48 @@ class RMuscleNode(LifecycleNode):
             cfg = node_config({name: self.get_parameter(name).value for name in parameter_defaults()})
         except ParameterError as e:
             return self._fail(f"configure: invalid parameter {e}")
+        from rmuscle_ros.cache.library import LibraryError
+        from rmuscle_ros.msg import ActionChunk, CacheStatus
         from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring
 
+        policy = None
         try:
+            modes = _mode_codes(ActionChunk)
             start = time.perf_counter()
-            policy = Policy(cfg.model)
+            policy = Policy(cfg.model, cache=cfg.cache.to_runtime() if cfg.cache.enabled else None)
             loaded = time.perf_counter() - start
             warm = policy.warmup(cfg.prompt) if cfg.warmup else {}
+            status = policy.cache_status()
+        except LibraryError as e:  # LibraryMismatch too: other weights/shapes, corrupt index, version
+            self._close_quietly(policy)
+            return self._fail(f"configure: cannot open the rMuscle library (cache.library_path): {e}")
         except (ValueError, RuntimeError, OSError) as e:  # CheckpointError is a ValueError
+            self._close_quietly(policy)
             return self._fail(f"configure: cannot load the policy: {e}")
+        except Exception as e:  # anything else (a malformed library entry, ...): still a clean FAILURE
+            self._close_quietly(policy)
+            return self._fail(f"configure: cannot load the policy: {type(e).__name__}: {e}")
         self.get_logger().info(
             f"configure: {cfg.model.preset} on {cfg.model.device} ({cfg.model.backend}) loaded in {loaded:.2f} s"
             + (f", warm-up {warm.get('warmup_total', 0.0):.2f} s" if warm else "")
         )
-        from rmuscle_ros.msg import ActionChunk
+        if status is not None:
+            where = status["library_path"] or "a temporary folder"
+            self.get_logger().info(
+                f"configure: rMuscle cache on, library {where} with {status['library_episodes']} episode(s)"
+            )
+            for problem in status["library_problems"]:
+                self.get_logger().warning(f"rMuscle library: {problem}")
 
-        self.cfg, self.policy = cfg, policy
+        self.cfg, self.policy, self._modes = cfg, policy, modes
+        with self._stats_lock:
+            self.cache_status = status
         self._chunk_pub = self.create_lifecycle_publisher(ActionChunk, "~/action_chunk", 10)
         if cfg.publish_joint_trajectory:
             self._trajectory_pub = self.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
         self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+        if cfg.cache.enabled:
+            self._status_pub = self.create_lifecycle_publisher(CacheStatus, "~/cache_status", 10)
         self._reset_srv = self.create_service(Trigger, "~/reset_episode", self._on_reset_service)
         self._reset_sub = self.create_subscription(
             Empty, "~/reset_episode", lambda _msg: self.reset_episode(), 10
@@ -108,6 +150,14 @@ class RMuscleNode(LifecycleNode):
             len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits
         )
         return TransitionCallbackReturn.SUCCESS
+
+    def _close_quietly(self, policy: Any) -> None:
+        # A configure that failed after the policy was built: free the cache's temporary library now.
+        if policy is not None:
+            try:
+                policy.close()
+            except Exception as e:  # the configure error is what matters; this one is only logged
+                self.get_logger().warning(f"configure: closing the failed policy: {e}")
 
     def _fail(self, message: str) -> TransitionCallbackReturn:
         self.last_error = message
@@ -136,6 +186,8 @@ class RMuscleNode(LifecycleNode):
             self.create_timer(period, self._wake.set),
             self.create_timer(1.0, self._publish_diagnostics),
         ]
+        if self._status_pub is not None:
+            self._timers.append(self.create_timer(cfg.cache.status_period_s, self._publish_cache_status))
         self._stop.clear()
         self._worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
         self._worker.start()
@@ -175,15 +227,28 @@ class RMuscleNode(LifecycleNode):
         self._wake.clear()
 
     def _release(self) -> None:
-        """Undo on_configure: publishers, services, the model and its (GPU) memory."""
-        for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub):
+        """Undo on_configure: publishers, services, the cache (recording the episode in progress), the
+        model and its (GPU) memory."""
+        for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub, self._status_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
         if self._reset_srv is not None:
             self.destroy_service(self._reset_srv)
         if self._reset_sub is not None:
             self.destroy_subscription(self._reset_sub)
-        self._chunk_pub = self._trajectory_pub = self._diag_pub = self._reset_srv = self._reset_sub = None
+        self._chunk_pub = self._trajectory_pub = self._diag_pub = self._status_pub = None
+        self._reset_srv = self._reset_sub = None
+        if self.policy is not None:
+            with self._policy_lock:
+                try:
+                    recorded = self.policy.close()
+                except Exception as e:  # a full disk must not keep the model (and GPU memory) alive
+                    self._error("cache_close", f"recording the episode in progress failed: {e}")
+                else:
+                    if recorded is not None:
+                        self.get_logger().info(
+                            f"cleanup: episode in progress recorded as library episode {recorded}"
+                        )
         device = self.cfg.model.device if self.cfg is not None else "cpu"
         self.policy, self.cfg, self._buffer = None, None, None
         gc.collect()
@@ -196,16 +261,44 @@ class RMuscleNode(LifecycleNode):
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
     def reset_episode(self) -> int:
-        with self._stats_lock:
-            self.episode_id += 1
-            self.chunk_id = 0
-            episode = self.episode_id
+        """Start the next episode; the cache records the finished one into its library if it ran dense.
+        Returns the new episode id."""
+        return self._start_episode()[0]
+
+    def _start_episode(self) -> tuple[int, str]:
+        """-> (new episode id, what happened to the finished episode's recording)."""
+        recorded, failed = None, ""
+        # Under the policy lock, so a chunk is numbered in the episode the cache counted it in.
+        with self._policy_lock:
+            policy, status = self.policy, None
+            if policy is not None:
+                try:
+                    recorded = policy.reset_episode()
+                    status = policy.cache_status()
+                except Exception as e:  # e.g. the library's disk is full: the cell keeps running
+                    failed = f"{type(e).__name__}: {e}"
+            with self._stats_lock:
+                self.episode_id += 1
+                self.chunk_id = 0
+                episode = self.episode_id
+                self.cache_status = status if status is not None else self.cache_status
+        if failed:
+            note = f"recording episode {episode - 1} failed: {failed}"
+            self._error("cache_reset", note)
+        elif recorded is not None:
+            note = f"episode {episode - 1} recorded as library episode {recorded}"
+            self.get_logger().info(note)
+        else:
+            note = ""
         self.get_logger().info(f"episode {episode} starts")
-        return episode
+        self._publish_cache_status()  # the library grew: say so now, not a status period later
+        return episode, note
 
     def _on_reset_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        # The episode did reset even if its recording failed (that is logged and counted on /diagnostics).
+        episode, note = self._start_episode()
         response.success = True
-        response.message = f"episode {self.reset_episode()}"
+        response.message = f"episode {episode}" + (f" ({note})" if note else "")
         return response
 
     # ── inference worker ─────────────────────────────────────────────────────────────────────────────────
@@ -216,7 +309,10 @@ class RMuscleNode(LifecycleNode):
             self._wake.clear()
             if self._stop.is_set():
                 return
-            self._infer_once()
+            try:
+                self._infer_once()
+            except Exception as e:  # nothing may end the worker: the node would look alive and be silent
+                self._error("worker", f"{type(e).__name__}: {e}")
 
     def _infer_once(self) -> None:
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
@@ -225,21 +321,43 @@ class RMuscleNode(LifecycleNode):
         now_ns = self.get_clock().now().nanoseconds
         try:
             obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
-            chunk = policy.infer(obs)
         except ObservationUnavailable as e:
             self._drop(e.reason, e.detail)
             return
-        except Exception as e:  # the hot path logs, counts and keeps the node alive
-            self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
-            return
+        with self._policy_lock:
+            try:
+                chunk = policy.infer(obs)
+            except Exception as e:  # the hot path logs, counts and keeps the node alive
+                self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
+                return
+            with self._stats_lock:
+                episode, chunk_id = self.episode_id, self.chunk_id
+                self.chunk_id += 1
+                self.latencies_ms.append(chunk.latency_s * 1e3)
+                self._chunk_times.append(time.monotonic())
         if self._stop.is_set():
             return
-        with self._stats_lock:
-            episode, chunk_id = self.episode_id, self.chunk_id
-            self.chunk_id += 1
-            self.latencies_ms.append(chunk.latency_s * 1e3)
-            self._chunk_times.append(time.monotonic())
         self._publish_chunk(cfg, chunk, episode, chunk_id)
+        if cfg.cache.enabled:
+            self._rebuild_cache(policy)
+
+    def _rebuild_cache(self, policy: Any) -> None:
+        """The motion window: refill rMuscle's entries for the next calls while the arm executes."""
+        with self._policy_lock:
+            try:
+                policy.rebuild_cache()
+            except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
+                self._error("cache_rebuild", f"{type(e).__name__}: {e}")
+            status = policy.cache_status()
+            with self._stats_lock:
+                self.cache_status = status
+
+    def _error(self, kind: str, detail: str) -> None:
+        with self._stats_lock:
+            self.errors[kind] += 1
+            count = self.errors[kind]
+        if count == 1 or count % 50 == 0:  # throttled like the drops: a broken disk must not flood the log
+            self.get_logger().error(f"{kind} error ({count}x): {detail}")
 
     def _drop(self, reason: DropReason, detail: str) -> None:
         with self._stats_lock:
@@ -263,8 +381,8 @@ class RMuscleNode(LifecycleNode):
         flat.frombytes(np.ascontiguousarray(chunk.actions, dtype=np.float32).tobytes())
         msg.actions = flat
         msg.inference_latency_s = chunk.latency_s
-        msg.cache_mode = ActionChunk.CACHE_DENSE
-        msg.cache_similarity = 0.0
+        msg.cache_mode = self._modes[chunk.cache_mode]
+        msg.cache_similarity = chunk.cache_similarity
         self._chunk_pub.publish(msg)
         if self._trajectory_pub is not None:
             traj = JointTrajectory()
@@ -287,6 +405,8 @@ class RMuscleNode(LifecycleNode):
             times = list(self._chunk_times)
             drops = dict(self.drops)
             chunks = self.chunk_id
+            cache = dict(self.cache_status) if self.cache_status is not None else None
+            errors = dict(self.errors)
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         p50 = statistics.median(lat) if lat else 0.0
         p99 = float(np.percentile(lat, 99)) if lat else 0.0
@@ -296,6 +416,8 @@ class RMuscleNode(LifecycleNode):
             "latency_p99_ms": p99,
             "chunks": chunks,
             "drops": drops,
+            "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
+            "errors": errors,
         }
 
     def _publish_diagnostics(self) -> None:
@@ -303,10 +425,18 @@ class RMuscleNode(LifecycleNode):
         status = DiagnosticStatus()
         status.name = f"{self.get_name()}: inference"
         status.hardware_id = self.cfg.model.device if self.cfg else ""
-        status.level = DiagnosticStatus.WARN if s["drops"] else DiagnosticStatus.OK
+        cache = s["cache"]
+        warn = s["drops"] or s["errors"] or (cache is not None and cache["library_problems"])
+        status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
         values = {k: s[k] for k in ("rate_hz", "latency_p50_ms", "latency_p99_ms", "chunks")}
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
+        if cache is not None:
+            status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
+            values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
+                                                        "window_entries", "library_bytes")}  # fmt: skip
+            values["cache.library_problems"] = len(cache["library_problems"])
+        values |= {f"errors.{k}": v for k, v in s["errors"].items()}
         status.values = [
             KeyValue(key=k, value=f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in values.items()
         ]
@@ -314,6 +444,26 @@ class RMuscleNode(LifecycleNode):
         array.header.stamp = self.get_clock().now().to_msg()
         array.status = [status]
         self._diag_pub.publish(array)
+
+    def _publish_cache_status(self) -> None:
+        from rmuscle_ros.msg import CacheStatus
+
+        pub = self._status_pub
+        with self._stats_lock:
+            status, episode = self.cache_status, self.episode_id
+        if pub is None or not pub.is_activated or status is None:
+            return
+        msg = CacheStatus()
+        msg.header.stamp = self.get_clock().now().to_msg()
+        msg.episode_id = episode
+        msg.mode = self._modes[status["mode"]]
+        msg.similarity = float(status["similarity"])
+        msg.hit_rate = float(status["hit_rate"])
+        msg.library_episodes = int(status["library_episodes"])
+        msg.window_entries = int(status["window_entries"])
+        msg.library_bytes = int(status["library_bytes"])
+        msg.library_path = str(status["library_path"])
+        pub.publish(msg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,185 @@
+"""rmuscle_node with the rMuscle cache, over real DDS: modes on the chunks, ~/cache_status, the library.
+
+The tiny model on the fused backend (CPU). Its random weights give near-identical retrieval
+descriptors for any two scenes, so the window is rebuilt whole after every chunk
+(cache.rebuilds_per_tick 20, as in config/rmuscle_default.yaml); the harness's observations are the
+same frames every time, so a repeated episode is the same task by construction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
+
+from lifecycle_msgs.msg import State, Transition
+from std_srvs.srv import Trigger
+from test_node_lifecycle import Harness, _configure_fails_saying, harnesses
+
+from rmuscle_ros.cache.runtime import RMuscleConfig
+from rmuscle_ros.msg import ActionChunk, CacheStatus
+from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+
+CACHE = {"model.backend": "fused", "cache.enabled": True, "cache.rebuilds_per_tick": 20}
+
+
+@pytest.fixture
+def harness() -> Iterator[Callable[..., Harness]]:
+    with harnesses() as make:
+        yield make
+
+
+def _statuses(h: Harness) -> list[CacheStatus]:
+    statuses: list[CacheStatus] = []
+    h.peer.create_subscription(CacheStatus, f"/{h.node.get_name()}/cache_status", statuses.append, 10)
+    return statuses
+
+
+def _episode(h: Harness, episode: int) -> list[ActionChunk]:
+    return [c for c in list(h.chunks) if c.episode_id == episode]
+
+
+def _start(h: Harness) -> None:
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+
+
+def _index(library: Path) -> dict:
+    return json.loads((library / "index.json").read_text())
+
+
+def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
+    h = harness(**CACHE)
+    statuses = _statuses(h)
+    _start(h)
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
+    warmup = _episode(h, 0)
+    assert {c.cache_mode for c in warmup} == {ActionChunk.CACHE_DENSE}, "an empty library serves nothing"
+    assert all(c.cache_similarity == 0.0 for c in warmup), "no library episode to be similar to"
+
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.success and "episode 0 recorded as library episode 0" in reply.message, reply.message
+    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 1)) >= 2), (
+        f"no cached chunks in the repeat: {[c.cache_mode for c in _episode(h, 1)]}; drops {h.drops()}"
+    )
+    repeat = _episode(h, 1)
+    assert repeat[0].cache_mode == ActionChunk.CACHE_DENSE, "the first call finds the window empty"
+    assert ActionChunk.CACHE_FALLBACK not in {c.cache_mode for c in repeat}
+    assert all(0.8 < c.cache_similarity <= 1.0 + 1e-6 for c in repeat), [c.cache_similarity for c in repeat]
+    assert all(np.isfinite(np.asarray(c.actions)).all() and len(c.actions) == 700 for c in repeat)
+    assert [c.chunk_id for c in repeat] == list(range(len(repeat)))
+
+    # ~/cache_status: one right at the reset (the library grew), then one per cache.status_period_s.
+    def reported() -> bool:
+        return any(s.episode_id == 1 and s.mode == CacheStatus.CACHE_CACHED for s in statuses)
+
+    assert h.wait_for(reported, timeout=10.0), [(s.episode_id, s.mode) for s in statuses]
+    status = next(s for s in reversed(statuses) if s.episode_id == 1 and s.mode == CacheStatus.CACHE_CACHED)
+    assert status.library_episodes == 1 and status.library_bytes > 0
+    assert 0.0 < status.hit_rate <= 1.0 and 0.8 < status.similarity <= 1.0 + 1e-6
+    assert 1 <= status.window_entries <= 20
+    assert status.library_path == "", "the default library is a temporary folder"
+    assert all(0.0 <= s.hit_rate <= 1.0 for s in statuses)
+    assert {s.library_episodes for s in statuses if s.episode_id == 0} <= {0}
+
+    def diagnosed() -> bool:
+        for array in h.diagnostics:
+            for s in array.status:
+                values = {kv.key: kv.value for kv in s.values}
+                if h.node.get_name() in s.name and values.get("cache.mode") == "cached":
+                    return (
+                        values["cache.library_episodes"] == "1" and 0 < float(values["cache.hit_rate"]) <= 1
+                    )
+        return False
+
+    assert h.wait_for(diagnosed, timeout=10.0), "/diagnostics never reported the cache"
+    assert h.node.stats()["errors"] == {}
+
+
+def test_cleanup_records_the_episode_in_progress_and_the_library_persists(harness, tmp_path) -> None:
+    library = tmp_path / "library"
+    h = harness(**CACHE, **{"cache.library_path": str(library)})
+    _start(h)
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    published = len(h.chunks)
+    assert not (library / "index.json").exists(), "nothing is recorded before the episode ends"
+    assert h.transition(Transition.TRANSITION_CLEANUP) and h.node.policy is None
+
+    index = _index(library)
+    assert [e["id"] for e in index["episodes"]] == [0]
+    entry = index["episodes"][0]
+    # Every published chunk was a dense call of this episode; one more may have been computed while
+    # deactivating (counted, not published).
+    assert published <= entry["calls"] <= published + 1, (published, entry)
+    assert (library / entry["file"]).stat().st_size == entry["bytes"]
+
+    # The next configure opens the same library and serves the repeat from it.
+    h.chunks.clear()
+    _start(h)
+    assert h.node.stats()["cache"]["library_episodes"] == 1
+    assert h.node.stats()["cache"]["library_path"] == str(library)
+    assert h.feed_until(lambda: any(c.cache_mode == ActionChunk.CACHE_CACHED for c in h.chunks)), (
+        f"{[c.cache_mode for c in h.chunks]}; drops {h.drops()}"
+    )
+    assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_CLEANUP)
+    assert len(_index(library)["episodes"]) == 1, "an episode served from the cache is not recorded"
+
+
+def _library_of_other_weights(library: Path) -> None:
+    other = Policy(PolicyConfig(backend="fused", seed=1), RMuscleConfig(library_path=str(library)))
+    other.infer(synthetic_observation(other.cfg, "pick"))
+    assert other.close() == 0
+
+
+def _library_with_a_corrupt_index(library: Path) -> None:
+    library.mkdir()
+    (library / "index.json").write_text('{"version": 1, "key": ')
+
+
+@pytest.mark.parametrize(
+    ("make_library", "reason"),
+    [
+        (_library_of_other_weights, "other weights"),
+        (_library_with_a_corrupt_index, "unreadable library index"),
+    ],
+)
+def test_configure_refuses_a_library_it_cannot_use(
+    harness, tmp_path, make_library: Callable[[Path], None], reason: str
+) -> None:
+    library = tmp_path / "library"
+    make_library(library)
+    before = (library / "index.json").read_bytes()
+    h = harness(**CACHE, **{"cache.library_path": str(library)})
+    _configure_fails_saying(h, reason)
+    assert "cache.library_path" in h.node.last_error and str(library) in h.node.last_error
+    assert h.node.policy is None
+    assert (library / "index.json").read_bytes() == before, "a refused library is left as it was"
+
+
+def test_cache_with_the_eager_backend_fails_configure_naming_model_backend(harness) -> None:
+    _configure_fails_saying(harness(**{"cache.enabled": True}), "model.backend")
+
+
+def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harness, tmp_path) -> None:
+    # The library folder's parent is a file: opening works (no index yet), writing the episode fails.
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    h = harness(**CACHE, **{"cache.library_path": str(blocker / "library")})
+    _start(h)
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 1), f"drops {h.drops()}"
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.success and "recording episode 0 failed" in reply.message, reply.message
+    assert h.node.stats()["errors"] == {"cache_reset": 1}
+    assert h.feed_until(lambda: len(_episode(h, 1)) >= 2), "the node stopped publishing"
+    assert {c.cache_mode for c in _episode(h, 1)} == {ActionChunk.CACHE_DENSE}, "nothing was recorded"
+    assert h.state() == State.PRIMARY_STATE_ACTIVE
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert h.transition(Transition.TRANSITION_CLEANUP), "cleanup releases the model even if recording fails"
+    assert h.node.policy is None
