@@ -1,0 +1,60 @@
+"""Smoke test of bench/probes_rmuscle.py on `tiny`: every probe runs and returns sane fractions, ρ = 1 is
+exact, the training forward matches the model's, and one training step gives a finite loss (< 20 s)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import probes_rmuscle as probes
+from rmuscle_ros.models.config import get_preset
+
+
+@pytest.fixture
+def one_thread():
+    """The script runs with one intra-op thread (see its docstring); restore the test process's setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _fraction(x: float) -> bool:
+    return 0.0 <= x <= 1.0 + 1e-6
+
+
+def test_probes_run_on_tiny(one_thread) -> None:
+    model = probes.build_model(get_preset("tiny"), seed=0)
+    out = probes.probe_model(model, calls=3, rho_p=[0.4], rho_n=[0.5], pairs=[(1.0, 1.0), (0.4, 0.5)])
+    assert out["recorded_masks_equal_sparse_ffn_top_neurons"]
+    ctx = out["context_cache"]["0.4"]
+    assert len(ctx["captured_per_layer"]) == model.cfg.vlm.depth - 1
+    assert _fraction(ctx["captured_mean"]) and ctx["captured_mean"] <= ctx["best_possible_mean"] + 1e-6
+    act = out["action_cache"]["0.5"]
+    assert all(_fraction(act[k]) for k in ("kept_own", "kept_with_reference_mask", "overlap_same_task"))
+    assert act["kept_with_reference_mask"] <= act["kept_own"] + 1e-6  # a call's own top ρn is the best set
+    assert out["episode"]["p1_n1"]["rel_l2_max"] == 0.0
+    assert 0.0 < out["episode"]["p0.4_n0.5"]["rel_l2_median"] < 1.0
+    record = {
+        **dict.fromkeys(("date", "commit", "torch", "command"), "-"),
+        "setting": {"task": "-", "episodes": "-"},
+        "results": {"tiny_random": {"description": "-"} | out},
+    }
+    report = probes.to_markdown(record)
+    assert "## Summary" in report and "Probe 4" in report
+
+
+def test_training_forward_and_one_step(one_thread) -> None:
+    cfg = get_preset("tiny")
+    model = probes.build_model(cfg, seed=0)
+    inputs, actions = probes.training_batch(cfg, 2, torch.Generator().manual_seed(1))
+    assert actions.shape == (2, cfg.horizon, cfg.action_dim)
+    assert probes.check_training_prefill(model, inputs) < 1e-4
+    report = probes.train(model, steps=1, batch=1, draws=2, lr=1e-3, seed=0)
+    assert math.isfinite(report["final_loss"]) and not model.training
