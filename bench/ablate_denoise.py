@@ -10,7 +10,6 @@ dense replay time minus the replay time without it. Prints a table and writes JS
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import types
@@ -20,11 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, make_inputs
-from rmuscle_ros.engine import create_engine, triton_ops
-from rmuscle_ros.models.checkpoint import init_random_
+from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, save_results
+from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
-from rmuscle_ros.models.pi05 import Pi05Model
 
 KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm")
 EXTRA = ("attention_unsplit", "all")  # attention without split-KV (no combine kernel); every kind removed
@@ -74,17 +71,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--preset", default="pi05")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     device = torch.device("cuda")
     cfg = get_preset(args.preset)
-    model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, 0)
-    engine = create_engine("graph", model, device)
-    del model
-    inputs, noise = make_inputs(cfg, 50, device, 0)
-    bucket = engine.load_inputs(inputs, noise)
-    engine.warmup()
+    engine, bucket = random_graph_engine(args.preset, device)
     results = {}
 
     def time_denoise() -> float:
@@ -99,21 +91,29 @@ def main() -> None:
         results[f"without {kind}"] = time_denoise()
     engine.fused.ops = real_ops
     steps, depth = cfg.num_steps, cfg.expert.depth
-    print(f"denoise graph replay, {steps} steps x {depth} layers: dense {results['dense']:.3f} ms")
-    print("| kernel kind | ms in graph | µs per layer-step |\n|---|---|---|")
+    lines = [
+        f"# Denoise graph by kernel kind — {torch.cuda.get_device_name(device)}",
+        "",
+        f"Full `{args.preset}` denoise graph replay, {steps} steps × {depth} layers: dense "
+        f"{results['dense']:.3f} ms (median of {args.iters}). A kind's cost is the dense replay time minus the "
+        "replay time with that kind of kernel replaced by nothing.",
+        "",
+        "| kernel kind | ms in graph | µs per layer-step |",
+        "|---|---|---|",
+    ]
     rows = {}
     for kind in KINDS + EXTRA:
         cost = results["dense"] - results[f"without {kind}"]
         per = cost * 1e3 / (steps * depth)
         rows[kind] = {"ms": round(cost, 3), "us_per_layer_step": round(per, 2)}
-        print(f"| {kind} | {cost:.3f} | {per:.2f} |")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "ablate_denoise.json").write_text(
-            json.dumps(
-                {"gpu": torch.cuda.get_device_name(device), "replay_ms": results, "kinds": rows}, indent=1
-            )
-        )
+        lines.append(f"| {kind} | {cost:.3f} | {per:.2f} |")
+    record = {
+        **record_header(torch.cuda.get_device_name(device), args.commit),
+        "replay_ms": results,
+        "kinds": rows,
+    }
+    save_results(args.out, f"ablate_denoise_{torch.cuda.get_device_name(device).split()[-1].lower()}", record,
+                 "\n".join(lines) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

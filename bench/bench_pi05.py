@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, total
-from rmuscle_ros.engine.graph import STAGES
+from rmuscle_ros.engine.graph import STAGES, GraphEngine
 from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times
@@ -72,6 +72,41 @@ def make_inputs(cfg, prompt_tokens: int, device: torch.device, seed: int) -> tup
     )
     noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=gen)
     return inputs.to(device), noise.to(device)
+
+
+def random_graph_engine(
+    preset: str, device: torch.device, *, prompt_tokens: int = 50, seed: int = 0, **options: object
+) -> tuple[GraphEngine, int]:
+    """A graph engine for `preset` with seeded random weights, the benchmark's inputs loaded and its graphs
+    captured (the eager model is dropped). Returns (engine, prompt bucket)."""
+    cfg = get_preset(preset)
+    model = Pi05Model(cfg).to(device).eval()
+    init_random_(model, seed)
+    engine = create_engine("graph", model, device, **options)
+    del model
+    inputs, noise = make_inputs(cfg, prompt_tokens, device, seed)
+    bucket = engine.load_inputs(inputs, noise)
+    engine.warmup()
+    return engine, bucket
+
+
+def record_header(gpu: str, commit: str) -> dict[str, str]:
+    """What every results file starts with, so later runs can be compared by a script."""
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "commit": commit,
+        "command": " ".join(["python", *sys.argv]),
+        "torch": torch.__version__,
+    }
+
+
+def save_results(out: Path, stem: str, record: dict, markdown: str) -> None:
+    """bench/results/<stem>.json and .md (the same figures), and the Markdown on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown, flush=True)
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,11 +249,7 @@ def main() -> None:
     results["graph"]["x_roofline_floor"] = round(results["graph"]["median_ms"] / floor_total, 2)
 
     record = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "commit": args.commit,
-        "command": " ".join(["python", *sys.argv]),
-        "torch": torch.__version__,
+        **record_header(gpu, args.commit),
         "setting": {
             "preset": args.preset,
             "cameras": cfg.num_cameras,
@@ -238,11 +269,8 @@ def main() -> None:
         "capture_s": round(sum(capture.values()), 2),
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.preset}_{gpu.split()[-1].lower()}_{record['date'][:10]}"
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / f"{stem}.md").write_text(to_markdown(record))
-    print(to_markdown(record), flush=True)
+    save_results(args.out, stem, record, to_markdown(record))
 
 
 def to_markdown(r: dict) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import gc
 import json
 import statistics
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, measure_ceilings, rel_l2
+from bench.bench_pi05 import cuda_time_ms, measure_ceilings, record_header, rel_l2, save_results
 from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
@@ -342,11 +341,7 @@ def main() -> None:
             "floor_ratio": round(f(dense_cost) / f(cached_cost), 3),
         }
     record = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "commit": args.commit,
-        "command": " ".join(["python", *sys.argv]),
-        "torch": torch.__version__,
+        **record_header(gpu, args.commit),
         "setting": {
             "preset": args.preset,
             "cameras": cfg.num_cameras,
@@ -373,11 +368,8 @@ def main() -> None:
         "roofline_projection_not_measured": projection,
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"rmuscle_{args.preset}_{gpu.split()[-1].lower()}_{record['date'][:10]}"
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / f"{stem}.md").write_text(to_markdown(record))
-    print(to_markdown(record), flush=True)
+    save_results(args.out, stem, record, to_markdown(record))
 
 
 def to_markdown(r: dict) -> str:

@@ -16,11 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs
-from rmuscle_ros.engine import create_engine
-from rmuscle_ros.models.checkpoint import init_random_
-from rmuscle_ros.models.config import get_preset
-from rmuscle_ros.models.pi05 import Pi05Model
+from bench.bench_pi05 import random_graph_engine
 
 
 @torch.no_grad()
@@ -32,13 +28,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     args = p.parse_args()
     device = torch.device("cuda")
-    cfg = get_preset(args.preset)
-    model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, 0)
-    engine = create_engine("graph", model, device, use_cuda_graphs=False)
-    del model
-    inputs, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
-    bucket = engine.load_inputs(inputs, noise)
+    engine, bucket = random_graph_engine(
+        args.preset, device, prompt_tokens=args.prompt_tokens, use_cuda_graphs=False
+    )
     for stage in args.stage or ["vision", "prefill", "denoise"]:
         for _ in range(3):
             engine.run_stage(stage, bucket)

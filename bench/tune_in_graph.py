@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import types
@@ -23,11 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, make_inputs
-from rmuscle_ros.engine import create_engine, triton_ops
-from rmuscle_ros.models.checkpoint import init_random_
-from rmuscle_ros.models.config import get_preset
-from rmuscle_ros.models.pi05 import Pi05Model
+from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, save_results
+from rmuscle_ros.engine import triton_ops
 
 GRIDS: dict[str, dict[str, list[int]]] = {
     "attention": {
@@ -72,17 +68,11 @@ def main() -> None:
     p.add_argument("--preset", default="pi05")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--only", action="append", choices=list(GRIDS), default=None)
+    p.add_argument("--commit", default="unknown")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     device = torch.device("cuda")
-    cfg = get_preset(args.preset)
-    model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, 0)
-    engine = create_engine("graph", model, device)
-    del model
-    inputs, noise = make_inputs(cfg, 50, device, 0)
-    bucket = engine.load_inputs(inputs, noise)
-    engine.warmup()
+    engine, bucket = random_graph_engine(args.preset, device)
     fused = engine.fused
     defaults = {"o_splits": fused.o_splits, "down_splits": fused.down_splits}
     key = ("denoise", bucket)
@@ -117,12 +107,22 @@ def main() -> None:
         results[kind] = {"best": ok[:6], "failed": [r for r in rows if "error" in r][:6]}
         print(f"{kind}: " + "; ".join(f"{r['ms']} ms {r['config']}" for r in ok[:4]), flush=True)
         engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket))
-    args.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(device)
-    (args.out / f"tune_in_graph_{gpu.split()[-1].lower()}.json").write_text(
-        json.dumps({"gpu": gpu, "preset": args.preset, "pdl": engine.pdl, "results": results}, indent=1)
-        + "\n"
-    )
+    lines = [
+        f"# Denoise kernel configurations tuned in the captured graph — {gpu}",
+        "",
+        f"Full `{args.preset}` denoise replay with the default configurations: {results['default_ms']} ms "
+        f"(PDL {'on' if engine.pdl else 'off'}; median of {args.iters}). Best candidates per kernel kind, "
+        "the other kinds at their defaults:",
+        "",
+        "| kernel kind | best ms | configuration |",
+        "|---|---|---|",
+    ]
+    for kind in args.only or list(GRIDS):
+        for row in results[kind]["best"][:3]:
+            lines.append(f"| {kind} | {row['ms']} | `{row['config']}` |")
+    record = {**record_header(gpu, args.commit), "preset": args.preset, "pdl": engine.pdl, "results": results}
+    save_results(args.out, f"tune_in_graph_{gpu.split()[-1].lower()}", record, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
