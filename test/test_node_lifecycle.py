@@ -44,6 +44,7 @@ from rmuscle_ros.node.bags import (  # noqa: E402
     write_messages,
 )
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
+from rmuscle_ros.node.replay_demo import call_service  # noqa: E402
 from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
 
 CAMERAS = ("images/base", "images/left_wrist", "images/right_wrist")
@@ -68,13 +69,7 @@ class Harness:
     diagnostics: list = field(default_factory=list)
 
     def call(self, client: Any, request: Any, timeout: float = 30.0) -> Any:
-        assert client.wait_for_service(timeout_sec=10.0), f"service {client.srv_name} not available"
-        future = client.call_async(request)
-        deadline = time.monotonic() + timeout
-        while not future.done():
-            assert time.monotonic() < deadline, f"{client.srv_name} did not answer"
-            time.sleep(0.01)
-        return future.result()
+        return call_service(client, request, timeout)
 
     def transition(self, transition_id: int) -> bool:
         req = ChangeState.Request()

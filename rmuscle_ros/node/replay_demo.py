@@ -102,7 +102,7 @@ def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, A
         remap |= dict(zip(ALOHA_JOINT_TOPICS, node.cfg.joint_state_topics, strict=True))
         BagPlayer(peer, bags[0], qos_profile_sensor_data, remap=remap).play()
         time.sleep(1.0)  # the last inference
-        reset_message = _call(reset, Trigger.Request()).message
+        reset_message = call_service(reset, Trigger.Request()).message
         BagPlayer(peer, bags[1], qos_profile_sensor_data, remap=remap).play()
         time.sleep(1.0)
         stats = node.stats()
@@ -165,13 +165,15 @@ def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, A
     return summary
 
 
-def _call(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
-    """A service call answered on the executor thread (this thread only waits)."""
-    assert client.wait_for_service(timeout_sec=10.0), f"{client.srv_name} is not available"
+def call_service(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
+    """A service call answered on an executor spinning in another thread (this thread only waits)."""
+    if not client.wait_for_service(timeout_sec=10.0):
+        raise TimeoutError(f"service {client.srv_name} is not available")
     future = client.call_async(request)
     deadline = time.monotonic() + timeout_s
     while not future.done():
-        assert time.monotonic() < deadline, f"{client.srv_name} did not answer"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"service {client.srv_name} did not answer within {timeout_s:g} s")
         time.sleep(0.01)
     return future.result()
 
