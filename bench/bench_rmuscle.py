@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import statistics
@@ -238,10 +239,15 @@ class Bench:
         if not self.args.interference:
             return out
         # A live call while rebuilds are queued on the low-priority lane (the worst case: back to back).
+        # This phase once hung on the H200 (cause not found): if it stalls, dump every thread's Python
+        # stack (where it waits) and exit, rather than hold the GPU until an outer timeout.
+        faulthandler.dump_traceback_later(self.args.interference_timeout_s, exit=True)
         self.retriever.reset()
         sync()
         busy = []
-        for _ in range(it):
+        for i in range(it):
+            if i == 0:
+                log("interference: first live call with rebuilds queued")
             for k in range(2):
                 e.rebuild_entry(self.ref_obs[k], self.window[k])
             start = time.perf_counter()
@@ -258,6 +264,7 @@ class Bench:
                 self.cached_call(obs)
             wait(e.live_stream)
             quiet.append((time.perf_counter() - start) * 1e3)
+        faulthandler.cancel_dump_traceback_later()
         log("interference measured")
         return out | {
             "live_call_alone_ms": round(statistics.median(quiet), 3),
@@ -283,6 +290,8 @@ def main() -> None:
         default=True,
         help="also time a live call while rebuilds are queued on the low-priority stream",
     )
+    p.add_argument("--interference-timeout-s", type=float, default=120.0,
+                   help="dump the Python stacks and exit if the interference phase takes longer")  # fmt: skip
     args = p.parse_args()
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

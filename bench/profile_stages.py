@@ -1,8 +1,12 @@
 """Kernel-level profile of the graph engine's stages (run without graph capture so kernels are visible).
 
-Prints, per stage, the kernels with the most device time: where the gap to the roofline floor is.
+Prints, per stage (and variant), the kernels with the most device time: where the gap to the roofline
+floor is. `--cache` builds the engine with rMuscle shapes and also profiles the cached prefill (Context
+Cache) and the cached denoise (Action Cache), with a reference entry made from the loaded observation
+and random sorted neuron masks: kernel times depend on shapes, not on which rows are selected.
 
     python bench/profile_stages.py --preset pi05 --stage denoise
+    python bench/profile_stages.py --preset pi05 --cache
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import random_graph_engine
+from rmuscle_ros.engine.graph import CacheShapes
 
 
 @torch.no_grad()
@@ -25,20 +30,36 @@ def main() -> None:
     p.add_argument("--preset", default="pi05")
     p.add_argument("--prompt-tokens", type=int, default=50)
     p.add_argument("--stage", action="append", default=None, choices=["vision", "prefill", "denoise"])
+    p.add_argument("--cache", action="store_true", help="also profile the cached prefill and denoise")
     p.add_argument("--rows", type=int, default=25)
     args = p.parse_args()
     device = torch.device("cuda")
     engine, bucket = random_graph_engine(
-        args.preset, device, prompt_tokens=args.prompt_tokens, use_cuda_graphs=False
+        args.preset,
+        device,
+        prompt_tokens=args.prompt_tokens,
+        use_cuda_graphs=False,
+        cache=CacheShapes() if args.cache else None,
     )
-    for stage in args.stage or ["vision", "prefill", "denoise"]:
+    runs = [(stage, "dense") for stage in args.stage or ["vision", "prefill", "denoise"]]
+    if args.cache:
+        # A reference entry from this very observation, and random neuron masks, sorted per (step, layer).
+        engine.run_stage("vision", bucket)
+        engine._run_prefill(engine.live, bucket, "record")  # writes engine.rebuilt_ref
+        engine.ctx_ref.copy_(engine.rebuilt_ref)
+        steps, depth, keep = engine.neurons.shape
+        f = engine.cfg.expert.mlp_dim
+        masks = torch.rand(steps, depth, f, device=device).argsort(-1)[..., :keep].sort(-1).values
+        engine.neurons.copy_(masks.to(torch.int32))
+        runs += [("prefill", "cached"), ("denoise", "cached")]
+    for stage, variant in runs:
         for _ in range(3):
-            engine.run_stage(stage, bucket)
+            engine.run_stage(stage, bucket, variant=variant)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.run_stage(stage, bucket)
+            engine.run_stage(stage, bucket, variant=variant)
             torch.cuda.synchronize()
-        print(f"\n=== {stage} ===")
+        print(f"\n=== {stage} ({variant}) ===")
         print(
             prof.key_averages().table(
                 sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90

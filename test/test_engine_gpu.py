@@ -111,8 +111,9 @@ def test_graph_engine_matches_eager_tiny(missing_camera: bool) -> None:
 
 
 def test_pdl_gives_the_same_actions_as_serial_launches() -> None:
-    """Programmatic dependent launch only overlaps weight prefetches with the previous kernel: the
-    arithmetic, and so the result, is bit-identical to the same engine launching kernels one by one."""
+    """Programmatic dependent launch only overlaps weight prefetches with the previous kernel, and the
+    prefetches for the kernel after next only warm L2: the arithmetic, and so the result, is bit-identical
+    to the same engine launching kernels one by one."""
     from rmuscle_ros.engine import triton_ops
 
     if not triton_ops.pdl_supported(CUDA):
@@ -124,8 +125,9 @@ def test_pdl_gives_the_same_actions_as_serial_launches() -> None:
     init_random_(model, 2)
     inputs, noise = _inputs(cfg, valid_tokens=37, pad_to=60, missing_camera=False)
     outs = []
-    for pdl in (True, False):
-        engine = create_engine("graph", model, CUDA, pdl=pdl)
+    for pdl, ahead in ((True, True), (True, False), (False, False)):
+        engine = create_engine("graph", model, CUDA, pdl=pdl, prefetch_ahead=ahead)
+        assert engine.fused.prefetch_ahead == ahead
         engine.warmup()
         outs.append(engine.sample_actions(inputs, noise))
         outs.append(engine.sample_actions(inputs, noise, use_graphs=False))
@@ -231,6 +233,50 @@ def test_action_cache_kernels_match_definition(triton_ops) -> None:
         assert torch.isfinite(got).all() and rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_context_cache_kernels_match_definition(triton_ops, ties: bool) -> None:
+    """Full-size Context Cache (3 cameras: Nv = 768 visual rows, 64 prompt rows, W = 2048, ρp = 0.4):
+    the drift measured by add_norm, the selection (exact: same rows in the same order) and add_norm reading
+    the compact FFN output through the row indices."""
+    nv, lp, d, keep = 768, 832, 2048, 308
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    res = torch.randn(lp, d, device=CUDA, generator=gen)
+    attn_out = torch.randn(lp, d, device=CUDA, generator=gen).bfloat16()
+    ffn_in = torch.randn(nv, d, device=CUDA, generator=gen).bfloat16()
+    outs = []
+    for impl in (ops, triton_ops):
+        r, h = res.clone(), torch.full((lp, d), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        drift = torch.full((nv,), float("nan"), device=CUDA)
+        impl.add_norm(r, attn_out, h, eps=1e-6, rms=True, drift_ref=ffn_in, drift_out=drift)
+        outs.append((r, h, drift))
+    (r_ref, h_ref, drift_ref), (r, h, drift) = outs
+    assert rel(r, r_ref) < 1e-6 and torch.isfinite(h).all() and rel(h, h_ref) < 1e-2
+    assert rel(drift, (h[:nv].float() - ffn_in.float()).pow(2).sum(-1)) < 1e-5  # from h as stored
+    assert rel(drift, drift_ref) < 1e-3
+
+    if ties:  # a few distinct values: the order among equal drifts decides
+        drift = torch.randint(0, 40, (nv,), device=CUDA, generator=gen).float()
+    selections = []
+    for impl in (ops, triton_ops):
+        rows = torch.full((keep + lp - nv,), -7, device=CUDA, dtype=torch.long)
+        inv = torch.full((lp,), -7, device=CUDA, dtype=torch.int32)
+        impl.context_select(drift, keep, lp, rows, inv)
+        selections.append((rows, inv))
+    assert torch.equal(selections[1][0], selections[0][0]) and torch.equal(selections[1][1], selections[0][1])
+    rows, inv = selections[1]
+    assert drift[rows[:keep]].min() >= drift[inv[:nv] < 0].max()
+
+    y = torch.randn(keep + lp - nv, d, device=CUDA, generator=gen).bfloat16()  # the recomputed rows' FFN
+    ffn_out = torch.randn(nv, d, device=CUDA, generator=gen).bfloat16()
+    outs = []
+    for impl in (ops, triton_ops):
+        r, h = res.clone(), torch.full((lp, d), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        impl.add_norm(r, y, h, eps=1e-6, rms=True, y_rows=inv, y_alt=ffn_out)
+        outs.append((r, h))
+    assert rel(outs[1][0], outs[0][0]) < 1e-6
+    assert torch.isfinite(outs[1][1]).all() and rel(outs[1][1], outs[0][1]) < 1e-2
+
+
 def _rmuscle_call(engine, inputs, noise, variant: str, use_graphs: bool = True) -> torch.Tensor:
     bucket = engine.load_inputs(inputs, noise)
     engine.run_stage("vision", bucket, use_graphs)
@@ -320,3 +366,20 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
             want = run(dense, live)
             assert all(np.array_equal(c.actions, w.actions) for c, w in zip(chunks, want, strict=True))
         policy.close()
+
+
+def test_action_step_matches_definition(triton_ops) -> None:
+    """The kernel between two denoising steps (Euler update, input projection, adaRMS norm) at full size."""
+    ha, a, we = 50, 32, 1024
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    rnd = lambda *shape, s=1.0: torch.randn(*shape, device=CUDA, generator=gen) * s  # noqa: E731
+    params = {"euler_w": rnd(a, we, s=0.05), "euler_b": rnd(a), "in_w": rnd(we, a, s=0.2), "in_b": rnd(we),
+              "eps": 1e-6, "mul": rnd(we), "add": rnd(we)}  # fmt: skip
+    x0, h0 = rnd(ha, a), rnd(ha, we).bfloat16()
+    outs = []
+    for impl in (ops, triton_ops):
+        x, h, res = x0.clone(), h0.clone(), torch.zeros(ha, we, device=CUDA)
+        impl.action_step(x, h=h, res=res, out=h, **params)
+        outs.append((x, res, h.float()))
+    assert rel(outs[1][0], outs[0][0]) < 1e-5 and rel(outs[1][1], outs[0][1]) < 1e-5
+    assert rel(outs[1][2], outs[0][2]) < 1e-2  # bf16 output rounding

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import random_inputs, rel_l2, tiny_model
 
 from rmuscle_ros.engine import ops
@@ -63,3 +64,22 @@ def test_pack_prompt_moves_valid_tokens_first() -> None:
     assert tokens.tolist() == [7, 8, 9, 0] and mask.tolist() == [True, True, True, False]
     with pytest.raises(ValueError, match="more than the bucket"):
         pack_prompt(torch.arange(5), torch.ones(5, dtype=torch.bool), 4)
+
+
+@pytest.mark.parametrize(("image_size", "patch_size", "cameras"), [(224, 14, 2), (40, 8, 3)])
+def test_patch_embedding_is_the_convolution(image_size: int, patch_size: int, cameras: int) -> None:
+    """The patch matmul (pixels gathered per patch) equals SigLIP's stride-p convolution, in float32."""
+    cfg = dataclasses.replace(
+        TINY, vision=dataclasses.replace(TINY.vision, image_size=image_size, patch_size=patch_size)
+    )
+    model = tiny_model(cfg, seed=7)
+    gen = torch.Generator().manual_seed(1)
+    images = torch.rand(cameras, 3, image_size, image_size, generator=gen) * 2 - 1
+    emb = model.vision_tower.embeddings
+    conv = F.conv2d(images, emb.patch_embedding.weight, emb.patch_embedding.bias, stride=patch_size)
+    expected = (conv.flatten(2).transpose(1, 2) + emb.position_embedding.weight).reshape(-1, cfg.vision.width)
+    fused = FusedPi05(model, device="cpu", dtype=torch.float32, ops=ops)
+    tokens = fused.embed_patches(images)
+    assert tokens.shape == (cameras * (image_size // patch_size) ** 2, cfg.vision.width)
+    assert tokens.dtype == torch.float32 and tokens.is_contiguous()
+    assert rel_l2(tokens, expected) < 1e-6

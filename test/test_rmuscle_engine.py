@@ -101,6 +101,34 @@ def test_cached_arithmetic_with_nothing_left_out_is_dense(model) -> None:
     assert rel_l2(out, dense) < 1e-5
 
 
+def test_context_cache_recomputes_the_most_drifted_rows_ties_to_the_earlier(model) -> None:
+    """Which visual rows the cached prefill recomputes. The reference is the live observation's own entry,
+    except that rows S drifted (their FFN inputs moved) and the stored FFN outputs of S and of rows 0, 1
+    are garbage. With keep = |S| + 2 the prefill recomputes S and, of the undrifted rows (all tied at
+    drift 0), the two earliest: no garbage is read and the K/V are the dense ones. With keep = |S| + 1,
+    row 1 copies its garbage (so the check can fail)."""
+    cfg = model.cfg
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes())
+    inputs, noise = random_inputs(cfg, valid_tokens=12, pad_to=20)
+    entry, _ = _reference(engine, inputs, noise)
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket)
+    pad_mask = torch.cat([engine.image_mask.repeat_interleave(256), engine.token_mask[bucket]])
+    lp = pad_mask.shape[0]
+
+    def prefill_kv(context: ContextCache | None = None) -> torch.Tensor:
+        engine.fused.prefill(engine.visual, engine.tokens[bucket], pad_mask, engine.kv, context=context)
+        return torch.cat([engine.kv.keys[-1][:, :lp], engine.kv.values[-1][:, :lp]])
+
+    dense = prefill_kv()
+    drifted = torch.tensor([5, 300, 301, 767])
+    entry.ffn_in[:, drifted] += 1.0
+    entry.ffn_out[:, drifted] = 1e3
+    entry.ffn_out[:, :2] = 1e3
+    assert rel_l2(prefill_kv(ContextCache(entry, len(drifted) + 2)), dense) < 1e-5
+    assert rel_l2(prefill_kv(ContextCache(entry, len(drifted) + 1)), dense) > 1e-2
+
+
 def test_cached_call_differs_from_dense_only_by_the_approximation(model) -> None:
     """A similar observation served from a reference: finite, the right shape, close to dense."""
     cfg = model.cfg

@@ -58,19 +58,28 @@ def test_add_norm(kind: str) -> None:
     assert rel(res, res_ref) < 1e-6 and rel(out, out_ref) < 1e-5
 
 
-def test_geglu_and_rope(no_fallback) -> None:
+# (tokens, tokens per program): one partial block, several blocks with a partial last one, exact blocks
+@pytest.mark.parametrize(("n", "block_t"), [(7, 16), (21, 8), (32, 16)])
+def test_geglu_and_rope(n: int, block_t: int, no_fallback) -> None:
     gu = torch.randn(6, 2 * 40)
     out, ref = torch.empty(6, 40), torch.empty(6, 40)
     assert rel(triton_ops.geglu(gu, out), ops.geglu(gu, ref)) < 1e-5
-    n, h, kvh, dh = 7, 4, 2, 16
+    h, kvh, dh = 4, 2, 16
     qkv = torch.randn(n, (h + 2 * kvh) * dh)
     ang = torch.rand(n, dh // 2) * 6
     outs = []
     for impl in (ops, triton_ops):
-        q, k, v = torch.empty(n, h * dh), torch.zeros(kvh, 20, dh), torch.zeros(kvh, 20, dh)
-        impl.rope_qkv(qkv, ang.cos(), ang.sin(), q, k[:, 5 : 5 + n], v[:, 5 : 5 + n], h, kvh)
+        # Buffers larger than the outputs: the masked last block must not write past token n.
+        q, k, v = torch.zeros(n + 8, h * dh), torch.zeros(kvh, n + 13, dh), torch.zeros(kvh, n + 13, dh)
+        kw = {}
+        if impl is triton_ops:
+            no_fallback()
+            kw["config"] = {"block_t": block_t}
+        impl.rope_qkv(qkv, ang.cos(), ang.sin(), q[:n], k[:, 5 : 5 + n], v[:, 5 : 5 + n], h, kvh, **kw)
         outs.append((q, k, v))
     assert all(rel(a, b) < 1e-5 for a, b in zip(outs[1], outs[0], strict=True))
+    q, k, v = outs[1]
+    assert (q[n:] == 0).all() and (k[:, 5 + n :] == 0).all() and (v[:, 5 + n :] == 0).all()
 
 
 @pytest.mark.parametrize(("n", "h", "kvh", "lk"), [(20, 8, 1, 300), (9, 4, 2, 90), (40, 2, 2, 64)])
@@ -135,6 +144,117 @@ def test_action_cache_kernels_read_only_selected_neurons(no_fallback) -> None:
     assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_measures_the_context_cache_drift(out_dtype: torch.dtype, no_fallback) -> None:
+    """drift_out[r] = ‖out[r] − drift_ref[r]‖² over the first Nv rows, from out as stored (rounded to its
+    dtype); the other rows write nothing. (The interpreter rounds to bf16 by truncation, the GPU to
+    nearest: so bf16 outputs are compared loosely, the drift exactly against the kernel's own output.)"""
+    n, nv, d = 9, 5, 48
+    res, y = torch.randn(n, d), torch.randn(n, d)
+    drift_ref = torch.randn(nv, d).to(out_dtype)
+    outs = []
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        r, out, drift = res.clone(), torch.empty(n, d, dtype=out_dtype), torch.full((nv + 2,), -1.0)
+        impl.add_norm(r, y, out, eps=1e-6, rms=True, drift_ref=drift_ref, drift_out=drift[:nv])
+        outs.append((r, out, drift))
+    (r_ref, out_ref, drift_want), (r, out, drift) = outs
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    assert rel(r, r_ref) < 1e-6 and rel(out.float(), out_ref.float()) < tol
+    assert rel(drift[:nv], (out[:nv].float() - drift_ref.float()).pow(2).sum(-1)) < 1e-6
+    assert rel(drift[:nv], drift_want[:nv]) < tol
+    assert (drift[nv:] == -1).all()
+
+
+def _ranks_by_spec(drift: torch.Tensor) -> list[int]:
+    """rank(r) = #{j : d_j > d_r or (d_j == d_r and j < r)}, NaN counting as +inf (brute force)."""
+    d = [float("inf") if x != x else x for x in drift.tolist()]
+    return [sum(d[j] > d[r] or (d[j] == d[r] and j < r) for j in range(len(d))) for r in range(len(d))]
+
+
+# (Nv, keep, Lp): one row block; keep = 1; keep = Nv; no prompt rows; several row blocks and drift chunks
+@pytest.mark.parametrize(
+    ("nv", "keep", "lp"), [(5, 2, 9), (5, 1, 9), (7, 7, 10), (1, 1, 1), (130, 130, 130), (300, 120, 333)]
+)
+def test_context_select_ranks_by_drift_ties_to_the_lower_row(nv: int, keep: int, lp: int, no_fallback):
+    drift = torch.randint(0, 6, (nv,)).float()  # few distinct values: many ties
+    if nv > 3:
+        drift[3] = float("nan")
+    rank = _ranks_by_spec(drift)
+    want_rows = [0] * keep + list(range(nv, lp))
+    want_inv = [-1] * nv + list(range(keep, keep + lp - nv))
+    for r in range(nv):
+        if rank[r] < keep:
+            want_rows[rank[r]], want_inv[r] = r, rank[r]
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        rows = torch.full((keep + lp - nv,), -7, dtype=torch.int64)
+        inv = torch.full((lp,), -7, dtype=torch.int32)
+        impl.context_select(drift, keep, lp, rows, inv)
+        assert rows.tolist() == want_rows and inv.tolist() == want_inv, impl.__name__
+    # The spec itself: the chosen rows are the top `keep` by drift.
+    key = torch.nan_to_num(drift, nan=float("inf"))
+    chosen = torch.zeros(nv, dtype=torch.bool)
+    chosen[rows[:keep]] = True
+    assert int(chosen.sum()) == keep
+    if keep < nv:
+        assert key[chosen].min() >= key[~chosen].max()
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_add_norm_reads_y_through_row_indices(splits: int, no_fallback) -> None:
+    """y_rows/y_alt (the Context Cache's compact FFN output): residual row r adds y[y_rows[r]], or y_alt[r]
+    where y_rows[r] < 0; the same as add_norm on the gathered y."""
+    n, nv, d = 10, 6, 48
+    y_rows = torch.tensor([2, -1, 0, -1, -1, 1, 3, 4, 5, 6], dtype=torch.int32)  # rows ≥ Nv all recomputed
+    y = torch.randn(splits, 7, d) if splits > 1 else torch.randn(7, d)
+    y_alt, res, gate = torch.randn(nv, d), torch.randn(n, d), torch.randn(d)
+    compact = y.sum(0) if splits > 1 else y
+    full = torch.cat([y_alt, torch.zeros(n - nv, d)])
+    full[y_rows >= 0] = compact[y_rows[y_rows >= 0].long()]
+    r_want, out_want = res.clone(), torch.empty(n, d)
+    ops.add_norm(r_want, full, out_want, eps=1e-6, rms=True, gate=gate)
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        r, out = res.clone(), torch.empty(n, d)
+        impl.add_norm(r, y, out, eps=1e-6, rms=True, gate=gate, y_rows=y_rows, y_alt=y_alt)
+        assert rel(r, r_want) < 1e-6 and rel(out, out_want) < 1e-5
+
+
+def test_context_cached_prefill_with_the_kernels() -> None:
+    """The prefill with the Context Cache on the Triton kernels (drift in add_norm, context_select, y read
+    through row indices) writes the same K/V as on the PyTorch definitions."""
+    from conftest import random_inputs, tiny_model
+
+    from rmuscle_ros.engine.fused import ContextCache, ContextRef, FusedPi05, KVBuffers, pack_prompt
+    from rmuscle_ros.models.config import GemmaConfig, get_preset
+
+    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
+    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma, num_cameras=1, horizon=10, num_steps=2)
+    model = tiny_model(cfg, seed=7)
+    engines = [FusedPi05(model, device="cpu", dtype=torch.float32, ops=impl) for impl in (ops, triton_ops)]
+
+    def prefill(engine: FusedPi05, seed: int, **kw) -> KVBuffers:
+        inputs, _ = random_inputs(cfg, valid_tokens=9, pad_to=12, seed=seed)
+        tokens, token_mask = pack_prompt(inputs.tokens[0], inputs.token_mask[0], 16)
+        pad_mask = torch.cat([inputs.image_masks[0].repeat_interleave(256), token_mask])
+        kv = KVBuffers.allocate(cfg, 288, torch.device("cpu"), torch.float32)
+        visual = torch.empty(cfg.image_tokens, gemma.width)
+        engines[0].encode_images(inputs.images[0], visual)
+        engine.prefill(visual, tokens, pad_mask, kv, **kw)
+        return kv
+
+    entry = ContextRef.allocate(cfg, torch.device("cpu"), torch.float32)
+    prefill(engines[0], seed=3, record=entry)
+    expected, got = (prefill(e, seed=4, context=ContextCache(entry, keep=100)) for e in engines)
+    lp = 256 + 16
+    assert rel(got.keys[-1][:, :lp], expected.keys[-1][:, :lp]) < 1e-5
+    assert rel(got.values[-1][:, :lp], expected.values[-1][:, :lp]) < 1e-5
+
+
 def test_whole_fused_forward_with_the_kernels() -> None:
     """The fused π0.5 forward wired to the Triton kernels (interpreted) equals the same forward on the
     PyTorch definitions: checks every call site's arguments, strides and buffers, not just each kernel.
@@ -151,3 +271,27 @@ def test_whole_fused_forward_with_the_kernels() -> None:
     expected = FusedPi05(model, device="cpu", dtype=torch.float32, ops=ops).run(inputs, noise, bucket=16)
     got = FusedPi05(model, device="cpu", dtype=torch.float32, ops=triton_ops).run(inputs, noise, bucket=16)
     assert rel(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["first", "between", "last"])
+def test_action_step_between_denoising_steps(mode: str, no_fallback) -> None:
+    """The Euler update and the next step's input projection + adaRMS norm equal their definition: before
+    the first step (projection only), between steps (h is read, then overwritten), after the last (update)."""
+    ha, a, we = 7, 32, 512
+    x0, h0 = torch.randn(ha, a), torch.randn(ha, we)
+    params = {"euler_w": torch.randn(a, we) * 0.05, "euler_b": torch.randn(a), "in_w": torch.randn(we, a) * 0.2,
+              "in_b": torch.randn(we), "eps": 1e-6}  # fmt: skip
+    mod = {"mul": torch.randn(we), "add": torch.randn(we)}
+    outs = []
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        x, h, res = x0.clone(), h0.clone(), torch.zeros(ha, we)
+        kw = dict(params)
+        if mode != "first":
+            kw["h"] = h
+        if mode != "last":
+            kw |= {"res": res, "out": h, **mod}
+        impl.action_step(x, **kw)
+        outs.append((x, h, res))
+    assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True) if ref.norm() > 0)

@@ -13,9 +13,12 @@ computes K/V: nothing reads its attention or MLP output.
 rMuscle (DESIGN.md §4) enters here as optional arguments, so the cached computation is the dense one with
 a few operators swapped, on any backend:
 - `prefill(context=...)`: the Context Cache. Per layer, the visual tokens whose FFN input drifted least
-  from the reference entry copy the reference's FFN output; the top ρp, and every prompt token, are
-  recomputed. `prefill(record=...)` writes a reference entry (the FFN inputs and outputs of the visual
-  tokens) instead: that is how the sliding window is rebuilt from a library observation.
+  (squared L2) from the reference entry copy the reference's FFN output; the top ρp (ties to the earlier
+  token), and every prompt token, are recomputed. The norm before the FFN also measures the drift,
+  `context_select` ranks it, the FFN runs on the gathered rows only, and the norm after it reads each
+  row's output from that compact result or from the reference. `prefill(record=...)` writes a reference
+  entry (the FFN inputs and outputs of the visual tokens) instead, from a dense call: that is how the
+  sliding window is rebuilt from a library observation.
 - `denoise(action=...)`: the Action Cache. Dense anchor step(s), then each expert FFN reads only the
   selected neurons' weights and adds its change onto the anchor's output. `denoise(record_masks=...)`
   runs dense and writes the top-ρn neurons by contribution score per (step, layer): what a recorded
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rmuscle_ros.engine.ops import Prefetch
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times, sincos_time_embedding
 
@@ -192,6 +196,7 @@ class FusedPi05:
         self.cfg = model.cfg
         self.device, self.dtype, self.ops = torch.device(device), dtype, ops
         self.gelu_in_matmul = False  # set by the graph engine once cuBLASLt's GELU epilogue is verified
+        self.prefetch_ahead = False  # set by the graph engine where kernels may prefetch for later ones (PDL)
         # The expert's o- and down-projections have few output columns: split K so the weight streams
         # through every SM (the partial products are summed, in a fixed order, by add_norm).
         e = self.cfg.expert
@@ -219,9 +224,11 @@ class FusedPi05:
         cfg = self.cfg
         f32 = lambda t: t.detach().float()  # noqa: E731
         vt = model.vision_tower
-        self.patch_w = self._to(vt.embeddings.patch_embedding.weight)
-        self.patch_b = self._to(vt.embeddings.patch_embedding.bias, torch.float32)
-        self.pos_emb = self._to(vt.embeddings.position_embedding.weight, torch.float32)
+        conv, pos = vt.embeddings.patch_embedding, vt.embeddings.position_embedding
+        # The patch convolution as a matmul: (Wv, 3, p, p) -> (Wv, 3·p·p), patch vectors in (channel, row,
+        # col) order. Its bias and the position embeddings are added together, so one float32 table.
+        self.patch_w = self._to(conv.weight.reshape(conv.weight.shape[0], -1))  # (Wv, 3·p·p)
+        self.patch_table = self._to(f32(pos.weight) + f32(conv.bias), torch.float32)  # (T, Wv)
         self.vision_layers = []
         for layer in vt.encoder.layers:
             a = layer.self_attn
@@ -299,15 +306,32 @@ class FusedPi05:
 
     # ── forward stages ───────────────────────────────────────────────────────────────────────────────────
 
+    def embed_patches(self, images: Tensor) -> Tensor:
+        """images (C, 3, S, S) -> (C·T, Wv) float32 tokens, T = (S/p)² patches per image in row-major order.
+
+        The p×p, stride-p patch convolution as one matmul over patches: three kernels on the GPU (gather and
+        cast the pixels, the matmul, add the bias + position table) where cuDNN's convolution needs layout
+        transforms around it and separate casts and adds after.
+        """
+        v = self.cfg.vision
+        c, p, g = images.shape[0], v.patch_size, v.image_size // v.patch_size
+        pixels = torch.empty(c * g * g, 3 * p * p, device=self.device, dtype=self.dtype)  # (C·T, 3·p·p)
+        # (C, 3, g, p, g, p) -> (C, g, g, 3, p, p): one copy gathers the patches in the weight's order, cast.
+        pixels.view(c, g, g, 3, p, p).copy_(images.reshape(c, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5))
+        # Matmul in `dtype`, then one mixed-dtype add writes the float32 residual stream (the table broadcast
+        # over cameras). addmm/baddbmm would need the table in `dtype` too, and copy a 2-D bias into the
+        # output with a kernel of its own before the GEMM: no fewer kernels, and a bf16-rounded table.
+        res = torch.empty(c * g * g, v.width, device=self.device, dtype=torch.float32)
+        patches = (pixels @ self.patch_w.t()).view(c, g * g, v.width)
+        torch.add(patches, self.patch_table, out=res.view(c, g * g, v.width))
+        return res
+
     def encode_images(self, images: Tensor, out: Tensor) -> Tensor:
-        """images (C, 3, 224, 224) in [-1, 1] -> out (C·256, W) visual tokens in `dtype`."""
+        """images (C, 3, S, S) in [-1, 1] -> out (C·T, W) visual tokens in `dtype`, T patches per image."""
         v = self.cfg.vision
         ops = self.ops
         c = images.shape[0]
-        patches = F.conv2d(images.to(self.dtype), self.patch_w, stride=v.patch_size)  # (C, Wv, 16, 16)
-        # (C·256, Wv) float32 residual stream; contiguous, whatever layout the convolution returned.
-        tokens = patches.flatten(2).transpose(1, 2).float() + self.patch_b + self.pos_emb
-        res = tokens.reshape(-1, v.width).contiguous()
+        res = self.embed_patches(images)  # (C·T, Wv) float32 residual stream
         n = res.shape[0]
         h = torch.empty(n, v.width, device=self.device, dtype=self.dtype)
         ops.add_norm(res, None, h, eps=v.layer_norm_eps, rms=False)
@@ -337,9 +361,12 @@ class FusedPi05:
         """Run the VLM over [visual tokens; prompt tokens] and write every layer's K/V into `kv`.
 
         visual (C·256, W); tokens (L,) int64; pad_mask (Lp,) bool with Lp = C·256 + L.
-        context: run the FFNs with the Context Cache; record: write this call's visual FFN inputs/outputs.
+        context: run the FFNs with the Context Cache; record: write this call's visual FFN inputs/outputs
+        (a dense call: the two cannot be combined).
         Returns the key bias (Lp,) float32 (0 = attended, NEG_INF = missing camera or padding).
         """
+        if context is not None and record is not None:
+            raise ValueError("prefill: record= stores dense FFN outputs, it cannot run with context=")
         g = self.cfg.vlm
         ops = self.ops
         lp = pad_mask.shape[0]
@@ -350,6 +377,11 @@ class FusedPi05:
         h = torch.empty(lp, g.width, device=self.device, dtype=self.dtype)
         q = torch.empty(lp, g.num_heads * g.head_dim, device=self.device, dtype=self.dtype)
         ops.add_norm(res, None, h, eps=g.rms_norm_eps, rms=True)
+        if context is not None:  # per-layer scratch of the Context Cache, fixed shapes
+            nv = context.ref.ffn_in.shape[1]
+            drift = torch.empty(nv, device=self.device)  # (Nv,) float32
+            rows = torch.empty(context.keep + lp - nv, device=self.device, dtype=torch.long)
+            inv = torch.empty(lp, device=self.device, dtype=torch.int32)
         last = len(self.prefix_layers) - 1
         for i, layer in enumerate(self.prefix_layers):
             k, v = kv.keys[i][:, :lp], kv.values[i][:, :lp]
@@ -357,18 +389,22 @@ class FusedPi05:
             if i == last:
                 break  # only the last layer's K/V is ever read
             attn = ops.attention(q, k, v, key_bias, g.num_heads)
-            ops.add_norm(res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True)
             if context is None:
-                y = self._prefix_ffn(h, layer)
-            else:
-                y = self._context_cached_ffn(
-                    h, layer, context.ref.ffn_in[i], context.ref.ffn_out[i], context.keep
-                )
+                ops.add_norm(res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True)
+                y, y_rows = self._prefix_ffn(h, layer), {}
+            else:  # the norm also measures each visual row's drift from the reference's FFN input
+                ref_in, ref_out = context.ref.ffn_in[i], context.ref.ffn_out[i]
+                ops.add_norm(
+                    res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True,
+                    drift_ref=ref_in, drift_out=drift,
+                )  # fmt: skip
+                y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv)
+                y_rows = {"y_rows": inv, "y_alt": ref_out}  # the rows not recomputed read the reference's
             if record is not None:
                 nv = record.ffn_in.shape[1]
                 record.ffn_in[i].copy_(h[:nv])
                 record.ffn_out[i].copy_(y[:nv])
-            ops.add_norm(res, y, h, eps=g.rms_norm_eps, rms=True)
+            ops.add_norm(res, y, h, eps=g.rms_norm_eps, rms=True, **y_rows)
         return key_bias
 
     def _prefix_ffn(self, x: Tensor, layer: GemmaLayerWeights) -> Tensor:
@@ -379,19 +415,17 @@ class FusedPi05:
         return act @ layer.down_w.t()
 
     def _context_cached_ffn(
-        self, h: Tensor, layer: GemmaLayerWeights, ref_in: Tensor, ref_out: Tensor, keep: int
+        self, h: Tensor, layer: GemmaLayerWeights, drift: Tensor, keep: int, rows: Tensor, inv: Tensor
     ) -> Tensor:
-        """FFN output of [visual; prompt] rows: the `keep` visual rows whose input drifted most from the
-        reference (squared L2) and every prompt row recomputed, the other visual rows copied."""
-        nv = ref_in.shape[0]
-        drift = (h[:nv].float() - ref_in.float()).pow(2).sum(-1)
-        chosen = torch.topk(drift, keep, sorted=False).indices
-        rows = torch.cat([chosen, torch.arange(nv, h.shape[0], device=h.device)])
-        y = torch.cat(
-            [ref_out, torch.empty(h.shape[0] - nv, h.shape[1], device=h.device, dtype=ref_out.dtype)]
-        )
-        y[rows] = self._prefix_ffn(h[rows], layer).to(y.dtype)
-        return y
+        """The FFN of the rows the Context Cache recomputes, compact: (keep + Lp − Nv, W).
+
+        h (Lp, W) = [visual; prompt] FFN inputs; drift (Nv,) the visual rows' squared-L2 drift from the
+        reference's FFN inputs. Recomputed: the `keep` visual rows that drifted most, then every prompt row
+        (`ops.context_select` writes their indices into rows, and each row of h's position among them,
+        or −1, into inv: what the next add_norm reads y through).
+        """
+        self.ops.context_select(drift, keep, h.shape[0], rows, inv)
+        return self._prefix_ffn(torch.index_select(h, 0, rows), layer)
 
     def denoise(
         self,
@@ -434,30 +468,26 @@ class FusedPi05:
                 sel = action.neurons.shape[-1]
                 delta = torch.empty(ha, sel, device=self.device, dtype=self.dtype)
                 sel_splits = split_k(sel, slice_len=256)  # as many programs as the dense down-projection
+        layers, last = self.expert_layers, len(self.expert_layers) - 1
+        ahead = self._ahead if self.prefetch_ahead else lambda *a, **k: {}
         x_t = out.copy_(noise)
-        last = len(self.expert_layers) - 1
+        res = torch.empty(ha, e.width, device=self.device)  # float32 residual stream of the action tokens
+        step_args = {"euler_w": self.euler_w, "euler_b": self.euler_b, "in_w": self.action_in_w,
+                     "in_b": self.action_in_b, "eps": e.rms_norm_eps}  # fmt: skip
+        ops.action_step(x_t, res=res, out=h, mul=mod.attn_mul[0, 0], add=mod.attn_add[0, 0], **step_args)
         for s in range(cfg.num_steps):
-            res = torch.addmm(self.action_in_b, x_t, self.action_in_w.t())  # (Ha, We) float32
-            ops.add_norm(
-                res, None, h, eps=e.rms_norm_eps, rms=True, mul=mod.attn_mul[s, 0], add=mod.attn_add[s, 0]
-            )
-            for i, layer in enumerate(self.expert_layers):
+            cached = action is not None and s >= anchors
+            for i, layer in enumerate(layers):
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
-                ops.qkv_rope(
-                    h,
-                    layer.qkv_w,
-                    cos,
-                    sin,
-                    q,
-                    k[:, lp : lp + ha],
-                    v[:, lp : lp + ha],
-                    e.num_heads,
-                    e.num_kv_heads,
-                )
-                attn = ops.attention(q, k, v, key_bias, e.num_heads)
+                idx = action.neurons[s, i] if cached else None
+                ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
+                             e.num_heads, e.num_kv_heads)  # fmt: skip
+                # Each kernel starts fetching the weights of the kernel two launches later (see Prefetch).
+                attn = ops.attention(q, k, v, key_bias, e.num_heads, **ahead(layer.gate_up_w, idx, 2))
+                down = (self.down_t[i], idx) if cached else (layer.down_w, None)
                 ops.add_norm(
-                    res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
-                    gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
+                    res, ops.linear(attn, layer.o_w, self.o_splits, **ahead(*down)), h, eps=e.rms_norm_eps,
+                    rms=True, gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
                 )  # fmt: skip
                 nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
                 nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
@@ -468,22 +498,30 @@ class FusedPi05:
                     "mul": nxt_mul,
                     "add": nxt_add,
                 }
+                more = i < last or s + 1 < cfg.num_steps
+                nxt_qkv = ahead(layers[(i + 1) % len(layers)].qkv_w) if more else {}
                 if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
-                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
+                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i], **nxt_qkv)
                     y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
                     ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
-                elif action is not None:  # cached: only the selected neurons, added onto the anchor
-                    idx = action.neurons[s, i]
-                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
+                elif cached:  # only the selected neurons, added onto the anchor
+                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i], **nxt_qkv)
                     y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
                     ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
                 else:
-                    ops.linear_geglu(h, layer.gate_up_w, act)
+                    ops.linear_geglu(h, layer.gate_up_w, act, **nxt_qkv)
                     ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
                     if record_masks is not None:
                         record_masks[s, i] = self._top_neurons(act, act_anchor[i], i, record_masks.shape[-1])
-            x_t.addmm_(h.float(), self.euler_w.t()).add_(self.euler_b)  # x ← x + dt·v
+            if s + 1 < cfg.num_steps:  # x ← x + dt·v, then the next step's input and first norm
+                ops.action_step(x_t, h=h, res=res, out=h, mul=mod.attn_mul[s + 1, 0],
+                                add=mod.attn_add[s + 1, 0], **step_args)  # fmt: skip
+            else:
+                ops.action_step(x_t, h=h, **step_args)
         return x_t
+
+    def _ahead(self, weight: Tensor, neurons: Tensor | None = None, halves: int = 1) -> dict[str, Prefetch]:
+        return {"prefetch": Prefetch(weight, neurons, halves)}
 
     def _top_neurons(self, act: Tensor, act_anchor: Tensor, layer: int, count: int) -> Tensor:
         """The `count` neurons with the largest contribution score, sorted, int32 (cache.sparse_ffn)."""

@@ -7,8 +7,9 @@ graphs are captured in `warmup()`, before the first live call; the three stages 
 denoise) are separate graphs replayed back to back, so the benchmark can time each one.
 
 On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`, see `triton_ops`):
-each kernel prefetches its weights while the previous one finishes. `pdl=False` turns it off (the
-benchmark measures both).
+each kernel prefetches its weights while the previous one finishes, and in the denoising loop also the
+weights of the kernel after next (`prefetch_ahead`). `pdl=False` and `prefetch_ahead=False` turn these off
+(the benchmark measures each).
 
 With `cache` (rMuscle shapes) the engine also captures the cached variants — prefill with the Context
 Cache, denoise with the Action Cache — and a dense denoise that records Action Cache masks, all reading
@@ -131,6 +132,7 @@ class GraphEngine:
         bucket_step: int = 32,
         use_cuda_graphs: bool = True,
         pdl: bool | None = None,
+        prefetch_ahead: bool = True,
         cache: CacheShapes | None = None,
     ) -> None:
         cfg = self.cfg = model.cfg
@@ -153,6 +155,9 @@ class GraphEngine:
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.fused = FusedPi05(model, device=device, dtype=self.dtype, ops=ops)
         self.fused.gelu_in_matmul = cuda and _cublaslt_gelu_is_tanh(device)
+        # With PDL, the denoising loop's kernels also start fetching the weights of the kernel two launches
+        # later (ops.Prefetch): one launch of overlap is too short to hide the 17 MB GeGLU weight stream.
+        self.fused.prefetch_ahead = self.pdl and prefetch_ahead
         self.buckets = sorted(buckets) if buckets else default_buckets(cfg.max_token_len, bucket_step)
         if any(b % 16 for b in self.buckets):
             raise ValueError(f"prompt buckets must be multiples of 16, got {self.buckets}")

@@ -10,12 +10,28 @@ data layout, and GPU tests check each kernel against its definition. All 2-D ope
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A hint for a later kernel's weights: the rows of `weight` it will read (all of them, or the
+    selected `neurons`, and with `halves=2` also their rows in the second half, as GeGLU's [W_gate; W_up]).
+
+    An operator given one may ask the GPU to start fetching those rows into L2 while it runs, so that the
+    kernel two launches later finds its weights on chip. It never changes any result; these PyTorch
+    definitions ignore it.
+    """
+
+    weight: Tensor
+    neurons: Tensor | None = None
+    halves: int = 1
 
 
 def add_norm(
@@ -31,6 +47,10 @@ def add_norm(
     add: Tensor | None = None,
     y_base: Tensor | None = None,
     y_store: Tensor | None = None,
+    y_rows: Tensor | None = None,
+    y_alt: Tensor | None = None,
+    drift_ref: Tensor | None = None,
+    drift_out: Tensor | None = None,
 ) -> Tensor:
     """Residual update then normalisation, in one pass over the row.
 
@@ -39,9 +59,21 @@ def add_norm(
     before the gate (the Action Cache keeps the anchor step's FFN output this way; y_base adds it back).
     out (N, D) = norm(res) * mul + add, where norm is RMSNorm (`rms`) or LayerNorm without affine
     (affine terms are folded into the next matmul). Missing optional terms are identity.
+
+    Context Cache terms: with y_rows (N,) int32 and y_alt (Nv, D), y holds only some rows (the FFN output of
+    the recomputed rows) and residual row r reads y[y_rows[r]], or y_alt[r] where y_rows[r] < 0 (only
+    rows r < Nv may be negative). With drift_ref (Nv, D) and drift_out (Nv,) float32: drift_out[r] =
+    Σ_d (out[r, d] − drift_ref[r, d])², from out as stored (in its dtype), for the first Nv rows.
     """
+    if y_rows is not None and y_alt is None:
+        raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
     if y is not None:
         delta = y.float() if y.ndim == 2 else y.float().sum(0)  # (splits, N, D): split-K partials
+        if y_rows is not None:
+            idx = y_rows.long()
+            nv = y_alt.shape[0]
+            delta = delta[idx.clamp_min(0)]  # (N, D)
+            delta[:nv] = torch.where(idx[:nv, None] >= 0, delta[:nv], y_alt.float())
         if y_base is not None:
             delta = delta + y_base.float()
         if y_bias is not None:
@@ -61,10 +93,45 @@ def add_norm(
     if add is not None:
         h = h + add.float()
     out.copy_(h)
+    if drift_ref is not None:
+        nv = drift_ref.shape[0]
+        drift_out.copy_((out[:nv].float() - drift_ref.float()).pow(2).sum(-1))
     return out
 
 
-def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = None) -> Tensor:
+def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+    """The Context Cache's choice of rows to recompute: the `keep` visual rows that drifted most, then
+    every prompt row.
+
+    drift (Nv,) float32, the visual rows' squared-L2 drift (NaN counts as +inf); 0 ≤ keep ≤ Nv;
+    num_rows = Lp, the prefix length (Nv visual rows, then the prompt rows). Visual row r has rank
+    #{j : drift[j] > drift[r], or drift[j] == drift[r] and j < r} (descending, ties to the lower row).
+    rows_out (keep + Lp − Nv,) int64: rows_out[rank(r)] = r for the visual rows of rank < keep, then
+    rows_out[keep + t] = Nv + t. inv_out (Lp,) int32: row r's position in rows_out, −1 for the visual rows
+    not chosen (`add_norm(y_rows=...)` reads those from the reference instead).
+    """
+    nv = drift.shape[0]
+    _check_context_select(nv, keep, num_rows, rows_out, inv_out)
+    key = torch.nan_to_num(drift.float(), nan=math.inf)
+    rows_out[:keep] = torch.sort(key, descending=True, stable=True).indices[:keep]
+    rows_out[keep:] = torch.arange(nv, num_rows, device=drift.device)
+    inv_out.fill_(-1)
+    inv_out[rows_out] = torch.arange(rows_out.shape[0], device=drift.device, dtype=inv_out.dtype)
+
+
+def _check_context_select(nv: int, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+    if not 0 <= keep <= nv <= num_rows:
+        raise ValueError(f"context_select needs 0 <= keep <= Nv <= num_rows, got {keep}, {nv}, {num_rows}")
+    if rows_out.shape != (keep + num_rows - nv,) or inv_out.shape != (num_rows,):
+        raise ValueError(
+            f"context_select: rows_out must be ({keep + num_rows - nv},) and inv_out ({num_rows},), "
+            f"got {tuple(rows_out.shape)} and {tuple(inv_out.shape)}"
+        )
+
+
+def linear(
+    a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = None, prefetch: Prefetch | None = None
+) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices (splits, M, N).
 
     With `neurons` (K,) the weight is instead K-major, w (K_full, N), and only its rows `neurons` are
@@ -85,7 +152,13 @@ def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = No
 
 
 def linear_geglu(
-    a: Tensor, gate_up: Tensor, out: Tensor, *, neurons: Tensor | None = None, anchor: Tensor | None = None
+    a: Tensor,
+    gate_up: Tensor,
+    out: Tensor,
+    *,
+    neurons: Tensor | None = None,
+    anchor: Tensor | None = None,
+    prefetch: Prefetch | None = None,
 ) -> Tensor:
     """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K).
 
@@ -154,7 +227,9 @@ def qkv_rope(
     rope_qkv(a @ w_qkv.t(), cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int, *, prefetch: Prefetch | None = None
+) -> Tensor:
     """Attention of N queries over Lk keys with an additive key mask.
 
     q (N, H·Dh); k, v (KVH, Lk, Dh); key_bias (Lk,) 0 for attended keys, a large negative number for
@@ -173,3 +248,32 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int)
     bias = key_bias.to(q.dtype).view(1, 1, 1, lk).expand(1, num_heads, n, lk)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)  # (1, H, N, Dh)
     return out.transpose(1, 2).reshape(n, num_heads * dh)
+
+
+def action_step(
+    x: Tensor,
+    *,
+    h: Tensor | None = None,
+    euler_w: Tensor | None = None,
+    euler_b: Tensor | None = None,
+    res: Tensor | None = None,
+    out: Tensor | None = None,
+    in_w: Tensor | None = None,
+    in_b: Tensor | None = None,
+    eps: float = 1e-6,
+    mul: Tensor | None = None,
+    add: Tensor | None = None,
+) -> Tensor:
+    """The action expert's work between two denoising steps, per action token (one kernel on the GPU).
+
+    x (Ha, A) float32 noisy actions, updated in place. With `h` (Ha, We), the expert's final-norm output:
+    the Euler update x += h·euler_wᵀ + euler_b (euler_w (A, We) and euler_b (A,) already scaled by dt).
+    With `res`: the next step's input projection res (Ha, We) float32 = x·in_wᵀ + in_b (in_w (We, A)),
+    and out (Ha, We) = RMSNorm(res)·mul + add, the first expert layer's adaRMS-modulated input.
+    """
+    if h is not None:
+        x += h.float() @ euler_w.t() + euler_b
+    if res is not None:
+        res.copy_(x @ in_w.t() + in_b)
+        add_norm(res, None, out, eps=eps, rms=True, mul=mul, add=add)
+    return x

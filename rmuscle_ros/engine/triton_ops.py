@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from rmuscle_ros.engine import ops
+from rmuscle_ros.engine.ops import _check_context_select
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
@@ -69,6 +70,48 @@ def _prefetch_rows(w_ptr, rows, n_rows, stride_w, k_start, K_LEN: tl.constexpr, 
 
 
 @triton.jit
+def _prefetch_ahead(
+    w_ptr, idx_ptr, n_rows, sel, up_offset, stride_w, pid, num_programs,
+    LINES: tl.constexpr, ROWS: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
+    """This program's share of a later kernel's weight rows, into L2 (see `Prefetch`): rows r < n_rows,
+    each LINES 128-byte lines long; with GATHER, row r is idx[r % sel] + (r // sel)·up_offset."""
+    per = tl.cdiv(n_rows, num_programs)
+    first = pid * per
+    stop = tl.minimum(first + per, n_rows)
+    for r0 in range(first, stop, ROWS):
+        r = tl.minimum(r0 + tl.arange(0, ROWS), stop - 1)
+        if GATHER:  # noqa: SIM108 (a constexpr branch: the gather is not even traced without GATHER)
+            src = tl.load(idx_ptr + r % sel).to(tl.int64) + (r // sel) * up_offset
+        else:
+            src = r.to(tl.int64)
+        _prefetch_l2(w_ptr + src[:, None] * stride_w + tl.arange(0, LINES)[None, :] * 64)
+
+
+def _ahead_args(prefetch: ops.Prefetch | None, fallback: Tensor) -> dict[str, object]:
+    """Kernel arguments for a `Prefetch` hint (PF_ROWS = 0 turns the prefetch off)."""
+    if prefetch is None or not _pdl:  # without PDL there is no earlier kernel to overlap with
+        return {"pf_ptr": fallback, "pf_idx": fallback, "pf_rows": 0, "pf_sel": 1, "pf_up": 0, "pf_stride": 0,
+                "PF_LINES": 1, "PF_ROWS": 1, "PF_GATHER": False}  # fmt: skip
+    w, idx = prefetch.weight, prefetch.neurons
+    lines = w.shape[-1] // 64  # 128-byte lines per row of a 16-bit weight
+    if w.element_size() != 2 or w.stride(-1) != 1 or w.shape[-1] % 64 or lines & (lines - 1):
+        return _ahead_args(None, fallback)  # a hint only: shapes it does not cover are not prefetched
+    sel = w.shape[0] // prefetch.halves if idx is None else idx.numel()
+    return {
+        "pf_ptr": w,
+        "pf_idx": fallback if idx is None else idx,
+        "pf_rows": sel * prefetch.halves,
+        "pf_sel": sel,
+        "pf_up": w.shape[0] // prefetch.halves,
+        "pf_stride": w.stride(0),
+        "PF_LINES": lines,
+        "PF_ROWS": max(1, 256 // lines),
+        "PF_GATHER": idx is not None,
+    }
+
+
+@triton.jit
 def _pdl_enter():
     """Wait until the previous kernel has finished (its writes visible), then let the next one launch."""
     tl.extra.cuda.gdc_wait()
@@ -105,6 +148,16 @@ def _add_norm_kernel(
     PDL: tl.constexpr,
     HAS_BASE: tl.constexpr,
     STORE_Y: tl.constexpr,
+    y_rows_ptr,
+    y_alt_ptr,
+    stride_alt,
+    n_alt,
+    drift_ref_ptr,
+    stride_drift_ref,
+    drift_out_ptr,
+    n_drift,
+    Y_ROWS: tl.constexpr,
+    DRIFT: tl.constexpr,
 ):
     if PDL:
         _pdl_enter()
@@ -113,9 +166,19 @@ def _add_norm_kernel(
     valid = cols < D
     x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_Y:
-        y = tl.load(y_ptr + row * stride_y + cols, mask=valid, other=0.0).to(tl.float32)
+        y_row = row
+        y_mask = valid
+        if Y_ROWS:  # the Context Cache: y holds only the recomputed rows, y_alt stands in for the others
+            src = tl.load(y_rows_ptr + row)
+            y_row = tl.maximum(src, 0)
+            y_mask = valid & (src >= 0)
+        y = tl.load(y_ptr + y_row * stride_y + cols, mask=y_mask, other=0.0).to(tl.float32)
         for split in range(1, Y_SPLITS):  # split-K partial products, summed in a fixed order
-            y += tl.load(y_ptr + split * stride_y_split + row * stride_y + cols, mask=valid, other=0.0)
+            y += tl.load(y_ptr + split * stride_y_split + y_row * stride_y + cols, mask=y_mask, other=0.0)
+        if Y_ROWS:
+            alt_mask = valid & (src < 0) & (row < n_alt)
+            alt = tl.load(y_alt_ptr + row * stride_alt + cols, mask=alt_mask, other=0.0).to(tl.float32)
+            y = tl.where(src >= 0, y, alt)
         if HAS_BASE:
             y += tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
         if HAS_Y_BIAS:
@@ -135,7 +198,13 @@ def _add_norm_kernel(
         h *= tl.load(mul_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_ADD:
         h += tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=valid)
+    h_out = h.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, h_out, mask=valid)
+    if DRIFT:  # the Context Cache's drift of this row from the reference, measured on the stored values
+        is_visual = row < n_drift
+        ref = tl.load(drift_ref_ptr + row * stride_drift_ref + cols, mask=valid & is_visual, other=0.0)
+        diff = tl.where(valid, h_out.to(tl.float32) - ref.to(tl.float32), 0.0)
+        tl.store(drift_out_ptr + row, tl.sum(diff * diff, axis=0), mask=is_visual)
 
 
 def add_norm(
@@ -151,13 +220,21 @@ def add_norm(
     add: Tensor | None = None,
     y_base: Tensor | None = None,
     y_store: Tensor | None = None,
+    y_rows: Tensor | None = None,
+    y_alt: Tensor | None = None,
+    drift_ref: Tensor | None = None,
+    drift_out: Tensor | None = None,
 ) -> Tensor:
     n, d = res.shape
-    if any(t is not None and t.stride(-1) != 1 for t in (res, y, out, y_base, y_store)):  # rows only
+    if y_rows is not None and y_alt is None:
+        raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
+    rowwise = (res, y, out, y_base, y_store, y_rows, y_alt, drift_ref, drift_out)
+    if any(t is not None and t.stride(-1) != 1 for t in rowwise):  # rows only
         return ops.add_norm(
             res, y, out, eps=eps, rms=rms, y_bias=y_bias, gate=gate, mul=mul, add=add, y_base=y_base,
-            y_store=y_store,
+            y_store=y_store, y_rows=y_rows, y_alt=y_alt, drift_ref=drift_ref, drift_out=drift_out,
         )  # fmt: skip
+    y_rows = None if y is None else y_rows  # nothing to read without y
     block = triton.next_power_of_2(d)
     _add_norm_kernel[(n,)](
         res,
@@ -188,10 +265,59 @@ def add_norm(
         PDL=_pdl,
         HAS_BASE=y_base is not None and y is not None,
         STORE_Y=y_store is not None and y is not None,
+        y_rows_ptr=res if y_rows is None else y_rows,
+        y_alt_ptr=res if y_rows is None else y_alt,
+        stride_alt=0 if y_rows is None else y_alt.stride(0),
+        n_alt=0 if y_rows is None else y_alt.shape[0],
+        drift_ref_ptr=res if drift_ref is None else drift_ref,
+        stride_drift_ref=0 if drift_ref is None else drift_ref.stride(0),
+        drift_out_ptr=res if drift_ref is None else drift_out,
+        n_drift=0 if drift_ref is None else drift_ref.shape[0],
+        Y_ROWS=y_rows is not None,
+        DRIFT=drift_ref is not None,
         num_warps=4 if block <= 1024 else 8,
         **_launch_opts(),
     )
     return out
+
+
+@triton.jit
+def _context_select_kernel(
+    drift_ptr, rows_ptr, inv_ptr, keep, num_rows,
+    NV: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """ops.context_select for BLOCK_R rows of the prefix. No sort: a visual row's rank is the number of
+    visual rows ranked before it, counted against all Nv drifts CHUNK at a time; ranks are distinct, so
+    every chosen row has its own slot in rows_out."""
+    if PDL:
+        _pdl_enter()
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    is_visual = r < NV
+    d_r = tl.load(drift_ptr + r, mask=is_visual, other=0.0)
+    d_r = tl.where(d_r != d_r, float("inf"), d_r)  # NaN ranks as +inf (a total order, as in the definition)
+    rank = tl.zeros([BLOCK_R], tl.int32)
+    for j0 in range(0, NV, CHUNK):  # a static trip count: Nv is fixed per engine (768 at full size)
+        j = j0 + tl.arange(0, CHUNK)
+        d_j = tl.load(drift_ptr + j, mask=j < NV, other=0.0)
+        d_j = tl.where(d_j != d_j, float("inf"), d_j)
+        ahead = (d_j[None, :] > d_r[:, None]) | ((d_j[None, :] == d_r[:, None]) & (j[None, :] < r[:, None]))
+        rank += tl.sum((ahead & (j < NV)[None, :]).to(tl.int32), axis=1)
+    pos = tl.where(is_visual, tl.where(rank < keep, rank, -1), keep + r - NV)  # prompt rows: all, in order
+    in_prefix = r < num_rows
+    tl.store(inv_ptr + r, pos.to(inv_ptr.dtype.element_ty), mask=in_prefix)
+    tl.store(rows_ptr + pos, r.to(rows_ptr.dtype.element_ty), mask=in_prefix & (pos >= 0))
+
+
+def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+    """ops.context_select in one kernel: ranks by comparison counting, every row's rank in parallel."""
+    _check_context_select(drift.shape[0], keep, num_rows, rows_out, inv_out)
+    if drift.stride(0) != 1 or rows_out.stride(0) != 1 or inv_out.stride(0) != 1:
+        return ops.context_select(drift, keep, num_rows, rows_out, inv_out)
+    block_r = 32
+    _context_select_kernel[(triton.cdiv(num_rows, block_r),)](
+        drift, rows_out, inv_out, keep, num_rows,
+        NV=drift.shape[0], BLOCK_R=block_r, CHUNK=128, PDL=_pdl, num_warps=4, **_launch_opts(),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -226,6 +352,7 @@ def _rope_qkv_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    N,
     stride_qkv,
     stride_cs,
     stride_q,
@@ -236,33 +363,37 @@ def _rope_qkv_kernel(
     H: tl.constexpr,
     KVH: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One program per (block of BLOCK_T tokens, head), on [BLOCK_T, HALF] tiles of each half of the head:
+    one program per (token, head) moved too little data to cover its launch and scheduling cost."""
     if PDL:
         _pdl_enter()
-    tok = tl.program_id(0)
+    toks = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]  # (BLOCK_T, 1)
     head = tl.program_id(1)  # 0..H-1 query heads, then KVH key heads, then KVH value heads
-    offs = tl.arange(0, HALF)
-    src = qkv_ptr + tok * stride_qkv + head * 2 * HALF
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    offs = tl.arange(0, HALF)[None, :]  # (1, HALF)
+    ok = toks < N  # the last block may be partial
+    src = qkv_ptr + toks * stride_qkv + head * 2 * HALF + offs
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     if head < H + KVH:
-        c = tl.load(cos_ptr + tok * stride_cs + offs)
-        s = tl.load(sin_ptr + tok * stride_cs + offs)
+        c = tl.load(cos_ptr + toks * stride_cs + offs, mask=ok, other=0.0)
+        s = tl.load(sin_ptr + toks * stride_cs + offs, mask=ok, other=0.0)
         r1 = x1 * c - x2 * s
         r2 = x2 * c + x1 * s
         if head < H:
-            dst = q_ptr + tok * stride_q + head * 2 * HALF
-            tl.store(dst + offs, r1.to(q_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, r2.to(q_ptr.dtype.element_ty))
+            dst = q_ptr + toks * stride_q + head * 2 * HALF + offs
+            tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF, r2.to(q_ptr.dtype.element_ty), mask=ok)
         else:
-            dst = k_ptr + (head - H) * stride_k_head + tok * stride_k_tok
-            tl.store(dst + offs, r1.to(k_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, r2.to(k_ptr.dtype.element_ty))
+            dst = k_ptr + (head - H) * stride_k_head + toks * stride_k_tok + offs
+            tl.store(dst, r1.to(k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF, r2.to(k_ptr.dtype.element_ty), mask=ok)
     else:
-        dst = v_ptr + (head - H - KVH) * stride_v_head + tok * stride_v_tok
-        tl.store(dst + offs, x1.to(v_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, x2.to(v_ptr.dtype.element_ty))
+        dst = v_ptr + (head - H - KVH) * stride_v_head + toks * stride_v_tok + offs
+        tl.store(dst, x1.to(v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=ok)
 
 
 def rope_qkv(
@@ -274,18 +405,23 @@ def rope_qkv(
     v_out: Tensor,
     num_heads: int,
     num_kv_heads: int,
+    config: dict[str, int] | None = None,
 ) -> None:
+    """`ops.rope_qkv`. config: block_t tokens per program (a power of two), warps. The default's
+    [16, 128] tile (π0.5, Dh = 256) is 16 values per thread with 4 warps; not yet tuned on a GPU."""
     n = qkv.shape[0]
     half = cos.shape[-1]
+    cfg = {"block_t": 16, "warps": 4} | (config or {})
     if half & (half - 1) or qkv.stride(-1) != 1 or q_out.stride(-1) != 1 or k_out.stride(-1) != 1:
         return ops.rope_qkv(qkv, cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
-    _rope_qkv_kernel[(n, num_heads + 2 * num_kv_heads)](
+    _rope_qkv_kernel[(triton.cdiv(n, cfg["block_t"]), num_heads + 2 * num_kv_heads)](
         qkv,
         cos,
         sin,
         q_out,
         k_out,
         v_out,
+        n,
         qkv.stride(0),
         cos.stride(0),
         q_out.stride(0),
@@ -296,7 +432,9 @@ def rope_qkv(
         H=num_heads,
         KVH=num_kv_heads,
         HALF=half,
+        BLOCK_T=cfg["block_t"],
         PDL=_pdl,
+        num_warps=cfg["warps"],
         **_launch_opts(),
     )
 
@@ -319,6 +457,12 @@ def _attention_kernel(
     stride_v_head,
     stride_v_tok,
     stride_out,
+    pf_ptr,
+    pf_idx,
+    pf_rows,
+    pf_sel,
+    pf_up,
+    pf_stride,
     G: tl.constexpr,
     DH: tl.constexpr,
     BM: tl.constexpr,
@@ -326,13 +470,24 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
+    PF_LINES: tl.constexpr,
+    PF_ROWS: tl.constexpr,
+    PF_GATHER: tl.constexpr,
 ):
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
     its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
+    With pf_rows > 0 it first starts fetching a later kernel's weights into L2 (`Prefetch`).
     """
     if PDL:
+        if pf_rows > 0:
+            pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(
+                2
+            ) + tl.program_id(2)
+            nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+            _prefetch_ahead(pf_ptr, pf_idx, pf_rows, pf_sel, pf_up, pf_stride, pid, nprog,
+                            PF_LINES, PF_ROWS, PF_GATHER)  # fmt: skip
         _pdl_enter()
     kv_head = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
@@ -406,10 +561,10 @@ def _attention_combine_kernel(
 @triton.jit
 def _skinny_matmul_kernel(
     a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
-    anchor_ptr, stride_anchor,
+    anchor_ptr, stride_anchor, pf_ptr, pf_idx, pf_rows, pf_sel, pf_up, pf_stride,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr,
+    SUB_ANCHOR: tl.constexpr, PF_LINES: tl.constexpr, PF_ROWS: tl.constexpr, PF_GATHER: tl.constexpr,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
 
@@ -418,6 +573,7 @@ def _skinny_matmul_kernel(
     GATHER_N: output column j uses weight row idx[j] (and up_offset + idx[j]); SUB_ANCHOR: c -= anchor[:, idx[j]].
     GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k].
     The indices are written before the call, so they may be read before the PDL wait.
+    With pf_rows > 0 it also starts fetching a later kernel's weights into L2 (`Prefetch`).
     """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
@@ -433,6 +589,10 @@ def _skinny_matmul_kernel(
                 _prefetch_rows(
                     w_ptr, up_offset + src, 2 * up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES
                 )
+        if pf_rows > 0:
+            pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            _prefetch_ahead(pf_ptr, pf_idx, pf_rows, pf_sel, pf_up, pf_stride, pid,
+                            tl.num_programs(0) * tl.num_programs(1), PF_LINES, PF_ROWS, PF_GATHER)  # fmt: skip
         _pdl_enter()
     rows = tl.arange(0, BM)
     acc = tl.zeros([BM, BN], tl.float32)
@@ -466,12 +626,14 @@ def _skinny_matmul_kernel(
 def _launch_skinny(
     a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
     neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
+    prefetch: ops.Prefetch | None = None,
 ) -> None:  # fmt: skip
     k_split = a.shape[1] // splits
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
         a, w, c, a.shape[0], n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
         a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
+        **_ahead_args(prefetch, a),
         K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
         BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
         LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
@@ -495,6 +657,7 @@ def linear(
     config: dict[str, int] | None = None,
     *,
     neurons: Tensor | None = None,
+    prefetch: ops.Prefetch | None = None,
 ) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ. Few rows (the denoising steps): a weight-streaming Triton kernel, returning
     `splits` float32 partial products (splits, M, N) when splits > 1 (summed by `add_norm`), else (M, N)
@@ -510,7 +673,7 @@ def linear(
         return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
     c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
-    _launch_skinny(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None)
+    _launch_skinny(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None, prefetch=prefetch)
     return c
 
 
@@ -522,12 +685,13 @@ def linear_geglu(
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
     config: dict[str, int] | None = None,
+    prefetch: ops.Prefetch | None = None,
 ) -> Tensor:
     """ops.linear_geglu in one kernel (H200, dense: 7.2 µs vs 9.4 unfused)."""
     cfg = {"bn": 32 if neurons is None else 16, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
-    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
+    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor, prefetch=prefetch)
     return out
 
 
@@ -620,7 +784,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int, config: dict[str, int] | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_bias: Tensor,
+    num_heads: int,
+    config: dict[str, int] | None = None,
+    *,
+    prefetch: ops.Prefetch | None = None,
 ) -> Tensor:
     n = q.shape[0]
     kvh, lk, dh = k.shape
@@ -646,6 +817,7 @@ def attention(
     _attention_kernel[(kvh, row_blocks, splits)](
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+        **_ahead_args(prefetch, q),
         G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
@@ -655,3 +827,87 @@ def attention(
             SPLITS_P2=triton.next_power_of_2(splits), DH=dh, PDL=_pdl, num_warps=4, **_launch_opts(),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _action_step_kernel(
+    x_ptr, h_ptr, ew_ptr, eb_ptr, res_ptr, out_ptr, iw_ptr, ib_ptr, mul_ptr, add_ptr, eps,
+    stride_x, stride_h, stride_res, stride_out,
+    A: tl.constexpr, WE: tl.constexpr, BLOCK: tl.constexpr, EULER: tl.constexpr, PROJECT: tl.constexpr,
+    HAS_MUL: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """ops.action_step for one action token: Euler update of x, then the next step's input projection and
+    its adaRMS-modulated RMSNorm, in three passes over the width (BLOCK features at a time)."""
+    if PDL:
+        _pdl_enter()
+    row = tl.program_id(0)
+    a = tl.arange(0, A)
+    x = tl.load(x_ptr + row * stride_x + a)
+    if EULER:  # x += h · euler_wᵀ + euler_b
+        v = tl.zeros([A], tl.float32)
+        for c0 in range(0, WE, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            hc = tl.load(h_ptr + row * stride_h + c).to(tl.float32)
+            w = tl.load(ew_ptr + a[:, None] * WE + c[None, :])  # (A, BLOCK)
+            v += tl.sum(w * hc[None, :], axis=1)
+        x += v + tl.load(eb_ptr + a)
+        tl.store(x_ptr + row * stride_x + a, x)
+    if PROJECT:  # res = x · in_wᵀ + in_b, then out = RMSNorm(res) · mul + add
+        ss = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, WE, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            w = tl.load(iw_ptr + c[:, None] * A + a[None, :])  # (BLOCK, A)
+            r = tl.sum(w * x[None, :], axis=1) + tl.load(ib_ptr + c)
+            tl.store(res_ptr + row * stride_res + c, r)
+            ss += r * r
+        scale = tl.rsqrt(tl.sum(ss, axis=0) / WE + eps)
+        tl.debug_barrier()  # the residual row written above is read back below by other threads
+        for c0 in range(0, WE, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            h = tl.load(res_ptr + row * stride_res + c) * scale
+            if HAS_MUL:
+                h *= tl.load(mul_ptr + c)
+            if HAS_ADD:
+                h += tl.load(add_ptr + c)
+            tl.store(out_ptr + row * stride_out + c, h.to(out_ptr.dtype.element_ty))
+
+
+def action_step(
+    x: Tensor,
+    *,
+    h: Tensor | None = None,
+    euler_w: Tensor | None = None,
+    euler_b: Tensor | None = None,
+    res: Tensor | None = None,
+    out: Tensor | None = None,
+    in_w: Tensor | None = None,
+    in_b: Tensor | None = None,
+    eps: float = 1e-6,
+    mul: Tensor | None = None,
+    add: Tensor | None = None,
+) -> Tensor:
+    """ops.action_step in one kernel (one program per action token)."""
+    a, we = x.shape[1], (h if h is not None else res).shape[1]
+    block = 256
+    tensors = [t for t in (x, h, euler_w, res, out, in_w) if t is not None]
+    if (
+        a & (a - 1)
+        or we % block
+        or any(t.stride(-1) != 1 for t in tensors)
+        or (euler_w is not None and not euler_w.is_contiguous())
+        or (in_w is not None and not in_w.is_contiguous())
+    ):
+        return ops.action_step(
+            x, h=h, euler_w=euler_w, euler_b=euler_b, res=res, out=out, in_w=in_w, in_b=in_b, eps=eps,
+            mul=mul, add=add,
+        )  # fmt: skip
+    _action_step_kernel[(x.shape[0],)](
+        x, x if h is None else h, x if euler_w is None else euler_w, x if euler_b is None else euler_b,
+        x if res is None else res, x if out is None else out, x if in_w is None else in_w,
+        x if in_b is None else in_b, x if mul is None else mul, x if add is None else add, eps,
+        x.stride(0), 0 if h is None else h.stride(0), 0 if res is None else res.stride(0),
+        0 if out is None else out.stride(0),
+        A=a, WE=we, BLOCK=block, EULER=h is not None, PROJECT=res is not None, HAS_MUL=mul is not None,
+        HAS_ADD=add is not None, PDL=_pdl, num_warps=4, **_launch_opts(),
+    )  # fmt: skip
+    return x
