@@ -132,7 +132,7 @@ class GraphEngine:
         bucket_step: int = 32,
         use_cuda_graphs: bool = True,
         pdl: bool | None = None,
-        prefetch_ahead: bool = True,
+        prefetch_ahead: bool = False,
         cache: CacheShapes | None = None,
     ) -> None:
         cfg = self.cfg = model.cfg

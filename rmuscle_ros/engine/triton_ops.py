@@ -313,10 +313,13 @@ def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, in
     _check_context_select(drift.shape[0], keep, num_rows, rows_out, inv_out)
     if drift.stride(0) != 1 or rows_out.stride(0) != 1 or inv_out.stride(0) != 1:
         return ops.context_select(drift, keep, num_rows, rows_out, inv_out)
-    block_r = 32
+    # Small row blocks and all drifts in one chunk (up to 1,024): one pass, ~100 programs at full size,
+    # instead of a serial loop of loads and counts.
+    nv = drift.shape[0]
+    block_r, chunk = 8, min(1024, triton.next_power_of_2(nv))
     _context_select_kernel[(triton.cdiv(num_rows, block_r),)](
         drift, rows_out, inv_out, keep, num_rows,
-        NV=drift.shape[0], BLOCK_R=block_r, CHUNK=128, PDL=_pdl, num_warps=4, **_launch_opts(),
+        NV=nv, BLOCK_R=block_r, CHUNK=chunk, PDL=_pdl, num_warps=4, **_launch_opts(),
     )  # fmt: skip
 
 
