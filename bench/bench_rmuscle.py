@@ -122,7 +122,8 @@ class Bench:
 
     def __init__(self, model: Pi05Model, shapes: CacheShapes, args, device) -> None:
         backend = "graph" if device.type == "cuda" else "fused"
-        self.engine: GraphEngine = create_engine(backend, model, device, buckets=[64], cache=shapes)
+        pdl = {} if args.pdl else {"pdl": False}
+        self.engine: GraphEngine = create_engine(backend, model, device, buckets=[64], cache=shapes, **pdl)
         log(f"engine built for {shapes}; capturing graphs")
         self.engine.warmup()
         log("graphs captured")
@@ -290,6 +291,8 @@ def main() -> None:
         default=True,
         help="also time a live call while rebuilds are queued on the low-priority stream",
     )
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="programmatic dependent launch in the engine's graphs (where supported)")  # fmt: skip
     p.add_argument("--interference-timeout-s", type=float, default=120.0,
                    help="dump the Python stacks and exit if the interference phase takes longer")  # fmt: skip
     args = p.parse_args()

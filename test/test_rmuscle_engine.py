@@ -155,3 +155,18 @@ def test_cache_shapes_are_validated() -> None:
     engine = create_engine("fused", tiny_model(), "cpu")
     with pytest.raises(RuntimeError, match="cache shapes"):
         engine.run_stage("prefill", 32, variant="cached")
+
+
+def test_kept_neuron_counts_suit_the_gathered_kernels() -> None:
+    """At full width the Action Cache keeps whole 128-neuron blocks (other counts would leave the Triton
+    kernels for PyTorch gathers), never fewer than ceil(ρn·F), and splits its down-projection evenly;
+    narrow test models keep exactly ceil(ρn·F)."""
+    from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count, rho_count
+
+    for rho in (0.2, 0.3, 0.4, 0.5, 0.7, 1.0):
+        n = keep_neuron_count(rho, 4096)
+        assert n % 128 == 0 and rho_count(rho, 4096) <= n <= 4096
+        splits = gather_splits(n)
+        assert n % (splits * 128) == 0
+    assert keep_neuron_count(0.5, 4096) == 2048 and gather_splits(2048) == 8
+    assert keep_neuron_count(0.3, 128) == rho_count(0.3, 128) == 39

@@ -84,8 +84,8 @@ def rmuscle_cost(
 ) -> dict[str, StageCost]:
     """Cost of one rMuscle call: the Context Cache recomputes the prefix FFNs for ceil(ρp·visual) + prompt
     rows and reads the reference entry (FFN inputs and outputs of the visual tokens); the Action Cache
-    reads and multiplies ceil(ρn·F) of the expert's F neurons in every step after the anchors."""
-    from rmuscle_ros.engine.fused import rho_count  # torch-free callers of call_cost stay torch-free
+    reads and multiplies ceil(ρn·F) (rounded up to 128s, `keep_neuron_count`) of the expert's F neurons in every step after the anchors."""
+    from rmuscle_ros.engine.fused import keep_neuron_count, rho_count  # call_cost callers stay torch-free
 
     base = call_cost(cfg, prompt_tokens, weight_bytes)
     g, e = cfg.vlm, cfg.expert
@@ -98,7 +98,7 @@ def rmuscle_cost(
             prefill.flops - ffn_layers * 2 * (n - recomputed) * g.width * 3 * g.mlp_dim,
             prefill.bytes + ffn_layers * 2 * n_img * g.width * weight_bytes,
         )
-    skipped = e.mlp_dim - rho_count(rho_n, e.mlp_dim)
+    skipped = e.mlp_dim - keep_neuron_count(rho_n, e.mlp_dim)
     cached = (cfg.num_steps - anchors) * e.depth
     denoise = StageCost(
         base["denoise"].flops - cached * 2 * cfg.horizon * 3 * e.width * skipped,

@@ -136,6 +136,28 @@ def rho_count(rho: float, n: int) -> int:
     return max(1, min(n, math.ceil(rho * n - 1e-9)))
 
 
+NEURON_BLOCK = 128  # the gathered Action Cache kernels read the selected neurons in blocks of this many
+
+
+def keep_neuron_count(rho_n: float, mlp_dim: int) -> int:
+    """How many expert neurons the Action Cache updates: ceil(ρn·F), rounded up to a multiple of 128 where
+    F is (any other count would leave the gathered kernels for PyTorch gathers, several times slower on
+    the H200); narrower (test) models keep exactly ceil(ρn·F)."""
+    n = rho_count(rho_n, mlp_dim)
+    if mlp_dim % NEURON_BLOCK == 0 and mlp_dim >= 8 * NEURON_BLOCK:
+        n = min(mlp_dim, round_up(n, NEURON_BLOCK))
+    return n
+
+
+def gather_splits(selected: int) -> int:
+    """Split-K for the gathered down-projection over `selected` neurons: as many slices (≤ 8) as divide
+    it into whole 128-neuron blocks of at least 256 neurons each."""
+    for splits in (8, 4, 2):
+        if selected % (splits * NEURON_BLOCK) == 0 and selected // splits >= 2 * NEURON_BLOCK:
+            return splits
+    return 1
+
+
 @dataclass
 class KVBuffers:
     """Per-layer K/V for one call: prefix rows [0, Lp) then the action rows, padded to KV_ALIGN."""
@@ -467,7 +489,7 @@ class FusedPi05:
             if action is not None:
                 sel = action.neurons.shape[-1]
                 delta = torch.empty(ha, sel, device=self.device, dtype=self.dtype)
-                sel_splits = split_k(sel, slice_len=256)  # as many programs as the dense down-projection
+                sel_splits = gather_splits(sel)  # about as many programs as the dense down-projection
         layers, last = self.expert_layers, len(self.expert_layers) - 1
         ahead = self._ahead if self.prefetch_ahead else lambda *a, **k: {}
         x_t = out.copy_(noise)

@@ -3,8 +3,9 @@
 Static shapes: one observation per call, `num_cameras` image slots (a missing camera is masked, not
 removed) and the prompt padded to a *bucket* (a multiple of `bucket_step` tokens), so the padding that
 is computed is at most `bucket_step - 1` tokens rather than the full 200-token capacity. Every bucket's
-graphs are captured in `warmup()`, before the first live call; the three stages (vision, prefill,
-denoise) are separate graphs replayed back to back, so the benchmark can time each one.
+graphs are captured in `warmup()`, before the first live call: each of the three stages (vision,
+prefill, denoise) as a graph of its own (the benchmark times each one, and rMuscle runs retrieval
+between vision and prefill), and the whole dense call as one more (`sample_actions` replays it).
 
 On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`, see `triton_ops`):
 each kernel prefetches its weights while the previous one finishes, and in the denoising loop also the
@@ -45,6 +46,7 @@ from rmuscle_ros.engine.fused import (
     ContextRef,
     FusedPi05,
     KVBuffers,
+    keep_neuron_count,
     pack_prompt,
     rho_count,
     round_up,
@@ -55,7 +57,12 @@ from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 log = logging.getLogger(__name__)
 
 STAGES = ("vision", "prefill", "denoise")
-VARIANTS = {"vision": ("dense",), "prefill": ("dense", "cached"), "denoise": ("dense", "cached", "record")}
+VARIANTS = {
+    "vision": ("dense",),
+    "prefill": ("dense", "cached"),
+    "denoise": ("dense", "cached", "record"),
+    "call": ("dense",),  # the three dense stages in one graph: no gaps between replays
+}
 
 
 def default_buckets(max_tokens: int, step: int) -> list[int]:
@@ -98,7 +105,7 @@ class CacheShapes:
         return rho_count(self.rho_p, cfg.image_tokens)
 
     def keep_neurons(self, cfg: Pi05Config) -> int:
-        return rho_count(self.rho_n, cfg.expert.mlp_dim)
+        return keep_neuron_count(self.rho_n, cfg.expert.mlp_dim)
 
 
 class _Lane:
@@ -232,6 +239,12 @@ class GraphEngine:
             runner = lambda: self._run_denoise(self.live, bucket, variant)  # noqa: E731
         elif stage == "rebuild":
             runner = lambda: self._run_rebuild(bucket)  # noqa: E731
+        elif stage == "call":
+
+            def runner() -> None:
+                self._run_vision(self.live)
+                self._run_prefill(self.live, bucket, "dense")
+                self._run_denoise(self.live, bucket, "dense")
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
@@ -266,7 +279,7 @@ class GraphEngine:
     def _graph_keys(self) -> list[tuple[str, int, str]]:
         keys = [("vision", 0, "dense")]
         for b in self.buckets:
-            keys += [("prefill", b, "dense"), ("denoise", b, "dense")]
+            keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("call", b, "dense")]
             if self.cache is not None:
                 keys += [("prefill", b, "cached"), ("denoise", b, "cached"), ("denoise", b, "record")]
                 keys += [("rebuild", b, "record")]
@@ -367,6 +380,9 @@ class GraphEngine:
         self, inputs: ModelInputs, noise: torch.Tensor, use_graphs: bool = True
     ) -> torch.Tensor:
         bucket = self.load_inputs(inputs, noise)
-        for stage in STAGES:
-            self.run_stage(stage, bucket, use_graphs)
+        if use_graphs and ("call", bucket, "dense") in self._graphs:
+            self.run_stage("call", bucket)
+        else:
+            for stage in STAGES:
+                self.run_stage(stage, bucket, use_graphs)
         return self.actions.clone()[None]
