@@ -253,6 +253,8 @@ class Bench:
                 e.rebuild_entry(self.ref_obs[k], self.window[k])
             start = time.perf_counter()
             with on_stream(e.live_stream):
+                if self.args.serialize_rebuilds:  # the live call waits for the rebuilds in flight
+                    e.live_stream.wait_stream(e.rebuild_stream)
                 self.cached_call(obs)
             wait(e.live_stream)
             busy.append((time.perf_counter() - start) * 1e3)
@@ -270,6 +272,7 @@ class Bench:
         return out | {
             "live_call_alone_ms": round(statistics.median(quiet), 3),
             "live_call_during_rebuild_ms": round(statistics.median(busy), 3),
+            "live_call_waits_for_rebuilds": self.args.serialize_rebuilds,
         }
 
 
@@ -293,6 +296,8 @@ def main() -> None:
     )
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                    help="programmatic dependent launch in the engine's graphs (where supported)")  # fmt: skip
+    p.add_argument("--serialize-rebuilds", action="store_true",
+                   help="in the interference phase, order each live call after the queued rebuilds")  # fmt: skip
     p.add_argument("--interference-timeout-s", type=float, default=120.0,
                    help="dump the Python stacks and exit if the interference phase takes longer")  # fmt: skip
     args = p.parse_args()
