@@ -247,13 +247,18 @@ class RMuscle:
     def infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
         """One observation (batch 1) -> (actions (1, horizon, action_dim), how they were produced).
 
-        On a GPU the call runs on the engine's highest-priority stream, so that rebuilds queued on the
-        lowest-priority stream yield to it; the result is ordered back onto the caller's stream."""
+        On a GPU the call runs on the engine's highest-priority stream and starts after any rebuild still
+        queued on the rebuild stream: on the H200 a live call running concurrently with rebuild graphs
+        hung the GPU (with and without PDL; cause not found, bench_rmuscle --interference reproduces it).
+        Rebuilds are bounded per tick (`rebuilds_per_tick` × ~8 ms at full size) and queued right after
+        a publish, so they normally finish during the arm's motion, before the next observation. The
+        result is ordered back onto the caller's stream."""
         stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
         if stream is None:
             return self._infer(inputs, noise)
         caller = torch.cuda.current_stream(self.engine.device)
         stream.wait_stream(caller)
+        stream.wait_stream(self.engine.rebuild_stream)
         with torch.cuda.stream(stream):
             actions, info = self._infer(inputs, noise)
         caller.wait_stream(stream)

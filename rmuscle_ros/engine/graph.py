@@ -268,8 +268,10 @@ class GraphEngine:
         # kernels keep that workspace, so the live and rebuild lanes' graphs (which may run at the same
         # time) must not share one. (A fresh torch.cuda.Stream() may be a pooled stream of an earlier
         # capture of the other lane.)
-        lane_stream = self.live_stream if pool == "live" else self.rebuild_stream
-        side = lane_stream if self.cache is not None else torch.cuda.Stream(self.device)
+        if self.cache is not None:
+            side = self.live_stream if pool == "live" else self.rebuild_stream
+        else:
+            side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
             fn()  # compile Triton kernels, create cuBLAS handles, settle the allocator
