@@ -250,7 +250,7 @@ class Bench:
             if i == 0:
                 log("interference: first live call with rebuilds queued")
             for k in range(2):
-                e.rebuild_entry(self.ref_obs[k], self.window[k])
+                e.rebuild_entry(self.ref_obs[k], self.window[k], use_graphs=self.args.rebuild_graphs)
             start = time.perf_counter()
             with on_stream(e.live_stream):
                 if self.args.serialize_rebuilds:  # the live call waits for the rebuilds in flight
@@ -273,6 +273,7 @@ class Bench:
             "live_call_alone_ms": round(statistics.median(quiet), 3),
             "live_call_during_rebuild_ms": round(statistics.median(busy), 3),
             "live_call_waits_for_rebuilds": self.args.serialize_rebuilds,
+            "rebuilds_replay_graphs": self.args.rebuild_graphs,
         }
 
 
@@ -296,6 +297,8 @@ def main() -> None:
     )
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                    help="programmatic dependent launch in the engine's graphs (where supported)")  # fmt: skip
+    p.add_argument("--rebuild-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="in the interference phase, replay the rebuild graph (else launch its kernels)")  # fmt: skip
     p.add_argument("--serialize-rebuilds", action="store_true",
                    help="in the interference phase, order each live call after the queued rebuilds")  # fmt: skip
     p.add_argument("--interference-timeout-s", type=float, default=120.0,
