@@ -353,6 +353,7 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
     for shapes in (
         RMuscleConfig(rebuilds_per_tick=20),
         RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20),
+        RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20, concurrent_rebuilds=True),
     ):
         policy = Policy(cfg, shapes)
         policy.warmup()

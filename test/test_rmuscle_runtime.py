@@ -146,3 +146,18 @@ def test_cache_settings_are_validated() -> None:
         RMuscleConfig(rebuilds_per_tick=0)
     with pytest.raises(ValueError, match="eager"):
         Policy(PolicyConfig(backend="eager"), RMuscleConfig())
+
+
+def test_concurrent_rebuilds_serve_the_same_chunks(tmp_path) -> None:
+    """Rebuilding kernel by kernel alongside live calls (`concurrent_rebuilds`) changes scheduling only:
+    the repeat is served cached, with the same chunks as with graph rebuilds that live calls wait for."""
+    chunks = []
+    for concurrent in (False, True):
+        cfg = RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, concurrent_rebuilds=concurrent)
+        policy = Policy(CFG, cfg)
+        run(policy, episode(4))
+        policy.reset_episode()
+        chunks.append(run(policy, episode(4, offset=0.05, light=0.97, noise=2.0)))
+        policy.close()
+    assert [c.cache_mode for c in chunks[1]] == ["dense"] + ["cached"] * 3
+    assert all(np.array_equal(a.actions, b.actions) for a, b in zip(*chunks, strict=True))

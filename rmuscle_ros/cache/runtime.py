@@ -53,6 +53,11 @@ class RMuscleConfig:
     max_library_mb: int = 4096
     max_episodes: int = 64
     rebuilds_per_tick: int = 2  # entries rebuilt per motion window (each is one vision + prefill)
+    # False: rebuilds replay their CUDA graph, and a live call starts after the rebuilds queued before
+    # it. True: rebuilds launch their kernels one by one and run alongside live calls. On the H200 a live
+    # call concurrent with rebuild *graphs* hung the GPU every time (4 runs, cause not found); concurrent
+    # with kernel-by-kernel rebuilds it ran undelayed (13.26 vs 13.36 ms alone, 20 rebuilds, one run).
+    concurrent_rebuilds: bool = False
 
     def __post_init__(self) -> None:
         self.shapes()  # validates rho_p, rho_n, anchors
@@ -251,14 +256,16 @@ class RMuscle:
         queued on the rebuild stream: on the H200 a live call running concurrently with rebuild graphs
         hung the GPU (with and without PDL; cause not found, bench_rmuscle --interference reproduces it).
         Rebuilds are bounded per tick (`rebuilds_per_tick` × ~8 ms at full size) and queued right after
-        a publish, so they normally finish during the arm's motion, before the next observation. The
-        result is ordered back onto the caller's stream."""
+        a publish, so they normally finish during the arm's motion, before the next observation. With
+        `concurrent_rebuilds` the rebuilds launch kernel by kernel and the call does not wait for them
+        (see RMuscleConfig). The result is ordered back onto the caller's stream."""
         stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
         if stream is None:
             return self._infer(inputs, noise)
         caller = torch.cuda.current_stream(self.engine.device)
         stream.wait_stream(caller)
-        stream.wait_stream(self.engine.rebuild_stream)
+        if not self.cfg.concurrent_rebuilds:
+            stream.wait_stream(self.engine.rebuild_stream)
         with torch.cuda.stream(stream):
             actions, info = self._infer(inputs, noise)
         caller.wait_stream(stream)
@@ -344,7 +351,7 @@ class RMuscle:
                 torch.from_numpy(episode.token_mask[call])[None],
             )
             free.key = None  # not usable while it is being rewritten
-            self.engine.rebuild_entry(inputs, free.ref)
+            self.engine.rebuild_entry(inputs, free.ref, use_graphs=not self.cfg.concurrent_rebuilds)
             masks = torch.from_numpy(episode.action_masks[call].astype(np.int32))
             stream = self.engine.rebuild_stream
             if stream is not None:
