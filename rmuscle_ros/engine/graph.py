@@ -358,8 +358,11 @@ class GraphEngine:
         """Copy a reference entry and its Action Cache masks into the cached graphs' input buffers."""
         if self.cache is None:
             raise RuntimeError("load_reference needs an engine built with cache shapes")
-        self.ctx_ref.copy_(ref)
-        self.neurons.copy_(neurons, non_blocking=True)
+        # At ρ = 1 the dense graph runs and reads neither buffer: skip the copy (ctx_ref is 102 MB).
+        if self.keep_tokens < self.cfg.image_tokens:
+            self.ctx_ref.copy_(ref)
+        if self.keep_neurons < self.cfg.expert.mlp_dim:
+            self.neurons.copy_(neurons, non_blocking=True)
 
     @torch.no_grad()
     def rebuild_entry(self, inputs: ModelInputs, out: ContextRef, use_graphs: bool = True) -> None:
