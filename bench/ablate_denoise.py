@@ -23,7 +23,7 @@ from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, s
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 
-KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm")
+KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm", "action_step")
 EXTRA = ("attention_unsplit", "all")  # attention without split-KV (no combine kernel); every kind removed
 
 
@@ -46,6 +46,8 @@ def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
     }
     if "qkv_rope" in kinds:
         m.qkv_rope = lambda *a, **k: None
+    if "action_step" in kinds:  # the kernel between denoising steps
+        m.action_step = lambda x, **k: x
     if "attention" in kinds:
         m.attention = lambda q, *a, **k: q
     if "attention_unsplit" in kinds:
