@@ -185,10 +185,6 @@ def main() -> None:
     serial = create_engine("graph", model, device, pdl=False) if graph.pdl else None
     if serial is not None:
         serial.warmup()
-    # And with the denoising loop's prefetches for the kernel after next (off by default: slower so far).
-    ahead = create_engine("graph", model, device, prefetch_ahead=True) if graph.pdl else None
-    if ahead is not None:
-        ahead.warmup()
 
     # Accuracy: graph (bf16) vs eager float32 (the reference) and eager bf16, same weights/inputs/noise.
     ref_f32 = model.sample_actions(inputs, noise)
@@ -203,11 +199,6 @@ def main() -> None:
         **(
             {"graph_vs_graph_nopdl_rel_l2": rel_l2(out_graph, serial.sample_actions(inputs, noise))}
             if serial
-            else {}
-        ),
-        **(
-            {"graph_vs_graph_ahead_rel_l2": rel_l2(out_graph, ahead.sample_actions(inputs, noise))}
-            if ahead
             else {}
         ),
         "graph_vs_eager_fp32_rel_l2": rel_l2(out_graph, ref_f32),
@@ -225,7 +216,6 @@ def main() -> None:
     variants = [("fused-nograph", graph, False), ("graph", graph, True)]
     if serial is not None:
         variants.insert(1, ("graph-nopdl", serial, True))
-        variants.insert(2, ("graph-ahead", ahead, True))
     for variant, engine, use_graphs in variants:
         results[variant] = summarize(
             cuda_time_ms(

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rmuscle_ros.engine.ops import Prefetch
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times, sincos_time_embedding
 
@@ -218,7 +217,6 @@ class FusedPi05:
         self.cfg = model.cfg
         self.device, self.dtype, self.ops = torch.device(device), dtype, ops
         self.gelu_in_matmul = False  # set by the graph engine once cuBLASLt's GELU epilogue is verified
-        self.prefetch_ahead = False  # set by the graph engine where kernels may prefetch for later ones (PDL)
         # The expert's o- and down-projections have few output columns: split K so the weight streams
         # through every SM (the partial products are summed, in a fixed order, by add_norm).
         e = self.cfg.expert
@@ -490,8 +488,7 @@ class FusedPi05:
                 sel = action.neurons.shape[-1]
                 delta = torch.empty(ha, sel, device=self.device, dtype=self.dtype)
                 sel_splits = gather_splits(sel)  # about as many programs as the dense down-projection
-        layers, last = self.expert_layers, len(self.expert_layers) - 1
-        ahead = self._ahead if self.prefetch_ahead else lambda *a, **k: {}
+        last = len(self.expert_layers) - 1
         x_t = out.copy_(noise)
         res = torch.empty(ha, e.width, device=self.device)  # float32 residual stream of the action tokens
         step_args = {"euler_w": self.euler_w, "euler_b": self.euler_b, "in_w": self.action_in_w,
@@ -499,17 +496,14 @@ class FusedPi05:
         ops.action_step(x_t, res=res, out=h, mul=mod.attn_mul[0, 0], add=mod.attn_add[0, 0], **step_args)
         for s in range(cfg.num_steps):
             cached = action is not None and s >= anchors
-            for i, layer in enumerate(layers):
+            for i, layer in enumerate(self.expert_layers):
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
-                idx = action.neurons[s, i] if cached else None
                 ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
                              e.num_heads, e.num_kv_heads)  # fmt: skip
-                # Each kernel starts fetching the weights of the kernel two launches later (see Prefetch).
-                attn = ops.attention(q, k, v, key_bias, e.num_heads, **ahead(layer.gate_up_w, idx, 2))
-                down = (self.down_t[i], idx) if cached else (layer.down_w, None)
+                attn = ops.attention(q, k, v, key_bias, e.num_heads)
                 ops.add_norm(
-                    res, ops.linear(attn, layer.o_w, self.o_splits, **ahead(*down)), h, eps=e.rms_norm_eps,
-                    rms=True, gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
+                    res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
+                    gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
                 )  # fmt: skip
                 nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
                 nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
@@ -520,18 +514,17 @@ class FusedPi05:
                     "mul": nxt_mul,
                     "add": nxt_add,
                 }
-                more = i < last or s + 1 < cfg.num_steps
-                nxt_qkv = ahead(layers[(i + 1) % len(layers)].qkv_w) if more else {}
                 if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
-                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i], **nxt_qkv)
+                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
                     y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
                     ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
                 elif cached:  # only the selected neurons, added onto the anchor
-                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i], **nxt_qkv)
+                    idx = action.neurons[s, i]
+                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
                     y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
                     ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
                 else:
-                    ops.linear_geglu(h, layer.gate_up_w, act, **nxt_qkv)
+                    ops.linear_geglu(h, layer.gate_up_w, act)
                     ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
                     if record_masks is not None:
                         record_masks[s, i] = self._top_neurons(act, act_anchor[i], i, record_masks.shape[-1])
@@ -541,9 +534,6 @@ class FusedPi05:
             else:
                 ops.action_step(x_t, h=h, **step_args)
         return x_t
-
-    def _ahead(self, weight: Tensor, neurons: Tensor | None = None, halves: int = 1) -> dict[str, Prefetch]:
-        return {"prefetch": Prefetch(weight, neurons, halves)}
 
     def _top_neurons(self, act: Tensor, act_anchor: Tensor, layer: int, count: int) -> Tensor:
         """The `count` neurons with the largest contribution score, sorted, int32 (cache.sparse_ffn)."""

@@ -8,9 +8,8 @@ prefill, denoise) as a graph of its own (the benchmark times each one, and rMusc
 between vision and prefill), and the whole dense call as one more (`sample_actions` replays it).
 
 On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`, see `triton_ops`):
-each kernel prefetches its weights while the previous one finishes, and in the denoising loop also the
-weights of the kernel after next (`prefetch_ahead`). `pdl=False` and `prefetch_ahead=False` turn these off
-(the benchmark measures each).
+each kernel prefetches its weights while the previous one finishes. `pdl=False` turns it off (the
+benchmark measures both).
 
 With `cache` (rMuscle shapes) the engine also captures the cached variants — prefill with the Context
 Cache, denoise with the Action Cache — and a dense denoise that records Action Cache masks, all reading
@@ -139,7 +138,6 @@ class GraphEngine:
         bucket_step: int = 32,
         use_cuda_graphs: bool = True,
         pdl: bool | None = None,
-        prefetch_ahead: bool = False,
         cache: CacheShapes | None = None,
     ) -> None:
         cfg = self.cfg = model.cfg
@@ -162,9 +160,6 @@ class GraphEngine:
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.fused = FusedPi05(model, device=device, dtype=self.dtype, ops=ops)
         self.fused.gelu_in_matmul = cuda and _cublaslt_gelu_is_tanh(device)
-        # With PDL, the denoising loop's kernels also start fetching the weights of the kernel two launches
-        # later (ops.Prefetch): one launch of overlap is too short to hide the 17 MB GeGLU weight stream.
-        self.fused.prefetch_ahead = self.pdl and prefetch_ahead
         self.buckets = sorted(buckets) if buckets else default_buckets(cfg.max_token_len, bucket_step)
         if any(b % 16 for b in self.buckets):
             raise ValueError(f"prompt buckets must be multiples of 16, got {self.buckets}")
@@ -264,14 +259,7 @@ class GraphEngine:
         return run
 
     def _capture(self, fn: Callable[[], None], pool: str = "live") -> torch.cuda.CUDAGraph:
-        # Each lane captures on its own stream: cuBLAS keys its workspace by stream, and the captured
-        # kernels keep that workspace, so the live and rebuild lanes' graphs (which may run at the same
-        # time) must not share one. (A fresh torch.cuda.Stream() may be a pooled stream of an earlier
-        # capture of the other lane.)
-        if self.cache is not None:
-            side = self.live_stream if pool == "live" else self.rebuild_stream
-        else:
-            side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
             fn()  # compile Triton kernels, create cuBLAS handles, settle the allocator

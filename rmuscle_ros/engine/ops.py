@@ -10,28 +10,12 @@ data layout, and GPU tests check each kernel against its definition. All 2-D ope
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 GELU_TANH_C = math.sqrt(2.0 / math.pi)
-
-
-@dataclass(frozen=True)
-class Prefetch:
-    """A hint for a later kernel's weights: the rows of `weight` it will read (all of them, or the
-    selected `neurons`, and with `halves=2` also their rows in the second half, as GeGLU's [W_gate; W_up]).
-
-    An operator given one may ask the GPU to start fetching those rows into L2 while it runs, so that the
-    kernel two launches later finds its weights on chip. It never changes any result; these PyTorch
-    definitions ignore it.
-    """
-
-    weight: Tensor
-    neurons: Tensor | None = None
-    halves: int = 1
 
 
 def add_norm(
@@ -129,9 +113,7 @@ def _check_context_select(nv: int, keep: int, num_rows: int, rows_out: Tensor, i
         )
 
 
-def linear(
-    a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = None, prefetch: Prefetch | None = None
-) -> Tensor:
+def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = None) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices (splits, M, N).
 
     With `neurons` (K,) the weight is instead K-major, w (K_full, N), and only its rows `neurons` are
@@ -158,7 +140,6 @@ def linear_geglu(
     *,
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
-    prefetch: Prefetch | None = None,
 ) -> Tensor:
     """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K).
 
@@ -227,9 +208,7 @@ def qkv_rope(
     rope_qkv(a @ w_qkv.t(), cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
 
 
-def attention(
-    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int, *, prefetch: Prefetch | None = None
-) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
     """Attention of N queries over Lk keys with an additive key mask.
 
     q (N, H·Dh); k, v (KVH, Lk, Dh); key_bias (Lk,) 0 for attended keys, a large negative number for

@@ -70,48 +70,6 @@ def _prefetch_rows(w_ptr, rows, n_rows, stride_w, k_start, K_LEN: tl.constexpr, 
 
 
 @triton.jit
-def _prefetch_ahead(
-    w_ptr, idx_ptr, n_rows, sel, up_offset, stride_w, pid, num_programs,
-    LINES: tl.constexpr, ROWS: tl.constexpr, GATHER: tl.constexpr,
-):  # fmt: skip
-    """This program's share of a later kernel's weight rows, into L2 (see `Prefetch`): rows r < n_rows,
-    each LINES 128-byte lines long; with GATHER, row r is idx[r % sel] + (r // sel)·up_offset."""
-    per = tl.cdiv(n_rows, num_programs)
-    first = pid * per
-    stop = tl.minimum(first + per, n_rows)
-    for r0 in range(first, stop, ROWS):
-        r = tl.minimum(r0 + tl.arange(0, ROWS), stop - 1)
-        if GATHER:  # noqa: SIM108 (a constexpr branch: the gather is not even traced without GATHER)
-            src = tl.load(idx_ptr + r % sel).to(tl.int64) + (r // sel) * up_offset
-        else:
-            src = r.to(tl.int64)
-        _prefetch_l2(w_ptr + src[:, None] * stride_w + tl.arange(0, LINES)[None, :] * 64)
-
-
-def _ahead_args(prefetch: ops.Prefetch | None, fallback: Tensor) -> dict[str, object]:
-    """Kernel arguments for a `Prefetch` hint (PF_ROWS = 0 turns the prefetch off)."""
-    if prefetch is None or not _pdl:  # without PDL there is no earlier kernel to overlap with
-        return {"pf_ptr": fallback, "pf_idx": fallback, "pf_rows": 0, "pf_sel": 1, "pf_up": 0, "pf_stride": 0,
-                "PF_LINES": 1, "PF_ROWS": 1, "PF_GATHER": False}  # fmt: skip
-    w, idx = prefetch.weight, prefetch.neurons
-    lines = w.shape[-1] // 64  # 128-byte lines per row of a 16-bit weight
-    if w.element_size() != 2 or w.stride(-1) != 1 or w.shape[-1] % 64 or lines & (lines - 1):
-        return _ahead_args(None, fallback)  # a hint only: shapes it does not cover are not prefetched
-    sel = w.shape[0] // prefetch.halves if idx is None else idx.numel()
-    return {
-        "pf_ptr": w,
-        "pf_idx": fallback if idx is None else idx,
-        "pf_rows": sel * prefetch.halves,
-        "pf_sel": sel,
-        "pf_up": w.shape[0] // prefetch.halves,
-        "pf_stride": w.stride(0),
-        "PF_LINES": lines,
-        "PF_ROWS": max(1, 256 // lines),
-        "PF_GATHER": idx is not None,
-    }
-
-
-@triton.jit
 def _pdl_enter():
     """Wait until the previous kernel has finished (its writes visible), then let the next one launch."""
     tl.extra.cuda.gdc_wait()
@@ -460,12 +418,6 @@ def _attention_kernel(
     stride_v_head,
     stride_v_tok,
     stride_out,
-    pf_ptr,
-    pf_idx,
-    pf_rows,
-    pf_sel,
-    pf_up,
-    pf_stride,
     G: tl.constexpr,
     DH: tl.constexpr,
     BM: tl.constexpr,
@@ -473,24 +425,13 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
-    PF_LINES: tl.constexpr,
-    PF_ROWS: tl.constexpr,
-    PF_GATHER: tl.constexpr,
 ):
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
     its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
-    With pf_rows > 0 it first starts fetching a later kernel's weights into L2 (`Prefetch`).
     """
     if PDL:
-        if pf_rows > 0:
-            pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(
-                2
-            ) + tl.program_id(2)
-            nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            _prefetch_ahead(pf_ptr, pf_idx, pf_rows, pf_sel, pf_up, pf_stride, pid, nprog,
-                            PF_LINES, PF_ROWS, PF_GATHER)  # fmt: skip
         _pdl_enter()
     kv_head = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
@@ -564,10 +505,10 @@ def _attention_combine_kernel(
 @triton.jit
 def _skinny_matmul_kernel(
     a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
-    anchor_ptr, stride_anchor, pf_ptr, pf_idx, pf_rows, pf_sel, pf_up, pf_stride,
+    anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr, PF_LINES: tl.constexpr, PF_ROWS: tl.constexpr, PF_GATHER: tl.constexpr,
+    SUB_ANCHOR: tl.constexpr,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
 
@@ -576,7 +517,6 @@ def _skinny_matmul_kernel(
     GATHER_N: output column j uses weight row idx[j] (and up_offset + idx[j]); SUB_ANCHOR: c -= anchor[:, idx[j]].
     GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k].
     The indices are written before the call, so they may be read before the PDL wait.
-    With pf_rows > 0 it also starts fetching a later kernel's weights into L2 (`Prefetch`).
     """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
@@ -592,10 +532,6 @@ def _skinny_matmul_kernel(
                 _prefetch_rows(
                     w_ptr, up_offset + src, 2 * up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES
                 )
-        if pf_rows > 0:
-            pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            _prefetch_ahead(pf_ptr, pf_idx, pf_rows, pf_sel, pf_up, pf_stride, pid,
-                            tl.num_programs(0) * tl.num_programs(1), PF_LINES, PF_ROWS, PF_GATHER)  # fmt: skip
         _pdl_enter()
     rows = tl.arange(0, BM)
     acc = tl.zeros([BM, BN], tl.float32)
@@ -629,14 +565,12 @@ def _skinny_matmul_kernel(
 def _launch_skinny(
     a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
     neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
-    prefetch: ops.Prefetch | None = None,
 ) -> None:  # fmt: skip
     k_split = a.shape[1] // splits
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
         a, w, c, a.shape[0], n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
         a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
-        **_ahead_args(prefetch, a),
         K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
         BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
         LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
@@ -660,7 +594,6 @@ def linear(
     config: dict[str, int] | None = None,
     *,
     neurons: Tensor | None = None,
-    prefetch: ops.Prefetch | None = None,
 ) -> Tensor:
     """a (M, K) @ w (N, K)ᵀ. Few rows (the denoising steps): a weight-streaming Triton kernel, returning
     `splits` float32 partial products (splits, M, N) when splits > 1 (summed by `add_norm`), else (M, N)
@@ -676,7 +609,7 @@ def linear(
         return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
     c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
-    _launch_skinny(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None, prefetch=prefetch)
+    _launch_skinny(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None)
     return c
 
 
@@ -688,13 +621,12 @@ def linear_geglu(
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
     config: dict[str, int] | None = None,
-    prefetch: ops.Prefetch | None = None,
 ) -> Tensor:
     """ops.linear_geglu in one kernel (H200, dense: 7.2 µs vs 9.4 unfused)."""
     cfg = {"bn": 32 if neurons is None else 16, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
-    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor, prefetch=prefetch)
+    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
     return out
 
 
@@ -793,8 +725,6 @@ def attention(
     key_bias: Tensor,
     num_heads: int,
     config: dict[str, int] | None = None,
-    *,
-    prefetch: ops.Prefetch | None = None,
 ) -> Tensor:
     n = q.shape[0]
     kvh, lk, dh = k.shape
@@ -820,7 +750,6 @@ def attention(
     _attention_kernel[(kvh, row_blocks, splits)](
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        **_ahead_args(prefetch, q),
         G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
