@@ -24,9 +24,9 @@ from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 
 KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm", "action_step")
-# attention without split-KV; attention merging its splits in a second kernel (not in its last programs);
-# every kind removed
-EXTRA = ("attention_unsplit", "attention_combine_kernel", "all")
+# attention without split-KV; merging its splits in a second kernel (not in its last programs); without
+# prefetching its K/V slice before the PDL wait; every kind removed
+EXTRA = ("attention_unsplit", "attention_combine_kernel", "attention_no_prefetch", "all")
 
 
 def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
@@ -54,6 +54,8 @@ def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
         m.attention = lambda q, *a, **k: q
     if "attention_combine_kernel" in kinds:
         m.attention = lambda *a, arrivals=None, **k: triton_ops.attention(*a, **k)
+    if "attention_no_prefetch" in kinds:
+        m.attention = lambda *a, **k: triton_ops.attention(*a, config={"prefetch": 0}, **k)
     if "attention_unsplit" in kinds:
         m.attention = lambda *a, **k: triton_ops.attention(*a, config={"max_splits": 1}, **k)
     if dropped_k:
@@ -92,8 +94,9 @@ def main() -> None:
     real_ops = engine.fused.ops
     for kind in KINDS + EXTRA:
         engine.fused.ops = ablated_ops(set(KINDS) if kind == "all" else {kind}, engine.fused)
-        engine._graphs.pop(("denoise", bucket))
-        engine._graphs[("denoise", bucket)] = engine._capture(engine._stage_fn("denoise", bucket))
+        key = ("denoise", bucket, "dense")
+        engine._graphs.pop(key)
+        engine._graphs[key] = engine._capture(engine._stage_fn(*key))
         results[f"without {kind}"] = time_denoise()
     engine.fused.ops = real_ops
     steps, depth = cfg.num_steps, cfg.expert.depth
