@@ -24,9 +24,7 @@ from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 
 KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm", "action_step")
-# attention without split-KV; merging its splits in a second kernel (not in its last programs); without
-# prefetching its K/V slice before the PDL wait; every kind removed
-EXTRA = ("attention_unsplit", "attention_combine_kernel", "attention_no_prefetch", "all")
+EXTRA = ("attention_unsplit", "all")  # attention without split-KV (no combine kernel); every kind removed
 
 
 def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
@@ -52,10 +50,6 @@ def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
         m.action_step = lambda x, **k: x
     if "attention" in kinds:
         m.attention = lambda q, *a, **k: q
-    if "attention_combine_kernel" in kinds:
-        m.attention = lambda *a, arrivals=None, **k: triton_ops.attention(*a, **k)
-    if "attention_no_prefetch" in kinds:
-        m.attention = lambda *a, **k: triton_ops.attention(*a, config={"prefetch": 0}, **k)
     if "attention_unsplit" in kinds:
         m.attention = lambda *a, **k: triton_ops.attention(*a, config={"max_splits": 1}, **k)
     if dropped_k:

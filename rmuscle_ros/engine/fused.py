@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rmuscle_ros.engine.ops import ATTENTION_ARRIVALS
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times, sincos_time_embedding
 
@@ -492,9 +491,6 @@ class FusedPi05:
         last = len(self.expert_layers) - 1
         x_t = out.copy_(noise)
         res = torch.empty(ha, e.width, device=self.device)  # float32 residual stream of the action tokens
-        # one zeroed counter block per attention call: the kernel's last program per row block merges
-        arrivals = torch.zeros(cfg.num_steps, last + 1, ATTENTION_ARRIVALS, device=self.device,
-                               dtype=torch.int32)  # fmt: skip
         step_args = {"euler_w": self.euler_w, "euler_b": self.euler_b, "in_w": self.action_in_w,
                      "in_b": self.action_in_b, "eps": e.rms_norm_eps}  # fmt: skip
         ops.action_step(x_t, res=res, out=h, mul=mod.attn_mul[0, 0], add=mod.attn_add[0, 0], **step_args)
@@ -504,7 +500,7 @@ class FusedPi05:
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
                 ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
                              e.num_heads, e.num_kv_heads)  # fmt: skip
-                attn = ops.attention(q, k, v, key_bias, e.num_heads, arrivals=arrivals[s, i])
+                attn = ops.attention(q, k, v, key_bias, e.num_heads)
                 ops.add_norm(
                     res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],

@@ -208,18 +208,11 @@ def qkv_rope(
     rope_qkv(a @ w_qkv.t(), cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
 
 
-ATTENTION_ARRIVALS = 64  # int32 scratch per attention call of the denoising steps (see `attention`)
-
-
-def attention(
-    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int, *, arrivals: Tensor | None = None
-) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
     """Attention of N queries over Lk keys with an additive key mask.
 
     q (N, H·Dh); k, v (KVH, Lk, Dh); key_bias (Lk,) 0 for attended keys, a large negative number for
     masked ones. Returns (N, H·Dh). Dispatches to PyTorch's fused SDPA kernels on CUDA.
-    arrivals: ATTENTION_ARRIVALS int32 zeros the GPU kernel may count finished programs in (used once);
-    this definition does not need it.
     """
     n = q.shape[0]
     kvh, lk, dh = k.shape

@@ -401,28 +401,6 @@ def rope_qkv(
 
 
 @triton.jit
-def _merge_splits(part_ptr, stats_ptr, flat, row_ok, total, NUM_SPLITS: tl.constexpr, BM: tl.constexpr,
-                  DH: tl.constexpr):  # fmt: skip
-    """Merge the split-KV partials of rows `flat` (flash-decoding), reading past L1: other programs
-    wrote them."""
-    m_all = tl.full([BM], -1e30, tl.float32)
-    l_all = tl.zeros([BM], tl.float32)
-    out = tl.zeros([BM, DH], tl.float32)
-    d = tl.arange(0, DH)
-    for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(stats_ptr + 2 * s * total + flat, mask=row_ok, other=-1e30, cache_modifier=".cg")
-        l_s = tl.load(stats_ptr + (2 * s + 1) * total + flat, mask=row_ok, other=0.0, cache_modifier=".cg")
-        dst = part_ptr + (s * total + flat)[:, None] * DH + d[None, :]
-        p_s = tl.load(dst, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_all, m_s)
-        a_old, a_s = tl.exp(m_all - m_new), tl.exp(m_s - m_new)
-        out = out * a_old[:, None] + p_s * a_s[:, None]
-        l_all = l_all * a_old + l_s * a_s
-        m_all = m_new
-    return out / tl.where(row_ok, l_all, 1.0)[:, None]
-
-
-@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -431,7 +409,6 @@ def _attention_kernel(
     out_ptr,
     part_ptr,
     stats_ptr,
-    arrivals_ptr,
     N,
     Lk,
     scale,
@@ -446,30 +423,19 @@ def _attention_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     SPLIT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
-    COMBINE: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
-    its running max and denominator (flash-decoding). With COMBINE, the last of a row block's NUM_SPLITS
-    programs to finish (counted in arrivals[row block], zero before the call) merges the slices and
-    writes the output; without, `_attention_combine_kernel` does it.
+    its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
     """
-    kv_head = tl.program_id(0)
-    split = tl.program_id(2)
     if PDL:
-        if PREFETCH_KEYS > 0:  # bring this program's K/V slice into L2 while the previous kernel finishes
-            keys = tl.minimum(split * KEYS_PER_SPLIT + tl.arange(0, PREFETCH_KEYS), Lk - 1)
-            lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * 64, DH - 1)  # bf16: 64 per 128-byte line
-            _prefetch_l2(k_ptr + kv_head * stride_k_head + keys[:, None] * stride_k_tok + lines[None, :])
-            _prefetch_l2(v_ptr + kv_head * stride_v_head + keys[:, None] * stride_v_tok + lines[None, :])
         _pdl_enter()
+    kv_head = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
+    split = tl.program_id(2)
     row_ok = rows < G * N
     head = kv_head * G + rows // N
     tok = rows % N
@@ -509,13 +475,6 @@ def _attention_kernel(
         tl.store(part_ptr + (split * total + flat)[:, None] * DH + d[None, :], acc, mask=row_ok[:, None])
         tl.store(stats_ptr + (2 * split) * total + flat, m_i, mask=row_ok)
         tl.store(stats_ptr + (2 * split + 1) * total + flat, l_i, mask=row_ok)
-        if COMBINE:
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            slot = kv_head * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                out = _merge_splits(part_ptr, stats_ptr, flat, row_ok, total, NUM_SPLITS, BM, DH)
-                dst = out_ptr + tok[:, None] * stride_out + head[:, None] * DH + d[None, :]
-                tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         out = acc / l_i[:, None]
         dst = out_ptr + tok[:, None] * stride_out + head[:, None] * DH + d[None, :]
@@ -766,12 +725,7 @@ def attention(
     key_bias: Tensor,
     num_heads: int,
     config: dict[str, int] | None = None,
-    *,
-    arrivals: Tensor | None = None,
 ) -> Tensor:
-    """ops.attention. Few query rows (the denoising steps) split the keys across programs; with `arrivals`
-    (int32 zeros, one per row block: ATTENTION_ARRIVALS is enough for the expert) the last program of each
-    row block merges the splits, else a second kernel does. `arrivals` is consumed: zero it again to reuse."""
     n = q.shape[0]
     kvh, lk, dh = k.shape
     group = num_heads // kvh
@@ -779,9 +733,9 @@ def attention(
         return ops.attention(q, k, v, key_bias, num_heads)
     out = torch.empty(n, num_heads * dh, device=q.device, dtype=q.dtype)
     if group * n <= 1024:  # denoising steps: few query rows, split the keys (H200: 10.2 µs vs 54 for SDPA)
-        cfg = {"bm": 32, "bn": 64, "warps": 4, "stages": 3, "max_splits": 8, "prefetch": 1}
+        cfg = {"bm": 32, "bn": 64, "warps": 4, "stages": 3, "max_splits": 8}
     else:  # prefill (H200: 27 µs vs 55 for SDPA)
-        cfg = {"bm": 64, "bn": 32, "warps": 4, "stages": 3, "max_splits": 1, "prefetch": 0}
+        cfg = {"bm": 64, "bn": 32, "warps": 4, "stages": 3, "max_splits": 1}
     cfg |= config or {}
     bm, bn = cfg["bm"], cfg["bn"]
     row_blocks = triton.cdiv(group * n, bm)
@@ -793,15 +747,13 @@ def attention(
     total = kvh * group * n
     part = torch.empty(splits, total, dh, device=q.device, dtype=torch.float32) if split else out
     stats = torch.empty(2 * splits, total, device=q.device, dtype=torch.float32) if split else out
-    combine = split and arrivals is not None and arrivals.numel() >= kvh * row_blocks
     _attention_kernel[(kvh, row_blocks, splits)](
-        q, k, v, key_bias, out, part, stats, arrivals if combine else out, n, lk, dh**-0.5,
+        q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, NUM_SPLITS=splits, KEYS_PER_SPLIT=keys_per_split,
-        COMBINE=combine, PDL=_pdl, PREFETCH_KEYS=triton.next_power_of_2(keys_per_split) if cfg["prefetch"] else 0,
-        PREFETCH_LINES=max(1, dh // 64), num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
+        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
-    if split and not combine:
+    if split:
         _attention_combine_kernel[(total,)](
             part, stats, out, n, total, splits, out.stride(0),
             SPLITS_P2=triton.next_power_of_2(splits), DH=dh, PDL=_pdl, num_warps=4, **_launch_opts(),
