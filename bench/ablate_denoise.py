@@ -24,7 +24,9 @@ from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 
 KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm", "action_step")
-EXTRA = ("attention_unsplit", "all")  # attention without split-KV (no combine kernel); every kind removed
+# attention without split-KV (no combine kernel); the step kernel 256 features at a time (not whole rows);
+# every kind removed
+EXTRA = ("attention_unsplit", "action_step_chunked", "all")
 
 
 def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
@@ -50,6 +52,8 @@ def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
         m.action_step = lambda x, **k: x
     if "attention" in kinds:
         m.attention = lambda q, *a, **k: q
+    if "action_step_chunked" in kinds:
+        m.action_step = lambda x, **k: triton_ops.action_step(x, config={"row_max": 0}, **k)
     if "attention_unsplit" in kinds:
         m.attention = lambda *a, **k: triton_ops.attention(*a, config={"max_splits": 1}, **k)
     if dropped_k:

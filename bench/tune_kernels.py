@@ -75,6 +75,33 @@ def sweep(name: str, run, reference, baseline, grid: dict[str, list[int]], rotat
     return {"baseline_us": base, "best": ok[:8], "failed": [r for r in rows if "error" in r][:8]}
 
 
+def sweep_vision_attention() -> dict:
+    """SigLIP's attention (3 images × 16 heads × 256 tokens, Dh 72, q/k/v strided views of one QKV matmul
+    output, as in FusedPi05.encode_images) through each of PyTorch's SDPA backends."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    c, t, heads, dh = 3, 256, 16, 72
+    qkv = copies(torch.randn(c * t, 3 * heads * dh, device=CUDA, dtype=torch.bfloat16))
+
+    def views(i):
+        return [x.transpose(1, 2) for x in qkv[i].view(c, t, 3, heads, dh).unbind(2)]
+
+    ref = torch.nn.functional.scaled_dot_product_attention(*[x.float() for x in views(0)])
+    out = {}
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        with sdpa_kernel([backend]):
+            try:
+                err = rel(torch.nn.functional.scaled_dot_product_attention(*views(0)).float(), ref)
+                us = per_call_us(
+                    lambda i: torch.nn.functional.scaled_dot_product_attention(*views(i)), len(qkv)
+                )
+                out[backend.name] = {"us": round(us, 2), "rel_err": err}
+            except RuntimeError as e:
+                out[backend.name] = {"error": str(e).splitlines()[0][:200]}
+    print("\nvision attention by SDPA backend:", out, flush=True)
+    return out
+
+
 def sweep_fused() -> dict:
     """The expert's fused epilogue kernels (QKV+RoPE, gate/up+GeGLU) against their unfused pairs."""
     m, width, f, h, kvh, dh = 50, 1024, 4096, 8, 1, 256
@@ -124,7 +151,9 @@ def sweep_fused() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
-    p.add_argument("--only", action="append", choices=["linear", "fused", "attention"], default=None)
+    p.add_argument(
+        "--only", action="append", choices=["linear", "fused", "attention", "vision"], default=None
+    )
     args = p.parse_args()
     groups = args.only or ["linear", "fused", "attention"]
     torch.manual_seed(0)
@@ -163,14 +192,17 @@ def main() -> None:
             lambda q=q, kk=kk, vv=vv, bias=bias, h=h: ops.attention(q, kk[0], vv[0], bias, h),
             lambda i, q=q, kk=kk, vv=vv, bias=bias, h=h: ops.attention(q, kk[i], vv[i], bias, h),
             {
-                "bm": [16, 32] if name == "denoise" else [64, 128],
+                "bm": [16, 32] if name == "denoise" else [32, 64, 128],
                 "bn": [32, 64],
                 "warps": [4] if name == "denoise" else [4, 8],
-                "stages": [2, 3],
-                "max_splits": [4, 8, 16] if name == "denoise" else [1],
+                "stages": [2, 3] if name == "denoise" else [3],
+                "max_splits": [4, 8, 16] if name == "denoise" else [4],
+                "min_splits": [1] if name == "denoise" else [1, 2, 4],
             },
             len(kk),
         )
+    if "vision" in groups:
+        results["vision_attention"] = sweep_vision_attention()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     (args.out / f"triton_tuning_{'_'.join(groups)}.json").write_text(

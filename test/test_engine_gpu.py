@@ -367,8 +367,10 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         policy.close()
 
 
-def test_action_step_matches_definition(triton_ops) -> None:
-    """The kernel between two denoising steps (Euler update, input projection, adaRMS norm) at full size."""
+@pytest.mark.parametrize("row_max", [1024, 0])
+def test_action_step_matches_definition(triton_ops, row_max: int) -> None:
+    """The kernel between two denoising steps (Euler update, input projection, adaRMS norm) at full size,
+    whole rows in one tile and (as for wider experts) 256 features at a time."""
     ha, a, we = 50, 32, 1024
     gen = torch.Generator(device=CUDA).manual_seed(0)
     rnd = lambda *shape, s=1.0: torch.randn(*shape, device=CUDA, generator=gen) * s  # noqa: E731
@@ -378,7 +380,8 @@ def test_action_step_matches_definition(triton_ops) -> None:
     outs = []
     for impl in (ops, triton_ops):
         x, h, res = x0.clone(), h0.clone(), torch.zeros(ha, we, device=CUDA)
-        impl.action_step(x, h=h, res=res, out=h, **params)
+        kw = {"config": {"row_max": row_max}} if impl is triton_ops else {}
+        impl.action_step(x, h=h, res=res, out=h, **params, **kw)
         outs.append((x, res, h.float()))
     assert rel(outs[1][0], outs[0][0]) < 1e-5 and rel(outs[1][1], outs[0][1]) < 1e-5
     assert rel(outs[1][2], outs[0][2]) < 1e-2  # bf16 output rounding

@@ -273,10 +273,12 @@ def test_whole_fused_forward_with_the_kernels() -> None:
     assert rel(got, expected) < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["whole_row", "chunked"])
 @pytest.mark.parametrize("mode", ["first", "between", "last"])
-def test_action_step_between_denoising_steps(mode: str, no_fallback) -> None:
+def test_action_step_between_denoising_steps(mode: str, kernel: str, no_fallback) -> None:
     """The Euler update and the next step's input projection + adaRMS norm equal their definition: before
-    the first step (projection only), between steps (h is read, then overwritten), after the last (update)."""
+    the first step (projection only), between steps (h is read, then overwritten), after the last (update);
+    with the row in one tile and, as for wider experts, 256 features at a time."""
     ha, a, we = 7, 32, 512
     x0, h0 = torch.randn(ha, a), torch.randn(ha, we)
     params = {"euler_w": torch.randn(a, we) * 0.05, "euler_b": torch.randn(a), "in_w": torch.randn(we, a) * 0.2,
@@ -292,6 +294,8 @@ def test_action_step_between_denoising_steps(mode: str, no_fallback) -> None:
             kw["h"] = h
         if mode != "last":
             kw |= {"res": res, "out": h, **mod}
+        if impl is triton_ops:
+            kw["config"] = {"row_max": 1024 if kernel == "whole_row" else 0}
         impl.action_step(x, **kw)
         outs.append((x, h, res))
     assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True) if ref.norm() > 0)

@@ -1,0 +1,106 @@
+"""Where each stage graph's replay time goes, kernel by kernel, as the graph really runs (with PDL).
+
+A kernel-level trace (CUPTI, through torch.profiler) of one replay of each stage's CUDA graph. With
+programmatic dependent launch a kernel starts before its predecessor ends and waits, so raw kernel
+durations overlap. Each kernel is charged instead with the part of the timeline it ends: from the end of
+the kernel before it (or its own start, if later) to its own end. Idle time between kernels is charged to
+the kernel after it as `gap`. Charged time plus gaps add up to the replay's span.
+
+    python bench/trace_graphs.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_pi05 import random_graph_engine, record_header, save_results
+
+
+def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every GPU kernel and memory operation, in start order."""
+    events = [
+        (e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in trace["traceEvents"]
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    ]
+    return sorted(events, key=lambda e: e[1])
+
+
+def charge(events: list[tuple[str, float, float]]) -> dict:
+    """Per kernel name: count, charged µs, gap µs before it (see the module docstring); and the span."""
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "charged_us": 0.0, "gap_us": 0.0})
+    prev_end = events[0][1]
+    for name, start, end in events:
+        row = rows[short(name)]
+        row["count"] += 1
+        row["gap_us"] += max(0.0, start - prev_end)
+        row["charged_us"] += max(0.0, end - max(start, prev_end))
+        prev_end = max(prev_end, end)
+    span = prev_end - events[0][1]
+    return {"span_us": span, "kernels": len(events), "by_kernel": dict(rows)}
+
+
+def short(name: str) -> str:
+    """cuBLAS/cuDNN names without their template arguments, Triton names as they are."""
+    return name.split("(")[0].split("<")[0][:90]
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="pi05")
+    p.add_argument("--prompt-tokens", type=int, default=50)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--rows", type=int, default=14)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    engine, bucket = random_graph_engine(args.preset, device, prompt_tokens=args.prompt_tokens)
+    stages = {}
+    for stage in ("vision", "prefill", "denoise"):
+        for _ in range(3):
+            engine.run_stage(stage, bucket)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.run_stage(stage, bucket)
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            events = kernel_events(json.loads(path.read_text()))
+        stages[stage] = charge(events) if events else {"error": "no kernels traced inside the graph"}
+    gpu = torch.cuda.get_device_name(device)
+    lines = [f"# Stage graphs kernel by kernel — {gpu}", "", f"`{args.preset}`, one replay per stage.", ""]
+    for stage, r in stages.items():
+        if "error" in r:
+            lines += [f"## {stage}: {r['error']}", ""]
+            continue
+        lines += [
+            f"## {stage}: span {r['span_us'] / 1e3:.3f} ms, {r['kernels']} kernels",
+            "",
+            "| kernel | count | charged µs | per call µs | gap µs |",
+            "|---|---|---|---|---|",
+        ]
+        top = sorted(r["by_kernel"].items(), key=lambda kv: -(kv[1]["charged_us"] + kv[1]["gap_us"]))
+        for name, k in top[: args.rows]:
+            lines.append(
+                f"| {name} | {k['count']} | {k['charged_us']:.1f} | {k['charged_us'] / k['count']:.2f} "
+                f"| {k['gap_us']:.1f} |"
+            )
+        lines.append("")
+    record = {**record_header(gpu, args.commit), "preset": args.preset, "results": stages}
+    save_results(args.out, f"trace_graphs_{gpu.split()[-1].lower()}_{args.commit}", record, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
