@@ -192,12 +192,12 @@ def main() -> None:
             lambda q=q, kk=kk, vv=vv, bias=bias, h=h: ops.attention(q, kk[0], vv[0], bias, h),
             lambda i, q=q, kk=kk, vv=vv, bias=bias, h=h: ops.attention(q, kk[i], vv[i], bias, h),
             {
-                "bm": [16, 32] if name == "denoise" else [64, 128],
+                "bm": [16, 32] if name == "denoise" else [32, 64, 128],
                 "bn": [32, 64],
                 "warps": [4] if name == "denoise" else [4, 8],
                 "stages": [2, 3] if name == "denoise" else [3],
                 "max_splits": [4, 8, 16] if name == "denoise" else [4],
-                "dv_blocks": [1, 2, 4],
+                "min_splits": [1] if name == "denoise" else [1, 2, 4],
             },
             len(kk),
         )

@@ -424,23 +424,17 @@ def _attention_kernel(
     BN: tl.constexpr,
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
-    DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
     its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
-    DV < DH: each program computes the scores in full but only DV of the output features (twice the
-    programs for half the accumulator: more of them fit on an SM).
     """
     if PDL:
         _pdl_enter()
     kv_head = tl.program_id(0)
-    dv_blocks: tl.constexpr = DH // DV
-    # row r = (head-in-group r // N, token r % N)
-    rows = (tl.program_id(1) // dv_blocks) * BM + tl.arange(0, BM)
-    dv = (tl.program_id(1) % dv_blocks) * DV + tl.arange(0, DV)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
     split = tl.program_id(2)
     row_ok = rows < G * N
     head = kv_head * G + rows // N
@@ -451,7 +445,7 @@ def _attention_kernel(
     )
     m_i = tl.full([BM], -1e30, tl.float32)  # finite: a fully masked block must not produce inf - inf
     l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, DV], tl.float32)
+    acc = tl.zeros([BM, DH], tl.float32)
     start = split * KEYS_PER_SPLIT
     stop = tl.minimum(start + KEYS_PER_SPLIT, Lk)
     for n0 in range(0, KEYS_PER_SPLIT, BN):
@@ -468,7 +462,7 @@ def _attention_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         v = tl.load(
-            v_ptr + kv_head * stride_v_head + cols[:, None] * stride_v_tok + dv[None, :],
+            v_ptr + kv_head * stride_v_head + cols[:, None] * stride_v_tok + d[None, :],
             mask=col_ok[:, None],
             other=0.0,
         )
@@ -478,12 +472,12 @@ def _attention_kernel(
     if SPLIT:
         flat = kv_head * G * N + rows  # partials are indexed by (split, global row)
         total = tl.num_programs(0) * G * N
-        tl.store(part_ptr + (split * total + flat)[:, None] * DH + dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ptr + (split * total + flat)[:, None] * DH + d[None, :], acc, mask=row_ok[:, None])
         tl.store(stats_ptr + (2 * split) * total + flat, m_i, mask=row_ok)
         tl.store(stats_ptr + (2 * split + 1) * total + flat, l_i, mask=row_ok)
     else:
         out = acc / l_i[:, None]
-        dst = out_ptr + tok[:, None] * stride_out + head[:, None] * DH + dv[None, :]
+        dst = out_ptr + tok[:, None] * stride_out + head[:, None] * DH + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -746,19 +740,18 @@ def attention(
     bm, bn = cfg["bm"], cfg["bn"]
     row_blocks = triton.cdiv(group * n, bm)
     # Few query rows (the denoising steps): split the keys so that every SM has work (flash-decoding).
-    dv_blocks = cfg.get("dv_blocks", 1)
-    programs = kvh * row_blocks * dv_blocks
-    splits = min(max(1, _sm_count(q.device) // programs), triton.cdiv(lk, bn), cfg["max_splits"])
+    splits = min(max(1, _sm_count(q.device) // (kvh * row_blocks)), triton.cdiv(lk, bn), cfg["max_splits"])
+    splits = max(splits, cfg.get("min_splits", 1))
     keys_per_split = triton.cdiv(triton.cdiv(lk, splits), bn) * bn
     splits = triton.cdiv(lk, keys_per_split)
     split = splits > 1
     total = kvh * group * n
     part = torch.empty(splits, total, dh, device=q.device, dtype=torch.float32) if split else out
     stats = torch.empty(2 * splits, total, device=q.device, dtype=torch.float32) if split else out
-    _attention_kernel[(kvh, row_blocks * dv_blocks, splits)](
+    _attention_kernel[(kvh, row_blocks, splits)](
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, DV=dh // dv_blocks, PDL=_pdl,
+        G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
     if split:
