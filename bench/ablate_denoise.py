@@ -25,8 +25,8 @@ from rmuscle_ros.models.config import get_preset
 
 KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm", "action_step")
 # attention without split-KV (no combine kernel); the step kernel 256 features at a time (not whole rows);
-# every kind removed
-EXTRA = ("attention_unsplit", "action_step_chunked", "all")
+# the o/down projections and the add_norm after them as two kernels each (not one launch); every kind removed
+EXTRA = ("attention_unsplit", "action_step_chunked", "linear_add_norm_unfused", "all")
 
 
 def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
@@ -54,6 +54,12 @@ def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
         m.attention = lambda q, *a, **k: q
     if "action_step_chunked" in kinds:
         m.action_step = lambda x, **k: triton_ops.action_step(x, config={"row_max": 0}, **k)
+    if kinds & {"o_proj", "down_proj", "add_norm", "linear_add_norm_unfused"}:  # the pair as two kernels
+
+        def linear_add_norm(a, w, splits, res, out, *, neurons=None, sync=None, **norm):
+            return m.add_norm(res, m.linear(a, w, splits, neurons=neurons), out, **norm)
+
+        m.linear_add_norm = linear_add_norm
     if "attention_unsplit" in kinds:
         m.attention = lambda *a, **k: triton_ops.attention(*a, config={"max_splits": 1}, **k)
     if dropped_k:
