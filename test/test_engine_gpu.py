@@ -186,11 +186,12 @@ def test_linear_matches_definition(triton_ops, m: int, n: int, k: int, splits: i
     assert out.shape == ref.shape and rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("launch", [{"cooperative": 1, "poll_load": 0}, {"cooperative": 0, "poll_load": 1}])
 @pytest.mark.parametrize(
     ("k", "splits", "kind"),
     [(2048, 4, "o_proj"), (4096, 8, "down_anchor"), (4096, 1, "down_unsplit"), (2048, 4, "down_gathered")],
 )
-def test_linear_add_norm_in_one_launch(triton_ops, k: int, splits: int, kind: str) -> None:
+def test_linear_add_norm_in_one_launch(triton_ops, k: int, splits: int, kind: str, launch: dict) -> None:
     """The expert's projection + residual update + adaRMS norm as one cooperative launch (programs meet at a
     grid-wide barrier) equals the two kernels bit for bit, and every program arrived at the barrier."""
     m, n = 50, 1024
@@ -210,7 +211,8 @@ def test_linear_add_norm_in_one_launch(triton_ops, k: int, splits: int, kind: st
         res = res0.clone()
         out = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
         store = torch.full((m, n), float("nan"), device=CUDA) if kind == "down_anchor" else None
-        triton_ops.linear_add_norm(a, w, splits, res, out, sync=sync, y_store=store, **kw)
+        triton_ops.linear_add_norm(a, w, splits, res, out, sync=sync, y_store=store, config={"fuse": 1, **launch},
+                                   **kw)  # fmt: skip
         outs.append([res, out] + ([store] if store is not None else []))
     torch.cuda.synchronize()
     programs = -(-n // (32 if kind == "down_gathered" else 64)) * splits

@@ -676,14 +676,20 @@ def _skinny_matmul_kernel(
 
 
 @triton.jit
-def _grid_sync(sync_ptr):
-    """Wait until every program of this launch has got here. All of them must be resident at once (the
-    launch is cooperative); sync_ptr is an int32 zero that only this launch counts in."""
+def _grid_sync(sync_ptr, POLL_LOAD: tl.constexpr):
+    """Wait until every program of this launch has got here. All of them must be resident at once;
+    sync_ptr is an int32 zero that only this launch counts in. POLL_LOAD: poll with plain volatile loads
+    (no queue of atomics on one address), then acquire once."""
     tl.debug_barrier()  # every thread's stores precede the release below
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     tl.atomic_add(sync_ptr, 1, sem="release")
-    while tl.atomic_add(sync_ptr, 0, sem="acquire") < programs:
-        pass
+    if POLL_LOAD:
+        while tl.load(sync_ptr, volatile=True) < programs:
+            pass
+        tl.atomic_add(sync_ptr, 0, sem="acquire")
+    else:
+        while tl.atomic_add(sync_ptr, 0, sem="acquire") < programs:
+            pass
     tl.debug_barrier()
 
 
@@ -701,7 +707,7 @@ def _linear_add_norm_kernel(
     HAS_BASE: tl.constexpr, STORE_Y: tl.constexpr,
     y_rows_ptr, y_alt_ptr, stride_alt, n_alt, drift_ref_ptr, stride_drift_ref, drift_out_ptr, n_drift,
     Y_ROWS: tl.constexpr, DRIFT: tl.constexpr,
-    sync_ptr,
+    sync_ptr, POLL_LOAD: tl.constexpr,
 ):  # fmt: skip
     """linear then add_norm in one launch: every program computes its tile of the projection (partial
     products when split), all meet at a grid-wide barrier, then the programs share out the rows of the
@@ -711,7 +717,7 @@ def _linear_add_norm_kernel(
         stride_c_split, idx_ptr, up_offset, anchor_ptr, stride_anchor, K_PER_SPLIT, BM, BN, BK, GEGLU, PDL,
         LINES, GATHER_N, GATHER_K, SUB_ANCHOR,
     )  # fmt: skip
-    _grid_sync(sync_ptr)
+    _grid_sync(sync_ptr, POLL_LOAD)
     programs = tl.num_programs(0) * tl.num_programs(1)
     for row in range(tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), M, programs):
         _add_norm_row(
@@ -813,15 +819,20 @@ def linear_add_norm(
     config: dict[str, int] | None = None,
     **norm: object,
 ) -> Tensor:
-    """ops.linear_add_norm. With `sync` (an int32 zero, used up) on a GPU: one cooperative launch whose
-    programs compute the projection, meet at a grid-wide barrier, then update and normalise the rows.
-    Otherwise (the interpreter runs programs one after another, so it cannot wait for them) two kernels.
-    Norm options the fused kernel does not take (bias, row indices, drift) also go the two-kernel way."""
+    """ops.linear_add_norm. With config fuse=1 and `sync` (an int32 zero, used up) on a GPU: one launch
+    whose programs compute the projection, meet at a grid-wide barrier, then update and normalise the rows
+    (cooperative=1: a cooperative launch; poll_load=1: see _grid_sync). Otherwise two kernels, as always
+    in the interpreter (it runs programs one after another, so they cannot wait for each other) and for
+    norm options the fused kernel does not take (bias, row indices, drift). Off by default: in the H200's
+    denoise graph the cooperative launch with atomic polling cost 2.6 µs more per layer-step than two
+    kernels (bench/results/ablate_denoise_h200_c71e014)."""
     n = w.shape[1] if neurons is not None else w.shape[0]
-    cfg = {"bn": 64 if neurons is None else 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    cfg = {"bn": 64 if neurons is None else 32, "bk": 128, "warps": 4, "stages": 4, "fuse": 0,
+           "cooperative": 1, "poll_load": 0} | (config or {})  # fmt: skip
     grid = (triton.cdiv(n, cfg["bn"]), splits)
     fused = (
-        sync is not None
+        cfg["fuse"]
+        and sync is not None
         and a.device.type == "cuda"
         and _skinny_ok(a, w, splits, cfg["bk"])
         and (neurons is None or neurons.numel() == a.shape[1])
@@ -830,8 +841,9 @@ def linear_add_norm(
         and res.stride(-1) == 1
         and out.stride(-1) == 1
     )
+    linear_cfg = {key: cfg[key] for key in ("bn", "bk", "warps", "stages")}
     if not fused:
-        return add_norm(res, linear(a, w, splits, config, neurons=neurons), out, **norm)
+        return add_norm(res, linear(a, w, splits, linear_cfg, neurons=neurons), out, **norm)
     c = torch.empty((splits, a.shape[0], n) if splits > 1 else (a.shape[0], n), device=a.device,
                     dtype=torch.float32 if splits > 1 else a.dtype)  # fmt: skip
     get = norm.get
@@ -839,8 +851,8 @@ def linear_add_norm(
         **_skinny_args(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None),
         **_add_norm_args(res, c, out, norm["eps"], norm["rms"], None, get("gate"), get("mul"), get("add"),
                          get("y_base"), get("y_store"), None, None, None, None),
-        sync_ptr=sync, num_warps=cfg["warps"], num_stages=cfg["stages"], launch_cooperative_grid=True,
-        **_launch_opts(),
+        sync_ptr=sync, POLL_LOAD=bool(cfg["poll_load"]), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        launch_cooperative_grid=bool(cfg["cooperative"]), **_launch_opts(),
     )  # fmt: skip
     return out
 
