@@ -25,15 +25,8 @@ from rmuscle_ros.models.config import get_preset
 
 KINDS = ("qkv_rope", "attention", "o_proj", "linear_geglu", "down_proj", "add_norm", "action_step")
 # attention without split-KV (no combine kernel); the step kernel 256 features at a time (not whole rows);
-# the o/down projections and the add_norm after them in one launch with a grid-wide barrier (not two
-# kernels): cooperative or not, polling the barrier with atomics or loads; every kind removed
-FUSED_NORM = {
-    "linear_add_norm_coop": {"fuse": 1, "cooperative": 1, "poll_load": 0},
-    "linear_add_norm_coop_ldpoll": {"fuse": 1, "cooperative": 1, "poll_load": 1},
-    "linear_add_norm_plain": {"fuse": 1, "cooperative": 0, "poll_load": 0},
-    "linear_add_norm_plain_ldpoll": {"fuse": 1, "cooperative": 0, "poll_load": 1},
-}
-EXTRA = ("attention_unsplit", "action_step_chunked", *FUSED_NORM, "all")
+# every kind removed
+EXTRA = ("attention_unsplit", "action_step_chunked", "all")
 
 
 def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
@@ -61,15 +54,6 @@ def ablated_ops(kinds: set[str], fused) -> types.ModuleType:
         m.attention = lambda q, *a, **k: q
     if "action_step_chunked" in kinds:
         m.action_step = lambda x, **k: triton_ops.action_step(x, config={"row_max": 0}, **k)
-    if kinds & {"o_proj", "down_proj", "add_norm"}:  # the pair as two kernels, either may be dropped
-
-        def linear_add_norm(a, w, splits, res, out, *, neurons=None, sync=None, **norm):
-            return m.add_norm(res, m.linear(a, w, splits, neurons=neurons), out, **norm)
-
-        m.linear_add_norm = linear_add_norm
-    for kind, cfg in FUSED_NORM.items():
-        if kind in kinds:
-            m.linear_add_norm = lambda *a, cfg=cfg, **k: triton_ops.linear_add_norm(*a, config=cfg, **k)
     if "attention_unsplit" in kinds:
         m.attention = lambda *a, **k: triton_ops.attention(*a, config={"max_splits": 1}, **k)
     if dropped_k:

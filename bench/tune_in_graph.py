@@ -58,12 +58,7 @@ def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
         def linear(a, w, s=1, config=None, **kw):
             return triton_ops.linear(a, w, s, kcfg if a.shape[1] == k_dim else config, **kw)
 
-        def linear_add_norm(a, w, s, res, out, *, config=None, **kw):
-            cfg_k = kcfg if a.shape[1] == k_dim else config
-            return triton_ops.linear_add_norm(a, w, s, res, out, config=cfg_k, **kw)
-
         m.linear = linear
-        m.linear_add_norm = linear_add_norm
     return m
 
 

@@ -186,41 +186,6 @@ def test_linear_matches_definition(triton_ops, m: int, n: int, k: int, splits: i
     assert out.shape == ref.shape and rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("launch", [{"cooperative": 1, "poll_load": 0}, {"cooperative": 0, "poll_load": 1}])
-@pytest.mark.parametrize(
-    ("k", "splits", "kind"),
-    [(2048, 4, "o_proj"), (4096, 8, "down_anchor"), (4096, 1, "down_unsplit"), (2048, 4, "down_gathered")],
-)
-def test_linear_add_norm_in_one_launch(triton_ops, k: int, splits: int, kind: str, launch: dict) -> None:
-    """The expert's projection + residual update + adaRMS norm as one cooperative launch (programs meet at a
-    grid-wide barrier) equals the two kernels bit for bit, and every program arrived at the barrier."""
-    m, n = 50, 1024
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, device=CUDA, generator=gen)  # noqa: E731
-    a = rnd(m, k).bfloat16()
-    kw: dict = {"eps": 1e-6, "rms": True, "gate": rnd(n), "mul": rnd(n), "add": rnd(n)}
-    if kind == "down_gathered":  # the Action Cache: K-major down weights, only the selected neurons read
-        w = (rnd(2 * k, n) * k**-0.5).bfloat16()
-        kw["neurons"] = torch.randperm(2 * k, device=CUDA, generator=gen)[:k].sort().values.int()
-        kw["y_base"] = rnd(m, n)
-    else:
-        w = (rnd(n, k) * k**-0.5).bfloat16()
-    res0 = rnd(m, n)
-    outs = []
-    for sync in (None, torch.zeros(1, device=CUDA, dtype=torch.int32)):
-        res = res0.clone()
-        out = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
-        store = torch.full((m, n), float("nan"), device=CUDA) if kind == "down_anchor" else None
-        triton_ops.linear_add_norm(a, w, splits, res, out, sync=sync, y_store=store, config={"fuse": 1, **launch},
-                                   **kw)  # fmt: skip
-        outs.append([res, out] + ([store] if store is not None else []))
-    torch.cuda.synchronize()
-    programs = -(-n // (32 if kind == "down_gathered" else 64)) * splits
-    assert sync.item() == programs
-    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1], strict=True))
-    assert torch.isfinite(outs[1][1]).all()
-
-
 @pytest.mark.parametrize(("m", "f", "k"), [(50, 4096, 1024), (20, 128, 64)])
 def test_linear_geglu_matches_definition(triton_ops, m: int, f: int, k: int) -> None:
     a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)

@@ -491,9 +491,6 @@ class FusedPi05:
         last = len(self.expert_layers) - 1
         x_t = out.copy_(noise)
         res = torch.empty(ha, e.width, device=self.device)  # float32 residual stream of the action tokens
-        # an int32 zero per projection that goes into the residual stream: the GPU kernel counts its programs
-        # in it to finish the residual update and norm in the same launch (ops.linear_add_norm)
-        syncs = torch.zeros(cfg.num_steps, last + 1, 2, device=self.device, dtype=torch.int32)
         step_args = {"euler_w": self.euler_w, "euler_b": self.euler_b, "in_w": self.action_in_w,
                      "in_b": self.action_in_b, "eps": e.rms_norm_eps}  # fmt: skip
         ops.action_step(x_t, res=res, out=h, mul=mod.attn_mul[0, 0], add=mod.attn_add[0, 0], **step_args)
@@ -504,8 +501,8 @@ class FusedPi05:
                 ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
                              e.num_heads, e.num_kv_heads)  # fmt: skip
                 attn = ops.attention(q, k, v, key_bias, e.num_heads)
-                ops.linear_add_norm(
-                    attn, layer.o_w, self.o_splits, res, h, sync=syncs[s, i, 0], eps=e.rms_norm_eps, rms=True,
+                ops.add_norm(
+                    res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],
                 )  # fmt: skip
                 nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
@@ -516,20 +513,19 @@ class FusedPi05:
                     "gate": mod.ffn_gate[s, i],
                     "mul": nxt_mul,
                     "add": nxt_add,
-                    "sync": syncs[s, i, 1],
                 }
                 if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
                     ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
-                    ops.linear_add_norm(act_anchor[i], layer.down_w, self.down_splits, res, h, y_store=y_anchor[i],
-                                        **norm)  # fmt: skip
+                    y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
+                    ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
                 elif cached:  # only the selected neurons, added onto the anchor
                     idx = action.neurons[s, i]
                     ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
-                    ops.linear_add_norm(delta, self.down_t[i], sel_splits, res, h, neurons=idx, y_base=y_anchor[i],
-                                        **norm)  # fmt: skip
+                    y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
+                    ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
                 else:
                     ops.linear_geglu(h, layer.gate_up_w, act)
-                    ops.linear_add_norm(act, layer.down_w, self.down_splits, res, h, **norm)
+                    ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
                     if record_masks is not None:
                         record_masks[s, i] = self._top_neurons(act, act_anchor[i], i, record_masks.shape[-1])
             if s + 1 < cfg.num_steps:  # x ← x + dt·v, then the next step's input and first norm

@@ -133,23 +133,6 @@ def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = No
     )
 
 
-def linear_add_norm(
-    a: Tensor,
-    w: Tensor,
-    splits: int,
-    res: Tensor,
-    out: Tensor,
-    *,
-    neurons: Tensor | None = None,
-    sync: Tensor | None = None,
-    **norm: object,
-) -> Tensor:
-    """add_norm(res, linear(a, w, splits, neurons=neurons), out, **norm): a projection that goes straight
-    into the residual stream and the next norm. sync: an int32 zero the GPU kernel may count its programs
-    in to do both in one launch (used up); this definition does not need it."""
-    return add_norm(res, linear(a, w, splits, neurons=neurons), out, **norm)
-
-
 def linear_geglu(
     a: Tensor,
     gate_up: Tensor,

@@ -77,100 +77,6 @@ def _pdl_enter():
 
 
 @triton.jit
-def _add_norm_row(
-    row,
-    res_ptr,
-    y_ptr,
-    y_bias_ptr,
-    gate_ptr,
-    mul_ptr,
-    add_ptr,
-    out_ptr,
-    base_ptr,
-    store_ptr,
-    D,
-    eps,
-    stride_res,
-    stride_y,
-    stride_y_split,
-    stride_out,
-    stride_base,
-    stride_store,
-    Y_SPLITS: tl.constexpr,
-    HAS_Y: tl.constexpr,
-    HAS_Y_BIAS: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_MUL: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-    RMS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BASE: tl.constexpr,
-    STORE_Y: tl.constexpr,
-    y_rows_ptr,
-    y_alt_ptr,
-    stride_alt,
-    n_alt,
-    drift_ref_ptr,
-    stride_drift_ref,
-    drift_out_ptr,
-    n_drift,
-    Y_ROWS: tl.constexpr,
-    DRIFT: tl.constexpr,
-):
-    """One row of add_norm: res[row] += y[row] (summed splits, gated...), out[row] = norm(res[row])."""
-    cols = tl.arange(0, BLOCK)
-    valid = cols < D
-    x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
-    if HAS_Y:
-        y_row = row
-        y_mask = valid
-        if Y_ROWS:  # the Context Cache: y holds only the recomputed rows, y_alt stands in for the others
-            src = tl.load(y_rows_ptr + row)
-            y_row = tl.maximum(src, 0)
-            y_mask = valid & (src >= 0)
-        y = tl.load(y_ptr + y_row * stride_y + cols, mask=y_mask, other=0.0, cache_modifier=".cg").to(
-            tl.float32
-        )
-        for split in range(1, Y_SPLITS):  # split-K partial products, summed in a fixed order
-            y += tl.load(
-                y_ptr + split * stride_y_split + y_row * stride_y + cols,
-                mask=y_mask,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-        if Y_ROWS:
-            alt_mask = valid & (src < 0) & (row < n_alt)
-            alt = tl.load(y_alt_ptr + row * stride_alt + cols, mask=alt_mask, other=0.0).to(tl.float32)
-            y = tl.where(src >= 0, y, alt)
-        if HAS_BASE:
-            y += tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
-        if HAS_Y_BIAS:
-            y += tl.load(y_bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        if STORE_Y:
-            tl.store(store_ptr + row * stride_store + cols, y, mask=valid)
-        if HAS_GATE:
-            y *= tl.load(gate_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        x += y
-        tl.store(res_ptr + row * stride_res + cols, x, mask=valid)
-    if RMS:
-        h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    else:
-        centred = tl.where(valid, x - tl.sum(x, axis=0) / D, 0.0)
-        h = centred * tl.rsqrt(tl.sum(centred * centred, axis=0) / D + eps)
-    if HAS_MUL:
-        h *= tl.load(mul_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    if HAS_ADD:
-        h += tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    h_out = h.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, h_out, mask=valid)
-    if DRIFT:  # the Context Cache's drift of this row from the reference, measured on the stored values
-        is_visual = row < n_drift
-        ref = tl.load(drift_ref_ptr + row * stride_drift_ref + cols, mask=valid & is_visual, other=0.0)
-        diff = tl.where(valid, h_out.to(tl.float32) - ref.to(tl.float32), 0.0)
-        tl.store(drift_out_ptr + row, tl.sum(diff * diff, axis=0), mask=is_visual)
-
-
-@triton.jit
 def _add_norm_kernel(
     res_ptr,
     y_ptr,
@@ -213,95 +119,50 @@ def _add_norm_kernel(
 ):
     if PDL:
         _pdl_enter()
-    _add_norm_row(
-        tl.program_id(0),
-        res_ptr,
-        y_ptr,
-        y_bias_ptr,
-        gate_ptr,
-        mul_ptr,
-        add_ptr,
-        out_ptr,
-        base_ptr,
-        store_ptr,
-        D,
-        eps,
-        stride_res,
-        stride_y,
-        stride_y_split,
-        stride_out,
-        stride_base,
-        stride_store,
-        Y_SPLITS,
-        HAS_Y,
-        HAS_Y_BIAS,
-        HAS_GATE,
-        HAS_MUL,
-        HAS_ADD,
-        RMS,
-        BLOCK,
-        HAS_BASE,
-        STORE_Y,
-        y_rows_ptr,
-        y_alt_ptr,
-        stride_alt,
-        n_alt,
-        drift_ref_ptr,
-        stride_drift_ref,
-        drift_out_ptr,
-        n_drift,
-        Y_ROWS,
-        DRIFT,
-    )
-
-
-def _add_norm_args(
-    res: Tensor, y: Tensor | None, out: Tensor, eps: float, rms: bool, y_bias: Tensor | None,
-    gate: Tensor | None, mul: Tensor | None, add: Tensor | None, y_base: Tensor | None,
-    y_store: Tensor | None, y_rows: Tensor | None, y_alt: Tensor | None, drift_ref: Tensor | None,
-    drift_out: Tensor | None,
-) -> dict:  # fmt: skip
-    """_add_norm_row's arguments by name (the standalone kernel and the fused ones take the same)."""
-    y_rows = None if y is None else y_rows  # nothing to read without y
-    return {
-        "res_ptr": res,
-        "y_ptr": res if y is None else y,
-        "y_bias_ptr": res if y_bias is None else y_bias,
-        "gate_ptr": res if gate is None else gate,
-        "mul_ptr": res if mul is None else mul,
-        "add_ptr": res if add is None else add,
-        "out_ptr": out,
-        "base_ptr": res if y_base is None else y_base,
-        "store_ptr": res if y_store is None else y_store,
-        "D": res.shape[1],
-        "eps": eps,
-        "stride_res": res.stride(0),
-        "stride_y": 0 if y is None else y.stride(-2),
-        "stride_y_split": y.stride(0) if y is not None and y.ndim == 3 else 0,
-        "stride_out": out.stride(0),
-        "stride_base": 0 if y_base is None else y_base.stride(0),
-        "stride_store": 0 if y_store is None else y_store.stride(0),
-        "Y_SPLITS": y.shape[0] if y is not None and y.ndim == 3 else 1,
-        "HAS_Y": y is not None,
-        "HAS_Y_BIAS": y_bias is not None,
-        "HAS_GATE": gate is not None,
-        "HAS_MUL": mul is not None,
-        "HAS_ADD": add is not None,
-        "RMS": rms,
-        "BLOCK": triton.next_power_of_2(res.shape[1]),
-        "HAS_BASE": y_base is not None and y is not None,
-        "STORE_Y": y_store is not None and y is not None,
-        "y_rows_ptr": res if y_rows is None else y_rows,
-        "y_alt_ptr": res if y_rows is None else y_alt,
-        "stride_alt": 0 if y_rows is None else y_alt.stride(0),
-        "n_alt": 0 if y_rows is None else y_alt.shape[0],
-        "drift_ref_ptr": res if drift_ref is None else drift_ref,
-        "stride_drift_ref": 0 if drift_ref is None else drift_ref.stride(0),
-        "drift_out_ptr": res if drift_ref is None else drift_out,
-        "n_drift": 0 if drift_ref is None else drift_ref.shape[0],
-        "Y_ROWS": y_rows is not None,
-        "DRIFT": drift_ref is not None,
-    }
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < D
+    x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_Y:
+        y_row = row
+        y_mask = valid
+        if Y_ROWS:  # the Context Cache: y holds only the recomputed rows, y_alt stands in for the others
+            src = tl.load(y_rows_ptr + row)
+            y_row = tl.maximum(src, 0)
+            y_mask = valid & (src >= 0)
+        y = tl.load(y_ptr + y_row * stride_y + cols, mask=y_mask, other=0.0).to(tl.float32)
+        for split in range(1, Y_SPLITS):  # split-K partial products, summed in a fixed order
+            y += tl.load(y_ptr + split * stride_y_split + y_row * stride_y + cols, mask=y_mask, other=0.0)
+        if Y_ROWS:
+            alt_mask = valid & (src < 0) & (row < n_alt)
+            alt = tl.load(y_alt_ptr + row * stride_alt + cols, mask=alt_mask, other=0.0).to(tl.float32)
+            y = tl.where(src >= 0, y, alt)
+        if HAS_BASE:
+            y += tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
+        if HAS_Y_BIAS:
+            y += tl.load(y_bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        if STORE_Y:
+            tl.store(store_ptr + row * stride_store + cols, y, mask=valid)
+        if HAS_GATE:
+            y *= tl.load(gate_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        x += y
+        tl.store(res_ptr + row * stride_res + cols, x, mask=valid)
+    if RMS:
+        h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    else:
+        centred = tl.where(valid, x - tl.sum(x, axis=0) / D, 0.0)
+        h = centred * tl.rsqrt(tl.sum(centred * centred, axis=0) / D + eps)
+    if HAS_MUL:
+        h *= tl.load(mul_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        h += tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    h_out = h.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, h_out, mask=valid)
+    if DRIFT:  # the Context Cache's drift of this row from the reference, measured on the stored values
+        is_visual = row < n_drift
+        ref = tl.load(drift_ref_ptr + row * stride_drift_ref + cols, mask=valid & is_visual, other=0.0)
+        diff = tl.where(valid, h_out.to(tl.float32) - ref.to(tl.float32), 0.0)
+        tl.store(drift_out_ptr + row, tl.sum(diff * diff, axis=0), mask=is_visual)
 
 
 def add_norm(
@@ -322,7 +183,7 @@ def add_norm(
     drift_ref: Tensor | None = None,
     drift_out: Tensor | None = None,
 ) -> Tensor:
-    n = res.shape[0]
+    n, d = res.shape
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
     rowwise = (res, y, out, y_base, y_store, y_rows, y_alt, drift_ref, drift_out)
@@ -331,9 +192,50 @@ def add_norm(
             res, y, out, eps=eps, rms=rms, y_bias=y_bias, gate=gate, mul=mul, add=add, y_base=y_base,
             y_store=y_store, y_rows=y_rows, y_alt=y_alt, drift_ref=drift_ref, drift_out=drift_out,
         )  # fmt: skip
-    args = _add_norm_args(res, y, out, eps, rms, y_bias, gate, mul, add, y_base, y_store, y_rows, y_alt,
-                          drift_ref, drift_out)  # fmt: skip
-    _add_norm_kernel[(n,)](**args, PDL=_pdl, num_warps=4 if args["BLOCK"] <= 1024 else 8, **_launch_opts())
+    y_rows = None if y is None else y_rows  # nothing to read without y
+    block = triton.next_power_of_2(d)
+    _add_norm_kernel[(n,)](
+        res,
+        res if y is None else y,
+        res if y_bias is None else y_bias,
+        res if gate is None else gate,
+        res if mul is None else mul,
+        res if add is None else add,
+        out,
+        res if y_base is None else y_base,
+        res if y_store is None else y_store,
+        d,
+        eps,
+        res.stride(0),
+        0 if y is None else y.stride(-2),
+        y.stride(0) if y is not None and y.ndim == 3 else 0,
+        out.stride(0),
+        0 if y_base is None else y_base.stride(0),
+        0 if y_store is None else y_store.stride(0),
+        Y_SPLITS=y.shape[0] if y is not None and y.ndim == 3 else 1,
+        HAS_Y=y is not None,
+        HAS_Y_BIAS=y_bias is not None,
+        HAS_GATE=gate is not None,
+        HAS_MUL=mul is not None,
+        HAS_ADD=add is not None,
+        RMS=rms,
+        BLOCK=block,
+        PDL=_pdl,
+        HAS_BASE=y_base is not None and y is not None,
+        STORE_Y=y_store is not None and y is not None,
+        y_rows_ptr=res if y_rows is None else y_rows,
+        y_alt_ptr=res if y_rows is None else y_alt,
+        stride_alt=0 if y_rows is None else y_alt.stride(0),
+        n_alt=0 if y_rows is None else y_alt.shape[0],
+        drift_ref_ptr=res if drift_ref is None else drift_ref,
+        stride_drift_ref=0 if drift_ref is None else drift_ref.stride(0),
+        drift_out_ptr=res if drift_ref is None else drift_out,
+        n_drift=0 if drift_ref is None else drift_ref.shape[0],
+        Y_ROWS=y_rows is not None,
+        DRIFT=drift_ref is not None,
+        num_warps=4 if block <= 1024 else 8,
+        **_launch_opts(),
+    )
     return out
 
 
@@ -601,8 +503,7 @@ def _attention_combine_kernel(
 
 
 @triton.jit
-def _skinny_program(
-    pid_n, split,
+def _skinny_matmul_kernel(
     a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
     anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
@@ -617,13 +518,14 @@ def _skinny_program(
     GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k].
     The indices are written before the call, so they may be read before the PDL wait.
     """
-    cols = pid_n * BN + tl.arange(0, BN)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    split = tl.program_id(1)
     col_ok = cols < N
     src = tl.load(idx_ptr + cols, mask=col_ok, other=0).to(tl.int64) if GATHER_N else cols
     if PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
         if GATHER_K:  # one short segment (BN columns) per selected row
             kk = split * K_PER_SPLIT + tl.minimum(tl.arange(0, LINES), K_PER_SPLIT - 1)
-            _prefetch_l2(w_ptr + tl.load(idx_ptr + kk).to(tl.int64) * stride_w + pid_n * BN)
+            _prefetch_l2(w_ptr + tl.load(idx_ptr + kk).to(tl.int64) * stride_w + tl.program_id(0) * BN)
         else:
             _prefetch_rows(w_ptr, src, up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES)
             if GEGLU:
@@ -660,98 +562,19 @@ def _skinny_program(
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.jit
-def _skinny_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
-    anchor_ptr, stride_anchor,
-    K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
-    PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr,
-):  # fmt: skip
-    _skinny_program(
-        tl.program_id(0), tl.program_id(1), a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c,
-        stride_c_split, idx_ptr, up_offset, anchor_ptr, stride_anchor, K_PER_SPLIT, BM, BN, BK, GEGLU, PDL,
-        LINES, GATHER_N, GATHER_K, SUB_ANCHOR,
-    )  # fmt: skip
-
-
-@triton.jit
-def _grid_sync(sync_ptr, POLL_LOAD: tl.constexpr):
-    """Wait until every program of this launch has got here. All of them must be resident at once;
-    sync_ptr is an int32 zero that only this launch counts in. POLL_LOAD: poll with plain volatile loads
-    (no queue of atomics on one address), then acquire once."""
-    tl.debug_barrier()  # every thread's stores precede the release below
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    tl.atomic_add(sync_ptr, 1, sem="release")
-    if POLL_LOAD:
-        while tl.load(sync_ptr, volatile=True) < programs:
-            pass
-        tl.atomic_add(sync_ptr, 0, sem="acquire")
-    else:
-        while tl.atomic_add(sync_ptr, 0, sem="acquire") < programs:
-            pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _linear_add_norm_kernel(
-    a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
-    anchor_ptr, stride_anchor,
-    K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
-    PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr,
-    res_ptr, y_ptr, y_bias_ptr, gate_ptr, mul_ptr, add_ptr, out_ptr, base_ptr, store_ptr, D, eps,
-    stride_res, stride_y, stride_y_split, stride_out, stride_base, stride_store,
-    Y_SPLITS: tl.constexpr, HAS_Y: tl.constexpr, HAS_Y_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_MUL: tl.constexpr, HAS_ADD: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_BASE: tl.constexpr, STORE_Y: tl.constexpr,
-    y_rows_ptr, y_alt_ptr, stride_alt, n_alt, drift_ref_ptr, stride_drift_ref, drift_out_ptr, n_drift,
-    Y_ROWS: tl.constexpr, DRIFT: tl.constexpr,
-    sync_ptr, POLL_LOAD: tl.constexpr,
-):  # fmt: skip
-    """linear then add_norm in one launch: every program computes its tile of the projection (partial
-    products when split), all meet at a grid-wide barrier, then the programs share out the rows of the
-    residual update and norm. One kernel boundary fewer per projection."""
-    _skinny_program(
-        tl.program_id(0), tl.program_id(1), a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c,
-        stride_c_split, idx_ptr, up_offset, anchor_ptr, stride_anchor, K_PER_SPLIT, BM, BN, BK, GEGLU, PDL,
-        LINES, GATHER_N, GATHER_K, SUB_ANCHOR,
-    )  # fmt: skip
-    _grid_sync(sync_ptr, POLL_LOAD)
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    for row in range(tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), M, programs):
-        _add_norm_row(
-            row, res_ptr, y_ptr, y_bias_ptr, gate_ptr, mul_ptr, add_ptr, out_ptr, base_ptr, store_ptr, D, eps,
-            stride_res, stride_y, stride_y_split, stride_out, stride_base, stride_store, Y_SPLITS, HAS_Y,
-            HAS_Y_BIAS, HAS_GATE, HAS_MUL, HAS_ADD, RMS, BLOCK, HAS_BASE, STORE_Y, y_rows_ptr, y_alt_ptr,
-            stride_alt, n_alt, drift_ref_ptr, stride_drift_ref, drift_out_ptr, n_drift, Y_ROWS, DRIFT,
-        )  # fmt: skip
-
-
-def _skinny_args(
-    a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
-    neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
-) -> dict:  # fmt: skip
-    """_skinny_program's arguments by name (the standalone kernel and the fused one take the same)."""
-    k_split = a.shape[1] // splits
-    return dict(
-        a_ptr=a, w_ptr=w, c_ptr=c, M=a.shape[0], N=n, stride_a=a.stride(0), stride_w=w.stride(0),
-        stride_c=c.stride(-2), stride_c_split=c.stride(0) if splits > 1 else 0,
-        idx_ptr=a if neurons is None else neurons, up_offset=w.shape[0] // 2 if geglu else w.shape[0],
-        anchor_ptr=a if anchor is None else anchor, stride_anchor=0 if anchor is None else anchor.stride(0),
-        K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
-        BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
-        LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
-        GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
-    )  # fmt: skip
-
-
 def _launch_skinny(
     a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
     neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
 ) -> None:  # fmt: skip
+    k_split = a.shape[1] // splits
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
-        **_skinny_args(a, w, c, n, splits, geglu, cfg, neurons, gather_k, anchor),
+        a, w, c, a.shape[0], n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
+        a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
+        a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
+        K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
+        BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
+        LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
+        GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
 
@@ -804,56 +627,6 @@ def linear_geglu(
     if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
     _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
-    return out
-
-
-def linear_add_norm(
-    a: Tensor,
-    w: Tensor,
-    splits: int,
-    res: Tensor,
-    out: Tensor,
-    *,
-    neurons: Tensor | None = None,
-    sync: Tensor | None = None,
-    config: dict[str, int] | None = None,
-    **norm: object,
-) -> Tensor:
-    """ops.linear_add_norm. With config fuse=1 and `sync` (an int32 zero, used up) on a GPU: one launch
-    whose programs compute the projection, meet at a grid-wide barrier, then update and normalise the rows
-    (cooperative=1: a cooperative launch; poll_load=1: see _grid_sync). Otherwise two kernels, as always
-    in the interpreter (it runs programs one after another, so they cannot wait for each other) and for
-    norm options the fused kernel does not take (bias, row indices, drift). Off by default: in the H200's
-    denoise graph the cooperative launch with atomic polling cost 2.6 µs more per layer-step than two
-    kernels (bench/results/ablate_denoise_h200_c71e014)."""
-    n = w.shape[1] if neurons is not None else w.shape[0]
-    cfg = {"bn": 64 if neurons is None else 32, "bk": 128, "warps": 4, "stages": 4, "fuse": 0,
-           "cooperative": 1, "poll_load": 0} | (config or {})  # fmt: skip
-    grid = (triton.cdiv(n, cfg["bn"]), splits)
-    fused = (
-        cfg["fuse"]
-        and sync is not None
-        and a.device.type == "cuda"
-        and _skinny_ok(a, w, splits, cfg["bk"])
-        and (neurons is None or neurons.numel() == a.shape[1])
-        and set(norm) <= {"eps", "rms", "gate", "mul", "add", "y_base", "y_store"}
-        and grid[0] * grid[1] <= _sm_count(a.device)
-        and res.stride(-1) == 1
-        and out.stride(-1) == 1
-    )
-    linear_cfg = {key: cfg[key] for key in ("bn", "bk", "warps", "stages")}
-    if not fused:
-        return add_norm(res, linear(a, w, splits, linear_cfg, neurons=neurons), out, **norm)
-    c = torch.empty((splits, a.shape[0], n) if splits > 1 else (a.shape[0], n), device=a.device,
-                    dtype=torch.float32 if splits > 1 else a.dtype)  # fmt: skip
-    get = norm.get
-    _linear_add_norm_kernel[grid](
-        **_skinny_args(a, w, c, n, splits, False, cfg, neurons, gather_k=neurons is not None),
-        **_add_norm_args(res, c, out, norm["eps"], norm["rms"], None, get("gate"), get("mul"), get("add"),
-                         get("y_base"), get("y_store"), None, None, None, None),
-        sync_ptr=sync, POLL_LOAD=bool(cfg["poll_load"]), num_warps=cfg["warps"], num_stages=cfg["stages"],
-        launch_cooperative_grid=bool(cfg["cooperative"]), **_launch_opts(),
-    )  # fmt: skip
     return out
 
 
