@@ -26,6 +26,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import cuda_time_ms, measure_ceilings, record_header, rel_l2, save_results
+from bench.trace_graphs import kernel_events, short
 from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
@@ -213,6 +215,42 @@ class Bench:
                 "similarity_min": min(sims), "similarity_median": statistics.median(sims),
                 "dense_fallback_calls": fallbacks}  # fmt: skip
 
+    def idle_gaps(self, rows: int = 6) -> dict:
+        """One dense and one cached call under the profiler: the GPU's span, busy and idle time, and the
+        largest idle gaps with the kernel that ended each (what the GPU waited on the host for)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        obs = self.live_obs[len(self.live_obs) // 2]
+        out = {}
+        for name, call in (
+            ("dense", lambda: self.dense_call(obs)),
+            ("rmuscle", lambda: self.cached_call(obs)),
+        ):
+            for _ in range(3):
+                self.retriever.reset()
+                call()
+            sync()
+            self.retriever.reset()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                sync()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(path))
+                events = kernel_events(json.loads(path.read_text()))
+            gaps, end = [], events[0][1]
+            for kernel, start, stop in events:
+                if start > end:
+                    gaps.append({"us": round(start - end, 1), "at_us": round(end - events[0][1], 1),
+                                 "before": short(kernel)})  # fmt: skip
+                end = max(end, stop)
+            span = end - events[0][1]
+            idle = sum(g["us"] for g in gaps)
+            out[name] = {"span_us": round(span, 1), "idle_us": round(idle, 1), "kernels": len(events),
+                         "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:rows]}  # fmt: skip
+        log(f"idle gaps {out}")
+        return out
+
     def timings(self) -> dict:
         e, it, dev = self.engine, self.args.iters, self.device
         obs = self.live_obs[len(self.live_obs) // 2]
@@ -303,6 +341,8 @@ def main() -> None:
                    help="in the interference phase, order each live call after the queued rebuilds")  # fmt: skip
     p.add_argument("--interference-timeout-s", type=float, default=120.0,
                    help="dump the Python stacks and exit if the interference phase takes longer")  # fmt: skip
+    p.add_argument("--trace", action="store_true",
+                   help="also profile one dense and one cached call: GPU idle time and its largest gaps")  # fmt: skip
     args = p.parse_args()
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -327,6 +367,8 @@ def main() -> None:
         bench.record_reference()
         quality = bench.live_episode()
         timing = bench.timings()
+        if args.trace and args.device == "cuda":
+            timing["gpu_timeline"] = bench.idle_gaps()
         key = f"rmuscle_p{rho_p:g}_n{rho_n:g}"
         results.setdefault("graph", {"median_ms": timing["dense_ms"], "stages_ms": {
             k.split("_")[0]: v for k, v in timing["stages_ms"].items() if k.endswith("dense")}})  # fmt: skip

@@ -1,0 +1,33 @@
+"""bench/trace_graphs.py's accounting of a traced graph replay: with programmatic dependent launch kernels
+overlap (each starts early and waits), so each is charged from its predecessor's end to its own end, idle
+time goes to the kernel after it, and charged time plus gaps is the replay's span."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.trace_graphs import charge, kernel_events
+
+
+def test_overlapping_kernels_are_charged_their_own_tail_and_gaps_add_up() -> None:
+    trace = {
+        "traceEvents": [
+            {"cat": "kernel", "name": "b_kernel(int)", "ts": 3.0, "dur": 5.0},  # starts early, waits for a
+            {"cat": "kernel", "name": "a_kernel<float>(x)", "ts": 0.0, "dur": 4.0},
+            {"cat": "gpu_memset", "name": "Memset", "ts": 10.0, "dur": 1.0},  # after a 2 µs gap
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 50.0},  # host events are ignored
+        ]
+    }
+    events = kernel_events(trace)
+    assert [e[0] for e in events] == ["a_kernel<float>(x)", "b_kernel(int)", "Memset"]
+    r = charge(events)
+    k = r["by_kernel"]
+    assert k["a_kernel"]["charged_us"] == pytest.approx(4.0)
+    assert k["b_kernel"]["charged_us"] == pytest.approx(4.0)  # 4 → 8, not its whole 5 µs
+    assert k["Memset"]["gap_us"] == pytest.approx(2.0) and k["Memset"]["charged_us"] == pytest.approx(1.0)
+    assert r["span_us"] == pytest.approx(sum(v["charged_us"] + v["gap_us"] for v in k.values()))
