@@ -348,10 +348,12 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
 
     dense = Policy(cfg)
     dense.warmup()
+    plain: dict[tuple[float, float], list] = {}
     for shapes in (
         RMuscleConfig(rebuilds_per_tick=20),
         RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20),
         RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20, concurrent_rebuilds=True),
+        RMuscleConfig(rebuilds_per_tick=20, speculate=True),  # same chunks as without
     ):
         policy = Policy(cfg, shapes)
         policy.warmup()
@@ -364,6 +366,13 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         if shapes.rho_p == 1.0:
             want = run(dense, live)
             assert all(np.array_equal(c.actions, w.actions) for c, w in zip(chunks, want, strict=True))
+        if shapes.speculate:
+            want = plain[(shapes.rho_p, shapes.rho_n)]
+            assert all(np.array_equal(c.actions, w.actions) for c, w in zip(chunks, want, strict=True))
+            status = policy.cache_status()
+            assert status["speculation_hits"] + status["speculation_misses"] >= 1
+        else:
+            plain.setdefault((shapes.rho_p, shapes.rho_n), chunks)
         policy.close()
 
 

@@ -161,3 +161,24 @@ def test_concurrent_rebuilds_serve_the_same_chunks(tmp_path) -> None:
         policy.close()
     assert [c.cache_mode for c in chunks[1]] == ["dense"] + ["cached"] * 3
     assert all(np.array_equal(a.actions, b.actions) for a, b in zip(*chunks, strict=True))
+
+
+def test_speculative_prefill_serves_the_same_chunks(tmp_path) -> None:
+    """With `speculate`, the cached prefill starts on the predicted entry (the last match's next position)
+    before retrieval answers, and runs again on the matched entry when the guess was wrong: the chunks and
+    modes are those of the plain runtime, and the status counts the guesses kept and run again."""
+    chunks, statuses = [], []
+    for speculate in (False, True):
+        policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, speculate=speculate))
+        run(policy, episode(6))
+        policy.reset_episode()
+        live = episode(6, offset=0.05, light=0.97, noise=2.0)
+        chunks.append(run(policy, live + live[3:]))  # back to an earlier scene: the alignment moves back
+        statuses.append(policy.cache_status())
+        policy.close()
+    modes = [c.cache_mode for c in chunks[1]]
+    assert modes == [c.cache_mode for c in chunks[0]] and modes.count("cached") >= 6
+    assert all(np.array_equal(a.actions, b.actions) for a, b in zip(*chunks, strict=True))
+    assert statuses[0]["speculation_hits"] == statuses[0]["speculation_misses"] == 0
+    hits, misses = statuses[1]["speculation_hits"], statuses[1]["speculation_misses"]
+    assert hits >= 1 and misses >= 1, (hits, misses)
