@@ -344,6 +344,7 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
             noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
             chunks.append(policy.infer(obs, noise))
             policy.rebuild_cache()
+            torch.cuda.synchronize()  # the arm's motion window: rebuilds finish before the next call
         return chunks
 
     dense = Policy(cfg)
