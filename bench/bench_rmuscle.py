@@ -504,6 +504,14 @@ def to_markdown(r: dict) -> str:
                 else " Live-call latency during rebuilds: not measured in this run."
             ),
         ]
+        if "rmuscle_speculative_ms" in v:
+            lines += ["", f"Speculative prefill: {v['rmuscle_speculative_ms']} ms ({v['speedup_speculative']}×), "
+                      f"guesses kept {v['speculation_hits']}, run again {v['speculation_misses']}."]  # fmt: skip
+        if "gpu_timeline" in v:
+            t = v["gpu_timeline"]
+            lines += ["", "GPU idle within one call (profiled): " + "; ".join(
+                f"{k} {x['idle_us']:.0f} of {x['span_us']:.0f} µs, largest gap {x['largest_gaps'][0]['us']:.0f} µs "
+                f"at {x['largest_gaps'][0]['at_us']:.0f} µs" for k, x in t.items() if x["largest_gaps"]) + "."]  # fmt: skip
     lines += ["", "Roofline floors (projection from FLOPs and bytes per call; not measured):", "",
               "| target | TB/s | TFLOP/s (assumed) | dense floor ms | rMuscle floor ms | ratio |", "|---|---|---|---|---|---|"]  # fmt: skip
     for name, v in r["roofline_projection_not_measured"].items():
