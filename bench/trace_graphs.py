@@ -1,4 +1,5 @@
-"""Where each stage graph's replay time goes, kernel by kernel, as the graph really runs (with PDL).
+"""Where each stage graph's replay time goes, kernel by kernel, as the graph really runs (with PDL);
+and the same for a whole `sample_actions` call (input copies, then the one-graph call).
 
 A kernel-level trace (CUPTI, through torch.profiler) of one replay of each stage's CUDA graph. With
 programmatic dependent launch a kernel starts before its predecessor ends and waits, so raw kernel
@@ -23,7 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import random_graph_engine, record_header, save_results
+from bench.bench_pi05 import make_inputs, random_graph_engine, record_header, save_results
+from rmuscle_ros.models.config import get_preset
 
 
 def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
@@ -66,13 +68,18 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda")
     engine, bucket = random_graph_engine(args.preset, device, prompt_tokens=args.prompt_tokens)
+    cfg = get_preset(args.preset)
+    inputs, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
+    runs = {stage: lambda s=stage: engine.run_stage(s, bucket) for stage in ("vision", "prefill", "denoise")}
+    # the whole call as bench_pi05 times it: the inputs' copy into the engine, then the one-graph call
+    runs["sample_actions"] = lambda: engine.sample_actions(inputs, noise)
     stages = {}
-    for stage in ("vision", "prefill", "denoise"):
+    for stage, run in runs.items():
         for _ in range(3):
-            engine.run_stage(stage, bucket)
+            run()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.run_stage(stage, bucket)
+            run()
             torch.cuda.synchronize()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
@@ -80,7 +87,12 @@ def main() -> None:
             events = kernel_events(json.loads(path.read_text()))
         stages[stage] = charge(events) if events else {"error": "no kernels traced inside the graph"}
     gpu = torch.cuda.get_device_name(device)
-    lines = [f"# Stage graphs kernel by kernel — {gpu}", "", f"`{args.preset}`, one replay per stage.", ""]
+    lines = [
+        f"# Stage graphs kernel by kernel — {gpu}",
+        "",
+        f"`{args.preset}`, one replay per stage, and one whole `sample_actions` call.",
+        "",
+    ]
     for stage, r in stages.items():
         if "error" in r:
             lines += [f"## {stage}: {r['error']}", ""]
