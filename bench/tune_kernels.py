@@ -197,7 +197,6 @@ def main() -> None:
                 "warps": [4] if name == "denoise" else [4, 8],
                 "stages": [2, 3] if name == "denoise" else [3],
                 "max_splits": [4, 8, 16] if name == "denoise" else [4],
-                "min_splits": [1] if name == "denoise" else [1, 2, 4],
             },
             len(kk),
         )

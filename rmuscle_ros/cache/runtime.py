@@ -178,7 +178,7 @@ class RMuscle:
         self._wanted: list[tuple[int, int]] = []
         self.calls = self.cached_calls = 0
         self.speculation = {"hits": 0, "misses": 0}  # speculative prefills kept / run again
-        self._next: tuple[int, int] | None = None  # predicted match of the next call
+        self._next: tuple[int, int] | None = None  # predicted match of the next call (speculate)
         self._last_match: tuple[int, int] | None = None  # (episode, position) of the last cached call
         self._descriptor_host: torch.Tensor | None = None  # pinned on a GPU: read back without a sync
         self.last = CallInfo("dense", 0.0, reason="no call yet")
@@ -216,7 +216,7 @@ class RMuscle:
             self.episode_id += 1
             self.calls = self.cached_calls = 0
             self._wanted = []
-            self._next = None
+            self._next = self._last_match = None
 
     def discard_recording(self) -> None:
         """Forget this episode's calls so far: warm-up calls are not part of any episode (nothing they
@@ -225,7 +225,7 @@ class RMuscle:
         self._episode_cached = False
         self.calls = self.cached_calls = 0
         self._wanted = []
-        self._next = None
+        self._next = self._last_match = None
         self.retriever.reset()
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
@@ -290,11 +290,12 @@ class RMuscle:
 
     def _predict(self, match: Match) -> tuple[int, int]:
         """The next call's likely match: the same episode, as many positions on as the alignment moved
-        since the previous call (1 after the first match; within 0..lookahead)."""
+        since the previous cached call (1 if that was in another episode or there was none; at most
+        lookahead)."""
+        last, self._last_match = self._last_match, (match.episode, match.position)
         step = 1
-        if self._next is not None and self._last_match is not None and self._last_match[0] == match.episode:
-            step = min(max(match.position - self._last_match[1], 0), self.cfg.lookahead)
-        self._last_match = (match.episode, match.position)
+        if last is not None and last[0] == match.episode:
+            step = min(max(match.position - last[1], 0), self.cfg.lookahead)
         return match.episode, match.position + step
 
     def _descriptor_to_host(self) -> torch.cuda.Event | None:
@@ -327,16 +328,17 @@ class RMuscle:
         slot = self._ready_slot((matches[0].episode, matches[0].position)) if matches else None
         if guess is not None:
             self.speculation["hits" if slot is guess else "misses"] += 1
-        self._next = self._predict(matches[0]) if slot is not None else None
         if slot is not None:
             if slot is not guess:  # no speculation, or it guessed another entry: prefill on the match
                 e.load_reference(slot.ref, slot.neurons)
                 e.run_stage("prefill", bucket, variant="cached")
             e.run_stage("denoise", bucket, variant="cached")
+            self._next = self._predict(matches[0])
             info = CallInfo("cached", similarity, matches[0].episode, matches[0].position)
             self._episode_cached = True
             self.cached_calls += 1
         else:
+            self._next = self._last_match = None
             record = self.cfg.record and not self._episode_cached
             e.run_stage("prefill", bucket)
             e.run_stage("denoise", bucket, variant="record" if record else "dense")

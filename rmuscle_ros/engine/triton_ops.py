@@ -741,7 +741,6 @@ def attention(
     row_blocks = triton.cdiv(group * n, bm)
     # Few query rows (the denoising steps): split the keys so that every SM has work (flash-decoding).
     splits = min(max(1, _sm_count(q.device) // (kvh * row_blocks)), triton.cdiv(lk, bn), cfg["max_splits"])
-    splits = max(splits, cfg.get("min_splits", 1))
     keys_per_split = triton.cdiv(triton.cdiv(lk, splits), bn) * bn
     splits = triton.cdiv(lk, keys_per_split)
     split = splits > 1
