@@ -196,7 +196,7 @@ def main() -> None:
                 "bn": [32, 64],
                 "warps": [4] if name == "denoise" else [4, 8],
                 "stages": [2, 3] if name == "denoise" else [3],
-                "max_splits": [4, 8, 16] if name == "denoise" else [4],
+                "max_splits": [4, 8, 16] if name == "denoise" else [1],
             },
             len(kk),
         )
