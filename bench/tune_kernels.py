@@ -77,7 +77,8 @@ def sweep(name: str, run, reference, baseline, grid: dict[str, list[int]], rotat
 
 def sweep_vision_attention() -> dict:
     """SigLIP's attention (3 images × 16 heads × 256 tokens, Dh 72, q/k/v strided views of one QKV matmul
-    output, as in FusedPi05.encode_images) through each of PyTorch's SDPA backends."""
+    output, as in FusedPi05.encode_images) through each of PyTorch's SDPA backends, then the Triton
+    kernel (triton_ops.packed_attention) over its launch configurations."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     c, t, heads, dh = 3, 256, 16, 72
@@ -99,6 +100,14 @@ def sweep_vision_attention() -> dict:
             except RuntimeError as e:
                 out[backend.name] = {"error": str(e).splitlines()[0][:200]}
     print("\nvision attention by SDPA backend:", out, flush=True)
+    out["triton_packed_attention"] = sweep(
+        "vision attention, Triton kernel reading q/k/v in place",
+        lambda cfg, i: triton_ops.packed_attention(qkv[i], c, heads, {"kernel": 1, **cfg}),
+        lambda: ops.packed_attention(qkv[0], c, heads),
+        lambda i: ops.packed_attention(qkv[i], c, heads),  # baseline: SDPA's default backend
+        {"bm": [32, 64, 128], "bn": [32, 64], "warps": [4, 8], "stages": [2, 3]},
+        len(qkv),
+    )
     return out
 
 

@@ -94,6 +94,16 @@ def test_attention_with_masked_keys(n: int, h: int, kvh: int, lk: int, no_fallba
     assert rel(triton_ops.attention(q, k, v, bias, h), expected) < 1e-5
 
 
+@pytest.mark.parametrize(("batch", "heads", "t", "dh"), [(3, 2, 40, 24), (1, 4, 70, 32)])
+def test_packed_attention_kernel(batch: int, heads: int, t: int, dh: int, no_fallback) -> None:
+    """SigLIP's attention read in place from the packed QKV output, Dh not a power of two (72 at full size)."""
+    qkv = torch.randn(batch * t, 3 * heads * dh)
+    expected = ops.packed_attention(qkv, batch, heads)
+    no_fallback()
+    got = triton_ops.packed_attention(qkv, batch, heads, {"kernel": 1, "bm": 16, "bn": 16})
+    assert got.shape == expected.shape and rel(got, expected) < 1e-5
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_few_row_matmuls(splits: int, no_fallback) -> None:
     a, w, gate_up = torch.randn(13, 256), torch.randn(48, 256), torch.randn(2 * 48, 256) * 0.1

@@ -357,9 +357,7 @@ class FusedPi05:
         ops.add_norm(res, None, h, eps=v.layer_norm_eps, rms=False)
         for layer in self.vision_layers:
             qkv = torch.addmm(layer.qkv_b, h, layer.qkv_w.t())  # (N, 3·Wv)
-            q, k, vv = qkv.view(c, v.tokens_per_image, 3, v.num_heads, v.head_dim).unbind(2)
-            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vv.transpose(1, 2))
-            attn = attn.transpose(1, 2).reshape(n, v.width)
+            attn = ops.packed_attention(qkv, c, v.num_heads)  # each image attends within itself
             ops.add_norm(res, attn @ layer.out_w.t(), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.out_b)
             if self.gelu_in_matmul:  # cuBLASLt bias + tanh-GELU epilogue
                 act = torch._addmm_activation(layer.fc1_b, h, layer.fc1_w.t(), use_gelu=True)

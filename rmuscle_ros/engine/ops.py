@@ -229,6 +229,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int)
     return out.transpose(1, 2).reshape(n, num_heads * dh)
 
 
+def packed_attention(qkv: Tensor, batch: int, num_heads: int) -> Tensor:
+    """Unmasked self-attention of `batch` sequences packed in one QKV matmul output (the SigLIP encoder).
+
+    qkv (B·T, 3·H·Dh), each row [q | k | v] with the heads in order. Returns (B·T, H·Dh).
+    """
+    n, width = qkv.shape[0], qkv.shape[1] // 3
+    q, k, v = qkv.view(batch, n // batch, 3, num_heads, width // num_heads).unbind(2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).reshape(n, width)
+
+
 def action_step(
     x: Tensor,
     *,

@@ -762,6 +762,65 @@ def attention(
 
 
 @triton.jit
+def _packed_attention_kernel(
+    qkv_ptr, out_ptr, scale, stride_qkv, stride_out,
+    T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Attention of BM queries of one (sequence, head) over that sequence, q/k/v read in place from the
+    packed QKV matmul output (row = sequence·T + token; columns [q | k | v], Dh per head). DP is Dh
+    rounded up to a power of two; the padding lanes are masked to zero and add nothing."""
+    if PDL:
+        _pdl_enter()
+    seq, head = tl.program_id(0) // H, tl.program_id(0) % H
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    row_ok = rows < T
+    d = tl.arange(0, DP)
+    d_ok = d < DH
+    base = qkv_ptr + seq * T * stride_qkv
+    q = tl.load(base + rows[:, None] * stride_qkv + head * DH + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)  # fmt: skip
+    m_i = tl.full([BM], -1e30, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DP], tl.float32)
+    for n0 in range(0, T, BN):
+        cols = n0 + tl.arange(0, BN)
+        kv_ok = (cols < T)[:, None] & d_ok[None, :]
+        k = tl.load(base + cols[:, None] * stride_qkv + (H + head) * DH + d[None, :], mask=kv_ok, other=0.0)
+        s = tl.where((cols < T)[None, :], tl.dot(q, tl.trans(k)) * scale, -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(
+            base + cols[:, None] * stride_qkv + (2 * H + head) * DH + d[None, :], mask=kv_ok, other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    dst = out_ptr + (seq * T + rows)[:, None] * stride_out + head * DH + d[None, :]
+    tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def packed_attention(qkv: Tensor, batch: int, num_heads: int, config: dict[str, int] | None = None) -> Tensor:
+    """ops.packed_attention. By default PyTorch's SDPA (cuDNN on the H200: 11.0 µs at SigLIP's shape,
+    bench/results/triton_tuning_attention_vision_h200_9a837fc.json); kernel=1 selects the Triton kernel
+    above, which reads q/k/v in place and needs no memset. It is not yet measured on a GPU: time it with
+    `bench/tune_kernels.py --only vision` before making it the default."""
+    cfg = {"kernel": 0, "bm": 64, "bn": 64, "warps": 4, "stages": 2} | (config or {})
+    n, width = qkv.shape[0], qkv.shape[1] // 3
+    dh = width // num_heads
+    if not cfg["kernel"] or n % batch or dh > 256 or qkv.stride(-1) != 1:
+        return ops.packed_attention(qkv, batch, num_heads)
+    t = n // batch
+    out = torch.empty(n, width, device=qkv.device, dtype=qkv.dtype)
+    _packed_attention_kernel[(batch * num_heads, triton.cdiv(t, cfg["bm"]))](
+        qkv, out, dh**-0.5, qkv.stride(0), out.stride(0),
+        T=t, H=num_heads, DH=dh, DP=max(16, triton.next_power_of_2(dh)), BM=cfg["bm"], BN=cfg["bn"], PDL=_pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _action_step_kernel(
     x_ptr, h_ptr, ew_ptr, eb_ptr, res_ptr, out_ptr, iw_ptr, ib_ptr, mul_ptr, add_ptr, eps,
     stride_x, stride_h, stride_res, stride_out,
