@@ -13,6 +13,7 @@ from rmuscle_ros.runtime.transforms import (
     build_prompt,
     discretize_state,
     image_to_model,
+    image_to_model_padded,
     pad_to_dim,
     resize_with_pad,
     tokenize_prompt,
@@ -91,6 +92,20 @@ def test_image_to_model_layout_and_range() -> None:
     assert tensor[:, 0, 0].tolist() == pytest.approx([-1.0, 128 / 255 * 2 - 1, 1.0], abs=1e-6)
     expected = image.astype(np.float32) / 255.0 * 2.0 - 1.0
     np.testing.assert_array_equal(tensor.permute(1, 2, 0).numpy(), expected)
+
+
+@pytest.mark.parametrize(
+    ("height", "width"), [(480, 640), (224, 224), (225, 300), (300, 101), (1, 1000), (7, 5)]
+)
+def test_image_to_model_padded_is_the_two_steps_bit_for_bit(height: int, width: int) -> None:
+    """The policy's one-step image path equals resize_with_pad then image_to_model exactly, also when
+    written into a slice of a bigger buffer (the policy's camera slots)."""
+    image = _random_image(height, width, seed=height * width)
+    expected = image_to_model(resize_with_pad(image))
+    assert torch.equal(image_to_model_padded(image), expected)
+    slots = torch.full((2, 3, 224, 224), 7.0)
+    image_to_model_padded(image, out=slots[1])
+    assert torch.equal(slots[1], expected) and (slots[0] == 7.0).all()
 
 
 def test_image_to_model_requires_resized_input() -> None:

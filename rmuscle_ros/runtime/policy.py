@@ -29,8 +29,7 @@ from rmuscle_ros.runtime.normalize import NormStats, identity_stats, load_norm_s
 from rmuscle_ros.runtime.transforms import (
     build_prompt,
     discretize_state,
-    image_to_model,
-    resize_with_pad,
+    image_to_model_padded,
     tokenize_prompt,
 )
 
@@ -156,7 +155,7 @@ class Policy:
         for slot, name in enumerate(self.cfg.cameras):
             if name in obs.images:
                 try:
-                    images[0, slot] = image_to_model(resize_with_pad(obs.images[name], size), size)
+                    image_to_model_padded(obs.images[name], size, out=images[0, slot])
                 except ValueError as e:
                     raise ValueError(f"camera {name!r}: {e}") from None
                 masks[0, slot] = True

@@ -42,6 +42,23 @@ def _fitted_size(height: int, width: int, size: int) -> tuple[int, int]:
     return max(1, int(height / ratio)), max(1, int(width / ratio))
 
 
+def _resized(image: np.ndarray, size: int) -> tuple[torch.Tensor, int, int] | None:
+    """The resampled pixels of `resize_with_pad`, rounded: (3, new_h, new_w) float32 holding integers in
+    [0, 255], and the (top, left) corner they go to. None if the image is already size x size."""
+    _require_rgb_u8(image)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    height, width = image.shape[:2]
+    if (height, width) == (size, size):
+        return None
+    new_h, new_w = _fitted_size(height, width, size)
+    # interpolate works on (N, C, H, W) float; uint8 is resampled in float32 then rounded back, as the
+    # reference PyTorch implementations do.
+    chw = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+    resized = F.interpolate(chw, size=(new_h, new_w), mode="bilinear", align_corners=False)
+    return resized[0].round().clamp(0, 255), (size - new_h) // 2, (size - new_w) // 2
+
+
 def resize_with_pad(image: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> np.ndarray:
     """Fit an RGB image into size x size: aspect-preserving bilinear resize, then centered zero padding.
 
@@ -53,27 +70,32 @@ def resize_with_pad(image: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> np.ndarr
         (size, size, 3) uint8. An input that is already (size, size, 3) is returned as is (same object,
         not resampled). Padding is 0 (black); top/left get (size - new) // 2, bottom/right the rest.
     """
-    _require_rgb_u8(image)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be a positive int, got {size!r}")
-    height, width = image.shape[:2]
-    if (height, width) == (size, size):
+    fitted = _resized(image, size)
+    if fitted is None:
         return image
-
-    new_h, new_w = _fitted_size(height, width, size)
-    # interpolate works on (N, C, H, W) float; uint8 is resampled in float32 then rounded back, as the
-    # reference PyTorch implementations do.
-    chw = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
-    resized = F.interpolate(chw, size=(new_h, new_w), mode="bilinear", align_corners=False)
-    resized_u8 = (
-        resized.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy()
-    )  # (new_h, new_w, 3)
-
-    top = (size - new_h) // 2
-    left = (size - new_w) // 2
+    pixels, top, left = fitted
     padded = np.zeros((size, size, 3), dtype=np.uint8)
-    padded[top : top + new_h, left : left + new_w] = resized_u8
+    hwc = pixels.to(torch.uint8).permute(1, 2, 0).numpy()
+    padded[top : top + hwc.shape[0], left : left + hwc.shape[1]] = hwc
     return padded
+
+
+def image_to_model_padded(
+    image: np.ndarray, size: int = MODEL_IMAGE_SIZE, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """image_to_model(resize_with_pad(image, size)) bit for bit, without the uint8 (size, size, 3)
+    intermediate: the rounded pixels are scaled where they land, the padding is -1.0 (black). Writes
+    into out (3, size, size) float32 if given (bench/bench_preprocess.py times both paths)."""
+    fitted = _resized(image, size)
+    if fitted is None:
+        model = image_to_model(image, size)
+        return model if out is None else out.copy_(model)
+    pixels, top, left = fitted
+    if out is None:
+        out = torch.empty(3, size, size)
+    out.fill_(-1.0)  # 0 / 255 * 2 - 1
+    out[:, top : top + pixels.shape[1], left : left + pixels.shape[2]] = pixels / 255.0 * 2.0 - 1.0
+    return out
 
 
 def image_to_model(image_u8: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> torch.Tensor:
