@@ -26,7 +26,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import cuda_time_ms, measure_ceilings, record_header, rel_l2, save_results
-from bench.trace_graphs import kernel_events, short
+from bench.trace_graphs import idle_gaps, traced_events
 from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
@@ -133,6 +132,9 @@ class Bench:
         self.noise = torch.randn(
             1, self.cfg.horizon, self.cfg.action_dim, generator=torch.Generator().manual_seed(3)
         )
+        self.desc_host: torch.Tensor | None = None  # the descriptor's read-back buffer (pinned on a GPU)
+        self.last_position: int | None = None  # the last match, what a speculative call predicts
+        self.guesses = [0, 0]  # speculative calls: [run again, kept]
 
     def dense_call(self, inputs: ModelInputs, variant: str = "dense") -> torch.Tensor:
         e = self.engine
@@ -181,13 +183,13 @@ class Bench:
         bucket = e.load_inputs(inputs, self.noise)
         e.run_stage("vision", bucket)
         d = e.descriptor()
-        if getattr(self, "desc_host", None) is None:
+        if self.desc_host is None:
             self.desc_host = torch.empty(d.shape, dtype=d.dtype, pin_memory=d.is_cuda)
         self.desc_host.copy_(d, non_blocking=True)
         ready = torch.cuda.Event() if d.is_cuda else None
         if ready is not None:
             ready.record()
-        guess = getattr(self, "last_position", None) if speculate else None
+        guess = self.last_position if speculate else None
         if guess is not None:
             e.load_reference(self.window[guess], self.masks[guess])
             e.run_stage("prefill", bucket, variant="cached")
@@ -236,8 +238,6 @@ class Bench:
     def idle_gaps(self, rows: int = 6) -> dict:
         """One dense and one cached call under the profiler: the GPU's span, busy and idle time, and the
         largest idle gaps with the kernel that ended each (what the GPU waited on the host for)."""
-        from torch.profiler import ProfilerActivity, profile
-
         obs = self.live_obs[len(self.live_obs) // 2]
         out = {}
         for name, call in (
@@ -247,22 +247,10 @@ class Bench:
             for _ in range(3):
                 self.retriever.reset()
                 call()
-            sync()
             self.retriever.reset()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                call()
-                sync()
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "trace.json"
-                prof.export_chrome_trace(str(path))
-                events = kernel_events(json.loads(path.read_text()))
-            gaps, end = [], events[0][1]
-            for kernel, start, stop in events:
-                if start > end:
-                    gaps.append({"us": round(start - end, 1), "at_us": round(end - events[0][1], 1),
-                                 "before": short(kernel)})  # fmt: skip
-                end = max(end, stop)
-            span = end - events[0][1]
+            events = traced_events(call)
+            gaps = idle_gaps(events)
+            span = max(stop for _, _, stop in events) - events[0][1]
             idle = sum(g["us"] for g in gaps)
             out[name] = {"span_us": round(span, 1), "idle_us": round(idle, 1), "kernels": len(events),
                          "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:rows]}  # fmt: skip
@@ -281,7 +269,7 @@ class Bench:
         if self.args.speculate:  # one observation repeated: the guess (the last position) should hit
             self.retriever.reset()
             self.cached_call(obs)  # sets the position the next calls predict
-            self.guesses = [0, 0]  # [misses, hits]
+            self.guesses = [0, 0]
             spec_wall = statistics.median(wall_ms(lambda: self.cached_call(obs, speculate=True), it))
             speculative = {"rmuscle_speculative_ms": round(spec_wall, 3),
                            "speedup_speculative": round(dense_wall / spec_wall, 3),

@@ -38,6 +38,31 @@ def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
     return sorted(events, key=lambda e: e[1])
 
 
+def traced_events(run) -> list[tuple[str, float, float]]:
+    """kernel_events of one call of `run` (already warm) under the profiler, after the GPU went idle."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return kernel_events(json.loads(path.read_text()))
+
+
+def idle_gaps(events: list[tuple[str, float, float]]) -> list[dict]:
+    """Every stretch with no GPU work between the first event and the last: its µs, where it starts
+    (µs from the first event) and the kernel it ends with."""
+    gaps, end = [], events[0][1]
+    for name, start, stop in events:
+        if start > end:
+            gaps.append(
+                {"us": round(start - end, 1), "at_us": round(end - events[0][1], 1), "before": short(name)}
+            )
+        end = max(end, stop)
+    return gaps
+
+
 def charge(events: list[tuple[str, float, float]]) -> dict:
     """Per kernel name: count, charged µs, gap µs before it (see the module docstring); and the span."""
     rows: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "charged_us": 0.0, "gap_us": 0.0})
@@ -77,14 +102,7 @@ def main() -> None:
     for stage, run in runs.items():
         for _ in range(3):
             run()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            events = kernel_events(json.loads(path.read_text()))
+        events = traced_events(run)
         stages[stage] = charge(events) if events else {"error": "no kernels traced inside the graph"}
     gpu = torch.cuda.get_device_name(device)
     lines = [

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.trace_graphs import charge, kernel_events
+from bench.trace_graphs import charge, idle_gaps, kernel_events
 
 
 def test_overlapping_kernels_are_charged_their_own_tail_and_gaps_add_up() -> None:
@@ -31,3 +31,11 @@ def test_overlapping_kernels_are_charged_their_own_tail_and_gaps_add_up() -> Non
     assert k["b_kernel"]["charged_us"] == pytest.approx(4.0)  # 4 → 8, not its whole 5 µs
     assert k["Memset"]["gap_us"] == pytest.approx(2.0) and k["Memset"]["charged_us"] == pytest.approx(1.0)
     assert r["span_us"] == pytest.approx(sum(v["charged_us"] + v["gap_us"] for v in k.values()))
+
+
+def test_idle_gaps_list_each_stretch_without_gpu_work() -> None:
+    events = [("a", 0.0, 4.0), ("b", 3.0, 8.0), ("c<x>", 10.0, 11.0), ("d", 11.5, 12.0)]
+    assert idle_gaps(events) == [
+        {"us": 2.0, "at_us": 8.0, "before": "c"},
+        {"us": 0.5, "at_us": 11.0, "before": "d"},
+    ]
