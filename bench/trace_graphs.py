@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import make_inputs, random_graph_engine, record_header, save_results
+from rmuscle_ros.engine.graph import CacheShapes
 from rmuscle_ros.models.config import get_preset
 
 
@@ -90,12 +91,26 @@ def main() -> None:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--rows", type=int, default=14)
+    p.add_argument(
+        "--cache", nargs=2, type=float, metavar=("RHO_P", "RHO_N"), default=None,
+        help="also trace the cached prefill and denoise graphs at these ratios (random reference entry)",
+    )  # fmt: skip
     args = p.parse_args()
     device = torch.device("cuda")
-    engine, bucket = random_graph_engine(args.preset, device, prompt_tokens=args.prompt_tokens)
+    options = {"cache": CacheShapes(*args.cache)} if args.cache else {}
+    engine, bucket = random_graph_engine(args.preset, device, prompt_tokens=args.prompt_tokens, **options)
     cfg = get_preset(args.preset)
     inputs, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
     runs = {stage: lambda s=stage: engine.run_stage(s, bucket) for stage in ("vision", "prefill", "denoise")}
+    if args.cache:  # a random entry: the kernels' cost does not depend on which rows or neurons they read
+        gen = torch.Generator(device).manual_seed(0)
+        engine.ctx_ref.ffn_in.normal_(generator=gen)
+        engine.ctx_ref.ffn_out.normal_(generator=gen)
+        steps, depth, keep = engine.neurons.shape
+        order = torch.rand(steps, depth, cfg.expert.mlp_dim, device=device, generator=gen).argsort(-1)
+        engine.neurons.copy_(order[..., :keep].sort(-1).values)
+        for stage in ("prefill", "denoise"):
+            runs[f"{stage} cached"] = lambda s=stage: engine.run_stage(s, bucket, variant="cached")
     # the whole call as bench_pi05 times it: the inputs' copy into the engine, then the one-graph call
     runs["sample_actions"] = lambda: engine.sample_actions(inputs, noise)
     stages = {}
@@ -128,8 +143,14 @@ def main() -> None:
                 f"| {k['gap_us']:.1f} |"
             )
         lines.append("")
-    record = {**record_header(gpu, args.commit), "preset": args.preset, "results": stages}
-    save_results(args.out, f"trace_graphs_{gpu.split()[-1].lower()}_{args.commit}", record, "\n".join(lines))
+    record = {
+        **record_header(gpu, args.commit),
+        "preset": args.preset,
+        "cache": args.cache,
+        "results": stages,
+    }
+    stem = f"trace_graphs_{gpu.split()[-1].lower()}{'_cached' if args.cache else ''}_{args.commit}"
+    save_results(args.out, stem, record, "\n".join(lines))
 
 
 if __name__ == "__main__":
