@@ -801,11 +801,11 @@ def _packed_attention_kernel(
 
 
 def packed_attention(qkv: Tensor, batch: int, num_heads: int, config: dict[str, int] | None = None) -> Tensor:
-    """ops.packed_attention. By default PyTorch's SDPA (cuDNN on the H200: 11.0 µs at SigLIP's shape,
-    bench/results/triton_tuning_attention_vision_h200_9a837fc.json); kernel=1 selects the Triton kernel
-    above, which reads q/k/v in place and needs no memset. It is not yet measured on a GPU: time it with
-    `bench/tune_kernels.py --only vision` before making it the default."""
-    cfg = {"kernel": 0, "bm": 64, "bn": 64, "warps": 4, "stages": 2} | (config or {})
+    """ops.packed_attention as the Triton kernel above: q/k/v read in place, no memset, launched with PDL.
+    H200, SigLIP's shape: 9.84 µs against 10.91 for cuDNN, the fastest SDPA backend, which in the vision
+    graph also costs a memset and ~4 µs of gaps per layer (bench/results/triton_tuning_vision_h200_567ef39.json,
+    trace_graphs_h200_cached_567ef39). kernel=0 selects SDPA."""
+    cfg = {"kernel": 1, "bm": 128, "bn": 64, "warps": 8, "stages": 3} | (config or {})
     n, width = qkv.shape[0], qkv.shape[1] // 3
     dh = width // num_heads
     if not cfg["kernel"] or n % batch or dh > 256 or qkv.stride(-1) != 1:
