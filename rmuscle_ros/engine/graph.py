@@ -248,7 +248,10 @@ class GraphEngine:
     def _run_vision(self, lane: _Lane) -> None:
         self.fused.encode_images(lane.images, lane.visual)
         c = self.cfg.num_cameras
-        lane.descriptor.copy_(lane.visual.view(c, -1, lane.visual.shape[-1]).float().mean(1))
+        # one reduction kernel, accumulating in float32 (no float32 copy of the visual tokens first)
+        torch.mean(
+            lane.visual.view(c, -1, lane.visual.shape[-1]), 1, dtype=torch.float32, out=lane.descriptor
+        )
 
     def _run_prefill(self, lane: _Lane, bucket: int, variant: str) -> None:
         per_image = self.cfg.vision.tokens_per_image
