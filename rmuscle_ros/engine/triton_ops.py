@@ -631,6 +631,81 @@ def linear_geglu(
 
 
 @triton.jit
+def _gemm_kernel(
+    a_ptr, w_ptr, c_ptr, bias_ptr, M, N, stride_a, stride_w, stride_c, up_offset,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """c = a @ wᵀ for many rows (the prefill and vision matmuls), one BM×BN output tile per program.
+
+    EPILOGUE 0: nothing; 1: + bias; 2: gelu_tanh(· + bias); 3: GeGLU, w = [W_gate; W_up] (up rows start
+    at `up_offset`) and c = gelu_tanh(a W_gateᵀ) ⊙ (a W_upᵀ), (M, N) with N = up_offset.
+    Tiles are walked in groups of GROUP_M row blocks, so that a group's weight columns stay in L2.
+    """
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rows_in, cols_in = rows % M, cols % N  # wrapped: the loads need no masks, the store drops the rest
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows_in[:, None] * stride_a + ks[None, :]
+    w_ptrs = w_ptr + cols_in[:, None] * stride_w + ks[None, :]
+    if PDL:
+        _pdl_enter()
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+        if EPILOGUE == 3:
+            w_up = tl.load(w_ptrs + up_offset * stride_w + k0, mask=k_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+    if EPILOGUE == 1 or EPILOGUE == 2:
+        acc += tl.load(bias_ptr + cols_in)[None, :].to(tl.float32)
+    if EPILOGUE == 2 or EPILOGUE == 3:
+        z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z)
+    if EPILOGUE == 3:
+        acc = acc * acc_up
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(c_ptr + rows[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+_EPILOGUES = {"none": 0, "bias": 1, "bias_gelu": 2, "geglu": 3}
+
+
+def matmul(
+    a: Tensor,
+    w: Tensor,
+    bias: Tensor | None = None,
+    epilogue: str = "none",
+    out: Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> Tensor:
+    """a (M, K) @ w (N, K)ᵀ with an epilogue (see _gemm_kernel) as one Triton kernel, in a's dtype.
+    "geglu": w is [W_gate; W_up] (2F, K) and the result (M, F) is ops.geglu of the product."""
+    cfg = {"bm": 128, "bn": 128, "bk": 64, "group_m": 8, "warps": 8, "stages": 3} | (config or {})
+    m, k = a.shape
+    n = w.shape[0] // 2 if epilogue == "geglu" else w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    grid = (triton.cdiv(m, cfg["bm"]) * triton.cdiv(n, cfg["bn"]),)
+    _gemm_kernel[grid](
+        a, w, out, a if bias is None else bias, m, n, a.stride(0), w.stride(0), out.stride(0), n,
+        K=k, BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], GROUP_M=cfg["group_m"], EPILOGUE=_EPILOGUES[epilogue],
+        PDL=_pdl, num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _skinny_qkv_rope_kernel(
     a_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, M,
     stride_a, stride_w, stride_cs, stride_q, stride_k_head, stride_k_tok, stride_v_head, stride_v_tok,
