@@ -111,59 +111,6 @@ def sweep_vision_attention() -> dict:
     return out
 
 
-def sweep_gemm() -> dict:
-    """The prefill's and SigLIP's matmuls (many rows) as one Triton kernel with their epilogue, against what
-    the engine runs now (cuBLAS, and for the GeGLU the cuBLAS matmul then triton_ops.geglu)."""
-    shapes = {  # name: (M, K, N, epilogue); prefill rows = 3 × 256 image tokens + a 64-token bucket
-        "prefill_qkv": (832, 2048, 2560, "none"),
-        "prefill_o": (832, 2048, 2048, "none"),
-        "prefill_gate_up_geglu": (832, 2048, 16384, "geglu"),
-        "prefill_down": (832, 16384, 2048, "none"),
-        "vision_qkv": (768, 1152, 3456, "bias"),
-        "vision_o": (768, 1152, 1152, "none"),
-        "vision_fc1": (768, 1152, 4304, "bias_gelu"),
-        "vision_fc2": (768, 4304, 1152, "none"),
-    }
-    grid = {
-        "bm": [64, 128],
-        "bn": [64, 128, 256],
-        "bk": [64],
-        "group_m": [8],
-        "warps": [4, 8],
-        "stages": [3],
-    }
-    out = {}
-    for name, (m, k, n, epi) in shapes.items():
-        a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-        rows = 2 * n if epi == "geglu" else n
-        w = copies(torch.randn(rows, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5)
-        b = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
-
-        def cublas(i, a=a, w=w, b=b, epi=epi, n=n):
-            if epi == "geglu":
-                return triton_ops.geglu(a @ w[i].t(), torch.empty(a.shape[0], n, device=CUDA, dtype=a.dtype))
-            if epi == "bias_gelu":
-                return torch._addmm_activation(b, a, w[i].t(), use_gelu=True)
-            return torch.addmm(b, a, w[i].t()) if epi == "bias" else a @ w[i].t()
-
-        def reference(a=a, w=w, b=b, epi=epi, n=n):
-            y = a.float() @ w[0].float().t()
-            if epi == "geglu":
-                return torch.nn.functional.gelu(y[:, :n], approximate="tanh") * y[:, n:]
-            y = y + b.float() if epi in ("bias", "bias_gelu") else y
-            return torch.nn.functional.gelu(y, approximate="tanh") if epi == "bias_gelu" else y
-
-        out[name] = sweep(
-            f"{name} {m}x{k}x{n} {epi}",
-            lambda cfg, i, a=a, w=w, b=b, epi=epi: triton_ops.matmul(a, w[i], b, epi, config=cfg),
-            reference,
-            cublas,
-            {**grid, "bn": [64, 128]} if epi == "geglu" else grid,
-            len(w),
-        )
-    return out
-
-
 def sweep_fused() -> dict:
     """The expert's fused epilogue kernels (QKV+RoPE, gate/up+GeGLU) against their unfused pairs."""
     m, width, f, h, kvh, dh = 50, 1024, 4096, 8, 1, 256
@@ -214,7 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument(
-        "--only", action="append", choices=["linear", "fused", "attention", "vision", "gemm"], default=None
+        "--only", action="append", choices=["linear", "fused", "attention", "vision"], default=None
     )
     args = p.parse_args()
     groups = args.only or ["linear", "fused", "attention"]
@@ -264,8 +211,6 @@ def main() -> None:
         )
     if "vision" in groups:
         results["vision_attention"] = sweep_vision_attention()
-    if "gemm" in groups:
-        results["gemm"] = sweep_gemm()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     (args.out / f"triton_tuning_{'_'.join(groups)}.json").write_text(

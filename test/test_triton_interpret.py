@@ -309,21 +309,3 @@ def test_action_step_between_denoising_steps(mode: str, kernel: str, no_fallback
         impl.action_step(x, **kw)
         outs.append((x, h, res))
     assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True) if ref.norm() > 0)
-
-
-@pytest.mark.parametrize("epilogue", ["none", "bias", "bias_gelu", "geglu"])
-def test_gemm_kernel(epilogue: str) -> None:
-    """Tiles wrap at the edges (M, N not multiples of the block) and K has a tail (not a multiple of BK)."""
-    m, k, n = 37, 72, 40
-    a = torch.randn(m, k)
-    w = torch.randn(2 * n if epilogue == "geglu" else n, k)
-    b = torch.randn(n)
-    y = a @ w.t()
-    if epilogue == "geglu":
-        want = torch.nn.functional.gelu(y[:, :n], approximate="tanh") * y[:, n:]
-    else:
-        y = y + b if epilogue != "none" else y
-        want = torch.nn.functional.gelu(y, approximate="tanh") if epilogue == "bias_gelu" else y
-    cfg = {"bm": 16, "bn": 16, "bk": 32, "group_m": 2}
-    got = triton_ops.matmul(a, w, b, epilogue, config=cfg)
-    assert got.shape == want.shape and rel(got, want) < 1e-5
