@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -174,17 +175,26 @@ class KVBuffers:
         )
 
 
-def pack_prompt(tokens: Tensor, mask: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
-    """One prompt row -> (bucket,) tokens with the valid ones first, and their mask.
+def pack_prompt_into(
+    tokens: np.ndarray, mask: np.ndarray, out_tokens: np.ndarray, out_mask: np.ndarray
+) -> int:
+    """One prompt row -> out_tokens (bucket,) with the valid tokens first, zeros after; out_mask marks them.
+    Returns how many are valid. Exact for any padding layout: positions and attention only ever see valid
+    tokens, in order. NumPy: a few µs on the host per call, where the same in torch ops takes tens."""
+    valid = tokens[mask.astype(bool, copy=False)]
+    n, bucket = valid.shape[0], out_tokens.shape[0]
+    if n > bucket:
+        raise ValueError(f"prompt has {n} tokens, more than the bucket of {bucket}")
+    out_tokens[:n], out_tokens[n:] = valid, 0
+    out_mask[:n], out_mask[n:] = True, False
+    return n
 
-    Exact for any padding layout: positions and attention only ever see valid tokens, in order.
-    """
-    valid = tokens[mask.bool()]
-    if valid.shape[0] > bucket:
-        raise ValueError(f"prompt has {valid.shape[0]} tokens, more than the bucket of {bucket}")
-    packed = torch.zeros(bucket, dtype=torch.long, device=tokens.device)
-    packed[: valid.shape[0]] = valid
-    return packed, torch.arange(bucket, device=tokens.device) < valid.shape[0]
+
+def pack_prompt(tokens: Tensor, mask: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
+    """pack_prompt_into for tensors: returns (tokens (bucket,) int64, mask (bucket,) bool) on tokens' device."""
+    out_tokens, out_mask = np.zeros(bucket, np.int64), np.zeros(bucket, np.bool_)
+    pack_prompt_into(tokens.cpu().numpy(), mask.cpu().numpy(), out_tokens, out_mask)
+    return torch.from_numpy(out_tokens).to(tokens.device), torch.from_numpy(out_mask).to(tokens.device)
 
 
 def split_k(k: int, slice_len: int = 512, max_splits: int = 8) -> int:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -47,7 +48,7 @@ from rmuscle_ros.engine.fused import (
     FusedPi05,
     KVBuffers,
     keep_neuron_count,
-    pack_prompt,
+    pack_prompt_into,
     rho_count,
     round_up,
 )
@@ -150,6 +151,15 @@ class _Staging:
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
+
+    def prompt(self, bucket: int) -> tuple[Tensor, Tensor]:
+        """Host buffers the packed prompt of this bucket is written into (pinned on a GPU)."""
+        key = f"prompt_{bucket}"
+        if key not in self._pinned:
+            pin = self.cuda
+            self._pinned[key] = torch.zeros(bucket, dtype=torch.long, pin_memory=pin)
+            self._pinned[f"{key}_mask"] = torch.zeros(bucket, dtype=torch.bool, pin_memory=pin)
+        return self._pinned[key], self._pinned[f"{key}_mask"]
 
     def to_host(self, **rows: Tensor) -> dict[str, Tensor]:
         """Host copies of small tensors; those on the GPU come back together, after one wait."""
@@ -363,15 +373,17 @@ class GraphEngine:
         staging = lane.staging
         staging.begin()
         row = staging.to_host(tokens=inputs.tokens[0], mask=inputs.token_mask[0])
-        n = int(row["mask"].sum())
+        token_row, mask_row = row["tokens"].numpy(), row["mask"].numpy()
+        n = int(np.count_nonzero(mask_row))
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
-        tokens, token_mask = pack_prompt(row["tokens"], row["mask"], bucket)
+        tokens, token_mask = staging.prompt(bucket)
+        pack_prompt_into(token_row, mask_row, tokens.numpy(), token_mask.numpy())
         staging.copy("images", lane.images, inputs.images[0])
         staging.copy("image_mask", lane.image_mask, inputs.image_masks[0])
-        staging.copy(f"tokens_{bucket}", lane.tokens[bucket], tokens)
-        staging.copy(f"token_mask_{bucket}", lane.token_mask[bucket], token_mask)
+        lane.tokens[bucket].copy_(tokens, non_blocking=True)
+        lane.token_mask[bucket].copy_(token_mask, non_blocking=True)
         if noise is not None:
             staging.copy("noise", lane.noise, noise[0])
         staging.end()
