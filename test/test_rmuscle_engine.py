@@ -170,3 +170,39 @@ def test_kept_neuron_counts_suit_the_gathered_kernels() -> None:
         assert n % (splits * 128) == 0
     assert keep_neuron_count(0.5, 4096) == 2048 and gather_splits(2048) == 8
     assert keep_neuron_count(0.3, 128) == rho_count(0.3, 128) == 39
+
+
+def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
+    """On-device matching: the match stage runs vision, picks the usable window entry whose key is most
+    similar to the call's descriptor, loads its reference and masks into the cached graphs' inputs, and
+    reports (index, similarity); the cached tail then gives what loading that entry by hand gives."""
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(window=3))
+    window = engine.window
+    inputs, noise = random_inputs(model.cfg, valid_tokens=15, pad_to=20)
+    refs = [random_inputs(model.cfg, valid_tokens=9, pad_to=20, seed=s) for s in (4, 5, 6)]
+    for i, (ref_inputs, ref_noise) in enumerate(refs):
+        entry, masks = _reference(engine, ref_inputs, ref_noise)
+        window.ref(i).copy_(entry)
+        window.neurons[i].copy_(masks)
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket)
+    d = engine.descriptor().flatten()
+    unit = d / d.norm()
+    window.keys[0] = -unit  # least similar
+    window.keys[1] = unit  # most similar, but not usable below
+    window.keys[2] = (unit + 0.1 * torch.randn_like(unit)) / (unit + 0.1 * torch.randn_like(unit)).norm()
+    for usable, want in (([True, True, True], 1), ([True, False, True], 2), ([True, False, False], 0)):
+        bucket = engine.load_inputs(inputs, noise, usable)
+        engine.run_stage("match", bucket, variant="cached")
+        index, similarity = int(engine.match_host[0]), float(engine.match_host[1])
+        assert index == want
+        assert similarity == pytest.approx(float(window.keys[want] @ unit), abs=1e-5)
+        assert torch.equal(engine.ctx_ref.ffn_in, window.ffn_in[want])
+        assert torch.equal(engine.neurons, window.neurons[want])
+        assert torch.equal(engine.descriptor_host, engine.descriptor())
+    engine.run_stage("tail", bucket, variant="cached")
+    by_match = engine.actions.clone()
+    engine.load_reference(window.ref(0), window.neurons[0])
+    assert torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
+    with pytest.raises(ValueError, match="each of the window's entries"):
+        engine.load_inputs(inputs, noise, [True])

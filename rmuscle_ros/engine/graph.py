@@ -63,6 +63,10 @@ VARIANTS = {
     "prefill": ("dense", "cached"),
     "denoise": ("dense", "cached", "record"),
     "call": ("dense",),  # the three dense stages in one graph: no gaps between replays
+    # With a window (CacheShapes.window): vision, then the best usable window entry picked and loaded on
+    # the GPU; and the cached prefill + denoise in one graph. A cached call is these two replays.
+    "match": ("cached",),
+    "tail": ("cached",),
 }
 
 
@@ -93,6 +97,7 @@ class CacheShapes:
     rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per layer
     rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated per step
     anchors: int = 1  # dense denoising steps before the Action Cache takes over
+    window: int = 0  # reference entries held on the device for on-GPU matching (0: none)
 
     def __post_init__(self) -> None:
         for name in ("rho_p", "rho_n"):
@@ -101,12 +106,52 @@ class CacheShapes:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         if self.anchors < 1:
             raise ValueError(f"anchors must be >= 1, got {self.anchors}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
 
     def keep_tokens(self, cfg: Pi05Config) -> int:
         return rho_count(self.rho_p, cfg.image_tokens)
 
     def keep_neurons(self, cfg: Pi05Config) -> int:
         return keep_neuron_count(self.rho_n, cfg.expert.mlp_dim)
+
+
+@dataclass
+class ReferenceWindow:
+    """The sliding window's entries, stacked so that a kernel can pick one by an index on the device.
+
+    Entry i: the Context Cache reference (`ref(i)`), the Action Cache masks `neurons[i]`, and the unit
+    retrieval descriptor `keys[i]` it is matched by; `usable[i]` says whether the next call may pick it.
+    """
+
+    ffn_in: Tensor  # (S, depth − 1, C·256, W)
+    ffn_out: Tensor
+    neurons: Tensor  # (S, steps, expert depth, kept neurons) int32
+    keys: Tensor  # (S, C·W) float32, unit rows
+    usable: Tensor  # (S,) bool
+
+    @staticmethod
+    def allocate(
+        cfg: Pi05Config, size: int, mask_shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+    ) -> ReferenceWindow:
+        ref = (size, cfg.vlm.depth - 1, cfg.image_tokens, cfg.vlm.width)
+        return ReferenceWindow(
+            torch.zeros(ref, device=device, dtype=dtype),
+            torch.zeros(ref, device=device, dtype=dtype),
+            torch.zeros((size, *mask_shape), device=device, dtype=torch.int32),
+            torch.zeros(size, cfg.num_cameras * cfg.vlm.width, device=device),
+            torch.zeros(size, device=device, dtype=torch.bool),
+        )
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
+
+    def ref(self, i: int) -> ContextRef:
+        return ContextRef(self.ffn_in[i], self.ffn_out[i])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ffn_in, self.ffn_out, self.neurons, self.keys))
 
 
 class _Lane:
@@ -235,6 +280,7 @@ class GraphEngine:
 
         self.cache = cache
         self.rebuild: _Lane | None = None
+        self.window: ReferenceWindow | None = None
         if cache is not None:
             self.cache_bytes = self.fused.prepare_action_cache()
             self.keep_tokens, self.keep_neurons = cache.keep_tokens(cfg), cache.keep_neurons(cfg)
@@ -250,6 +296,13 @@ class GraphEngine:
             self.rebuild_stream = torch.cuda.Stream(device, priority=lowest) if cuda else None
             self.live_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
             self.cache_bytes += 2 * self.ctx_ref.nbytes + 2 * self.neurons.numel() * 4
+            if cache.window:
+                self.window = ReferenceWindow.allocate(cfg, cache.window, mask_shape, device, self.dtype)
+                pin = cuda
+                self.match_out = torch.zeros(2, device=device)  # [entry index, its similarity]
+                self.match_host = torch.zeros(2, pin_memory=pin)  # read back inside the match graph
+                self.descriptor_host = torch.zeros(cfg.num_cameras, cfg.vlm.width, pin_memory=pin)
+                self.cache_bytes += self.window.nbytes
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._pools: dict[str, tuple[int, int] | None] = {"live": None, "rebuild": None}
 
@@ -283,6 +336,23 @@ class GraphEngine:
             kw["record_masks"] = self.recorded_masks
         self.fused.denoise(lane.noise, lane.key_bias[bucket], lane.kv, lane.actions, **kw)
 
+    def _run_match(self) -> None:
+        """Pick the usable window entry most similar to this call's descriptor and load it into the cached
+        graphs' inputs, all on the device; the pick and the descriptor are copied to pinned host memory."""
+        w = self.window
+        d = self.live.descriptor.view(-1)
+        sims = torch.where(w.usable, w.keys @ (d * torch.rsqrt((d * d).sum().clamp_min(1e-24))), -2.0)
+        best = sims.argmax()  # the first of equal maxima (max's index may be any of them)
+        best_sim = sims[best]
+        if self.keep_tokens < self.cfg.image_tokens:
+            torch.index_select(w.ffn_in, 0, best.view(1), out=self.ctx_ref.ffn_in[None])
+            torch.index_select(w.ffn_out, 0, best.view(1), out=self.ctx_ref.ffn_out[None])
+        if self.keep_neurons < self.cfg.expert.mlp_dim:
+            torch.index_select(w.neurons, 0, best.view(1), out=self.neurons[None])
+        torch.stack([best.float(), best_sim], out=self.match_out)
+        self.match_host.copy_(self.match_out, non_blocking=True)
+        self.descriptor_host.copy_(self.live.descriptor, non_blocking=True)
+
     def _run_rebuild(self, bucket: int) -> None:
         self._run_vision(self.rebuild)
         self._run_prefill(self.rebuild, bucket, "record")
@@ -296,6 +366,16 @@ class GraphEngine:
             runner = lambda: self._run_denoise(self.live, bucket, variant)  # noqa: E731
         elif stage == "rebuild":
             runner = lambda: self._run_rebuild(bucket)  # noqa: E731
+        elif stage == "match":
+
+            def runner() -> None:
+                self._run_vision(self.live)
+                self._run_match()
+        elif stage == "tail":
+
+            def runner() -> None:
+                self._run_prefill(self.live, bucket, "cached")
+                self._run_denoise(self.live, bucket, "cached")
         elif stage == "call":
 
             def runner() -> None:
@@ -335,6 +415,8 @@ class GraphEngine:
 
     def _graph_keys(self) -> list[tuple[str, int, str]]:
         keys = [("vision", 0, "dense")]
+        if self.cache is not None and self.window is not None:
+            keys += [("match", 0, "cached")] + [("tail", b, "cached") for b in self.buckets]
         for b in self.buckets:
             keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("call", b, "dense")]
             if self.cache is not None:
@@ -359,7 +441,9 @@ class GraphEngine:
         log.info("graph engine: captured %d graphs in %.2f s", len(self._graphs), sum(timings.values()))
         return timings
 
-    def _load(self, lane: _Lane, inputs: ModelInputs, noise: torch.Tensor | None) -> int:
+    def _load(
+        self, lane: _Lane, inputs: ModelInputs, noise: torch.Tensor | None, usable: list[bool] | None = None
+    ) -> int:
         if inputs.tokens.shape[0] != 1 or (noise is not None and noise.shape[0] != 1):
             raise ValueError(
                 f"the graph engine runs one observation per call, got batch {inputs.tokens.shape[0]}"
@@ -386,12 +470,17 @@ class GraphEngine:
         lane.token_mask[bucket].copy_(token_mask, non_blocking=True)
         if noise is not None:
             staging.copy("noise", lane.noise, noise[0])
+        if usable is not None:
+            if self.window is None or len(usable) != len(self.window):
+                raise ValueError(f"usable must flag each of the window's entries, got {len(usable)}")
+            staging.copy("usable", self.window.usable, torch.tensor(usable, dtype=torch.bool))
         staging.end()
         return bucket
 
-    def load_inputs(self, inputs: ModelInputs, noise: torch.Tensor) -> int:
-        """Copy one observation into the live buffers; returns the prompt bucket it uses."""
-        return self._load(self.live, inputs, noise)
+    def load_inputs(self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool] | None = None) -> int:
+        """Copy one observation into the live buffers; returns the prompt bucket it uses. `usable`: which
+        window entries the next match stage may pick (engines built with a window)."""
+        return self._load(self.live, inputs, noise, usable)
 
     def run_stage(self, stage: str, bucket: int, use_graph: bool = True, variant: str = "dense") -> None:
         """Run one stage on the loaded inputs: a graph replay once captured, else the fused ops directly."""
@@ -399,7 +488,10 @@ class GraphEngine:
             raise ValueError(f"stage {stage!r} has no variant {variant!r}")
         if variant != "dense" and self.cache is None:
             raise RuntimeError(f"the {variant} {stage} needs an engine built with cache shapes")
-        graph = self._graphs.get((stage, 0 if stage == "vision" else bucket, variant)) if use_graph else None
+        if stage in ("match", "tail") and self.window is None:
+            raise RuntimeError(f"the {stage} stage needs an engine built with a window (CacheShapes.window)")
+        key = (stage, 0 if stage in ("vision", "match") else bucket, variant)
+        graph = self._graphs.get(key) if use_graph else None
         if graph is not None:
             graph.replay()
         else:
