@@ -12,6 +12,8 @@ window is rebuilt whole after each call (alignment on such descriptors jumps wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -163,13 +165,13 @@ def test_concurrent_rebuilds_serve_the_same_chunks(tmp_path) -> None:
     assert all(np.array_equal(a.actions, b.actions) for a, b in zip(*chunks, strict=True))
 
 
-def test_speculative_prefill_serves_the_same_chunks(tmp_path) -> None:
-    """With `speculate`, the cached prefill starts on the predicted entry (the last match's next position)
-    before retrieval answers, and runs again on the matched entry when the guess was wrong: the chunks and
-    modes are those of the plain runtime, and the status counts the guesses kept and run again."""
+def test_matching_on_the_gpu_serves_the_same_chunks_as_matching_on_the_host(tmp_path) -> None:
+    """With `match_on_gpu` the engine picks the window entry itself and the cached graphs run before the
+    host's retrieval answers: with one library episode the window holds exactly retrieval's candidates, so
+    the entries, chunks and modes are those of host matching. No pick fell below the threshold."""
     chunks, statuses = [], []
-    for speculate in (False, True):
-        policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, speculate=speculate))
+    for on_gpu in (False, True):
+        policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, match_on_gpu=on_gpu))
         run(policy, episode(6))
         policy.reset_episode()
         live = episode(6, offset=0.05, light=0.97, noise=2.0)
@@ -179,6 +181,25 @@ def test_speculative_prefill_serves_the_same_chunks(tmp_path) -> None:
     modes = [c.cache_mode for c in chunks[1]]
     assert modes == [c.cache_mode for c in chunks[0]] and modes.count("cached") >= 6
     assert all(np.array_equal(a.actions, b.actions) for a, b in zip(*chunks, strict=True))
-    assert statuses[0]["speculation_hits"] == statuses[0]["speculation_misses"] == 0
-    hits, misses = statuses[1]["speculation_hits"], statuses[1]["speculation_misses"]
-    assert hits >= 1 and misses >= 1, (hits, misses)
+    assert statuses[0]["match_reruns"] == statuses[1]["match_reruns"] == 0
+
+
+def test_a_gpu_pick_below_the_threshold_runs_the_call_again_dense(tmp_path) -> None:
+    """The first call below the threshold is matched on the GPU before the host knows: its cached result is
+    dropped and the call runs again dense, so the chunk is the dense chunk bit for bit (mode fallback)."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(6))
+    policy.reset_episode()
+    live = episode(4, offset=0.05, light=0.97, noise=2.0)
+    cached = run(policy, live[:3])
+    assert [c.cache_mode for c in cached] == ["dense", "cached", "cached"]
+    # The scene "leaves" the repertoire now (see the module docstring: raise the threshold to 1). The
+    # window still holds the entries the last call asked for, so the next call is matched on the GPU.
+    rm = policy.rmuscle
+    rm.cfg = dataclasses.replace(rm.cfg, threshold=1.0)
+    rm._refresh_retriever()
+    out = run(policy, live[3:])[0]
+    assert out.cache_mode == "fallback" and policy.cache_status()["match_reruns"] == 1
+    dense = Policy(CFG, RMuscleConfig(record=False))
+    noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(0))
+    assert np.array_equal(out.actions, dense.infer(live[3], noise).actions)

@@ -16,9 +16,11 @@ stream); an entry becomes usable when its rebuild has finished on the GPU.
 
 The window holds `top_k × (lookahead + 1)` entries (20 by default), allocated once.
 
-With `speculate`, step 3's cached prefill is queued before step 2 on the entry predicted from the
-alignment's last move (`_predict`), so the GPU works while the host runs retrieval; if retrieval matches
-another entry, or none, the prefill runs again on the matched entry, or dense. The result is the same.
+With `match_on_gpu` (the default), steps 2-3 of a call whose candidates are already in the window run on
+the GPU without waiting for the host: the match stage picks the usable window entry whose descriptor is
+most similar and loads it, and the cached prefill and denoise follow at once. The host runs retrieval
+meanwhile, for the alignment, the fallback and the next window. If the picked entry is below the threshold,
+or the scene left the repertoire (fallback), the call's prefill and denoise run again dense.
 """
 
 from __future__ import annotations
@@ -62,12 +64,10 @@ class RMuscleConfig:
     # call concurrent with rebuild *graphs* hung the GPU every time (4 runs, cause not found); concurrent
     # with kernel-by-kernel rebuilds it ran undelayed (13.26 vs 13.36 ms alone, 20 rebuilds, one run).
     concurrent_rebuilds: bool = False
-    # Launch the cached prefill on the predicted entry (the last match's next position) before the
-    # descriptor reaches the host, then check: if retrieval matched another entry, or none, the prefill
-    # runs again on the right one, or dense. The GPU then does not wait for the host's retrieval (on the
-    # H200 that wait was 0.3-0.5 ms per cached call, bench_rmuscle --trace at 3d8ea90); a miss costs one
-    # cached prefill (3.6 ms there). Chunks are the same either way (tested).
-    speculate: bool = False
+    # Match on the GPU (see the module docstring): the cached graphs start right after vision instead of
+    # after the descriptor's round trip to the host and retrieval (0.3-0.5 ms per cached call on the
+    # H200, bench_rmuscle --trace at 3d8ea90). A pick below the threshold costs one more prefill + denoise.
+    match_on_gpu: bool = True
 
     def __post_init__(self) -> None:
         self.shapes()  # validates rho_p, rho_n, anchors
@@ -77,7 +77,7 @@ class RMuscleConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def shapes(self) -> CacheShapes:
-        return CacheShapes(self.rho_p, self.rho_n, self.anchors)
+        return CacheShapes(self.rho_p, self.rho_n, self.anchors, window=self.window_size)
 
     @property
     def window_size(self) -> int:
@@ -97,6 +97,7 @@ class CallInfo:
 
 @dataclass
 class _Slot:
+    index: int  # in the engine's ReferenceWindow
     ref: ContextRef
     neurons: torch.Tensor  # (steps, depth, S) int32
     key: tuple[int, int] | None = None  # (library episode, call) held here
@@ -164,22 +165,15 @@ class RMuscle:
         self._episodes: dict[int, Episode] = {}  # full episodes, for rebuilds: the few most recent
         self._descriptors: dict[int, np.ndarray] = {}  # every library episode's descriptors, for retrieval
         self._refresh_retriever()
-        mask_shape = engine.neurons.shape
-        self.window = [
-            _Slot(
-                ContextRef.allocate(engine.cfg, engine.device, engine.dtype),
-                torch.zeros(mask_shape, dtype=torch.int32, device=engine.device),
-            )
-            for _ in range(cfg.window_size)
-        ]
+        window = engine.window
+        assert window is not None  # the engine's cache shapes equal cfg.shapes(), checked above
+        self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
         self.episode_id = 0
         self._recording = _Recording()
         self._episode_cached = False
         self._wanted: list[tuple[int, int]] = []
         self.calls = self.cached_calls = 0
-        self.speculation = {"hits": 0, "misses": 0}  # speculative prefills kept / run again
-        self._next: tuple[int, int] | None = None  # predicted match of the next call (speculate)
-        self._last_match: tuple[int, int] | None = None  # (episode, position) of the last cached call
+        self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
         self._descriptor_host: torch.Tensor | None = None  # pinned on a GPU: read back without a sync
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
@@ -216,7 +210,6 @@ class RMuscle:
             self.episode_id += 1
             self.calls = self.cached_calls = 0
             self._wanted = []
-            self._next = self._last_match = None
 
     def discard_recording(self) -> None:
         """Forget this episode's calls so far: warm-up calls are not part of any episode (nothing they
@@ -225,7 +218,6 @@ class RMuscle:
         self._episode_cached = False
         self.calls = self.cached_calls = 0
         self._wanted = []
-        self._next = self._last_match = None
         self.retriever.reset()
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
@@ -288,16 +280,6 @@ class RMuscle:
         actions.record_stream(caller)
         return actions, info
 
-    def _predict(self, match: Match) -> tuple[int, int]:
-        """The next call's likely match: the same episode, as many positions on as the alignment moved
-        since the previous cached call (1 if that was in another episode or there was none; at most
-        lookahead)."""
-        last, self._last_match = self._last_match, (match.episode, match.position)
-        step = 1
-        if last is not None and last[0] == match.episode:
-            step = min(max(match.position - last[1], 0), self.cfg.lookahead)
-        return match.episode, match.position + step
-
     def _descriptor_to_host(self) -> torch.cuda.Event | None:
         """Queue the read-back of the retrieval descriptor; returns the event to wait on (None on a CPU,
         where the copy is done on return)."""
@@ -311,45 +293,89 @@ class RMuscle:
         ready.record()
         return ready
 
+    def _usable(self) -> list[bool]:
+        """Window entries the next call may pick on the GPU: wanted by the last call's retrieval, and
+        rebuilt. All False with no alignment yet (first call of an episode) or after a fallback."""
+        if self.retriever.fallback:
+            return [False] * len(self.window)
+        wanted = set(self._wanted)
+        return [
+            s.key is not None and s.key in wanted and (s.ready is None or s.ready.query())
+            for s in self.window
+        ]
+
     def _infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
+        if self.cfg.match_on_gpu:
+            usable = self._usable()
+            if any(usable):
+                return self._infer_matched_on_gpu(inputs, noise, usable)
         e = self.engine
         bucket = e.load_inputs(inputs, noise)
         e.run_stage("vision", bucket)
         ready = self._descriptor_to_host()
-        guess = self._ready_slot(self._next) if self.cfg.speculate and self._next is not None else None
-        if guess is not None:  # queued behind vision: it runs while the host does retrieval
-            e.load_reference(guess.ref, guess.neurons)
-            e.run_stage("prefill", bucket, variant="cached")
         if ready is not None:
             ready.synchronize()
         descriptor = self._descriptor_host.numpy().copy()
         matches = self.retriever.query(descriptor)
         similarity = self.retriever.last_similarity
         slot = self._ready_slot((matches[0].episode, matches[0].position)) if matches else None
-        if guess is not None:
-            self.speculation["hits" if slot is guess else "misses"] += 1
         if slot is not None:
-            if slot is not guess:  # no speculation, or it guessed another entry: prefill on the match
-                e.load_reference(slot.ref, slot.neurons)
-                e.run_stage("prefill", bucket, variant="cached")
+            e.load_reference(slot.ref, slot.neurons)
+            e.run_stage("prefill", bucket, variant="cached")
             e.run_stage("denoise", bucket, variant="cached")
-            self._next = self._predict(matches[0])
-            info = CallInfo("cached", similarity, matches[0].episode, matches[0].position)
-            self._episode_cached = True
-            self.cached_calls += 1
+            info = self._served_cached(matches[0].episode, matches[0].position, similarity)
         else:
-            self._next = self._last_match = None
-            record = self.cfg.record and not self._episode_cached
-            e.run_stage("prefill", bucket)
-            e.run_stage("denoise", bucket, variant="record" if record else "dense")
-            if self.retriever.fallback:
-                info = CallInfo("fallback", similarity, reason=f"similarity below {self.cfg.threshold}")
-            elif not self.library.entries:
-                info = CallInfo("dense", similarity, reason="empty library")
-            else:
-                info = CallInfo("dense", similarity, reason="entry not rebuilt yet")
-            if record:
-                self._record(inputs, descriptor)
+            info = self._serve_dense(inputs, bucket, descriptor, similarity)
+        return self._finish_call(matches, info)
+
+    def _infer_matched_on_gpu(
+        self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool]
+    ) -> tuple[torch.Tensor, CallInfo]:
+        e = self.engine
+        bucket = e.load_inputs(inputs, noise, usable)
+        e.run_stage("match", bucket, variant="cached")
+        matched = torch.cuda.Event() if e.device.type == "cuda" else None
+        if matched is not None:
+            matched.record()
+        e.run_stage("tail", bucket, variant="cached")  # queued now: it runs while the host does retrieval
+        if matched is not None:
+            matched.synchronize()
+        descriptor = e.descriptor_host.numpy().copy()
+        index, similarity = int(e.match_host[0]), float(e.match_host[1])
+        matches = self.retriever.query(descriptor)
+        slot = self.window[index]
+        if self.retriever.fallback or similarity < self.cfg.threshold or not usable[index]:
+            self.match_reruns += 1  # the cached result is not used: the same call again, dense
+            info = self._serve_dense(inputs, bucket, descriptor, self.retriever.last_similarity)
+        else:
+            assert slot.key is not None  # usable
+            info = self._served_cached(*slot.key, similarity)
+        return self._finish_call(matches, info)
+
+    def _served_cached(self, episode: int, position: int, similarity: float) -> CallInfo:
+        self._episode_cached = True
+        self.cached_calls += 1
+        return CallInfo("cached", similarity, episode, position)
+
+    def _serve_dense(
+        self, inputs: ModelInputs, bucket: int, descriptor: np.ndarray, similarity: float
+    ) -> CallInfo:
+        """The prefill and denoise of a dense call (vision has run), recorded if this episode qualifies."""
+        e = self.engine
+        record = self.cfg.record and not self._episode_cached
+        e.run_stage("prefill", bucket)
+        e.run_stage("denoise", bucket, variant="record" if record else "dense")
+        if self.retriever.fallback:
+            info = CallInfo("fallback", similarity, reason=f"similarity below {self.cfg.threshold}")
+        elif not self.library.entries:
+            info = CallInfo("dense", similarity, reason="empty library")
+        else:
+            info = CallInfo("dense", similarity, reason="entry not rebuilt yet")
+        if record:
+            self._record(inputs, descriptor)
+        return info
+
+    def _finish_call(self, matches: list[Match], info: CallInfo) -> tuple[torch.Tensor, CallInfo]:
         self._wanted = [
             (m.episode, p)
             for m in matches
@@ -359,7 +385,7 @@ class RMuscle:
         ]
         self.calls += 1
         self.last = info
-        return e.actions.clone()[None], info
+        return self.engine.actions.clone()[None], info
 
     def _record(self, inputs: ModelInputs, descriptor: np.ndarray) -> None:
         rec = self._recording
@@ -404,14 +430,19 @@ class RMuscle:
             free.key = None  # not usable while it is being rewritten
             self.engine.rebuild_entry(inputs, free.ref, use_graphs=not self.cfg.concurrent_rebuilds)
             masks = torch.from_numpy(episode.action_masks[call].astype(np.int32))
+            flat = self._descriptors[key[0]][call].reshape(-1).astype(np.float32)
+            unit = torch.from_numpy(flat / max(float(np.linalg.norm(flat)), 1e-12))  # as retrieval's rows
+            key_row = self.engine.window.keys[free.index]  # what the match stage compares with
             stream = self.engine.rebuild_stream
             if stream is not None:
                 with torch.cuda.stream(stream):
                     free.neurons.copy_(masks, non_blocking=True)
+                    key_row.copy_(unit, non_blocking=True)
                     free.ready = torch.cuda.Event()
                     free.ready.record(stream)
             else:
                 free.neurons.copy_(masks)
+                key_row.copy_(unit)
                 free.ready = None
             free.key = key
             held.add(key)
@@ -432,8 +463,7 @@ class RMuscle:
             "library_bytes": self.library.total_bytes,
             "library_path": str(self.library.root) if self.cfg.library_path else "",
             "library_problems": list(self.library.problems),
-            "speculation_hits": self.speculation["hits"],
-            "speculation_misses": self.speculation["misses"],
+            "match_reruns": self.match_reruns,
         }
 
     def close(self) -> int | None:
