@@ -1,14 +1,14 @@
 """rMuscle vs the dense graph engine on a GPU, in one process, on the same observations (issue #4).
 
 Scenario: a *reference* episode of `--calls` observations (three cameras watching a scene in which an
-object moves smoothly; random-weight π0.5 at full size) is run densely, recording the Action Cache
-masks and the retrieval descriptors, and every call's Context Cache entry is rebuilt on the rebuild
-lane. A *live* episode then repeats the task: the same motion with a small change of light and sensor
-noise. Each live call is served by the matched reference entry (retrieval with alignment) and compared
-with the dense graph on the same inputs and noise.
+object moves smoothly; random-weight π0.5 at full size) runs through the shipped rMuscle runtime
+(`RMuscle.infer`, as the node calls it) with an empty library, so it runs dense and is recorded. A *live*
+episode then repeats the task: the same motion with a small change of light and sensor noise. Each live
+call goes through the runtime (retrieval with alignment, the window refilled after each call as in the
+arm's motion window) and is compared with the dense graph on the same inputs and noise.
 
 Reported (Markdown + JSON in --out): per (ρp, ρn), median end-to-end ms of a dense call and a cached
-call (wall clock, including the retrieval descriptor's read-back and the reference load), per-stage
+call through the runtime (wall clock; matched on the GPU, and the same on the host), per-stage
 replay ms, speedup, action relative L2 error and similarity; the cost of rebuilding an entry, the
 window's memory, the latency of a live call while rebuilds run on the low-priority stream; FLOPs and
 bytes per call with roofline projections (labelled as such) to an RTX 4090 and a Jetson Thor.
@@ -20,7 +20,7 @@ Weights are random: the error figures are *not* those of a trained policy.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import faulthandler
 import gc
 import json
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import cuda_time_ms, measure_ceilings, record_header, rel_l2, save_results
 from bench.trace_graphs import idle_gaps, traced_events
-from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
+from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
 from rmuscle_ros.engine.fused import ContextRef
-from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
+from rmuscle_ros.engine.graph import GraphEngine
 from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -109,32 +109,33 @@ def device_ms(fn, iters: int, device: torch.device) -> float:
     return statistics.median(samples)
 
 
-def on_stream(stream: torch.cuda.Stream | None):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
 def wait(stream: torch.cuda.Stream | None) -> None:
     if stream is not None:
         stream.synchronize()
 
 
 class Bench:
-    """One engine with fixed (ρp, ρn): reference episode, window, live episode."""
+    """One engine with fixed (ρp, ρn) and the shipped rMuscle runtime on it: reference episode, live
+    episode, timings. Cached calls are `RMuscle.infer`, exactly as the node runs them; dense calls replay
+    the engine's three stage graphs."""
 
-    def __init__(self, model: Pi05Model, shapes: CacheShapes, args, device) -> None:
+    def __init__(self, model: Pi05Model, rho_p: float, rho_n: float, args, device) -> None:
         backend = "graph" if device.type == "cuda" else "fused"
         pdl = {} if args.pdl else {"pdl": False}
-        self.engine: GraphEngine = create_engine(backend, model, device, buckets=[64], cache=shapes, **pdl)
-        log(f"engine built for {shapes}; capturing graphs")
+        self.rm_cfg = RMuscleConfig(
+            rho_p=rho_p, rho_n=rho_n, rebuilds_per_tick=20, concurrent_rebuilds=args.concurrent_rebuilds
+        )
+        self.engine: GraphEngine = create_engine(
+            backend, model, device, buckets=[64], cache=self.rm_cfg.shapes(), **pdl
+        )
+        log(f"engine built for {self.rm_cfg.shapes()}; capturing graphs")
         self.engine.warmup()
         log("graphs captured")
+        self.runtime = RMuscle(self.engine, self.rm_cfg, weights="random weights, seed 0")
         self.args, self.cfg, self.device = args, model.cfg, device
         self.noise = torch.randn(
             1, self.cfg.horizon, self.cfg.action_dim, generator=torch.Generator().manual_seed(3)
         )
-        self.desc_host: torch.Tensor | None = None  # the descriptor's read-back buffer (pinned on a GPU)
-        self.last_position: int | None = None  # the last match, what a speculative call predicts
-        self.guesses = [0, 0]  # speculative calls: [run again, kept]
 
     def dense_call(self, inputs: ModelInputs, variant: str = "dense") -> torch.Tensor:
         e = self.engine
@@ -144,7 +145,21 @@ class Bench:
         e.run_stage("denoise", bucket, variant=variant)
         return e.actions
 
+    def cached_call(self, inputs: ModelInputs) -> tuple[torch.Tensor, CallInfo]:
+        return self.runtime.infer(inputs, self.noise)
+
+    def match_on(self, on_gpu: bool) -> None:
+        """Where the runtime matches (RMuscleConfig.match_on_gpu), for the calls that follow."""
+        self.runtime.cfg = dataclasses.replace(self.runtime.cfg, match_on_gpu=on_gpu)
+
+    def refill_window(self) -> None:
+        """What the node does in the motion window after a publish: rebuild the wanted entries."""
+        self.runtime.rebuild(max_entries=len(self.runtime.window))
+        wait(self.engine.rebuild_stream)
+
     def record_reference(self) -> None:
+        """A dense episode through the runtime (recorded into its library), then the rebuild cost of one
+        entry on the rebuild lane alone (into a scratch entry: the window's slots belong to the runtime)."""
         cfg, n = self.cfg, self.args.calls
         self.ref_obs = [
             observation(cfg, t / (n - 1), 1.0, 0.01, 100 + t, self.args.prompt_tokens) for t in range(n)
@@ -152,183 +167,149 @@ class Bench:
         if self.device.type == "cuda":  # pinned, as the runtime's library arrays: rebuild copies never block
             for obs in self.ref_obs:
                 obs.images = obs.images.pin_memory()
-        descriptors, masks = [], []
         for obs in self.ref_obs:
-            self.dense_call(obs, "record")
-            descriptors.append(self.engine.descriptor().cpu().numpy())
-            masks.append(self.engine.recorded_masks.clone())
-        self.masks = masks
+            _, info = self.cached_call(obs)
+            if info.mode != "dense":
+                raise RuntimeError(f"a reference call ran {info.mode}: the library was not empty")
+        if self.runtime.reset_episode() is None:
+            raise RuntimeError("the reference episode was not recorded")
         log(f"reference episode recorded ({n} dense calls)")
-        self.retriever = Retriever(RetrievalConfig(), {0: np.stack(descriptors)})
-        self.window = [ContextRef.allocate(cfg, self.device, self.engine.dtype) for _ in range(n)]
-        stream = self.engine.rebuild_stream
+        self.scratch = ContextRef.allocate(cfg, self.device, self.engine.dtype)
         times = []
-        for obs, slot in zip(self.ref_obs, self.window, strict=True):
+        for obs in self.ref_obs:
             sync()
             start = time.perf_counter()
-            self.engine.rebuild_entry(obs, slot)
-            wait(stream)
+            self.engine.rebuild_entry(obs, self.scratch)
+            wait(self.engine.rebuild_stream)
             times.append((time.perf_counter() - start) * 1e3)
         self.rebuild_ms = statistics.median(times)  # wall clock per entry, rebuild lane alone
-        if not all(slot.ffn_in.abs().sum() > 0 for slot in self.window):
-            raise RuntimeError("a rebuilt window entry is empty")
-        log(f"window rebuilt ({n} entries, {self.rebuild_ms:.2f} ms each)")
-
-    def cached_call(self, inputs: ModelInputs, speculate: bool = False) -> tuple[torch.Tensor, float | None]:
-        """The whole rMuscle call as the node runs it: vision, descriptor to the host, retrieval, load the
-        matched entry, cached prefill and denoise. Returns (actions, similarity); below the threshold the
-        call runs dense and the similarity is None. speculate: as RMuscleConfig.speculate, predicting the
-        previous call's position (the timing loop repeats one observation); guesses are counted."""
-        e = self.engine
-        bucket = e.load_inputs(inputs, self.noise)
-        e.run_stage("vision", bucket)
-        d = e.descriptor()
-        if self.desc_host is None:
-            self.desc_host = torch.empty(d.shape, dtype=d.dtype, pin_memory=d.is_cuda)
-        self.desc_host.copy_(d, non_blocking=True)
-        ready = torch.cuda.Event() if d.is_cuda else None
-        if ready is not None:
-            ready.record()
-        guess = self.last_position if speculate else None
-        if guess is not None:
-            e.load_reference(self.window[guess], self.masks[guess])
-            e.run_stage("prefill", bucket, variant="cached")
-        if ready is not None:
-            ready.synchronize()
-        matches = self.retriever.query(self.desc_host.numpy().copy())
-        if not matches:
-            e.run_stage("prefill", bucket)
-            e.run_stage("denoise", bucket)
-            return e.actions, None
-        m = matches[0]
-        if guess is not None:
-            self.guesses[m.position == guess] += 1
-        if m.position != guess:
-            e.load_reference(self.window[m.position], self.masks[m.position])
-            e.run_stage("prefill", bucket, variant="cached")
-        e.run_stage("denoise", bucket, variant="cached")
-        self.last_position = m.position
-        return e.actions, m.similarity
+        if not self.scratch.ffn_in.abs().sum() > 0:
+            raise RuntimeError("a rebuilt entry is empty")
+        log(f"one entry rebuilt in {self.rebuild_ms:.2f} ms")
 
     def live_episode(self) -> dict:
+        """The task again (other light, sensor noise): each call through the runtime, compared with the
+        dense graph on the same inputs; the window is refilled after each call, as on the cell."""
         cfg, n = self.cfg, self.args.calls
-        errors, sims = [], []
-        self.retriever.reset()
+        errors, sims, modes = [], [], []
         self.live_obs = [
             observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens)
             for t in range(n - 1)
         ]
-        fallbacks = 0
         for obs in self.live_obs:
             dense = self.dense_call(obs).clone()
-            cached, sim = self.cached_call(obs)
-            if sim is None:
-                fallbacks += 1
-                continue
-            errors.append(rel_l2(cached, dense))
-            sims.append(sim)
+            actions, info = self.cached_call(obs)
+            self.refill_window()
+            modes.append(info.mode)
+            if info.mode == "cached":
+                errors.append(rel_l2(actions[0], dense))
+                sims.append(info.similarity)
         if not errors:
-            raise RuntimeError(
-                "every live call fell below the similarity threshold: no cached call to report"
-            )
+            raise RuntimeError(f"no live call was served from the cache: {modes}")
         return {"action_rel_l2_median": statistics.median(errors), "action_rel_l2_max": max(errors),
                 "similarity_min": min(sims), "similarity_median": statistics.median(sims),
-                "dense_fallback_calls": fallbacks}  # fmt: skip
+                "live_modes": modes}  # fmt: skip
+
+    def _prime(self, obs: ModelInputs, on_gpu: bool) -> None:
+        """Cached calls on `obs` from now on: one call aligns retrieval, the window gets its entries."""
+        self.match_on(on_gpu)
+        self.cached_call(obs)
+        self.refill_window()
+        _, info = self.cached_call(obs)
+        if info.mode != "cached":
+            raise RuntimeError(f"the timed observation is not served cached ({info})")
 
     def idle_gaps(self, rows: int = 6) -> dict:
         """One dense and one cached call under the profiler: the GPU's span, busy and idle time, and the
         largest idle gaps with the kernel that ended each (what the GPU waited on the host for)."""
         obs = self.live_obs[len(self.live_obs) // 2]
         out = {}
-        for name, call in (
-            ("dense", lambda: self.dense_call(obs)),
-            ("rmuscle", lambda: self.cached_call(obs)),
-        ):
+        for name, on_gpu in (("dense", None), ("rmuscle", True), ("rmuscle_host_match", False)):
+            if on_gpu is None:
+                call = lambda: self.dense_call(obs)  # noqa: E731
+            else:
+                self._prime(obs, on_gpu)
+                call = lambda: self.cached_call(obs)  # noqa: E731
             for _ in range(3):
-                self.retriever.reset()
                 call()
-            self.retriever.reset()
             events = traced_events(call)
             gaps = idle_gaps(events)
             span = max(stop for _, _, stop in events) - events[0][1]
             idle = sum(g["us"] for g in gaps)
             out[name] = {"span_us": round(span, 1), "idle_us": round(idle, 1), "kernels": len(events),
                          "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:rows]}  # fmt: skip
+        self.match_on(True)
         log(f"idle gaps {out}")
         return out
 
     def timings(self) -> dict:
         e, it, dev = self.engine, self.args.iters, self.device
         obs = self.live_obs[len(self.live_obs) // 2]
-        self.retriever.reset()
         dense_wall = statistics.median(wall_ms(lambda: self.dense_call(obs), it))
-        self.retriever.reset()
-        cached_wall = statistics.median(wall_ms(lambda: self.cached_call(obs), it))
-        log(f"end to end: dense {dense_wall:.3f} ms, rmuscle {cached_wall:.3f} ms")
-        speculative = {}
-        if self.args.speculate:  # one observation repeated: the guess (the last position) should hit
-            self.retriever.reset()
-            self.cached_call(obs)  # sets the position the next calls predict
-            self.guesses = [0, 0]
-            spec_wall = statistics.median(wall_ms(lambda: self.cached_call(obs, speculate=True), it))
-            speculative = {"rmuscle_speculative_ms": round(spec_wall, 3),
-                           "speedup_speculative": round(dense_wall / spec_wall, 3),
-                           "speculation_hits": self.guesses[1], "speculation_misses": self.guesses[0]}  # fmt: skip
-            log(f"speculative: {spec_wall:.3f} ms, guesses hit {self.guesses[1]}, missed {self.guesses[0]}")
-        bucket = e.load_inputs(obs, self.noise)
+        walls = {}
+        for on_gpu in (True, False):
+            self._prime(obs, on_gpu)
+            reruns = self.runtime.match_reruns
+            walls[on_gpu] = statistics.median(wall_ms(lambda: self.cached_call(obs), it))
+            if self.runtime.last.mode != "cached" or self.runtime.match_reruns != reruns:
+                raise RuntimeError(f"a timed call was not served cached ({self.runtime.last})")
+        self.match_on(True)
+        log(
+            f"end to end: dense {dense_wall:.3f} ms, rmuscle {walls[True]:.3f} ms (host match {walls[False]:.3f})"
+        )
+        slot = next(s for s in self.runtime.window if s.key is not None)
+        usable = [s.key is not None for s in self.runtime.window]
+        bucket = e.load_inputs(obs, self.noise, usable)
+        e.load_reference(slot.ref, slot.neurons)
         stages = {}
         for stage, variant in (("vision", "dense"), ("prefill", "dense"), ("prefill", "cached"),
-                               ("denoise", "dense"), ("denoise", "cached")):  # fmt: skip
+                               ("denoise", "dense"), ("denoise", "cached"), ("match", "cached"),
+                               ("tail", "cached")):  # fmt: skip
             run = lambda s=stage, v=variant: e.run_stage(s, bucket, variant=v)  # noqa: E731
             stages[f"{stage}_{variant}"] = round(device_ms(run, it, dev), 3)
-        load = device_ms(lambda: e.load_reference(self.window[0], self.masks[0]), it, dev)
+        load = device_ms(lambda: e.load_reference(slot.ref, slot.neurons), it, dev)
         log(f"stages {stages}")
         out = {
             "dense_ms": round(dense_wall, 3),
-            "rmuscle_ms": round(cached_wall, 3),
-            "speedup": round(dense_wall / cached_wall, 3),
+            "rmuscle_ms": round(walls[True], 3),
+            "speedup": round(dense_wall / walls[True], 3),
+            "rmuscle_host_match_ms": round(walls[False], 3),
+            "speedup_host_match": round(dense_wall / walls[False], 3),
             "stages_ms": stages,
             "load_reference_ms": round(load, 3),
             "rebuild_entry_ms": round(self.rebuild_ms, 3),
-            **speculative,
         }
         if not self.args.interference:
             return out
-        # A live call while rebuilds are queued on the low-priority lane (the worst case: back to back).
-        # This phase once hung on the H200 (cause not found): if it stalls, dump every thread's Python
-        # stack (where it waits) and exit, rather than hold the GPU until an outer timeout.
+        # A live call right after two rebuilds were queued on the low-priority lane (the worst case: back
+        # to back). Without concurrent_rebuilds the runtime orders the call after them; with it, the
+        # rebuilds launch kernel by kernel and run alongside. Rebuild graphs alongside a live call once hung
+        # the H200 (cause not found): if this stalls, dump every thread's Python stack and exit.
         faulthandler.dump_traceback_later(self.args.interference_timeout_s, exit=True)
-        self.retriever.reset()
-        sync()
-        busy = []
+        self._prime(obs, True)
+        concurrent = self.rm_cfg.concurrent_rebuilds
+        busy, quiet = [], []
         for i in range(it):
             if i == 0:
                 log("interference: first live call with rebuilds queued")
             for k in range(2):
-                e.rebuild_entry(self.ref_obs[k], self.window[k], use_graphs=self.args.rebuild_graphs)
+                e.rebuild_entry(self.ref_obs[k], self.scratch, use_graphs=not concurrent)
             start = time.perf_counter()
-            with on_stream(e.live_stream):
-                if self.args.serialize_rebuilds:  # the live call waits for the rebuilds in flight
-                    e.live_stream.wait_stream(e.rebuild_stream)
-                self.cached_call(obs)
-            wait(e.live_stream)
+            self.cached_call(obs)
+            sync()
             busy.append((time.perf_counter() - start) * 1e3)
             wait(e.rebuild_stream)
-        self.retriever.reset()
-        quiet = []
         for _ in range(it):
             start = time.perf_counter()
-            with on_stream(e.live_stream):
-                self.cached_call(obs)
-            wait(e.live_stream)
+            self.cached_call(obs)
+            sync()
             quiet.append((time.perf_counter() - start) * 1e3)
         faulthandler.cancel_dump_traceback_later()
         log("interference measured")
         return out | {
             "live_call_alone_ms": round(statistics.median(quiet), 3),
             "live_call_during_rebuild_ms": round(statistics.median(busy), 3),
-            "live_call_waits_for_rebuilds": self.args.serialize_rebuilds,
-            "rebuilds_replay_graphs": self.args.rebuild_graphs,
+            "rebuilds_concurrent": concurrent,
         }
 
 
@@ -352,14 +333,10 @@ def main() -> None:
     )
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                    help="programmatic dependent launch in the engine's graphs (where supported)")  # fmt: skip
-    p.add_argument("--rebuild-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="in the interference phase, replay the rebuild graph (else launch its kernels)")  # fmt: skip
-    p.add_argument("--serialize-rebuilds", action="store_true",
-                   help="in the interference phase, order each live call after the queued rebuilds")  # fmt: skip
+    p.add_argument("--concurrent-rebuilds", action="store_true",
+                   help="RMuscleConfig.concurrent_rebuilds: rebuilds launch kernel by kernel alongside live calls")  # fmt: skip
     p.add_argument("--interference-timeout-s", type=float, default=120.0,
                    help="dump the Python stacks and exit if the interference phase takes longer")  # fmt: skip
-    p.add_argument("--speculate", action="store_true",
-                   help="also time cached calls that start the prefill on the predicted entry")  # fmt: skip
     p.add_argument("--trace", action="store_true",
                    help="also profile one dense and one cached call: GPU idle time and its largest gaps")  # fmt: skip
     args = p.parse_args()
@@ -382,7 +359,7 @@ def main() -> None:
     log(f"eager {eager_ms:.1f} ms")
     model.float()
     for rho_p, rho_n in rhos:
-        bench = Bench(model, CacheShapes(rho_p, rho_n), args, device)
+        bench = Bench(model, rho_p, rho_n, args, device)
         bench.record_reference()
         quality = bench.live_episode()
         timing = bench.timings()
@@ -394,7 +371,7 @@ def main() -> None:
         results[key] = {
             "rho_p": rho_p, "rho_n": rho_n, "median_ms": timing["rmuscle_ms"], "dense_same_run_ms": timing["dense_ms"],
             "speedup": timing["speedup"], **quality, **{k: v for k, v in timing.items() if k not in ("rmuscle_ms", "dense_ms", "speedup")},
-            "window_entry_mb": round(bench.window[0].nbytes / 2**20, 1),
+            "window_entry_mb": round(bench.scratch.nbytes / 2**20, 1),
             "engine_cache_mb": round(bench.engine.cache_bytes / 2**20, 1),
         }  # fmt: skip
         log(f"{key}: {json.dumps(results[key])}")
@@ -492,9 +469,9 @@ def to_markdown(r: dict) -> str:
                 else " Live-call latency during rebuilds: not measured in this run."
             ),
         ]
-        if "rmuscle_speculative_ms" in v:
-            lines += ["", f"Speculative prefill: {v['rmuscle_speculative_ms']} ms ({v['speedup_speculative']}×), "
-                      f"guesses kept {v['speculation_hits']}, run again {v['speculation_misses']}."]  # fmt: skip
+        lines += ["", f"The same calls matched on the host (RMuscleConfig.match_on_gpu false): "
+                  f"{v['rmuscle_host_match_ms']} ms ({v['speedup_host_match']}×). Match stage (vision, pick, load) "
+                  f"{v['stages_ms']['match_cached']} ms, cached prefill + denoise graph {v['stages_ms']['tail_cached']} ms."]  # fmt: skip
         if "gpu_timeline" in v:
             t = v["gpu_timeline"]
             lines += ["", "GPU idle within one call (profiled): " + "; ".join(
