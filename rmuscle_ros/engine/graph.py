@@ -342,8 +342,9 @@ class GraphEngine:
         w = self.window
         d = self.live.descriptor.view(-1)
         sims = torch.where(w.usable, w.keys @ (d * torch.rsqrt((d * d).sum().clamp_min(1e-24))), -2.0)
-        best = sims.argmax()  # the first of equal maxima (max's index may be any of them)
-        best_sim = sims[best]
+        # argmax: the first of equal maxima (max(0)'s index may be any of them). Not sims[best]: indexing
+        # with a 0-d tensor reads it on the host, which a graph capture cannot do.
+        best, best_sim = sims.argmax(), sims.max()
         if self.keep_tokens < self.cfg.image_tokens:
             torch.index_select(w.ffn_in, 0, best.view(1), out=self.ctx_ref.ffn_in[None])
             torch.index_select(w.ffn_out, 0, best.view(1), out=self.ctx_ref.ffn_out[None])
