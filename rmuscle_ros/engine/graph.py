@@ -171,63 +171,6 @@ class _Lane:
         self.key_bias = {b: zeros(c * per_image + b) for b in buckets}
         capacity = round_up(c * per_image + max(buckets) + cfg.horizon, KV_ALIGN)
         self.kv = KVBuffers.allocate(cfg, capacity, device, dtype)
-        self.staging = _Staging(device)
-
-
-class _Staging:
-    """Host side of a lane's input copies. On a GPU, host tensors go through pinned buffers, so every copy
-    is asynchronous and the host never waits on a pageable transfer; a prompt that lives on the GPU is
-    read back in one wait. The buffers are reused call after call: before rewriting them, the host waits
-    for the previous call's copies out of them (normally long done)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._pinned: dict[str, Tensor] = {}
-        self._copied: torch.cuda.Event | None = None  # the last copies out of the pinned buffers
-
-    def _buffer(self, name: str, like: Tensor) -> Tensor:
-        buf = self._pinned.get(name)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self._pinned[name] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return buf
-
-    def begin(self) -> None:
-        """Wait until the previous call's copies have left the pinned buffers."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-
-    def prompt(self, bucket: int) -> tuple[Tensor, Tensor]:
-        """Host buffers the packed prompt of this bucket is written into (pinned on a GPU)."""
-        key = f"prompt_{bucket}"
-        if key not in self._pinned:
-            pin = self.cuda
-            self._pinned[key] = torch.zeros(bucket, dtype=torch.long, pin_memory=pin)
-            self._pinned[f"{key}_mask"] = torch.zeros(bucket, dtype=torch.bool, pin_memory=pin)
-        return self._pinned[key], self._pinned[f"{key}_mask"]
-
-    def to_host(self, **rows: Tensor) -> dict[str, Tensor]:
-        """Host copies of small tensors; those on the GPU come back together, after one wait."""
-        if not self.cuda or all(not r.is_cuda for r in rows.values()):
-            return {k: r.cpu() for k, r in rows.items()}
-        out = {}
-        for k, r in rows.items():
-            out[k] = self._buffer(f"read_{k}", r).copy_(r, non_blocking=True) if r.is_cuda else r
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return out
-
-    def copy(self, name: str, dst: Tensor, src: Tensor) -> None:
-        """dst (on the lane's device) <- src, without blocking the host."""
-        if self.cuda and not src.is_cuda and not src.is_pinned():
-            src = self._buffer(name, src).copy_(src)
-        dst.copy_(src, non_blocking=True)
-
-    def end(self) -> None:
-        if self.cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
 
 
 class GraphEngine:
@@ -454,28 +397,24 @@ class GraphEngine:
                 f"images must be (1, {', '.join(map(str, lane.images.shape))}), got {tuple(inputs.images.shape)}"
             )
         # Pack the prompt on the host: a handful of integers, and no small kernels on the GPU. The prompt
-        # decides the bucket, so a prompt on the GPU costs one wait for its read-back; a host one none.
-        staging = lane.staging
-        staging.begin()
-        row = staging.to_host(tokens=inputs.tokens[0], mask=inputs.token_mask[0])
-        token_row, mask_row = row["tokens"].numpy(), row["mask"].numpy()
+        # decides the bucket, so a prompt on the GPU is read back (bench_pi05's setting; the node's is not).
+        token_row, mask_row = inputs.tokens[0].cpu().numpy(), inputs.token_mask[0].cpu().numpy()
         n = int(np.count_nonzero(mask_row))
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
-        tokens, token_mask = staging.prompt(bucket)
-        pack_prompt_into(token_row, mask_row, tokens.numpy(), token_mask.numpy())
-        staging.copy("images", lane.images, inputs.images[0])
-        staging.copy("image_mask", lane.image_mask, inputs.image_masks[0])
-        lane.tokens[bucket].copy_(tokens, non_blocking=True)
-        lane.token_mask[bucket].copy_(token_mask, non_blocking=True)
+        tokens, token_mask = np.zeros(bucket, np.int64), np.zeros(bucket, np.bool_)
+        pack_prompt_into(token_row, mask_row, tokens, token_mask)
+        lane.images.copy_(inputs.images[0], non_blocking=True)
+        lane.image_mask.copy_(inputs.image_masks[0], non_blocking=True)
+        lane.tokens[bucket].copy_(torch.from_numpy(tokens), non_blocking=True)
+        lane.token_mask[bucket].copy_(torch.from_numpy(token_mask), non_blocking=True)
         if noise is not None:
-            staging.copy("noise", lane.noise, noise[0])
+            lane.noise.copy_(noise[0], non_blocking=True)
         if usable is not None:
             if self.window is None or len(usable) != len(self.window):
                 raise ValueError(f"usable must flag each of the window's entries, got {len(usable)}")
-            staging.copy("usable", self.window.usable, torch.tensor(usable, dtype=torch.bool))
-        staging.end()
+            self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
         return bucket
 
     def load_inputs(self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool] | None = None) -> int:
