@@ -16,7 +16,7 @@ stream); an entry becomes usable when its rebuild has finished on the GPU.
 
 The window holds `top_k × (lookahead + 1)` entries (20 by default), allocated once.
 
-With `match_on_gpu` (the default), steps 2-3 of a call whose candidates are already in the window run on
+With `match_on_gpu`, steps 2-3 of a call whose candidates are already in the window run on
 the GPU without waiting for the host: the match stage picks the usable window entry whose descriptor is
 most similar and loads it, and the cached prefill and denoise follow at once. The host runs retrieval
 meanwhile, for the alignment, the fallback and the next window. If the picked entry is below the threshold,
@@ -65,9 +65,12 @@ class RMuscleConfig:
     # with kernel-by-kernel rebuilds it ran undelayed (13.26 vs 13.36 ms alone, 20 rebuilds, one run).
     concurrent_rebuilds: bool = False
     # Match on the GPU (see the module docstring): the cached graphs start right after vision instead of
-    # after the descriptor's round trip to the host and retrieval (0.3-0.5 ms per cached call on the
-    # H200, bench_rmuscle --trace at 3d8ea90). A pick below the threshold costs one more prefill + denoise.
-    match_on_gpu: bool = True
+    # after the descriptor's round trip to the host and retrieval. Off: on the H200 (fast host CPU) it gave
+    # no gain, cached calls 12.66/12.74/13.03/12.63 ms against 12.63/12.73/12.57/12.50 matched on the host
+    # (alternated in one process, c1aaf24): its pick and load kernels cost what the round trip did. It may
+    # pay where the host is slow (a Jetson's CPU); not measured there. A pick below the threshold costs one
+    # more prefill + denoise.
+    match_on_gpu: bool = False
 
     def __post_init__(self) -> None:
         self.shapes()  # validates rho_p, rho_n, anchors
