@@ -187,7 +187,7 @@ def test_matching_on_the_gpu_serves_the_same_chunks_as_matching_on_the_host(tmp_
 def test_a_gpu_pick_below_the_threshold_runs_the_call_again_dense(tmp_path) -> None:
     """The first call below the threshold is matched on the GPU before the host knows: its cached result is
     dropped and the call runs again dense, so the chunk is the dense chunk bit for bit (mode fallback)."""
-    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, match_on_gpu=True))
     run(policy, episode(6))
     policy.reset_episode()
     live = episode(4, offset=0.05, light=0.97, noise=2.0)
