@@ -143,8 +143,7 @@ def test_graph_engine_takes_host_tensors() -> None:
     on_device = engine.sample_actions(inputs, noise)
     on_host = engine.sample_actions(inputs.to(torch.device("cpu")), noise.cpu())
     assert torch.equal(on_device, on_host)
-    # Host inputs go through pinned buffers reused call after call: two calls queued back to back, with
-    # other prompts and images, each still see their own inputs.
+    # Two calls queued back to back from host tensors, with other prompts and images: each sees its own.
     other, other_noise = _inputs(cfg, valid_tokens=33, pad_to=48, missing_camera=False, seed=4)
     other_on_device = engine.sample_actions(other, other_noise)
     first = engine.sample_actions(inputs.to(torch.device("cpu")), noise.cpu())

@@ -80,7 +80,9 @@ class RMuscleConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def shapes(self) -> CacheShapes:
-        return CacheShapes(self.rho_p, self.rho_n, self.anchors, window=self.window_size)
+        return CacheShapes(
+            self.rho_p, self.rho_n, self.anchors, window=self.window_size, match=self.match_on_gpu
+        )
 
     @property
     def window_size(self) -> int:

@@ -63,8 +63,8 @@ VARIANTS = {
     "prefill": ("dense", "cached"),
     "denoise": ("dense", "cached", "record"),
     "call": ("dense",),  # the three dense stages in one graph: no gaps between replays
-    # With a window (CacheShapes.window): vision, then the best usable window entry picked and loaded on
-    # the GPU; and the cached prefill + denoise in one graph. A cached call is these two replays.
+    # With CacheShapes.match: vision, then the best usable window entry picked and loaded on the GPU; and
+    # the cached prefill + denoise in one graph. A call matched on the GPU is these two replays.
     "match": ("cached",),
     "tail": ("cached",),
 }
@@ -97,7 +97,8 @@ class CacheShapes:
     rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per layer
     rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated per step
     anchors: int = 1  # dense denoising steps before the Action Cache takes over
-    window: int = 0  # reference entries held on the device for on-GPU matching (0: none)
+    window: int = 0  # reference entries the engine holds, stacked (ReferenceWindow; 0: none)
+    match: bool = False  # also capture the match and tail graphs (matching on the GPU; needs a window)
 
     def __post_init__(self) -> None:
         for name in ("rho_p", "rho_n"):
@@ -108,6 +109,8 @@ class CacheShapes:
             raise ValueError(f"anchors must be >= 1, got {self.anchors}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.match and not self.window:
+            raise ValueError("matching on the GPU needs a window (window >= 1)")
 
     def keep_tokens(self, cfg: Pi05Config) -> int:
         return rho_count(self.rho_p, cfg.image_tokens)
@@ -359,7 +362,7 @@ class GraphEngine:
 
     def _graph_keys(self) -> list[tuple[str, int, str]]:
         keys = [("vision", 0, "dense")]
-        if self.cache is not None and self.window is not None:
+        if self.cache is not None and self.cache.match:
             keys += [("match", 0, "cached")] + [("tail", b, "cached") for b in self.buckets]
         for b in self.buckets:
             keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("call", b, "dense")]
