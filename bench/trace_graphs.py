@@ -78,6 +78,16 @@ def charge(events: list[tuple[str, float, float]]) -> dict:
     return {"span_us": span, "kernels": len(events), "by_kernel": dict(rows)}
 
 
+def sequence(events: list[tuple[str, float, float]]) -> list[dict]:
+    """The events in start order: name, start (µs from the first), duration, idle gap before it."""
+    out, end, t0 = [], events[0][1], events[0][1]
+    for name, start, stop in events:
+        out.append({"name": short(name), "start_us": round(start - t0, 2), "dur_us": round(stop - start, 2),
+                    "gap_us": round(max(0.0, start - end), 2)})  # fmt: skip
+        end = max(end, stop)
+    return out
+
+
 def short(name: str) -> str:
     """cuBLAS/cuDNN names without their template arguments, Triton names as they are."""
     return name.split("(")[0].split("<")[0][:90]
@@ -95,6 +105,11 @@ def main() -> None:
         "--cache", nargs=2, type=float, metavar=("RHO_P", "RHO_N"), default=None,
         help="also trace the cached prefill and denoise graphs at these ratios (random reference entry)",
     )  # fmt: skip
+    p.add_argument(
+        "--order", action="append", default=[], metavar="STAGE",
+        help="also list this stage's first --order-events events in order, with the gap before each",
+    )  # fmt: skip
+    p.add_argument("--order-events", type=int, default=40)
     args = p.parse_args()
     device = torch.device("cuda")
     options = {"cache": CacheShapes(*args.cache)} if args.cache else {}
@@ -119,6 +134,8 @@ def main() -> None:
             run()
         events = traced_events(run)
         stages[stage] = charge(events) if events else {"error": "no kernels traced inside the graph"}
+        if stage in args.order and events:
+            stages[stage]["sequence"] = sequence(events[: args.order_events])
     gpu = torch.cuda.get_device_name(device)
     lines = [
         f"# Stage graphs kernel by kernel — {gpu}",
@@ -143,6 +160,17 @@ def main() -> None:
                 f"| {k['gap_us']:.1f} |"
             )
         lines.append("")
+        if "sequence" in r:
+            lines += [
+                f"{stage} in order:",
+                "",
+                "| kernel | start µs | µs | gap before µs |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| {e['name']} | {e['start_us']} | {e['dur_us']} | {e['gap_us']} |" for e in r["sequence"]
+            ]
+            lines.append("")
     record = {
         **record_header(gpu, args.commit),
         "preset": args.preset,

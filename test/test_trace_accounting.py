@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.trace_graphs import charge, idle_gaps, kernel_events
+from bench.trace_graphs import charge, idle_gaps, kernel_events, sequence
 
 
 def test_overlapping_kernels_are_charged_their_own_tail_and_gaps_add_up() -> None:
@@ -38,4 +38,13 @@ def test_idle_gaps_list_each_stretch_without_gpu_work() -> None:
     assert idle_gaps(events) == [
         {"us": 2.0, "at_us": 8.0, "before": "c"},
         {"us": 0.5, "at_us": 11.0, "before": "d"},
+    ]
+
+
+def test_sequence_lists_events_in_order_with_the_idle_gap_before_each() -> None:
+    events = [("a", 0.0, 4.0), ("b(int)", 3.0, 8.0), ("c<x>", 10.0, 11.0)]
+    assert sequence(events) == [
+        {"name": "a", "start_us": 0.0, "dur_us": 4.0, "gap_us": 0.0},
+        {"name": "b", "start_us": 3.0, "dur_us": 5.0, "gap_us": 0.0},  # overlaps a (PDL): no gap
+        {"name": "c", "start_us": 10.0, "dur_us": 1.0, "gap_us": 2.0},
     ]
