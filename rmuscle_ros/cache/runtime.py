@@ -179,7 +179,6 @@ class RMuscle:
         self._wanted: list[tuple[int, int]] = []
         self.calls = self.cached_calls = 0
         self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
-        self._descriptor_host: torch.Tensor | None = None  # pinned on a GPU: read back without a sync
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
     # ── library and retrieval ────────────────────────────────────────────────────────────────────────────
@@ -286,12 +285,11 @@ class RMuscle:
         return actions, info
 
     def _descriptor_to_host(self) -> torch.cuda.Event | None:
-        """Queue the read-back of the retrieval descriptor; returns the event to wait on (None on a CPU,
-        where the copy is done on return)."""
+        """Queue the read-back of the retrieval descriptor into the engine's pinned `descriptor_host` (the
+        buffer the match graph writes too); returns the event to wait on (None on a CPU, where the copy is
+        done on return)."""
         d = self.engine.descriptor()
-        if self._descriptor_host is None:
-            self._descriptor_host = torch.empty(d.shape, dtype=d.dtype, pin_memory=d.is_cuda)
-        self._descriptor_host.copy_(d, non_blocking=True)
+        self.engine.descriptor_host.copy_(d, non_blocking=True)
         if not d.is_cuda:
             return None
         ready = torch.cuda.Event()
@@ -320,7 +318,7 @@ class RMuscle:
         ready = self._descriptor_to_host()
         if ready is not None:
             ready.synchronize()
-        descriptor = self._descriptor_host.numpy().copy()
+        descriptor = self.engine.descriptor_host.numpy().copy()
         matches = self.retriever.query(descriptor)
         similarity = self.retriever.last_similarity
         slot = self._ready_slot((matches[0].episode, matches[0].position)) if matches else None

@@ -18,6 +18,11 @@ and writing static buffers (`ctx_ref`, `neurons`, `recorded_masks`). A second se
 on a low-priority CUDA stream with its own graph memory pool, so it can run while a live call does.
 ρ = 1 selects the dense graphs themselves: that is what makes ρ = 1 exact.
 
+With a window (`CacheShapes.window`) the engine holds the sliding window's reference entries, stacked
+(`ReferenceWindow`); with `CacheShapes.match` it also captures a *match* graph (vision, then the most
+similar usable entry picked and loaded on the GPU) and a *tail* graph (cached prefill + denoise), so that
+a cached call needs no host round trip between vision and prefill.
+
 All tensors that cross a graph boundary live in buffers allocated here, outside the graphs' shared
 memory pool, so graphs may be replayed in any order.
 
@@ -244,10 +249,10 @@ class GraphEngine:
             self.cache_bytes += 2 * self.ctx_ref.nbytes + 2 * self.neurons.numel() * 4
             if cache.window:
                 self.window = ReferenceWindow.allocate(cfg, cache.window, mask_shape, device, self.dtype)
-                pin = cuda
                 self.match_out = torch.zeros(2, device=device)  # [entry index, its similarity]
-                self.match_host = torch.zeros(2, pin_memory=pin)  # read back inside the match graph
-                self.descriptor_host = torch.zeros(cfg.num_cameras, cfg.vlm.width, pin_memory=pin)
+                # Pinned on a GPU: read back without a sync (written by the match graph, or by the runtime)
+                self.match_host = torch.zeros(2, pin_memory=cuda)
+                self.descriptor_host = torch.zeros(cfg.num_cameras, cfg.vlm.width, pin_memory=cuda)
                 self.cache_bytes += self.window.nbytes
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._pools: dict[str, tuple[int, int] | None] = {"live": None, "rebuild": None}
