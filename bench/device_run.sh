@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call that checks and measures what a session changed (run it through the `device` tool from
+# the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
+# results land in $OUT (the device tool brings them back), named with the commit given here.
+#
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace]    (default: all four, ~7 min)
+#
+# <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
+set -u
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace]}
+shift
+steps=${*:-tests pi05 rmuscle trace}
+out=${OUT:-bench/out}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+quiet() { grep -v -i "warn"; }
+for step in $steps; do
+    echo "=== $step ($(date -u +%T))"
+    case $step in
+        tests)
+            timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py \
+                test/test_rmuscle_engine.py 2>&1 | quiet | tail -15 ;;
+        pi05)
+            timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_h200_$commit" \
+                --out "$out" 2>&1 | quiet | grep "^| \|graph\|Medians" ;;
+        rmuscle)
+            timeout 300 python3 bench/bench_rmuscle.py --commit "$commit" \
+                --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
+        trace)
+            timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
+                | quiet | grep "^## " ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace)" ;;
+    esac
+done
