@@ -153,7 +153,7 @@ class Bench:
         e.run_stage("denoise", bucket, variant=variant)
         return e.actions
 
-    def cached_call(self, inputs: ModelInputs) -> tuple[torch.Tensor, CallInfo]:
+    def runtime_call(self, inputs: ModelInputs) -> tuple[torch.Tensor, CallInfo]:
         return self.runtime.infer(inputs, self.noise)
 
     def match_on(self, on_gpu: bool) -> None:
@@ -176,7 +176,7 @@ class Bench:
             for obs in self.ref_obs:
                 obs.images = obs.images.pin_memory()
         for obs in self.ref_obs:
-            _, info = self.cached_call(obs)
+            _, info = self.runtime_call(obs)
             if info.mode != "dense":
                 raise RuntimeError(f"a reference call ran {info.mode}: the library was not empty")
         if self.runtime.reset_episode() is None:
@@ -206,7 +206,7 @@ class Bench:
         ]
         for obs in self.live_obs:
             dense = self.dense_call(obs).clone()
-            actions, info = self.cached_call(obs)
+            actions, info = self.runtime_call(obs)
             self.refill_window()
             modes.append(info.mode)
             if info.mode == "cached":
@@ -221,9 +221,9 @@ class Bench:
     def _prime(self, obs: ModelInputs, on_gpu: bool) -> None:
         """Cached calls on `obs` from now on: one call aligns retrieval, the window gets its entries."""
         self.match_on(on_gpu)
-        self.cached_call(obs)
+        self.runtime_call(obs)
         self.refill_window()
-        _, info = self.cached_call(obs)
+        _, info = self.runtime_call(obs)
         if info.mode != "cached":
             raise RuntimeError(f"the timed observation is not served cached ({info})")
 
@@ -237,7 +237,7 @@ class Bench:
                 call = lambda: self.dense_call(obs)  # noqa: E731
             else:
                 self._prime(obs, on_gpu)
-                call = lambda: self.cached_call(obs)  # noqa: E731
+                call = lambda: self.runtime_call(obs)  # noqa: E731
             for _ in range(3):
                 call()
             events = traced_events(call)
@@ -260,7 +260,7 @@ class Bench:
         for on_gpu in (False, True, False, True):
             self._prime(obs, on_gpu)
             reruns = self.runtime.match_reruns
-            samples[on_gpu] += wall_ms(lambda: self.cached_call(obs), max(1, it // 2))
+            samples[on_gpu] += wall_ms(lambda: self.runtime_call(obs), max(1, it // 2))
             if self.runtime.last.mode != "cached" or self.runtime.match_reruns != reruns:
                 raise RuntimeError(f"a timed call was not served cached ({self.runtime.last})")
         self.match_on(self.default_match)
@@ -309,13 +309,13 @@ class Bench:
             for k in range(2):
                 e.rebuild_entry(self.ref_obs[k], self.scratch, use_graphs=not concurrent)
             start = time.perf_counter()
-            self.cached_call(obs)
+            self.runtime_call(obs)
             sync()
             busy.append((time.perf_counter() - start) * 1e3)
             wait(e.rebuild_stream)
         for _ in range(it):
             start = time.perf_counter()
-            self.cached_call(obs)
+            self.runtime_call(obs)
             sync()
             quiet.append((time.perf_counter() - start) * 1e3)
         faulthandler.cancel_dump_traceback_later()
