@@ -51,41 +51,45 @@ def traced_events(run) -> list[tuple[str, float, float]]:
         return kernel_events(json.loads(path.read_text()))
 
 
+def _timeline(events: list[tuple[str, float, float]]):
+    """Each event with the time the GPU was busy until before it (the latest end of the earlier events)."""
+    busy = events[0][1]
+    for name, start, stop in events:
+        yield name, start, stop, busy
+        busy = max(busy, stop)
+
+
 def idle_gaps(events: list[tuple[str, float, float]]) -> list[dict]:
     """Every stretch with no GPU work between the first event and the last: its µs, where it starts
     (µs from the first event) and the kernel it ends with."""
-    gaps, end = [], events[0][1]
-    for name, start, stop in events:
-        if start > end:
-            gaps.append(
-                {"us": round(start - end, 1), "at_us": round(end - events[0][1], 1), "before": short(name)}
-            )
-        end = max(end, stop)
-    return gaps
+    t0 = events[0][1]
+    return [
+        {"us": round(start - busy, 1), "at_us": round(busy - t0, 1), "before": short(name)}
+        for name, start, _, busy in _timeline(events)
+        if start > busy
+    ]
 
 
 def charge(events: list[tuple[str, float, float]]) -> dict:
     """Per kernel name: count, charged µs, gap µs before it (see the module docstring); and the span."""
     rows: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "charged_us": 0.0, "gap_us": 0.0})
-    prev_end = events[0][1]
-    for name, start, end in events:
+    for name, start, stop, busy in _timeline(events):
         row = rows[short(name)]
         row["count"] += 1
-        row["gap_us"] += max(0.0, start - prev_end)
-        row["charged_us"] += max(0.0, end - max(start, prev_end))
-        prev_end = max(prev_end, end)
-    span = prev_end - events[0][1]
+        row["gap_us"] += max(0.0, start - busy)
+        row["charged_us"] += max(0.0, stop - max(start, busy))
+    span = max(stop for _, _, stop in events) - events[0][1]
     return {"span_us": span, "kernels": len(events), "by_kernel": dict(rows)}
 
 
 def sequence(events: list[tuple[str, float, float]]) -> list[dict]:
     """The events in start order: name, start (µs from the first), duration, idle gap before it."""
-    out, end, t0 = [], events[0][1], events[0][1]
-    for name, start, stop in events:
-        out.append({"name": short(name), "start_us": round(start - t0, 2), "dur_us": round(stop - start, 2),
-                    "gap_us": round(max(0.0, start - end), 2)})  # fmt: skip
-        end = max(end, stop)
-    return out
+    t0 = events[0][1]
+    return [
+        {"name": short(name), "start_us": round(start - t0, 2), "dur_us": round(stop - start, 2),
+         "gap_us": round(max(0.0, start - busy), 2)}
+        for name, start, stop, busy in _timeline(events)
+    ]  # fmt: skip
 
 
 def short(name: str) -> str:
