@@ -116,6 +116,21 @@ def test_few_row_matmuls(splits: int, no_fallback) -> None:
     assert rel(triton_ops.linear_geglu(a, gate_up, torch.empty(13, 48), config=cfg), expected_geglu) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "m, programs", [(70, 0), (40, 4)]  # one tile per program; fewer programs than tiles, two left idle
+)
+def test_many_row_matmul_with_geglu(m: int, programs: int, no_fallback) -> None:
+    """The prefill's gate/up GEMM with the GeGLU in its epilogue (TMA tiles): rows past M read as zeros
+    and are not written; programs that take several tiles cover each one once."""
+    a, gate_up = torch.randn(m, 128), torch.randn(2 * 160, 128) * 0.1
+    expected = ops.linear_geglu(a, gate_up, torch.empty(m, 160))
+    no_fallback()
+    out = torch.full((m + 3, 160), 7.0)  # rows past M must keep their contents
+    cfg = {"bm": 32, "bn": 32, "bk": 32, "group_m": 2, "programs": programs}
+    assert triton_ops.linear_geglu(a, gate_up, out[:m], config=cfg) is not None
+    assert rel(out[:m], expected) < 1e-5 and (out[m:] == 7.0).all()
+
+
 def test_qkv_with_rope_epilogue(no_fallback) -> None:
     n, h, kvh, dh, width = 11, 4, 1, 32, 128
     a, w = torch.randn(n, width), torch.randn((h + 2 * kvh) * dh, width) * 0.1

@@ -436,11 +436,8 @@ class FusedPi05:
         return key_bias
 
     def _prefix_ffn(self, x: Tensor, layer: GemmaLayerWeights) -> Tensor:
-        act = self.ops.geglu(
-            x @ layer.gate_up_w.t(),
-            torch.empty(x.shape[0], layer.down_w.shape[1], device=self.device, dtype=self.dtype),
-        )
-        return act @ layer.down_w.t()
+        act = torch.empty(x.shape[0], layer.down_w.shape[1], device=self.device, dtype=self.dtype)
+        return self.ops.linear_geglu(x, layer.gate_up_w, act) @ layer.down_w.t()
 
     def _context_cached_ffn(
         self, h: Tensor, layer: GemmaLayerWeights, drift: Tensor, keep: int, rows: Tensor, inv: Tensor

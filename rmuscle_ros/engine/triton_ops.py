@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rmuscle_ros.engine import ops
 from rmuscle_ros.engine.ops import _check_context_select
@@ -622,11 +623,86 @@ def linear_geglu(
     anchor: Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> Tensor:
-    """ops.linear_geglu in one kernel (H200, dense: 7.2 µs vs 9.4 unfused)."""
+    """ops.linear_geglu in one kernel: for a few rows (the denoising steps) the weight-streaming kernel
+    (H200, dense: 7.2 µs vs 9.4 unfused), for many (the prefill) `gemm_geglu`."""
+    if a.shape[0] > 64 and neurons is None and anchor is None:
+        return gemm_geglu(a, gate_up, out, config)
     cfg = {"bn": 32 if neurons is None else 16, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
     _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
+    return out
+
+
+@triton.jit
+def _gemm_geglu_kernel(
+    a_desc, w_desc, c_desc, up_offset,
+    K: tl.constexpr, NUM_M: tl.constexpr, NUM_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """c = gelu_tanh(a W_gateᵀ) ⊙ (a W_upᵀ) for many rows (the prefill's FFN), w = [W_gate; W_up] with the
+    up rows from `up_offset`: the GEMM and the GeGLU in one kernel, so the (M, 2F) product never reaches
+    memory. Tiles move through the tensor-memory accelerator (TMA descriptors: reads past the edges are
+    zeros, writes past them are dropped). Program p computes the BM×BN output tiles p, p + PROGRAMS, ...;
+    tiles are numbered GROUP_M row blocks at a time, so that one weight tile serves all of them from L2."""
+    if PDL:
+        _pdl_enter()
+    per_group = GROUP_M * NUM_N
+    for i in tl.range(0, TILES_PER_PROGRAM, flatten=TILES_PER_PROGRAM > 1):
+        tile = tl.program_id(0) + i * PROGRAMS  # past the last tile: the rows are past M, nothing is stored
+        first_m = (tile // per_group) * GROUP_M
+        rows_in_group = tl.maximum(tl.minimum(NUM_M - first_m, GROUP_M), 1)
+        off_m = (first_m + tile % rows_in_group) * BM
+        off_n = ((tile % per_group) // rows_in_group) * BN
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc_up = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            a = a_desc.load([off_m, k])
+            acc = tl.dot(a, w_desc.load([off_n, k]).T, acc)
+            acc_up = tl.dot(a, w_desc.load([up_offset + off_n, k]).T, acc_up)
+        z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
+        c_desc.store([off_m, off_n], (acc * tl.sigmoid(2.0 * z) * acc_up).to(c_desc.dtype))
+
+
+# gemm_geglu's launch configuration; "kernel": 0 runs cuBLAS then the GeGLU kernel instead.
+GEMM_GEGLU = {
+    "kernel": 1,
+    "bm": 128,
+    "bn": 128,
+    "bk": 64,
+    "group_m": 8,
+    "programs": 0,
+    "warps": 8,
+    "stages": 4,
+}
+
+
+def gemm_geglu(a: Tensor, gate_up: Tensor, out: Tensor, config: dict[str, int] | None = None) -> Tensor:
+    """ops.linear_geglu for many rows (the prefill's and the Context Cache's FFN) in one kernel.
+    config["programs"]: at most this many programs, each taking several tiles (0: one per tile)."""
+    cfg = GEMM_GEGLU | (config or {})
+    (m, k), f = a.shape, out.shape[1]
+    if (
+        not cfg["kernel"]
+        or gate_up.shape != (2 * f, k)
+        or f % cfg["bn"]
+        or k % cfg["bk"]
+        or any(t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
+               for t in (a, gate_up, out))
+    ):  # fmt: skip
+        return geglu(a @ gate_up.t(), out)
+    num_m, num_n = triton.cdiv(m, cfg["bm"]), f // cfg["bn"]
+    tiles = num_m * num_n
+    per_program = triton.cdiv(tiles, cfg["programs"]) if cfg["programs"] else 1
+    programs = triton.cdiv(tiles, per_program)  # as few idle tiles as the rounding allows
+    _gemm_geglu_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [cfg["bm"], cfg["bk"]]),
+        TensorDescriptor.from_tensor(gate_up, [cfg["bn"], cfg["bk"]]),
+        TensorDescriptor.from_tensor(out, [cfg["bm"], cfg["bn"]]),
+        f, K=k, NUM_M=num_m, NUM_N=num_n, BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], GROUP_M=cfg["group_m"],
+        PROGRAMS=programs, TILES_PER_PROGRAM=per_program, PDL=_pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
+    )  # fmt: skip
     return out
 
 
