@@ -163,8 +163,8 @@ def sweep_gemm() -> dict:
     prefill's rows (768 image + 64 prompt) and the Context Cache's at ρp 0.4 (308 + 64)."""
     k, f = 2048, 16384
     gate_up = copies(torch.randn(2 * f, k, device=CUDA, dtype=torch.bfloat16) * k**-0.5)
-    grid = {"bm": [128], "bn": [128], "bk": [64, 128], "group_m": [8], "programs": [0],
-            "warps": [4, 8], "stages": [2, 3, 4], "ws": [0, 1]}  # fmt: skip
+    grid = {"bm": [64, 128], "bn": [64, 128], "bk": [64], "group_m": [8], "programs": [0, 132],
+            "warps": [4, 8], "stages": [3, 4]}  # fmt: skip
     out = {}
     for name, m in (("prefill_gate_up_geglu", 832), ("cached_prefill_gate_up_geglu", 372)):
         a = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
