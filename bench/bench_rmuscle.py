@@ -204,6 +204,11 @@ class Bench:
             observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens)
             for t in range(n - 1)
         ]
+        if (
+            self.device.type == "cuda"
+        ):  # pinned, as the policy hands the node's images over (Policy.preprocess)
+            for obs in self.live_obs:
+                obs.images = obs.images.pin_memory()
         for obs in self.live_obs:
             dense = self.dense_call(obs).clone()
             actions, info = self.runtime_call(obs)

@@ -40,6 +40,22 @@ def test_missing_camera_is_masked_not_an_error(policy: Policy) -> None:
     assert policy.infer(obs).actions.shape == (50, 14)
 
 
+def test_reused_image_buffer_carries_nothing_over(policy: Policy) -> None:
+    """preprocess writes into the policy's (reused) image buffer: a camera missing from this observation is
+    black, whatever the previous observation showed in its slot, and a rejected observation leaves the
+    next one unaffected."""
+    full = synthetic_observation(policy.cfg, "x", seed=3)
+    policy.preprocess(full)
+    bad = {**full.images, "cam_right_wrist": full.images["cam_right_wrist"].astype(np.float32)}
+    with pytest.raises(ValueError, match=r"cam_right_wrist.*uint8"):  # after the first two slots were written
+        policy.preprocess(Observation(bad, full.state, "x"))
+    partial = synthetic_observation(policy.cfg, "x", seed=4, cameras=("cam_high",))
+    inputs, _, _ = policy.preprocess(partial)
+    fresh = Policy(PolicyConfig(cameras=CAMERAS)).preprocess(partial)[0]
+    assert torch.equal(inputs.images, fresh.images) and (inputs.images[0, 1:] == -1.0).all()
+    assert inputs.image_masks.tolist() == [[True, False, False]]
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

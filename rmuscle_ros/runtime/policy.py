@@ -132,6 +132,11 @@ class Policy:
                 f"tokenizer: vocabulary {self.tokenizer.vocab_size} exceeds the model's {self.model_cfg.vocab_size}"
             )
         self._noise = torch.Generator().manual_seed(cfg.seed)
+        # The images of the latest preprocess. Pinned when the engine is on a GPU: its copy to the device is
+        # then a DMA that the host does not wait on (a fresh pageable tensor cost the H200 0.35 ms per call
+        # before vision could start, bench/results/dev_probes_h200_2026-11-30_s6.json).
+        s, slots = self.model_cfg.vision.image_size, self.model_cfg.num_cameras
+        self._images = torch.empty(1, slots, 3, s, s, pin_memory=self.device.type == "cuda")
 
     def warmup(self, prompt: str = "warm up") -> dict[str, float]:
         """Backend warm-up (graph capture) plus one full inference on a synthetic observation (seconds)."""
@@ -144,13 +149,15 @@ class Policy:
         return timings
 
     def preprocess(self, obs: Observation) -> tuple[ModelInputs, int, bool]:
-        """-> model inputs (batch 1), prompt token count, whether the prompt was truncated."""
+        """-> model inputs (batch 1), prompt token count, whether the prompt was truncated.
+
+        The images are the policy's own buffer, overwritten by the next preprocess: clone them to keep them."""
         unknown = set(obs.images) - set(self.cfg.cameras)
         if unknown:
             raise ValueError(f"unknown camera(s) {sorted(unknown)}; configured: {list(self.cfg.cameras)}")
         size = self.model_cfg.vision.image_size
         slots = self.model_cfg.num_cameras
-        images = torch.full((1, slots, 3, size, size), -1.0)  # missing slot = black, masked out
+        images = self._images.fill_(-1.0)  # missing slot = black, masked out
         masks = torch.zeros(1, slots, dtype=torch.bool)
         for slot, name in enumerate(self.cfg.cameras):
             if name in obs.images:
