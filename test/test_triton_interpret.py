@@ -117,7 +117,8 @@ def test_few_row_matmuls(splits: int, no_fallback) -> None:
 
 
 @pytest.mark.parametrize(
-    "m, programs", [(70, 0), (40, 4)]  # one tile per program; fewer programs than tiles, two left idle
+    "m, programs",
+    [(70, 0), (40, 4)],  # one tile per program; fewer programs than tiles, two left idle
 )
 def test_many_row_matmul_with_geglu(m: int, programs: int, no_fallback) -> None:
     """The prefill's gate/up GEMM with the GeGLU in its epilogue (TMA tiles): rows past M read as zeros
