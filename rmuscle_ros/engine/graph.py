@@ -261,6 +261,8 @@ class GraphEngine:
 
     def _run_vision(self, lane: _Lane) -> None:
         self.fused.encode_images(lane.images, lane.visual)
+        if self.cache is None:
+            return  # no retrieval: no descriptor
         c = self.cfg.num_cameras
         # one reduction kernel, accumulating in float32 (no float32 copy of the visual tokens first)
         torch.mean(
@@ -447,7 +449,10 @@ class GraphEngine:
                 self._stage_fn(stage, bucket, variant)()
 
     def descriptor(self) -> torch.Tensor:
-        """The retrieval descriptor of the loaded observation (after the vision stage): (cameras, W) f32."""
+        """The retrieval descriptor of the loaded observation (after the vision stage): (cameras, W) f32.
+        Computed by engines built with cache shapes only."""
+        if self.cache is None:
+            raise RuntimeError("the retrieval descriptor is computed by engines built with cache shapes only")
         return self.live.descriptor
 
     def load_reference(self, ref: ContextRef, neurons: torch.Tensor) -> None:
