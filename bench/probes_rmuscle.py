@@ -355,13 +355,13 @@ def train(model: Pi05Model, steps: int, batch: int, draws: int, lr: float, seed:
 
 
 class ActivationTap:
-    """Stands in for the engine's ops module and keeps a copy of every dense `linear_geglu` output.
+    """Stands in for the engine's ops module and keeps a copy of every dense `linear_geglu` output of the
+    expert (the prefix FFNs' calls read other weights): in a dense or recording denoise those are exactly
+    the expert FFNs' GeGLU activations, in the order (step 0: layers 0..depth−1, step 1: …)."""
 
-    In a dense or recording denoise those calls are exactly the expert FFNs' GeGLU activations, in the
-    order (step 0: layers 0..depth−1, step 1: …); the prefix FFN uses `geglu` and is not tapped."""
-
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, expert_gate_up: list[Tensor]) -> None:
         self._ops = ops
+        self._expert = {w.data_ptr() for w in expert_gate_up}
         self.acts: list[Tensor] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -369,7 +369,7 @@ class ActivationTap:
 
     def linear_geglu(self, a: Tensor, gate_up: Tensor, out: Tensor, **kw: Any) -> Tensor:
         result = self._ops.linear_geglu(a, gate_up, out, **kw)
-        if not kw:
+        if not kw and gate_up.data_ptr() in self._expert:
             self.acts.append(result.clone())
         return result
 
@@ -377,7 +377,7 @@ class ActivationTap:
 @contextmanager
 def tapped(fused: FusedPi05) -> Iterator[ActivationTap]:
     original = fused.ops
-    tap = ActivationTap(original)
+    tap = ActivationTap(original, [layer.gate_up_w for layer in fused.expert_layers])
     fused.ops = tap  # type: ignore[assignment]
     try:
         yield tap

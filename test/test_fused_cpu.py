@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_inputs, rel_l2, tiny_model
 
 from rmuscle_ros.engine import ops
-from rmuscle_ros.engine.fused import FusedPi05, pack_prompt, split_k
+from rmuscle_ros.engine.fused import NEG_INF, FusedPi05, call_layout, pack_prompt, split_k
 from rmuscle_ros.models.config import GemmaConfig, get_preset
 
 TINY = get_preset("tiny")
@@ -34,12 +35,13 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("missing", [-1, 0])  # the first camera missing: padding before any real token
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fused_matches_eager(variant: str) -> None:
+def test_fused_matches_eager(variant: str, missing: int) -> None:
     cfg = VARIANTS[variant]
     model = tiny_model(cfg, seed=5)
     inputs, noise = random_inputs(cfg, valid_tokens=19, pad_to=19)
-    inputs.image_masks[0, -1] = False  # a missing camera
+    inputs.image_masks[0, missing] = False
     expected = model.sample_actions(inputs, noise)[0]
     fused = FusedPi05(model, device="cpu", dtype=torch.float32, ops=ops)
     assert rel_l2(fused.run(inputs, noise, bucket=32), expected) < 1e-5
@@ -50,6 +52,17 @@ def test_bucket_padding_does_not_change_the_result() -> None:
     inputs, noise = random_inputs(model.cfg, valid_tokens=20, pad_to=20)
     fused = FusedPi05(model, device="cpu", dtype=torch.float32, ops=ops)
     assert rel_l2(fused.run(inputs, noise, bucket=32), fused.run(inputs, noise, bucket=96)) < 1e-6
+
+
+def test_call_layout_positions_and_key_bias() -> None:
+    """RoPE positions count the real tokens before each row (-1 before the first); the actions follow the
+    real prefix; padding keys are masked, the actions attend each other; the key length is aligned."""
+    pad = np.array([False, False, True, True, False, True])
+    layout = call_layout(pad, horizon=3)
+    assert (layout.rope_rows - 1).tolist() == [-1, -1, 0, 1, 1, 2, 3, 4, 5]
+    bias, masked = layout.key_bias.tolist(), float(np.float32(NEG_INF))
+    assert len(bias) == 16 and bias[:9] == [masked, masked, 0, 0, masked, 0, 0, 0, 0]
+    assert bias[9:] == [masked] * 7 and layout.key_bias.dtype == torch.float32
 
 
 def test_split_k_choice() -> None:

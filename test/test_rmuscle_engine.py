@@ -87,17 +87,13 @@ def test_cached_arithmetic_with_nothing_left_out_is_dense(model) -> None:
     fused = engine.fused
     bucket = engine.load_inputs(inputs, noise)
     engine.run_stage("vision", bucket)
-    pad_mask = torch.cat([engine.image_mask.repeat_interleave(256), engine.token_mask[bucket]])
-    key_bias = fused.prefill(
-        engine.visual,
-        engine.tokens[bucket],
-        pad_mask,
-        engine.kv,
-        context=ContextCache(entry, cfg.image_tokens),
+    layout = engine.layout[bucket]
+    fused.prefill(
+        engine.visual, engine.tokens[bucket], layout, engine.kv, context=ContextCache(entry, cfg.image_tokens)
     )
     every = torch.arange(cfg.expert.mlp_dim, dtype=torch.int32).expand(cfg.num_steps, cfg.expert.depth, -1)
     out = torch.empty(cfg.horizon, cfg.action_dim)
-    fused.denoise(engine.noise, key_bias, engine.kv, out, action=ActionCache(every.contiguous(), anchors=1))
+    fused.denoise(engine.noise, layout, engine.kv, out, action=ActionCache(every.contiguous(), anchors=1))
     assert rel_l2(out, dense) < 1e-5
 
 
@@ -113,11 +109,11 @@ def test_context_cache_recomputes_the_most_drifted_rows_ties_to_the_earlier(mode
     entry, _ = _reference(engine, inputs, noise)
     bucket = engine.load_inputs(inputs, noise)
     engine.run_stage("vision", bucket)
-    pad_mask = torch.cat([engine.image_mask.repeat_interleave(256), engine.token_mask[bucket]])
-    lp = pad_mask.shape[0]
+    lp = cfg.image_tokens + bucket
 
     def prefill_kv(context: ContextCache | None = None) -> torch.Tensor:
-        engine.fused.prefill(engine.visual, engine.tokens[bucket], pad_mask, engine.kv, context=context)
+        layout = engine.layout[bucket]
+        engine.fused.prefill(engine.visual, engine.tokens[bucket], layout, engine.kv, context=context)
         return torch.cat([engine.kv.keys[-1][:, :lp], engine.kv.values[-1][:, :lp]])
 
     dense = prefill_kv()

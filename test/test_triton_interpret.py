@@ -255,7 +255,14 @@ def test_context_cached_prefill_with_the_kernels() -> None:
     through row indices) writes the same K/V as on the PyTorch definitions."""
     from conftest import random_inputs, tiny_model
 
-    from rmuscle_ros.engine.fused import ContextCache, ContextRef, FusedPi05, KVBuffers, pack_prompt
+    from rmuscle_ros.engine.fused import (
+        ContextCache,
+        ContextRef,
+        FusedPi05,
+        KVBuffers,
+        call_layout,
+        pack_prompt,
+    )
     from rmuscle_ros.models.config import GemmaConfig, get_preset
 
     gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
@@ -270,7 +277,7 @@ def test_context_cached_prefill_with_the_kernels() -> None:
         kv = KVBuffers.allocate(cfg, 288, torch.device("cpu"), torch.float32)
         visual = torch.empty(cfg.image_tokens, gemma.width)
         engines[0].encode_images(inputs.images[0], visual)
-        engine.prefill(visual, tokens, pad_mask, kv, **kw)
+        engine.prefill(visual, tokens, call_layout(pad_mask.numpy(), cfg.horizon), kv, **kw)
         return kv
 
     entry = ContextRef.allocate(cfg, torch.device("cpu"), torch.float32)

@@ -197,6 +197,46 @@ def pack_prompt(tokens: Tensor, mask: Tensor, bucket: int) -> tuple[Tensor, Tens
     return torch.from_numpy(out_tokens).to(tokens.device), torch.from_numpy(out_mask).to(tokens.device)
 
 
+ROPE_FIRST_POSITION = -1  # padding rows before a call's first real token sit at position -1
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Where one call's tokens sit, for the prefill and the denoising loop (see `call_layout`).
+
+    rope_rows (Lp + horizon,) int64: the RoPE table row of each prefix token, then of each action token
+    (row = position − ROPE_FIRST_POSITION). key_bias (round_up(Lp + horizon, KV_ALIGN),) float32 over
+    [prefix; actions; padding]: 0 for the keys attended (real prefix tokens, every action), else NEG_INF.
+    """
+
+    rope_rows: Tensor
+    key_bias: Tensor
+
+    def to(self, device: torch.device) -> CallLayout:
+        return CallLayout(self.rope_rows.to(device), self.key_bias.to(device))
+
+    def copy_(self, other: CallLayout) -> CallLayout:
+        self.rope_rows.copy_(other.rope_rows, non_blocking=True)
+        self.key_bias.copy_(other.key_bias, non_blocking=True)
+        return self
+
+
+def call_layout(pad_mask: np.ndarray, horizon: int) -> CallLayout:
+    """The layout of a call from its prefix pad mask (Lp,) bool ([image tokens; prompt], True = real), as
+    host tensors. Prefix positions count the real tokens before each row (padding repeats the previous
+    position); the actions follow the real prefix. On the host: a few µs per call, where the same torch
+    ops inside the graphs cost ~30 small kernels."""
+    lp = pad_mask.shape[0]
+    real = np.cumsum(pad_mask, dtype=np.int64)
+    rows = np.empty(lp + horizon, np.int64)
+    rows[:lp] = real - 1 - ROPE_FIRST_POSITION
+    rows[lp:] = real[-1] + np.arange(horizon) - ROPE_FIRST_POSITION
+    key_bias = np.full(round_up(lp + horizon, KV_ALIGN), NEG_INF, np.float32)
+    key_bias[:lp] = np.where(pad_mask, np.float32(0.0), np.float32(NEG_INF))
+    key_bias[lp : lp + horizon] = 0.0  # actions attend each other bidirectionally
+    return CallLayout(torch.from_numpy(rows), torch.from_numpy(key_bias))
+
+
 def split_k(k: int, slice_len: int = 512, max_splits: int = 8) -> int:
     """How many K slices a few-row matmul uses: slices of 512 (tuned on an H200), at most 8."""
     return min(max_splits, k // slice_len) if k % slice_len == 0 and k >= slice_len else 1
@@ -234,6 +274,14 @@ class FusedPi05:
         self.down_splits = split_k(e.mlp_dim)
         with torch.no_grad():
             self._prepare(model)
+            # RoPE cos/sin of every position a call can use: a call gathers its rows (CallLayout.rope_rows)
+            positions = torch.arange(
+                ROPE_FIRST_POSITION, self.cfg.image_tokens + self.cfg.max_token_len + self.cfg.horizon,
+                device=self.device,
+            )  # fmt: skip
+            g = self.cfg.vlm
+            self.vlm_rope = rope_tables(positions, g.head_dim, g.rope_theta)
+            self.expert_rope = rope_tables(positions, e.head_dim, e.rope_theta)
         self.down_t: list[Tensor] | None = None  # K-major expert down-projections, for the Action Cache
 
     def prepare_action_cache(self) -> int:
@@ -380,28 +428,29 @@ class FusedPi05:
         self,
         visual: Tensor,
         tokens: Tensor,
-        pad_mask: Tensor,
+        layout: CallLayout,
         kv: KVBuffers,
         *,
         context: ContextCache | None = None,
         record: ContextRef | None = None,
-    ) -> Tensor:
+    ) -> None:
         """Run the VLM over [visual tokens; prompt tokens] and write every layer's K/V into `kv`.
 
-        visual (C·256, W); tokens (L,) int64; pad_mask (Lp,) bool with Lp = C·256 + L.
+        visual (C·256, W); tokens (L,) int64; layout: this call's (Lp = C·256 + L prefix rows).
         context: run the FFNs with the Context Cache; record: write this call's visual FFN inputs/outputs
         (a dense call: the two cannot be combined).
-        Returns the key bias (Lp,) float32 (0 = attended, NEG_INF = missing camera or padding).
         """
         if context is not None and record is not None:
             raise ValueError("prefill: record= stores dense FFN outputs, it cannot run with context=")
         g = self.cfg.vlm
         ops = self.ops
-        lp = pad_mask.shape[0]
-        text = self.embed[tokens].float() * math.sqrt(g.width)
-        res = torch.cat([visual.float(), text])  # (Lp, W) float32 residual stream
-        cos, sin = rope_tables(pad_mask.cumsum(0) - 1, g.head_dim, g.rope_theta)  # padding keeps position
-        key_bias = torch.where(pad_mask, 0.0, NEG_INF).float()
+        nv = visual.shape[0]
+        lp = nv + tokens.shape[0]
+        res = torch.empty(lp, g.width, device=self.device)  # float32 residual stream
+        res[:nv] = visual
+        torch.mul(self.embed[tokens].float(), math.sqrt(g.width), out=res[nv:])
+        cos, sin = (t.index_select(0, layout.rope_rows[:lp]) for t in self.vlm_rope)
+        key_bias = layout.key_bias[:lp]
         h = torch.empty(lp, g.width, device=self.device, dtype=self.dtype)
         q = torch.empty(lp, g.num_heads * g.head_dim, device=self.device, dtype=self.dtype)
         ops.add_norm(res, None, h, eps=g.rms_norm_eps, rms=True)
@@ -433,7 +482,6 @@ class FusedPi05:
                 record.ffn_in[i].copy_(h[:nv])
                 record.ffn_out[i].copy_(y[:nv])
             ops.add_norm(res, y, h, eps=g.rms_norm_eps, rms=True, **y_rows)
-        return key_bias
 
     def _prefix_ffn(self, x: Tensor, layer: GemmaLayerWeights) -> Tensor:
         act = torch.empty(x.shape[0], layer.down_w.shape[1], device=self.device, dtype=self.dtype)
@@ -455,7 +503,7 @@ class FusedPi05:
     def denoise(
         self,
         noise: Tensor,
-        prefix_key_bias: Tensor,
+        layout: CallLayout,
         kv: KVBuffers,
         out: Tensor,
         *,
@@ -469,13 +517,9 @@ class FusedPi05:
         (|a_s − a_0| summed over the chunk, times ‖W_down[:, j]‖), sorted."""
         cfg, e = self.cfg, self.cfg.expert
         ops, mod = self.ops, self.modulation
-        lp, ha = prefix_key_bias.shape[0], cfg.horizon
-        capacity = round_up(lp + ha, KV_ALIGN)
-        key_bias = torch.full((capacity,), NEG_INF, device=self.device)
-        key_bias[:lp] = prefix_key_bias
-        key_bias[lp : lp + ha] = 0.0  # actions attend each other bidirectionally
-        valid_prefix = (prefix_key_bias == 0).sum()
-        cos, sin = rope_tables(valid_prefix + torch.arange(ha, device=self.device), e.head_dim, e.rope_theta)
+        ha = cfg.horizon
+        lp, capacity, key_bias = layout.rope_rows.shape[0] - ha, layout.key_bias.shape[0], layout.key_bias
+        cos, sin = (t.index_select(0, layout.rope_rows[lp:]) for t in self.expert_rope)
         h = torch.empty(ha, e.width, device=self.device, dtype=self.dtype)
         q = torch.empty(ha, e.num_heads * e.head_dim, device=self.device, dtype=self.dtype)
         act = torch.empty(ha, e.mlp_dim, device=self.device, dtype=self.dtype)
@@ -556,12 +600,13 @@ class FusedPi05:
         pad_mask = torch.cat(
             [inputs.image_masks[0].repeat_interleave(cfg.vision.tokens_per_image), token_mask]
         )
-        kv = KVBuffers.allocate(cfg, round_up(len(pad_mask) + cfg.horizon, KV_ALIGN), self.device, self.dtype)
+        layout = call_layout(pad_mask.cpu().numpy(), cfg.horizon).to(self.device)
+        kv = KVBuffers.allocate(cfg, layout.key_bias.shape[0], self.device, self.dtype)
         visual = torch.empty(cfg.image_tokens, cfg.vlm.width, device=self.device, dtype=self.dtype)
         self.encode_images(inputs.images[0].to(self.device), visual)
-        key_bias = self.prefill(visual, tokens.to(self.device), pad_mask.to(self.device), kv)
+        self.prefill(visual, tokens.to(self.device), layout, kv)
         out = torch.empty(cfg.horizon, cfg.action_dim, device=self.device)
-        return self.denoise(noise[0].to(self.device).float(), key_bias, kv, out)
+        return self.denoise(noise[0].to(self.device).float(), layout, kv, out)
 
 
 def _as_f32(module: torch.nn.Module) -> torch.nn.Module:

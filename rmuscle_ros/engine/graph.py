@@ -48,10 +48,12 @@ from rmuscle_ros.engine import ops as torch_ops
 from rmuscle_ros.engine.fused import (
     KV_ALIGN,
     ActionCache,
+    CallLayout,
     ContextCache,
     ContextRef,
     FusedPi05,
     KVBuffers,
+    call_layout,
     keep_neuron_count,
     pack_prompt_into,
     rho_count,
@@ -176,7 +178,13 @@ class _Lane:
         self.descriptor = zeros(c, cfg.vlm.width)  # retrieval descriptor: mean visual token per camera
         self.tokens = {b: zeros(b, dtype=torch.long) for b in buckets}
         self.token_mask = {b: zeros(b, dtype=torch.bool) for b in buckets}
-        self.key_bias = {b: zeros(c * per_image + b) for b in buckets}
+        self.layout = {  # where this call's tokens sit (CallLayout), written by the engine's _load
+            b: CallLayout(
+                zeros(c * per_image + b + cfg.horizon, dtype=torch.long),
+                zeros(round_up(c * per_image + b + cfg.horizon, KV_ALIGN)),
+            )
+            for b in buckets
+        }
         capacity = round_up(c * per_image + max(buckets) + cfg.horizon, KV_ALIGN)
         self.kv = KVBuffers.allocate(cfg, capacity, device, dtype)
 
@@ -223,11 +231,7 @@ class GraphEngine:
         # Names of the live buffers kept as attributes: the benchmark and tests read them directly.
         self.images, self.image_mask, self.noise = self.live.images, self.live.image_mask, self.live.noise
         self.actions, self.visual, self.kv = self.live.actions, self.live.visual, self.live.kv
-        self.tokens, self.token_mask, self.key_bias = (
-            self.live.tokens,
-            self.live.token_mask,
-            self.live.key_bias,
-        )
+        self.tokens, self.token_mask, self.layout = self.live.tokens, self.live.token_mask, self.live.layout
 
         self.cache = cache
         self.rebuild: _Lane | None = None
@@ -270,16 +274,12 @@ class GraphEngine:
         )
 
     def _run_prefill(self, lane: _Lane, bucket: int, variant: str) -> None:
-        per_image = self.cfg.vision.tokens_per_image
-        pad_mask = torch.cat([lane.image_mask.repeat_interleave(per_image), lane.token_mask[bucket]])
         kw = {}
         if variant == "cached" and self.keep_tokens < self.cfg.image_tokens:
             kw["context"] = ContextCache(self.ctx_ref, self.keep_tokens)
         elif variant == "record":
             kw["record"] = self.rebuilt_ref
-        lane.key_bias[bucket].copy_(
-            self.fused.prefill(lane.visual, lane.tokens[bucket], pad_mask, lane.kv, **kw)
-        )
+        self.fused.prefill(lane.visual, lane.tokens[bucket], lane.layout[bucket], lane.kv, **kw)
 
     def _run_denoise(self, lane: _Lane, bucket: int, variant: str) -> None:
         kw = {}
@@ -287,7 +287,7 @@ class GraphEngine:
             kw["action"] = ActionCache(self.neurons, self.cache.anchors)
         elif variant == "record":
             kw["record_masks"] = self.recorded_masks
-        self.fused.denoise(lane.noise, lane.key_bias[bucket], lane.kv, lane.actions, **kw)
+        self.fused.denoise(lane.noise, lane.layout[bucket], lane.kv, lane.actions, **kw)
 
     def _run_match(self) -> None:
         """Pick the usable window entry most similar to this call's descriptor and load it into the cached
@@ -415,10 +415,13 @@ class GraphEngine:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
         tokens, token_mask = np.zeros(bucket, np.int64), np.zeros(bucket, np.bool_)
         pack_prompt_into(token_row, mask_row, tokens, token_mask)
+        image_mask = inputs.image_masks[0].cpu().numpy()
+        pad_mask = np.concatenate([np.repeat(image_mask, self.cfg.vision.tokens_per_image), token_mask])
         lane.images.copy_(inputs.images[0], non_blocking=True)
-        lane.image_mask.copy_(inputs.image_masks[0], non_blocking=True)
+        lane.image_mask.copy_(torch.from_numpy(image_mask), non_blocking=True)
         lane.tokens[bucket].copy_(torch.from_numpy(tokens), non_blocking=True)
         lane.token_mask[bucket].copy_(torch.from_numpy(token_mask), non_blocking=True)
+        lane.layout[bucket].copy_(call_layout(pad_mask, self.cfg.horizon))
         if noise is not None:
             lane.noise.copy_(noise[0], non_blocking=True)
         if usable is not None:
