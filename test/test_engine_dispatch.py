@@ -46,3 +46,33 @@ def test_cpu_path_never_imports_gpu_modules(backend: str) -> None:
     )
     assert out.stdout.strip() == "[]"
     assert set(BACKENDS) == {"eager", "fused", "graph"}
+
+
+def test_fused_engine_rejects_mis_shaped_inputs_by_name(tiny) -> None:
+    """The static-buffer engines name the input that does not fit, and the next good call still runs."""
+    engine = create_engine("fused", tiny, "cpu")
+    inputs, noise = random_inputs(tiny.cfg, valid_tokens=9, pad_to=12)
+    expected = engine.sample_actions(inputs, noise)
+    with pytest.raises(ValueError, match=r"noise must be \(1, 50, 32\)"):
+        engine.sample_actions(inputs, noise[:, :10])
+    bad_masks = type(inputs)(inputs.images, inputs.image_masks[:, :2], inputs.tokens, inputs.token_mask)
+    with pytest.raises(ValueError, match=r"image_masks must be \(1, 3\)"):
+        engine.sample_actions(bad_masks, noise)
+    with pytest.raises(ValueError, match="images must be"):
+        small = inputs.images[:, :, :, :100]
+        engine.sample_actions(
+            type(inputs)(small, inputs.image_masks, inputs.tokens, inputs.token_mask), noise
+        )
+    assert torch.equal(engine.sample_actions(inputs, noise), expected)
+
+
+def test_fused_engine_prompt_layout_follows_each_call(tiny) -> None:
+    """Inputs pass through reused staging buffers: a call after others (other prompt lengths, another
+    bucket, a missing camera) gives what a fresh engine gives."""
+    engine, fresh = create_engine("fused", tiny, "cpu"), create_engine("fused", tiny, "cpu")
+    calls = [random_inputs(tiny.cfg, valid_tokens=n, pad_to=n + 3, seed=n) for n in (40, 9, 25)]
+    calls[1][0].image_masks[0, 0] = False
+    for inputs, noise in calls:
+        engine.sample_actions(inputs, noise)
+    inputs, noise = calls[1]
+    assert torch.equal(engine.sample_actions(inputs, noise), fresh.sample_actions(inputs, noise))

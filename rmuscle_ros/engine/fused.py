@@ -223,18 +223,24 @@ class CallLayout:
 
 def call_layout(pad_mask: np.ndarray, horizon: int) -> CallLayout:
     """The layout of a call from its prefix pad mask (Lp,) bool ([image tokens; prompt], True = real), as
-    host tensors. Prefix positions count the real tokens before each row (padding repeats the previous
-    position); the actions follow the real prefix. On the host: a few µs per call, where the same torch
-    ops inside the graphs cost ~30 small kernels."""
+    host tensors (see call_layout_into)."""
+    lp = pad_mask.shape[0]
+    rows, key_bias = np.empty(lp + horizon, np.int64), np.empty(round_up(lp + horizon, KV_ALIGN), np.float32)
+    call_layout_into(pad_mask, horizon, rows, key_bias)
+    return CallLayout(torch.from_numpy(rows), torch.from_numpy(key_bias))
+
+
+def call_layout_into(pad_mask: np.ndarray, horizon: int, rope_rows: np.ndarray, key_bias: np.ndarray) -> None:
+    """Write a call's CallLayout into NumPy arrays. Prefix positions count the real tokens before each row
+    (padding repeats the previous position); the actions follow the real prefix. On the host: a few µs per
+    call, where the same torch ops inside the graphs cost ~30 small kernels."""
     lp = pad_mask.shape[0]
     real = np.cumsum(pad_mask, dtype=np.int64)
-    rows = np.empty(lp + horizon, np.int64)
-    rows[:lp] = real - 1 - ROPE_FIRST_POSITION
-    rows[lp:] = real[-1] + np.arange(horizon) - ROPE_FIRST_POSITION
-    key_bias = np.full(round_up(lp + horizon, KV_ALIGN), NEG_INF, np.float32)
-    key_bias[:lp] = np.where(pad_mask, np.float32(0.0), np.float32(NEG_INF))
+    rope_rows[:lp] = real - 1 - ROPE_FIRST_POSITION
+    rope_rows[lp:] = real[-1] + np.arange(horizon) - ROPE_FIRST_POSITION
+    key_bias[:] = NEG_INF
+    key_bias[:lp][pad_mask] = 0.0
     key_bias[lp : lp + horizon] = 0.0  # actions attend each other bidirectionally
-    return CallLayout(torch.from_numpy(rows), torch.from_numpy(key_bias))
 
 
 def split_k(k: int, slice_len: int = 512, max_splits: int = 8) -> int:
