@@ -368,7 +368,8 @@ def main() -> None:
     cuda = device.type == "cuda"
     ceilings = measure_ceilings(device) if cuda else {"bf16_tflops": float("nan"), "copy_tb_s": float("nan")}
     log(f"{gpu}, preset {args.preset}, ceilings {ceilings}")
-    model = Pi05Model(cfg).to(device).eval()
+    with device:  # built on the device: a CPU-side default init of pi05-7b's 16 B parameters takes minutes
+        model = Pi05Model(cfg).to(device).eval()
     init_random_(model, 0)
     eager_obs = observation(cfg, 0.5, 1.0, 0.01, 1, args.prompt_tokens).to(device)
     model.to(torch.bfloat16 if cuda else torch.float32)
@@ -393,6 +394,8 @@ def main() -> None:
             "window_entry_mb": round(bench.scratch.nbytes / 2**20, 1),
             "engine_cache_mb": round(bench.engine.cache_bytes / 2**20, 1),
         }  # fmt: skip
+        if cuda:
+            results[key]["gpu_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
         log(f"{key}: {json.dumps(results[key])}")
         del bench
         gc.collect()

@@ -3,11 +3,12 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace]    (default: all four, ~7 min)
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b]
+#   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -26,9 +27,13 @@ for step in $steps; do
         rmuscle)
             timeout 300 python3 bench/bench_rmuscle.py --commit "$commit" \
                 --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
+        rmuscle7b)
+            timeout 400 python3 bench/bench_rmuscle.py --preset pi05-7b --rho 0.4,0.5 --iters 10 --no-interference \
+                --commit "$commit" --name "rmuscle_pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
+                | grep "end to end\|^| rmuscle\|Error\|eager\|memory" ;;
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b)" ;;
     esac
 done
