@@ -193,12 +193,13 @@ class _Staging:
 
         self.on_host = {name: view(self.host, name) for name in specs}
         self.on_device = {name: view(self.device, name) for name in specs}
+        self._arrays = {name: t.numpy() for name, t in self.on_host.items()}  # the same memory
 
     def host_arrays(self) -> dict[str, np.ndarray]:
         """The host views as NumPy arrays, once the previous upload has read them."""
         if self.copied is not None:
             self.copied.synchronize()
-        return {name: t.numpy() for name, t in self.on_host.items()}
+        return self._arrays
 
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
