@@ -23,7 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, save_results
+from rmuscle_ros.engine import fused as fused_module
 from rmuscle_ros.engine import triton_ops
+from rmuscle_ros.engine.fused import gather_splits
+from rmuscle_ros.engine.graph import CacheShapes
 
 GRIDS: dict[str, dict[str, list[int]]] = {
     "attention": {
@@ -38,6 +41,11 @@ GRIDS: dict[str, dict[str, list[int]]] = {
     "o_proj": {"splits": [2, 4, 8], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
     "down_proj": {"splits": [4, 8, 16], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
+# The Action Cache's gathered kernels, tuned in the cached denoise graph (--cache RHO_P RHO_N).
+CACHED_GRIDS: dict[str, dict[str, list[int]]] = {
+    "gathered_geglu": {"bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [3, 4]},
+    "gathered_down": {"splits": [4, 8], "bn": [32, 64, 128], "bk": [64, 128], "warps": [4], "stages": [4]},
+}
 
 
 def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
@@ -46,7 +54,15 @@ def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
         setattr(m, name, getattr(triton_ops, name))
     kcfg = {k: v for k, v in cfg.items() if k != "splits"}
     e = fused.cfg.expert
-    if kind == "attention":
+    if kind == "gathered_geglu":
+        m.linear_geglu = lambda a, w, out, **k: triton_ops.linear_geglu(
+            a, w, out, config=kcfg if k.get("neurons") is not None else None, **k
+        )
+    elif kind == "gathered_down":
+        m.linear = lambda a, w, s=1, config=None, **kw: triton_ops.linear(
+            a, w, s, kcfg if kw.get("neurons") is not None else config, **kw
+        )
+    elif kind == "attention":
         m.attention = lambda *a, **k: triton_ops.attention(*a, config=kcfg)
     elif kind == "qkv_rope":
         m.qkv_rope = lambda *a, **k: triton_ops.qkv_rope(*a, config=kcfg)
@@ -67,35 +83,52 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--preset", default="pi05")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--only", action="append", choices=list(GRIDS), default=None)
+    p.add_argument("--only", action="append", choices=list(GRIDS) + list(CACHED_GRIDS), default=None)
+    p.add_argument(
+        "--cache", nargs=2, type=float, metavar=("RHO_P", "RHO_N"), default=None,
+        help="tune the Action Cache's gathered kernels in the cached denoise graph (random reference entry)",
+    )  # fmt: skip
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     device = torch.device("cuda")
-    engine, bucket = random_graph_engine(args.preset, device)
+    options = {"cache": CacheShapes(*args.cache)} if args.cache else {}
+    engine, bucket = random_graph_engine(args.preset, device, **options)
     fused = engine.fused
     defaults = {"o_splits": fused.o_splits, "down_splits": fused.down_splits}
-    key = ("denoise", bucket)
+    variant = "cached" if args.cache else "dense"
+    key = ("denoise", bucket, variant)
+    grids = CACHED_GRIDS if args.cache else GRIDS
+    if args.cache:  # a random entry: the kernels' cost does not depend on which neurons they read
+        gen = torch.Generator(device).manual_seed(0)
+        steps, depth, keep = engine.neurons.shape
+        order = torch.rand(steps, depth, engine.cfg.expert.mlp_dim, device=device, generator=gen).argsort(-1)
+        engine.neurons.copy_(order[..., :keep].sort(-1).values)
 
     def replay_ms() -> float:
-        return statistics.median(cuda_time_ms(lambda: engine.run_stage("denoise", bucket), args.iters))
+        return statistics.median(
+            cuda_time_ms(lambda: engine.run_stage("denoise", bucket, variant=variant), args.iters)
+        )
 
     engine.run_stage("prefill", bucket)
-    engine.run_stage("denoise", bucket)
+    engine.run_stage("denoise", bucket, variant=variant)
     reference = engine.actions.clone()
     results: dict[str, dict] = {"default_ms": round(replay_ms(), 4)}
     print(f"default denoise replay: {results['default_ms']} ms", flush=True)
-    for kind in args.only or list(GRIDS):
+    kinds = [k for k in args.only or list(grids) if k in grids]
+    for kind in kinds:
         rows = []
-        grid = GRIDS[kind]
+        grid = grids[kind]
         for values in itertools.product(*grid.values()):
             c = dict(zip(grid, values, strict=True))
             fused.ops = configured_ops(kind, c, fused)
-            if "splits" in c:
+            if kind == "gathered_down":
+                fused_module.gather_splits = lambda selected, s=c["splits"]: s
+            elif "splits" in c:
                 setattr(fused, "o_splits" if kind == "o_proj" else "down_splits", c["splits"])
             try:
-                engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket))
-                engine.run_stage("denoise", bucket)
+                engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket, variant))
+                engine.run_stage("denoise", bucket, variant=variant)
                 err = ((engine.actions - reference).norm() / reference.norm()).item()
                 row = {"config": c, "ms": round(replay_ms(), 4), "rel_err_vs_default": float(f"{err:.2e}")}
             except Exception as exc:  # a config the kernel cannot compile (shared memory, shapes)
@@ -103,26 +136,29 @@ def main() -> None:
             rows.append(row)
             fused.ops = triton_ops
             fused.o_splits, fused.down_splits = defaults["o_splits"], defaults["down_splits"]
+            fused_module.gather_splits = gather_splits
         ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
         results[kind] = {"best": ok[:6], "failed": [r for r in rows if "error" in r][:6]}
         print(f"{kind}: " + "; ".join(f"{r['ms']} ms {r['config']}" for r in ok[:4]), flush=True)
-        engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket))
+        engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket, variant))
     gpu = torch.cuda.get_device_name(device)
     lines = [
         f"# Denoise kernel configurations tuned in the captured graph — {gpu}",
         "",
-        f"Full `{args.preset}` denoise replay with the default configurations: {results['default_ms']} ms "
+        f"Full `{args.preset}` {variant} denoise replay with the default configurations: {results['default_ms']} ms "
         f"(PDL {'on' if engine.pdl else 'off'}; median of {args.iters}). Best candidates per kernel kind, "
         "the other kinds at their defaults:",
         "",
         "| kernel kind | best ms | configuration |",
         "|---|---|---|",
     ]
-    for kind in args.only or list(GRIDS):
+    for kind in kinds:
         for row in results[kind]["best"][:3]:
             lines.append(f"| {kind} | {row['ms']} | `{row['config']}` |")
-    record = {**record_header(gpu, args.commit), "preset": args.preset, "pdl": engine.pdl, "results": results}
-    save_results(args.out, f"tune_in_graph_{gpu.split()[-1].lower()}", record, "\n".join(lines) + "\n")
+    record = {**record_header(gpu, args.commit), "preset": args.preset, "pdl": engine.pdl, "cache": args.cache,
+              "results": results}  # fmt: skip
+    stem = f"tune_in_graph_{gpu.split()[-1].lower()}{'_cached' if args.cache else ''}"
+    save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
