@@ -604,8 +604,9 @@ def linear(
     n = w.shape[1] if neurons is not None else w.shape[0]
     # The expert's o (split 4) and down (split 8) projections: tuned inside the denoise graph with PDL
     # (bench/results/tune_in_graph_h200.json; BN 64 beat 32 by 0.13 and 0.22 ms per call).
-    # Gathered (Action Cache) rows: narrower column blocks, so as many programs stream as in the dense case.
-    cfg = {"bn": 64 if neurons is None else 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    # Gathered (Action Cache) rows the same: tuned in the cached denoise graph, BN 64 beat 32 by 0.09 ms per
+    # call (bench/results/tune_in_graph_h200_cached_5b80a0c.json).
+    cfg = {"bn": 64, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, w, splits, cfg["bk"]) or (neurons is not None and neurons.numel() != a.shape[1]):
         return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
@@ -627,7 +628,8 @@ def linear_geglu(
     (H200, dense: 7.2 µs vs 9.4 unfused), for many (the prefill) `gemm_geglu`."""
     if a.shape[0] > 64 and neurons is None and anchor is None:
         return gemm_geglu(a, gate_up, out, config)
-    cfg = {"bn": 32 if neurons is None else 16, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    # Gathered too: BN 32 beat 16 by 0.19 ms per call in the cached denoise graph (tune_in_graph --cache).
+    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
     if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
     _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
