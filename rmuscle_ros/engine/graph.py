@@ -169,22 +169,19 @@ class _Staging:
     """Small tensors that travel to the device together: views into one host buffer and into its device
     twin, so one copy moves them all (each small copy costs the host ~10 µs).
 
-    Pinned, the copy is a DMA the host does not wait for, and the next call's writes wait for it to have
-    read the buffer (the live lane: the previous call has long finished). Pageable (the rebuild lane, whose
-    calls queue up behind each other's graphs), the copy stages the buffer at once, and it is free again."""
+    The host buffer is pageable: the copy stages it at once (the buffer is free again when `upload`
+    returns) and never waits for the stream, whose rebuild calls queue up behind each other's graphs.
+    A pinned buffer would need an event per call so that the next call's writes wait for the DMA; that
+    variant ran in a build whose calls spent 0.64 ms in load_inputs on the H200 host, cause not found
+    (bench/results/dev_probes_h200_2026-11-30_s6.json), so it is not used."""
 
-    def __init__(
-        self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device, pinned: bool
-    ) -> None:
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
         offsets, size = {}, 0
         for name, (shape, dtype) in specs.items():
             offsets[name] = size = round_up(size, 8)  # every view starts 8-byte aligned
             size += math.prod(shape) * dtype.itemsize
-        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
+        self.host = torch.zeros(size, dtype=torch.uint8)
         self.device = torch.zeros(size, dtype=torch.uint8, device=device)
-        self.copied: torch.cuda.Event | None = (
-            None  # the last upload: the host buffer is free once it is done
-        )
 
         def view(buf: torch.Tensor, name: str) -> torch.Tensor:
             shape, dtype = specs[name]
@@ -193,27 +190,16 @@ class _Staging:
 
         self.on_host = {name: view(self.host, name) for name in specs}
         self.on_device = {name: view(self.device, name) for name in specs}
-        self._arrays = {name: t.numpy() for name, t in self.on_host.items()}  # the same memory
-
-    def host_arrays(self) -> dict[str, np.ndarray]:
-        """The host views as NumPy arrays, once the previous upload has read them."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self._arrays
+        self.arrays = {name: t.numpy() for name, t in self.on_host.items()}  # NumPy views, same memory
 
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
-        if self.host.is_pinned():
-            self.copied = torch.cuda.Event()
-            self.copied.record()
 
 
 class _Lane:
     """Static buffers for one stream of calls (the live lane, or the rebuild lane)."""
 
-    def __init__(
-        self, cfg: Pi05Config, buckets: list[int], device: torch.device, dtype: torch.dtype, pinned: bool
-    ) -> None:
+    def __init__(self, cfg: Pi05Config, buckets: list[int], device: torch.device, dtype: torch.dtype) -> None:
         c, per_image = cfg.num_cameras, cfg.vision.tokens_per_image
         zeros = lambda *shape, dtype=torch.float32: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
         self.images = zeros(c, 3, cfg.vision.image_size, cfg.vision.image_size)
@@ -227,7 +213,7 @@ class _Lane:
             lp_h = c * per_image + b + cfg.horizon
             specs |= {f"tokens{b}": ((b,), torch.long), f"token_mask{b}": ((b,), torch.bool),
                       f"rope_rows{b}": ((lp_h,), torch.long), f"key_bias{b}": ((round_up(lp_h, KV_ALIGN),), torch.float32)}  # fmt: skip
-        self.staging = _Staging(specs, device, pinned)
+        self.staging = _Staging(specs, device)
         v = self.staging.on_device
         self.noise, self.image_mask = v["noise"], v["image_mask"]
         self.tokens = {b: v[f"tokens{b}"] for b in buckets}
@@ -275,7 +261,7 @@ class GraphEngine:
         if any(b % 16 for b in self.buckets):
             raise ValueError(f"prompt buckets must be multiples of 16, got {self.buckets}")
 
-        self.live = _Lane(cfg, self.buckets, device, self.dtype, pinned=True)
+        self.live = _Lane(cfg, self.buckets, device, self.dtype)
         # Names of the live buffers kept as attributes: the benchmark and tests read them directly.
         self.images, self.image_mask, self.noise = self.live.images, self.live.image_mask, self.live.noise
         self.actions, self.visual, self.kv = self.live.actions, self.live.visual, self.live.kv
@@ -291,7 +277,7 @@ class GraphEngine:
             self.ctx_ref = ContextRef.allocate(cfg, device, self.dtype)  # input of the cached prefill
             self.neurons = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # cached denoise
             self.recorded_masks = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # record
-            self.rebuild = _Lane(cfg, self.buckets, device, self.dtype, pinned=False)
+            self.rebuild = _Lane(cfg, self.buckets, device, self.dtype)
             self.rebuilt_ref = ContextRef.allocate(cfg, device, self.dtype)  # output of the rebuild lane
             # Rebuilds on the lowest-priority stream; live calls should run on `live_stream` (the highest),
             # so that the GPU schedules a live call's kernels first whenever both have work queued.
@@ -471,7 +457,7 @@ class GraphEngine:
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
-        host = lane.staging.host_arrays()
+        host = lane.staging.arrays
         pack_prompt_into(token_row, mask_row, host[f"tokens{bucket}"], host[f"token_mask{bucket}"])
         image_mask = host["image_mask"]
         image_mask[:] = inputs.image_masks[0].cpu().numpy()
