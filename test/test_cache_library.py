@@ -112,6 +112,13 @@ def test_alignment_only_looks_ahead() -> None:
     assert r.query(walk(0)[20])[0].position == 14  # at most `lookahead` ahead per call
 
 
+def test_equal_matches_rank_by_episode_id_and_every_episode_stays_aligned() -> None:
+    r = Retriever(RetrievalConfig(top_k=2, lookahead=2, threshold=0.5), {7: walk(0), 3: walk(0), 5: walk(4)})
+    matches = r.query(walk(0)[6])
+    assert [(m.episode, m.position) for m in matches] == [(3, 6), (7, 6)]  # a tie: the lower id first
+    assert set(r.positions) == {3, 5, 7}  # the episode outside the top k is aligned too
+
+
 def test_fallback_is_sticky_until_reset() -> None:
     r = Retriever(RetrievalConfig(threshold=0.8), {0: walk(0)})
     assert r.query(walk(0)[5])
