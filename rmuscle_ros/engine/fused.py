@@ -232,8 +232,9 @@ def call_layout(pad_mask: np.ndarray, horizon: int) -> CallLayout:
 
 def call_layout_into(pad_mask: np.ndarray, horizon: int, rope_rows: np.ndarray, key_bias: np.ndarray) -> None:
     """Write a call's CallLayout into NumPy arrays. Prefix positions count the real tokens before each row
-    (padding repeats the previous position); the actions follow the real prefix. On the host: a few µs per
-    call, where the same torch ops inside the graphs cost ~30 small kernels."""
+    (padding repeats the previous position); the actions follow the real prefix. On the host: ~30 µs per
+    call on a 2-core CI machine, where the same torch ops inside the graphs were ~35 small kernels
+    (bench/results/trace_graphs_h200_f604ba8 against …_d9fae05)."""
     lp = pad_mask.shape[0]
     real = np.cumsum(pad_mask, dtype=np.int64)
     rope_rows[:lp] = real - 1 - ROPE_FIRST_POSITION

@@ -167,7 +167,7 @@ class ReferenceWindow:
 
 class _Staging:
     """Small tensors that travel to the device together: views into one host buffer and into its device
-    twin, so one copy moves them all (each small copy costs the host ~10 µs).
+    twin, so one copy moves them all instead of one host call per tensor.
 
     The host buffer is pageable: the copy stages it at once (the buffer is free again when `upload`
     returns) and never waits for the stream, whose rebuild calls queue up behind each other's graphs.
