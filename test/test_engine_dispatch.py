@@ -76,3 +76,9 @@ def test_fused_engine_prompt_layout_follows_each_call(tiny) -> None:
         engine.sample_actions(inputs, noise)
     inputs, noise = calls[1]
     assert torch.equal(engine.sample_actions(inputs, noise), fresh.sample_actions(inputs, noise))
+
+
+def test_engine_without_a_cache_has_no_retrieval_descriptor(tiny) -> None:
+    engine = create_engine("fused", tiny, "cpu")
+    with pytest.raises(RuntimeError, match="cache shapes"):
+        engine.descriptor()
