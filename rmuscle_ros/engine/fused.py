@@ -215,11 +215,6 @@ class CallLayout:
     def to(self, device: torch.device) -> CallLayout:
         return CallLayout(self.rope_rows.to(device), self.key_bias.to(device))
 
-    def copy_(self, other: CallLayout) -> CallLayout:
-        self.rope_rows.copy_(other.rope_rows, non_blocking=True)
-        self.key_bias.copy_(other.key_bias, non_blocking=True)
-        return self
-
 
 def call_layout(pad_mask: np.ndarray, horizon: int) -> CallLayout:
     """The layout of a call from its prefix pad mask (Lp,) bool ([image tokens; prompt], True = real), as
