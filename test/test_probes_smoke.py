@@ -58,3 +58,16 @@ def test_training_forward_and_one_step(one_thread) -> None:
     assert probes.check_training_prefill(model, inputs) < 1e-4
     report = probes.train(model, steps=1, batch=1, draws=2, lr=1e-3, seed=0)
     assert math.isfinite(report["final_loss"]) and not model.training
+
+
+def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
+    """bench/probe_load_inputs.py's timing loop on the fused engine: host time only (no GPU clock)."""
+    from bench.bench_pi05 import make_inputs
+    from bench.probe_load_inputs import profile_load, time_calls
+    from rmuscle_ros.engine import create_engine
+
+    engine = create_engine("fused", tiny, "cpu")
+    inputs, noise = make_inputs(tiny.cfg, 20, torch.device("cpu"), 0)
+    figures = time_calls(engine, inputs, noise, iters=3)
+    assert set(figures) == {"host_load_ms"} and figures["host_load_ms"] > 0
+    assert "load_inputs" in profile_load(lambda: engine.load_inputs(inputs, noise), 3, cuda=False)
