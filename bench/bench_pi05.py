@@ -82,7 +82,7 @@ def random_graph_engine(
     captured (the eager model is dropped). Returns (engine, prompt bucket)."""
     cfg = get_preset(preset)
     with device:  # built on the device (a CPU-side default init of the larger presets takes minutes)
-        model = Pi05Model(cfg).eval()
+        model = Pi05Model(cfg).to(device).eval()
     init_random_(model, seed)
     engine = create_engine("graph", model, device, **options)
     del model

@@ -111,7 +111,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     cfg = get_preset(args.preset)
     with device:
-        model = Pi05Model(cfg).eval()
+        model = Pi05Model(cfg).to(device).eval()
     init_random_(model, 0)
     on_device, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
     images = on_device.images.cpu()
