@@ -10,8 +10,9 @@ This probe times, per variant, in one process on the same inputs (medians of --i
 
 for inputs as the node's policy hands them over (images pinned, prompt and noise on the host) and for
 inputs already on the GPU, with the engine's defaults and with the prefill's gate/up GEMM on cuBLAS
-(`triton_ops.GEMM_GEGLU["kernel"] = 0`, graphs captured so). Then a cProfile of `load_inputs` (default
-engine, host inputs): its most expensive functions by own time.
+(`triton_ops.GEMM_GEGLU["kernel"] = 0`, graphs captured so), and with the pinned staging buffer of
+`5b80a0c` swapped in (`PinnedStaging`). Then a cProfile of `load_inputs` (default engine, host inputs):
+its most expensive functions by own time.
 
     python bench/probe_load_inputs.py --commit $(git rev-parse --short HEAD)
     python bench/probe_load_inputs.py --device cpu --preset tiny   # a smoke run: the fused engine, no graphs
@@ -38,6 +39,38 @@ from rmuscle_ros.engine import create_engine
 from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
+
+
+class PinnedStaging:
+    """The live lane's staging buffer as it was at 5b80a0c/d9f2611, where load_inputs took 0.64 ms: a pinned
+    host buffer, one CUDA event per upload, and the next call's writes waiting on it. Swapped into an
+    engine by this probe only, to A/B it against the pageable buffer the engine uses now."""
+
+    def __init__(self, staging, pin: bool = True) -> None:  # pin=False: the view mapping alone, on a CPU
+        self.device = staging.device
+        self.host = staging.host.pin_memory() if pin else staging.host.clone()
+        base = staging.host.data_ptr()
+
+        def view(t: torch.Tensor) -> torch.Tensor:
+            offset, n = t.data_ptr() - base, t.numel() * t.element_size()
+            return self.host[offset : offset + n].view(t.dtype).view(t.shape)
+
+        self.on_host = {name: view(t) for name, t in staging.on_host.items()}
+        self.on_device = staging.on_device
+        self._arrays = {name: t.numpy() for name, t in self.on_host.items()}
+        self.copied: torch.cuda.Event | None = None
+
+    @property
+    def arrays(self) -> dict:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self._arrays
+
+    def upload(self) -> None:
+        self.device.copy_(self.host, non_blocking=True)
+        if self.host.is_pinned():
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 def _event(cuda: bool) -> torch.cuda.Event | None:
@@ -141,6 +174,14 @@ def main() -> None:
             print(f"[probe] {name}, inputs on the {where}: {results[f'{name}_{where}_inputs']}", flush=True)
         if name == "default":
             profile = profile_load(lambda e=engine: e.load_inputs(*host), 200, cuda)
+            if cuda:  # the pinned staging of 5b80a0c, same engine and graphs
+                pageable, engine.live.staging = engine.live.staging, PinnedStaging(engine.live.staging)
+                results["pinned_staging_host_inputs"] = time_calls(engine, *host, args.iters)
+                print(
+                    f"[probe] pinned staging, host inputs: {results['pinned_staging_host_inputs']}",
+                    flush=True,
+                )
+                engine.live.staging = pageable
         del engine
         if cuda:
             torch.cuda.empty_cache()

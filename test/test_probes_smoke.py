@@ -71,3 +71,20 @@ def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
     figures = time_calls(engine, inputs, noise, iters=3)
     assert set(figures) == {"host_load_ms"} and figures["host_load_ms"] > 0
     assert "load_inputs" in profile_load(lambda: engine.load_inputs(inputs, noise), 3, cuda=False)
+
+
+def test_load_inputs_probe_pinned_staging_maps_every_input(tiny) -> None:
+    """The probe's stand-in for the old pinned staging buffer (here unpinned: no CUDA) writes every input
+    where the engine's own buffer does."""
+    from bench.bench_pi05 import make_inputs
+    from bench.probe_load_inputs import PinnedStaging
+    from rmuscle_ros.engine import create_engine
+
+    engine = create_engine("fused", tiny, "cpu")
+    inputs, noise = make_inputs(tiny.cfg, 20, torch.device("cpu"), 0)
+    engine.load_inputs(inputs, noise)
+    expected = engine.live.staging.device.clone()
+    engine.live.staging.device.zero_()
+    engine.live.staging = PinnedStaging(engine.live.staging, pin=False)
+    engine.load_inputs(inputs, noise)
+    assert torch.equal(engine.live.staging.device, expected)
