@@ -66,12 +66,17 @@ def scene(cfg, t: float, light: float, noise: float, gen: torch.Generator) -> to
     return img.clamp(-1, 1)[None]
 
 
-def observation(cfg, t: float, light: float, noise: float, seed: int, prompt: int) -> ModelInputs:
+def observation(
+    cfg, t: float, light: float, noise: float, seed: int, prompt: int, pin: bool = False
+) -> ModelInputs:
+    """The scene at phase t as model inputs on the host; pin: images in pinned memory (the node's policy and
+    the runtime's library hand images over that way, so their copies to the GPU never block)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(7))
     tokens[0, -14:] = cfg.vocab_size - 30 + int(20 * t)  # the discretised state moves with the task
+    images = scene(cfg, t, light, noise, gen)
     return ModelInputs(
-        scene(cfg, t, light, noise, gen),
+        images.pin_memory() if pin else images,
         torch.ones(1, cfg.num_cameras, dtype=torch.bool),
         tokens,
         torch.ones(1, prompt, dtype=torch.bool),
@@ -169,12 +174,10 @@ class Bench:
         """A dense episode through the runtime (recorded into its library), then the rebuild cost of one
         entry on the rebuild lane alone (into a scratch entry: the window's slots belong to the runtime)."""
         cfg, n = self.cfg, self.args.calls
+        pin = self.device.type == "cuda"
         self.ref_obs = [
-            observation(cfg, t / (n - 1), 1.0, 0.01, 100 + t, self.args.prompt_tokens) for t in range(n)
+            observation(cfg, t / (n - 1), 1.0, 0.01, 100 + t, self.args.prompt_tokens, pin) for t in range(n)
         ]
-        if self.device.type == "cuda":  # pinned, as the runtime's library arrays: rebuild copies never block
-            for obs in self.ref_obs:
-                obs.images = obs.images.pin_memory()
         for obs in self.ref_obs:
             _, info = self.runtime_call(obs)
             if info.mode != "dense":
@@ -200,15 +203,11 @@ class Bench:
         dense graph on the same inputs; the window is refilled after each call, as on the cell."""
         cfg, n = self.cfg, self.args.calls
         errors, sims, modes = [], [], []
+        pin = self.device.type == "cuda"
         self.live_obs = [
-            observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens)
+            observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens, pin)
             for t in range(n - 1)
         ]
-        if (
-            self.device.type == "cuda"
-        ):  # pinned, as the policy hands the node's images over (Policy.preprocess)
-            for obs in self.live_obs:
-                obs.images = obs.images.pin_memory()
         for obs in self.live_obs:
             dense = self.dense_call(obs).clone()
             actions, info = self.runtime_call(obs)
