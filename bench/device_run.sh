@@ -5,7 +5,7 @@
 #
 #   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
-#   load: bench/probe_load_inputs.py, where a call's time outside its graphs goes, ~2 min)
+#   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u

@@ -1,18 +1,20 @@
-"""Where a graph-engine call spends the time its graphs do not: `load_inputs` on the host (issue #2).
+"""What loading the inputs adds to a graph-engine call, and whether overlapping it with vision hides it
+(issue #2).
 
-On the H200 the call graph alone took 13.86 ms, the whole call 14.41 (`bench/results/pi05_h200_5b80a0c`):
-the host spent 0.64 ms per call loading the inputs, against ~0.13 ms a few builds earlier, cause not found.
-This probe times, per variant, in one process on the same inputs (medians of --iters calls):
+A call is two graph replays, vision then the tail (prefill + denoise). Loading an observation has two
+halves: `begin_load` (validation, the images' copy) must come before vision; `finish_load` (prompt,
+layout, noise packed on the host, one upload) only before the tail. This probe times, on the GPU's clock,
+three ways to run the same call, interleaved call by call so that clock drift between timing loops (up to
+~0.3 ms on the H200) hits them alike:
 
-- `host_load_ms`: host time of `load_inputs` (the GPU waits for it at the start of every call);
-- `gpu_load_ms`: GPU time from a call's start to the end of its input copies;
-- `call_ms`: the whole call on the GPU's clock (load + the call graph); `graph_ms`: the call graph alone;
+- `overlapped`: `sample_actions` — begin_load, vision, finish_load, tail (the host packs while vision runs);
+- `serial`: `load_inputs`, then vision, then the tail (the GPU waits for all of the host's work);
+- `graphs_alone`: vision and the tail with the inputs already loaded (nothing to wait for);
 
 for inputs as the node's policy hands them over (images pinned, prompt and noise on the host) and for
-inputs already on the GPU, with the engine's defaults and with the prefill's gate/up GEMM on cuBLAS
-(`triton_ops.GEMM_GEGLU["kernel"] = 0`, graphs captured so), and with the pinned staging buffer of
-`5b80a0c` swapped in (`PinnedStaging`). Then a cProfile of `load_inputs` (default engine, host inputs):
-its most expensive functions by own time.
+inputs already on the GPU. Also the host time of each half, and a cProfile of `load_inputs`.
+(The previous version of this probe, `bench/results/probe_load_inputs_h200_acf81b9`, compared staging
+buffers and the prefill's gate/up kernel: the pinned and pageable buffers load alike.)
 
     python bench/probe_load_inputs.py --commit $(git rev-parse --short HEAD)
     python bench/probe_load_inputs.py --device cpu --preset tiny   # a smoke run: the fused engine, no graphs
@@ -36,85 +38,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import make_inputs, record_header, save_results
 from rmuscle_ros.engine import create_engine
+from rmuscle_ros.engine.graph import GraphEngine
 from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 
-class PinnedStaging:
-    """The live lane's staging buffer as it was at 5b80a0c/d9f2611, where load_inputs took 0.64 ms: a pinned
-    host buffer, one CUDA event per upload, and the next call's writes waiting on it. Swapped into an
-    engine by this probe only, to A/B it against the pageable buffer the engine uses now."""
-
-    def __init__(self, staging, pin: bool = True) -> None:  # pin=False: the view mapping alone, on a CPU
-        self.device = staging.device
-        self.host = staging.host.pin_memory() if pin else staging.host.clone()
-        base = staging.host.data_ptr()
-
-        def view(t: torch.Tensor) -> torch.Tensor:
-            offset, n = t.data_ptr() - base, t.numel() * t.element_size()
-            return self.host[offset : offset + n].view(t.dtype).view(t.shape)
-
-        self.on_host = {name: view(t) for name, t in staging.on_host.items()}
-        self.on_device = staging.on_device
-        self._arrays = {name: t.numpy() for name, t in self.on_host.items()}
-        self.copied: torch.cuda.Event | None = None
-
-    @property
-    def arrays(self) -> dict:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self._arrays
-
-    def upload(self) -> None:
-        self.device.copy_(self.host, non_blocking=True)
-        if self.host.is_pinned():
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
-
-def _event(cuda: bool) -> torch.cuda.Event | None:
-    if not cuda:
-        return None
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
-
-
-def time_calls(engine, inputs: ModelInputs, noise: torch.Tensor, iters: int) -> dict[str, float]:
-    """Medians over `iters` calls (after 5 warm-up calls) of the figures in the module docstring."""
-    cuda = engine.device.type == "cuda"
-    rows: dict[str, list[float]] = {"host_load_ms": [], "gpu_load_ms": [], "call_ms": [], "graph_ms": []}
+def call_ways(engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The three ways of the module docstring to run one call."""
     bucket = engine.load_inputs(inputs, noise)
-    for i in range(iters + 5):
+
+    def serial() -> None:
+        engine.load_inputs(inputs, noise)
+        engine.run_stage("vision", bucket)
+        engine.run_stage("tail", bucket)
+
+    def graphs_alone() -> None:
+        engine.run_stage("vision", bucket)
+        engine.run_stage("tail", bucket)
+
+    return {
+        "overlapped": lambda: engine.sample_actions(inputs, noise),
+        "serial": serial,
+        "graphs_alone": graphs_alone,
+    }
+
+
+def time_interleaved(ways: dict[str, Callable[[], None]], iters: int, cuda: bool) -> dict[str, float]:
+    """Median ms per way over `iters` rounds of one call each (after 3 warm-up rounds): CUDA events on a
+    GPU (the call's device time, from the GPU idle to its last kernel), wall clock on a CPU."""
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    for i in range(iters + 3):
+        for name, run in ways.items():
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                run()
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= 3:
+                samples[name].append(ms)
+    return {f"{name}_ms": round(statistics.median(v), 3) for name, v in samples.items()}
+
+
+def time_load_halves(
+    engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor, iters: int
+) -> dict[str, float]:
+    """Median host ms of begin_load and of finish_load, each started with the GPU idle."""
+    cuda = engine.device.type == "cuda"
+    rows: dict[str, list[float]] = {"begin_load_host_ms": [], "finish_load_host_ms": []}
+    for _ in range(iters):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        start = _event(cuda)
-        engine.load_inputs(inputs, noise)
+        engine.begin_load(inputs, noise)
         t1 = time.perf_counter()
-        loaded = _event(cuda)
-        if cuda:
-            engine.run_stage("call", bucket)
-        else:
-            engine.sample_actions(inputs, noise)
-        end = _event(cuda)
-        if cuda:
-            end.synchronize()
-        if i < 5:
-            continue
-        rows["host_load_ms"].append((t1 - t0) * 1e3)
-        if cuda:
-            rows["gpu_load_ms"].append(start.elapsed_time(loaded))
-            rows["call_ms"].append(start.elapsed_time(end))
-    if cuda:
-        for _ in range(iters):
-            start = _event(cuda)
-            engine.run_stage("call", bucket)
-            end = _event(cuda)
-            end.synchronize()
-            rows["graph_ms"].append(start.elapsed_time(end))
-    return {k: round(statistics.median(v), 3) for k, v in rows.items() if v}
+        engine.finish_load()
+        rows["begin_load_host_ms"].append((t1 - t0) * 1e3)
+        rows["finish_load_host_ms"].append((time.perf_counter() - t1) * 1e3)
+    return {k: round(statistics.median(v), 3) for k, v in rows.items()}
 
 
 def profile_load(load: Callable[[], object], calls: int, cuda: bool, rows: int = 12) -> str:
@@ -135,7 +123,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="pi05")
     p.add_argument("--prompt-tokens", type=int, default=50)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=100)
     p.add_argument("--device", default="cuda")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -154,50 +142,31 @@ def main() -> None:
         noise.cpu(),
     )  # fmt: skip
     inputs = {"host": host, "device": (on_device, noise)} if cuda else {"host": host}
-    engines = {"default": None, "gate_up_on_cublas": 0} if cuda else {"default": None}
+    engine = create_engine("graph" if cuda else "fused", model, device)
+    engine.load_inputs(*host)
+    engine.warmup()
     results: dict[str, dict[str, float]] = {}
-    profile = ""
-    for name, kernel in engines.items():
-        from_triton = None
-        if kernel is not None:
-            from rmuscle_ros.engine import triton_ops  # CUDA only
-
-            from_triton = dict(triton_ops.GEMM_GEGLU)
-            triton_ops.GEMM_GEGLU["kernel"] = kernel
-        engine = create_engine("graph" if cuda else "fused", model, device)
-        engine.load_inputs(*host)
-        engine.warmup()
-        if from_triton is not None:
-            triton_ops.GEMM_GEGLU.update(from_triton)
-        for where, (x, z) in inputs.items():
-            results[f"{name}_{where}_inputs"] = time_calls(engine, x, z, args.iters)
-            print(f"[probe] {name}, inputs on the {where}: {results[f'{name}_{where}_inputs']}", flush=True)
-        if name == "default":
-            profile = profile_load(lambda e=engine: e.load_inputs(*host), 200, cuda)
-            if cuda:  # the pinned staging of 5b80a0c, same engine and graphs
-                pageable, engine.live.staging = engine.live.staging, PinnedStaging(engine.live.staging)
-                results["pinned_staging_host_inputs"] = time_calls(engine, *host, args.iters)
-                print(
-                    f"[probe] pinned staging, host inputs: {results['pinned_staging_host_inputs']}",
-                    flush=True,
-                )
-                engine.live.staging = pageable
-        del engine
-        if cuda:
-            torch.cuda.empty_cache()
+    for where, (x, z) in inputs.items():
+        row = time_interleaved(call_ways(engine, x, z), args.iters, cuda) | time_load_halves(
+            engine, x, z, args.iters
+        )
+        results[f"{where}_inputs"] = row
+        print(f"[probe] inputs on the {where}: {row}", flush=True)
+    profile = profile_load(lambda: engine.load_inputs(*host), 200, cuda)
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
     record = {**record_header(gpu, args.commit), "preset": args.preset, "results": results}
-    keys = ["host_load_ms", "gpu_load_ms", "call_ms", "graph_ms"]
+    keys = list(next(iter(results.values())))
     lines = [
-        f"# load_inputs probe — {gpu}, `{args.preset}`",
+        f"# Loading a call's inputs — {gpu}, `{args.preset}`",
         "",
-        f"commit `{args.commit}`, command `{record['command']}`; medians of {args.iters} calls.",
+        f"commit `{args.commit}`, command `{record['command']}`; medians of {args.iters} calls per way, the "
+        "three ways interleaved call by call (bench/probe_load_inputs.py says what each is).",
         "",
-        "| variant | " + " | ".join(keys) + " |",
+        "| inputs | " + " | ".join(keys) + " |",
         "|---|" + "---|" * len(keys),
         *(f"| {k} | " + " | ".join(str(v.get(c, "–")) for c in keys) + " |" for k, v in results.items()),
         "",
-        "cProfile of load_inputs (default engine, host inputs, 200 calls), by own time:",
+        "cProfile of load_inputs (host inputs, 200 calls), by own time:",
         "",
         "```",
         profile.strip(),

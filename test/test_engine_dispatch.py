@@ -78,6 +78,25 @@ def test_fused_engine_prompt_layout_follows_each_call(tiny) -> None:
     assert torch.equal(engine.sample_actions(inputs, noise), fresh.sample_actions(inputs, noise))
 
 
+def test_fused_engine_loads_in_two_halves_like_in_one(tiny) -> None:
+    """begin_load + finish_load (the prompt packed while vision runs) loads what load_inputs does; the
+    second half without the first is refused, and a refused begin_load leaves nothing half-loaded."""
+    engine = create_engine("fused", tiny, "cpu")
+    inputs, noise = random_inputs(tiny.cfg, valid_tokens=9, pad_to=12)
+    engine.load_inputs(inputs, noise)
+    whole = engine.live.staging.device.clone()
+    engine.live.staging.device.zero_()
+    engine.begin_load(inputs, noise)
+    engine.finish_load()
+    assert torch.equal(engine.live.staging.device, whole)
+    with pytest.raises(RuntimeError, match="finish_load without begin_load"):
+        engine.finish_load()
+    with pytest.raises(ValueError, match="usable must flag each of the window's entries"):
+        engine.begin_load(inputs, noise, usable=[True])  # no window on this engine
+    with pytest.raises(RuntimeError, match="finish_load without begin_load"):
+        engine.finish_load()
+
+
 def test_engine_without_a_cache_has_no_retrieval_descriptor(tiny) -> None:
     engine = create_engine("fused", tiny, "cpu")
     with pytest.raises(RuntimeError, match="cache shapes"):

@@ -108,6 +108,11 @@ def test_graph_engine_matches_eager_tiny(missing_camera: bool) -> None:
     # A replayed graph is deterministic, and a second call does not see the first one's state.
     again = engine.sample_actions(inputs, noise)
     assert torch.equal(out, again)
+    # The call's tail graph (prefill + denoise) computes what the two stage graphs do.
+    bucket = engine.load_inputs(inputs, noise)
+    for stage in ("vision", "prefill", "denoise"):
+        engine.run_stage(stage, bucket)
+    assert torch.equal(engine.actions, out[0])
 
 
 def test_pdl_gives_the_same_actions_as_serial_launches() -> None:

@@ -61,30 +61,24 @@ def test_training_forward_and_one_step(one_thread) -> None:
 
 
 def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
-    """bench/probe_load_inputs.py's timing loop on the fused engine: host time only (no GPU clock)."""
+    """bench/probe_load_inputs.py's timing on the fused engine: host time only (no GPU clock), and its three
+    ways of running a call give the same actions."""
     from bench.bench_pi05 import make_inputs
-    from bench.probe_load_inputs import profile_load, time_calls
+    from bench.probe_load_inputs import call_ways, profile_load, time_interleaved, time_load_halves
     from rmuscle_ros.engine import create_engine
 
     engine = create_engine("fused", tiny, "cpu")
     inputs, noise = make_inputs(tiny.cfg, 20, torch.device("cpu"), 0)
-    figures = time_calls(engine, inputs, noise, iters=3)
-    assert set(figures) == {"host_load_ms"} and figures["host_load_ms"] > 0
-    assert "load_inputs" in profile_load(lambda: engine.load_inputs(inputs, noise), 3, cuda=False)
-
-
-def test_load_inputs_probe_pinned_staging_maps_every_input(tiny) -> None:
-    """The probe's stand-in for the old pinned staging buffer (here unpinned: no CUDA) writes every input
-    where the engine's own buffer does."""
-    from bench.bench_pi05 import make_inputs
-    from bench.probe_load_inputs import PinnedStaging
-    from rmuscle_ros.engine import create_engine
-
-    engine = create_engine("fused", tiny, "cpu")
-    inputs, noise = make_inputs(tiny.cfg, 20, torch.device("cpu"), 0)
-    engine.load_inputs(inputs, noise)
-    expected = engine.live.staging.device.clone()
-    engine.live.staging.device.zero_()
-    engine.live.staging = PinnedStaging(engine.live.staging, pin=False)
-    engine.load_inputs(inputs, noise)
-    assert torch.equal(engine.live.staging.device, expected)
+    ways = call_ways(engine, inputs, noise)
+    outputs = []
+    for run in ways.values():
+        engine.actions.zero_()
+        run()
+        outputs.append(engine.actions.clone())
+    assert all(torch.equal(outputs[0], o) for o in outputs[1:]) and outputs[0].abs().sum() > 0
+    figures = time_interleaved(ways, iters=2, cuda=False) | time_load_halves(engine, inputs, noise, iters=2)
+    assert set(figures) == {
+        "overlapped_ms", "serial_ms", "graphs_alone_ms", "begin_load_host_ms", "finish_load_host_ms"
+    }  # fmt: skip
+    assert all(v > 0 for v in figures.values())
+    assert "graph.py" in profile_load(lambda: engine.load_inputs(inputs, noise), 3, cuda=False)

@@ -313,9 +313,10 @@ class RMuscle:
             if any(usable):
                 return self._infer_matched_on_gpu(inputs, noise, usable)
         e = self.engine
-        bucket = e.load_inputs(inputs, noise)
+        bucket = e.begin_load(inputs, noise)
         e.run_stage("vision", bucket)
         ready = self._descriptor_to_host()
+        e.finish_load()  # the prompt is packed on the host while vision runs
         if ready is not None:
             ready.synchronize()
         descriptor = self.engine.descriptor_host.numpy().copy()
@@ -324,8 +325,7 @@ class RMuscle:
         slot = self._ready_slot((matches[0].episode, matches[0].position)) if matches else None
         if slot is not None:
             e.load_reference(slot.ref, slot.neurons)
-            e.run_stage("prefill", bucket, variant="cached")
-            e.run_stage("denoise", bucket, variant="cached")
+            e.run_stage("tail", bucket, variant="cached")
             info = self._served_cached(matches[0].episode, matches[0].position, similarity)
         else:
             info = self._serve_dense(inputs, bucket, descriptor, similarity)
@@ -335,11 +335,12 @@ class RMuscle:
         self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool]
     ) -> tuple[torch.Tensor, CallInfo]:
         e = self.engine
-        bucket = e.load_inputs(inputs, noise, usable)
+        bucket = e.begin_load(inputs, noise, usable)
         e.run_stage("match", bucket, variant="cached")
         matched = torch.cuda.Event() if e.device.type == "cuda" else None
         if matched is not None:
             matched.record()
+        e.finish_load()  # the prompt is packed on the host while the match graph runs
         e.run_stage("tail", bucket, variant="cached")  # queued now: it runs while the host does retrieval
         if matched is not None:
             matched.synchronize()
@@ -366,8 +367,11 @@ class RMuscle:
         """The prefill and denoise of a dense call (vision has run), recorded if this episode qualifies."""
         e = self.engine
         record = self.cfg.record and not self._episode_cached
-        e.run_stage("prefill", bucket)
-        e.run_stage("denoise", bucket, variant="record" if record else "dense")
+        if record:
+            e.run_stage("prefill", bucket)
+            e.run_stage("denoise", bucket, variant="record")
+        else:
+            e.run_stage("tail", bucket)
         if self.retriever.fallback:
             info = CallInfo("fallback", similarity, reason=f"similarity below {self.cfg.threshold}")
         elif not self.library.entries:

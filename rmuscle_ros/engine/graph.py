@@ -4,8 +4,10 @@ Static shapes: one observation per call, `num_cameras` image slots (a missing ca
 removed) and the prompt padded to a *bucket* (a multiple of `bucket_step` tokens), so the padding that
 is computed is at most `bucket_step - 1` tokens rather than the full 200-token capacity. Every bucket's
 graphs are captured in `warmup()`, before the first live call: each of the three stages (vision,
-prefill, denoise) as a graph of its own (the benchmark times each one, and rMuscle runs retrieval
-between vision and prefill), and the whole dense call as one more (`sample_actions` replays it).
+prefill, denoise) as a graph of its own (the benchmark times each one), and the *tail* (prefill +
+denoise) as one more. A call is two replays, vision then the tail: its inputs are loaded in two steps
+(`begin_load`, `finish_load`) so that the host packs the prompt and the call's layout while the GPU runs
+vision, instead of the GPU waiting for the host at the start of every call.
 
 On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`, see `triton_ops`):
 each kernel prefetches its weights while the previous one finishes. `pdl=False` turns it off (the
@@ -20,8 +22,8 @@ on a low-priority CUDA stream with its own graph memory pool, so it can run whil
 
 With a window (`CacheShapes.window`) the engine holds the sliding window's reference entries, stacked
 (`ReferenceWindow`); with `CacheShapes.match` it also captures a *match* graph (vision, then the most
-similar usable entry picked and loaded on the GPU) and a *tail* graph (cached prefill + denoise), so that
-a cached call needs no host round trip between vision and prefill.
+similar usable entry picked and loaded on the GPU), so that a cached call (match, then the cached tail)
+needs no host round trip between vision and prefill.
 
 All tensors that cross a graph boundary live in buffers allocated here, outside the graphs' shared
 memory pool, so graphs may be replayed in any order.
@@ -70,11 +72,10 @@ VARIANTS = {
     "vision": ("dense",),
     "prefill": ("dense", "cached"),
     "denoise": ("dense", "cached", "record"),
-    "call": ("dense",),  # the three dense stages in one graph: no gaps between replays
-    # With CacheShapes.match: vision, then the best usable window entry picked and loaded on the GPU; and
-    # the cached prefill + denoise in one graph. A call matched on the GPU is these two replays.
+    # Prefill + denoise in one graph: a call is vision (or match), then this. Cached: with cache shapes.
+    "tail": ("dense", "cached"),
+    # With CacheShapes.match: vision, then the best usable window entry picked and loaded on the GPU.
     "match": ("cached",),
-    "tail": ("cached",),
 }
 
 
@@ -171,9 +172,9 @@ class _Staging:
 
     The host buffer is pageable: the copy stages it at once (the buffer is free again when `upload`
     returns) and never waits for the stream, whose rebuild calls queue up behind each other's graphs.
-    A pinned buffer would need an event per call so that the next call's writes wait for the DMA; that
-    variant ran in a build whose calls spent 0.64 ms in load_inputs on the H200 host, cause not found
-    (bench/results/dev_probes_h200_2026-11-30_s6.json), so it is not used."""
+    A pinned buffer would need an event per call so that the next call's writes wait for the DMA; on
+    the H200 the two load a call in the same host time (0.21 vs 0.23 ms, bench/results/
+    probe_load_inputs_h200_acf81b9), so the simpler one is used."""
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
         offsets, size = {}, 0
@@ -194,6 +195,17 @@ class _Staging:
 
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An observation between `begin_load` and `finish_load`: what the host still has to pack."""
+
+    bucket: int
+    token_row: np.ndarray
+    mask_row: np.ndarray
+    image_mask: np.ndarray
+    noise: torch.Tensor | None
 
 
 class _Lane:
@@ -221,6 +233,7 @@ class _Lane:
         self.layout = {b: CallLayout(v[f"rope_rows{b}"], v[f"key_bias{b}"]) for b in buckets}
         capacity = round_up(c * per_image + max(buckets) + cfg.horizon, KV_ALIGN)
         self.kv = KVBuffers.allocate(cfg, capacity, device, dtype)
+        self.pending: _Pending | None = None  # between begin_load and finish_load
 
 
 class GraphEngine:
@@ -362,14 +375,8 @@ class GraphEngine:
         elif stage == "tail":
 
             def runner() -> None:
-                self._run_prefill(self.live, bucket, "cached")
-                self._run_denoise(self.live, bucket, "cached")
-        elif stage == "call":
-
-            def runner() -> None:
-                self._run_vision(self.live)
-                self._run_prefill(self.live, bucket, "dense")
-                self._run_denoise(self.live, bucket, "dense")
+                self._run_prefill(self.live, bucket, variant)
+                self._run_denoise(self.live, bucket, variant)
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
@@ -404,12 +411,12 @@ class GraphEngine:
     def _graph_keys(self) -> list[tuple[str, int, str]]:
         keys = [("vision", 0, "dense")]
         if self.cache is not None and self.cache.match:
-            keys += [("match", 0, "cached")] + [("tail", b, "cached") for b in self.buckets]
+            keys += [("match", 0, "cached")]
         for b in self.buckets:
-            keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("call", b, "dense")]
+            keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("tail", b, "dense")]
             if self.cache is not None:
                 keys += [("prefill", b, "cached"), ("denoise", b, "cached"), ("denoise", b, "record")]
-                keys += [("rebuild", b, "record")]
+                keys += [("tail", b, "cached"), ("rebuild", b, "record")]
         return keys
 
     # ── Engine API ───────────────────────────────────────────────────────────────────────────────────────
@@ -429,9 +436,11 @@ class GraphEngine:
         log.info("graph engine: captured %d graphs in %.2f s", len(self._graphs), sum(timings.values()))
         return timings
 
-    def _load(
+    def _begin_load(
         self, lane: _Lane, inputs: ModelInputs, noise: torch.Tensor | None, usable: list[bool] | None = None
     ) -> int:
+        """Validate one observation, queue its images' copy (and `usable`'s), and keep the rest for
+        `_finish_load`. Returns the prompt bucket. Nothing is launched when the input is bad."""
         if inputs.tokens.shape[0] != 1 or (noise is not None and noise.shape[0] != 1):
             raise ValueError(
                 f"the graph engine runs one observation per call, got batch {inputs.tokens.shape[0]}"
@@ -448,39 +457,65 @@ class GraphEngine:
             raise ValueError(
                 f"images must be (1, {', '.join(map(str, lane.images.shape))}), got {tuple(inputs.images.shape)}"
             )
-        # Images first: from pinned memory (the node's policy) their DMA overlaps the host work below.
-        lane.images.copy_(inputs.images[0], non_blocking=True)
-        # Pack the prompt on the host: a handful of integers, and no small kernels on the GPU. The prompt
-        # decides the bucket, so a prompt on the GPU is read back (bench_pi05's graph-device-inputs).
+        if usable is not None and (self.window is None or len(usable) != len(self.window)):
+            raise ValueError(
+                f"usable must flag each of the window's entries, got {len(usable)} for "
+                f"{0 if self.window is None else len(self.window)}"
+            )
+        # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
+        # this call launches anything: bench_pi05's graph-device-inputs).
         token_row, mask_row = inputs.tokens[0].cpu().numpy(), inputs.token_mask[0].cpu().numpy()
         n = int(np.count_nonzero(mask_row))
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
-        host = lane.staging.arrays
-        pack_prompt_into(token_row, mask_row, host[f"tokens{bucket}"], host[f"token_mask{bucket}"])
-        image_mask = host["image_mask"]
-        image_mask[:] = inputs.image_masks[0].cpu().numpy()
-        pad_mask = np.concatenate(
-            [np.repeat(image_mask, self.cfg.vision.tokens_per_image), host[f"token_mask{bucket}"]]
-        )
-        call_layout_into(pad_mask, self.cfg.horizon, host[f"rope_rows{bucket}"], host[f"key_bias{bucket}"])
-        noise_on_host = noise is not None and not noise.is_cuda
-        if noise_on_host:
-            lane.staging.on_host["noise"].copy_(noise[0])
-        lane.staging.upload()
-        if noise is not None and not noise_on_host:  # after the upload, which writes the lane's noise too
-            lane.noise.copy_(noise[0], non_blocking=True)
+        lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
         if usable is not None:
-            if self.window is None or len(usable) != len(self.window):
-                raise ValueError(f"usable must flag each of the window's entries, got {len(usable)}")
+            assert self.window is not None  # checked above
             self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
+        lane.pending = _Pending(bucket, token_row, mask_row, inputs.image_masks[0].cpu().numpy(), noise)
         return bucket
 
+    def _finish_load(self, lane: _Lane) -> None:
+        """Pack the prompt, the call's layout and the noise begun by `_begin_load` into the lane's staging
+        buffer on the host, and upload it (one copy, queued after whatever was launched in between)."""
+        p = lane.pending
+        if p is None:
+            raise RuntimeError("finish_load without begin_load: no observation is being loaded")
+        lane.pending = None
+        host, b = lane.staging.arrays, p.bucket
+        pack_prompt_into(p.token_row, p.mask_row, host[f"tokens{b}"], host[f"token_mask{b}"])
+        image_mask = host["image_mask"]
+        image_mask[:] = p.image_mask
+        pad_mask = np.concatenate(
+            [np.repeat(image_mask, self.cfg.vision.tokens_per_image), host[f"token_mask{b}"]]
+        )
+        call_layout_into(pad_mask, self.cfg.horizon, host[f"rope_rows{b}"], host[f"key_bias{b}"])
+        noise_on_host = p.noise is not None and not p.noise.is_cuda
+        if noise_on_host:
+            lane.staging.on_host["noise"].copy_(p.noise[0])
+        lane.staging.upload()
+        if p.noise is not None and not noise_on_host:  # after the upload, which writes the lane's noise too
+            lane.noise.copy_(p.noise[0], non_blocking=True)
+
+    def begin_load(self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool] | None = None) -> int:
+        """First half of loading one observation into the live buffers: validates it (a bad one raises
+        ValueError and changes nothing), queues the images' copy — all the vision and match stages read —
+        and returns the prompt bucket. Launch vision (or match), then call `finish_load`: the host then
+        packs the prompt while the GPU works. `usable`: which window entries the match stage may pick."""
+        return self._begin_load(self.live, inputs, noise, usable)
+
+    def finish_load(self) -> None:
+        """Second half of loading (see `begin_load`): the prompt, layout and noise, read by the prefill
+        and denoise stages."""
+        self._finish_load(self.live)
+
     def load_inputs(self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool] | None = None) -> int:
-        """Copy one observation into the live buffers; returns the prompt bucket it uses. `usable`: which
-        window entries the next match stage may pick (engines built with a window)."""
-        return self._load(self.live, inputs, noise, usable)
+        """Copy one observation into the live buffers (`begin_load` + `finish_load`); returns the prompt
+        bucket it uses."""
+        bucket = self.begin_load(inputs, noise, usable)
+        self.finish_load()
+        return bucket
 
     def run_stage(self, stage: str, bucket: int, use_graph: bool = True, variant: str = "dense") -> None:
         """Run one stage on the loaded inputs: a graph replay once captured, else the fused ops directly."""
@@ -488,7 +523,7 @@ class GraphEngine:
             raise ValueError(f"stage {stage!r} has no variant {variant!r}")
         if variant != "dense" and self.cache is None:
             raise RuntimeError(f"the {variant} {stage} needs an engine built with cache shapes")
-        if stage in ("match", "tail") and self.window is None:
+        if stage == "match" and self.window is None:
             raise RuntimeError(f"the {stage} stage needs an engine built with a window (CacheShapes.window)")
         key = (stage, 0 if stage in ("vision", "match") else bucket, variant)
         graph = self._graphs.get(key) if use_graph else None
@@ -528,7 +563,8 @@ class GraphEngine:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
-            bucket = self._load(self.rebuild, inputs, None)
+            bucket = self._begin_load(self.rebuild, inputs, None)
+            self._finish_load(self.rebuild)
             graph = self._graphs.get(("rebuild", bucket, "record")) if use_graphs else None
             if graph is not None:
                 graph.replay()
@@ -540,10 +576,10 @@ class GraphEngine:
     def sample_actions(
         self, inputs: ModelInputs, noise: torch.Tensor, use_graphs: bool = True
     ) -> torch.Tensor:
-        bucket = self.load_inputs(inputs, noise)
-        if use_graphs and ("call", bucket, "dense") in self._graphs:
-            self.run_stage("call", bucket)
-        else:
-            for stage in STAGES:
-                self.run_stage(stage, bucket, use_graphs)
+        """One observation (batch 1) -> actions (1, horizon, action_dim): vision, then the tail, with the
+        host's share of loading the inputs done while vision runs."""
+        bucket = self.begin_load(inputs, noise)
+        self.run_stage("vision", bucket, use_graphs)
+        self.finish_load()
+        self.run_stage("tail", bucket, use_graphs)
         return self.actions.clone()[None]
