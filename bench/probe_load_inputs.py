@@ -12,7 +12,8 @@ three ways to run the same call, interleaved call by call so that clock drift be
 - `graphs_alone`: vision and the tail with the inputs already loaded (nothing to wait for);
 
 for inputs as the node's policy hands them over (images pinned, prompt and noise on the host) and for
-inputs already on the GPU. Also the host time of each half, and a cProfile of `load_inputs`.
+inputs already on the GPU; each with the live lane's staging buffer pageable (the engine's default) and
+pinned (`_Staging.pin`). Also the host time of each step of a call, and a cProfile of `load_inputs`.
 (The previous version of this probe, `bench/results/probe_load_inputs_h200_acf81b9`, compared staging
 buffers and the prefill's gate/up kernel: the pinned and pageable buffers load alike.)
 
@@ -90,18 +91,28 @@ def time_interleaved(ways: dict[str, Callable[[], None]], iters: int, cuda: bool
 def time_load_halves(
     engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor, iters: int
 ) -> dict[str, float]:
-    """Median host ms of begin_load and of finish_load, each started with the GPU idle."""
+    """Median host ms of one call's steps as sample_actions takes them, started with the GPU idle:
+    begin_load; finish_load while the vision graph runs (a copy that waited for the stream would take
+    about as long as vision); the tail graph's launch."""
     cuda = engine.device.type == "cuda"
-    rows: dict[str, list[float]] = {"begin_load_host_ms": [], "finish_load_host_ms": []}
+    names = ("begin_load_host_ms", "finish_load_host_ms", "tail_launch_host_ms")
+    rows: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(iters):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.begin_load(inputs, noise)
+        bucket = engine.begin_load(inputs, noise)
         t1 = time.perf_counter()
+        engine.run_stage("vision", bucket)
+        t2 = time.perf_counter()
         engine.finish_load()
-        rows["begin_load_host_ms"].append((t1 - t0) * 1e3)
-        rows["finish_load_host_ms"].append((time.perf_counter() - t1) * 1e3)
+        t3 = time.perf_counter()
+        engine.run_stage("tail", bucket)
+        t4 = time.perf_counter()
+        for name, ms in zip(names, ((t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3), strict=True):
+            rows[name].append(ms)
+    if cuda:
+        torch.cuda.synchronize()
     return {k: round(statistics.median(v), 3) for k, v in rows.items()}
 
 
@@ -142,29 +153,42 @@ def main() -> None:
         noise.cpu(),
     )  # fmt: skip
     inputs = {"host": host, "device": (on_device, noise)} if cuda else {"host": host}
-    engine = create_engine("graph" if cuda else "fused", model, device)
-    engine.load_inputs(*host)
-    engine.warmup()
+    # The live lane's staging buffer as the engine makes it (pageable), and pinned (one more engine).
+    engines = {}
+    for staging in ("pageable", "pinned") if cuda else ("pageable",):
+        engine = create_engine("graph" if cuda else "fused", model, device)
+        if staging == "pinned":
+            engine.live.staging.pin()
+        engine.load_inputs(*host)
+        engine.warmup()
+        engines[staging] = engine
     results: dict[str, dict[str, float]] = {}
     for where, (x, z) in inputs.items():
-        row = time_interleaved(call_ways(engine, x, z), args.iters, cuda) | time_load_halves(
-            engine, x, z, args.iters
-        )
+        ways = {
+            f"{staging}_{name}": run
+            for staging, e in engines.items()
+            for name, run in call_ways(e, x, z).items()
+        }
+        row = time_interleaved(ways, args.iters, cuda)
+        for staging, e in engines.items():
+            row |= {f"{staging}_{k}": v for k, v in time_load_halves(e, x, z, args.iters).items()}
         results[f"{where}_inputs"] = row
         print(f"[probe] inputs on the {where}: {row}", flush=True)
+    engine = engines["pageable"]
     profile = profile_load(lambda: engine.load_inputs(*host), 200, cuda)
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
     record = {**record_header(gpu, args.commit), "preset": args.preset, "results": results}
-    keys = list(next(iter(results.values())))
+    figures = list(next(iter(results.values())))
     lines = [
         f"# Loading a call's inputs — {gpu}, `{args.preset}`",
         "",
         f"commit `{args.commit}`, command `{record['command']}`; medians of {args.iters} calls per way, the "
-        "three ways interleaved call by call (bench/probe_load_inputs.py says what each is).",
+        "ways interleaved call by call (bench/probe_load_inputs.py says what each is), with the live lane's "
+        "staging buffer pageable and pinned.",
         "",
-        "| inputs | " + " | ".join(keys) + " |",
-        "|---|" + "---|" * len(keys),
-        *(f"| {k} | " + " | ".join(str(v.get(c, "–")) for c in keys) + " |" for k, v in results.items()),
+        "| figure | " + " | ".join(results) + " |",
+        "|---|" + "---|" * len(results),
+        *(f"| {f} | " + " | ".join(str(v.get(f, "–")) for v in results.values()) + " |" for f in figures),
         "",
         "cProfile of load_inputs (host inputs, 200 calls), by own time:",
         "",

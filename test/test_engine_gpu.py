@@ -154,6 +154,11 @@ def test_graph_engine_takes_host_tensors() -> None:
     first = engine.sample_actions(inputs.to(torch.device("cpu")), noise.cpu())
     second = engine.sample_actions(other.to(torch.device("cpu")), other_noise.cpu())
     assert torch.equal(first, on_device) and torch.equal(second, other_on_device)
+    # The same with the live lane's staging buffer pinned (uploads are then DMAs the host does not wait for).
+    engine.live.staging.pin()
+    first = engine.sample_actions(inputs.to(torch.device("cpu")), noise.cpu())
+    second = engine.sample_actions(other.to(torch.device("cpu")), other_noise.cpu())
+    assert torch.equal(first, on_device) and torch.equal(second, other_on_device)
 
 
 def test_graph_engine_rejects_batches() -> None:

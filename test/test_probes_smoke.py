@@ -78,7 +78,8 @@ def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
     assert all(torch.equal(outputs[0], o) for o in outputs[1:]) and outputs[0].abs().sum() > 0
     figures = time_interleaved(ways, iters=2, cuda=False) | time_load_halves(engine, inputs, noise, iters=2)
     assert set(figures) == {
-        "overlapped_ms", "serial_ms", "graphs_alone_ms", "begin_load_host_ms", "finish_load_host_ms"
+        "overlapped_ms", "serial_ms", "graphs_alone_ms",
+        "begin_load_host_ms", "finish_load_host_ms", "tail_launch_host_ms",
     }  # fmt: skip
     assert all(v > 0 for v in figures.values())
     assert "graph.py" in profile_load(lambda: engine.load_inputs(inputs, noise), 3, cuda=False)

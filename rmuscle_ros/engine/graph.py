@@ -170,31 +170,53 @@ class _Staging:
     """Small tensors that travel to the device together: views into one host buffer and into its device
     twin, so one copy moves them all instead of one host call per tensor.
 
-    The host buffer is pageable: the copy stages it at once (the buffer is free again when `upload`
-    returns) and never waits for the stream, whose rebuild calls queue up behind each other's graphs.
-    A pinned buffer would need an event per call so that the next call's writes wait for the DMA; on
-    the H200 the two load a call in the same host time (0.21 vs 0.23 ms, bench/results/
-    probe_load_inputs_h200_acf81b9), so the simpler one is used."""
+    The host buffer starts pageable: the copy stages it at once (the buffer is free again when `upload`
+    returns) and never waits for the stream — right for the rebuild lane, whose calls queue up behind
+    each other's graphs. `pin()` moves it into pinned memory: the upload is then a DMA in stream order
+    that the host does not wait for, and the next write waits for the previous upload (`writable`)."""
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
-        offsets, size = {}, 0
+        self._offsets, size = {}, 0
         for name, (shape, dtype) in specs.items():
-            offsets[name] = size = round_up(size, 8)  # every view starts 8-byte aligned
+            self._offsets[name] = size = round_up(size, 8)  # every view starts 8-byte aligned
             size += math.prod(shape) * dtype.itemsize
+        self._specs = specs
         self.host = torch.zeros(size, dtype=torch.uint8)
         self.device = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.on_device = self._views(self.device)
+        self._host_views()
+        self._uploaded: torch.cuda.Event | None = (
+            None  # pinned: the last upload, which the next write waits for
+        )
 
-        def view(buf: torch.Tensor, name: str) -> torch.Tensor:
-            shape, dtype = specs[name]
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (shape, dtype) in self._specs.items():
             n = math.prod(shape) * dtype.itemsize
-            return buf[offsets[name] : offsets[name] + n].view(dtype).view(shape)
+            out[name] = buf[self._offsets[name] : self._offsets[name] + n].view(dtype).view(shape)
+        return out
 
-        self.on_host = {name: view(self.host, name) for name in specs}
-        self.on_device = {name: view(self.device, name) for name in specs}
-        self.arrays = {name: t.numpy() for name, t in self.on_host.items()}  # NumPy views, same memory
+    def _host_views(self) -> None:
+        self.on_host = self._views(self.host)
+        self._arrays = {name: t.numpy() for name, t in self.on_host.items()}  # NumPy views, same memory
+
+    def pin(self) -> None:
+        """Move the host buffer into pinned memory (CUDA devices only)."""
+        self.host = self.host.pin_memory()
+        self._host_views()
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host buffer as NumPy views, once the previous upload no longer reads it."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
+        return self._arrays
 
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
+        if self.host.is_pinned():
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
 
 
 @dataclass(frozen=True)
@@ -483,7 +505,7 @@ class GraphEngine:
         if p is None:
             raise RuntimeError("finish_load without begin_load: no observation is being loaded")
         lane.pending = None
-        host, b = lane.staging.arrays, p.bucket
+        host, b = lane.staging.writable(), p.bucket
         pack_prompt_into(p.token_row, p.mask_row, host[f"tokens{b}"], host[f"token_mask{b}"])
         image_mask = host["image_mask"]
         image_mask[:] = p.image_mask
