@@ -156,6 +156,11 @@ def main() -> None:
         "--rounds", type=int, default=3, help="timing loops of the graph variants (each's median kept)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-serial",
+        action="store_true",
+        help="skip graph-nopdl, a second engine (pi05-7b: float32 model + two engines exceed an H200)",
+    )
     p.add_argument("--commit", default="unknown")
     p.add_argument("--name", default=None, help="result file stem (default: <preset>_<gpu>_<date>)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -187,7 +192,7 @@ def main() -> None:
     )
 
     # The same engine with serial launches (no programmatic dependent launch), to measure what PDL buys.
-    serial = create_engine("graph", model, device, pdl=False) if graph.pdl else None
+    serial = create_engine("graph", model, device, pdl=False) if graph.pdl and not args.no_serial else None
     if serial is not None:
         serial.warmup()
 

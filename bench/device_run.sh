@@ -3,13 +3,14 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
+#   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -25,6 +26,10 @@ for step in $steps; do
         pi05)
             timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_h200_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^| \|graph\|Medians" ;;
+        pi05-7b)
+            timeout 540 python3 bench/bench_pi05.py --preset pi05-7b --no-serial --iters 20 --eager-iters 4 \
+                --rounds 2 --commit "$commit" --name "pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
+                | grep "^| \|graph\|Medians\|accuracy\|Error" ;;
         rmuscle)
             timeout 300 python3 bench/bench_rmuscle.py --commit "$commit" \
                 --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
@@ -38,6 +43,6 @@ for step in $steps; do
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load, pi05-7b)" ;;
     esac
 done
