@@ -130,7 +130,7 @@ def main() -> None:
         engine.neurons.copy_(order[..., :keep].sort(-1).values)
         for stage in ("prefill", "denoise"):
             runs[f"{stage} cached"] = lambda s=stage: engine.run_stage(s, bucket, variant="cached")
-    # the whole call as bench_pi05 times it: the inputs' copy into the engine, then the one-graph call
+    # the whole call as bench_pi05 times it: begin_load, the vision graph, finish_load, the tail graph
     runs["sample_actions"] = lambda: engine.sample_actions(inputs, noise)
     stages = {}
     for stage, run in runs.items():
