@@ -155,16 +155,21 @@ def test_cache_shapes_are_validated() -> None:
 
 def test_kept_neuron_counts_suit_the_gathered_kernels() -> None:
     """At full width the Action Cache keeps whole 128-neuron blocks (other counts would leave the Triton
-    kernels for PyTorch gathers), never fewer than ceil(ρn·F), and splits its down-projection evenly;
-    narrow test models keep exactly ceil(ρn·F)."""
+    kernels for PyTorch gathers), never fewer than ceil(ρn·F), and splits its down-projection into
+    slices of whole blocks, none empty, about as many as the dense one has (8) whenever there are blocks
+    enough, odd block counts included; narrow test models keep exactly ceil(ρn·F)."""
     from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count, rho_count
 
-    for rho in (0.2, 0.3, 0.4, 0.5, 0.7, 1.0):
-        n = keep_neuron_count(rho, 4096)
-        assert n % 128 == 0 and rho_count(rho, 4096) <= n <= 4096
-        splits = gather_splits(n)
-        assert n % (splits * 128) == 0
+    for f in (4096, 24576):  # pi05, pi05-7b
+        for rho in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.9, 1.0):
+            n = keep_neuron_count(rho, f)
+            assert n % 128 == 0 and rho_count(rho, f) <= n <= f
+            blocks, splits = n // 128, gather_splits(n)
+            per_slice = -(-blocks // splits)
+            assert blocks >= 2 * splits and (splits - 1) * per_slice < blocks  # ≥ 2 blocks each, none empty
+            assert splits >= min(8, blocks // 2) - 1  # 20 blocks: 7 slices of 3 (the last 2)
     assert keep_neuron_count(0.5, 4096) == 2048 and gather_splits(2048) == 8
+    assert keep_neuron_count(0.7, 4096) == 2944 and gather_splits(2944) == 8  # 23 blocks: 3 per slice, 2 last
     assert keep_neuron_count(0.3, 128) == rho_count(0.3, 128) == 39
 
 

@@ -147,22 +147,25 @@ def test_qkv_with_rope_epilogue(no_fallback) -> None:
     assert (outs[1][1][:, :9] == 0).all()
 
 
-def test_action_cache_kernels_read_only_selected_neurons(no_fallback) -> None:
+@pytest.mark.parametrize(("sel", "splits"), [(128, 2), (320, 3), (192, 4)])
+def test_action_cache_kernels_read_only_selected_neurons(sel: int, splits: int, no_fallback) -> None:
     """Gathered GeGLU minus the anchor, the down-projection over the same neurons from a K-major weight
-    (split-K), and add_norm adding the anchor output back (and storing it at the anchor step): each
-    equals its definition."""
-    m, width, f = 6, 128, 256
+    (split-K: even; 5 blocks of 64 in 3 slices, the last shorter; 3 blocks in 4 slices, the last empty),
+    and add_norm adding the anchor output back (and storing it at the anchor step): each equals its
+    definition."""
+    m, width, f = 6, 128, 512
     x, gate_up = torch.randn(m, width), torch.randn(2 * f, width) * 0.1
     down_t = torch.randn(f, width) * 0.1  # (F, We): neuron j's output weights are row j
-    neurons = torch.sort(torch.randperm(f)[:128]).values.to(torch.int32)
+    neurons = torch.sort(torch.randperm(f)[:sel]).values.to(torch.int32)
     anchor, y_anchor, res = torch.randn(m, f), torch.randn(m, width), torch.randn(m, width)
     outs = []
     for impl in (ops, triton_ops):
         if impl is triton_ops:
             no_fallback()
         cfg = {"config": {"bn": 16, "bk": 64}} if impl is triton_ops else {}
-        delta = impl.linear_geglu(x, gate_up, torch.empty(m, 128), neurons=neurons, anchor=anchor, **cfg)
-        y = impl.linear(delta, down_t, 2, neurons=neurons, **cfg)
+        delta = impl.linear_geglu(x, gate_up, torch.empty(m, sel), neurons=neurons, anchor=anchor, **cfg)
+        y = impl.linear(delta, down_t, splits, neurons=neurons, **cfg)
+        y = y.sum(0, keepdim=True)  # the slices differ (ops: ceil(K / splits); the kernel: whole blocks)
         r, h, stored = res.clone(), torch.empty(m, width), torch.empty(m, width)
         impl.add_norm(r, y, h, eps=1e-6, rms=True, gate=torch.randn(width, generator=torch.Generator().manual_seed(1)),
                       y_base=y_anchor, y_store=stored)  # fmt: skip

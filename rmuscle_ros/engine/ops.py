@@ -114,7 +114,8 @@ def _check_context_select(nv: int, keep: int, num_rows: int, rows_out: Tensor, i
 
 
 def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = None) -> Tensor:
-    """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices (splits, M, N).
+    """a (M, K) @ w (N, K)ᵀ -> (M, N); with splits > 1, float32 partial products over K slices of
+    ceil(K / splits) (the last may be shorter), stacked (slices, M, N).
 
     With `neurons` (K,) the weight is instead K-major, w (K_full, N), and only its rows `neurons` are
     read: a @ w[neurons] (the Action Cache's down-projection over the selected neurons).
@@ -122,13 +123,11 @@ def linear(a: Tensor, w: Tensor, splits: int = 1, *, neurons: Tensor | None = No
     w_nk = w if neurons is None else w[neurons.long()].t()  # (N, K)
     if splits == 1:
         return a @ w_nk.t()
-    k = a.shape[1]
-    if k % splits:
-        raise ValueError(f"K={k} is not divisible into {splits} splits")
+    size = -(-a.shape[1] // splits)  # the last slice may be shorter
     return torch.stack(
         [
             (a_s.float() @ w_s.t().float())
-            for a_s, w_s in zip(a.chunk(splits, 1), w_nk.chunk(splits, 1), strict=True)
+            for a_s, w_s in zip(a.split(size, 1), w_nk.split(size, 1), strict=True)
         ]
     )
 

@@ -505,7 +505,7 @@ def _attention_combine_kernel(
 
 @triton.jit
 def _skinny_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, M, N, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
+    a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
     anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
@@ -516,7 +516,8 @@ def _skinny_matmul_kernel(
     GEGLU: w is [W_gate; W_up] (up rows start at `up_offset`) and c = gelu_tanh(g) * u, (M, N).
     The Action Cache's gathers read only the selected neurons' weights, where they lie:
     GATHER_N: output column j uses weight row idx[j] (and up_offset + idx[j]); SUB_ANCHOR: c -= anchor[:, idx[j]].
-    GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k].
+    GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k]; the K slices may
+    overrun K (the last slice shorter, or empty), and what lies beyond K is masked.
     The indices are written before the call, so they may be read before the PDL wait.
     """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -525,7 +526,7 @@ def _skinny_matmul_kernel(
     src = tl.load(idx_ptr + cols, mask=col_ok, other=0).to(tl.int64) if GATHER_N else cols
     if PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
         if GATHER_K:  # one short segment (BN columns) per selected row
-            kk = split * K_PER_SPLIT + tl.minimum(tl.arange(0, LINES), K_PER_SPLIT - 1)
+            kk = tl.minimum(split * K_PER_SPLIT + tl.minimum(tl.arange(0, LINES), K_PER_SPLIT - 1), K - 1)
             _prefetch_l2(w_ptr + tl.load(idx_ptr + kk).to(tl.int64) * stride_w + tl.program_id(0) * BN)
         else:
             _prefetch_rows(w_ptr, src, up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES)
@@ -539,12 +540,16 @@ def _skinny_matmul_kernel(
     acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K_PER_SPLIT, BK):
         ks = split * K_PER_SPLIT + k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
         if GATHER_K:
-            k_src = tl.load(idx_ptr + ks).to(tl.int64)
-            w_kn = tl.load(w_ptr + k_src[:, None] * stride_w + cols[None, :], mask=col_ok[None, :], other=0.0)
+            k_ok = ks < K
+            a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=(rows[:, None] < M) & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            k_src = tl.load(idx_ptr + ks, mask=k_ok, other=0).to(tl.int64)
+            w_kn = tl.load(w_ptr + k_src[:, None] * stride_w + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
+                           other=0.0)  # fmt: skip
             acc += tl.dot(a, w_kn)
         else:
+            a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
             w = tl.load(w_ptr + src[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0)
             acc += tl.dot(a, tl.trans(w))
         if GEGLU:
@@ -567,9 +572,11 @@ def _launch_skinny(
     a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
     neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
 ) -> None:  # fmt: skip
-    k_split = a.shape[1] // splits
+    k = a.shape[1]
+    # Gathered K: slices of whole BK blocks, the last one shorter (masked); otherwise K divides evenly.
+    k_split = triton.cdiv(triton.cdiv(k, splits), cfg["bk"]) * cfg["bk"] if gather_k else k // splits
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
-        a, w, c, a.shape[0], n, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
+        a, w, c, a.shape[0], n, k, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
         a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
         K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
@@ -584,8 +591,10 @@ def _prefetch_lines(k: int) -> int:
     return triton.next_power_of_2(max(1, k // 64))
 
 
-def _skinny_ok(a: Tensor, w: Tensor, splits: int, bk: int) -> bool:
-    return a.shape[0] <= 64 and a.shape[1] % (splits * bk) == 0 and a.stride(-1) == 1 and w.stride(-1) == 1
+def _skinny_ok(a: Tensor, w: Tensor, splits: int, bk: int, uneven: bool = False) -> bool:
+    """Few rows, unit strides, and K in whole BK blocks: split evenly, or (`uneven`, gathered K) not."""
+    k_ok = a.shape[1] % bk == 0 if uneven else a.shape[1] % (splits * bk) == 0
+    return a.shape[0] <= 64 and k_ok and a.stride(-1) == 1 and w.stride(-1) == 1
 
 
 def linear(
@@ -607,7 +616,9 @@ def linear(
     # Gathered (Action Cache) rows the same: tuned in the cached denoise graph, BN 64 beat 32 by 0.09 ms per
     # call (bench/results/tune_in_graph_h200_cached_5b80a0c.json).
     cfg = {"bn": 64, "bk": 128, "warps": 4, "stages": 4} | (config or {})
-    if not _skinny_ok(a, w, splits, cfg["bk"]) or (neurons is not None and neurons.numel() != a.shape[1]):
+    if not _skinny_ok(a, w, splits, cfg["bk"], uneven=neurons is not None) or (
+        neurons is not None and neurons.numel() != a.shape[1]
+    ):
         return ops.linear(a, w, splits, neurons=neurons)
     shape = (splits, m, n) if splits > 1 else (m, n)
     c = torch.empty(shape, device=a.device, dtype=torch.float32 if splits > 1 else a.dtype)
