@@ -185,9 +185,8 @@ class _Staging:
         self.device = torch.zeros(size, dtype=torch.uint8, device=device)
         self.on_device = self._views(self.device)
         self._host_views()
-        self._uploaded: torch.cuda.Event | None = (
-            None  # pinned: the last upload, which the next write waits for
-        )
+        # Pinned only: the last upload, which the next write waits for.
+        self._uploaded: torch.cuda.Event | None = None
 
     def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
