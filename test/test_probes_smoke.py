@@ -83,3 +83,16 @@ def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
     }  # fmt: skip
     assert all(v > 0 for v in figures.values())
     assert "graph.py" in profile_load(lambda: engine.load_inputs(inputs, noise), 3, cuda=False)
+
+
+def test_vision_mlp_probe_runs_the_engine_mlps_on_a_cpu(tiny) -> None:
+    """bench/probe_vision_mlp.py's variants run the engine's SigLIP MLP over all rows and over ρ of them;
+    on a CPU they are timed by wall clock."""
+    from bench.probe_vision_mlp import mlp_variants, time_interleaved
+    from rmuscle_ros.engine import create_engine
+
+    engine = create_engine("fused", tiny, "cpu")
+    runs = mlp_variants(engine.fused, [0.4])
+    assert set(runs) == {"dense", "cached_0.4"}
+    ms = time_interleaved(runs, iters=1, cuda=False)
+    assert set(ms) == set(runs) and all(v > 0 for v in ms.values())

@@ -422,12 +422,19 @@ class FusedPi05:
             qkv = torch.addmm(layer.qkv_b, h, layer.qkv_w.t())  # (N, 3·Wv)
             attn = ops.packed_attention(qkv, c, v.num_heads)  # each image attends within itself
             ops.add_norm(res, attn @ layer.out_w.t(), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.out_b)
-            if self.gelu_in_matmul:  # cuBLASLt bias + tanh-GELU epilogue
-                act = torch._addmm_activation(layer.fc1_b, h, layer.fc1_w.t(), use_gelu=True)
-            else:
-                act = F.gelu(torch.addmm(layer.fc1_b, h, layer.fc1_w.t()), approximate="tanh")
-            ops.add_norm(res, act @ layer.fc2_w.t(), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.fc2_b)
+            ops.add_norm(
+                res, self.vision_mlp(layer, h), h, eps=v.layer_norm_eps, rms=False, y_bias=layer.fc2_b
+            )
         return torch.addmm(self.proj_b, h, self.proj_w.t(), out=out)
+
+    def vision_mlp(self, layer: VisionLayer, h: Tensor) -> Tensor:
+        """SigLIP's MLP over the rows of h (N, Wv), normalised: fc1, tanh-GELU, fc2 without its bias (the
+        residual add after it adds that)."""
+        if self.gelu_in_matmul:  # cuBLASLt bias + tanh-GELU epilogue
+            act = torch._addmm_activation(layer.fc1_b, h, layer.fc1_w.t(), use_gelu=True)
+        else:
+            act = F.gelu(torch.addmm(layer.fc1_b, h, layer.fc1_w.t()), approximate="tanh")
+        return act @ layer.fc2_w.t()
 
     def prefill(
         self,
