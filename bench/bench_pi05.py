@@ -50,6 +50,58 @@ def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> list[
     return out
 
 
+def time_interleaved(runs: dict[str, Callable[[], object]], iters: int, cuda: bool) -> dict[str, float]:
+    """Median ms per run over `iters` rounds (after 3 warm-up rounds), one call of each run per round, so
+    that clock drift between timing loops (up to ~0.3 ms on the H200) hits them alike: CUDA events from
+    an idle GPU on a GPU, wall clock on a CPU."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(iters + 3):
+        for name, run in runs.items():
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                run()
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= 3:
+                samples[name].append(ms)
+    return {name: round(statistics.median(v), 3) for name, v in samples.items()}
+
+
+def time_load_halves(
+    engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor, iters: int
+) -> dict[str, float]:
+    """Median host ms of one call's steps as sample_actions takes them, started with the GPU idle:
+    begin_load; finish_load while the vision graph runs (a copy that waited for the stream would take
+    about as long as vision); the tail graph's launch."""
+    cuda = engine.device.type == "cuda"
+    names = ("begin_load_host_ms", "finish_load_host_ms", "tail_launch_host_ms")
+    rows: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bucket = engine.begin_load(inputs, noise)
+        t1 = time.perf_counter()
+        engine.run_stage("vision", bucket)
+        t2 = time.perf_counter()
+        engine.finish_load()
+        t3 = time.perf_counter()
+        engine.run_stage("tail", bucket)
+        t4 = time.perf_counter()
+        for name, ms in zip(names, ((t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3), strict=True):
+            rows[name].append(ms)
+    if cuda:
+        torch.cuda.synchronize()
+    return {k: round(statistics.median(v), 3) for k, v in rows.items()}
+
+
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """bf16 matmul rate and device-to-device copy bandwidth, measured now (random data, not zeros)."""
     n = 8192
@@ -263,19 +315,9 @@ def main() -> None:
         graph.run_stage("tail", bucket)
 
     results["graph"]["replay_ms"] = round(statistics.median(cuda_time_ms(replays, args.iters)), 3)
-    # Host time of the two halves of loading one call's inputs: the GPU waits for begin_load at the start
-    # of every call; finish_load runs while the vision graph does.
-    host_ms: dict[str, list[float]] = {"begin_load_host_ms": [], "finish_load_host_ms": []}
-    for _ in range(args.iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.begin_load(*host)
-        t1 = time.perf_counter()
-        graph.finish_load()
-        host_ms["begin_load_host_ms"].append((t1 - t0) * 1e3)
-        host_ms["finish_load_host_ms"].append((time.perf_counter() - t1) * 1e3)
-    for key, samples in host_ms.items():
-        results["graph"][key] = round(statistics.median(samples), 3)
+    # Host time of each step of a call: the GPU waits for begin_load at the start of every call;
+    # finish_load runs while the vision graph does.
+    results["graph"] |= time_load_halves(graph, *host, args.iters)
     results["graph"]["pdl"] = graph.pdl
     # Spread between back-to-back timing loops (on the H200 up to ~0.3 ms): more rounds of the graph call,
     # alternated with the serial-launch variant where there is one, each round's median kept.

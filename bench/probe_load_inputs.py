@@ -27,9 +27,7 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, record_header, save_results
+from bench.bench_pi05 import make_inputs, record_header, save_results, time_interleaved, time_load_halves
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.graph import GraphEngine
 from rmuscle_ros.models.checkpoint import init_random_
@@ -63,57 +61,6 @@ def call_ways(engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor) -> 
         "serial": serial,
         "graphs_alone": graphs_alone,
     }
-
-
-def time_interleaved(ways: dict[str, Callable[[], None]], iters: int, cuda: bool) -> dict[str, float]:
-    """Median ms per way over `iters` rounds of one call each (after 3 warm-up rounds): CUDA events on a
-    GPU (the call's device time, from the GPU idle to its last kernel), wall clock on a CPU."""
-    samples: dict[str, list[float]] = {name: [] for name in ways}
-    for i in range(iters + 3):
-        for name, run in ways.items():
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                run()
-                ms = (time.perf_counter() - t0) * 1e3
-            if i >= 3:
-                samples[name].append(ms)
-    return {f"{name}_ms": round(statistics.median(v), 3) for name, v in samples.items()}
-
-
-def time_load_halves(
-    engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor, iters: int
-) -> dict[str, float]:
-    """Median host ms of one call's steps as sample_actions takes them, started with the GPU idle:
-    begin_load; finish_load while the vision graph runs (a copy that waited for the stream would take
-    about as long as vision); the tail graph's launch."""
-    cuda = engine.device.type == "cuda"
-    names = ("begin_load_host_ms", "finish_load_host_ms", "tail_launch_host_ms")
-    rows: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        bucket = engine.begin_load(inputs, noise)
-        t1 = time.perf_counter()
-        engine.run_stage("vision", bucket)
-        t2 = time.perf_counter()
-        engine.finish_load()
-        t3 = time.perf_counter()
-        engine.run_stage("tail", bucket)
-        t4 = time.perf_counter()
-        for name, ms in zip(names, ((t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3), strict=True):
-            rows[name].append(ms)
-    if cuda:
-        torch.cuda.synchronize()
-    return {k: round(statistics.median(v), 3) for k, v in rows.items()}
 
 
 def profile_load(load: Callable[[], object], calls: int, cuda: bool, rows: int = 12) -> str:
@@ -169,7 +116,7 @@ def main() -> None:
             for staging, e in engines.items()
             for name, run in call_ways(e, x, z).items()
         }
-        row = time_interleaved(ways, args.iters, cuda)
+        row = {f"{k}_ms": v for k, v in time_interleaved(ways, args.iters, cuda).items()}
         for staging, e in engines.items():
             row |= {f"{staging}_{k}": v for k, v in time_load_halves(e, x, z, args.iters).items()}
         results[f"{where}_inputs"] = row

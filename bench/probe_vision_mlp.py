@@ -16,9 +16,7 @@ interleaved, timed with CUDA events (wall clock on a CPU smoke run), medians.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, record_header, save_results
+from bench.bench_pi05 import make_inputs, record_header, save_results, time_interleaved
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.fused import FusedPi05, rho_count
 from rmuscle_ros.models.checkpoint import init_random_
@@ -68,27 +66,6 @@ def as_graphs(runs: dict[str, Callable[[], None]], device: torch.device) -> dict
             run()
         graphs[name] = graph.replay
     return graphs
-
-
-def time_interleaved(runs: dict[str, Callable[[], None]], iters: int, cuda: bool) -> dict[str, float]:
-    """Median ms per run over `iters` rounds (after 3 warm-up rounds), one call of each run per round."""
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(iters + 3):
-        for name, run in runs.items():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                run()
-                ms = (time.perf_counter() - t0) * 1e3
-            if i >= 3:
-                samples[name].append(ms)
-    return {name: round(statistics.median(v), 3) for name, v in samples.items()}
 
 
 @torch.no_grad()
