@@ -31,7 +31,7 @@ from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, total
 from rmuscle_ros.engine.graph import STAGES, GraphEngine
 from rmuscle_ros.models.checkpoint import init_random_
-from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.config import Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times
 
 
@@ -127,15 +127,22 @@ def make_inputs(cfg, prompt_tokens: int, device: torch.device, seed: int) -> tup
     return inputs.to(device), noise.to(device)
 
 
+def random_model(cfg: Pi05Config, device: torch.device, seed: int) -> Pi05Model:
+    """The model with seeded random weights, built on the device (a CPU-side default init of the larger
+    presets takes minutes)."""
+    with device:
+        model = Pi05Model(cfg).to(device).eval()
+    init_random_(model, seed)
+    return model
+
+
 def random_graph_engine(
     preset: str, device: torch.device, *, prompt_tokens: int = 50, seed: int = 0, **options: object
 ) -> tuple[GraphEngine, int]:
     """A graph engine for `preset` with seeded random weights, the benchmark's inputs loaded and its graphs
     captured (the eager model is dropped). Returns (engine, prompt bucket)."""
     cfg = get_preset(preset)
-    with device:  # built on the device (a CPU-side default init of the larger presets takes minutes)
-        model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, seed)
+    model = random_model(cfg, device, seed)
     engine = create_engine("graph", model, device, **options)
     del model
     inputs, noise = make_inputs(cfg, prompt_tokens, device, seed)
@@ -230,8 +237,7 @@ def main() -> None:
     ceilings = measure_ceilings(device)
     print(f"[bench] ceilings: {ceilings}", flush=True)
 
-    model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, args.seed)
+    model = random_model(cfg, device, args.seed)
     inputs, noise = make_inputs(cfg, args.prompt_tokens, device, args.seed)
 
     t0 = time.perf_counter()

@@ -34,14 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, measure_ceilings, record_header, rel_l2, save_results
+from bench.bench_pi05 import cuda_time_ms, measure_ceilings, random_model, record_header, rel_l2, save_results
 from bench.trace_graphs import idle_gaps, traced_events
 from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import GraphEngine
-from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
@@ -378,9 +377,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     ceilings = measure_ceilings(device) if cuda else {"bf16_tflops": float("nan"), "copy_tb_s": float("nan")}
     log(f"{gpu}, preset {args.preset}, ceilings {ceilings}")
-    with device:  # built on the device: a CPU-side default init of pi05-7b's 16 B parameters takes minutes
-        model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, 0)
+    model = random_model(cfg, device, 0)
     eager_obs = observation(cfg, 0.5, 1.0, 0.01, 1, args.prompt_tokens).to(device)
     model.to(torch.bfloat16 if cuda else torch.float32)
     noise = torch.randn(1, cfg.horizon, cfg.action_dim, device=device)

@@ -35,12 +35,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, record_header, save_results, time_interleaved, time_load_halves
+from bench.bench_pi05 import (
+    make_inputs,
+    random_model,
+    record_header,
+    save_results,
+    time_interleaved,
+    time_load_halves,
+)
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.graph import GraphEngine
-from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
-from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
+from rmuscle_ros.models.pi05 import ModelInputs
 
 
 def call_ways(engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -89,9 +95,7 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     cfg = get_preset(args.preset)
-    with device:
-        model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, 0)
+    model = random_model(cfg, device, 0)
     on_device, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
     images = on_device.images.cpu()
     host = (

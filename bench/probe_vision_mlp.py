@@ -24,12 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, record_header, save_results, time_interleaved
+from bench.bench_pi05 import make_inputs, random_model, record_header, save_results, time_interleaved
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.fused import FusedPi05, rho_count
-from rmuscle_ros.models.checkpoint import init_random_
 from rmuscle_ros.models.config import get_preset
-from rmuscle_ros.models.pi05 import Pi05Model
 
 
 def mlp_variants(fused: FusedPi05, rhos: list[float], seed: int = 0) -> dict[str, Callable[[], None]]:
@@ -84,9 +82,7 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     cfg = get_preset(args.preset)
-    with device:
-        model = Pi05Model(cfg).to(device).eval()
-    init_random_(model, 0)
+    model = random_model(cfg, device, 0)
     engine = create_engine("graph" if cuda else "fused", model, device)
     inputs, noise = make_inputs(cfg, 50 if cfg.max_token_len >= 50 else 8, device, 0)
     bucket = engine.load_inputs(inputs, noise)
