@@ -74,7 +74,7 @@ def time_interleaved(runs: dict[str, Callable[[], object]], iters: int, cuda: bo
     return {name: round(statistics.median(v), 3) for name, v in samples.items()}
 
 
-def time_load_halves(
+def time_call_steps(
     engine: GraphEngine, inputs: ModelInputs, noise: torch.Tensor, iters: int
 ) -> dict[str, float]:
     """Median host ms of one call's steps as sample_actions takes them, started with the GPU idle:
@@ -125,6 +125,15 @@ def make_inputs(cfg, prompt_tokens: int, device: torch.device, seed: int) -> tup
     )
     noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=gen)
     return inputs.to(device), noise.to(device)
+
+
+def policy_inputs(inputs: ModelInputs, noise: torch.Tensor) -> tuple[ModelInputs, torch.Tensor]:
+    """The inputs as the node's policy hands them to the engine (Policy.preprocess): host tensors, the
+    images in pinned memory where there is CUDA."""
+    images = inputs.images.cpu()
+    images = images.pin_memory() if torch.cuda.is_available() else images
+    cpu = ModelInputs(images, inputs.image_masks.cpu(), inputs.tokens.cpu(), inputs.token_mask.cpu())
+    return cpu, noise.cpu()
 
 
 def random_model(cfg: Pi05Config, device: torch.device, seed: int) -> Pi05Model:
@@ -283,10 +292,7 @@ def main() -> None:
     # The graph engines take the inputs as the node's policy hands them over: images in pinned host memory,
     # prompt and noise as host tensors (Policy.preprocess). "graph-device-inputs": the same call with the
     # inputs already on the GPU (the prompt is then read back to pick its bucket).
-    host = (
-        ModelInputs(inputs.images.cpu().pin_memory(), inputs.image_masks.cpu(), inputs.tokens.cpu(), inputs.token_mask.cpu()),
-        noise.cpu(),
-    )  # fmt: skip
+    host = policy_inputs(inputs, noise)
     bucket = graph.load_inputs(*host)
     variants = [("fused-nograph", graph, False, host), ("graph", graph, True, host),
                 ("graph-device-inputs", graph, True, (inputs, noise))]  # fmt: skip
@@ -323,7 +329,7 @@ def main() -> None:
     results["graph"]["replay_ms"] = round(statistics.median(cuda_time_ms(replays, args.iters)), 3)
     # Host time of each step of a call: the GPU waits for begin_load at the start of every call;
     # finish_load runs while the vision graph does.
-    results["graph"] |= time_load_halves(graph, *host, args.iters)
+    results["graph"] |= time_call_steps(graph, *host, args.iters)
     results["graph"]["pdl"] = graph.pdl
     # Spread between back-to-back timing loops (on the H200 up to ~0.3 ms): more rounds of the graph call,
     # alternated with the serial-launch variant where there is one, each round's median kept.

@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import (
     make_inputs,
+    policy_inputs,
     random_model,
     record_header,
     save_results,
+    time_call_steps,
     time_interleaved,
-    time_load_halves,
 )
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.graph import GraphEngine
@@ -97,12 +98,7 @@ def main() -> None:
     cfg = get_preset(args.preset)
     model = random_model(cfg, device, 0)
     on_device, noise = make_inputs(cfg, args.prompt_tokens, device, 0)
-    images = on_device.images.cpu()
-    host = (
-        ModelInputs(images.pin_memory() if cuda else images, on_device.image_masks.cpu(),
-                    on_device.tokens.cpu(), on_device.token_mask.cpu()),
-        noise.cpu(),
-    )  # fmt: skip
+    host = policy_inputs(on_device, noise)
     inputs = {"host": host, "device": (on_device, noise)} if cuda else {"host": host}
     # The live lane's staging buffer as the engine makes it (pageable), and pinned (one more engine).
     engines = {}
@@ -122,7 +118,7 @@ def main() -> None:
         }
         row = {f"{k}_ms": v for k, v in time_interleaved(ways, args.iters, cuda).items()}
         for staging, e in engines.items():
-            row |= {f"{staging}_{k}": v for k, v in time_load_halves(e, x, z, args.iters).items()}
+            row |= {f"{staging}_{k}": v for k, v in time_call_steps(e, x, z, args.iters).items()}
         results[f"{where}_inputs"] = row
         print(f"[probe] inputs on the {where}: {row}", flush=True)
     engine = engines["pageable"]

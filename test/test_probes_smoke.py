@@ -63,8 +63,8 @@ def test_training_forward_and_one_step(one_thread) -> None:
 def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
     """bench/probe_load_inputs.py's timing on the fused engine: host time only (no GPU clock), and its three
     ways of running a call give the same actions."""
-    from bench.bench_pi05 import make_inputs, time_interleaved
-    from bench.probe_load_inputs import call_ways, profile_load, time_load_halves
+    from bench.bench_pi05 import make_inputs, time_call_steps, time_interleaved
+    from bench.probe_load_inputs import call_ways, profile_load
     from rmuscle_ros.engine import create_engine
 
     engine = create_engine("fused", tiny, "cpu")
@@ -76,7 +76,7 @@ def test_load_inputs_probe_times_a_cpu_engine(tiny) -> None:
         run()
         outputs.append(engine.actions.clone())
     assert all(torch.equal(outputs[0], o) for o in outputs[1:]) and outputs[0].abs().sum() > 0
-    figures = time_interleaved(ways, iters=2, cuda=False) | time_load_halves(engine, inputs, noise, iters=2)
+    figures = time_interleaved(ways, iters=2, cuda=False) | time_call_steps(engine, inputs, noise, iters=2)
     assert set(figures) == {
         "overlapped", "serial", "graphs_alone",
         "begin_load_host_ms", "finish_load_host_ms", "tail_launch_host_ms",
