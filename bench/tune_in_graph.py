@@ -43,7 +43,7 @@ GRIDS: dict[str, dict[str, list[int]]] = {
 }
 # The Action Cache's gathered kernels, tuned in the cached denoise graph (--cache RHO_P RHO_N).
 CACHED_GRIDS: dict[str, dict[str, list[int]]] = {
-    "gathered_geglu": {"bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [3, 4]},
+    "gathered_geglu": {"bn": [16, 32], "bk": [128, 256, 512], "warps": [4, 8], "stages": [2, 3, 4]},
     "gathered_down": {"splits": [4, 8], "bn": [32, 64, 128], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
 
