@@ -46,6 +46,10 @@ from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times, sincos_
 
 NEG_INF = -1e30  # additive mask for keys that must not be attended (finite, so masked rows stay finite)
 KV_ALIGN = 16  # key lengths padded to this multiple: aligned masks keep the fused SDPA kernels eligible
+# The patch matmul's K (3·p·p = 588 at p = 14) padded with zero columns to this multiple: 588 bf16 are not
+# 16-byte aligned rows, and cuBLAS then falls back to a slow kernel (H200: 15.6 µs for 1 GFLOP,
+# bench/results/trace_graphs_h200_cached_e4a7bca_cached).
+PATCH_K_ALIGN = 16
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -309,8 +313,11 @@ class FusedPi05:
         vt = model.vision_tower
         conv, pos = vt.embeddings.patch_embedding, vt.embeddings.position_embedding
         # The patch convolution as a matmul: (Wv, 3, p, p) -> (Wv, 3·p·p), patch vectors in (channel, row,
-        # col) order. Its bias and the position embeddings are added together, so one float32 table.
-        self.patch_w = self._to(conv.weight.reshape(conv.weight.shape[0], -1))  # (Wv, 3·p·p)
+        # col) order, then zero columns up to PATCH_K_ALIGN. Its bias and the position embeddings are added
+        # together, so one float32 table.
+        patch_w = conv.weight.reshape(conv.weight.shape[0], -1)
+        self.patch_k = patch_w.shape[1]
+        self.patch_w = self._to(F.pad(patch_w, (0, round_up(self.patch_k, PATCH_K_ALIGN) - self.patch_k)))
         self.patch_table = self._to(f32(pos.weight) + f32(conv.bias), torch.float32)  # (T, Wv)
         self.vision_layers = []
         for layer in vt.encoder.layers:
@@ -394,13 +401,17 @@ class FusedPi05:
 
         The p×p, stride-p patch convolution as one matmul over patches: three kernels on the GPU (gather and
         cast the pixels, the matmul, add the bias + position table) where cuDNN's convolution needs layout
-        transforms around it and separate casts and adds after.
+        transforms around it and separate casts and adds after; plus a memset of the padding columns when
+        3·p·p is padded (PATCH_K_ALIGN).
         """
         v = self.cfg.vision
         c, p, g = images.shape[0], v.patch_size, v.image_size // v.patch_size
-        pixels = torch.empty(c * g * g, 3 * p * p, device=self.device, dtype=self.dtype)  # (C·T, 3·p·p)
+        k, kp = self.patch_k, self.patch_w.shape[1]
+        shape, kw = (c * g * g, kp), {"device": self.device, "dtype": self.dtype}
+        pixels = torch.zeros(shape, **kw) if kp > k else torch.empty(shape, **kw)  # (C·T, 3·p·p + pad)
         # (C, 3, g, p, g, p) -> (C, g, g, 3, p, p): one copy gathers the patches in the weight's order, cast.
-        pixels.view(c, g, g, 3, p, p).copy_(images.reshape(c, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5))
+        patches_in = pixels[:, :k].unflatten(0, (c, g, g)).unflatten(-1, (3, p, p))
+        patches_in.copy_(images.reshape(c, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5))
         # Matmul in `dtype`, then one mixed-dtype add writes the float32 residual stream (the table broadcast
         # over cameras). addmm/baddbmm would need the table in `dtype` too, and copy a 2-D bias into the
         # output with a kernel of its own before the GEMM: no fewer kernels, and a bf16-rounded table.

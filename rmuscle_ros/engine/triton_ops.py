@@ -826,8 +826,9 @@ def attention(
     out = torch.empty(n, num_heads * dh, device=q.device, dtype=q.dtype)
     if group * n <= 1024:  # denoising steps: few query rows, split the keys (H200: 10.2 µs vs 54 for SDPA)
         cfg = {"bm": 32, "bn": 64, "warps": 4, "stages": 3, "max_splits": 8}
-    else:  # prefill (H200: 27 µs vs 55 for SDPA)
-        cfg = {"bm": 64, "bn": 32, "warps": 4, "stages": 3, "max_splits": 1}
+    else:  # prefill (H200, in a graph of 17 calls: 26.0 µs; cuDNN SDPA 53, bn 32 / 3 stages 27.6;
+        # bench/results/probe_prefill_attention_h200_e4a7bca_sweep)
+        cfg = {"bm": 64, "bn": 64, "warps": 4, "stages": 2, "max_splits": 1}
     cfg |= config or {}
     bm, bn = cfg["bm"], cfg["bn"]
     row_blocks = triton.cdiv(group * n, bm)
