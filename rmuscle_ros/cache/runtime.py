@@ -61,8 +61,9 @@ class RMuscleConfig:
     rebuilds_per_tick: int = 2  # entries rebuilt per motion window (each is one vision + prefill)
     # False: rebuilds replay their CUDA graph, and a live call starts after the rebuilds queued before
     # it. True: rebuilds launch their kernels one by one and run alongside live calls. On the H200 a live
-    # call concurrent with rebuild *graphs* hung the GPU every time (4 runs, cause not found); concurrent
-    # with kernel-by-kernel rebuilds it ran undelayed (13.26 vs 13.36 ms alone, 20 rebuilds, one run).
+    # call concurrent with rebuild *graphs* hung the GPU in earlier builds (4 runs, cause not found; not
+    # at 758f373, where it took 24.8 ms against 12.1 alone); concurrent with kernel-by-kernel rebuilds it
+    # ran undelayed (13.26 vs 13.36 ms alone, 20 rebuilds, one run).
     concurrent_rebuilds: bool = False
     # Match on the GPU (see the module docstring): the cached graphs start right after vision instead of
     # after the descriptor's round trip to the host and retrieval. Off: on the H200 (fast host CPU) it gave
@@ -266,7 +267,8 @@ class RMuscle:
 
         On a GPU the call runs on the engine's highest-priority stream and starts after any rebuild still
         queued on the rebuild stream: on the H200 a live call running concurrently with rebuild graphs
-        hung the GPU (with and without PDL; cause not found, bench_rmuscle --interference reproduces it).
+        hung the GPU in earlier builds (with and without PDL; cause not found; not reproduced at 758f373 by
+        bench_rmuscle --concurrent-rebuild-graphs, where overlap slowed the live call about as much).
         Rebuilds are bounded per tick (`rebuilds_per_tick` × ~8 ms at full size) and queued right after
         a publish, so they normally finish during the arm's motion, before the next observation. With
         `concurrent_rebuilds` the rebuilds launch kernel by kernel and the call does not wait for them
