@@ -97,6 +97,21 @@ def test_fused_engine_loads_in_two_halves_like_in_one(tiny) -> None:
         engine.finish_load()
 
 
+def test_a_prompt_longer_than_every_bucket_is_refused_before_anything_is_queued(tiny) -> None:
+    """A prompt row longer than the largest bucket is read before the images' copy: too many valid tokens
+    is a ValueError naming the count, with the live images untouched; padding beyond the buckets loads."""
+    engine = create_engine("fused", tiny, "cpu", buckets=[16])
+    images_before = engine.live.images.clone()
+    inputs, noise = random_inputs(tiny.cfg, valid_tokens=20, pad_to=24)
+    with pytest.raises(ValueError, match="prompt has 20 tokens, more than the largest bucket 16"):
+        engine.begin_load(inputs, noise)
+    assert torch.equal(engine.live.images, images_before) and engine.live.pending is None
+    inputs, noise = random_inputs(tiny.cfg, valid_tokens=15, pad_to=24)
+    assert engine.begin_load(inputs, noise) == 16
+    engine.finish_load()
+    assert torch.equal(engine.live.images, inputs.images[0])
+
+
 def test_engine_without_a_cache_has_no_retrieval_descriptor(tiny) -> None:
     engine = create_engine("fused", tiny, "cpu")
     with pytest.raises(RuntimeError, match="cache shapes"):

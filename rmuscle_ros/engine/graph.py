@@ -229,6 +229,11 @@ class _Pending:
     noise: torch.Tensor | None
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a NumPy array: a view for a host tensor, a (synchronising) copy from a GPU."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
 class _Lane:
     """Static buffers for one stream of calls (the live lane, or the rebuild lane)."""
 
@@ -461,20 +466,25 @@ class GraphEngine:
         self, lane: _Lane, inputs: ModelInputs, noise: torch.Tensor | None, usable: list[bool] | None = None
     ) -> int:
         """Validate one observation, queue its images' copy (and `usable`'s), and keep the rest for
-        `_finish_load`. Returns the prompt bucket. Nothing is launched when the input is bad."""
+        `_finish_load`. Returns the prompt bucket. Nothing is launched when the input is bad.
+
+        On the call's critical path: the GPU idles until vision is launched after this returns, and the
+        host is slow here (a thread that has just waited for the GPU runs every step several times
+        slower). So the shapes are compared as they are, the images' copy is queued before the prompt is
+        read (its DMA overlaps the rest), and host tensors are read without a copy."""
         if inputs.tokens.shape[0] != 1 or (noise is not None and noise.shape[0] != 1):
             raise ValueError(
                 f"the graph engine runs one observation per call, got batch {inputs.tokens.shape[0]}"
             )
-        if noise is not None and tuple(noise.shape[1:]) != tuple(lane.noise.shape):
+        if noise is not None and noise.shape[1:] != lane.noise.shape:
             raise ValueError(
                 f"noise must be (1, {', '.join(map(str, lane.noise.shape))}), got {tuple(noise.shape)}"
             )
-        if tuple(inputs.image_masks.shape[1:]) != tuple(lane.image_mask.shape):
+        if inputs.image_masks.shape[1:] != lane.image_mask.shape:
             raise ValueError(
                 f"image_masks must be (1, {lane.image_mask.shape[0]}), got {tuple(inputs.image_masks.shape)}"
             )
-        if tuple(inputs.images.shape[1:]) != tuple(lane.images.shape):
+        if inputs.images.shape[1:] != lane.images.shape:
             raise ValueError(
                 f"images must be (1, {', '.join(map(str, lane.images.shape))}), got {tuple(inputs.images.shape)}"
             )
@@ -483,18 +493,27 @@ class GraphEngine:
                 f"usable must flag each of the window's entries, got {len(usable)} for "
                 f"{0 if self.window is None else len(self.window)}"
             )
-        # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
-        # this call launches anything: bench_pi05's graph-device-inputs).
-        token_row, mask_row = inputs.tokens[0].cpu().numpy(), inputs.token_mask[0].cpu().numpy()
-        n = int(np.count_nonzero(mask_row))
-        bucket = next((b for b in self.buckets if b >= n), None)
-        if bucket is None:
-            raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
+        if (
+            inputs.token_mask.shape[1] > self.buckets[-1]
+        ):  # a prompt that may not fit: refused before the copy
+            self._bucket(_host_array(inputs.token_mask[0]))
         lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
         if usable is not None:
             assert self.window is not None  # checked above
             self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
-        lane.pending = _Pending(bucket, token_row, mask_row, inputs.image_masks[0].cpu().numpy(), noise)
+        # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
+        # vision is launched: bench_pi05's graph-device-inputs).
+        token_row, mask_row = _host_array(inputs.tokens[0]), _host_array(inputs.token_mask[0])
+        bucket = self._bucket(mask_row)  # fits: checked above
+        lane.pending = _Pending(bucket, token_row, mask_row, _host_array(inputs.image_masks[0]), noise)
+        return bucket
+
+    def _bucket(self, mask_row: np.ndarray) -> int:
+        """The smallest prompt bucket holding the prompt's valid tokens; ValueError if none does."""
+        n = int(np.count_nonzero(mask_row))
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None:
+            raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
         return bucket
 
     def _finish_load(self, lane: _Lane) -> None:
