@@ -98,8 +98,8 @@ def test_fused_engine_loads_in_two_halves_like_in_one(tiny) -> None:
 
 
 def test_a_prompt_longer_than_every_bucket_is_refused_before_anything_is_queued(tiny) -> None:
-    """A prompt row longer than the largest bucket is read before the images' copy: too many valid tokens
-    is a ValueError naming the count, with the live images untouched; padding beyond the buckets loads."""
+    """Too many valid prompt tokens for every bucket is a ValueError naming the count, raised before the
+    images' copy (the live images untouched); a prompt row padded beyond the buckets loads."""
     engine = create_engine("fused", tiny, "cpu", buckets=[16])
     images_before = engine.live.images.clone()
     inputs, noise = random_inputs(tiny.cfg, valid_tokens=20, pad_to=24)

@@ -468,10 +468,10 @@ class GraphEngine:
         """Validate one observation, queue its images' copy (and `usable`'s), and keep the rest for
         `_finish_load`. Returns the prompt bucket. Nothing is launched when the input is bad.
 
-        On the call's critical path: the GPU idles until vision is launched after this returns, and the
-        host is slow here (a thread that has just waited for the GPU runs every step several times
-        slower). So the shapes are compared as they are, the images' copy is queued before the prompt is
-        read (its DMA overlaps the rest), and host tensors are read without a copy."""
+        On the call's critical path: the GPU idles until vision is launched after this returns. Its host
+        time is mostly the host's state (a thread that has just waited for the GPU runs every step several
+        times slower); queuing the images' copy before reading the prompt measured no different on the
+        H200 (interleaved, whole call 13.88 vs 13.89 ms), so the prompt is checked first."""
         if inputs.tokens.shape[0] != 1 or (noise is not None and noise.shape[0] != 1):
             raise ValueError(
                 f"the graph engine runs one observation per call, got batch {inputs.tokens.shape[0]}"
@@ -493,18 +493,14 @@ class GraphEngine:
                 f"usable must flag each of the window's entries, got {len(usable)} for "
                 f"{0 if self.window is None else len(self.window)}"
             )
-        if (
-            inputs.token_mask.shape[1] > self.buckets[-1]
-        ):  # a prompt that may not fit: refused before the copy
-            self._bucket(_host_array(inputs.token_mask[0]))
+        # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
+        # this call launches anything: bench_pi05's graph-device-inputs).
+        token_row, mask_row = _host_array(inputs.tokens[0]), _host_array(inputs.token_mask[0])
+        bucket = self._bucket(mask_row)
         lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
         if usable is not None:
             assert self.window is not None  # checked above
             self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
-        # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
-        # vision is launched: bench_pi05's graph-device-inputs).
-        token_row, mask_row = _host_array(inputs.tokens[0]), _host_array(inputs.token_mask[0])
-        bucket = self._bucket(mask_row)  # fits: checked above
         lane.pending = _Pending(bucket, token_row, mask_row, _host_array(inputs.image_masks[0]), noise)
         return bucket
 
