@@ -373,8 +373,9 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         for i, obs in enumerate(observations):
             noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
             chunks.append(policy.infer(obs, noise))
-            policy.rebuild_cache()
-            torch.cuda.synchronize()  # the arm's motion window: rebuilds finish before the next call
+            # the arm's motion window, as the node runs it: entry by entry, each built before the next
+            while policy.rebuild_cache(1, wait=True):
+                assert policy.rmuscle.engine.rebuild_stream.query(), "wait=True returned before the rebuild"
         return chunks
 
     dense = Policy(cfg)

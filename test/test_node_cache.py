@@ -102,6 +102,36 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
     assert h.node.stats()["errors"] == {}
 
 
+def test_a_motion_window_rebuilds_entry_by_entry_and_stops_when_an_observation_is_due(harness) -> None:
+    """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
+    window entry at a time, up to cache.rebuilds_per_tick, and none once the inference timer has fired:
+    those entries are counted as deferred, and the next motion window builds them. Driven directly on a
+    configured node (no worker running), with the node's own policy and library."""
+    h = harness(**{**CACHE, "cache.rebuilds_per_tick": 3})
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, policy = h.node, h.node.policy
+    obs = synthetic_observation(policy.cfg, "pick")
+    for _ in range(4):
+        policy.infer(obs)
+    assert policy.reset_episode() == 0
+    assert policy.infer(obs).cache_mode == "dense", "the repeat's first call finds the window empty"
+    missing = policy.cache_entries_missing()
+    assert missing > 3, "the retrieval wants more entries than one motion window builds"
+
+    node._wake.set()  # the next observation is due: this motion window builds nothing
+    node._rebuild_cache(policy)
+    stats = node.stats()["cache"]
+    assert (stats["rebuilds"], stats["rebuilds_deferred"], stats["window_entries"]) == (0, missing, 0)
+
+    node._wake.clear()
+    node._rebuild_cache(policy)
+    stats = node.stats()["cache"]
+    assert (stats["rebuilds"], stats["window_entries"]) == (3, 3), "one tick's worth, entry by entry"
+    assert policy.cache_entries_missing() == missing - 3
+    assert policy.infer(obs).cache_mode == "cached"
+    assert node.stats()["errors"] == {}
+
+
 def test_cleanup_records_the_episode_in_progress_and_the_library_persists(harness, tmp_path) -> None:
     library = tmp_path / "library"
     h = harness(**CACHE, **{"cache.library_path": str(library)})

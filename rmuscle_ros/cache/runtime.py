@@ -407,10 +407,16 @@ class RMuscle:
 
     # ── the sliding window ───────────────────────────────────────────────────────────────────────────────
 
+    def missing_entries(self) -> int:
+        """How many entries the latest call's retrieval wants that the window does not hold."""
+        held = {slot.key for slot in self.window}
+        return sum(1 for key in self._wanted if key not in held)
+
     @torch.no_grad()
-    def rebuild(self, max_entries: int | None = None) -> int:
+    def rebuild(self, max_entries: int | None = None, wait: bool = False) -> int:
         """Rebuild up to `max_entries` (default rebuilds_per_tick) wanted entries missing from the window,
-        best first, into slots holding entries nobody wants. Returns how many were started."""
+        best first, into slots holding entries nobody wants. Returns how many were started. `wait`: return
+        only once they are built (on a GPU the rebuilds are otherwise queued and run on their own)."""
         budget = self.cfg.rebuilds_per_tick if max_entries is None else max_entries
         held = {slot.key for slot in self.window}
         wanted = set(self._wanted)
@@ -456,6 +462,8 @@ class RMuscle:
             free.key = key
             held.add(key)
             started += 1
+        if wait and started and self.engine.rebuild_stream is not None:
+            self.engine.rebuild_stream.synchronize()
         return started
 
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────

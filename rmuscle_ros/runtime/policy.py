@@ -217,9 +217,14 @@ class Policy:
         """A new episode on the cell; returns the library id the finished episode was recorded as."""
         return self.rmuscle.reset_episode() if self.rmuscle is not None else None
 
-    def rebuild_cache(self, max_entries: int | None = None) -> int:
-        """Refill the sliding window (call while the arm executes a chunk). Returns entries started."""
-        return self.rmuscle.rebuild(max_entries) if self.rmuscle is not None else 0
+    def rebuild_cache(self, max_entries: int | None = None, wait: bool = False) -> int:
+        """Refill the sliding window (call while the arm executes a chunk). Returns entries started;
+        `wait`: once they are built."""
+        return self.rmuscle.rebuild(max_entries, wait) if self.rmuscle is not None else 0
+
+    def cache_entries_missing(self) -> int:
+        """Entries the cache wants rebuilt before the next call (0 without a cache)."""
+        return self.rmuscle.missing_entries() if self.rmuscle is not None else 0
 
     def cache_status(self) -> dict[str, object] | None:
         return self.rmuscle.status() if self.rmuscle is not None else None
