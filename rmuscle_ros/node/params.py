@@ -56,7 +56,7 @@ class CacheParams:
     record: bool = True  # add dense episodes to the library at each episode reset
     max_library_mb: int = 4096
     max_episodes: int = 64
-    rebuilds_per_tick: int = 2  # window entries rebuilt after each published chunk
+    rebuilds_per_tick: int = 2  # at most this many window entries rebuilt after each published chunk
     concurrent_rebuilds: bool = False  # rebuilds alongside live calls, kernel by kernel (RMuscleConfig)
     match_on_gpu: bool = (
         False  # pick and load the window entry on the GPU, no host round trip (RMuscleConfig)
