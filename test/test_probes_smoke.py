@@ -97,3 +97,11 @@ def test_vision_mlp_probe_runs_the_engine_mlps_on_a_cpu(tiny) -> None:
     assert set(runs) == {"dense", "cached_0.4"}
     ms = time_interleaved(runs, iters=1, cuda=False)
     assert set(ms) == set(runs) and all(v > 0 for v in ms.values())
+
+
+def test_retrieval_benchmark_times_the_three_situations() -> None:
+    """bench/bench_retrieval.py times Retriever.query aligned, on an episode's first call and in fallback."""
+    from bench.bench_retrieval import measure
+
+    ms = measure(episodes=3, calls=6, iters=2)
+    assert set(ms) == {"aligned_ms", "first_call_ms", "fallback_ms"} and all(v > 0 for v in ms.values())

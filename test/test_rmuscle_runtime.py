@@ -109,6 +109,39 @@ def test_fallback_is_sticky_until_the_episode_resets(tmp_path) -> None:
     assert [c.cache_mode for c in run(policy, episode(3, offset=0.1))][1:] == ["cached"] * 2
 
 
+def test_retrieval_waits_for_no_call_it_cannot_serve_cached() -> None:
+    """When nothing can serve a call cached (an empty window; an episode that fell back), its dense stages
+    are queued before retrieval runs, so a library scan never delays it; otherwise retrieval picks the
+    entry before the cached stages. Seen from inside retrieval: whether the call's actions already exist."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    run(policy, episode(4))
+    policy.reset_episode()
+    retriever, seen = rm.retriever, []
+    query = retriever.query
+
+    def spy(descriptor: np.ndarray):
+        seen.append(bool(rm.engine.actions.abs().sum() > 0))
+        return query(descriptor)
+
+    def infer(obs: Observation) -> str:
+        rm.engine.actions.zero_()
+        mode = policy.infer(obs).cache_mode
+        policy.rebuild_cache()
+        return mode
+
+    retriever.query = spy
+    live = episode(4, offset=0.1, noise=2.0)
+    assert [infer(live[0]), infer(live[1])] == ["dense", "cached"]
+    assert seen == [True, False], "the empty window's call ran dense first; the cached one waited"
+    threshold = retriever.cfg.threshold
+    retriever.cfg = type(retriever.cfg)(4, 4, 1.0)  # the scene leaves the repertoire...
+    assert infer(live[2]) == "fallback"
+    retriever.cfg = type(retriever.cfg)(4, 4, threshold)
+    assert infer(live[3]) == "fallback"
+    assert seen[2:] == [False, True], "found out by retrieval; from then on the dense stages go first"
+
+
 def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
     lib = str(tmp_path / "lib")
     first = Policy(CFG, RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD))
