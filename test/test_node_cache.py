@@ -102,11 +102,12 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
     assert h.node.stats()["errors"] == {}
 
 
-def test_a_motion_window_rebuilds_entry_by_entry_and_stops_when_an_observation_is_due(harness) -> None:
+def test_a_motion_window_rebuilds_entry_by_entry_and_never_past_the_next_observation(harness) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
-    window entry at a time, up to cache.rebuilds_per_tick, and none once the inference timer has fired:
-    those entries are counted as deferred, and the next motion window builds them. Driven directly on a
-    configured node (no worker running), with the node's own policy and library."""
+    window entry at a time, up to cache.rebuilds_per_tick; none once the inference timer has fired, nor
+    one that the latest build times say would end after it fires: those are counted as deferred, and a
+    later motion window builds them. Driven directly on a configured node (no worker running), with the
+    node's own policy and library."""
     h = harness(**{**CACHE, "cache.rebuilds_per_tick": 3})
     assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
     node, policy = h.node, h.node.policy
@@ -128,6 +129,21 @@ def test_a_motion_window_rebuilds_entry_by_entry_and_stops_when_an_observation_i
     stats = node.stats()["cache"]
     assert (stats["rebuilds"], stats["window_entries"]) == (3, 3), "one tick's worth, entry by entry"
     assert policy.cache_entries_missing() == missing - 3
+
+    # The inference timer fires in ~10 s: an entry is started only if the longest of the latest builds
+    # would end before that.
+    node._infer_timer = node.create_timer(10.0, lambda: None)
+    node._rebuild_s.append(60.0)  # as if an entry had taken a minute
+    node._rebuild_cache(policy)
+    stats = node.stats()["cache"]
+    assert (stats["rebuilds"], stats["rebuilds_deferred"]) == (3, 2 * missing - 3)
+    node._rebuild_s.clear()
+    node._rebuild_s.append(0.5)
+    node._rebuild_cache(policy)
+    assert node.stats()["cache"]["rebuilds"] == min(6, missing)
+    node.destroy_timer(node._infer_timer)
+    node._infer_timer = None
+
     assert policy.infer(obs).cache_mode == "cached"
     assert node.stats()["errors"] == {}
 

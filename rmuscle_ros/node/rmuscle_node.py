@@ -68,6 +68,7 @@ class RMuscleNode(LifecycleNode):
         self._reset_sub: Any = None
         self._subs: list[Any] = []
         self._timers: list[Any] = []
+        self._infer_timer: Any = None  # the first of _timers: it wakes the worker for each observation
         self._buffer: ObservationBuffer | None = None
         self._worker: threading.Thread | None = None
         self._wake = threading.Event()
@@ -91,6 +92,7 @@ class RMuscleNode(LifecycleNode):
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
             self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
+        self._rebuild_s: deque[float] = deque(maxlen=8)  # wall time of the latest entries' rebuilds
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -184,8 +186,9 @@ class RMuscleNode(LifecycleNode):
                 self.create_subscription(JointState, topic, buffer.put_joint_state, qos_profile_sensor_data)
             )
         period = cfg.actions_per_inference * cfg.control_period_s
+        self._infer_timer = self.create_timer(period, self._wake.set)
         self._timers = [
-            self.create_timer(period, self._wake.set),
+            self._infer_timer,
             self.create_timer(1.0, self._publish_diagnostics),
         ]
         if self._status_pub is not None:
@@ -216,7 +219,7 @@ class RMuscleNode(LifecycleNode):
             self.destroy_timer(timer)
         for sub in self._subs:
             self.destroy_subscription(sub)
-        self._timers, self._subs = [], []
+        self._timers, self._subs, self._infer_timer = [], [], None
         if self._buffer is not None:
             self._buffer.clear()
 
@@ -346,22 +349,26 @@ class RMuscleNode(LifecycleNode):
     def _rebuild_cache(self, policy: Any) -> None:
         """The motion window: refill rMuscle's entries for the next calls while the arm executes.
 
-        One entry at a time, each waited for, up to `cache.rebuilds_per_tick`, and none once the next
-        observation is due (the inference timer has fired): a live call then waits at most for the one
-        entry in flight (~8 ms at full size on an H200), never for a queue of them. An entry costs more
-        GPU time than a cached call saves (`pi05` on the H200: 7.9 ms against ~1.8), so rebuilding only
-        pays in time the node would otherwise idle; a node whose period is shorter than its calls
-        rebuilds nothing, and the diagnostics' `cache.rebuilds_deferred` says so."""
+        One entry at a time, each waited for, up to `cache.rebuilds_per_tick`; none once the next
+        observation is due (the inference timer has fired), nor one that would not be built before it is
+        (the longest of the last entries' build times against the timer's time left). A live call so
+        waits for no entry while the estimate holds, and for at most the one in flight when it does not
+        (~8 ms at full size on an H200), never for a queue of them. An entry costs more GPU time than a
+        cached call saves (`pi05` on the H200: 7.9 ms against ~1.8), so rebuilding only pays in time the
+        node would otherwise idle; a node whose period is shorter than its calls rebuilds nothing, and
+        the diagnostics' `cache.rebuilds_deferred` says so."""
         for _ in range(self.cfg.cache.rebuilds_per_tick if self.cfg is not None else 0):
-            due = self._wake.is_set() or self._stop.is_set()
             with self._policy_lock:
                 try:
-                    if due:  # the entries still wanted wait for the next motion window
+                    if self._next_call_too_close():  # the entries still wanted wait for the next window
                         deferred = policy.cache_entries_missing()
                         with self._stats_lock:
                             self.rebuilds_deferred += deferred
                         break
+                    start = time.monotonic()
                     built = policy.rebuild_cache(1, wait=True)
+                    if built:
+                        self._rebuild_s.append(time.monotonic() - start)
                 except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
                     self._error("cache_rebuild", f"{type(e).__name__}: {e}")
                     break
@@ -373,6 +380,20 @@ class RMuscleNode(LifecycleNode):
             status = policy.cache_status()
         with self._stats_lock:
             self.cache_status = status
+
+    def _next_call_too_close(self) -> bool:
+        """Whether the next observation is due (the inference timer has fired, or the node is stopping),
+        or will be before another entry is built (the longest of the latest build times)."""
+        if self._wake.is_set() or self._stop.is_set():
+            return True
+        left = self._time_to_next_call_s()
+        return left is not None and bool(self._rebuild_s) and left < max(self._rebuild_s)
+
+    def _time_to_next_call_s(self) -> float | None:
+        """Seconds until the inference timer next fires (on the node's clock), None without one."""
+        timer = self._infer_timer
+        left = timer.time_until_next_call() if timer is not None else None
+        return None if left is None else left * 1e-9
 
     def _error(self, kind: str, detail: str) -> None:
         with self._stats_lock:
