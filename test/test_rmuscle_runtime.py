@@ -110,9 +110,10 @@ def test_fallback_is_sticky_until_the_episode_resets(tmp_path) -> None:
 
 
 def test_retrieval_waits_for_no_call_it_cannot_serve_cached() -> None:
-    """When nothing can serve a call cached (an empty window; an episode that fell back), its dense stages
-    are queued before retrieval runs, so a library scan never delays it; otherwise retrieval picks the
-    entry before the cached stages. Seen from inside retrieval: whether the call's actions already exist."""
+    """When nothing can serve a call cached (an empty window), or finding out would scan the whole library
+    (an episode's first call; an episode that fell back), its dense stages are queued before retrieval
+    runs, so a library scan never delays it; otherwise retrieval picks the entry before the cached stages.
+    Seen from inside retrieval: whether the call's actions already exist."""
     policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
     rm = policy.rmuscle
     run(policy, episode(4))
@@ -133,7 +134,12 @@ def test_retrieval_waits_for_no_call_it_cannot_serve_cached() -> None:
     retriever.query = spy
     live = episode(4, offset=0.1, noise=2.0)
     assert [infer(live[0]), infer(live[1])] == ["dense", "cached"]
-    assert seen == [True, False], "the empty window's call ran dense first; the cached one waited"
+    assert seen == [True, False], "the episode's first call ran dense first; the cached one waited"
+    assert policy.reset_episode() is None and any(slot.key is not None for slot in rm.window)
+    assert rm.retriever is retriever, "nothing was recorded: the same library, the same retriever"
+    seen.clear()
+    assert [infer(live[0]), infer(live[1])] == ["dense", "cached"]
+    assert seen == [True, False], "with a full window too, the first call does not wait for the scan"
     threshold = retriever.cfg.threshold
     retriever.cfg = type(retriever.cfg)(4, 4, 1.0)  # the scene leaves the repertoire...
     assert infer(live[2]) == "fallback"

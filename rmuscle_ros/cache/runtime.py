@@ -320,11 +320,14 @@ class RMuscle:
         e.run_stage("vision", bucket)
         ready = self._descriptor_to_host()
         e.finish_load()  # the prompt is packed on the host while vision runs
-        if self.retriever.fallback or all(slot.key is None for slot in self.window):
-            # Nothing can serve this call cached (the episode fell back, or the window is empty): the
-            # dense stages go first, and retrieval (the similarity reported, the alignment, the entries
-            # wanted next) runs on the host while they do. In a fallback episode it scans the whole
-            # library (64 episodes of 30 calls: ~5 ms on a 2-core CPU).
+        whole_library = self.retriever.fallback or not self.retriever.positions
+        if whole_library or all(slot.key is None for slot in self.window):
+            # Nothing can serve this call cached (an empty window), or finding out would scan the whole
+            # library (an episode that fell back; an episode's first call, not aligned yet: 4.3 ms at 64
+            # episodes on a 2-core CPU, bench/bench_retrieval.py). The dense stages go first, and
+            # retrieval (the similarity reported, the alignment, the entries wanted next) runs on the host
+            # while they do. A first call gives up little: the window holds what the previous episode's
+            # last calls wanted, not an episode's start.
             record = self._dense_stages(bucket)
             descriptor = self._read_descriptor(ready)
             matches = self.retriever.query(descriptor)
