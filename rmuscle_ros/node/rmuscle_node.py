@@ -383,7 +383,8 @@ class RMuscleNode(LifecycleNode):
 
     def _next_call_too_close(self) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
-        or will be before another entry is built (the longest of the latest build times)."""
+        or will be before another entry is built (the longest of the latest build times). Build times are
+        wall-clock and the timer runs on the node's clock: the same in real time and in a 1× bag replay."""
         if self._wake.is_set() or self._stop.is_set():
             return True
         left = self._time_to_next_call_s()
