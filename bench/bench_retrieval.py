@@ -92,7 +92,6 @@ def main() -> None:
         ),
     ]
     save_results(args.out, f"retrieval_cpu_{args.commit}", record, "\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -3,15 +3,17 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
-#   vision_mlp: bench/probe_vision_mlp.py, the most a Context Cache in SigLIP's MLPs could save, ~1 min)
+#   vision_mlp: bench/probe_vision_mlp.py, the most a Context Cache in SigLIP's MLPs could save, ~1 min;
+#   attention: bench/probe_prefill_attention.py, the prefill attention's kernels and configs, ~30 s;
+#   overlap: bench/probe_rebuild_overlap.py, live graphs alongside rebuild graphs, ~3 min)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -44,9 +46,15 @@ for step in $steps; do
         vision_mlp)
             timeout 200 python3 bench/probe_vision_mlp.py --commit "$commit" --out "$out" 2>&1 | quiet \
                 | grep "^\[probe\]\|^| \|Error" ;;
+        attention)
+            timeout 200 python3 bench/probe_prefill_attention.py --commit "$commit" --out "$out" 2>&1 | quiet \
+                | grep "^| \|Error" ;;
+        overlap)
+            timeout 500 python3 bench/probe_rebuild_overlap.py --commit "$commit" --out "$out" 2>&1 | quiet \
+                | grep "^\[probe\]\|Error" ;;
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load, pi05-7b, vision_mlp)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap)" ;;
     esac
 done

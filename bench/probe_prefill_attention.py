@@ -177,7 +177,6 @@ def main() -> None:
         ),
     ]
     text = "\n".join(lines) + "\n"
-    print(text, flush=True)
     save_results(args.out, f"probe_prefill_attention_{gpu.split()[-1].lower()}_{args.commit}", record, text)
 
 
