@@ -171,7 +171,7 @@ def harnesses() -> Iterator[Callable[..., Harness]]:
         context = rclpy.Context()
         rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
         defaults = {"warmup": False, "actions_per_inference": 5, "max_image_age_s": 1.0, "max_joint_age_s": 1.0,
-                    "max_skew_s": 0.5, "prompt": "pick"}  # fmt: skip
+                    "max_skew_s": 0.5, "prompt": "pick", "sensor_startup_timeout_s": 0.5}  # fmt: skip
         overrides = [Parameter(k, value=v) for k, v in (defaults | params).items()]
         n = next(_NODE_IDS)
         node = RMuscleNode(f"rmuscle_test_{n}", context=context, parameter_overrides=overrides)
@@ -261,6 +261,29 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
         return False
 
     assert h.wait_for(reported, timeout=10.0), "diagnostics never reported chunks, latency and the drop"
+
+
+def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
+    # Camera drivers come up at their own pace: ticks before a sensor's first message are a wait, said once
+    # on /rosout and on /diagnostics, not drops that would leave the node in WARN for the rest of its run.
+    h = harness(sensor_startup_timeout_s=30.0)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: "images/right_wrist" in h.node.stats()["waiting_for"], skip_camera=2)
+    h.feed_until(lambda: False, timeout=1.0, skip_camera=2)  # ~10 inference ticks without that camera
+    assert h.drops() == {} and h.chunks == []
+
+    def waiting_reported() -> bool:
+        statuses = [s for a in h.diagnostics for s in a.status if h.node.get_name() in s.name]
+        return any("waiting for the first messages" in s.message and s.level == s.OK for s in statuses)
+
+    assert h.wait_for(waiting_reported, timeout=5.0), "diagnostics never said what the node waits for"
+    said = [log.msg for log in h.logs if "waiting for the first messages" in log.msg]
+    assert len(said) == 1 and "images/right_wrist" in said[0], said
+    # The camera comes up: chunks flow, nothing was dropped, the wait is over.
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    assert h.drops() == {} and h.node.stats()["waiting_for"] == ""
+    # Past the start-up timeout (the harness's 0.5 s), a camera that never came up is a drop (the
+    # parametrised bad-input test below).
 
 
 def _configure_fails_saying(h: Harness, text: str) -> None:

@@ -40,6 +40,8 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"model.backend": "tensorrt"}, r"^model\.backend"),
         ({"control_period_s": 0.0}, r"^control_period_s: must be > 0"),
         ({"max_skew_s": float("nan")}, r"^max_skew_s"),
+        ({"sensor_startup_timeout_s": -1.0}, r"^sensor_startup_timeout_s: must be >= 0"),
+        ({"sensor_startup_timeout_s": float("inf")}, r"^sensor_startup_timeout_s: must be >= 0"),
         ({"cache.rho_p": 1.5}, r"^cache\.rho_p: must be in \(0, 1\]"),
         ({"cache.similarity_threshold": -0.1}, r"^cache\.similarity_threshold"),
         ({"cache.rho_n": 0.0}, r"^cache\.rho_n: must be in \(0, 1\]"),

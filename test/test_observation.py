@@ -60,6 +60,21 @@ def test_complete_observation() -> None:
     assert obs.state.tolist() == [0.5, 0.5, 0.5] and obs.prompt == "task"
 
 
+def test_camera_refusals_name_the_topic() -> None:
+    t = 10**12
+    topics = ("/cam_high/image", "/cam_left_wrist/image")
+    b = ObservationBuffer(len(SLOTS), JOINTS, False, Limits(100 * MS, 50 * MS, 80 * MS), topics)
+    b.put_image(0, image(t))
+    with pytest.raises(
+        ObservationUnavailable, match=r"no image yet for left_wrist_0_rgb \(/cam_left_wrist/image\)"
+    ):
+        b.observation(t, "task", SLOTS)
+    b.put_image(1, image(t))
+    b.put_joint_state(joints(t))
+    with pytest.raises(ObservationUnavailable, match=r"base_0_rgb \(/cam_high/image\) is 150 ms old"):
+        b.observation(t + 150 * MS, "task", SLOTS)
+
+
 def test_each_refusal_has_its_reason() -> None:
     t = 10**12
     b = buffer()

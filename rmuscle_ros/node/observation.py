@@ -53,9 +53,16 @@ class ObservationBuffer:
     """The newest camera frame per slot and joint state per topic, guarded by one lock."""
 
     def __init__(
-        self, num_cameras: int, joint_names: Sequence[str], compressed: bool, limits: Limits
+        self,
+        num_cameras: int,
+        joint_names: Sequence[str],
+        compressed: bool,
+        limits: Limits,
+        camera_topics: Sequence[str] | None = None,
     ) -> None:
+        """camera_topics: the topic feeding each slot, named in the reasons (an operator looks for topics)."""
         self._lock = threading.Lock()
+        self._topics = tuple(camera_topics) if camera_topics is not None else None
         self._images: list[Any | None] = [None] * num_cameras
         self._joints: dict[str, tuple[int, float]] = {}  # joint name -> (stamp ns, position)
         self._joint_names = tuple(joint_names)
@@ -87,14 +94,15 @@ class ObservationBuffer:
         stamps: list[int] = []
         rgb: dict[str, np.ndarray] = {}
         for slot, msg in enumerate(images):
+            camera = (
+                slot_names[slot] if self._topics is None else f"{slot_names[slot]} ({self._topics[slot]})"
+            )
             if msg is None:
-                raise ObservationUnavailable(
-                    DropReason.MISSING_CAMERA, f"no image yet for {slot_names[slot]}"
-                )
+                raise ObservationUnavailable(DropReason.MISSING_CAMERA, f"no image yet for {camera}")
             t = stamp_ns(msg.header)
             if now_ns - t > lim.max_image_age_ns:
                 raise ObservationUnavailable(
-                    DropReason.STALE_IMAGE, f"{slot_names[slot]} is {(now_ns - t) / 1e6:.0f} ms old"
+                    DropReason.STALE_IMAGE, f"{camera} is {(now_ns - t) / 1e6:.0f} ms old"
                 )
             stamps.append(t)
             try:

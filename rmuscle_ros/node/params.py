@@ -117,6 +117,9 @@ class NodeConfig:
     max_image_age_s: float = 0.25  # an observation older than this is stale (no chunk)
     max_joint_age_s: float = 0.1
     max_skew_s: float = 0.1  # largest stamp difference between the observation's messages
+    # After activation, how long (wall clock) a sensor may stay silent before a tick without it counts as a
+    # drop. Until then the node waits for it quietly: camera drivers start at their own pace. 0: count it.
+    sensor_startup_timeout_s: float = 5.0
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True
     cache: CacheParams = field(default_factory=CacheParams)
@@ -195,6 +198,10 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
 
     for name in ("control_period_s", "max_image_age_s", "max_joint_age_s", "max_skew_s"):
         positive(name)
+    if not (values["sensor_startup_timeout_s"] >= 0 and math.isfinite(values["sensor_startup_timeout_s"])):
+        raise ParameterError(
+            f"sensor_startup_timeout_s: must be >= 0, got {values['sensor_startup_timeout_s']!r}"
+        )
     for name in ("camera_topics", "joint_state_topics", "joint_names", "action_joint_names"):
         if (
             not values[name]

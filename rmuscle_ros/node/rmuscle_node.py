@@ -42,6 +42,8 @@ from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, 
 from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
+# A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
+STARTUP_REASONS = (DropReason.MISSING_CAMERA, DropReason.MISSING_JOINTS)
 
 
 def _mode_codes(message: Any) -> dict[str, int]:
@@ -71,6 +73,7 @@ class RMuscleNode(LifecycleNode):
         self._infer_timer: Any = None  # the first of _timers: it wakes the worker for each observation
         self._buffer: ObservationBuffer | None = None
         self._worker: threading.Thread | None = None
+        self._activated_at = 0.0  # time.monotonic() at the latest activation
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
@@ -92,6 +95,7 @@ class RMuscleNode(LifecycleNode):
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
             self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
+            self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
         self._rebuild_s: deque[float] = deque(maxlen=8)  # wall time of the latest entries' rebuilds
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
@@ -150,8 +154,10 @@ class RMuscleNode(LifecycleNode):
         limits = Limits(
             int(cfg.max_image_age_s * 1e9), int(cfg.max_joint_age_s * 1e9), int(cfg.max_skew_s * 1e9)
         )
+        # Reasons name each camera's topic as remapped (the cell's name for it), which an operator can look up.
+        topics = [self.resolve_topic_name(t) for t in cfg.camera_topics]
         self._buffer = ObservationBuffer(
-            len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits
+            len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics
         )
         return TransitionCallbackReturn.SUCCESS
 
@@ -194,6 +200,9 @@ class RMuscleNode(LifecycleNode):
         if self._status_pub is not None:
             self._timers.append(self.create_timer(cfg.cache.status_period_s, self._publish_cache_status))
         self._stop.clear()
+        self._activated_at = time.monotonic()
+        with self._stats_lock:
+            self.waiting_for = ""
         self._worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
         self._worker.start()
         self.get_logger().info(f"activate: one chunk every {period * 1e3:.0f} ms")
@@ -327,8 +336,12 @@ class RMuscleNode(LifecycleNode):
         try:
             obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
         except ObservationUnavailable as e:
-            self._drop(e.reason, e.detail)
+            starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
+            self._wait_for_sensor(e.detail if starting and e.reason in STARTUP_REASONS else "")
+            if not self.waiting_for:
+                self._drop(e.reason, e.detail)
             return
+        self._wait_for_sensor("")
         with self._policy_lock:
             try:
                 chunk = policy.infer(obs)
@@ -403,6 +416,16 @@ class RMuscleNode(LifecycleNode):
         if count == 1 or count % 50 == 0:  # throttled like the drops: a broken disk must not flood the log
             self.get_logger().error(f"{kind} error ({count}x): {detail}")
 
+    def _wait_for_sensor(self, detail: str) -> None:
+        """Set what the node is waiting for during start-up ("": nothing). A tick that waits for a sensor's
+        first message is not a drop; the wait is logged once per sensor."""
+        if detail == self.waiting_for:
+            return
+        with self._stats_lock:
+            self.waiting_for = detail
+        if detail:
+            self.get_logger().info(f"waiting for the first messages: {detail}")
+
     def _drop(self, reason: DropReason, detail: str) -> None:
         with self._stats_lock:
             self.drops[reason.value] += 1
@@ -453,6 +476,7 @@ class RMuscleNode(LifecycleNode):
             if cache is not None:
                 cache |= {"rebuilds": self.rebuilds, "rebuilds_deferred": self.rebuilds_deferred}
             errors = dict(self.errors)
+            waiting_for = self.waiting_for
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         p50 = statistics.median(lat) if lat else 0.0
         p99 = float(np.percentile(lat, 99)) if lat else 0.0
@@ -464,6 +488,7 @@ class RMuscleNode(LifecycleNode):
             "drops": drops,
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
             "errors": errors,
+            "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
         }
 
     def _publish_diagnostics(self) -> None:
@@ -475,8 +500,14 @@ class RMuscleNode(LifecycleNode):
         warn = s["drops"] or s["errors"] or (cache is not None and cache["library_problems"])
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
+        if s["waiting_for"]:
+            status.message = (
+                f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
+            )
         values = {k: s[k] for k in ("rate_hz", "latency_p50_ms", "latency_p99_ms", "chunks")}
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
+        if s["waiting_for"]:
+            values["waiting_for"] = s["waiting_for"]
         if cache is not None:
             status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
