@@ -11,7 +11,9 @@ Reported (Markdown + JSON in --out): per (ρp, ρn), median end-to-end ms of a d
 call through the runtime (wall clock; matched on the host, its default, and on the GPU), per-stage
 replay ms, speedup, action relative L2 error and similarity; the cost of rebuilding an entry, the
 window's memory, the latency of a live call while rebuilds run on the low-priority stream; FLOPs and
-bytes per call with roofline projections (labelled as such) to an RTX 4090 and a Jetson Thor.
+bytes per call with roofline projections (labelled as such) to an RTX 4090 and a Jetson Thor. With
+`--library-episodes`, what a library's size costs the calls whose retrieval scans it (an episode's first
+call, a fallback call) and a cached call (`Bench.library_scaling`).
 Weights are random: the error figures are *not* those of a trained policy.
 
     python bench/bench_rmuscle.py --out bench/results --commit $(git rev-parse --short HEAD)
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import cuda_time_ms, measure_ceilings, random_model, record_header, rel_l2, save_results
 from bench.trace_graphs import idle_gaps, traced_events
+from rmuscle_ros.cache.retrieval import Retriever
 from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
@@ -259,6 +262,66 @@ class Bench:
         log(f"idle gaps {out}")
         return out
 
+    def library_scaling(self, episodes: int, calls: int = 30) -> dict:
+        """Wall ms of the calls whose retrieval depends on the library's size, with `episodes` library
+        episodes: the recorded one and `episodes - 1` synthetic ones of `calls` calls each (its descriptors
+        plus noise, ranking below it). The synthetic episodes exist for retrieval only (descriptors, no
+        observations), so the window keeps the recorded episode's entries and nothing is rebuilt here.
+        - `dense`: the engine's dense call, no retrieval;
+        - `first_call`: an episode's first call (alignment reset): the runtime queues the dense stages,
+          then scans the whole library while they run;
+        - `fallback`: a call of an episode that fell back: dense, the similarity scanned over the library;
+        - `cached`: a cached call, matched on the host: the aligned query sits on its critical path.
+        `first_call_query_ms` is the whole-library scan alone on this host."""
+        if episodes < 1:
+            raise ValueError(f"--library-episodes: a library has at least one episode, got {episodes}")
+        rt, it = self.runtime, self.args.iters
+        obs = self.live_obs[len(self.live_obs) // 2]
+        self._prime(obs, on_gpu=False)  # the window holds the recorded episode's entries for obs
+        real = rt._descriptors  # the runtime's own table; restored below
+        (ref_id, ref), rng = next(iter(real.items())), np.random.default_rng(0)
+        base = ref[np.arange(calls) % len(ref)]
+        fake = {10_000 + i: base + rng.normal(0, 2 * float(base.std()), base.shape).astype(np.float32)
+                for i in range(episodes - 1)}  # fmt: skip
+        rt._descriptors = {ref_id: ref, **fake}
+        retrieval = rt.retriever.cfg
+        rt.retriever = Retriever(retrieval, rt._descriptors)
+        try:
+            rt.retriever.query(rt.engine.descriptor_host.numpy().copy())  # aligned on obs's position
+
+            def first_call() -> None:
+                rt.retriever.reset()
+                rt.infer(obs, self.noise)
+
+            def fallback() -> None:
+                rt.retriever.fallback = True
+                rt.infer(obs, self.noise)
+
+            samples: dict[str, list[float]] = {"dense": [], "first_call": [], "fallback": [], "cached": []}
+            for _ in range(2):  # alternated halves, as in `timings`
+                samples["dense"] += wall_ms(lambda: self.dense_call(obs), max(1, it // 2))
+                samples["first_call"] += wall_ms(first_call, max(1, it // 2))
+                samples["fallback"] += wall_ms(fallback, max(1, it // 2))
+                rt.retriever.reset()
+                rt.infer(obs, self.noise)  # aligns again; the window still holds obs's entry
+                samples["cached"] += wall_ms(lambda: rt.infer(obs, self.noise), max(1, it // 2))
+                if rt.last.mode != "cached" or rt.last.episode != ref_id:
+                    raise RuntimeError(f"the timed call was not served from the recorded episode ({rt.last})")
+            descriptor = rt.engine.descriptor_host.numpy().copy()
+
+            def scan() -> None:
+                rt.retriever.reset()
+                rt.retriever.query(descriptor)
+
+            out = {k: round(statistics.median(v), 3) for k, v in samples.items()}
+            out["first_call_query_ms"] = round(statistics.median(wall_ms(scan, it)), 3)
+        finally:
+            rt._descriptors = real
+            rt.retriever = Retriever(retrieval, real)
+            self.match_on(self.default_match)
+        log(f"library of {episodes} episodes: {out}")
+        return {"episodes": episodes, "calls_per_episode": calls, **out}
+
     def timings(self) -> dict:
         e, it, dev = self.engine, self.args.iters, self.device
         obs = self.live_obs[len(self.live_obs) // 2]
@@ -373,6 +436,9 @@ def main() -> None:
                         "wait for them (the combination that once hung the H200; a probe, not a runtime mode)")  # fmt: skip
     p.add_argument("--interference-timeout-s", type=float, default=120.0,
                    help="dump the Python stacks and exit if the interference phase takes longer")  # fmt: skip
+    p.add_argument("--library-episodes", type=int, nargs="*", default=[],
+                   help="also time first, fallback and cached calls with libraries of these many episodes "
+                        "(synthetic descriptors; at the first ρ pair only)")  # fmt: skip
     p.add_argument("--trace", action="store_true",
                    help="also profile one dense and one cached call: GPU idle time and its largest gaps")  # fmt: skip
     args = p.parse_args()
@@ -400,6 +466,8 @@ def main() -> None:
         timing = bench.timings()
         if args.trace and args.device == "cuda":
             timing["gpu_timeline"] = bench.idle_gaps()
+        if args.library_episodes and (rho_p, rho_n) == rhos[0]:
+            timing["library_scaling"] = [bench.library_scaling(n) for n in args.library_episodes]
         key = f"rmuscle_p{rho_p:g}_n{rho_n:g}"
         results.setdefault("graph", {"median_ms": timing["dense_ms"], "stages_ms": {
             k.split("_")[0]: v for k, v in timing["stages_ms"].items() if k.endswith("dense")}})  # fmt: skip
@@ -510,6 +578,13 @@ def to_markdown(r: dict) -> str:
         lines += ["", f"The same calls matched on the GPU (RMuscleConfig.match_on_gpu): "
                   f"{v['rmuscle_gpu_match_ms']} ms ({v['speedup_gpu_match']}×). Match stage (vision, pick, load) "
                   f"{v['stages_ms']['match_cached']} ms, cached prefill + denoise graph {v['stages_ms']['tail_cached']} ms."]  # fmt: skip
+        if "library_scaling" in v:
+            lines += ["", "By library size (all episodes but the recorded one synthetic descriptors, "
+                      f"{v['library_scaling'][0]['calls_per_episode']} calls each), wall ms:", "",
+                      "| episodes | dense call | first call of an episode | fallback call | cached call (host match) | whole-library scan alone |",
+                      "|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {x['episodes']} | {x['dense']} | {x['first_call']} | {x['fallback']} | {x['cached']} | "
+                      f"{x['first_call_query_ms']} |" for x in v["library_scaling"]]  # fmt: skip
         if "gpu_timeline" in v:
             t = v["gpu_timeline"]
             lines += ["", "GPU idle within one call (profiled): " + "; ".join(

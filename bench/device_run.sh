@@ -3,17 +3,18 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
 #   vision_mlp: bench/probe_vision_mlp.py, the most a Context Cache in SigLIP's MLPs could save, ~1 min;
 #   attention: bench/probe_prefill_attention.py, the prefill attention's kernels and configs, ~30 s;
-#   overlap: bench/probe_rebuild_overlap.py, live graphs alongside rebuild graphs, ~3 min)
+#   overlap: bench/probe_rebuild_overlap.py, live graphs alongside rebuild graphs, ~3 min;
+#   library: bench_rmuscle at ρ 0.4/0.5, first / fallback / cached calls by library size, ~2 min)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -36,6 +37,10 @@ for step in $steps; do
         rmuscle)
             timeout 300 python3 bench/bench_rmuscle.py --commit "$commit" \
                 --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
+        library)
+            timeout 300 python3 bench/bench_rmuscle.py --rho 0.4,0.5 --no-interference --library-episodes 1 64 256 \
+                --commit "$commit" --name "rmuscle_library_h200_$commit" --out "$out" 2>&1 | quiet \
+                | grep "end to end\|library of\|^| \|Error" ;;
         rmuscle7b)
             timeout 400 python3 bench/bench_rmuscle.py --preset pi05-7b --rho 0.4,0.5 --iters 10 --no-interference \
                 --commit "$commit" --name "rmuscle_pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
@@ -55,6 +60,6 @@ for step in $steps; do
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library)" ;;
     esac
 done
