@@ -271,56 +271,66 @@ class Bench:
         - `first_call`: an episode's first call (alignment reset): the runtime queues the dense stages,
           then scans the whole library while they run;
         - `fallback`: a call of an episode that fell back: dense, the similarity scanned over the library;
-        - `cached`: a cached call, matched on the host: the aligned query sits on its critical path.
-        `first_call_query_ms` is the whole-library scan alone on this host."""
+        - `cached`: a cached call, matched on the host: its retrieval sits on its critical path;
+        - `scan_ms`: the whole-library retrieval alone (on the GPU: queued, waited for, picked).
+        Each with the similarities computed on the GPU (the runtime's default on a GPU) and on the host."""
         if episodes < 1:
             raise ValueError(f"--library-episodes: a library has at least one episode, got {episodes}")
         rt, it = self.runtime, self.args.iters
         obs = self.live_obs[len(self.live_obs) // 2]
         self._prime(obs, on_gpu=False)  # the window holds the recorded episode's entries for obs
-        real = rt._descriptors  # the runtime's own table; restored below
+        real, retrieval = rt._descriptors, rt.retriever.cfg  # the runtime's own; restored below
         (ref_id, ref), rng = next(iter(real.items())), np.random.default_rng(0)
         base = ref[np.arange(calls) % len(ref)]
         fake = {10_000 + i: base + rng.normal(0, 2 * float(base.std()), base.shape).astype(np.float32)
                 for i in range(episodes - 1)}  # fmt: skip
         rt._descriptors = {ref_id: ref, **fake}
-        retrieval = rt.retriever.cfg
-        rt.retriever = Retriever(retrieval, rt._descriptors)
+        descriptor = rt.engine.descriptor_host.numpy().copy()  # obs's, from priming
+
+        def first_call() -> None:
+            rt.retriever.reset()
+            rt.infer(obs, self.noise)
+
+        def fallback() -> None:
+            rt.retriever.fallback = True
+            rt.infer(obs, self.noise)
+
+        def scan() -> None:
+            rt.retriever.reset()
+            if rt.retriever.on_device:
+                rt.retriever.queue(rt.engine.descriptor())
+            rt.retriever.query(None if rt.retriever.on_device else descriptor)
+
+        out: dict = {"episodes": episodes, "calls_per_episode": calls}
+        places = {"gpu": self.device, "host": None} if self.device.type == "cuda" else {"host": None}
         try:
-            rt.retriever.query(rt.engine.descriptor_host.numpy().copy())  # aligned on obs's position
-
-            def first_call() -> None:
-                rt.retriever.reset()
-                rt.infer(obs, self.noise)
-
-            def fallback() -> None:
-                rt.retriever.fallback = True
-                rt.infer(obs, self.noise)
-
-            samples: dict[str, list[float]] = {"dense": [], "first_call": [], "fallback": [], "cached": []}
-            for _ in range(2):  # alternated halves, as in `timings`
-                samples["dense"] += wall_ms(lambda: self.dense_call(obs), max(1, it // 2))
-                samples["first_call"] += wall_ms(first_call, max(1, it // 2))
-                samples["fallback"] += wall_ms(fallback, max(1, it // 2))
-                rt.retriever.reset()
-                rt.infer(obs, self.noise)  # aligns again; the window still holds obs's entry
-                samples["cached"] += wall_ms(lambda: rt.infer(obs, self.noise), max(1, it // 2))
-                if rt.last.mode != "cached" or rt.last.episode != ref_id:
-                    raise RuntimeError(f"the timed call was not served from the recorded episode ({rt.last})")
-            descriptor = rt.engine.descriptor_host.numpy().copy()
-
-            def scan() -> None:
-                rt.retriever.reset()
-                rt.retriever.query(descriptor)
-
-            out = {k: round(statistics.median(v), 3) for k, v in samples.items()}
-            out["first_call_query_ms"] = round(statistics.median(wall_ms(scan, it)), 3)
+            for place, device in places.items():
+                rt.retriever = Retriever(retrieval, rt._descriptors, device)
+                samples: dict[str, list[float]] = {
+                    "dense": [],
+                    "first_call": [],
+                    "fallback": [],
+                    "cached": [],
+                }
+                for _ in range(2):  # alternated halves, as in `timings`
+                    samples["dense"] += wall_ms(lambda: self.dense_call(obs), max(1, it // 2))
+                    samples["first_call"] += wall_ms(first_call, max(1, it // 2))
+                    samples["fallback"] += wall_ms(fallback, max(1, it // 2))
+                    rt.retriever.reset()
+                    rt.infer(obs, self.noise)  # aligns again; the window still holds obs's entry
+                    samples["cached"] += wall_ms(lambda: rt.infer(obs, self.noise), max(1, it // 2))
+                    if rt.last.mode != "cached" or rt.last.episode != ref_id:
+                        raise RuntimeError(
+                            f"the timed call was not served from the recorded episode ({rt.last})"
+                        )
+                out[place] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
+                out[place]["scan_ms"] = round(statistics.median(wall_ms(scan, it)), 3)
         finally:
             rt._descriptors = real
-            rt.retriever = Retriever(retrieval, real)
+            rt._refresh_retriever()
             self.match_on(self.default_match)
         log(f"library of {episodes} episodes: {out}")
-        return {"episodes": episodes, "calls_per_episode": calls, **out}
+        return out
 
     def timings(self) -> dict:
         e, it, dev = self.engine, self.args.iters, self.device
@@ -580,11 +590,13 @@ def to_markdown(r: dict) -> str:
                   f"{v['stages_ms']['match_cached']} ms, cached prefill + denoise graph {v['stages_ms']['tail_cached']} ms."]  # fmt: skip
         if "library_scaling" in v:
             lines += ["", "By library size (all episodes but the recorded one synthetic descriptors, "
-                      f"{v['library_scaling'][0]['calls_per_episode']} calls each), wall ms:", "",
-                      "| episodes | dense call | first call of an episode | fallback call | cached call (host match) | whole-library scan alone |",
-                      "|---|---|---|---|---|---|"]  # fmt: skip
-            lines += [f"| {x['episodes']} | {x['dense']} | {x['first_call']} | {x['fallback']} | {x['cached']} | "
-                      f"{x['first_call_query_ms']} |" for x in v["library_scaling"]]  # fmt: skip
+                      f"{v['library_scaling'][0]['calls_per_episode']} calls each) and where the similarities are "
+                      "computed, wall ms:", "",
+                      "| episodes | similarities on | dense call | first call of an episode | fallback call | cached call (host match) | whole-library retrieval alone |",
+                      "|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {x['episodes']} | {place} | {y['dense']} | {y['first_call']} | {y['fallback']} | {y['cached']} | "
+                      f"{y['scan_ms']} |" for x in v["library_scaling"] for place, y in x.items()
+                      if isinstance(y, dict)]  # fmt: skip
         if "gpu_timeline" in v:
             t = v["gpu_timeline"]
             lines += ["", "GPU idle within one call (profiled): " + "; ".join(

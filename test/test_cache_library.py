@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from rmuscle_ros.cache.library import Episode, LibraryError, LibraryKey, LibraryMismatch, ReferenceLibrary
 from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
@@ -126,3 +127,42 @@ def test_fallback_is_sticky_until_reset() -> None:
     assert r.query(walk(0)[7]) == []  # stays dense for the rest of the episode
     r.reset()
     assert r.query(walk(0)[0])[0].position == 0
+
+
+def _reference_query(library: dict, aligned: dict, descriptor: np.ndarray, cfg: RetrievalConfig):
+    """Retrieval as DESIGN §4 words it, one episode at a time: (sorted [(similarity, id, position)], new
+    alignment). The Retriever computes the same for the whole library at once."""
+    q = descriptor.reshape(-1) / np.linalg.norm(descriptor)
+    best = []
+    for eid, d in library.items():
+        rows = d.reshape(len(d), -1) / np.linalg.norm(d.reshape(len(d), -1), axis=1, keepdims=True)
+        lo = aligned.get(eid, 0)
+        hi = len(d) if eid not in aligned else min(lo + cfg.lookahead + 1, len(d))
+        sims = rows[lo:hi] @ q
+        best.append((float(sims.max()), eid, lo + int(sims.argmax())))
+    return sorted(best, key=lambda b: (-b[0], b[1])), {eid: pos for _, eid, pos in best}
+
+
+def test_retrieval_equals_the_episode_by_episode_definition() -> None:
+    # Episodes of different lengths (the one-call episode, alignment clipped at an episode's end), many
+    # queries of a drifting scene: the same candidates, positions and similarities as the definition.
+    rng = np.random.default_rng(5)
+    cfg = RetrievalConfig(top_k=3, lookahead=2, threshold=-1.0)
+    library = {eid: walk(eid, calls=n) for eid, n in zip((4, 9, 1, 6), (1, 7, 12, 30), strict=True)}
+    r, aligned = Retriever(cfg, library), {}
+    for t in range(20):
+        query = walk(6)[min(2 * t, 29)] + 0.05 * rng.standard_normal((2, 8)).astype(np.float32)
+        want, aligned = _reference_query(library, aligned, query, cfg)
+        got = r.query(query)
+        assert [(m.episode, m.position) for m in got] == [(eid, pos) for _, eid, pos in want[:3]]
+        assert [m.similarity for m in got] == pytest.approx([s for s, _, _ in want[:3]], abs=1e-5)
+        assert r.positions == aligned
+
+
+def test_similarities_from_the_gpu_need_a_gpu_retriever_and_a_queued_call() -> None:
+    r = Retriever(RetrievalConfig(), {0: walk(0)})
+    assert not r.on_device
+    with pytest.raises(RuntimeError, match="computes similarities on the host"):
+        r.queue(torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="needs similarities queued"):
+        r.query()

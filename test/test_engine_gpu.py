@@ -399,6 +399,36 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         policy.close()
 
 
+def test_retrieval_on_the_gpu_picks_what_the_host_picks() -> None:
+    """The library's descriptors on the GPU: a first call, aligned calls and a fallback call give the same
+    matches as host retrieval, similarities within float32 rounding."""
+    import numpy as np
+
+    from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
+
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal((3, 64)).astype(np.float32)
+    library = {
+        eid: np.stack([base + 0.3 * eid + 0.05 * t * rng.standard_normal((3, 64)) for t in range(n)])
+        for eid, n in ((0, 30), (3, 1), (5, 12), (8, 30))
+    }
+    cfg = RetrievalConfig(top_k=3, lookahead=4, threshold=0.5)
+    host, gpu = Retriever(cfg, library), Retriever(cfg, library, CUDA)
+    assert gpu.on_device and not host.on_device
+    for t in range(12):
+        q = library[8][2 * t] + 0.01 * rng.standard_normal((3, 64)).astype(np.float32)
+        if t == 11:
+            q = -q  # the scene leaves the repertoire: fallback
+        gpu.queue(torch.from_numpy(q).to(CUDA))
+        want, got = host.query(q), gpu.query()
+        assert [(m.episode, m.position) for m in got] == [(m.episode, m.position) for m in want]
+        assert [m.similarity for m in got] == pytest.approx([m.similarity for m in want], abs=1e-5)
+        assert gpu.fallback == host.fallback and gpu.last_similarity == pytest.approx(
+            host.last_similarity, abs=1e-5
+        )
+    assert gpu.fallback
+
+
 def test_matching_on_the_gpu_serves_the_chunks_of_matching_on_the_host(tmp_path) -> None:
     """RMuscleConfig.match_on_gpu on the graph backend (pick and load in the match graph, the cached
     graphs queued before the host's retrieval answers): two host-matching runtimes agree bit for bit

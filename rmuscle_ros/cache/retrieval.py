@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -40,46 +41,121 @@ def _unit_rows(x: np.ndarray) -> np.ndarray:
 
 
 class Retriever:
-    def __init__(self, cfg: RetrievalConfig, descriptors: Mapping[int, np.ndarray]) -> None:
-        """descriptors: episode id -> (calls, cameras, dim) retrieval descriptors of that episode."""
+    """Retrieval over every recorded call of the library, held as one matrix of unit rows.
+
+    Similarities are computed on the host (NumPy), or, with `device`, on the GPU: `queue` starts them on
+    the current CUDA stream right after the descriptor is computed, and `query()` picks from them. A whole
+    library's scan then costs the GPU a matrix-vector product (256 episodes of 30 calls: ~190 MB read,
+    tens of µs on an H200) instead of the host ~20 ms (bench/bench_rmuscle.py --library-episodes)."""
+
+    def __init__(
+        self,
+        cfg: RetrievalConfig,
+        descriptors: Mapping[int, np.ndarray],
+        device: torch.device | None = None,
+    ) -> None:
+        """descriptors: episode id -> (calls, cameras, dim) retrieval descriptors of that episode.
+        device: a CUDA device to hold the rows and compute the similarities on (see `queue`)."""
         self.cfg = cfg
-        self._episodes = {eid: _unit_rows(d) for eid, d in descriptors.items() if len(d)}
+        episodes = {eid: _unit_rows(d) for eid, d in descriptors.items() if len(d)}
+        self._ids = np.array(list(episodes), dtype=np.int64)
+        self._lengths = np.array([len(r) for r in episodes.values()], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]]).astype(np.int64)
+        dim = next(iter(episodes.values())).shape[1] if episodes else 0
+        self._rows = np.concatenate(list(episodes.values())) if episodes else np.zeros((0, dim), np.float32)
+        n, longest = len(self._rows), int(self._lengths.max(initial=0))
+        # Every episode's calls as one row of indices into the similarities, padded with n: the similarity
+        # vector gets a -inf at index n, so a padded slot never wins.
+        steps = np.arange(longest)
+        self._whole = np.where(steps < self._lengths[:, None], self._starts[:, None] + steps, n)
+        self._rows_dev: torch.Tensor | None = None
+        if device is not None and device.type == "cuda" and n:
+            self._rows_dev = torch.from_numpy(self._rows).to(device)
+            self._sims_dev = torch.full((n + 1,), -torch.inf, device=device)
+            self._sims_host = torch.full((n + 1,), -torch.inf, pin_memory=True)
+            self._sims_ready = torch.cuda.Event()
+            torch.cuda.current_stream(device).synchronize()  # ready for calls on any stream
+        self._queued = False
         self.reset()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether similarities are computed on the GPU (`queue`, then `query()`)."""
+        return self._rows_dev is not None
 
     def reset(self) -> None:
         """A new episode on the cell: forget alignments, leave fallback."""
         self.positions: dict[int, int] = {}
+        self._aligned: np.ndarray | None = None  # per episode (in _ids order), its aligned position
         self.fallback = False
         self.last_similarity = 0.0  # best similarity of the latest query (0.0 with no episodes)
+        self._queued = False
 
-    def query(self, descriptor: np.ndarray) -> list[Match]:
-        """descriptor (cameras, dim) -> up to top_k matches, best first; [] means run dense.
+    def queue(self, descriptor: torch.Tensor) -> None:
+        """Start the similarities of `descriptor` (cameras, dim), on the GPU, against every library call:
+        queued on the current stream and copied back to pinned memory. The next `query()` (no argument)
+        waits for them and picks from them."""
+        if self._rows_dev is None:
+            raise RuntimeError(
+                "this retriever computes similarities on the host (built without a CUDA device)"
+            )
+        q = descriptor.reshape(-1).float()
+        q = q * torch.rsqrt((q * q).sum().clamp_min(1e-24))
+        torch.mv(self._rows_dev, q, out=self._sims_dev[:-1])
+        self._sims_host.copy_(self._sims_dev, non_blocking=True)
+        self._sims_ready.record()
+        self._queued = True
 
-        On the call's critical path (between vision and the cached stages): one matrix-vector product per
-        episode over its candidate rows, and nothing else per episode (64 aligned episodes: ~0.5 ms on a
-        2-core CI machine, where building a Match per episode took 1.3 ms)."""
-        if not self._episodes:
-            self.last_similarity = 0.0
-            return []
+    def _similarities(self, descriptor: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+        """Cosine similarities at `rows` (indices into the library's calls; len(self._rows) = -inf)."""
+        if descriptor is None:
+            if not self._queued:
+                raise RuntimeError("query() without a descriptor needs similarities queued by queue()")
+            self._queued = False
+            self._sims_ready.synchronize()
+            return self._sims_host.numpy()[rows]
         q = np.asarray(descriptor, dtype=np.float32).reshape(-1)
         q = q / max(float(np.sqrt(q @ q)), 1e-12)
-        if self.fallback:  # still report how far the scene is from the repertoire
-            self.last_similarity = max(float((rows @ q).max()) for rows in self._episodes.values())
+        if rows is self._whole:  # every row: one matrix-vector product, no gathered copy of the library
+            return np.append(self._rows @ q, np.float32(-np.inf))[rows]
+        # Aligned: each episode's rows are one contiguous block, read in place (a gathered copy of them
+        # measured 2-5x slower on the host).
+        out = np.full(rows.shape, -np.inf, dtype=np.float32)
+        counts = (rows < len(self._rows)).sum(axis=1)
+        for k, (first, count) in enumerate(zip(rows[:, 0].tolist(), counts.tolist(), strict=True)):
+            out[k, :count] = self._rows[first : first + count] @ q
+        return out
+
+    def query(self, descriptor: np.ndarray | None = None) -> list[Match]:
+        """descriptor (cameras, dim) -> up to top_k matches, best first; [] means run dense. None: use the
+        similarities started by `queue` for this call's descriptor.
+
+        On the call's critical path with matching on the host (between vision and the cached stages). An
+        aligned query reads each episode's lookahead rows only; an episode's first call and a fallback call
+        read the whole library (then the runtime queues the dense stages first)."""
+        if not len(self._ids):
+            self._queued = False
+            self.last_similarity = 0.0
             return []
-        window = self.cfg.lookahead + 1
-        ids, sims, positions = [], [], []
-        for eid, rows in self._episodes.items():
-            lo = self.positions.get(eid)
-            candidates = rows if lo is None else rows[lo : lo + window]
-            s = candidates @ q
-            i = int(s.argmax())
-            ids.append(eid)
-            sims.append(float(s[i]))
-            positions.append(i if lo is None else lo + i)
-        order = sorted(range(len(ids)), key=lambda k: (-sims[k], ids[k]))
-        self.last_similarity = sims[order[0]]
+        if self.fallback:  # still report how far the scene is from the repertoire
+            self.last_similarity = float(self._similarities(descriptor, self._whole).max())
+            return []
+        if self._aligned is None:
+            rows = self._whole
+        else:  # the aligned position and the next `lookahead`, within the episode
+            ahead = self._aligned[:, None] + np.arange(self.cfg.lookahead + 1)
+            rows = np.where(ahead < self._lengths[:, None], self._starts[:, None] + ahead, len(self._rows))
+        sims = self._similarities(descriptor, rows)
+        best = sims.argmax(axis=1)  # the first of equal maxima, as before
+        best_sims = sims[np.arange(len(best)), best]
+        positions = best if self._aligned is None else self._aligned + best
+        order = np.lexsort((self._ids, -best_sims))  # by similarity, ties by episode id
+        self.last_similarity = float(best_sims[order[0]])
         if self.last_similarity < self.cfg.threshold:
             self.fallback = True  # sticky: the scene left the repertoire for this episode
             return []
-        self.positions = dict(zip(ids, positions, strict=True))  # every episode stays aligned
-        return [Match(ids[k], positions[k], sims[k]) for k in order[: self.cfg.top_k]]
+        self._aligned = positions  # every episode stays aligned
+        self.positions = dict(zip(self._ids.tolist(), positions.tolist(), strict=True))
+        return [
+            Match(int(self._ids[k]), int(positions[k]), float(best_sims[k])) for k in order[: self.cfg.top_k]
+        ]
