@@ -202,7 +202,7 @@ class RMuscle:
         }
         retrieval = RetrievalConfig(self.cfg.top_k, self.cfg.lookahead, self.cfg.threshold)
         # On a GPU the library's descriptors live there too: a call's similarities are one matrix-vector
-        # product queued after vision, not a host scan (~20 ms at 256 episodes on the H200's host).
+        # product queued after its descriptor, not a host scan (see Retriever).
         self.retriever = Retriever(retrieval, self._descriptors, self.engine.device)
 
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
@@ -326,10 +326,10 @@ class RMuscle:
         whole_library = self.retriever.fallback or not self.retriever.positions
         if whole_library or all(slot.key is None for slot in self.window):
             # Nothing can serve this call cached (an empty window), or finding out would scan the whole
-            # library (an episode that fell back; an episode's first call, not aligned yet: 4.3 ms at 64
-            # episodes on a 2-core CPU, bench/bench_retrieval.py). The dense stages go first, and
-            # retrieval (the similarity reported, the alignment, the entries wanted next) runs on the host
-            # while they do. A first call gives up little: the window holds what the previous episode's
+            # library (an episode that fell back; an episode's first call, not aligned yet: 2.1 ms at 64
+            # episodes on a 2-core CPU's host path, bench/bench_retrieval.py). The dense stages go first,
+            # and retrieval (the similarity reported, the alignment, the entries wanted next) finishes on
+            # the host while they run. A first call gives up little: the window holds what the previous episode's
             # last calls wanted, not an episode's start.
             record = self._dense_stages(bucket)
             descriptor = self._read_descriptor(ready)
