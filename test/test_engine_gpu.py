@@ -324,7 +324,8 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
     ref_inputs, noise = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
     live_inputs, _ = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
     live_inputs.images.add_(0.02 * torch.randn_like(live_inputs.images)).clamp_(-1, 1)
-    for shapes in (CacheShapes(1.0, 1.0), CacheShapes(0.4, 0.5)):
+    whole_entry = None
+    for shapes in (CacheShapes(1.0, 1.0), CacheShapes(0.4, 0.5), CacheShapes(0.4, 0.5, rebuild_slices=3)):
         engine = create_engine("graph", model, CUDA, buckets=[64], cache=shapes)
         engine.warmup()
         bucket = engine.load_inputs(ref_inputs, noise)
@@ -339,6 +340,20 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
         assert torch.equal(entry.ffn_in, entry_nograph.ffn_in) and torch.equal(
             entry.ffn_out, entry_nograph.ffn_out
         )
+        # A rebuild in slices (vision, then each layer), a live call between its parts: the same entry.
+        if shapes.rebuild_slices == 1:
+            whole_entry = entry
+        else:
+            sliced = ContextRef.allocate(cfg, CUDA, torch.bfloat16)
+            for _ in range(engine.begin_rebuild(ref_inputs, sliced)):
+                _rmuscle_call(engine, live_inputs, noise, "dense")
+                torch.cuda.synchronize()  # between the parts, not alongside them (as the runtime orders)
+                engine.rebuild_step()
+                engine.rebuild_stream.synchronize()
+            assert whole_entry is not None
+            assert torch.equal(sliced.ffn_in, whole_entry.ffn_in) and torch.equal(
+                sliced.ffn_out, whole_entry.ffn_out
+            )
         dense = _rmuscle_call(engine, live_inputs, noise, "dense")
         engine.load_reference(entry, masks)
         cached = _rmuscle_call(engine, live_inputs, noise, "cached")

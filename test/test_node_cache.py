@@ -102,12 +102,12 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
     assert h.node.stats()["errors"] == {}
 
 
-def test_a_motion_window_rebuilds_entry_by_entry_and_never_past_the_next_observation(harness) -> None:
+def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
-    window entry at a time, up to cache.rebuilds_per_tick; none once the inference timer has fired, nor
-    one that the latest build times say would end after it fires: those are counted as deferred, and a
-    later motion window builds them. Driven directly on a configured node (no worker running), with the
-    node's own policy and library."""
+    part of one window entry at a time, up to cache.rebuilds_per_tick entries; no part once the inference
+    timer has fired, nor one that the latest build times say would end after it fires: those entries are
+    counted as deferred, and a later motion window builds them, an entry cut short first. Driven directly
+    on a configured node (no worker running), with the node's own policy and library."""
     h = harness(**{**CACHE, "cache.rebuilds_per_tick": 3})
     assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
     node, policy = h.node, h.node.policy
@@ -119,16 +119,32 @@ def test_a_motion_window_rebuilds_entry_by_entry_and_never_past_the_next_observa
     missing = policy.cache_entries_missing()
     assert missing > 3, "the retrieval wants more entries than one motion window builds"
 
-    node._wake.set()  # the next observation is due: this motion window builds nothing
+    parts = len(policy.rmuscle.engine.rebuild_parts)
+    assert parts > 1
+    queued = []
+    build_part = policy.rebuild_cache_slice
+
+    def then_due(wait: bool = False) -> tuple[bool, bool]:  # the observation falls due after this part
+        queued.append(build_part(wait))
+        node._wake.set()
+        return queued[-1]
+
+    policy.rebuild_cache_slice = then_due
     node._rebuild_cache(policy)
+    assert queued == [(True, False)], "one part, then the window stopped"
     stats = node.stats()["cache"]
     assert (stats["rebuilds"], stats["rebuilds_deferred"], stats["window_entries"]) == (0, missing, 0)
+    node._rebuild_cache(policy)  # still due: this motion window builds nothing
+    assert len(queued) == 1 and node.stats()["cache"]["rebuilds_deferred"] == 2 * missing
 
     node._wake.clear()
+    policy.rebuild_cache_slice = lambda wait=False: queued.append(build_part(wait)) or queued[-1]
     node._rebuild_cache(policy)
     stats = node.stats()["cache"]
-    assert (stats["rebuilds"], stats["window_entries"]) == (3, 3), "one tick's worth, entry by entry"
+    assert (stats["rebuilds"], stats["window_entries"]) == (3, 3), "one tick's worth, part by part"
+    assert len(queued) == 1 + 3 * parts - 1, "the entry cut short went on where it stopped"
     assert policy.cache_entries_missing() == missing - 3
+    del policy.rebuild_cache_slice
 
     # The inference timer fires in ~10 s: an entry is started only if the longest of the latest builds
     # would end before that.
@@ -136,7 +152,7 @@ def test_a_motion_window_rebuilds_entry_by_entry_and_never_past_the_next_observa
     node._rebuild_s.append(60.0)  # as if an entry had taken a minute
     node._rebuild_cache(policy)
     stats = node.stats()["cache"]
-    assert (stats["rebuilds"], stats["rebuilds_deferred"]) == (3, 2 * missing - 3)
+    assert (stats["rebuilds"], stats["rebuilds_deferred"]) == (3, 3 * missing - 3)
     node._rebuild_s.clear()
     node._rebuild_s.append(0.5)
     node._rebuild_cache(policy)

@@ -76,6 +76,45 @@ def test_rebuilt_entry_is_what_the_dense_prefill_computed(model) -> None:
     assert rel_l2(_run(engine, inputs, noise, "cached", "cached"), dense) < 1e-5
 
 
+def test_a_rebuild_in_slices_with_live_calls_between_is_the_whole_rebuild(model) -> None:
+    """A rebuild run part by part, with live calls on the same engine between the parts, gives the entry
+    a rebuild in one part gives, bit for bit; the live calls are unaffected."""
+    inputs, _ = random_inputs(model.cfg, valid_tokens=15, pad_to=20)
+    other, other_noise = random_inputs(model.cfg, valid_tokens=9, pad_to=20, seed=5)
+    whole = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=0.4, rho_n=1.0))
+    want = ContextRef.allocate(whole.cfg, whole.device, whole.dtype)
+    whole.rebuild_entry(inputs, want)
+    live_alone = _run(whole, other, other_noise, "dense", "dense")
+
+    sliced = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=0.4, rho_n=1.0, rebuild_slices=4))
+    assert [vision for vision, _ in sliced.rebuild_parts] == [True, False, False]  # tiny: 2 layers
+    got = ContextRef.allocate(sliced.cfg, sliced.device, sliced.dtype)
+    parts = sliced.begin_rebuild(inputs, got)
+    done = []
+    for _ in range(parts):
+        assert torch.equal(_run(sliced, other, other_noise, "dense", "dense"), live_alone)
+        done.append(sliced.rebuild_step())
+    assert done == [False] * (parts - 1) + [True]
+    assert torch.equal(got.ffn_in, want.ffn_in) and torch.equal(got.ffn_out, want.ffn_out)
+    with pytest.raises(RuntimeError, match="no rebuild is in progress"):
+        sliced.rebuild_step()
+
+
+def test_rebuild_slices_cover_every_layer_once() -> None:
+    from rmuscle_ros.engine.graph import rebuild_slices
+
+    assert rebuild_slices(1, 18) == [(True, range(18))]
+    assert rebuild_slices(4, 18) == [(True, range(0)), (False, range(0, 6)), (False, range(6, 12)),
+                                     (False, range(12, 18))]  # fmt: skip
+    for slices in range(2, 12):
+        for depth in (1, 2, 5, 18, 28):
+            parts = rebuild_slices(slices, depth)
+            assert [i for _, layers in parts for i in layers] == list(range(depth))
+            assert len(parts) == 1 + min(slices - 1, depth) and all(layers for _, layers in parts[1:])
+    with pytest.raises(ValueError, match="rebuild_slices"):
+        CacheShapes(rebuild_slices=0)
+
+
 def test_cached_arithmetic_with_nothing_left_out_is_dense(model) -> None:
     """Forced through the cached code paths (not the ρ = 1 shortcut): every visual token recomputed and
     every neuron updated must give the dense actions (up to float32 rounding)."""

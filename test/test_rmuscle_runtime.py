@@ -77,6 +77,30 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
     policy.close()
 
 
+def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_path) -> None:
+    """The node's motion window queues one part at a time (it can stop between any two): an entry is
+    usable once its last part ran, and one that retrieval stopped wanting midway is dropped."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, rebuild_slices=4))
+    run(policy, episode(4))
+    policy.reset_episode()
+    live = episode(4, offset=0.05, noise=2.0)
+    parts = len(policy.rmuscle.engine.rebuild_parts)  # tiny: vision, then each of its 2 layers
+    assert parts == 3
+    assert policy.infer(live[0]).cache_mode == "dense"  # the window is empty
+    assert policy.rebuild_cache_slice() == (True, False)
+    policy.reset_episode()  # nothing is wanted any more: the entry one part in is dropped
+    assert policy.rebuild_cache_slice() == (False, False)
+    assert policy.cache_status()["window_entries"] == 0
+
+    assert policy.infer(live[0]).cache_mode == "dense"
+    steps = [policy.rebuild_cache_slice() for _ in range(parts)]
+    assert steps == [(True, False)] * (parts - 1) + [(True, True)]
+    assert policy.cache_status()["window_entries"] == 1
+    while policy.rebuild_cache_slice() != (False, False):  # the rest of what the call wanted
+        pass
+    assert [c.cache_mode for c in run(policy, live[1:])] == ["cached"] * 3
+
+
 def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
     dense = Policy(CFG)
     exact = Policy(CFG, RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=FULL_REBUILD))

@@ -12,7 +12,9 @@ Per call (`RMuscle.infer`):
 Between calls (`RMuscle.rebuild`, called by the node right after publishing a chunk, while the arm
 executes it) the window is refilled with the entries retrieval asked for: the best candidates' aligned
 positions and their lookahead, best first. Rebuilds run on the engine's rebuild lane (a low-priority
-stream); an entry becomes usable when its rebuild has finished on the GPU.
+stream); an entry becomes usable when its rebuild has finished on the GPU. An entry is rebuilt in
+`rebuild_slices` parts (`RMuscle.rebuild_slice` queues one), so that the node can stop between any two
+and a live call waits for at most one part.
 
 The window holds `top_k × (lookahead + 1)` entries (20 by default), allocated once.
 
@@ -72,9 +74,12 @@ class RMuscleConfig:
     # pay where the host is slow (a Jetson's CPU); not measured there. A pick below the threshold costs one
     # more prefill + denoise.
     match_on_gpu: bool = False
+    # Parts an entry's rebuild is split into (vision, then the prefill's layers in groups): the most a live
+    # call can wait for is one part, not a whole entry (pi05 on an H200: ~2 ms instead of ~8).
+    rebuild_slices: int = 4
 
     def __post_init__(self) -> None:
-        self.shapes()  # validates rho_p, rho_n, anchors
+        self.shapes()  # validates rho_p, rho_n, anchors, rebuild_slices
         RetrievalConfig(self.top_k, self.lookahead, self.threshold)  # validates those three
         for name in ("max_library_mb", "max_episodes", "rebuilds_per_tick"):
             if getattr(self, name) < 1:
@@ -82,7 +87,12 @@ class RMuscleConfig:
 
     def shapes(self) -> CacheShapes:
         return CacheShapes(
-            self.rho_p, self.rho_n, self.anchors, window=self.window_size, match=self.match_on_gpu
+            self.rho_p,
+            self.rho_n,
+            self.anchors,
+            window=self.window_size,
+            match=self.match_on_gpu,
+            rebuild_slices=self.rebuild_slices,
         )
 
     @property
@@ -108,6 +118,16 @@ class _Slot:
     neurons: torch.Tensor  # (steps, depth, S) int32
     key: tuple[int, int] | None = None  # (library episode, call) held here
     ready: torch.cuda.Event | None = None  # recorded after the rebuild (GPU); None = ready
+
+
+@dataclass
+class _Building:
+    """The entry whose rebuild is in progress: its slot (key None until done) and what it will hold."""
+
+    slot: _Slot
+    key: tuple[int, int]
+    masks: torch.Tensor  # its Action Cache masks
+    unit: torch.Tensor  # its unit retrieval descriptor, the row the match stage compares with
 
 
 @dataclass
@@ -178,6 +198,7 @@ class RMuscle:
         self._recording = _Recording()
         self._episode_cached = False
         self._wanted: list[tuple[int, int]] = []
+        self._building: _Building | None = None  # the entry whose rebuild is in progress
         self.calls = self.cached_calls = 0
         self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
         self.last = CallInfo("dense", 0.0, reason="no call yet")
@@ -454,56 +475,83 @@ class RMuscle:
     @torch.no_grad()
     def rebuild(self, max_entries: int | None = None, wait: bool = False) -> int:
         """Rebuild up to `max_entries` (default rebuilds_per_tick) wanted entries missing from the window,
-        best first, into slots holding entries nobody wants. Returns how many were started. `wait`: return
-        only once they are built (on a GPU the rebuilds are otherwise queued and run on their own)."""
+        best first, into slots holding entries nobody wants: every part of each is queued. Returns how
+        many were queued, an entry already in progress included. `wait`: return only once they are built
+        (on a GPU the rebuilds are otherwise queued and run on their own)."""
         budget = self.cfg.rebuilds_per_tick if max_entries is None else max_entries
-        held = {slot.key for slot in self.window}
-        wanted = set(self._wanted)
-        started = 0
-        for key in self._wanted:
-            if started >= budget:
+        finished = 0
+        while finished < budget:
+            queued, done = self.rebuild_slice()
+            if not queued:
                 break
-            if key in held:
-                continue
-            free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
-            if free is None:
-                break
-            episode = self._episode(key[0])
-            call = key[1]
-            present = (
-                episode.image_masks[call]
-                if episode.image_masks is not None
-                else np.ones(episode.images.shape[1], dtype=np.bool_)
-            )
-            inputs = ModelInputs(
-                images_from_u8(episode.images[call])[None],
-                torch.from_numpy(np.ascontiguousarray(present))[None],
-                torch.from_numpy(episode.tokens[call])[None],
-                torch.from_numpy(episode.token_mask[call])[None],
-            )
-            free.key = None  # not usable while it is being rewritten
-            self.engine.rebuild_entry(inputs, free.ref, use_graphs=not self.cfg.concurrent_rebuilds)
-            masks = torch.from_numpy(episode.action_masks[call].astype(np.int32))
-            flat = self._descriptors[key[0]][call].reshape(-1).astype(np.float32)
-            unit = torch.from_numpy(flat / max(float(np.linalg.norm(flat)), 1e-12))  # as retrieval's rows
-            key_row = self.engine.window.keys[free.index]  # what the match stage compares with
-            stream = self.engine.rebuild_stream
+            finished += done
+        if wait and finished and self.engine.rebuild_stream is not None:
+            self.engine.rebuild_stream.synchronize()
+        return finished
+
+    @torch.no_grad()
+    def rebuild_slice(self, wait: bool = False) -> tuple[bool, bool]:
+        """Queue one part of the window's refill: the next part of the entry in progress, or the first of
+        the best wanted entry the window lacks. An entry in progress that retrieval no longer wants is
+        dropped. Returns (whether a part was queued, whether it completed an entry); `wait`: once it ran."""
+        building = self._building
+        if building is not None and building.key not in self._wanted:
+            building = self._building = None  # its slot stays free
+        if building is None:
+            building = self._building = self._start_rebuild()
+            if building is None:
+                return False, False
+        done = self.engine.rebuild_step(use_graphs=not self.cfg.concurrent_rebuilds)
+        if done:
+            self._building = None
+            slot, stream = building.slot, self.engine.rebuild_stream
+            key_row = self.engine.window.keys[slot.index]  # what the match stage compares with
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    free.neurons.copy_(masks, non_blocking=True)
-                    key_row.copy_(unit, non_blocking=True)
-                    free.ready = torch.cuda.Event()
-                    free.ready.record(stream)
+                    slot.neurons.copy_(building.masks, non_blocking=True)
+                    key_row.copy_(building.unit, non_blocking=True)
+                    slot.ready = torch.cuda.Event()
+                    slot.ready.record(stream)
             else:
-                free.neurons.copy_(masks)
-                key_row.copy_(unit)
-                free.ready = None
-            free.key = key
-            held.add(key)
-            started += 1
-        if wait and started and self.engine.rebuild_stream is not None:
+                slot.neurons.copy_(building.masks)
+                key_row.copy_(building.unit)
+                slot.ready = None
+            slot.key = building.key
+        if wait and self.engine.rebuild_stream is not None:
             self.engine.rebuild_stream.synchronize()
-        return started
+        return True, done
+
+    def _start_rebuild(self) -> _Building | None:
+        """Begin the rebuild of the best wanted entry the window lacks, into a slot nobody wants (None if
+        there is no such entry or slot). Nothing runs yet: `rebuild_slice` queues the parts."""
+        held = {slot.key for slot in self.window}
+        wanted = set(self._wanted)
+        key = next((k for k in self._wanted if k not in held), None)
+        free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
+        if key is None or free is None:
+            return None
+        episode = self._episode(key[0])
+        call = key[1]
+        present = (
+            episode.image_masks[call]
+            if episode.image_masks is not None
+            else np.ones(episode.images.shape[1], dtype=np.bool_)
+        )
+        inputs = ModelInputs(
+            images_from_u8(episode.images[call])[None],
+            torch.from_numpy(np.ascontiguousarray(present))[None],
+            torch.from_numpy(episode.tokens[call])[None],
+            torch.from_numpy(episode.token_mask[call])[None],
+        )
+        free.key = None  # not usable while it is being rewritten
+        self.engine.begin_rebuild(inputs, free.ref)
+        flat = self._descriptors[key[0]][call].reshape(-1).astype(np.float32)
+        return _Building(
+            free,
+            key,
+            torch.from_numpy(episode.action_masks[call].astype(np.int32)),
+            torch.from_numpy(flat / max(float(np.linalg.norm(flat)), 1e-12)),  # as retrieval's rows
+        )
 
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────
 

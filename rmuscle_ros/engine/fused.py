@@ -182,6 +182,22 @@ class KVBuffers:
         )
 
 
+@dataclass
+class PrefillState:
+    """The prefill's residual stream between layers (float32) and its normalised rows (the next layer's
+    input), for `rows` prefix rows at most: what a prefill run in slices carries from one to the next."""
+
+    residual: Tensor  # (rows, W) float32
+    normed: Tensor  # (rows, W) in the engine's dtype
+
+    @staticmethod
+    def allocate(cfg: Pi05Config, rows: int, device: torch.device, dtype: torch.dtype) -> PrefillState:
+        w = cfg.vlm.width
+        return PrefillState(
+            torch.empty(rows, w, device=device), torch.empty(rows, w, device=device, dtype=dtype)
+        )
+
+
 def pack_prompt_into(
     tokens: np.ndarray, mask: np.ndarray, out_tokens: np.ndarray, out_mask: np.ndarray
 ) -> int:
@@ -456,34 +472,45 @@ class FusedPi05:
         *,
         context: ContextCache | None = None,
         record: ContextRef | None = None,
+        layers: range | None = None,
+        state: PrefillState | None = None,
     ) -> None:
         """Run the VLM over [visual tokens; prompt tokens] and write every layer's K/V into `kv`.
 
         visual (C·256, W); tokens (L,) int64; layout: this call's (Lp = C·256 + L prefix rows).
         context: run the FFNs with the Context Cache; record: write this call's visual FFN inputs/outputs
         (a dense call: the two cannot be combined).
+        layers: run only these layers, with `state` carrying the residual stream from the slice before (a
+        rebuild in slices, which live calls may run between); the slice from layer 0 embeds the prompt.
         """
         if context is not None and record is not None:
             raise ValueError("prefill: record= stores dense FFN outputs, it cannot run with context=")
+        depth = len(self.prefix_layers)
+        layers = range(depth) if layers is None else layers
+        if layers != range(depth) and state is None:
+            raise ValueError("prefill: a slice of the layers needs a state to carry the residual stream")
         g = self.cfg.vlm
         ops = self.ops
         nv = visual.shape[0]
         lp = nv + tokens.shape[0]
-        res = torch.empty(lp, g.width, device=self.device)  # float32 residual stream
-        res[:nv] = visual
-        torch.mul(self.embed[tokens].float(), math.sqrt(g.width), out=res[nv:])
+        if state is None:
+            state = PrefillState.allocate(self.cfg, lp, self.device, self.dtype)
+        res, h = state.residual[:lp], state.normed[:lp]  # float32 residual stream; its norm, the FFN input
         cos, sin = (t.index_select(0, layout.rope_rows[:lp]) for t in self.vlm_rope)
         key_bias = layout.key_bias[:lp]
-        h = torch.empty(lp, g.width, device=self.device, dtype=self.dtype)
         q = torch.empty(lp, g.num_heads * g.head_dim, device=self.device, dtype=self.dtype)
-        ops.add_norm(res, None, h, eps=g.rms_norm_eps, rms=True)
+        if layers.start == 0:
+            res[:nv] = visual
+            torch.mul(self.embed[tokens].float(), math.sqrt(g.width), out=res[nv:])
+            ops.add_norm(res, None, h, eps=g.rms_norm_eps, rms=True)
         if context is not None:  # per-layer scratch of the Context Cache, fixed shapes
             nv = context.ref.ffn_in.shape[1]
             drift = torch.empty(nv, device=self.device)  # (Nv,) float32
             rows = torch.empty(context.keep + lp - nv, device=self.device, dtype=torch.long)
             inv = torch.empty(lp, device=self.device, dtype=torch.int32)
-        last = len(self.prefix_layers) - 1
-        for i, layer in enumerate(self.prefix_layers):
+        last = depth - 1
+        for i in layers:
+            layer = self.prefix_layers[i]
             k, v = kv.keys[i][:, :lp], kv.values[i][:, :lp]
             ops.rope_qkv(h @ layer.qkv_w.t(), cos, sin, q, k, v, g.num_heads, g.num_kv_heads)
             if i == last:

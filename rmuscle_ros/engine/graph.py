@@ -35,6 +35,7 @@ On a CPU device the same engine runs the PyTorch definitions in float32 without 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -56,6 +57,7 @@ from rmuscle_ros.engine.fused import (
     ContextRef,
     FusedPi05,
     KVBuffers,
+    PrefillState,
     call_layout_into,
     keep_neuron_count,
     pack_prompt_into,
@@ -108,6 +110,9 @@ class CacheShapes:
     anchors: int = 1  # dense denoising steps before the Action Cache takes over
     window: int = 0  # reference entries the engine holds, stacked (ReferenceWindow; 0: none)
     match: bool = False  # also capture the match and tail graphs (matching on the GPU; needs a window)
+    # A rebuild in this many graphs, each a bounded wait for a live call queued behind it: vision, then
+    # the prefill's layers in even groups (`rebuild_slices`); 1: one graph per entry.
+    rebuild_slices: int = 1
 
     def __post_init__(self) -> None:
         for name in ("rho_p", "rho_n"):
@@ -120,12 +125,25 @@ class CacheShapes:
             raise ValueError(f"window must be >= 0, got {self.window}")
         if self.match and not self.window:
             raise ValueError("matching on the GPU needs a window (window >= 1)")
+        if self.rebuild_slices < 1:
+            raise ValueError(f"rebuild_slices must be >= 1, got {self.rebuild_slices}")
 
     def keep_tokens(self, cfg: Pi05Config) -> int:
         return rho_count(self.rho_p, cfg.image_tokens)
 
     def keep_neurons(self, cfg: Pi05Config) -> int:
         return keep_neuron_count(self.rho_n, cfg.expert.mlp_dim)
+
+
+def rebuild_slices(slices: int, depth: int) -> list[tuple[bool, range]]:
+    """A rebuild's parts, in order: (runs vision, prefill layers). One slice: vision and every layer. More:
+    vision alone, then the layers in `slices − 1` groups of near-equal size (fewer if there are fewer
+    layers)."""
+    if slices == 1:
+        return [(True, range(depth))]
+    groups = min(slices - 1, depth)
+    bounds = [round(depth * k / groups) for k in range(groups + 1)]
+    return [(True, range(0))] + [(False, range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 @dataclass
@@ -318,6 +336,11 @@ class GraphEngine:
             self.recorded_masks = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # record
             self.rebuild = _Lane(cfg, self.buckets, device, self.dtype)
             self.rebuilt_ref = ContextRef.allocate(cfg, device, self.dtype)  # output of the rebuild lane
+            self.rebuild_parts = rebuild_slices(cache.rebuild_slices, cfg.vlm.depth)
+            # The residual stream between a sliced rebuild's graphs, outside every graph's memory pool.
+            rows = cfg.image_tokens + max(self.buckets)
+            self.rebuild_state = PrefillState.allocate(cfg, rows, device, self.dtype)
+            self._rebuilding: tuple[int, int, ContextRef] | None = None  # (bucket, next part, out)
             # Rebuilds on the lowest-priority stream; live calls should run on `live_stream` (the highest),
             # so that the GPU schedules a live call's kernels first whenever both have work queued.
             lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
@@ -380,9 +403,14 @@ class GraphEngine:
         self.match_host.copy_(self.match_out, non_blocking=True)
         self.descriptor_host.copy_(self.live.descriptor, non_blocking=True)
 
-    def _run_rebuild(self, bucket: int) -> None:
-        self._run_vision(self.rebuild)
-        self._run_prefill(self.rebuild, bucket, "record")
+    def _run_rebuild(self, bucket: int, part: int) -> None:
+        vision, layers = self.rebuild_parts[part]
+        lane = self.rebuild
+        if vision:
+            self._run_vision(lane)
+        if layers:
+            self.fused.prefill(lane.visual, lane.tokens[bucket], lane.layout[bucket], lane.kv,
+                               record=self.rebuilt_ref, layers=layers, state=self.rebuild_state)  # fmt: skip
 
     def _stage_fn(self, stage: str, bucket: int, variant: str = "dense") -> Callable[[], None]:
         if stage == "vision":
@@ -391,8 +419,8 @@ class GraphEngine:
             runner = lambda: self._run_prefill(self.live, bucket, variant)  # noqa: E731
         elif stage == "denoise":
             runner = lambda: self._run_denoise(self.live, bucket, variant)  # noqa: E731
-        elif stage == "rebuild":
-            runner = lambda: self._run_rebuild(bucket)  # noqa: E731
+        elif stage == "rebuild":  # variant "slice<i>": the rebuild's part i
+            runner = lambda: self._run_rebuild(bucket, int(variant.removeprefix("slice")))  # noqa: E731
         elif stage == "match":
 
             def runner() -> None:
@@ -442,7 +470,8 @@ class GraphEngine:
             keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("tail", b, "dense")]
             if self.cache is not None:
                 keys += [("prefill", b, "cached"), ("denoise", b, "cached"), ("denoise", b, "record")]
-                keys += [("tail", b, "cached"), ("rebuild", b, "record")]
+                keys += [("tail", b, "cached")]
+                keys += [("rebuild", b, f"slice{i}") for i in range(len(self.rebuild_parts))]
         return keys
 
     # ── Engine API ───────────────────────────────────────────────────────────────────────────────────────
@@ -587,26 +616,51 @@ class GraphEngine:
             self.neurons.copy_(neurons, non_blocking=True)
 
     @torch.no_grad()
-    def rebuild_entry(self, inputs: ModelInputs, out: ContextRef, use_graphs: bool = True) -> None:
-        """Reconstruct the reference entry of a library observation into `out` (a window slot).
-
-        Runs vision and a recording prefill on the rebuild lane, on the low-priority stream; returns
-        without waiting (the stream orders it; `rebuild_stream.synchronize()` waits)."""
+    def begin_rebuild(self, inputs: ModelInputs, out: ContextRef) -> int:
+        """Start reconstructing the reference entry of a library observation into `out` (a window slot):
+        its inputs go into the rebuild lane, on the low-priority stream, and nothing runs yet. Then
+        `rebuild_step` runs the rebuild's parts one by one; live calls may run between them. Returns the
+        number of parts. A rebuild still in progress is dropped."""
         if self.rebuild is None:
-            raise RuntimeError("rebuild_entry needs an engine built with cache shapes")
+            raise RuntimeError("rebuilds need an engine built with cache shapes")
+        self._rebuilding = None
         stream = self.rebuild_stream
         if stream is not None:  # ordered after the caller's earlier work (e.g. the allocation of `out`)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             bucket = self._begin_load(self.rebuild, inputs, None)
             self._finish_load(self.rebuild)
-            graph = self._graphs.get(("rebuild", bucket, "record")) if use_graphs else None
+        self._rebuilding = (bucket, 0, out)
+        return len(self.rebuild_parts)
+
+    @torch.no_grad()
+    def rebuild_step(self, use_graphs: bool = True) -> bool:
+        """Queue the next part of the rebuild in progress (see `begin_rebuild`) on the low-priority stream,
+        without waiting for it. Returns True once the last part, and the entry's copy into its slot, are
+        queued (`rebuild_stream.synchronize()` waits)."""
+        if self._rebuilding is None:
+            raise RuntimeError("rebuild_step without begin_rebuild: no rebuild is in progress")
+        bucket, part, out = self._rebuilding
+        stream = self.rebuild_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            graph = self._graphs.get(("rebuild", bucket, f"slice{part}")) if use_graphs else None
             if graph is not None:
                 graph.replay()
             else:
-                self._stage_fn("rebuild", bucket)()
-            out.copy_(self.rebuilt_ref)
+                self._stage_fn("rebuild", bucket, f"slice{part}")()
+            done = part + 1 == len(self.rebuild_parts)
+            if done:
+                out.copy_(self.rebuilt_ref)
+        self._rebuilding = None if done else (bucket, part + 1, out)
+        return done
+
+    def rebuild_entry(self, inputs: ModelInputs, out: ContextRef, use_graphs: bool = True) -> None:
+        """Reconstruct the reference entry of a library observation into `out` (a window slot): vision and
+        a recording prefill on the rebuild lane, every part queued at once on the low-priority stream;
+        returns without waiting (`rebuild_stream.synchronize()` waits)."""
+        self.begin_rebuild(inputs, out)
+        while not self.rebuild_step(use_graphs):
+            pass
 
     @torch.no_grad()
     def sample_actions(

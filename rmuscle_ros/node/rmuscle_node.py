@@ -96,7 +96,7 @@ class RMuscleNode(LifecycleNode):
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
             self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
-        self._rebuild_s: deque[float] = deque(maxlen=8)  # wall time of the latest entries' rebuilds
+        self._rebuild_s: deque[float] = deque(maxlen=8)  # wall time of the latest rebuild parts
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -362,15 +362,21 @@ class RMuscleNode(LifecycleNode):
     def _rebuild_cache(self, policy: Any) -> None:
         """The motion window: refill rMuscle's entries for the next calls while the arm executes.
 
-        One entry at a time, each waited for, up to `cache.rebuilds_per_tick`; none once the next
-        observation is due (the inference timer has fired), nor one that would not be built before it is
-        (the longest of the last entries' build times against the timer's time left). A live call so
-        waits for no entry while the estimate holds, and for at most the one in flight when it does not
-        (~8 ms at full size on an H200), never for a queue of them. An entry costs more GPU time than a
-        cached call saves (`pi05` on the H200: 7.9 ms against ~1.8), so rebuilding only pays in time the
-        node would otherwise idle; a node whose period is shorter than its calls rebuilds nothing, and
-        the diagnostics' `cache.rebuilds_deferred` says so."""
-        for _ in range(self.cfg.cache.rebuilds_per_tick if self.cfg is not None else 0):
+        One part of an entry at a time (an entry is rebuilt in `cache.rebuild_slices` parts), each waited
+        for, until `cache.rebuilds_per_tick` entries are complete; no part once the next observation is
+        due (the inference timer has fired), nor one that would not be done before it is (the longest of
+        the latest parts' build times against the timer's time left). An entry cut short there goes on in
+        the next window. A live call so waits for nothing while the estimate holds, and for at most the
+        part in flight when it does not (~2 ms at full size on an H200; a whole entry is ~8), never for a
+        queue of them. An entry costs more GPU time than a cached call saves (`pi05` on the H200: 8 ms
+        against ~1.8), so rebuilding only pays in time the node would otherwise idle; a node whose
+        period is shorter than its calls rebuilds nothing, and the diagnostics'
+        `cache.rebuilds_deferred` says so."""
+        cfg = self.cfg
+        if cfg is None:
+            return
+        entries = 0
+        for _ in range(cfg.cache.rebuilds_per_tick * cfg.cache.rebuild_slices):
             with self._policy_lock:
                 try:
                     if self._next_call_too_close():  # the entries still wanted wait for the next window
@@ -379,16 +385,19 @@ class RMuscleNode(LifecycleNode):
                             self.rebuilds_deferred += deferred
                         break
                     start = time.monotonic()
-                    built = policy.rebuild_cache(1, wait=True)
-                    if built:
+                    queued, finished = policy.rebuild_cache_slice(wait=True)
+                    if queued:
                         self._rebuild_s.append(time.monotonic() - start)
                 except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
                     self._error("cache_rebuild", f"{type(e).__name__}: {e}")
                     break
-            if not built:
+            if not queued:
                 break
+            entries += finished
             with self._stats_lock:
-                self.rebuilds += built
+                self.rebuilds += finished
+            if entries >= cfg.cache.rebuilds_per_tick:
+                break
         with self._policy_lock:
             status = policy.cache_status()
         with self._stats_lock:
@@ -396,8 +405,9 @@ class RMuscleNode(LifecycleNode):
 
     def _next_call_too_close(self) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
-        or will be before another entry is built (the longest of the latest build times). Build times are
-        wall-clock and the timer runs on the node's clock: the same in real time and in a 1× bag replay."""
+        or will be before another part is built (the longest of the latest parts' build times). Build
+        times are wall-clock and the timer runs on the node's clock: the same in real time and in a 1× bag
+        replay."""
         if self._wake.is_set() or self._stop.is_set():
             return True
         left = self._time_to_next_call_s()

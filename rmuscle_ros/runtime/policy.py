@@ -222,6 +222,11 @@ class Policy:
         `wait`: once they are built."""
         return self.rmuscle.rebuild(max_entries, wait) if self.rmuscle is not None else 0
 
+    def rebuild_cache_slice(self, wait: bool = False) -> tuple[bool, bool]:
+        """One part of the window's refill (an entry is rebuilt in `rebuild_slices` parts): (whether a part
+        was queued, whether it completed an entry); `wait`: once it ran. (False, False) without a cache."""
+        return self.rmuscle.rebuild_slice(wait) if self.rmuscle is not None else (False, False)
+
     def cache_entries_missing(self) -> int:
         """Entries the cache wants rebuilt before the next call (0 without a cache)."""
         return self.rmuscle.missing_entries() if self.rmuscle is not None else 0
