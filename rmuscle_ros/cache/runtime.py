@@ -292,9 +292,9 @@ class RMuscle:
         queued on the rebuild stream: on the H200 a live call running concurrently with rebuild graphs
         hung the GPU in earlier builds (with and without PDL; cause not found; not reproduced at 758f373 by
         bench_rmuscle --concurrent-rebuild-graphs, where overlap slowed the live call about as much).
-        The node rebuilds right after a publish, one entry (~8 ms at full size) at a time, and starts none
-        that its latest build times say would end after the next observation is due, nor any once it is
-        due: a live call waits for at most one entry. With
+        The node rebuilds right after a publish, one part of an entry (~2 ms at full size) at a time, and
+        starts none that its latest part times say would end after the next observation is due, nor any
+        once it is due: a live call waits for at most one part. With
         `concurrent_rebuilds` the rebuilds launch kernel by kernel and the call does not wait for them
         (see RMuscleConfig). The result is ordered back onto the caller's stream."""
         stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
