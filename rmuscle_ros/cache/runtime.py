@@ -350,8 +350,8 @@ class RMuscle:
             # library (an episode that fell back; an episode's first call, not aligned yet: 2.1 ms at 64
             # episodes on a 2-core CPU's host path, bench/bench_retrieval.py). The dense stages go first,
             # and retrieval (the similarity reported, the alignment, the entries wanted next) finishes on
-            # the host while they run. A first call gives up little: the window holds what the previous episode's
-            # last calls wanted, not an episode's start.
+            # the host while they run. A first call gives up little: the window holds what the previous
+            # episode's last calls wanted, not an episode's start.
             record = self._dense_stages(bucket)
             descriptor = self._read_descriptor(ready)
             matches = self._query(descriptor)
