@@ -6,10 +6,12 @@ situations:
 - `first_call`: right after a reset, every episode scanned whole, as on an episode's first call;
 - `fallback`: the episode fell back to dense; the similarity it reports scans the whole library.
 
-With matching on the host, `aligned` and `first_call` sit on a cached call's critical path (between vision
-and the cached stages). The runtime queues a call's dense stages first when nothing could serve it cached
-(an empty window, or a fallback episode), so there retrieval runs while the GPU works. Medians of
-`--iters` queries; synthetic descriptors (only their count and size matter).
+This is the host path, which CPU engines take: on a GPU engine the similarities are one matrix-vector
+product on the GPU (`bench_rmuscle.py --library-episodes` times both there). With matching on the host,
+`aligned` sits on a cached call's critical path (between vision and the cached stages); the runtime
+queues a call's dense stages first when retrieval would scan the whole library (an episode's first call,
+a fallback episode), so there it runs while the engine works. Medians of `--iters` queries; synthetic
+descriptors (only their count and size matter).
 
     python bench/bench_retrieval.py --commit $(git rev-parse --short HEAD) --out bench/results
 """
