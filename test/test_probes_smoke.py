@@ -105,3 +105,22 @@ def test_retrieval_benchmark_times_the_three_situations() -> None:
 
     ms = measure(episodes=3, calls=6, iters=2)
     assert set(ms) == {"aligned_ms", "first_call_ms", "fallback_ms"} and all(v > 0 for v in ms.values())
+
+
+def test_rmuscle_benchmark_runs_every_phase_on_a_cpu(tmp_path) -> None:
+    """bench/bench_rmuscle.py end to end on `tiny` (CPU smoke run): the ρ row, the rebuild's parts, the
+    live call behind a queued part, and the calls by library size, in its JSON record."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "bench_rmuscle.py"), "--device", "cpu", "--preset", "tiny",
+           "--rho", "0.4,0.5", "--iters", "2", "--calls", "4", "--library-episodes", "1", "3",
+           "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    row = json.loads((tmp_path / "smoke.json").read_text())["results"]["rmuscle"]
+    assert row["speedup"] > 0 and len(row["rebuild_part_ms"]) == 3  # tiny: vision, then its 2 layers
+    assert row["live_call_one_part_queued_ms"] > 0 and row["live_call_one_rebuild_queued_ms"] > 0
+    sizes = row["library_scaling"]
+    assert [s["episodes"] for s in sizes] == [1, 3] and all(s["host"]["cached"] > 0 for s in sizes)
+    assert "By library size" in (tmp_path / "smoke.md").read_text()
