@@ -375,14 +375,14 @@ class Bench:
         slot = next(s for s in self.runtime.window if s.key is not None)
         usable = [s.key is not None for s in self.runtime.window]
         bucket = e.load_inputs(obs, self.noise, usable)
-        e.load_reference(slot.ref, slot.neurons)
+        e.load_window_entry(slot.index)
         stages = {}
         for stage, variant in (("vision", "dense"), ("prefill", "dense"), ("prefill", "cached"),
                                ("denoise", "dense"), ("denoise", "cached"), ("match", "cached"),
                                ("tail", "dense"), ("tail", "cached")):  # fmt: skip
             run = lambda s=stage, v=variant: e.run_stage(s, bucket, variant=v)  # noqa: E731
             stages[f"{stage}_{variant}"] = round(device_ms(run, it, dev), 3)
-        load = device_ms(lambda: e.load_reference(slot.ref, slot.neurons), it, dev)
+        load = device_ms(lambda: e.load_window_entry(slot.index), it, dev)  # as the runtime loads it
         log(f"stages {stages}")
         out = {
             "dense_ms": round(dense_wall, 3),

@@ -325,7 +325,11 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
     live_inputs, _ = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
     live_inputs.images.add_(0.02 * torch.randn_like(live_inputs.images)).clamp_(-1, 1)
     whole_entry = None
-    for shapes in (CacheShapes(1.0, 1.0), CacheShapes(0.4, 0.5), CacheShapes(0.4, 0.5, rebuild_slices=3)):
+    for shapes in (
+        CacheShapes(1.0, 1.0),
+        CacheShapes(0.4, 0.5, window=2),
+        CacheShapes(0.4, 0.5, rebuild_slices=3),
+    ):
         engine = create_engine("graph", model, CUDA, buckets=[64], cache=shapes)
         engine.warmup()
         bucket = engine.load_inputs(ref_inputs, noise)
@@ -362,6 +366,11 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
         else:
             assert torch.isfinite(cached).all() and not torch.equal(cached, dense)
             assert torch.equal(cached, _rmuscle_call(engine, live_inputs, noise, "cached", use_graphs=False))
+            if engine.window is not None:  # the same entry read in place from the window: the same result
+                engine.window.ref(1).copy_(entry)
+                engine.window.neurons[1].copy_(masks)
+                engine.load_window_entry(1)
+                assert torch.equal(_rmuscle_call(engine, live_inputs, noise, "cached"), cached)
 
 
 def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_rho_one(tmp_path) -> None:

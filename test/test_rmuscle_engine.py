@@ -214,8 +214,9 @@ def test_kept_neuron_counts_suit_the_gathered_kernels() -> None:
 
 def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
     """On-device matching: the match stage runs vision, picks the usable window entry whose key is most
-    similar to the call's descriptor, loads its reference and masks into the cached graphs' inputs, and
-    reports (index, similarity); the cached tail then gives what loading that entry by hand gives."""
+    similar to the call's descriptor, makes it the cached graphs' reference (read in place) and loads its
+    masks, and reports (index, similarity); the cached tail then gives what loading that entry by hand
+    gives, by copy (`load_reference`) or in place (`load_window_entry`)."""
     engine = create_engine("fused", model, "cpu", cache=CacheShapes(window=3))
     window = engine.window
     inputs, noise = random_inputs(model.cfg, valid_tokens=15, pad_to=20)
@@ -237,12 +238,18 @@ def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
         index, similarity = int(engine.match_host[0]), float(engine.match_host[1])
         assert index == want
         assert similarity == pytest.approx(float(window.keys[want] @ unit), abs=1e-5)
-        assert torch.equal(engine.ctx_ref.ffn_in, window.ffn_in[want])
+        assert int(engine.ref_slot) == want, "the cached prefill reads the picked entry in place"
         assert torch.equal(engine.neurons, window.neurons[want])
         assert torch.equal(engine.descriptor_host, engine.descriptor())
     engine.run_stage("tail", bucket, variant="cached")
     by_match = engine.actions.clone()
     engine.load_reference(window.ref(0), window.neurons[0])
     assert torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
+    engine.load_window_entry(2)  # another entry, then the picked one again: in place, no copy
+    assert not torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
+    engine.load_window_entry(0)
+    assert torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
+    with pytest.raises(IndexError, match="window entry 3 of 3"):
+        engine.load_window_entry(3)
     with pytest.raises(ValueError, match="each of the window's entries"):
         engine.load_inputs(inputs, noise, [True])

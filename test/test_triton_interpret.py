@@ -289,6 +289,16 @@ def test_context_cached_prefill_with_the_kernels() -> None:
     lp = 256 + 16
     assert rel(got.keys[-1][:, :lp], expected.keys[-1][:, :lp]) < 1e-5
     assert rel(got.values[-1][:, :lp], expected.values[-1][:, :lp]) < 1e-5
+    # The same entry read in place from a stack of three (as from the engine's window), picked by a slot
+    # index on the device: the K/V the copied entry gives.
+    stack = ContextRef(
+        *(torch.stack([torch.randn_like(t), t, torch.randn_like(t)]) for t in (entry.ffn_in, entry.ffn_out))
+    )
+    slot = torch.tensor([1])
+    for engine in engines:
+        in_place = prefill(engine, seed=4, context=ContextCache(stack, keep=100, slot=slot))
+        assert rel(in_place.keys[-1][:, :lp], expected.keys[-1][:, :lp]) < 1e-5
+        assert rel(in_place.values[-1][:, :lp], expected.values[-1][:, :lp]) < 1e-5
 
 
 def test_whole_fused_forward_with_the_kernels() -> None:

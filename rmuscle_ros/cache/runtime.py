@@ -364,7 +364,7 @@ class RMuscle:
         similarity = self.retriever.last_similarity
         slot = self._ready_slot((matches[0].episode, matches[0].position)) if matches else None
         if slot is not None:
-            e.load_reference(slot.ref, slot.neurons)
+            e.load_window_entry(slot.index)
             e.run_stage("tail", bucket, variant="cached")
             info = self._served_cached(matches[0].episode, matches[0].position, similarity)
         else:

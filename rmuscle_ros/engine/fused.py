@@ -118,10 +118,12 @@ class ContextRef:
 @dataclass
 class ContextCache:
     """Context Cache arguments of a prefill: the matched reference entry and how many visual tokens to
-    recompute per layer (ceil(ρp · C·256))."""
+    recompute per layer (ceil(ρp · C·256)). With `slot`, `ref` holds stacked entries (S, depth − 1, C·256,
+    W) and slot (1,) int64, on the device, picks the matched one: read where it lies, no copy."""
 
     ref: ContextRef
     keep: int
+    slot: Tensor | None = None
 
 
 @dataclass
@@ -504,7 +506,8 @@ class FusedPi05:
             torch.mul(self.embed[tokens].float(), math.sqrt(g.width), out=res[nv:])
             ops.add_norm(res, None, h, eps=g.rms_norm_eps, rms=True)
         if context is not None:  # per-layer scratch of the Context Cache, fixed shapes
-            nv = context.ref.ffn_in.shape[1]
+            nv = context.ref.ffn_in.shape[-2]
+            pick = {} if context.slot is None else {"ref_slot": context.slot}
             drift = torch.empty(nv, device=self.device)  # (Nv,) float32
             rows = torch.empty(context.keep + lp - nv, device=self.device, dtype=torch.long)
             inv = torch.empty(lp, device=self.device, dtype=torch.int32)
@@ -520,13 +523,15 @@ class FusedPi05:
                 ops.add_norm(res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True)
                 y, y_rows = self._prefix_ffn(h, layer), {}
             else:  # the norm also measures each visual row's drift from the reference's FFN input
-                ref_in, ref_out = context.ref.ffn_in[i], context.ref.ffn_out[i]
+                ref_in = context.ref.ffn_in[i] if context.slot is None else context.ref.ffn_in[:, i]
+                ref_out = context.ref.ffn_out[i] if context.slot is None else context.ref.ffn_out[:, i]
                 ops.add_norm(
                     res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True,
-                    drift_ref=ref_in, drift_out=drift,
+                    drift_ref=ref_in, drift_out=drift, **pick,
                 )  # fmt: skip
                 y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv)
-                y_rows = {"y_rows": inv, "y_alt": ref_out}  # the rows not recomputed read the reference's
+                # the rows not recomputed read the reference's
+                y_rows = {"y_rows": inv, "y_alt": ref_out, **pick}
             if record is not None:
                 nv = record.ffn_in.shape[1]
                 record.ffn_in[i].copy_(h[:nv])

@@ -179,6 +179,12 @@ class ReferenceWindow:
     def ref(self, i: int) -> ContextRef:
         return ContextRef(self.ffn_in[i], self.ffn_out[i])
 
+    def head(self, size: int) -> ReferenceWindow:
+        """The first `size` entries (views)."""
+        return ReferenceWindow(
+            *(t[:size] for t in (self.ffn_in, self.ffn_out, self.neurons, self.keys, self.usable))
+        )
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.ffn_in, self.ffn_out, self.neurons, self.keys))
@@ -331,7 +337,13 @@ class GraphEngine:
             self.cache_bytes = self.fused.prepare_action_cache()
             self.keep_tokens, self.keep_neurons = cache.keep_tokens(cfg), cache.keep_neurons(cfg)
             mask_shape = (cfg.num_steps, cfg.expert.depth, self.keep_neurons)
-            self.ctx_ref = ContextRef.allocate(cfg, device, self.dtype)  # input of the cached prefill
+            # The entries the cached prefill reads, stacked: the window's (the first `cache.window`), then
+            # one more, `ctx_ref`, that `load_reference` copies a standalone entry into. `ref_slot`, on the
+            # device, says which one a call reads: picking a window entry copies nothing.
+            refs = ReferenceWindow.allocate(cfg, cache.window + 1, mask_shape, device, self.dtype)
+            self._ref_stack = ContextRef(refs.ffn_in, refs.ffn_out)
+            self.ctx_ref = refs.ref(cache.window)
+            self.ref_slot = torch.full((1,), cache.window, device=device, dtype=torch.int64)
             self.neurons = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # cached denoise
             self.recorded_masks = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # record
             self.rebuild = _Lane(cfg, self.buckets, device, self.dtype)
@@ -348,7 +360,7 @@ class GraphEngine:
             self.live_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
             self.cache_bytes += 2 * self.ctx_ref.nbytes + 2 * self.neurons.numel() * 4
             if cache.window:
-                self.window = ReferenceWindow.allocate(cfg, cache.window, mask_shape, device, self.dtype)
+                self.window = refs.head(cache.window)
                 self.match_out = torch.zeros(2, device=device)  # [entry index, its similarity]
                 # Pinned on a GPU: read back without a sync (written by the match graph, or by the runtime)
                 self.match_host = torch.zeros(2, pin_memory=cuda)
@@ -372,7 +384,7 @@ class GraphEngine:
     def _run_prefill(self, lane: _Lane, bucket: int, variant: str) -> None:
         kw = {}
         if variant == "cached" and self.keep_tokens < self.cfg.image_tokens:
-            kw["context"] = ContextCache(self.ctx_ref, self.keep_tokens)
+            kw["context"] = ContextCache(self._ref_stack, self.keep_tokens, slot=self.ref_slot)
         elif variant == "record":
             kw["record"] = self.rebuilt_ref
         self.fused.prefill(lane.visual, lane.tokens[bucket], lane.layout[bucket], lane.kv, **kw)
@@ -394,9 +406,7 @@ class GraphEngine:
         # argmax: the first of equal maxima (max(0)'s index may be any of them). Not sims[best]: indexing
         # with a 0-d tensor reads it on the host, which a graph capture cannot do.
         best, best_sim = sims.argmax(), sims.max()
-        if self.keep_tokens < self.cfg.image_tokens:
-            torch.index_select(w.ffn_in, 0, best.view(1), out=self.ctx_ref.ffn_in[None])
-            torch.index_select(w.ffn_out, 0, best.view(1), out=self.ctx_ref.ffn_out[None])
+        self.ref_slot.copy_(best.view(1))  # the cached prefill reads that entry where it lies
         if self.keep_neurons < self.cfg.expert.mlp_dim:
             torch.index_select(w.neurons, 0, best.view(1), out=self.neurons[None])
         torch.stack([best.float(), best_sim], out=self.match_out)
@@ -606,14 +616,28 @@ class GraphEngine:
         return self.live.descriptor
 
     def load_reference(self, ref: ContextRef, neurons: torch.Tensor) -> None:
-        """Copy a reference entry and its Action Cache masks into the cached graphs' input buffers."""
+        """Copy a reference entry and its Action Cache masks into the cached graphs' input buffers (an entry
+        that is not in the window; `load_window_entry` reads a window entry in place)."""
         if self.cache is None:
             raise RuntimeError("load_reference needs an engine built with cache shapes")
         # At ρ = 1 the dense graph runs and reads neither buffer: skip the copy (ctx_ref is 102 MB).
         if self.keep_tokens < self.cfg.image_tokens:
             self.ctx_ref.copy_(ref)
+            self.ref_slot.fill_(self.cache.window)
         if self.keep_neurons < self.cfg.expert.mlp_dim:
             self.neurons.copy_(neurons, non_blocking=True)
+
+    def load_window_entry(self, index: int) -> None:
+        """Make window entry `index` the cached graphs' reference: the prefill reads it where it lies (no
+        copy of its 102 MB at full size); its Action Cache masks are copied."""
+        if self.window is None:
+            raise RuntimeError("load_window_entry needs an engine built with a window (CacheShapes.window)")
+        if not 0 <= index < len(self.window):
+            raise IndexError(f"window entry {index} of {len(self.window)}")
+        if self.keep_tokens < self.cfg.image_tokens:
+            self.ref_slot.fill_(index)
+        if self.keep_neurons < self.cfg.expert.mlp_dim:
+            self.neurons.copy_(self.window.neurons[index])
 
     @torch.no_grad()
     def begin_rebuild(self, inputs: ModelInputs, out: ContextRef) -> int:

@@ -35,6 +35,7 @@ def add_norm(
     y_alt: Tensor | None = None,
     drift_ref: Tensor | None = None,
     drift_out: Tensor | None = None,
+    ref_slot: Tensor | None = None,
 ) -> Tensor:
     """Residual update then normalisation, in one pass over the row.
 
@@ -47,10 +48,14 @@ def add_norm(
     Context Cache terms: with y_rows (N,) int32 and y_alt (Nv, D), y holds only some rows (the FFN output of
     the recomputed rows) and residual row r reads y[y_rows[r]], or y_alt[r] where y_rows[r] < 0 (only
     rows r < Nv may be negative). With drift_ref (Nv, D) and drift_out (Nv,) float32: drift_out[r] =
-    Σ_d (out[r, d] − drift_ref[r, d])², from out as stored (in its dtype), for the first Nv rows.
+    Σ_d (out[r, d] − drift_ref[r, d])², from out as stored (in its dtype), for the first Nv rows. With
+    ref_slot (1,) int64: y_alt and drift_ref are stacks (S, Nv, D) and slot ref_slot[0] is the one read.
     """
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
+    if ref_slot is not None:  # pick the reference entry on the device (no host read of the slot)
+        y_alt = None if y_alt is None else y_alt.index_select(0, ref_slot)[0]
+        drift_ref = None if drift_ref is None else drift_ref.index_select(0, ref_slot)[0]
     if y is not None:
         delta = y.float() if y.ndim == 2 else y.float().sum(0)  # (splits, N, D): split-K partials
         if y_rows is not None:

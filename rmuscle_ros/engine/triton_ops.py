@@ -117,10 +117,16 @@ def _add_norm_kernel(
     n_drift,
     Y_ROWS: tl.constexpr,
     DRIFT: tl.constexpr,
+    ref_slot_ptr,
+    stride_ref_slot,
+    REF_SLOT: tl.constexpr,
 ):
     if PDL:
         _pdl_enter()
     row = tl.program_id(0)
+    ref_off = 0  # y_alt and drift_ref: with REF_SLOT, stacks of entries, ref_slot[0] the one read
+    if REF_SLOT:
+        ref_off = tl.load(ref_slot_ptr).to(tl.int64) * stride_ref_slot
     cols = tl.arange(0, BLOCK)
     valid = cols < D
     x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
@@ -136,7 +142,9 @@ def _add_norm_kernel(
             y += tl.load(y_ptr + split * stride_y_split + y_row * stride_y + cols, mask=y_mask, other=0.0)
         if Y_ROWS:
             alt_mask = valid & (src < 0) & (row < n_alt)
-            alt = tl.load(y_alt_ptr + row * stride_alt + cols, mask=alt_mask, other=0.0).to(tl.float32)
+            alt = tl.load(y_alt_ptr + ref_off + row * stride_alt + cols, mask=alt_mask, other=0.0).to(
+                tl.float32
+            )
             y = tl.where(src >= 0, y, alt)
         if HAS_BASE:
             y += tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
@@ -161,7 +169,9 @@ def _add_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, h_out, mask=valid)
     if DRIFT:  # the Context Cache's drift of this row from the reference, measured on the stored values
         is_visual = row < n_drift
-        ref = tl.load(drift_ref_ptr + row * stride_drift_ref + cols, mask=valid & is_visual, other=0.0)
+        ref = tl.load(
+            drift_ref_ptr + ref_off + row * stride_drift_ref + cols, mask=valid & is_visual, other=0.0
+        )
         diff = tl.where(valid, h_out.to(tl.float32) - ref.to(tl.float32), 0.0)
         tl.store(drift_out_ptr + row, tl.sum(diff * diff, axis=0), mask=is_visual)
 
@@ -183,15 +193,19 @@ def add_norm(
     y_alt: Tensor | None = None,
     drift_ref: Tensor | None = None,
     drift_out: Tensor | None = None,
+    ref_slot: Tensor | None = None,
 ) -> Tensor:
+    """ops.add_norm in one kernel per row (see it for the terms)."""
     n, d = res.shape
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
     rowwise = (res, y, out, y_base, y_store, y_rows, y_alt, drift_ref, drift_out)
-    if any(t is not None and t.stride(-1) != 1 for t in rowwise):  # rows only
+    stacks = [t for t in (y_alt, drift_ref) if t is not None and ref_slot is not None]
+    if any(t is not None and t.stride(-1) != 1 for t in rowwise) or len({t.stride(0) for t in stacks}) > 1:
         return ops.add_norm(
             res, y, out, eps=eps, rms=rms, y_bias=y_bias, gate=gate, mul=mul, add=add, y_base=y_base,
             y_store=y_store, y_rows=y_rows, y_alt=y_alt, drift_ref=drift_ref, drift_out=drift_out,
+            ref_slot=ref_slot,
         )  # fmt: skip
     y_rows = None if y is None else y_rows  # nothing to read without y
     block = triton.next_power_of_2(d)
@@ -226,14 +240,17 @@ def add_norm(
         STORE_Y=y_store is not None and y is not None,
         y_rows_ptr=res if y_rows is None else y_rows,
         y_alt_ptr=res if y_rows is None else y_alt,
-        stride_alt=0 if y_rows is None else y_alt.stride(0),
-        n_alt=0 if y_rows is None else y_alt.shape[0],
+        stride_alt=0 if y_rows is None else y_alt.stride(-2),
+        n_alt=0 if y_rows is None else y_alt.shape[-2],
         drift_ref_ptr=res if drift_ref is None else drift_ref,
-        stride_drift_ref=0 if drift_ref is None else drift_ref.stride(0),
+        stride_drift_ref=0 if drift_ref is None else drift_ref.stride(-2),
         drift_out_ptr=res if drift_ref is None else drift_out,
-        n_drift=0 if drift_ref is None else drift_ref.shape[0],
+        n_drift=0 if drift_ref is None else drift_ref.shape[-2],
         Y_ROWS=y_rows is not None,
         DRIFT=drift_ref is not None,
+        ref_slot_ptr=res if ref_slot is None else ref_slot,
+        stride_ref_slot=stacks[0].stride(0) if stacks else 0,
+        REF_SLOT=bool(stacks),
         num_warps=4 if block <= 1024 else 8,
         **_launch_opts(),
     )
