@@ -15,15 +15,18 @@ benchmark measures both).
 
 With `cache` (rMuscle shapes) the engine also captures the cached variants — prefill with the Context
 Cache, denoise with the Action Cache — and a dense denoise that records Action Cache masks, all reading
-and writing static buffers (`ctx_ref`, `neurons`, `recorded_masks`). A second set of buffers, the
-*rebuild lane*, reconstructs reference entries (vision + a recording prefill on a library observation)
-on a low-priority CUDA stream with its own graph memory pool, so it can run while a live call does.
-ρ = 1 selects the dense graphs themselves: that is what makes ρ = 1 exact.
+and writing static buffers (the reference entries and `ref_slot`, `neurons`, `recorded_masks`). A
+second set of buffers, the *rebuild lane*, reconstructs reference entries (vision + a recording prefill
+on a library observation) on a low-priority CUDA stream with its own graph memory pool, in
+`CacheShapes.rebuild_slices` graphs that live calls may run between. ρ = 1 selects the dense graphs
+themselves: that is what makes ρ = 1 exact.
 
-With a window (`CacheShapes.window`) the engine holds the sliding window's reference entries, stacked
-(`ReferenceWindow`); with `CacheShapes.match` it also captures a *match* graph (vision, then the most
-similar usable entry picked and loaded on the GPU), so that a cached call (match, then the cached tail)
-needs no host round trip between vision and prefill.
+The reference entries are stacked (`ReferenceWindow`): the sliding window's (`CacheShapes.window`), then
+`ctx_ref`, which `load_reference` copies a standalone entry into. The cached prefill reads the one that
+`ref_slot` (on the device) names, in place: `load_window_entry` and the match stage only set the slot.
+With `CacheShapes.match` the engine also captures a *match* graph (vision, then the most similar usable
+entry picked on the GPU), so that a cached call (match, then the cached tail) needs no host round trip
+between vision and prefill.
 
 All tensors that cross a graph boundary live in buffers allocated here, outside the graphs' shared
 memory pool, so graphs may be replayed in any order.
