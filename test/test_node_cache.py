@@ -252,3 +252,39 @@ def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harne
     assert h.transition(Transition.TRANSITION_DEACTIVATE)
     assert h.transition(Transition.TRANSITION_CLEANUP), "cleanup releases the model even if recording fails"
     assert h.node.policy is None
+
+
+def test_parameters_set_at_run_time_apply_live_or_are_refused_saying_why(harness) -> None:
+    """`ros2 param set` (the node's ~/set_parameters service): unconfigured, any valid value is taken at
+    the next configure; configured, the live ones (the threshold, recording, rebuilds per tick, the prompt,
+    the observation limits) apply from the next call, and the rest are refused with what to do instead;
+    an invalid value is refused naming the parameter, and nothing changes."""
+    from rcl_interfaces.srv import SetParameters
+    from rclpy.parameter import Parameter
+
+    h = harness(**CACHE)
+    node = h.node
+    assert node.set_parameters([Parameter("cache.rho_p", value=0.3)])[0].successful  # read at configure
+    _start(h)
+    assert node.policy.rmuscle.cfg.rho_p == 0.3
+
+    client = h.peer.create_client(SetParameters, f"/{node.get_name()}/set_parameters")
+    request = SetParameters.Request()
+    request.parameters = [Parameter("cache.similarity_threshold", value=0.9).to_parameter_msg()]
+    assert h.call(client, request).results[0].successful
+    assert node.policy.rmuscle.cfg.threshold == 0.9 and node.policy.rmuscle.retriever.cfg.threshold == 0.9
+    assert node.get_parameter("cache.similarity_threshold").value == 0.9
+
+    live = [Parameter("prompt", value="place the cup"), Parameter("max_skew_s", value=0.3),
+            Parameter("cache.rebuilds_per_tick", value=5), Parameter("cache.record", value=False)]  # fmt: skip
+    assert all(r.successful for r in node.set_parameters(live))
+    assert (node.cfg.prompt, node.cfg.cache.rebuilds_per_tick) == ("place the cup", 5)
+    assert node._buffer.limits.max_skew_ns == 300_000_000 and not node.policy.rmuscle.cfg.record
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+
+    fixed = node.set_parameters([Parameter("cache.rho_p", value=0.5)])[0]
+    assert not fixed.successful and fixed.reason.startswith("cache.rho_p: read at configure")
+    bad = node.set_parameters([Parameter("max_skew_s", value=-1.0)])[0]
+    assert not bad.successful and bad.reason.startswith("max_skew_s: must be > 0")
+    assert node.get_parameter("cache.rho_p").value == 0.3 and node.get_parameter("max_skew_s").value == 0.3
+    assert node.policy.rmuscle.cfg.rho_p == 0.3 and node.stats()["errors"] == {}

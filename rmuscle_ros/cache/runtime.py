@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +225,19 @@ class RMuscle:
         # On a GPU the library's descriptors live there too: a call's similarities are one matrix-vector
         # product queued after its descriptor, not a host scan (see Retriever).
         self.retriever = Retriever(retrieval, self._descriptors, self.engine.device)
+
+    # Settings that neither shape the engine's graphs nor the library: they may change between calls.
+    LIVE_SETTINGS = ("threshold", "record", "rebuilds_per_tick")
+
+    def reconfigure(self, **changes: object) -> None:
+        """Change settings among LIVE_SETTINGS from the next call on (validated first: a bad value raises
+        ValueError and changes nothing). A fallback episode stays in fallback until it resets."""
+        fixed = sorted(set(changes) - set(self.LIVE_SETTINGS))
+        if fixed:
+            raise ValueError(f"{fixed[0]} is fixed when the engine is built; it cannot change between calls")
+        cfg = replace(self.cfg, **changes)  # RMuscleConfig validates
+        self.cfg = cfg
+        self.retriever.cfg = RetrievalConfig(cfg.top_k, cfg.lookahead, cfg.threshold)
 
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 

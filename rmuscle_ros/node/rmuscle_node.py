@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import qos_profile_sensor_data
@@ -44,6 +45,23 @@ from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, par
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
 STARTUP_REASONS = (DropReason.MISSING_CAMERA, DropReason.MISSING_JOINTS)
+# Parameters a configured node applies from its next call on (`ros2 param set`). The others are read at
+# configure: the model and its graphs' shapes, the library, topics, publishers and timers.
+LIVE_PARAMETERS = {
+    "prompt": None,
+    "max_image_age_s": None,
+    "max_joint_age_s": None,
+    "max_skew_s": None,
+    "sensor_startup_timeout_s": None,
+    "cache.similarity_threshold": "threshold",  # -> RMuscleConfig's name
+    "cache.record": "record",
+    "cache.rebuilds_per_tick": "rebuilds_per_tick",
+}
+
+
+def _limits(cfg: NodeConfig) -> Limits:
+    """The observation's age and skew limits, in ns."""
+    return Limits(int(cfg.max_image_age_s * 1e9), int(cfg.max_joint_age_s * 1e9), int(cfg.max_skew_s * 1e9))
 
 
 def _mode_codes(message: Any) -> dict[str, int]:
@@ -59,6 +77,7 @@ class RMuscleNode(LifecycleNode):
         super().__init__(node_name, **kwargs)
         for name, default in parameter_defaults().items():
             self.declare_parameter(name, default)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
         # Everything below is created by a transition and released by its inverse.
         self.cfg: NodeConfig | None = None
         self.policy: Any = None
@@ -151,15 +170,47 @@ class RMuscleNode(LifecycleNode):
         self._reset_sub = self.create_subscription(
             Empty, "~/reset_episode", lambda _msg: self.reset_episode(), 10
         )
-        limits = Limits(
-            int(cfg.max_image_age_s * 1e9), int(cfg.max_joint_age_s * 1e9), int(cfg.max_skew_s * 1e9)
-        )
+        limits = _limits(cfg)
         # Reasons name each camera's topic as remapped (the cell's name for it), which an operator can look up.
         topics = [self.resolve_topic_name(t) for t in cfg.camera_topics]
         self._buffer = ObservationBuffer(
             len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics
         )
         return TransitionCallbackReturn.SUCCESS
+
+    def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
+        """`ros2 param set`: a value is validated with every other parameter (a bad one is refused, naming
+        the problem). Unconfigured, it is read at the next configure; configured, LIVE_PARAMETERS apply from
+        the next call, and any other is refused with what to do instead."""
+        current = {name: self.get_parameter(name).value for name in parameter_defaults()}
+        changed = {p.name: p.value for p in params if p.name in current and p.value != current[p.name]}
+        try:
+            cfg = node_config(current | changed)
+        except ParameterError as e:
+            return SetParametersResult(successful=False, reason=str(e))
+        if self.cfg is None or not changed:
+            return SetParametersResult(successful=True)
+        fixed = sorted(set(changed) - set(LIVE_PARAMETERS))
+        if fixed:
+            return SetParametersResult(
+                successful=False,
+                reason=f"{fixed[0]}: read at configure; deactivate and clean up the node, set it, then configure "
+                f"again (live: {', '.join(LIVE_PARAMETERS)})",
+            )
+        cache = {LIVE_PARAMETERS[k]: v for k, v in changed.items() if LIVE_PARAMETERS[k] is not None}
+        with self._policy_lock:
+            if cache and self.policy is not None and cfg.cache.enabled:
+                try:
+                    self.policy.reconfigure_cache(**cache)
+                except ValueError as e:
+                    return SetParametersResult(successful=False, reason=str(e))
+            self.cfg = cfg  # the worker reads it at each call
+            if self._buffer is not None:
+                self._buffer.limits = _limits(cfg)
+        self.get_logger().info(
+            "parameters now in effect: " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        )
+        return SetParametersResult(successful=True)
 
     def _close_quietly(self, policy: Any) -> None:
         # A configure that failed after the policy was built: free the cache's temporary library now.

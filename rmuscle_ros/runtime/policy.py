@@ -227,6 +227,12 @@ class Policy:
         was queued, whether it completed an entry); `wait`: once it ran. (False, False) without a cache."""
         return self.rmuscle.rebuild_slice(wait) if self.rmuscle is not None else (False, False)
 
+    def reconfigure_cache(self, **changes: object) -> None:
+        """Change rMuscle settings that may change between calls (RMuscle.LIVE_SETTINGS)."""
+        if self.rmuscle is None:
+            raise RuntimeError("this policy runs without the rMuscle cache")
+        self.rmuscle.reconfigure(**changes)
+
     def cache_entries_missing(self) -> int:
         """Entries the cache wants rebuilt before the next call (0 without a cache)."""
         return self.rmuscle.missing_entries() if self.rmuscle is not None else 0
