@@ -266,3 +266,18 @@ def test_a_gpu_pick_below_the_threshold_runs_the_call_again_dense(tmp_path) -> N
     dense = Policy(CFG, RMuscleConfig(record=False))
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(0))
     assert np.array_equal(out.actions, dense.infer(live[3], noise).actions)
+
+
+def test_settings_that_fix_no_shape_change_between_calls_and_the_rest_are_refused() -> None:
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    policy.reconfigure_cache(threshold=0.9, record=False, rebuilds_per_tick=3)
+    assert (rm.cfg.threshold, rm.cfg.record, rm.cfg.rebuilds_per_tick) == (0.9, False, 3)
+    assert rm.retriever.cfg.threshold == 0.9
+    with pytest.raises(ValueError, match="rho_p is fixed when the engine is built"):
+        policy.reconfigure_cache(rho_p=0.5)
+    with pytest.raises(ValueError, match="threshold"):
+        policy.reconfigure_cache(threshold=2.0)
+    assert rm.cfg.threshold == 0.9 and rm.cfg.rho_p == 0.4, "a refused change changes nothing"
+    run(policy, episode(2))
+    assert policy.reset_episode() is None, "recording is off"
