@@ -190,6 +190,8 @@ def test_cache_shapes_are_validated() -> None:
     engine = create_engine("fused", tiny_model(), "cpu")
     with pytest.raises(RuntimeError, match="cache shapes"):
         engine.run_stage("prefill", 32, variant="cached")
+    with pytest.raises(ValueError, match="stage 'rebuild' has no variant 'record'"):  # rebuild_step's job
+        engine.run_stage("rebuild", 32, variant="record")
 
 
 def test_kept_neuron_counts_suit_the_gathered_kernels() -> None:

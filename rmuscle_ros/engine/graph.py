@@ -388,8 +388,6 @@ class GraphEngine:
         kw = {}
         if variant == "cached" and self.keep_tokens < self.cfg.image_tokens:
             kw["context"] = ContextCache(self._ref_stack, self.keep_tokens, slot=self.ref_slot)
-        elif variant == "record":
-            kw["record"] = self.rebuilt_ref
         self.fused.prefill(lane.visual, lane.tokens[bucket], lane.layout[bucket], lane.kv, **kw)
 
     def _run_denoise(self, lane: _Lane, bucket: int, variant: str) -> None:
@@ -596,8 +594,9 @@ class GraphEngine:
         return bucket
 
     def run_stage(self, stage: str, bucket: int, use_graph: bool = True, variant: str = "dense") -> None:
-        """Run one stage on the loaded inputs: a graph replay once captured, else the fused ops directly."""
-        if variant not in VARIANTS.get(stage, ("record",)):
+        """Run one stage on the loaded inputs: a graph replay once captured, else the fused ops directly.
+        (Rebuilds have their own lane and API: `begin_rebuild`, `rebuild_step`.)"""
+        if variant not in VARIANTS.get(stage, ()):
             raise ValueError(f"stage {stage!r} has no variant {variant!r}")
         if variant != "dense" and self.cache is None:
             raise RuntimeError(f"the {variant} {stage} needs an engine built with cache shapes")
