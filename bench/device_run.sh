@@ -21,6 +21,8 @@ out=${OUT:-bench/out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v -i "warn"; }
+# A probe script's step: its time limit (s), its name in bench/, the lines of its output worth showing.
+probe() { timeout "$1" python3 "bench/$2.py" --commit "$commit" --out "$out" 2>&1 | quiet | grep "$3"; }
 for step in $steps; do
     echo "=== $step ($(date -u +%T))"
     case $step in
@@ -45,18 +47,10 @@ for step in $steps; do
             timeout 400 python3 bench/bench_rmuscle.py --preset pi05-7b --rho 0.4,0.5 --iters 10 --no-interference \
                 --commit "$commit" --name "rmuscle_pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|^| rmuscle\|Error\|eager\|memory" ;;
-        load)
-            timeout 240 python3 bench/probe_load_inputs.py --commit "$commit" --out "$out" 2>&1 | quiet \
-                | grep "^\[probe\]\|Error" ;;
-        vision_mlp)
-            timeout 200 python3 bench/probe_vision_mlp.py --commit "$commit" --out "$out" 2>&1 | quiet \
-                | grep "^\[probe\]\|^| \|Error" ;;
-        attention)
-            timeout 200 python3 bench/probe_prefill_attention.py --commit "$commit" --out "$out" 2>&1 | quiet \
-                | grep "^| \|Error" ;;
-        overlap)
-            timeout 500 python3 bench/probe_rebuild_overlap.py --commit "$commit" --out "$out" 2>&1 | quiet \
-                | grep "^\[probe\]\|Error" ;;
+        load) probe 240 probe_load_inputs "^\[probe\]\|Error" ;;
+        vision_mlp) probe 200 probe_vision_mlp "^\[probe\]\|^| \|Error" ;;
+        attention) probe 200 probe_prefill_attention "^| \|Error" ;;
+        overlap) probe 500 probe_rebuild_overlap "^\[probe\]\|Error" ;;
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
