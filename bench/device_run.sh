@@ -3,18 +3,19 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
 #   vision_mlp: bench/probe_vision_mlp.py, the most a Context Cache in SigLIP's MLPs could save, ~1 min;
 #   attention: bench/probe_prefill_attention.py, the prefill attention's kernels and configs, ~30 s;
 #   overlap: bench/probe_rebuild_overlap.py, live graphs alongside rebuild graphs, ~3 min;
+#   trace_cached: the stage traces with the cached graphs at ρ 0.4/0.5, the denoise by layer-step position, ~1 min;
 #   library: bench_rmuscle at ρ 0.4/0.5, first / fallback / cached calls by library size, ~2 min)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -54,6 +55,9 @@ for step in $steps; do
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library)" ;;
+        trace_cached)
+            timeout 200 python3 bench/trace_graphs.py --commit "$commit" --cache 0.4 0.5 --out "$out" 2>&1 \
+                | quiet | grep "^## \|^| [0-9]" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library)" ;;
     esac
 done

@@ -82,6 +82,37 @@ def charge(events: list[tuple[str, float, float]]) -> dict:
     return {"span_us": span, "kernels": len(events), "by_kernel": dict(rows)}
 
 
+LAYER_KERNELS = ("qkv_rope", "_attention", "_skinny_matmul", "_add_norm")
+
+
+def layer_step_positions(events: list[tuple[str, float, float]], steps: int, depth: int) -> list[dict] | None:
+    """The denoising loop's time by position within a layer-step, for the first step (the Action Cache's
+    dense anchor) and for the later steps: each layer-step runs the same kernels in the same order (QKV,
+    attention, its combine, o, residual+norm, gate/up, down, residual+norm), so the i-th of them is the
+    same operator every time. Charged µs (as in `charge`) per layer-step, averaged. None when the kernels
+    do not repeat per layer-step (e.g. a fallback backend)."""
+    charged = [
+        (short(name), max(0.0, stop - max(start, busy)), max(0.0, start - busy))
+        for name, start, stop, busy in _timeline(events)
+    ]
+    layer = [c for c in charged if any(k in c[0] for k in LAYER_KERNELS)]
+    if not layer or len(layer) % (steps * depth):
+        return None
+    period, per_step = len(layer) // (steps * depth), len(layer) // steps
+    rows = []
+    for pos in range(period):
+        first = layer[pos:per_step:period]
+        later = layer[per_step + pos :: period]
+        rows.append({
+            "position": pos,
+            "kernel": first[0][0],
+            "first_step_us": sum(c[1] for c in first) / len(first),
+            "later_steps_us": sum(c[1] for c in later) / max(1, len(later)),
+            "gap_us": sum(c[2] for c in layer[pos::period]) / len(layer[pos::period]),
+        })  # fmt: skip
+    return rows
+
+
 def sequence(events: list[tuple[str, float, float]]) -> list[dict]:
     """The events in start order: name, start (µs from the first), duration, idle gap before it."""
     t0 = events[0][1]
@@ -138,6 +169,8 @@ def main() -> None:
             run()
         events = traced_events(run)
         stages[stage] = charge(events) if events else {"error": "no kernels traced inside the graph"}
+        if stage.startswith("denoise") and events:
+            stages[stage]["layer_step"] = layer_step_positions(events, cfg.num_steps, cfg.expert.depth)
         if stage in args.order and events:
             stages[stage]["sequence"] = sequence(events[: args.order_events])
     gpu = torch.cuda.get_device_name(device)
@@ -164,6 +197,19 @@ def main() -> None:
                 f"| {k['gap_us']:.1f} |"
             )
         lines.append("")
+        if r.get("layer_step"):
+            lines += [
+                f"{stage}, per layer-step by position (charged µs, mean over layers):",
+                "",
+                "| # | kernel | first step | later steps | gap |",
+                "|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {e['position']} | {e['kernel']} | {e['first_step_us']:.2f} | {e['later_steps_us']:.2f} "
+                f"| {e['gap_us']:.2f} |"
+                for e in r["layer_step"]
+            ]
+            lines.append("")
         if "sequence" in r:
             lines += [
                 f"{stage} in order:",

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.trace_graphs import charge, idle_gaps, kernel_events, sequence
+from bench.trace_graphs import charge, idle_gaps, kernel_events, layer_step_positions, sequence
 
 
 def test_overlapping_kernels_are_charged_their_own_tail_and_gaps_add_up() -> None:
@@ -48,3 +48,20 @@ def test_sequence_lists_events_in_order_with_the_idle_gap_before_each() -> None:
         {"name": "b", "start_us": 3.0, "dur_us": 5.0, "gap_us": 0.0},  # overlaps a (PDL): no gap
         {"name": "c", "start_us": 10.0, "dur_us": 1.0, "gap_us": 2.0},
     ]
+
+
+def test_layer_step_positions_separate_the_anchor_step_from_the_later_ones() -> None:
+    # 2 steps × 2 layers of [qkv_rope, add_norm], 1 µs each in the first step, 2 µs later; the step
+    # kernel between steps is not a layer kernel and is left out.
+    events, t = [], 0.0
+    for step in range(2):
+        for _ in range(2):
+            for name in ("_skinny_qkv_rope_kernel", "_add_norm_kernel"):
+                events.append((name, t, t + 1.0 + step))
+                t += 1.0 + step
+        events.append(("_action_step_row_kernel", t, t + 5.0))
+        t += 5.0
+    rows = layer_step_positions(events, steps=2, depth=2)
+    assert [r["kernel"] for r in rows] == ["_skinny_qkv_rope_kernel", "_add_norm_kernel"]
+    assert [(r["first_step_us"], r["later_steps_us"]) for r in rows] == [(1.0, 2.0), (1.0, 2.0)]
+    assert layer_step_positions(events[:-2], steps=2, depth=2) is None  # not whole layer-steps
