@@ -121,14 +121,26 @@ def _add_norm_kernel(
     stride_ref_slot,
     REF_SLOT: tl.constexpr,
 ):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < D
+    # Under PDL, what the previous kernel cannot have written is loaded before the wait, while it runs:
+    # the constant vectors and the anchor step's output (y_base), each from before this call's chain.
+    if HAS_Y_BIAS:
+        y_bias = tl.load(y_bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_MUL:
+        mul = tl.load(mul_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        add = tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BASE:
+        base = tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
     if PDL:
         _pdl_enter()
-    row = tl.program_id(0)
     ref_off = 0  # y_alt and drift_ref: with REF_SLOT, stacks of entries, ref_slot[0] the one read
     if REF_SLOT:
         ref_off = tl.load(ref_slot_ptr).to(tl.int64) * stride_ref_slot
-    cols = tl.arange(0, BLOCK)
-    valid = cols < D
     x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_Y:
         y_row = row
@@ -147,13 +159,13 @@ def _add_norm_kernel(
             )
             y = tl.where(src >= 0, y, alt)
         if HAS_BASE:
-            y += tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
+            y += base
         if HAS_Y_BIAS:
-            y += tl.load(y_bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            y += y_bias
         if STORE_Y:
             tl.store(store_ptr + row * stride_store + cols, y, mask=valid)
         if HAS_GATE:
-            y *= tl.load(gate_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            y *= gate
         x += y
         tl.store(res_ptr + row * stride_res + cols, x, mask=valid)
     if RMS:
@@ -162,9 +174,9 @@ def _add_norm_kernel(
         centred = tl.where(valid, x - tl.sum(x, axis=0) / D, 0.0)
         h = centred * tl.rsqrt(tl.sum(centred * centred, axis=0) / D + eps)
     if HAS_MUL:
-        h *= tl.load(mul_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        h *= mul
     if HAS_ADD:
-        h += tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        h += add
     h_out = h.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, h_out, mask=valid)
     if DRIFT:  # the Context Cache's drift of this row from the reference, measured on the stored values
@@ -535,12 +547,17 @@ def _skinny_matmul_kernel(
     GATHER_N: output column j uses weight row idx[j] (and up_offset + idx[j]); SUB_ANCHOR: c -= anchor[:, idx[j]].
     GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k]; the K slices may
     overrun K (the last slice shorter, or empty), and what lies beyond K is masked.
-    The indices are written before the call, so they may be read before the PDL wait.
+    The indices are written before the call and the anchor by the first step, so both may be read before
+    the PDL wait.
     """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
     col_ok = cols < N
     src = tl.load(idx_ptr + cols, mask=col_ok, other=0).to(tl.int64) if GATHER_N else cols
+    rows = tl.arange(0, BM)
+    out_ok = (rows[:, None] < M) & col_ok[None, :]
+    if SUB_ANCHOR:  # the anchor step's activations, from before the previous kernel: read before the wait
+        anchor = tl.load(anchor_ptr + rows[:, None] * stride_anchor + src[None, :], mask=out_ok, other=0.0)
     if PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
         if GATHER_K:  # one short segment (BN columns) per selected row
             kk = tl.minimum(split * K_PER_SPLIT + tl.minimum(tl.arange(0, LINES), K_PER_SPLIT - 1), K - 1)
@@ -552,7 +569,6 @@ def _skinny_matmul_kernel(
                     w_ptr, up_offset + src, 2 * up_offset, stride_w, split * K_PER_SPLIT, K_PER_SPLIT, LINES
                 )
         _pdl_enter()
-    rows = tl.arange(0, BM)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K_PER_SPLIT, BK):
@@ -577,9 +593,7 @@ def _skinny_matmul_kernel(
     if GEGLU:
         z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
         acc = acc * tl.sigmoid(2.0 * z) * acc_up
-    out_ok = (rows[:, None] < M) & col_ok[None, :]
     if SUB_ANCHOR:
-        anchor = tl.load(anchor_ptr + rows[:, None] * stride_anchor + src[None, :], mask=out_ok, other=0.0)
         acc -= anchor.to(tl.float32)
     dst = c_ptr + split * stride_c_split + rows[:, None] * stride_c + cols[None, :]
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
@@ -753,6 +767,10 @@ def _skinny_qkv_rope_kernel(
     d = (tl.program_id(0) % blocks_per_head) * BN + tl.arange(0, BN)  # index within the first half
     cols = head * 2 * HALF + d
     rows = tl.arange(0, BM)
+    row_ok = rows[:, None] < M
+    if head < H + KVH:  # the call's RoPE rows, gathered at its start: read before the wait
+        c = tl.load(cos_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
+        s = tl.load(sin_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
     if PDL:  # prefetch this program's weight rows (both halves of each rotation pair), then wait
         n_rows = (H + 2 * KVH) * 2 * HALF
         _prefetch_rows(w_ptr, cols, n_rows, stride_w, 0, K, LINES)
@@ -767,10 +785,7 @@ def _skinny_qkv_rope_kernel(
         w2 = tl.load(w_ptr + (cols + HALF)[:, None] * stride_w + ks[None, :])
         acc1 += tl.dot(a, tl.trans(w1))
         acc2 += tl.dot(a, tl.trans(w2))
-    row_ok = rows[:, None] < M
     if head < H + KVH:
-        c = tl.load(cos_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
-        s = tl.load(sin_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
         r1 = acc1 * c - acc2 * s
         r2 = acc2 * c + acc1 * s
         if head < H:
@@ -980,8 +995,9 @@ def _action_step_row_kernel(
     A: tl.constexpr, WE: tl.constexpr, EULER: tl.constexpr, PROJECT: tl.constexpr,
     HAS_MUL: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """_action_step_kernel with the whole width in one tile: the constant weights are loaded before the
-    PDL wait (while the previous kernel finishes) and the residual row stays in registers for the norm."""
+    """_action_step_kernel with the whole width in one tile: the constant weights and the step's norm terms
+    are loaded before the PDL wait (while the previous kernel finishes) and the residual row stays in
+    registers for the norm."""
     row = tl.program_id(0)
     a = tl.arange(0, A)
     c = tl.arange(0, WE)
@@ -991,6 +1007,10 @@ def _action_step_row_kernel(
     if PROJECT:
         iw = tl.load(iw_ptr + c[:, None] * A + a[None, :])  # (WE, A)
         ib = tl.load(ib_ptr + c)
+        if HAS_MUL:
+            mul = tl.load(mul_ptr + c)
+        if HAS_ADD:
+            add = tl.load(add_ptr + c)
     if PDL:
         _pdl_enter()
     x = tl.load(x_ptr + row * stride_x + a)
@@ -1003,9 +1023,9 @@ def _action_step_row_kernel(
         tl.store(res_ptr + row * stride_res + c, r)
         h = r * tl.rsqrt(tl.sum(r * r, axis=0) / WE + eps)
         if HAS_MUL:
-            h *= tl.load(mul_ptr + c)
+            h *= mul
         if HAS_ADD:
-            h += tl.load(add_ptr + c)
+            h += add
         tl.store(out_ptr + row * stride_out + c, h.to(out_ptr.dtype.element_ty))
 
 
