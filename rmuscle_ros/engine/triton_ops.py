@@ -768,9 +768,10 @@ def _skinny_qkv_rope_kernel(
     cols = head * 2 * HALF + d
     rows = tl.arange(0, BM)
     row_ok = rows[:, None] < M
-    if head < H + KVH:  # the call's RoPE rows, gathered at its start: read before the wait
-        c = tl.load(cos_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
-        s = tl.load(sin_ptr + rows[:, None] * stride_cs + d[None, :], mask=row_ok, other=0.0)
+    # The call's RoPE rows (gathered at its start) are read before the wait; V heads need none.
+    rope_ok = row_ok & (head < H + KVH)
+    c = tl.load(cos_ptr + rows[:, None] * stride_cs + d[None, :], mask=rope_ok, other=0.0)
+    s = tl.load(sin_ptr + rows[:, None] * stride_cs + d[None, :], mask=rope_ok, other=0.0)
     if PDL:  # prefetch this program's weight rows (both halves of each rotation pair), then wait
         n_rows = (H + 2 * KVH) * 2 * HALF
         _prefetch_rows(w_ptr, cols, n_rows, stride_w, 0, K, LINES)
