@@ -63,7 +63,7 @@ def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
             a, w, s, kcfg if kw.get("neurons") is not None else config, **kw
         )
     elif kind == "attention":
-        m.attention = lambda *a, **k: triton_ops.attention(*a, config=kcfg)
+        m.attention = lambda *a, **k: triton_ops.attention(*a, config=kcfg, **k)
     elif kind == "qkv_rope":
         m.qkv_rope = lambda *a, **k: triton_ops.qkv_rope(*a, config=kcfg)
     elif kind == "linear_geglu":

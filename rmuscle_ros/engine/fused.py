@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rmuscle_ros.engine.ops import Prefetch
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, euler_times, sincos_time_embedding
 
@@ -604,7 +605,14 @@ class FusedPi05:
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
                 ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
                              e.num_heads, e.num_kv_heads)  # fmt: skip
-                attn = ops.attention(q, k, v, key_bias, e.num_heads)
+                # The FFN's weights (or the Action Cache's rows of them) start streaming into L2 during the
+                # attention: the FFN's own kernels would start them too late to hide them.
+                if cached:
+                    ahead = Prefetch(rows=action.neurons[s, i], tables=(
+                        (layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim), (self.down_t[i], 0)))  # fmt: skip
+                else:
+                    ahead = Prefetch(whole=(layer.gate_up_w, layer.down_w))
+                attn = ops.attention(q, k, v, key_bias, e.num_heads, prefetch=ahead)
                 ops.add_norm(
                     res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
                     gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i],

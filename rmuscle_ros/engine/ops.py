@@ -10,6 +10,7 @@ data layout, and GPU tests check each kernel against its definition. All 2-D ope
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -212,11 +213,27 @@ def qkv_rope(
     rope_qkv(a @ w_qkv.t(), cos, sin, q_out, k_out, v_out, num_heads, num_kv_heads)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int) -> Tensor:
+@dataclass(frozen=True)
+class Prefetch:
+    """Weights that later kernels will read, for a kernel to start fetching into the GPU's L2 cache ahead
+    of them. A hint with no effect on any result: the definitions here ignore it.
+
+    whole: tensors read whole. rows with tables: rows `offset + rows[j]` of each (matrix, offset) in
+    `tables` (the Action Cache's selected neurons, in the gate/up and down-projection weights)."""
+
+    whole: tuple[Tensor, ...] = ()
+    rows: Tensor | None = None
+    tables: tuple[tuple[Tensor, int], ...] = ()
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, num_heads: int, prefetch: Prefetch | None = None
+) -> Tensor:
     """Attention of N queries over Lk keys with an additive key mask.
 
     q (N, H·Dh); k, v (KVH, Lk, Dh); key_bias (Lk,) 0 for attended keys, a large negative number for
-    masked ones. Returns (N, H·Dh). Dispatches to PyTorch's fused SDPA kernels on CUDA.
+    masked ones. Returns (N, H·Dh). Dispatches to PyTorch's fused SDPA kernels on CUDA. `prefetch` is a
+    hint for the Triton kernel (see Prefetch).
     """
     n = q.shape[0]
     kvh, lk, dh = k.shape

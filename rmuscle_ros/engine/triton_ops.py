@@ -71,6 +71,92 @@ def _prefetch_rows(w_ptr, rows, n_rows, stride_w, k_start, K_LEN: tl.constexpr, 
 
 
 @triton.jit
+def _flat_program():
+    """(this program's index, the number of programs) over the whole grid."""
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    return pid, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+
+
+@triton.jit
+def _prefetch_span(ptr, n_bytes, pid, nprog, CHUNK: tl.constexpr = 256):
+    """This program's share of the first n_bytes from ptr into L2: chunks of CHUNK 128-byte lines, dealt
+    round-robin to the programs."""
+    base = ptr.to(tl.pointer_type(tl.int8))
+    last = n_bytes - 1
+    for start in range(pid * CHUNK, tl.cdiv(n_bytes, 128), nprog * CHUNK):
+        lines = (start + tl.arange(0, CHUNK)).to(tl.int64) * 128
+        _prefetch_l2(base + tl.minimum(lines, last))
+
+
+@triton.jit
+def _prefetch_table_rows(
+    ptr, offset, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES: tl.constexpr, CHUNK: tl.constexpr = 16
+):  # fmt: skip
+    """This program's share of rows `offset + rows[j]` (row_bytes each, contiguous rows) into L2."""
+    base = ptr.to(tl.pointer_type(tl.int8))
+    line = tl.minimum(tl.arange(0, ROW_LINES).to(tl.int64) * 128, row_bytes - 1)
+    for start in range(pid * CHUNK, n_rows, nprog * CHUNK):
+        j = tl.minimum(start + tl.arange(0, CHUNK), n_rows - 1)
+        r = tl.load(rows_ptr + j).to(tl.int64) + offset
+        _prefetch_l2(base + r[:, None] * row_bytes + line[None, :])
+
+
+@triton.jit
+def _prefetch_ahead(
+    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
+    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+):  # fmt: skip
+    """Fetch into L2, spread over this kernel's programs, weights that later kernels read (ops.Prefetch)."""
+    pid, nprog = _flat_program()
+    if N_WHOLE > 0:
+        _prefetch_span(a0_ptr, a0_bytes, pid, nprog)
+    if N_WHOLE > 1:
+        _prefetch_span(a1_ptr, a1_bytes, pid, nprog)
+    if N_TABLES > 0:
+        _prefetch_table_rows(t0_ptr, t0_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
+    if N_TABLES > 1:
+        _prefetch_table_rows(t1_ptr, t1_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
+    if N_TABLES > 2:
+        _prefetch_table_rows(t2_ptr, t2_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
+
+
+def _prefetch_args(prefetch: ops.Prefetch | None, anchor: Tensor, device: torch.device) -> dict:
+    """The kernel arguments of `_prefetch_ahead` for a Prefetch hint, within a budget of half the L2
+    cache: whole tensors in order, the last one cut short, then the row tables if they all fit."""
+    none = {"a0_ptr": anchor, "a0_bytes": 0, "a1_ptr": anchor, "a1_bytes": 0, "rows_ptr": anchor, "n_rows": 0,
+            "t0_ptr": anchor, "t0_off": 0, "t1_ptr": anchor, "t1_off": 0, "t2_ptr": anchor, "t2_off": 0,
+            "row_bytes": 128, "N_WHOLE": 0, "N_TABLES": 0, "ROW_LINES": 1}  # fmt: skip
+    if prefetch is None or not _pdl:
+        return none
+    budget = _l2_bytes(device) // 2
+    args = dict(none)
+    for i, t in enumerate(prefetch.whole[:2]):
+        n = min(t.numel() * t.element_size(), budget)
+        if n <= 0 or not t.is_contiguous():
+            break
+        args |= {f"a{i}_ptr": t, f"a{i}_bytes": n, "N_WHOLE": i + 1}
+        budget -= n
+    tables = prefetch.tables[:3]
+    if prefetch.rows is not None and tables:
+        row_bytes = tables[0][0].stride(0) * tables[0][0].element_size()
+        if all(m.stride(0) * m.element_size() == row_bytes and m.stride(-1) == 1 for m, _ in tables) and (
+            len(tables) * prefetch.rows.numel() * row_bytes <= budget
+        ):
+            args |= {"rows_ptr": prefetch.rows, "n_rows": prefetch.rows.numel(), "row_bytes": row_bytes,
+                     "N_TABLES": len(tables), "ROW_LINES": triton.next_power_of_2(triton.cdiv(row_bytes, 128))}  # fmt: skip
+            for i, (m, off) in enumerate(tables):
+                args |= {f"t{i}_ptr": m, f"t{i}_off": off}
+    return args
+
+
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 50 * 2**20
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+@triton.jit
 def _pdl_enter():
     """Wait until the previous kernel has finished (its writes visible), then let the next one launch."""
     tl.extra.cuda.gdc_wait()
@@ -455,13 +541,21 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
-):
+    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
+    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+):  # fmt: skip
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
     its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
+    Under PDL it first starts fetching into L2 the weights that later kernels will read (`_prefetch_ahead`):
+    in the denoising loop, the FFN's, whose own kernels start too late to hide their stream.
     """
     if PDL:
+        _prefetch_ahead(
+            a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr,
+            t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
+        )  # fmt: skip
         _pdl_enter()
     kv_head = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
@@ -849,13 +943,14 @@ def attention(
     v: Tensor,
     key_bias: Tensor,
     num_heads: int,
+    prefetch: ops.Prefetch | None = None,
     config: dict[str, int] | None = None,
 ) -> Tensor:
     n = q.shape[0]
     kvh, lk, dh = k.shape
     group = num_heads // kvh
     if dh & (dh - 1) or dh < 16 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-        return ops.attention(q, k, v, key_bias, num_heads)
+        return ops.attention(q, k, v, key_bias, num_heads, prefetch)
     out = torch.empty(n, num_heads * dh, device=q.device, dtype=q.dtype)
     if group * n <= 1024:  # denoising steps: few query rows, split the keys (H200: 10.2 µs vs 54 for SDPA)
         cfg = {"bm": 32, "bn": 64, "warps": 4, "stages": 3, "max_splits": 8}
@@ -877,6 +972,7 @@ def attention(
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
+        **_prefetch_args(prefetch, q, q.device),
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
     if split:
