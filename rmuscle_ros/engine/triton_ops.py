@@ -149,6 +149,11 @@ def _prefetch_args(prefetch: ops.Prefetch | None, anchor: Tensor, device: torch.
     return args
 
 
+# Which of the split attention's two kernels issues the Prefetch: the combine kernel starts (and
+# prefetches) while the attention runs, the attention kernel while the QKV projection before it runs.
+PREFETCH_IN_COMBINE = True
+
+
 @functools.cache
 def _l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
@@ -609,8 +614,14 @@ def _attention_kernel(
 def _attention_combine_kernel(
     part_ptr, stats_ptr, out_ptr, N, total, num_splits, stride_out,
     SPLITS_P2: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr,
+    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
+    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
 ):  # fmt: skip
     if PDL:
+        _prefetch_ahead(
+            a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr,
+            t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
+        )  # fmt: skip
         _pdl_enter()
     row = tl.program_id(0)  # global row = kv_head·G·N + head-in-group·N + token = head·N + token
     head = row // N
@@ -972,13 +983,14 @@ def attention(
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
-        **_prefetch_args(prefetch, q, q.device),
+        **_prefetch_args(prefetch if not (split and PREFETCH_IN_COMBINE) else None, q, q.device),
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
     if split:
         _attention_combine_kernel[(total,)](
             part, stats, out, n, total, splits, out.stride(0),
-            SPLITS_P2=triton.next_power_of_2(splits), DH=dh, PDL=_pdl, num_warps=4, **_launch_opts(),
+            SPLITS_P2=triton.next_power_of_2(splits), DH=dh, PDL=_pdl,
+            **_prefetch_args(prefetch if PREFETCH_IN_COMBINE else None, q, q.device), num_warps=4, **_launch_opts(),
         )  # fmt: skip
     return out
 
