@@ -1,7 +1,8 @@
 """The graph engine's Triton kernels against their PyTorch definitions, in Triton's CPU interpreter.
 
-This checks the kernels' indexing, masking, split-K and split-KV logic in CI (no GPU). Compilation and
-speed are only exercised on a GPU (test_engine_gpu.py, marker `gpu`).
+This checks the kernels' indexing, masking, split-K and split-KV logic in CI (no GPU). That they compile
+for the H200 is checked by test_kernels_compile.py; their speed only on a GPU (test_engine_gpu.py, marker
+`gpu`).
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ def _prefetch_args(prefetch: ops.Prefetch | None, anchor: Tensor, device: torch.
     none = {"a0_ptr": anchor, "a0_bytes": 0, "a1_ptr": anchor, "a1_bytes": 0, "rows_ptr": anchor, "n_rows": 0,
             "t0_ptr": anchor, "t0_off": 0, "t1_ptr": anchor, "t1_off": 0, "t2_ptr": anchor, "t2_off": 0,
             "row_bytes": 128, "N_WHOLE": 0, "N_TABLES": 0, "ROW_LINES": 1}  # fmt: skip
-    if prefetch is None or not _pdl:
-        return none
+    if prefetch is None:
+        return none  # (the kernels read these arguments under PDL only)
     budget = _l2_bytes(device) // 2
     args = dict(none)
     for i, t in enumerate(prefetch.whole[:2]):
