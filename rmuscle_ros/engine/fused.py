@@ -609,16 +609,14 @@ class FusedPi05:
                              e.num_heads, e.num_kv_heads)  # fmt: skip
                 # The FFN's weights (or the Action Cache's rows of them) start streaming into L2 during the
                 # attention: the FFN's own kernels would start them too late to hide them.
-                # "kv": the next layer's prefix K/V too, which its attention reads from HBM.
-                want, nxt = self.ffn_prefetch, (i + 1) % len(self.expert_layers)
-                kv_next = (kv.keys[nxt][:, :capacity], kv.values[nxt][:, :capacity]) if "kv" in want else ()
+                want = self.ffn_prefetch
                 if cached:
                     tables = [(layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim)] if "gate_up" in want else []
                     tables += [(self.down_t[i], 0)] if "down" in want else []
-                    ahead = Prefetch(whole=kv_next, rows=action.neurons[s, i], tables=tuple(tables))
+                    ahead = Prefetch(rows=action.neurons[s, i], tables=tuple(tables))
                 else:
-                    weights = ((layer.gate_up_w, "gate_up"), (layer.down_w, "down"))
-                    ahead = Prefetch(whole=tuple(w for w, name in weights if name in want) + kv_next)
+                    ahead = Prefetch(whole=tuple(w for w, name in ((layer.gate_up_w, "gate_up"),
+                                                                   (layer.down_w, "down")) if name in want))  # fmt: skip
                 attn = ops.attention(q, k, v, key_bias, e.num_heads, prefetch=ahead)
                 ops.add_norm(
                     res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,

@@ -103,17 +103,15 @@ def _prefetch_table_rows(
 
 @triton.jit
 def _prefetch_ahead(
-    a0_ptr, a0_bytes, a1_ptr, a1_bytes, a2_ptr, a2_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off,
-    t2_ptr, t2_off, row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
+    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
 ):  # fmt: skip
-    """Fetch into L2, spread over this kernel's programs, what later kernels read (ops.Prefetch)."""
+    """Fetch into L2, spread over this kernel's programs, weights that later kernels read (ops.Prefetch)."""
     pid, nprog = _flat_program()
     if N_WHOLE > 0:
         _prefetch_span(a0_ptr, a0_bytes, pid, nprog)
     if N_WHOLE > 1:
         _prefetch_span(a1_ptr, a1_bytes, pid, nprog)
-    if N_WHOLE > 2:
-        _prefetch_span(a2_ptr, a2_bytes, pid, nprog)
     if N_TABLES > 0:
         _prefetch_table_rows(t0_ptr, t0_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
     if N_TABLES > 1:
@@ -124,16 +122,15 @@ def _prefetch_ahead(
 
 def _prefetch_args(prefetch: ops.Prefetch | None, anchor: Tensor, device: torch.device) -> dict:
     """The kernel arguments of `_prefetch_ahead` for a Prefetch hint, within a budget of half the L2
-    cache: whole tensors in order (at most 3), the last one cut short, then the row tables if they all fit."""
-    none = {"a0_ptr": anchor, "a0_bytes": 0, "a1_ptr": anchor, "a1_bytes": 0, "a2_ptr": anchor, "a2_bytes": 0,
-            "rows_ptr": anchor, "n_rows": 0,
+    cache: whole tensors in order, the last one cut short, then the row tables if they all fit."""
+    none = {"a0_ptr": anchor, "a0_bytes": 0, "a1_ptr": anchor, "a1_bytes": 0, "rows_ptr": anchor, "n_rows": 0,
             "t0_ptr": anchor, "t0_off": 0, "t1_ptr": anchor, "t1_off": 0, "t2_ptr": anchor, "t2_off": 0,
             "row_bytes": 128, "N_WHOLE": 0, "N_TABLES": 0, "ROW_LINES": 1}  # fmt: skip
     if prefetch is None:
         return none  # (the kernels read these arguments under PDL only)
     budget = _l2_bytes(device) // 2
     args = dict(none)
-    for i, t in enumerate(prefetch.whole[:3]):
+    for i, t in enumerate(prefetch.whole[:2]):
         n = min(t.numel() * t.element_size(), budget)
         if n <= 0 or not t.is_contiguous():
             break
@@ -549,8 +546,8 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
-    a0_ptr, a0_bytes, a1_ptr, a1_bytes, a2_ptr, a2_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off,
-    t2_ptr, t2_off, row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
+    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
 ):  # fmt: skip
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
@@ -561,8 +558,8 @@ def _attention_kernel(
     """
     if PDL:
         _prefetch_ahead(
-            a0_ptr, a0_bytes, a1_ptr, a1_bytes, a2_ptr, a2_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr,
-            t1_off, t2_ptr, t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
+            a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr,
+            t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
         )  # fmt: skip
         _pdl_enter()
     kv_head = tl.program_id(0)
@@ -617,13 +614,13 @@ def _attention_kernel(
 def _attention_combine_kernel(
     part_ptr, stats_ptr, out_ptr, N, total, num_splits, stride_out,
     SPLITS_P2: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr,
-    a0_ptr, a0_bytes, a1_ptr, a1_bytes, a2_ptr, a2_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off,
-    t2_ptr, t2_off, row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
+    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         _prefetch_ahead(
-            a0_ptr, a0_bytes, a1_ptr, a1_bytes, a2_ptr, a2_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr,
-            t1_off, t2_ptr, t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
+            a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr,
+            t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
         )  # fmt: skip
         _pdl_enter()
     row = tl.program_id(0)  # global row = kv_head·G·N + head-in-group·N + token = head·N + token
