@@ -368,9 +368,7 @@ class RMuscle:
             record = self._dense_stages(bucket)
             descriptor = self._read_descriptor(ready)
             matches = self._query(descriptor)
-            info = self._dense_info(self.retriever.last_similarity)
-            if record:
-                self._record(inputs, descriptor)
+            info = self._dense_done(inputs, record, descriptor, self.retriever.last_similarity)
             return self._finish_call(matches, info)
         descriptor = self._read_descriptor(ready)
         matches = self._query(descriptor)
@@ -427,11 +425,15 @@ class RMuscle:
         self, inputs: ModelInputs, bucket: int, descriptor: np.ndarray, similarity: float
     ) -> CallInfo:
         """The prefill and denoise of a dense call (vision has run), recorded if this episode qualifies."""
-        record = self._dense_stages(bucket)
-        info = self._dense_info(similarity)
+        return self._dense_done(inputs, self._dense_stages(bucket), descriptor, similarity)
+
+    def _dense_done(
+        self, inputs: ModelInputs, record: bool, descriptor: np.ndarray, similarity: float
+    ) -> CallInfo:
+        """After a dense call's stages are queued: record the call if they record, and say how it ran."""
         if record:
             self._record(inputs, descriptor)
-        return info
+        return self._dense_info(similarity)
 
     def _dense_stages(self, bucket: int) -> bool:
         """Queue a dense call's prefill and denoise (vision has run): recording ones if this episode
