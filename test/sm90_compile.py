@@ -85,7 +85,7 @@ def engine_calls() -> None:
     sel = keep_neuron_count(0.5, e.mlp_dim)
     idx = torch.arange(sel, dtype=i32) * 2
     for ahead in (
-        Prefetch(whole=(gate_up,)),
+        Prefetch(whole=gate_up),
         Prefetch(rows=idx, tables=((gate_up, 0), (gate_up, e.mlp_dim))),
     ):
         attn = T.attention(q, kv_k, kv_v, t(cap, dtype=f32), e.num_heads, prefetch=ahead)

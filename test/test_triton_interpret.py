@@ -346,3 +346,27 @@ def test_action_step_between_denoising_steps(mode: str, kernel: str, no_fallback
         impl.action_step(x, **kw)
         outs.append((x, h, res))
     assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True) if ref.norm() > 0)
+
+
+def test_prefetch_hint_stays_within_half_the_l2() -> None:
+    """The denoising FFN's early prefetch (ops.Prefetch) never asks for more than half the L2 cache (taken
+    as 50 MiB off a GPU): a whole tensor is cut short, row tables go only if they fit in what is left."""
+    mib = 2**20
+    q = torch.empty(4)
+    half = triton_ops._l2_bytes(torch.device("cpu")) // 2
+    gate_up = torch.empty(8 * mib, dtype=torch.bfloat16)  # 16 MiB
+    args = triton_ops._prefetch_args(ops.Prefetch(whole=gate_up), q, q.device)
+    assert args["WHOLE"] and args["whole_bytes"] == 16 * mib and args["N_TABLES"] == 0
+    big = torch.empty(151 * mib, dtype=torch.bfloat16)  # pi05-7b's expert gate/up: 302 MiB
+    assert triton_ops._prefetch_args(ops.Prefetch(whole=big), q, q.device)["whole_bytes"] == half
+    w = torch.empty(8192, 1024, dtype=torch.bfloat16)  # rows of 2 KiB
+    rows = torch.arange(2048, dtype=torch.int32)
+    args = triton_ops._prefetch_args(ops.Prefetch(rows=rows, tables=((w, 0), (w, 4096))), q, q.device)
+    assert (args["N_TABLES"], args["row_bytes"], args["t1_off"], args["ROW_LINES"]) == (2, 2048, 4096, 16)
+    crowded = ops.Prefetch(whole=big, rows=rows, tables=((w, 0),))  # the whole tensor took the budget
+    assert triton_ops._prefetch_args(crowded, q, q.device)["N_TABLES"] == 0
+    mixed = ops.Prefetch(rows=rows, tables=((w, 0), (torch.empty(8192, 512, dtype=torch.bfloat16), 0)))
+    assert triton_ops._prefetch_args(mixed, q, q.device)["N_TABLES"] == 0  # rows of different lengths
+    assert triton_ops._prefetch_args(None, q, q.device)["WHOLE"] is False
+    with pytest.raises(ValueError, match="at most 2 row tables"):
+        ops.Prefetch(rows=rows, tables=((w, 0),) * 3)

@@ -311,8 +311,6 @@ class FusedPi05:
             self.vlm_rope = rope_tables(positions, g.head_dim, g.rope_theta)
             self.expert_rope = rope_tables(positions, e.head_dim, e.rope_theta)
         self.down_t: list[Tensor] | None = None  # K-major expert down-projections, for the Action Cache
-        # Which FFN weights each denoising layer-step's attention starts fetching into L2 (see denoise).
-        self.ffn_prefetch: tuple[str, ...] = ("gate_up",)
 
     def prepare_action_cache(self) -> int:
         """Build what the Action Cache reads: each expert layer's down-projection stored K-major (F, We), so
@@ -607,16 +605,14 @@ class FusedPi05:
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
                 ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
                              e.num_heads, e.num_kv_heads)  # fmt: skip
-                # The FFN's weights (or the Action Cache's rows of them) start streaming into L2 during the
-                # attention: the FFN's own kernels would start them too late to hide them.
-                want = self.ffn_prefetch
+                # The FFN's gate/up weights (or the Action Cache's rows of them) start streaming into L2
+                # during the attention: the FFN's own kernel would start them too late to hide them. (The
+                # down-projection's too measured no faster: bench/results/dev_prefetch_ahead_h200_94aca68.)
                 if cached:
-                    tables = [(layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim)] if "gate_up" in want else []
-                    tables += [(self.down_t[i], 0)] if "down" in want else []
-                    ahead = Prefetch(rows=action.neurons[s, i], tables=tuple(tables))
+                    gate_up = ((layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim))
+                    ahead = Prefetch(rows=action.neurons[s, i], tables=gate_up)
                 else:
-                    ahead = Prefetch(whole=tuple(w for w, name in ((layer.gate_up_w, "gate_up"),
-                                                                   (layer.down_w, "down")) if name in want))  # fmt: skip
+                    ahead = Prefetch(whole=layer.gate_up_w)
                 attn = ops.attention(q, k, v, key_bias, e.num_heads, prefetch=ahead)
                 ops.add_norm(
                     res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,

@@ -216,14 +216,19 @@ def qkv_rope(
 @dataclass(frozen=True)
 class Prefetch:
     """Weights that later kernels will read, for a kernel to start fetching into the GPU's L2 cache ahead
-    of them. A hint with no effect on any result: the definitions here ignore it.
+    of them. A hint with no effect on any result: the definitions here ignore it, and the split attention's
+    combine kernel carries it out (so an unsplit attention drops it).
 
-    whole: tensors read whole. rows with tables: rows `offset + rows[j]` of each (matrix, offset) in
-    `tables` (the Action Cache's selected neurons, in the gate/up and down-projection weights)."""
+    whole: a tensor read whole. rows with tables (at most 2): rows `offset + rows[j]` of each
+    (matrix, offset) (the Action Cache's selected neurons in the gate and up halves of a gate/up weight)."""
 
-    whole: tuple[Tensor, ...] = ()
+    whole: Tensor | None = None
     rows: Tensor | None = None
     tables: tuple[tuple[Tensor, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.tables) > 2:
+            raise ValueError(f"Prefetch: at most 2 row tables, got {len(self.tables)}")
 
 
 def attention(

@@ -103,40 +103,36 @@ def _prefetch_table_rows(
 
 @triton.jit
 def _prefetch_ahead(
-    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
-    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+    whole_ptr, whole_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, row_bytes,
+    WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
 ):  # fmt: skip
     """Fetch into L2, spread over this kernel's programs, weights that later kernels read (ops.Prefetch)."""
     pid, nprog = _flat_program()
-    if N_WHOLE > 0:
-        _prefetch_span(a0_ptr, a0_bytes, pid, nprog)
-    if N_WHOLE > 1:
-        _prefetch_span(a1_ptr, a1_bytes, pid, nprog)
+    if WHOLE:
+        _prefetch_span(whole_ptr, whole_bytes, pid, nprog)
     if N_TABLES > 0:
         _prefetch_table_rows(t0_ptr, t0_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
     if N_TABLES > 1:
         _prefetch_table_rows(t1_ptr, t1_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
-    if N_TABLES > 2:
-        _prefetch_table_rows(t2_ptr, t2_off, rows_ptr, n_rows, row_bytes, pid, nprog, ROW_LINES)
 
 
-def _prefetch_args(prefetch: ops.Prefetch | None, anchor: Tensor, device: torch.device) -> dict:
-    """The kernel arguments of `_prefetch_ahead` for a Prefetch hint, within a budget of half the L2
-    cache: whole tensors in order, the last one cut short, then the row tables if they all fit."""
-    none = {"a0_ptr": anchor, "a0_bytes": 0, "a1_ptr": anchor, "a1_bytes": 0, "rows_ptr": anchor, "n_rows": 0,
-            "t0_ptr": anchor, "t0_off": 0, "t1_ptr": anchor, "t1_off": 0, "t2_ptr": anchor, "t2_off": 0,
-            "row_bytes": 128, "N_WHOLE": 0, "N_TABLES": 0, "ROW_LINES": 1}  # fmt: skip
+def _prefetch_args(prefetch: ops.Prefetch | None, placeholder: Tensor, device: torch.device) -> dict:
+    """The kernel arguments of `_prefetch_ahead` for a Prefetch hint (`placeholder` stands in for unused
+    pointers), within a budget of half the L2 cache: the whole tensor, cut short if it must be, then the
+    row tables if they fit in what is left."""
+    none = {"whole_ptr": placeholder, "whole_bytes": 0, "rows_ptr": placeholder, "n_rows": 0,
+            "t0_ptr": placeholder, "t0_off": 0, "t1_ptr": placeholder, "t1_off": 0, "row_bytes": 128,
+            "WHOLE": False, "N_TABLES": 0, "ROW_LINES": 1}  # fmt: skip
     if prefetch is None:
         return none  # (the kernels read these arguments under PDL only)
     budget = _l2_bytes(device) // 2
     args = dict(none)
-    for i, t in enumerate(prefetch.whole[:2]):
+    t = prefetch.whole
+    if t is not None and t.is_contiguous():
         n = min(t.numel() * t.element_size(), budget)
-        if n <= 0 or not t.is_contiguous():
-            break
-        args |= {f"a{i}_ptr": t, f"a{i}_bytes": n, "N_WHOLE": i + 1}
+        args |= {"whole_ptr": t, "whole_bytes": n, "WHOLE": True}
         budget -= n
-    tables = prefetch.tables[:3]
+    tables = prefetch.tables
     if prefetch.rows is not None and tables:
         row_bytes = tables[0][0].stride(0) * tables[0][0].element_size()
         if all(m.stride(0) * m.element_size() == row_bytes and m.stride(-1) == 1 for m, _ in tables) and (
@@ -147,11 +143,6 @@ def _prefetch_args(prefetch: ops.Prefetch | None, anchor: Tensor, device: torch.
             for i, (m, off) in enumerate(tables):
                 args |= {f"t{i}_ptr": m, f"t{i}_off": off}
     return args
-
-
-# Which of the split attention's two kernels issues the Prefetch: the combine kernel starts (and
-# prefetches) while the attention runs, the attention kernel while the QKV projection before it runs.
-PREFETCH_IN_COMBINE = True
 
 
 @functools.cache
@@ -546,21 +537,13 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     KEYS_PER_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
-    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
-    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
-):  # fmt: skip
+):
     """Flash attention over one K/V head for a block of its G·N query rows (query heads folded into rows).
 
     With SPLIT, each program covers one slice of the keys and writes an unnormalised partial result plus
     its running max and denominator; `_attention_combine_kernel` merges the slices (flash-decoding).
-    Under PDL it first starts fetching into L2 the weights that later kernels will read (`_prefetch_ahead`):
-    in the denoising loop, the FFN's, whose own kernels start too late to hide their stream.
     """
     if PDL:
-        _prefetch_ahead(
-            a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr,
-            t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
-        )  # fmt: skip
         _pdl_enter()
     kv_head = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)  # row r = (head-in-group r // N, token r % N)
@@ -614,13 +597,16 @@ def _attention_kernel(
 def _attention_combine_kernel(
     part_ptr, stats_ptr, out_ptr, N, total, num_splits, stride_out,
     SPLITS_P2: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr,
-    a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr, t2_off,
-    row_bytes, N_WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
+    whole_ptr, whole_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, row_bytes,
+    WHOLE: tl.constexpr, N_TABLES: tl.constexpr, ROW_LINES: tl.constexpr,
 ):  # fmt: skip
+    """Merge the split-KV partials of one query row. Under PDL it first starts fetching into L2 what the
+    attention's `prefetch` names (`_prefetch_ahead`). It starts while the attention runs, three kernels
+    before the denoising FFN's gate/up, whose own prefetch starts too late to hide its 16.8 MB."""
     if PDL:
         _prefetch_ahead(
-            a0_ptr, a0_bytes, a1_ptr, a1_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, t2_ptr,
-            t2_off, row_bytes, N_WHOLE, N_TABLES, ROW_LINES,
+            whole_ptr, whole_bytes, rows_ptr, n_rows, t0_ptr, t0_off, t1_ptr, t1_off, row_bytes,
+            WHOLE, N_TABLES, ROW_LINES,
         )  # fmt: skip
         _pdl_enter()
     row = tl.program_id(0)  # global row = kv_head·G·N + head-in-group·N + token = head·N + token
@@ -983,14 +969,13 @@ def attention(
         q, k, v, key_bias, out, part, stats, n, lk, dh**-0.5,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         G=group, DH=dh, BM=bm, BN=bn, SPLIT=split, KEYS_PER_SPLIT=keys_per_split, PDL=_pdl,
-        **_prefetch_args(prefetch if not (split and PREFETCH_IN_COMBINE) else None, q, q.device),
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
     if split:
         _attention_combine_kernel[(total,)](
             part, stats, out, n, total, splits, out.stride(0),
             SPLITS_P2=triton.next_power_of_2(splits), DH=dh, PDL=_pdl,
-            **_prefetch_args(prefetch if PREFETCH_IN_COMBINE else None, q, q.device), num_warps=4, **_launch_opts(),
+            **_prefetch_args(prefetch, q, q.device), num_warps=4, **_launch_opts(),
         )  # fmt: skip
     return out
 
