@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels can only run in its interpreter, and Triton reads this when it is first
+# imported (its own library functions are decorated then): set it before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from safetensors.torch import load_file
 
 from rmuscle_ros.models.checkpoint import init_random_

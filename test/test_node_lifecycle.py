@@ -405,7 +405,9 @@ def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str) -> No
 def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from rmuscle_ros.demo import main
 
-    assert main(["--seconds", "2", "--out", str(tmp_path)]) == 0
+    # 3 s of bag: 6 chunks per episode. The node rebuilds cache entries only in the time its 2-core CPU has
+    # left between calls, so under load a 4-chunk repeat (2 s) was once served all dense.
+    assert main(["--seconds", "3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "chunks at" in out and "latency p50" in out and "drops by reason" in out
     # The rMuscle story: a dense warm-up episode, recorded at the reset, then its repeat from the cache.
@@ -416,4 +418,4 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     warmup = [c.cache_mode for c in chunks if c.episode_id == 0]
     repeat = [c.cache_mode for c in chunks if c.episode_id == 1]
     assert warmup and set(warmup) == {ActionChunk.CACHE_DENSE}
-    assert ActionChunk.CACHE_CACHED in repeat, repeat
+    assert ActionChunk.CACHE_CACHED in repeat, (repeat, out)
