@@ -65,3 +65,16 @@ def test_layer_step_positions_separate_the_anchor_step_from_the_later_ones() -> 
     assert [r["kernel"] for r in rows] == ["_skinny_qkv_rope_kernel", "_add_norm_kernel"]
     assert [(r["first_step_us"], r["later_steps_us"]) for r in rows] == [(1.0, 2.0), (1.0, 2.0)]
     assert layer_step_positions(events[:-2], steps=2, depth=2) is None  # not whole layer-steps
+
+
+def test_compare_traces_lists_each_position_and_the_span_for_stages_traced_in_both() -> None:
+    from bench.compare_traces import layer_step_deltas
+
+    def trace(commit: str, later: list[float], span: float) -> dict:
+        rows = [{"position": i, "kernel": f"k{i}", "later_steps_us": v} for i, v in enumerate(later)]
+        return {"commit": commit, "results": {"denoise": {"span_us": span, "layer_step": rows},
+                                              "vision": {"span_us": 1.0}}}  # fmt: skip
+
+    out = layer_step_deltas(trace("a", [3.0, 5.0], 6000.0), trace("b", [2.5, 5.5], 5900.0))
+    assert list(out) == ["denoise"]  # vision has no layer-step table
+    assert [(r["position"], r["delta_us"]) for r in out["denoise"]] == [(0, -0.5), (1, 0.5), ("span", -0.1)]
