@@ -70,14 +70,22 @@ def idle_gaps(events: list[tuple[str, float, float]]) -> list[dict]:
     ]
 
 
+def _charged(events: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """Each event's short name, charged µs and the idle gap before it (see the module docstring)."""
+    return [
+        (short(name), max(0.0, stop - max(start, busy)), max(0.0, start - busy))
+        for name, start, stop, busy in _timeline(events)
+    ]
+
+
 def charge(events: list[tuple[str, float, float]]) -> dict:
     """Per kernel name: count, charged µs, gap µs before it (see the module docstring); and the span."""
     rows: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "charged_us": 0.0, "gap_us": 0.0})
-    for name, start, stop, busy in _timeline(events):
-        row = rows[short(name)]
+    for name, charged, gap in _charged(events):
+        row = rows[name]
         row["count"] += 1
-        row["gap_us"] += max(0.0, start - busy)
-        row["charged_us"] += max(0.0, stop - max(start, busy))
+        row["gap_us"] += gap
+        row["charged_us"] += charged
     span = max(stop for _, _, stop in events) - events[0][1]
     return {"span_us": span, "kernels": len(events), "by_kernel": dict(rows)}
 
@@ -91,11 +99,7 @@ def layer_step_positions(events: list[tuple[str, float, float]], steps: int, dep
     attention, its combine, o, residual+norm, gate/up, down, residual+norm), so the i-th of them is the
     same operator every time. Charged µs (as in `charge`) per layer-step, averaged. None when the kernels
     do not repeat per layer-step (e.g. a fallback backend)."""
-    charged = [
-        (short(name), max(0.0, stop - max(start, busy)), max(0.0, start - busy))
-        for name, start, stop, busy in _timeline(events)
-    ]
-    layer = [c for c in charged if any(k in c[0] for k in LAYER_KERNELS)]
+    layer = [c for c in _charged(events) if any(k in c[0] for k in LAYER_KERNELS)]
     if not layer or len(layer) % (steps * depth):
         return None
     period, per_step = len(layer) // (steps * depth), len(layer) // steps
