@@ -7,12 +7,10 @@ for the H200 is checked by test_kernels_compile.py; their speed only on a GPU (t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# conftest.py switches Triton to its interpreter on a machine without a GPU, before anything imports it.
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]')")
 if torch.cuda.is_available():
     pytest.skip(
