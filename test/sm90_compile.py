@@ -89,7 +89,7 @@ def engine_calls() -> None:
         Prefetch(rows=idx, tables=((gate_up, 0), (gate_up, e.mlp_dim))),
     ):
         attn = T.attention(q, kv_k, kv_v, t(cap, dtype=f32), e.num_heads, prefetch=ahead)
-    gate = {"gate": t(e.width, dtype=f32), **mod}
+    gate = {"gate": t(e.width, dtype=f32), **mod, "res_ready": True}
     T.add_norm(res, T.linear(attn, t(e.width, eq), split_k(eq)), h, eps=1e-6, rms=True, **gate)
     act, act_anchor, y_anchor = t(ha, e.mlp_dim), t(ha, e.mlp_dim), t(ha, e.width, dtype=f32)
     T.linear_geglu(h, gate_up, act)

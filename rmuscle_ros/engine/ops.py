@@ -37,6 +37,7 @@ def add_norm(
     drift_ref: Tensor | None = None,
     drift_out: Tensor | None = None,
     ref_slot: Tensor | None = None,
+    res_ready: bool = False,
 ) -> Tensor:
     """Residual update then normalisation, in one pass over the row.
 
@@ -51,6 +52,7 @@ def add_norm(
     rows r < Nv may be negative). With drift_ref (Nv, D) and drift_out (Nv,) float32: drift_out[r] =
     Σ_d (out[r, d] − drift_ref[r, d])², from out as stored (in its dtype), for the first Nv rows. With
     ref_slot (1,) int64: y_alt and drift_ref are stacks (S, Nv, D) and slot ref_slot[0] is the one read.
+    res_ready: a scheduling hint for the Triton kernel (res may be read before its PDL wait); no effect here.
     """
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")

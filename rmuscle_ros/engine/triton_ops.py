@@ -202,6 +202,7 @@ def _add_norm_kernel(
     ref_slot_ptr,
     stride_ref_slot,
     REF_SLOT: tl.constexpr,
+    RES_EARLY: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -218,12 +219,15 @@ def _add_norm_kernel(
         add = tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_BASE:
         base = tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
+    if RES_EARLY:  # the caller says the residual was last written two or more kernels back: finished by now
+        x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
     if PDL:
         _pdl_enter()
     ref_off = 0  # y_alt and drift_ref: with REF_SLOT, stacks of entries, ref_slot[0] the one read
     if REF_SLOT:
         ref_off = tl.load(ref_slot_ptr).to(tl.int64) * stride_ref_slot
-    x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
+    if not RES_EARLY:
+        x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_Y:
         y_row = row
         y_mask = valid
@@ -288,8 +292,12 @@ def add_norm(
     drift_ref: Tensor | None = None,
     drift_out: Tensor | None = None,
     ref_slot: Tensor | None = None,
+    res_ready: bool = False,
 ) -> Tensor:
-    """ops.add_norm in one kernel per row (see it for the terms)."""
+    """ops.add_norm in one kernel per row (see it for the terms). res_ready: `res` was last written two or
+    more kernels before this one, so under PDL it may be read before the wait. (A kernel starts only once
+    every program of the one before it has passed its own wait, i.e. once the kernel two back has
+    finished and its writes are visible.)"""
     n, d = res.shape
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
@@ -345,6 +353,7 @@ def add_norm(
         ref_slot_ptr=res if ref_slot is None else ref_slot,
         stride_ref_slot=stacks[0].stride(0) if stacks else 0,
         REF_SLOT=bool(stacks),
+        RES_EARLY=res_ready,
         num_warps=4 if block <= 1024 else 8,
         **_launch_opts(),
     )
