@@ -103,12 +103,13 @@ def test_packed_attention_kernel(batch: int, heads: int, t: int, dh: int, no_fal
     assert got.shape == expected.shape and rel(got, expected) < 1e-5
 
 
+@pytest.mark.parametrize("preload", [0, 32768])  # the weight slice streamed in a K loop, or preloaded whole
 @pytest.mark.parametrize("splits", [1, 4])
-def test_few_row_matmuls(splits: int, no_fallback) -> None:
+def test_few_row_matmuls(splits: int, preload: int, no_fallback) -> None:
     a, w, gate_up = torch.randn(13, 256), torch.randn(48, 256), torch.randn(2 * 48, 256) * 0.1
     expected, expected_geglu = ops.linear(a, w, splits), ops.linear_geglu(a, gate_up, torch.empty(13, 48))
     no_fallback()
-    cfg = {"bn": 16, "bk": 64}
+    cfg = {"bn": 16, "bk": 64, "preload": preload}
     out = triton_ops.linear(a, w, splits, cfg)
     assert out.shape == ((splits, 13, 48) if splits > 1 else (13, 48))
     assert rel(out, expected) < 1e-5
@@ -146,12 +147,15 @@ def test_qkv_with_rope_epilogue(no_fallback) -> None:
     assert (outs[1][1][:, :9] == 0).all()
 
 
+@pytest.mark.parametrize("preload", [0, 32768])
 @pytest.mark.parametrize(("sel", "splits"), [(128, 2), (320, 3), (192, 4)])
-def test_action_cache_kernels_read_only_selected_neurons(sel: int, splits: int, no_fallback) -> None:
+def test_action_cache_kernels_read_only_selected_neurons(
+    sel: int, splits: int, preload: int, no_fallback
+) -> None:
     """Gathered GeGLU minus the anchor, the down-projection over the same neurons from a K-major weight
-    (split-K: even; 5 blocks of 64 in 3 slices, the last shorter; 3 blocks in 4 slices, the last empty),
-    and add_norm adding the anchor output back (and storing it at the anchor step): each equals its
-    definition."""
+    (split-K: even; 5 blocks of 64 in 3 slices, the last shorter; 3 blocks in 4 slices, the last empty;
+    its weight slice streamed in a K loop or preloaded whole), and add_norm adding the anchor output back
+    (and storing it at the anchor step): each equals its definition."""
     m, width, f = 6, 128, 512
     x, gate_up = torch.randn(m, width), torch.randn(2 * f, width) * 0.1
     down_t = torch.randn(f, width) * 0.1  # (F, We): neuron j's output weights are row j
@@ -161,7 +165,7 @@ def test_action_cache_kernels_read_only_selected_neurons(sel: int, splits: int, 
     for impl in (ops, triton_ops):
         if impl is triton_ops:
             no_fallback()
-        cfg = {"config": {"bn": 16, "bk": 64}} if impl is triton_ops else {}
+        cfg = {"config": {"bn": 16, "bk": 64, "preload": preload}} if impl is triton_ops else {}
         delta = impl.linear_geglu(x, gate_up, torch.empty(m, sel), neurons=neurons, anchor=anchor, **cfg)
         y = impl.linear(delta, down_t, splits, neurons=neurons, **cfg)
         y = y.sum(0, keepdim=True)  # the slices differ (ops: ceil(K / splits); the kernel: whole blocks)

@@ -638,9 +638,13 @@ def _skinny_matmul_kernel(
     anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr,
+    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
+
+    PRELOAD (not with GEGLU): the program's whole weight slice is loaded into registers before the PDL wait
+    (not only prefetched into L2), and after it one dot over the K-slice (K_PER_SPLIT a power of two, no BK
+    loop).
 
     GEGLU: w is [W_gate; W_up] (up rows start at `up_offset`) and c = gelu_tanh(g) * u, (M, N).
     The Action Cache's gathers read only the selected neurons' weights, where they lie:
@@ -658,7 +662,18 @@ def _skinny_matmul_kernel(
     out_ok = (rows[:, None] < M) & col_ok[None, :]
     if SUB_ANCHOR:  # the anchor step's activations, from before the previous kernel: read before the wait
         anchor = tl.load(anchor_ptr + rows[:, None] * stride_anchor + src[None, :], mask=out_ok, other=0.0)
-    if PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
+    if PRELOAD:  # the weights, from before the call: into registers while the previous kernel runs
+        kp = split * K_PER_SPLIT + tl.arange(0, K_PER_SPLIT)
+        if GATHER_K:
+            kp_ok = kp < K
+            kp_src = tl.load(idx_ptr + kp, mask=kp_ok, other=0).to(tl.int64)
+            w_pre = tl.load(w_ptr + kp_src[:, None] * stride_w + cols[None, :], mask=kp_ok[:, None] & col_ok[None, :],
+                            other=0.0)  # fmt: skip
+        else:  # (K-slice, BN), like the gathered one
+            w_pre = tl.load(w_ptr + src[None, :] * stride_w + kp[:, None], mask=col_ok[None, :], other=0.0)
+        if PDL:
+            _pdl_enter()
+    elif PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
         if GATHER_K:  # one short segment (BN columns) per selected row
             kk = tl.minimum(split * K_PER_SPLIT + tl.minimum(tl.arange(0, LINES), K_PER_SPLIT - 1), K - 1)
             _prefetch_l2(w_ptr + tl.load(idx_ptr + kk).to(tl.int64) * stride_w + tl.program_id(0) * BN)
@@ -671,7 +686,13 @@ def _skinny_matmul_kernel(
         _pdl_enter()
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K_PER_SPLIT, BK):
+    if PRELOAD:
+        a_mask = rows[:, None] < M
+        if GATHER_K:
+            a_mask = a_mask & kp_ok[None, :]
+        a_pre = tl.load(a_ptr + rows[:, None] * stride_a + kp[None, :], mask=a_mask, other=0.0)
+        acc = tl.dot(a_pre, w_pre)
+    for k0 in range(0, K_PER_SPLIT if not PRELOAD else 0, BK):
         ks = split * K_PER_SPLIT + k0 + tl.arange(0, BK)
         if GATHER_K:
             k_ok = ks < K
@@ -706,6 +727,9 @@ def _launch_skinny(
     k = a.shape[1]
     # Gathered K: slices of whole BK blocks, the last one shorter (masked); otherwise K divides evenly.
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg["bk"]) * cfg["bk"] if gather_k else k // splits
+    # PRELOAD: the weight slice into registers before the PDL wait, when it is at most cfg["preload"] bytes
+    w_bytes = k_split * cfg["bn"] * w.element_size()
+    preload = not geglu and w_bytes <= cfg.get("preload", 0) and not k_split & (k_split - 1)
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
         a, w, c, a.shape[0], n, k, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
@@ -714,7 +738,7 @@ def _launch_skinny(
         BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
         LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
         GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
+        PRELOAD=preload, num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
 
 
@@ -746,7 +770,10 @@ def linear(
     # (bench/results/tune_in_graph_h200.json; BN 64 beat 32 by 0.13 and 0.22 ms per call).
     # Gathered (Action Cache) rows the same: tuned in the cached denoise graph, BN 64 beat 32 by 0.09 ms per
     # call (bench/results/tune_in_graph_h200_cached_5b80a0c.json).
-    cfg = {"bn": 64, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    # Weight slices of at most 32 KB are loaded into registers before the PDL wait (PRELOAD): the gathered
+    # down-projection at ρn = 0.5 went 4.31 -> 2.74 us per layer-step; at 64 KB (o and the dense down) it
+    # spilled and ran slower, 3.0 -> 4.7 and 3.9 -> 6.3 (bench/results/trace_graphs_h200_cached_a58c3bc_wts).
+    cfg = {"bn": 64, "bk": 128, "warps": 4, "stages": 4, "preload": 32768} | (config or {})
     if not _skinny_ok(a, w, splits, cfg["bk"], uneven=neurons is not None) or (
         neurons is not None and neurons.numel() != a.shape[1]
     ):
