@@ -37,33 +37,22 @@ GRIDS: dict[str, dict[str, list[int]]] = {
         "stages": [3],
     },
     "qkv_rope": {"bn": [16, 32], "bk": [64, 128, 256], "warps": [4, 8], "stages": [3, 4]},
-    "linear_geglu": {"splits": [1, 2], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [3, 4]},
+    "linear_geglu": {"bn": [16, 32, 64], "bk": [64, 128, 256], "warps": [4], "stages": [3, 4]},
     "o_proj": {"splits": [2, 4, 8], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
     "down_proj": {"splits": [4, 8, 16], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
 # The Action Cache's gathered kernels, tuned in the cached denoise graph (--cache RHO_P RHO_N).
 CACHED_GRIDS: dict[str, dict[str, list[int]]] = {
-    "gathered_geglu": {
-        "splits": [1, 2],
-        "bn": [16, 32, 64],
-        "bk": [64, 128],
-        "warps": [4, 8],
-        "stages": [3, 4],
-    },
+    "gathered_geglu": {"bn": [16, 32], "bk": [128, 256, 512], "warps": [4, 8], "stages": [2, 3, 4]},
     "gathered_down": {"splits": [4, 8], "bn": [32, 64, 128], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
-
-
-GEGLU_KINDS = ("linear_geglu", "gathered_geglu")
 
 
 def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
     m = types.ModuleType("configured")
     for name in dir(triton_ops):
         setattr(m, name, getattr(triton_ops, name))
-    # The gate/up kernels take "splits" in their config (K in two halves); the o and down projections' split
-    # is the engine's (o_splits, down_splits, gather_splits), set by the caller.
-    kcfg = cfg if kind in GEGLU_KINDS else {k: v for k, v in cfg.items() if k != "splits"}
+    kcfg = {k: v for k, v in cfg.items() if k != "splits"}
     e = fused.cfg.expert
     if kind == "gathered_geglu":
         m.linear_geglu = lambda a, w, out, **k: triton_ops.linear_geglu(
@@ -135,7 +124,7 @@ def main() -> None:
             fused.ops = configured_ops(kind, c, fused)
             if kind == "gathered_down":
                 fused_module.gather_splits = lambda selected, s=c["splits"]: s
-            elif "splits" in c and kind not in GEGLU_KINDS:
+            elif "splits" in c:
                 setattr(fused, "o_splits" if kind == "o_proj" else "down_splits", c["splits"])
             try:
                 engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket, variant))

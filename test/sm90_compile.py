@@ -92,15 +92,11 @@ def engine_calls() -> None:
     gate = {"gate": t(e.width, dtype=f32), **mod, "res_ready": True}
     T.add_norm(res, T.linear(attn, t(e.width, eq), split_k(eq)), h, eps=1e-6, rms=True, **gate)
     act, act_anchor, y_anchor = t(ha, e.mlp_dim), t(ha, e.mlp_dim), t(ha, e.width, dtype=f32)
-    sync = t(e.mlp_dim // 16, dtype=i32)
-    for split in (1, 2):  # the gate/up unsplit, and its K split in two (dense and gathered)
-        T.linear_geglu(h, gate_up, act, sync=sync, config={"splits": split})
-        T.linear_geglu(
-            h, gate_up, t(ha, sel), neurons=idx, anchor=act_anchor, sync=sync, config={"splits": split}
-        )
+    T.linear_geglu(h, gate_up, act)
     y = T.linear(act, down, split_k(e.mlp_dim))
     T.add_norm(res, y, h, eps=1e-6, rms=True, y_store=y_anchor, **gate)
     delta = t(ha, sel)
+    T.linear_geglu(h, gate_up, delta, neurons=idx, anchor=act_anchor)
     y = T.linear(delta, down_t, gather_splits(sel), neurons=idx)
     T.add_norm(res, y, h, eps=1e-6, rms=True, y_base=y_anchor, **gate)
 

@@ -116,27 +116,6 @@ def test_few_row_matmuls(splits: int, preload: int, no_fallback) -> None:
     assert rel(triton_ops.linear_geglu(a, gate_up, torch.empty(13, 48), config=cfg), expected_geglu) < 1e-5
 
 
-@pytest.mark.parametrize("gathered", [False, True])
-def test_few_row_geglu_split_in_two(gathered: bool, no_fallback) -> None:
-    """The few-row GeGLU with K split in two: whichever half arrives second finishes each column block. It
-    equals the definition, dense and gathered (minus the anchor); the arrival counters are left at zero,
-    so a second call gives the same result; without counters K is not split."""
-    m, k, f, sel = 13, 256, 96, 48
-    a, gate_up, anchor = torch.randn(m, k), torch.randn(2 * f, k) * 0.1, torch.randn(m, f)
-    neurons = torch.sort(torch.randperm(f)[:sel]).values.to(torch.int32)
-    kw = {"neurons": neurons, "anchor": anchor} if gathered else {}
-    n = sel if gathered else f
-    expected = ops.linear_geglu(a, gate_up, torch.empty(m, n), **kw)
-    no_fallback()
-    sync = torch.zeros(n // 16, dtype=torch.int32)
-    cfg = {"bn": 16, "bk": 64, "splits": 2}
-    first = triton_ops.linear_geglu(a, gate_up, torch.empty(m, n), config=cfg, sync=sync, **kw)
-    assert rel(first, expected) < 1e-5 and (sync == 0).all()
-    again = triton_ops.linear_geglu(a, gate_up, torch.empty(m, n), config=cfg, sync=sync, **kw)
-    assert torch.equal(again, first) and (sync == 0).all()
-    assert rel(triton_ops.linear_geglu(a, gate_up, torch.empty(m, n), config=cfg, **kw), expected) < 1e-5
-
-
 @pytest.mark.parametrize(
     "m, programs",
     [(70, 0), (40, 4)],  # one tile per program; fewer programs than tiles, two left idle

@@ -300,9 +300,6 @@ class FusedPi05:
         e = self.cfg.expert
         self.o_splits = split_k(e.num_heads * e.head_dim)
         self.down_splits = split_k(e.mlp_dim)
-        # The few-row gate/up kernel's arrival counters when it splits K in two (triton_ops.linear_geglu):
-        # one per column block of the narrowest block it is tuned with; the denoising loop runs on one stream.
-        self.geglu_sync = torch.zeros(max(1, e.mlp_dim // 16), dtype=torch.int32, device=device)
         with torch.no_grad():
             self._prepare(model)
             # RoPE cos/sin of every position a call can use: a call gathers its rows (CallLayout.rope_rows)
@@ -635,18 +632,16 @@ class FusedPi05:
                     "res_ready": True,
                 }
                 if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
-                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i], sync=self.geglu_sync)
+                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
                     y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
                     ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
                 elif cached:  # only the selected neurons, added onto the anchor
                     idx = action.neurons[s, i]
-                    ops.linear_geglu(
-                        h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i], sync=self.geglu_sync
-                    )
+                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
                     y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
                     ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
                 else:
-                    ops.linear_geglu(h, layer.gate_up_w, act, sync=self.geglu_sync)
+                    ops.linear_geglu(h, layer.gate_up_w, act)
                     ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
                     if record_masks is not None:
                         record_masks[s, i] = self._top_neurons(act, act_anchor[i], i, record_masks.shape[-1])

@@ -147,13 +147,11 @@ def linear_geglu(
     *,
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
-    sync: Tensor | None = None,
 ) -> Tensor:
     """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K).
 
     With `neurons` (S,): only those neurons, reading only their rows of W_gate and W_up; out is (M, S).
     With `anchor` (M, F) too: out = act[:, S] − anchor[:, S], the Action Cache's change since the anchor.
-    `sync`: the Triton kernel's split-K arrival counters (triton_ops.linear_geglu); not used here.
     """
     if neurons is None:
         pre = a @ gate_up.t()

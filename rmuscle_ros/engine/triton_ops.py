@@ -635,17 +635,12 @@ def _attention_combine_kernel(
 @triton.jit
 def _skinny_matmul_kernel(
     a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
-    anchor_ptr, stride_anchor, part_ptr, sync_ptr,
+    anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False, GEGLU_SPLIT: tl.constexpr = False,
+    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
-
-    GEGLU_SPLIT: the GeGLU's K in two halves (grid (column blocks, 2)). Each program stores its float32
-    gate and up partial sums in part (2, 2, M, N) and counts its arrival in sync[column block]; the second
-    to arrive adds the other's (float32 addition commutes, so the sum does not depend on which one that
-    is), finishes the GeGLU, stores c, and sets the counter back to 0. Halves what each program reads.
 
     PRELOAD (not with GEGLU): the program's whole weight slice is loaded into registers before the PDL wait
     (not only prefetched into L2), and after it one dot over the K-slice (K_PER_SPLIT a power of two, no BK
@@ -716,17 +711,6 @@ def _skinny_matmul_kernel(
                 w_ptr + (up_offset + src)[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0
             )
             acc_up += tl.dot(a, tl.trans(w_up))
-    if GEGLU_SPLIT:
-        mine = part_ptr + (split * 2 * M + rows[:, None]) * N + cols[None, :]
-        theirs = part_ptr + ((1 - split) * 2 * M + rows[:, None]) * N + cols[None, :]
-        tl.store(mine, acc, mask=out_ok)
-        tl.store(mine + M * N, acc_up, mask=out_ok)
-        tl.debug_barrier()  # every thread's partial sums stored before this program's arrival counts
-        last = tl.atomic_add(sync_ptr + tl.program_id(0), 1, sem="acq_rel") == 1
-        out_ok = out_ok & last  # the first to arrive stores nothing
-        acc += tl.load(theirs, mask=out_ok, other=0.0, cache_modifier=".cg")  # from L2, not a stale L1
-        acc_up += tl.load(theirs + M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-        tl.store(sync_ptr + tl.program_id(0), 0, mask=last)
     if GEGLU:
         z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
         acc = acc * tl.sigmoid(2.0 * z) * acc_up
@@ -739,24 +723,19 @@ def _skinny_matmul_kernel(
 def _launch_skinny(
     a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
     neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
-    sync: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """sync: with geglu and splits == 2, the split GeGLU's arrival counters (zeros, one per column block)."""
     k = a.shape[1]
-    geglu_split = geglu and splits == 2
-    part = torch.empty((2, 2, *c.shape), device=c.device, dtype=torch.float32) if geglu_split else None
     # Gathered K: slices of whole BK blocks, the last one shorter (masked); otherwise K divides evenly.
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg["bk"]) * cfg["bk"] if gather_k else k // splits
     # PRELOAD: the weight slice into registers before the PDL wait, when it is at most cfg["preload"] bytes
     w_bytes = k_split * cfg["bn"] * w.element_size()
     preload = not geglu and w_bytes <= cfg.get("preload", 0) and not k_split & (k_split - 1)
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
-        a, w, c, a.shape[0], n, k, a.stride(0), w.stride(0), c.stride(-2), 0 if geglu or splits == 1 else c.stride(0),
+        a, w, c, a.shape[0], n, k, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
         a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
-        c if part is None else part, a if sync is None else sync,
         K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
-        BK=cfg["bk"], GEGLU=geglu, PDL=_pdl, GEGLU_SPLIT=geglu_split,
+        BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
         LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
         GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
         PRELOAD=preload, num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
@@ -813,23 +792,16 @@ def linear_geglu(
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
     config: dict[str, int] | None = None,
-    sync: Tensor | None = None,
 ) -> Tensor:
     """ops.linear_geglu in one kernel: for a few rows (the denoising steps) the weight-streaming kernel
-    (H200, dense: 7.2 µs vs 9.4 unfused), for many (the prefill) `gemm_geglu`.
-
-    sync: int32 zeros, at least one per column block (N / BN), left zeroed: lets the few-row kernel split
-    K in two (config "splits": 2) and finish each column block in whichever half arrives second. One call
-    at a time per sync tensor (calls on one stream). Without it, or with "splits": 1, K is not split."""
+    (H200, dense: 7.2 µs vs 9.4 unfused), for many (the prefill) `gemm_geglu`."""
     if a.shape[0] > 64 and neurons is None and anchor is None:
         return gemm_geglu(a, gate_up, out, config)
     # Gathered too: BN 32 beat 16 by 0.19 ms per call in the cached denoise graph (tune_in_graph --cache).
-    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4, "splits": 1} | (config or {})
-    n = out.shape[1]
-    splits = 2 if cfg["splits"] == 2 and sync is not None and sync.numel() >= triton.cdiv(n, cfg["bn"]) else 1
-    if not _skinny_ok(a, gate_up, splits, cfg["bk"]) or out.stride(-1) != 1:
+    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
-    _launch_skinny(a, gate_up, out, n, splits, True, cfg, neurons, anchor=anchor, sync=sync)
+    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
     return out
 
 
