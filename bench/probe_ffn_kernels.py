@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import record_header, save_results
+from bench.bench_pi05 import cuda_time_ms, record_header, save_results
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count, split_k
 from rmuscle_ros.models.config import get_preset
@@ -89,14 +89,8 @@ def per_kernel_us(run: Callable[[int], None], cold: bool, copies: int, launches:
     with torch.cuda.graph(graph):
         for j in range(launches):
             run(j % copies if cold else 0)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
+    # replay time per launch, in µs
+    times = [ms * 1000 / launches for ms in cuda_time_ms(graph.replay, iters, warmup=0)]
     return round(statistics.median(times), 3)
 
 
