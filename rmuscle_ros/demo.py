@@ -49,15 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=None, help="--synthetic: number of timed calls")
     p.add_argument("--seconds", type=float, default=6.0, help="bag demo: episode length")
     p.add_argument("--out", type=Path, default=REPO / "build" / "demo", help="bag demo: output folder")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="bag demo: a node parameter over config/rmuscle_default.yaml, e.g. cache.rho_p=0.2 (repeatable)",
+    )
     args = p.parse_args(argv)
     if not args.synthetic:
         from rmuscle_ros.node.replay_demo import print_summary, run
 
+        overrides = {}
+        for item in args.param:
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                p.error(f"--param {item!r}: expected NAME=VALUE")
+            overrides[name] = yaml.safe_load(value)
         print(
             f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
             "replayed twice: a dense warm-up, then a repeat served by rMuscle"
         )
-        summary = run(args.out, seconds=args.seconds)
+        try:
+            summary = run(args.out, seconds=args.seconds, overrides=overrides)
+        except ValueError as e:
+            p.error(str(e))
         print_summary(summary)
         return 0 if summary["chunks"] > 0 else 1
     cfg, demo = load_demo_config(args.config)

@@ -101,6 +101,23 @@ def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_pat
     assert [c.cache_mode for c in run(policy, live[1:])] == ["cached"] * 3
 
 
+def test_the_window_refills_the_next_positions_first(tmp_path) -> None:
+    """After a call aligned at position p, the refill builds p + 1, p + 2, ... first and p itself last: the
+    next call is most likely one chunk on, and a node with time for one entry per motion window must not
+    spend it on the entry just passed."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=1))
+    run(policy, episode(8), rebuild=False)
+    policy.reset_episode()
+    policy.infer(episode(8, offset=0.05, noise=2.0)[0])
+    rm = policy.rmuscle
+    assert rm is not None
+    p = rm.retriever.positions[0]
+    built = []
+    while policy.rebuild_cache(max_entries=1):
+        built += [s.key for s in rm.window if s.key is not None and s.key not in built]
+    assert built == [(0, q) for q in range(p + 1, min(p + 5, 8))] + [(0, p)]
+
+
 def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
     dense = Policy(CFG)
     exact = Policy(CFG, RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=FULL_REBUILD))

@@ -460,13 +460,14 @@ class RMuscle:
         return self.engine.descriptor_host.numpy().copy()
 
     def _finish_call(self, matches: list[Match], info: CallInfo) -> tuple[torch.Tensor, CallInfo]:
-        self._wanted = [
-            (m.episode, p)
-            for m in matches
-            for p in range(
-                m.position, min(m.position + self.cfg.lookahead + 1, len(self._descriptors[m.episode]))
-            )
-        ]
+        # What the next calls may match: each candidate's aligned position and the `lookahead` after it,
+        # in the order the window refills them (best candidate first). The position this call matched comes
+        # last: the next call is most likely one chunk on, and a refill slower than one entry per motion
+        # window that started with it would always be building the entry just passed.
+        self._wanted = []
+        for m in matches:
+            end = min(m.position + self.cfg.lookahead + 1, len(self._descriptors[m.episode]))
+            self._wanted += [(m.episode, p) for p in (*range(m.position + 1, end), m.position)]
         self.calls += 1
         self.last = info
         return self.engine.actions.clone()[None], info

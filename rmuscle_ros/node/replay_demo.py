@@ -21,11 +21,13 @@ import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import rclpy
+from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
@@ -59,8 +61,15 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, Any]:
-    """Replay a warm-up episode, reset, replay its repeat; returns the summary. Files land in `out_dir`."""
+def run(
+    out_dir: Path, seconds: float = 6.0, domain_id: int = 77, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Replay a warm-up episode, reset, replay its repeat; returns the summary. Files land in `out_dir`.
+    `overrides`: node parameters (dotted names, e.g. "cache.rho_p") over config/rmuscle_default.yaml."""
+    params = load_params_file(CONFIG) | dict(overrides or {}) | {"use_sim_time": True}
+    unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
+    if unknown:
+        raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The repeat is the same task (the same frames and joint motion) one episode later: its bag starts
     # where the first ends, so the node's clock runs on as on a cell and no buffered frame goes stale.
@@ -72,12 +81,13 @@ def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, A
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain_id)
-    params = load_params_file(CONFIG) | {"use_sim_time": True}
-    unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
-    assert not unknown, f"{CONFIG} has parameters the node does not declare: {unknown}"
-    node = RMuscleNode(
-        context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]
-    )
+    try:
+        node = RMuscleNode(
+            context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]
+        )
+    except InvalidParameterTypeException as e:  # e.g. 3 for a float parameter: say which, and how
+        rclpy.shutdown(context=context)
+        raise ValueError(f"{e} (write floats with a decimal point)") from None
     peer = rclpy.create_node("demo_player", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)
@@ -95,9 +105,10 @@ def run(out_dir: Path, seconds: float = 6.0, domain_id: int = 77) -> dict[str, A
     try:
         start = time.perf_counter()
         node.trigger_configure()
+        if node.cfg is None:
+            raise ValueError(f"the node refused its parameters: {node.last_error}")
         node.trigger_activate()
         configure_s = time.perf_counter() - start
-        assert node.cfg is not None, f"configure failed: {node.last_error}"
         remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], node.cfg.camera_topics, strict=True))
         remap |= dict(zip(ALOHA_JOINT_TOPICS, node.cfg.joint_state_topics, strict=True))
         BagPlayer(peer, bags[0], qos_profile_sensor_data, remap=remap).play()
