@@ -288,8 +288,10 @@ def test_context_cache_kernels_match_definition(triton_ops, ties: bool) -> None:
     for impl in (ops, triton_ops):
         rows = torch.full((keep + lp - nv,), -7, device=CUDA, dtype=torch.long)
         inv = torch.full((lp,), -7, device=CUDA, dtype=torch.int32)
-        impl.context_select(drift, keep, lp, rows, inv)
+        compact = torch.full((keep + lp - nv, d), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        impl.context_select(drift, keep, lp, rows, inv, h, compact)  # with the FFN inputs' gather
         selections.append((rows, inv))
+        assert torch.equal(compact, h[rows]), impl.__name__
     assert torch.equal(selections[1][0], selections[0][0]) and torch.equal(selections[1][1], selections[0][1])
     rows, inv = selections[1]
     assert drift[rows[:keep]].min() >= drift[inv[:nv] < 0].max()
@@ -311,6 +313,31 @@ def _rmuscle_call(engine, inputs, noise, variant: str, use_graphs: bool = True) 
     engine.run_stage("prefill", bucket, use_graphs, variant="cached" if variant == "cached" else "dense")
     engine.run_stage("denoise", bucket, use_graphs, variant=variant)
     return engine.actions.clone()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_window_match_matches_definition(triton_ops, tie: bool) -> None:
+    """The match stage's pick at full size (20 entries, 3 cameras × 2048): the same entry as the
+    definition, a tie to the first of equal maxima, unusable entries never picked."""
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    descriptor = torch.randn(3, 2048, device=CUDA, generator=gen)
+    keys = torch.randn(20, 3 * 2048, device=CUDA, generator=gen)
+    keys[7] = keys[12] = descriptor.reshape(-1) + 0.1 * keys[7]  # the two best
+    if not tie:
+        keys[12] += 0.05 * keys[3]
+    keys /= keys.norm(dim=1, keepdim=True)
+    usable = torch.ones(20, dtype=torch.bool, device=CUDA)
+    usable[[2, 5]] = False
+    keys[2] = descriptor.reshape(-1) / descriptor.norm()  # the best of all, but not usable
+    picks = []
+    for impl in (ops, triton_ops):
+        slot, out = torch.full((1,), -7, device=CUDA), torch.zeros(2, device=CUDA)
+        impl.window_match(descriptor, keys, usable, slot, out)
+        picks.append((int(slot), out.tolist()))
+    assert picks[1][0] == picks[0][0] and picks[1][1][0] == picks[0][1][0]
+    assert picks[1][1][1] == pytest.approx(picks[0][1][1], abs=1e-5)
+    if tie:
+        assert picks[1][0] == 7
 
 
 def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation() -> None:

@@ -219,13 +219,18 @@ def test_context_select_ranks_by_drift_ties_to_the_lower_row(nv: int, keep: int,
     for r in range(nv):
         if rank[r] < keep:
             want_rows[rank[r]], want_inv[r] = r, rank[r]
+    src = torch.randn(lp, 37)  # the FFN inputs; a width that is not a power of two
     for impl in (ops, triton_ops):
-        if impl is triton_ops:
-            no_fallback()
-        rows = torch.full((keep + lp - nv,), -7, dtype=torch.int64)
-        inv = torch.full((lp,), -7, dtype=torch.int32)
-        impl.context_select(drift, keep, lp, rows, inv)
-        assert rows.tolist() == want_rows and inv.tolist() == want_inv, impl.__name__
+        for gather in (False, True):
+            if impl is triton_ops:
+                no_fallback()
+            rows = torch.full((keep + lp - nv,), -7, dtype=torch.int64)
+            inv = torch.full((lp,), -7, dtype=torch.int32)
+            dst = torch.full((keep + lp - nv, 37), float("nan"))
+            impl.context_select(drift, keep, lp, rows, inv, *((src, dst) if gather else ()))
+            assert rows.tolist() == want_rows and inv.tolist() == want_inv, impl.__name__
+            if gather:  # each chosen row's input in its slot: what the FFN runs on
+                assert torch.equal(dst, src[want_rows]), impl.__name__
     # The spec itself: the chosen rows are the top `keep` by drift.
     key = torch.nan_to_num(drift, nan=float("inf"))
     chosen = torch.zeros(nv, dtype=torch.bool)
@@ -233,6 +238,51 @@ def test_context_select_ranks_by_drift_ties_to_the_lower_row(nv: int, keep: int,
     assert int(chosen.sum()) == keep
     if keep < nv:
         assert key[chosen].min() >= key[~chosen].max()
+
+
+def test_context_select_refuses_a_gather_of_the_wrong_shape() -> None:
+    drift, rows, inv = torch.zeros(4), torch.zeros(3, dtype=torch.int64), torch.zeros(5, dtype=torch.int32)
+    for impl in (ops, triton_ops):
+        with pytest.raises(ValueError, match="dst must be"):
+            impl.context_select(drift, 2, 5, rows, inv, torch.zeros(5, 8), torch.zeros(2, 8))
+        with pytest.raises(ValueError, match="go together"):
+            impl.context_select(drift, 2, 5, rows, inv, torch.zeros(5, 8))
+
+
+# entries 0 and 2 are the descriptor itself (tied), entry 1 its opposite, the rest random
+@pytest.mark.parametrize(
+    ("entries", "usable", "nan", "want"),
+    [
+        (20, [1] * 20, False, (0, 1.0)),  # the first of equal maxima
+        (20, [0, 1] * 10, False, None),  # 0 and 2 not usable: the best random one (by the definition)
+        (3, [1, 1, 1], True, (2, 1.0)),  # entry 0 NaN: never picked
+        (5, [0] * 5, False, (0, -2.0)),  # nothing usable
+        (1, [1], False, (0, 1.0)),
+    ],
+)
+def test_window_match_picks_the_best_usable_entry(
+    entries: int, usable: list[int], nan: bool, want: tuple[int, float] | None, no_fallback
+) -> None:
+    gen = torch.Generator().manual_seed(entries)
+    descriptor = torch.randn(3, 200, generator=gen)  # cameras × width, not a multiple of the block
+    keys = torch.randn(entries, 600, generator=gen)
+    keys[: min(entries, 3)] = descriptor.reshape(-1)
+    if entries > 1:
+        keys[1] *= -1
+    if nan:
+        keys[0] = float("nan")
+    keys /= keys.norm(dim=1, keepdim=True)
+    flags = torch.tensor(usable, dtype=torch.bool)
+    if want is None:
+        sims = torch.where(flags, keys @ (descriptor.reshape(-1) / descriptor.norm()), -2.0)
+        want = (int(sims.argmax()), float(sims.max()))
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        slot, out = torch.full((1,), -7, dtype=torch.int64), torch.full((2,), float("nan"))
+        impl.window_match(descriptor, keys, flags, slot, out)
+        assert int(slot) == want[0] and out[0] == want[0], impl.__name__
+        assert out[1] == pytest.approx(want[1], abs=1e-5), impl.__name__
 
 
 @pytest.mark.parametrize("splits", [1, 2])

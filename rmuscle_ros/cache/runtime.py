@@ -391,7 +391,7 @@ class RMuscle:
         matched = torch.cuda.Event() if e.device.type == "cuda" else None
         if matched is not None:
             matched.record()
-        self._queue_similarities()
+        self._queue_similarities(after=matched)
         e.finish_load()  # the prompt is packed on the host while the match graph runs
         e.run_stage("tail", bucket, variant="cached")  # queued now: it runs while the host does retrieval
         descriptor = self._read_descriptor(matched)  # also waits for the match graph's pick
@@ -406,10 +406,20 @@ class RMuscle:
             info = self._served_cached(*slot.key, similarity)
         return self._finish_call(matches, info)
 
-    def _queue_similarities(self) -> None:
+    def _queue_similarities(self, after: torch.cuda.Event | None = None) -> None:
         """With the library on the GPU: queue this call's similarities right after the stage that computed
-        its descriptor, so that no later stage delays them."""
-        if self.retriever.on_device:
+        its descriptor, so that no later stage delays them. `after` (the GPU picked the entry, and the
+        cached stages do not wait for retrieval): on the engine's side stream once that event has passed,
+        beside the cached stages rather than before them. `_query` waits for them before the call returns,
+        so the next call's vision cannot overwrite the descriptor while they read it."""
+        if not self.retriever.on_device:
+            return
+        side = self.engine.side_stream
+        if after is None or side is None:
+            self.retriever.queue(self.engine.descriptor())
+            return
+        side.wait_event(after)
+        with torch.cuda.stream(side):
             self.retriever.queue(self.engine.descriptor())
 
     def _query(self, descriptor: np.ndarray) -> list[Match]:

@@ -361,6 +361,9 @@ class GraphEngine:
             lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
             self.rebuild_stream = torch.cuda.Stream(device, priority=lowest) if cuda else None
             self.live_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
+            # Work of a live call that its result does not wait for (retrieval's similarities, when the GPU
+            # picks the entry): beside the live stream, at its priority, so it stays off the call's path.
+            self.side_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
             self.cache_bytes += 2 * self.ctx_ref.nbytes + 2 * self.neurons.numel() * 4
             if cache.window:
                 self.window = refs.head(cache.window)
@@ -402,15 +405,10 @@ class GraphEngine:
         """Pick the usable window entry most similar to this call's descriptor and load it into the cached
         graphs' inputs, all on the device; the pick and the descriptor are copied to pinned host memory."""
         w = self.window
-        d = self.live.descriptor.view(-1)
-        sims = torch.where(w.usable, w.keys @ (d * torch.rsqrt((d * d).sum().clamp_min(1e-24))), -2.0)
-        # argmax: the first of equal maxima (max(0)'s index may be any of them). Not sims[best]: indexing
-        # with a 0-d tensor reads it on the host, which a graph capture cannot do.
-        best, best_sim = sims.argmax(), sims.max()
-        self.ref_slot.copy_(best.view(1))  # the cached prefill reads that entry where it lies
+        # the cached prefill reads the picked entry where it lies, through ref_slot
+        self.fused.ops.window_match(self.live.descriptor, w.keys, w.usable, self.ref_slot, self.match_out)
         if self.keep_neurons < self.cfg.expert.mlp_dim:
-            torch.index_select(w.neurons, 0, best.view(1), out=self.neurons[None])
-        torch.stack([best.float(), best_sim], out=self.match_out)
+            torch.index_select(w.neurons, 0, self.ref_slot, out=self.neurons[None])
         self.match_host.copy_(self.match_out, non_blocking=True)
         self.descriptor_host.copy_(self.live.descriptor, non_blocking=True)
 

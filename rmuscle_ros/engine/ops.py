@@ -91,9 +91,18 @@ def add_norm(
     return out
 
 
-def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+def context_select(
+    drift: Tensor,
+    keep: int,
+    num_rows: int,
+    rows_out: Tensor,
+    inv_out: Tensor,
+    src: Tensor | None = None,
+    dst: Tensor | None = None,
+) -> None:
     """The Context Cache's choice of rows to recompute: the `keep` visual rows that drifted most, then
-    every prompt row.
+    every prompt row; with `src` (num_rows, W), also their rows gathered into `dst` (keep + Lp − Nv, W),
+    dst[k] = src[rows_out[k]].
 
     drift (Nv,) float32, the visual rows' squared-L2 drift (NaN counts as +inf); 0 ≤ keep ≤ Nv;
     num_rows = Lp, the prefix length (Nv visual rows, then the prompt rows). Visual row r has rank
@@ -104,11 +113,50 @@ def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, in
     """
     nv = drift.shape[0]
     _check_context_select(nv, keep, num_rows, rows_out, inv_out)
+    _check_gather(src, dst, num_rows, rows_out)
     key = torch.nan_to_num(drift.float(), nan=math.inf)
     rows_out[:keep] = torch.sort(key, descending=True, stable=True).indices[:keep]
     rows_out[keep:] = torch.arange(nv, num_rows, device=drift.device)
     inv_out.fill_(-1)
     inv_out[rows_out] = torch.arange(rows_out.shape[0], device=drift.device, dtype=inv_out.dtype)
+    if src is not None:
+        torch.index_select(src, 0, rows_out, out=dst)
+
+
+def _check_gather(src: Tensor | None, dst: Tensor | None, num_rows: int, rows_out: Tensor) -> None:
+    if (src is None) != (dst is None):
+        raise ValueError("context_select: src and dst go together")
+    if (
+        src is not None
+        and dst is not None
+        and (
+            src.shape[0] < num_rows
+            or dst.shape != (rows_out.shape[0], src.shape[1])
+            or dst.dtype != src.dtype
+        )
+    ):
+        raise ValueError(
+            f"context_select: dst must be ({rows_out.shape[0]}, W) like src's rows (W, dtype), got src "
+            f"{tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype}"
+        )
+
+
+def window_match(
+    descriptor: Tensor, keys: Tensor, usable: Tensor, slot_out: Tensor, match_out: Tensor
+) -> None:
+    """The match stage's pick among the window's entries, all on the device (no host round trip).
+
+    descriptor (C, W) float32, this call's retrieval descriptor; keys (S, C·W) float32 unit rows; usable
+    (S,) bool. The similarity of entry i is keys[i] · d / ‖d‖ for usable entries, −2 for the others and for
+    a NaN. slot_out (1,) int64 gets the best entry (the first of equal maxima), match_out (2,) float32
+    [that index, its similarity]; with nothing usable, entry 0 at −2 (the runtime then runs dense).
+    """
+    d = descriptor.reshape(-1).float()
+    sims = keys.float() @ d * torch.rsqrt((d * d).sum().clamp_min(1e-24))
+    sims = torch.where(usable & ~sims.isnan(), sims, -2.0)
+    best = sims.argmax()  # the first of equal maxima
+    slot_out.copy_(best.view(1))
+    torch.stack([best.float(), sims.max()], out=match_out)
 
 
 def _check_context_select(nv: int, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
