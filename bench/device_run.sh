@@ -39,7 +39,7 @@ for step in $steps; do
                 --rounds 2 --commit "$commit" --name "pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
                 | grep "^| \|graph\|Medians\|accuracy\|Error" ;;
         rmuscle)
-            timeout 300 python3 bench/bench_rmuscle.py --trace --commit "$commit" \
+            timeout 300 python3 bench/bench_rmuscle.py --commit "$commit" \
                 --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
         library)
             timeout 300 python3 bench/bench_rmuscle.py --rho 0.4,0.5 --no-interference --library-episodes 1 64 256 \

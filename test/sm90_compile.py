@@ -62,7 +62,6 @@ def engine_calls() -> None:
     drift, rows, inv = t(nv, dtype=f32), torch.zeros(keep + lp - nv, dtype=i64), t(lp, dtype=i32)
     T.add_norm(res, t(lp, g.width), h, eps=1e-6, rms=True, drift_ref=ref_in, drift_out=drift, ref_slot=slot)
     T.context_select(drift, keep, lp, rows, inv)
-    T.context_select(drift, keep, lp, rows, inv, h, t(keep + lp - nv, g.width))  # with the rows' gather
     # the match stage's pick among 20 window entries
     T.window_match(t(cfg.num_cameras, g.width, dtype=f32), t(20, cfg.num_cameras * g.width, dtype=f32),
                    torch.ones(20, dtype=torch.bool), slot, t(2, dtype=f32))  # fmt: skip

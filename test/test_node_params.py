@@ -90,14 +90,14 @@ def test_cache_parameters_map_onto_the_runtime_config() -> None:
             "cache.lookahead": 2,
             "cache.rebuilds_per_tick": 20,
             "cache.concurrent_rebuilds": True,
-            "cache.match_on_gpu": True,
+            "cache.match_on_gpu": False,
             "cache.library_path": "/var/lib/rmuscle/library",
             "cache.status_period_s": 0.5,
         }
     )
     runtime = cfg.cache.to_runtime()
     assert (runtime.threshold, runtime.lookahead, runtime.rebuilds_per_tick) == (0.9, 2, 20)
-    assert runtime.concurrent_rebuilds is True and runtime.match_on_gpu is True
+    assert runtime.concurrent_rebuilds is True and runtime.match_on_gpu is False
     assert runtime.library_path == "/var/lib/rmuscle/library" and runtime.window_size == 4 * 3
     assert cfg.cache.status_period_s == 0.5
     # Switched off, the eager reference is fine, and the cache settings are still checked.

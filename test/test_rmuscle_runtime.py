@@ -153,9 +153,10 @@ def test_fallback_is_sticky_until_the_episode_resets(tmp_path) -> None:
 def test_retrieval_waits_for_no_call_it_cannot_serve_cached() -> None:
     """When nothing can serve a call cached (an empty window), or finding out would scan the whole library
     (an episode's first call; an episode that fell back), its dense stages are queued before retrieval
-    runs, so a library scan never delays it; otherwise retrieval picks the entry before the cached stages.
-    Seen from inside retrieval: whether the call's actions already exist."""
-    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    runs, so a library scan never delays it; otherwise, matched on the host, retrieval picks the entry
+    before the cached stages (matched on the GPU they run first: the test after this one). Seen from inside
+    retrieval: whether the call's actions already exist."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, match_on_gpu=False))
     rm = policy.rmuscle
     run(policy, episode(4))
     policy.reset_episode()

@@ -68,12 +68,12 @@ class RMuscleConfig:
     # ran undelayed (13.26 vs 13.36 ms alone, 20 rebuilds, one run).
     concurrent_rebuilds: bool = False
     # Match on the GPU (see the module docstring): the cached graphs start right after vision instead of
-    # after the descriptor's round trip to the host and retrieval. Off: on the H200 (fast host CPU) it gave
-    # no gain, cached calls 12.66/12.74/13.03/12.63 ms against 12.63/12.73/12.57/12.50 matched on the host
-    # (alternated in one process, c1aaf24): its pick and load kernels cost what the round trip did. It may
-    # pay where the host is slow (a Jetson's CPU); not measured there. A pick below the threshold costs one
-    # more prefill + denoise.
-    match_on_gpu: bool = False
+    # after the descriptor's round trip to the host and retrieval. On by default since the pick became one
+    # kernel (a20adb2): on the H200 cached calls took 11.09/11.04 ms against 11.18/11.08 matched on the host
+    # (bench_rmuscle, two runs), and it was already ahead by 0.01-0.09 ms in the five runs before. It should
+    # pay more where the host is slow (a Jetson's CPU); not measured there. A pick below the threshold (the
+    # call where an episode falls back) costs one more prefill + denoise.
+    match_on_gpu: bool = True
     # Parts an entry's rebuild is split into (vision, then the prefill's layers in groups): the most a live
     # call can wait for is one part, not a whole entry (pi05 on an H200: ~2 ms instead of ~8).
     rebuild_slices: int = 4

@@ -512,7 +512,6 @@ class FusedPi05:
             drift = torch.empty(nv, device=self.device)  # (Nv,) float32
             rows = torch.empty(context.keep + lp - nv, device=self.device, dtype=torch.long)
             inv = torch.empty(lp, device=self.device, dtype=torch.int32)
-            compact = torch.empty(rows.shape[0], h.shape[1], device=self.device, dtype=self.dtype)
         last = depth - 1
         for i in layers:
             layer = self.prefix_layers[i]
@@ -531,7 +530,7 @@ class FusedPi05:
                     res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True,
                     drift_ref=ref_in, drift_out=drift, **pick,
                 )  # fmt: skip
-                y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv, compact)
+                y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv)
                 # the rows not recomputed read the reference's
                 y_rows = {"y_rows": inv, "y_alt": ref_out, **pick}
             if record is not None:
@@ -545,24 +544,17 @@ class FusedPi05:
         return self.ops.linear_geglu(x, layer.gate_up_w, act) @ layer.down_w.t()
 
     def _context_cached_ffn(
-        self,
-        h: Tensor,
-        layer: GemmaLayerWeights,
-        drift: Tensor,
-        keep: int,
-        rows: Tensor,
-        inv: Tensor,
-        compact: Tensor,
+        self, h: Tensor, layer: GemmaLayerWeights, drift: Tensor, keep: int, rows: Tensor, inv: Tensor
     ) -> Tensor:
         """The FFN of the rows the Context Cache recomputes, compact: (keep + Lp − Nv, W).
 
         h (Lp, W) = [visual; prompt] FFN inputs; drift (Nv,) the visual rows' squared-L2 drift from the
         reference's FFN inputs. Recomputed: the `keep` visual rows that drifted most, then every prompt row
-        (`ops.context_select` writes their indices into rows, their inputs into compact, and each row of
-        h's position among them, or −1, into inv: what the next add_norm reads y through).
+        (`ops.context_select` writes their indices into rows, and each row of h's position among them,
+        or −1, into inv: what the next add_norm reads y through).
         """
-        self.ops.context_select(drift, keep, h.shape[0], rows, inv, h, compact)
-        return self._prefix_ffn(compact, layer)
+        self.ops.context_select(drift, keep, h.shape[0], rows, inv)
+        return self._prefix_ffn(torch.index_select(h, 0, rows), layer)
 
     def denoise(
         self,

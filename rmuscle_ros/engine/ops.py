@@ -91,18 +91,9 @@ def add_norm(
     return out
 
 
-def context_select(
-    drift: Tensor,
-    keep: int,
-    num_rows: int,
-    rows_out: Tensor,
-    inv_out: Tensor,
-    src: Tensor | None = None,
-    dst: Tensor | None = None,
-) -> None:
+def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
     """The Context Cache's choice of rows to recompute: the `keep` visual rows that drifted most, then
-    every prompt row; with `src` (num_rows, W), also their rows gathered into `dst` (keep + Lp − Nv, W),
-    dst[k] = src[rows_out[k]].
+    every prompt row.
 
     drift (Nv,) float32, the visual rows' squared-L2 drift (NaN counts as +inf); 0 ≤ keep ≤ Nv;
     num_rows = Lp, the prefix length (Nv visual rows, then the prompt rows). Visual row r has rank
@@ -113,32 +104,11 @@ def context_select(
     """
     nv = drift.shape[0]
     _check_context_select(nv, keep, num_rows, rows_out, inv_out)
-    _check_gather(src, dst, num_rows, rows_out)
     key = torch.nan_to_num(drift.float(), nan=math.inf)
     rows_out[:keep] = torch.sort(key, descending=True, stable=True).indices[:keep]
     rows_out[keep:] = torch.arange(nv, num_rows, device=drift.device)
     inv_out.fill_(-1)
     inv_out[rows_out] = torch.arange(rows_out.shape[0], device=drift.device, dtype=inv_out.dtype)
-    if src is not None:
-        torch.index_select(src, 0, rows_out, out=dst)
-
-
-def _check_gather(src: Tensor | None, dst: Tensor | None, num_rows: int, rows_out: Tensor) -> None:
-    if (src is None) != (dst is None):
-        raise ValueError("context_select: src and dst go together")
-    if (
-        src is not None
-        and dst is not None
-        and (
-            src.shape[0] < num_rows
-            or dst.shape != (rows_out.shape[0], src.shape[1])
-            or dst.dtype != src.dtype
-        )
-    ):
-        raise ValueError(
-            f"context_select: dst must be ({rows_out.shape[0]}, W) like src's rows (W, dtype), got src "
-            f"{tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype}"
-        )
 
 
 def window_match(

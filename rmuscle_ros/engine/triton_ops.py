@@ -26,7 +26,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rmuscle_ros.engine import ops
-from rmuscle_ros.engine.ops import _check_context_select, _check_gather
+from rmuscle_ros.engine.ops import _check_context_select
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
@@ -362,14 +362,12 @@ def add_norm(
 
 @triton.jit
 def _context_select_kernel(
-    drift_ptr, rows_ptr, inv_ptr, keep, num_rows, src_ptr, dst_ptr, stride_src, stride_dst,
-    NV: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr, GATHER: tl.constexpr,
-    W: tl.constexpr, BLOCK_W: tl.constexpr,
+    drift_ptr, rows_ptr, inv_ptr, keep, num_rows,
+    NV: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ops.context_select for BLOCK_R rows of the prefix. No sort: a visual row's rank is the number of
     visual rows ranked before it, counted against all Nv drifts CHUNK at a time; ranks are distinct, so
-    every chosen row has its own slot in rows_out. GATHER: each chosen row is also copied to its slot of
-    dst (the FFN's compact input), BLOCK_W columns at a time."""
+    every chosen row has its own slot in rows_out."""
     if PDL:
         _pdl_enter()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -386,49 +384,21 @@ def _context_select_kernel(
     pos = tl.where(is_visual, tl.where(rank < keep, rank, -1), keep + r - NV)  # prompt rows: all, in order
     in_prefix = r < num_rows
     tl.store(inv_ptr + r, pos.to(inv_ptr.dtype.element_ty), mask=in_prefix)
-    chosen = in_prefix & (pos >= 0)
-    tl.store(rows_ptr + pos, r.to(rows_ptr.dtype.element_ty), mask=chosen)
-    if GATHER:
-        src_rows = src_ptr + r.to(tl.int64)[:, None] * stride_src
-        dst_rows = dst_ptr + tl.where(chosen, pos, 0).to(tl.int64)[:, None] * stride_dst
-        for c0 in range(0, W, BLOCK_W):
-            c = c0 + tl.arange(0, BLOCK_W)
-            m = chosen[:, None] & (c < W)[None, :]
-            tl.store(dst_rows + c[None, :], tl.load(src_rows + c[None, :], mask=m), mask=m)
+    tl.store(rows_ptr + pos, r.to(rows_ptr.dtype.element_ty), mask=in_prefix & (pos >= 0))
 
 
-def context_select(
-    drift: Tensor,
-    keep: int,
-    num_rows: int,
-    rows_out: Tensor,
-    inv_out: Tensor,
-    src: Tensor | None = None,
-    dst: Tensor | None = None,
-) -> None:
-    """ops.context_select in one kernel: ranks by comparison counting, every row's rank in parallel; with
-    src, each program also copies its chosen rows to dst (no separate gather kernel)."""
+def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+    """ops.context_select in one kernel: ranks by comparison counting, every row's rank in parallel."""
     _check_context_select(drift.shape[0], keep, num_rows, rows_out, inv_out)
-    _check_gather(src, dst, num_rows, rows_out)
-    gather = src is not None and dst is not None
-    if (
-        drift.stride(0) != 1
-        or rows_out.stride(0) != 1
-        or inv_out.stride(0) != 1
-        or (gather and (src.stride(-1) != 1 or dst.stride(-1) != 1))
-    ):
-        return ops.context_select(drift, keep, num_rows, rows_out, inv_out, src, dst)
+    if drift.stride(0) != 1 or rows_out.stride(0) != 1 or inv_out.stride(0) != 1:
+        return ops.context_select(drift, keep, num_rows, rows_out, inv_out)
     # Small row blocks and all drifts in one chunk (up to 1,024): one pass, ~100 programs at full size,
     # instead of a serial loop of loads and counts.
     nv = drift.shape[0]
     block_r, chunk = 8, min(1024, triton.next_power_of_2(nv))
-    width = src.shape[1] if gather else 0
     _context_select_kernel[(triton.cdiv(num_rows, block_r),)](
         drift, rows_out, inv_out, keep, num_rows,
-        src if gather else drift, dst if gather else drift,
-        src.stride(0) if gather else 0, dst.stride(0) if gather else 0,
-        NV=nv, BLOCK_R=block_r, CHUNK=chunk, PDL=_pdl, GATHER=gather, W=width,
-        BLOCK_W=min(512, triton.next_power_of_2(max(width, 16))), num_warps=4, **_launch_opts(),
+        NV=nv, BLOCK_R=block_r, CHUNK=chunk, PDL=_pdl, num_warps=4, **_launch_opts(),
     )  # fmt: skip
 
 

@@ -58,7 +58,7 @@ class CacheParams:
     max_episodes: int = 64
     rebuilds_per_tick: int = 2  # at most this many window entries rebuilt after each published chunk
     concurrent_rebuilds: bool = False  # rebuilds alongside live calls, kernel by kernel (RMuscleConfig)
-    match_on_gpu: bool = False  # pick and load the window entry on the GPU, no host round trip
+    match_on_gpu: bool = True  # pick and load the window entry on the GPU, no host round trip
     rebuild_slices: int = 4  # parts of an entry's rebuild: the most a live call can wait for is one
     status_period_s: float = 1.0  # ~/cache_status period while active
 
