@@ -119,6 +119,13 @@ class _Slot:
     key: tuple[int, int] | None = None  # (library episode, call) held here
     ready: torch.cuda.Event | None = None  # recorded after the rebuild (GPU); None = ready
 
+    def is_ready(self) -> bool:
+        """Whether the rebuild written here has run. A finished event is dropped: a call checks every
+        wanted slot before its GPU work starts, and each event query costs host time there."""
+        if self.ready is not None and self.ready.query():
+            self.ready = None
+        return self.ready is None
+
 
 @dataclass
 class _Building:
@@ -293,7 +300,7 @@ class RMuscle:
 
     def _ready_slot(self, key: tuple[int, int]) -> _Slot | None:
         for slot in self.window:
-            if slot.key == key and (slot.ready is None or slot.ready.query()):
+            if slot.key == key and slot.is_ready():
                 return slot
         return None
 
@@ -341,10 +348,7 @@ class RMuscle:
         if self.retriever.fallback:
             return [False] * len(self.window)
         wanted = set(self._wanted)
-        return [
-            s.key is not None and s.key in wanted and (s.ready is None or s.ready.query())
-            for s in self.window
-        ]
+        return [s.key is not None and s.key in wanted and s.is_ready() for s in self.window]
 
     def _infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
         if self.cfg.match_on_gpu:

@@ -371,6 +371,9 @@ class GraphEngine:
                 # Pinned on a GPU: read back without a sync (written by the match graph, or by the runtime)
                 self.match_host = torch.zeros(2, pin_memory=cuda)
                 self.descriptor_host = torch.zeros(cfg.num_cameras, cfg.vlm.width, pin_memory=cuda)
+                # the next call's `usable` flags, staged for their copy (begin_load), and that copy's event
+                self._usable_host = torch.zeros(cache.window, dtype=torch.bool, pin_memory=cuda)
+                self._usable_copied: torch.cuda.Event | None = None
                 self.cache_bytes += self.window.nbytes
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._pools: dict[str, tuple[int, int] | None] = {"live": None, "rebuild": None}
@@ -538,7 +541,13 @@ class GraphEngine:
         lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
         if usable is not None:
             assert self.window is not None  # checked above
-            self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
+            if self._usable_copied is not None:
+                self._usable_copied.synchronize()  # the last call's copy: long done, normally
+            self._usable_host.numpy()[:] = usable
+            self.window.usable.copy_(self._usable_host, non_blocking=True)  # pinned: a DMA, no host wait
+            if self.window.usable.is_cuda:
+                self._usable_copied = torch.cuda.Event()
+                self._usable_copied.record()
         lane.pending = _Pending(bucket, token_row, mask_row, _host_array(inputs.image_masks[0]), noise)
         return bucket
 
