@@ -265,6 +265,37 @@ def test_matching_on_the_gpu_serves_the_same_chunks_as_matching_on_the_host(tmp_
     assert statuses[0]["match_reruns"] == statuses[1]["match_reruns"] == 0
 
 
+def test_matched_calls_find_the_usable_flags_in_place() -> None:
+    """The flags the match stage picks from (wanted and rebuilt entries) are copied to the engine where
+    they change, after a call's retrieval and as a rebuild completes, not at the start of the next call:
+    there that copy was host time before the call's first graph. The engine's flags are the host's."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, match_on_gpu=True))
+    run(policy, episode(6))
+    policy.reset_episode()
+    rm = policy.rmuscle
+    assert rm is not None
+    real, copies = rm.engine.set_usable, []
+    rm.engine.set_usable = lambda usable: (copies.append(list(usable)), real(usable))[1]
+    begin_load = rm.engine.begin_load
+    at_call: list[tuple[list[bool], list[bool], int]] = []
+
+    def spy(*a, **k):
+        at_call.append((rm._usable(), rm.engine.window.usable.tolist(), len(copies)))
+        return begin_load(*a, **k)
+
+    rm.engine.begin_load = spy
+    modes = []
+    for obs in episode(5, offset=0.05, noise=2.0):
+        before = len(copies)
+        modes.append(policy.infer(obs).cache_mode)
+        assert at_call[-1][2] == before, "the call copied the flags before its first graph"
+        policy.rebuild_cache()
+    assert modes[0] == "dense" and modes[1:] == ["cached"] * 4
+    assert copies, "the flags were copied between calls"
+    for host, device, _ in at_call[1:]:  # the matched calls: the engine's flags are the host's
+        assert any(host) and device == host
+
+
 def test_a_gpu_pick_below_the_threshold_runs_the_call_again_dense(tmp_path) -> None:
     """The first call below the threshold is matched on the GPU before the host knows: its cached result is
     dropped and the call runs again dense, so the chunk is the dense chunk bit for bit (mode fallback)."""

@@ -27,6 +27,7 @@ or the scene left the repertoire (fallback), the call's prefill and denoise run 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -206,6 +207,7 @@ class RMuscle:
         self._episode_cached = False
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
+        self._usable_on_device: list[bool] | None = None  # the usable flags last copied to the engine
         self.calls = self.cached_calls = 0
         self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
         self.last = CallInfo("dense", 0.0, reason="no call yet")
@@ -343,16 +345,32 @@ class RMuscle:
         return ready
 
     def _usable(self) -> list[bool]:
-        """Window entries the next call may pick on the GPU: wanted by the last call's retrieval, and
-        rebuilt. All False with no alignment yet (first call of an episode) or after a fallback."""
+        """Window entries the next call may pick on the device: wanted by the last call's retrieval, and
+        rebuilt. All False with no alignment yet (first call of an episode) or after a fallback. Unless
+        `concurrent_rebuilds`, a live call starts after the rebuilds queued before it, so an entry counts
+        as rebuilt once its last part is queued; with it, once that part has run (its event)."""
         if self.retriever.fallback:
             return [False] * len(self.window)
         wanted = set(self._wanted)
-        return [s.key is not None and s.key in wanted and s.is_ready() for s in self.window]
+        queued_is_ready = not self.cfg.concurrent_rebuilds
+        return [
+            s.key is not None and s.key in wanted and (queued_is_ready or s.is_ready()) for s in self.window
+        ]
+
+    def _push_usable(self) -> list[bool]:
+        """The usable flags; the device's copy brought up to date (queued on the current stream) if they
+        changed and the match stage may read them (any set). Called where they change, after a call's
+        retrieval and when a rebuild completes, so that a call normally finds them in place: their copy
+        was host time before the call's first graph."""
+        usable = self._usable()
+        if any(usable) and usable != self._usable_on_device:
+            self.engine.set_usable(usable)
+            self._usable_on_device = usable
+        return usable
 
     def _infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:
         if self.cfg.match_on_gpu:
-            usable = self._usable()
+            usable = self._push_usable()  # normally in place already
             if any(usable):
                 return self._infer_matched_on_gpu(inputs, noise, usable)
         e = self.engine
@@ -390,7 +408,7 @@ class RMuscle:
         self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool]
     ) -> tuple[torch.Tensor, CallInfo]:
         e = self.engine
-        bucket = e.begin_load(inputs, noise, usable)
+        bucket = e.begin_load(inputs, noise)
         e.run_stage("match", bucket, variant="cached")
         matched = torch.cuda.Event() if e.device.type == "cuda" else None
         if matched is not None:
@@ -482,6 +500,8 @@ class RMuscle:
         for m in matches:
             end = min(m.position + self.cfg.lookahead + 1, len(self._descriptors[m.episode]))
             self._wanted += [(m.episode, p) for p in (*range(m.position + 1, end), m.position)]
+        if self.cfg.match_on_gpu:
+            self._push_usable()  # for the next call, while this one's GPU work runs
         self.calls += 1
         self.last = info
         return self.engine.actions.clone()[None], info
@@ -547,6 +567,9 @@ class RMuscle:
                 key_row.copy_(building.unit)
                 slot.ready = None
             slot.key = building.key
+            if self.cfg.match_on_gpu:  # after the rebuild, on its stream, which the next call waits for
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    self._push_usable()
         if wait and self.engine.rebuild_stream is not None:
             self.engine.rebuild_stream.synchronize()
         return True, done

@@ -371,9 +371,6 @@ class GraphEngine:
                 # Pinned on a GPU: read back without a sync (written by the match graph, or by the runtime)
                 self.match_host = torch.zeros(2, pin_memory=cuda)
                 self.descriptor_host = torch.zeros(cfg.num_cameras, cfg.vlm.width, pin_memory=cuda)
-                # the next call's `usable` flags, staged for their copy (begin_load), and that copy's event
-                self._usable_host = torch.zeros(cache.window, dtype=torch.bool, pin_memory=cuda)
-                self._usable_copied: torch.cuda.Event | None = None
                 self.cache_bytes += self.window.nbytes
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._pools: dict[str, tuple[int, int] | None] = {"live": None, "rebuild": None}
@@ -529,25 +526,15 @@ class GraphEngine:
             raise ValueError(
                 f"images must be (1, {', '.join(map(str, lane.images.shape))}), got {tuple(inputs.images.shape)}"
             )
-        if usable is not None and (self.window is None or len(usable) != len(self.window)):
-            raise ValueError(
-                f"usable must flag each of the window's entries, got {len(usable)} for "
-                f"{0 if self.window is None else len(self.window)}"
-            )
+        if usable is not None:
+            self._check_usable(usable)
         # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
         # this call launches anything: bench_pi05's graph-device-inputs).
         token_row, mask_row = _host_array(inputs.tokens[0]), _host_array(inputs.token_mask[0])
         bucket = self._bucket(mask_row)
         lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
         if usable is not None:
-            assert self.window is not None  # checked above
-            if self._usable_copied is not None:
-                self._usable_copied.synchronize()  # the last call's copy: long done, normally
-            self._usable_host.numpy()[:] = usable
-            self.window.usable.copy_(self._usable_host, non_blocking=True)  # pinned: a DMA, no host wait
-            if self.window.usable.is_cuda:
-                self._usable_copied = torch.cuda.Event()
-                self._usable_copied.record()
+            self.set_usable(usable)
         lane.pending = _Pending(bucket, token_row, mask_row, _host_array(inputs.image_masks[0]), noise)
         return bucket
 
@@ -580,6 +567,20 @@ class GraphEngine:
         lane.staging.upload()
         if p.noise is not None and not noise_on_host:  # after the upload, which writes the lane's noise too
             lane.noise.copy_(p.noise[0], non_blocking=True)
+
+    def set_usable(self, usable: list[bool]) -> None:
+        """Which window entries the match stage may pick, from the next match on: one copy, queued on the
+        current stream (from pageable memory, so the flags may change again at once)."""
+        self._check_usable(usable)
+        assert self.window is not None  # checked
+        self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
+
+    def _check_usable(self, usable: list[bool]) -> None:
+        if self.window is None or len(usable) != len(self.window):
+            raise ValueError(
+                f"usable must flag each of the window's entries, got {len(usable)} for "
+                f"{0 if self.window is None else len(self.window)}"
+            )
 
     def begin_load(self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool] | None = None) -> int:
         """First half of loading one observation into the live buffers: validates it (a bad one raises
