@@ -294,6 +294,11 @@ def test_matched_calls_find_the_usable_flags_in_place() -> None:
     assert copies, "the flags were copied between calls"
     for host, device, _ in at_call[1:]:  # the matched calls: the engine's flags are the host's
         assert any(host) and device == host
+    # Someone else writes the engine's flags (bench_rmuscle's stage timings do): the next call copies its own.
+    real([True] * len(rm.window))
+    assert policy.infer(episode(5, offset=0.05, noise=2.0)[4]).cache_mode == "cached"
+    host, device, _ = at_call[-1]
+    assert device == host != [True] * len(rm.window)
 
 
 def test_a_gpu_pick_below_the_threshold_runs_the_call_again_dense(tmp_path) -> None:

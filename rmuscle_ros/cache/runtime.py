@@ -208,6 +208,7 @@ class RMuscle:
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
         self._usable_on_device: list[bool] | None = None  # the usable flags last copied to the engine
+        self._usable_writes = -1  # the engine's usable_writes right after that copy (another writer: stale)
         self.calls = self.cached_calls = 0
         self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
         self.last = CallInfo("dense", 0.0, reason="no call yet")
@@ -363,9 +364,10 @@ class RMuscle:
         retrieval and when a rebuild completes, so that a call normally finds them in place: their copy
         was host time before the call's first graph."""
         usable = self._usable()
-        if any(usable) and usable != self._usable_on_device:
-            self.engine.set_usable(usable)
-            self._usable_on_device = usable
+        e = self.engine
+        if any(usable) and (usable != self._usable_on_device or e.usable_writes != self._usable_writes):
+            e.set_usable(usable)
+            self._usable_on_device, self._usable_writes = usable, e.usable_writes
         return usable
 
     def _infer(self, inputs: ModelInputs, noise: torch.Tensor) -> tuple[torch.Tensor, CallInfo]:

@@ -336,6 +336,7 @@ class GraphEngine:
         self.cache = cache
         self.rebuild: _Lane | None = None
         self.window: ReferenceWindow | None = None
+        self.usable_writes = 0  # how many times `set_usable` has written the window's usable flags
         if cache is not None:
             self.cache_bytes = self.fused.prepare_action_cache()
             self.keep_tokens, self.keep_neurons = cache.keep_tokens(cfg), cache.keep_neurons(cfg)
@@ -574,6 +575,9 @@ class GraphEngine:
         self._check_usable(usable)
         assert self.window is not None  # checked
         self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
+        self.usable_writes += (
+            1  # lets a caller that keeps the flags in place see that someone else wrote them
+        )
 
     def _check_usable(self, usable: list[bool]) -> None:
         if self.window is None or len(usable) != len(self.window):
