@@ -10,19 +10,22 @@ Per call (`RMuscle.infer`):
      Action Cache masks of its own denoising run); at `reset_episode` an episode with no cached call is
      added to the library.
 Between calls (`RMuscle.rebuild`, called by the node right after publishing a chunk, while the arm
-executes it) the window is refilled with the entries retrieval asked for: the best candidates' aligned
-positions and their lookahead, best first. Rebuilds run on the engine's rebuild lane (a low-priority
-stream); an entry becomes usable when its rebuild has finished on the GPU. An entry is rebuilt in
+executes it) the window is refilled with the entries retrieval asked for: each candidate's positions
+after its aligned one, then that one, best candidate first. Rebuilds run on the engine's rebuild lane (a
+low-priority stream); an entry becomes usable when its rebuild has finished on the GPU (a live call
+starts after the rebuilds queued before it, unless `concurrent_rebuilds`). An entry is rebuilt in
 `rebuild_slices` parts (`RMuscle.rebuild_slice` queues one), so that the node can stop between any two
 and a live call waits for at most one part.
 
 The window holds `top_k × (lookahead + 1)` entries (20 by default), allocated once.
 
-With `match_on_gpu`, steps 2-3 of a call whose candidates are already in the window run on
+With `match_on_gpu` (the default), steps 2-3 of a call whose candidates are already in the window run on
 the GPU without waiting for the host: the match stage picks the usable window entry whose descriptor is
 most similar and loads it, and the cached prefill and denoise follow at once. The host runs retrieval
 meanwhile, for the alignment, the fallback and the next window. If the picked entry is below the threshold,
-or the scene left the repertoire (fallback), the call's prefill and denoise run again dense.
+or the scene left the repertoire (fallback), the call's prefill and denoise run again dense. The flags
+saying which entries are usable are copied to the engine where they change (after a call's retrieval,
+after a rebuild), so that a call finds them in place.
 """
 
 from __future__ import annotations

@@ -575,9 +575,8 @@ class GraphEngine:
         self._check_usable(usable)
         assert self.window is not None  # checked
         self.window.usable.copy_(torch.tensor(usable, dtype=torch.bool), non_blocking=True)
-        self.usable_writes += (
-            1  # lets a caller that keeps the flags in place see that someone else wrote them
-        )
+        # lets a caller that keeps the flags in place see that someone else wrote them
+        self.usable_writes += 1
 
     def _check_usable(self, usable: list[bool]) -> None:
         if self.window is None or len(usable) != len(self.window):
