@@ -44,11 +44,11 @@ GATHERED_CONFIGS = {
 
 
 def variants(
-    preset: str, rho_n: float, copies: int, device: torch.device
+    preset: str, rho_n: float, copies: int, device: torch.device, rows: int | None = None
 ) -> dict[str, Callable[[int], None]]:
-    """name -> run(i): one launch reading weight copy i."""
+    """name -> run(i): one launch reading weight copy i. rows: activation rows (default: the horizon)."""
     e = get_preset(preset).expert
-    horizon = get_preset(preset).horizon
+    horizon = rows or get_preset(preset).horizon
     gen = torch.Generator(device).manual_seed(0)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -102,13 +102,22 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=16, help="weight copies cycled through when cold")
     p.add_argument("--launches", type=int, default=96, help="launches per captured graph")
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="activation rows (default: the horizon, 50); fewer rows shrink the tile every program re-reads",
+    )
+    p.add_argument(
+        "--name", default=None, help="results file stem (default probe_ffn_kernels_<gpu>_<commit>)"
+    )
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_ffn_kernels times Triton kernels on a GPU: no CUDA device here")
     device = torch.device("cuda")
-    runs = variants(args.preset, args.rho_n, args.copies, device)
+    runs = variants(args.preset, args.rho_n, args.copies, device, args.rows)
     results: dict[str, dict[str, float | str]] = {}
     for pdl in (False, True):
         with triton_ops.programmatic_launch(pdl):
@@ -130,6 +139,7 @@ def main() -> None:
             "copies": args.copies,
             "launches": args.launches,
             "iters": args.iters,
+            "rows": args.rows or get_preset(args.preset).horizon,
         },
         "results": results,
     }
@@ -138,7 +148,7 @@ def main() -> None:
         "",
         f"commit `{args.commit}`, command `{record['command']}`; ρn = {args.rho_n}; µs per kernel, median of "
         f"{args.iters} replays of {args.launches} launches. Hot: the same weights every launch (in L2); cold: "
-        f"{args.copies} copies cycled (from HBM).",
+        f"{args.copies} copies cycled (from HBM). Activation rows: {record['setting']['rows']}.",
         "",
         "| kernel | hot µs | cold µs | hot µs, PDL | cold µs, PDL |",
         "|---|---|---|---|---|",
@@ -147,7 +157,7 @@ def main() -> None:
         cells = [results[key].get(col, results[key].get("error", "–")) for key in (name, f"{name}_pdl")
                  for col in ("hot_us", "cold_us")]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
-    stem = f"probe_ffn_kernels_{gpu.split()[-1].lower()}_{args.commit}"
+    stem = args.name or f"probe_ffn_kernels_{gpu.split()[-1].lower()}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
 
