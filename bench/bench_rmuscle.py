@@ -476,7 +476,9 @@ def main() -> None:
                    help="also time first, fallback and cached calls with libraries of these many episodes "
                         "(synthetic descriptors; at the first ρ pair only)")  # fmt: skip
     p.add_argument("--trace", action="store_true",
-                   help="also profile one dense and one cached call: GPU idle time and its largest gaps")  # fmt: skip
+                   help="also profile one dense and one cached call: GPU idle time and its largest gaps. On "
+                        "the H200 every ρ row timed after the profiler ran slower (rmuscle_pi05_h200_a20adb2_trace): "
+                        "use it with one --rho")  # fmt: skip
     args = p.parse_args()
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
