@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rmuscle_ros.cache.library import LibraryMismatch
+from rmuscle_ros.cache.retrieval import unit_rows
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
 
@@ -292,6 +293,11 @@ def test_matched_calls_find_the_usable_flags_in_place() -> None:
         policy.rebuild_cache()
     assert modes[0] == "dense" and modes[1:] == ["cached"] * 4
     assert copies, "the flags were copied between calls"
+    for slot in rm.window:  # the match stage compares with retrieval's own rows, bit for bit
+        if slot.key is not None:
+            library_episode, call = slot.key
+            want = unit_rows(rm._descriptors[library_episode][call][None])[0]
+            assert np.array_equal(rm.engine.window.keys[slot.index].numpy(), want)
     for host, device, _ in at_call[1:]:  # the matched calls: the engine's flags are the host's
         assert any(host) and device == host
     # Someone else writes the engine's flags (bench_rmuscle's stage timings do): the next call copies its own.

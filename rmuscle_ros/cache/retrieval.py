@@ -35,7 +35,9 @@ class Match:
     similarity: float  # cosine similarity of the descriptors
 
 
-def _unit_rows(x: np.ndarray) -> np.ndarray:
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """(N, ...) descriptors -> (N, D) float32 rows of unit L2 norm: how retrieval holds the library's
+    descriptors, and the window's match keys (bit for bit the same rows)."""
     flat = x.reshape(x.shape[0], -1).astype(np.float32)
     return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
 
@@ -58,7 +60,7 @@ class Retriever:
         """descriptors: episode id -> (calls, cameras, dim) retrieval descriptors of that episode.
         device: a CUDA device to hold the rows and compute the similarities on (see `queue`)."""
         self.cfg = cfg
-        episodes = {eid: _unit_rows(d) for eid, d in descriptors.items() if len(d)}
+        episodes = {eid: unit_rows(d) for eid, d in descriptors.items() if len(d)}
         self._ids = np.array(list(episodes), dtype=np.int64)
         self._lengths = np.array([len(r) for r in episodes.values()], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]]).astype(np.int64)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from rmuscle_ros.cache.library import Episode, LibraryKey, ReferenceLibrary
-from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever
+from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, unit_rows
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 from rmuscle_ros.models.pi05 import ModelInputs
@@ -603,12 +603,11 @@ class RMuscle:
         )
         free.key = None  # not usable while it is being rewritten
         self.engine.begin_rebuild(inputs, free.ref)
-        flat = self._descriptors[key[0]][call].reshape(-1).astype(np.float32)
         return _Building(
             free,
             key,
             torch.from_numpy(episode.action_masks[call].astype(np.int32)),
-            torch.from_numpy(flat / max(float(np.linalg.norm(flat)), 1e-12)),  # as retrieval's rows
+            torch.from_numpy(unit_rows(self._descriptors[key[0]][call][None])[0]),  # retrieval's row, exactly
         )
 
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────
