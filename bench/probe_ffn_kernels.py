@@ -40,12 +40,6 @@ GATHERED_CONFIGS = {
     "gathered_gate_up_bn16": {"bn": 16},
     "gathered_gate_up_bn16_bk512_s2": {"bn": 16, "bk": 512, "stages": 2},
     "gathered_gate_up_bn16_bk1024_s1": {"bn": 16, "bk": 1024, "stages": 1},  # one dot over all of K
-    # split-K over 2 or 4 programs per column block, the last one summing the partials (twice or four
-    # times the programs, each streaming a half or a quarter of K)
-    "gathered_gate_up_split2": {"splits": 2},
-    "gathered_gate_up_split4": {"splits": 4},
-    "gathered_gate_up_split2_bn16": {"splits": 2, "bn": 16},
-    "gathered_gate_up_split4_bk64": {"splits": 4, "bk": 64},
 }
 
 
@@ -69,11 +63,9 @@ def variants(
     act = torch.empty(horizon, f, device=device, dtype=torch.bfloat16)
     out = torch.empty(horizon, sel, device=device, dtype=torch.bfloat16)
 
-    counts = torch.zeros(f, device=device, dtype=torch.int32)  # the split-K counters, as the engine's
-
     def gathered_gate_up(config: dict[str, int] | None) -> Callable[[int], None]:
         return lambda i: triton_ops.linear_geglu(
-            h, gate_up[i], out, neurons=neurons, anchor=anchor, counts=counts, config=config
+            h, gate_up[i], out, neurons=neurons, anchor=anchor, config=config
         )
 
     runs = {

@@ -43,14 +43,7 @@ GRIDS: dict[str, dict[str, list[int]]] = {
 }
 # The Action Cache's gathered kernels, tuned in the cached denoise graph (--cache RHO_P RHO_N).
 CACHED_GRIDS: dict[str, dict[str, list[int]]] = {
-    # splits > 1: split-K, the last program of each column block summing the others' partials
-    "gathered_geglu": {
-        "splits": [1, 2, 4],
-        "bn": [16, 32],
-        "bk": [64, 128, 256],
-        "warps": [4],
-        "stages": [3, 4],
-    },
+    "gathered_geglu": {"bn": [16, 32], "bk": [128, 256, 512], "warps": [4, 8], "stages": [2, 3, 4]},
     "gathered_down": {"splits": [4, 8], "bn": [32, 64, 128], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
 
@@ -59,8 +52,7 @@ def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
     m = types.ModuleType("configured")
     for name in dir(triton_ops):
         setattr(m, name, getattr(triton_ops, name))
-    # "splits" is linear()'s argument, but part of linear_geglu's config
-    kcfg = cfg if kind.endswith("geglu") else {k: v for k, v in cfg.items() if k != "splits"}
+    kcfg = {k: v for k, v in cfg.items() if k != "splits"}
     e = fused.cfg.expert
     if kind == "gathered_geglu":
         m.linear_geglu = lambda a, w, out, **k: triton_ops.linear_geglu(
@@ -132,7 +124,7 @@ def main() -> None:
             fused.ops = configured_ops(kind, c, fused)
             if kind == "gathered_down":
                 fused_module.gather_splits = lambda selected, s=c["splits"]: s
-            elif kind in ("o_proj", "down_proj"):
+            elif "splits" in c:
                 setattr(fused, "o_splits" if kind == "o_proj" else "down_splits", c["splits"])
             try:
                 engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket, variant))

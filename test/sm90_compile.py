@@ -100,11 +100,6 @@ def engine_calls() -> None:
     T.add_norm(res, y, h, eps=1e-6, rms=True, y_store=y_anchor, **gate)
     delta = t(ha, sel)
     T.linear_geglu(h, gate_up, delta, neurons=idx, anchor=act_anchor)
-    for splits in (2, 4):  # split-K with the partials summed in the kernel (counters, a fence and .cg loads)
-        counts = torch.zeros(e.mlp_dim, dtype=i32)
-        T.linear_geglu(
-            h, gate_up, delta, neurons=idx, anchor=act_anchor, counts=counts, config={"splits": splits}
-        )
     y = T.linear(delta, down_t, gather_splits(sel), neurons=idx)
     T.add_norm(res, y, h, eps=1e-6, rms=True, y_base=y_anchor, **gate)
 

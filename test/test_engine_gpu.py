@@ -261,28 +261,6 @@ def test_action_cache_kernels_match_definition(triton_ops, sel: int) -> None:
         assert torch.isfinite(got).all() and rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-def test_gathered_geglu_split_k_matches_definition(triton_ops, splits: int) -> None:
-    """Full-size gathered gate/up split over K (ρn 0.5), the partials summed by each column block's last
-    program: equal to the definition, and to itself on a repeat (the counters reset)."""
-    m, width, f, sel = 50, 1024, 4096, 2048
-    x = torch.randn(m, width, device=CUDA, dtype=torch.bfloat16)
-    gate_up = torch.randn(2 * f, width, device=CUDA, dtype=torch.bfloat16) * width**-0.5
-    neurons = torch.sort(torch.randperm(f, device=CUDA)[:sel]).values.to(torch.int32)
-    anchor = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
-    ref = ops.linear_geglu(x, gate_up, torch.empty(m, sel, device=CUDA, dtype=torch.bfloat16), neurons=neurons,
-                           anchor=anchor)  # fmt: skip
-    counts = torch.zeros(f, device=CUDA, dtype=torch.int32)
-    outs = []
-    for _ in range(3):
-        out = torch.full((m, sel), float("nan"), device=CUDA, dtype=torch.bfloat16)
-        triton_ops.linear_geglu(x, gate_up, out, neurons=neurons, anchor=anchor, counts=counts,
-                                config={"splits": splits})  # fmt: skip
-        outs.append(out)
-    assert torch.isfinite(outs[0]).all() and rel(outs[0], ref) < 1e-2
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]) and (counts == 0).all()
-
-
 @pytest.mark.parametrize("ties", [False, True])
 def test_context_cache_kernels_match_definition(triton_ops, ties: bool) -> None:
     """Full-size Context Cache (3 cameras: Nv = 768 visual rows, 64 prompt rows, W = 2048, ρp = 0.4):

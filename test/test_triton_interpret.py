@@ -176,32 +176,6 @@ def test_action_cache_kernels_read_only_selected_neurons(
     assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True))
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-def test_gathered_geglu_split_k_sums_its_partials(splits: int, no_fallback) -> None:
-    """The gathered gate/up split over K: the last program of each column block adds the others' partial
-    sums and alone writes; its counters are zero again afterwards, so the next call (another layer) is
-    right too. Without counters it runs unsplit."""
-    m, width, f, sel = 6, 256, 512, 96
-    x, gate_up = torch.randn(m, width), torch.randn(2 * f, width) * 0.1
-    neurons = torch.sort(torch.randperm(f)[:sel]).values.to(torch.int32)
-    anchor = torch.randn(m, f)
-    expected = ops.linear_geglu(x, gate_up, torch.empty(m, sel), neurons=neurons, anchor=anchor)
-    counts = torch.zeros(f, dtype=torch.int32)
-    no_fallback()
-    cfg = {"bn": 16, "bk": 64, "splits": splits}
-    for _ in range(2):
-        out = torch.full((m, sel), float("nan"))
-        triton_ops.linear_geglu(x, gate_up, out, neurons=neurons, anchor=anchor, counts=counts, config=cfg)
-        assert rel(out, expected) < 1e-5
-        assert (counts == 0).all()
-    out = triton_ops.linear_geglu(x, gate_up, torch.empty(m, sel), neurons=neurons, anchor=anchor, config=cfg)
-    assert rel(out, expected) < 1e-5
-    with pytest.raises(ValueError, match="one per column block"):
-        triton_ops.linear_geglu(
-            x, gate_up, out, neurons=neurons, anchor=anchor, counts=counts[:3], config=cfg
-        )
-
-
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_add_norm_measures_the_context_cache_drift(out_dtype: torch.dtype, no_fallback) -> None:
     """drift_out[r] = ‖out[r] − drift_ref[r]‖² over the first Nv rows, from out as stored (rounded to its

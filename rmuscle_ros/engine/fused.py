@@ -319,8 +319,6 @@ class FusedPi05:
         if self.down_t is None:
             self.down_t = [layer.down_w.t().contiguous() for layer in self.expert_layers]
             self.down_norms = torch.stack([layer.down_w.float().norm(dim=0) for layer in self.expert_layers])
-            # the gathered gate/up's split-K counters (triton_ops.linear_geglu), one per output column at most
-            self.geglu_counts = torch.zeros(self.cfg.expert.mlp_dim, device=self.device, dtype=torch.int32)
         return sum(t.numel() * t.element_size() for t in self.down_t) + self.down_norms.numel() * 4
 
     # ── weight preparation (float32 arithmetic, then cast) ──────────────────────────────────────────────
@@ -639,9 +637,7 @@ class FusedPi05:
                     ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
                 elif cached:  # only the selected neurons, added onto the anchor
                     idx = action.neurons[s, i]
-                    ops.linear_geglu(
-                        h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i], counts=self.geglu_counts
-                    )
+                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
                     y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
                     ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
                 else:

@@ -165,13 +165,11 @@ def linear_geglu(
     *,
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
-    counts: Tensor | None = None,
 ) -> Tensor:
     """out (M, F) = gelu_tanh(a W_gateᵀ) * (a W_upᵀ), gate_up = [W_gate; W_up] (2F, K).
 
     With `neurons` (S,): only those neurons, reading only their rows of W_gate and W_up; out is (M, S).
     With `anchor` (M, F) too: out = act[:, S] − anchor[:, S], the Action Cache's change since the anchor.
-    `counts`: scratch for a kernel that splits K across programs (triton_ops); unused here.
     """
     if neurons is None:
         pre = a @ gate_up.t()

@@ -682,10 +682,10 @@ def _attention_combine_kernel(
 @triton.jit
 def _skinny_matmul_kernel(
     a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c, stride_c_split, idx_ptr, up_offset,
-    anchor_ptr, stride_anchor, ws_ptr, count_ptr,
+    anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False, FIXUP: tl.constexpr = 1,
+    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
 
@@ -700,12 +700,6 @@ def _skinny_matmul_kernel(
     overrun K (the last slice shorter, or empty), and what lies beyond K is masked.
     The indices are written before the call and the anchor by the first step, so both may be read before
     the PDL wait.
-
-    FIXUP > 1 (GEGLU only): split-K over FIXUP programs per column block (the grid's second axis), for
-    when too few column blocks leave SMs idle. Each program stores its float32 partial gate and up sums in
-    `ws` (FIXUP, 2, M, N) and counts itself in `count[column block]` (zero before the call); the last to
-    arrive adds the others' partials, alone writes the result, and sets the count back to zero. Nothing
-    waits on another program.
     """
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
@@ -764,53 +758,20 @@ def _skinny_matmul_kernel(
                 w_ptr + (up_offset + src)[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0
             )
             acc_up += tl.dot(a, tl.trans(w_up))
-    if FIXUP > 1:
-        acc, acc_up, out_ok = _split_k_fixup(ws_ptr, count_ptr, acc, acc_up, rows, cols, out_ok, M, N, FIXUP)
     if GEGLU:
         z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
         acc = acc * tl.sigmoid(2.0 * z) * acc_up
     if SUB_ANCHOR:
         acc -= anchor.to(tl.float32)
-    dst = c_ptr + (split * stride_c_split if FIXUP == 1 else 0) + rows[:, None] * stride_c + cols[None, :]
+    dst = c_ptr + split * stride_c_split + rows[:, None] * stride_c + cols[None, :]
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
-
-
-@triton.jit
-def _split_k_fixup(ws_ptr, count_ptr, acc, acc_up, rows, cols, out_ok, M, N, SPLITS: tl.constexpr):
-    """Serial split-K without waiting (like a stream-K fix-up): publish this program's partial sums, count
-    it, and if it was the column block's last, return the whole sums (the others' partials added) with
-    out_ok unchanged; otherwise out_ok all false, so that it stores nothing."""
-    split = tl.program_id(1)
-    plane = M * N
-    own = ws_ptr + split * 2 * plane + rows[:, None] * N + cols[None, :]
-    tl.store(own, acc, mask=out_ok)
-    tl.store(own + plane, acc_up, mask=out_ok)
-    # Every thread's stores happen before the count (barrier), which releases them GPU-wide; the last
-    # arriver's count acquires the others'. Their partials are read past L1, which is not coherent.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    last = arrived == SPLITS - 1
-    tl.store(count_ptr + tl.program_id(0), 0, mask=last)  # all have arrived: zero again for the next call
-    # Summed in split order whichever program is last, so that the result does not depend on arrival.
-    gate, up = tl.zeros_like(acc), tl.zeros_like(acc_up)
-    for s in tl.static_range(SPLITS):
-        take = out_ok & last & (split != s)
-        other = ws_ptr + s * 2 * plane + rows[:, None] * N + cols[None, :]
-        gate += tl.where(split == s, acc, tl.load(other, mask=take, other=0.0, cache_modifier=".cg"))
-        up += tl.where(split == s, acc_up, tl.load(other + plane, mask=take, other=0.0, cache_modifier=".cg"))
-    return gate, up, out_ok & last
 
 
 def _launch_skinny(
     a: Tensor, w: Tensor, c: Tensor, n: int, splits: int, geglu: bool, cfg: dict[str, int],
     neurons: Tensor | None = None, gather_k: bool = False, anchor: Tensor | None = None,
-    counts: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """`counts` (with geglu and splits > 1): the split-K fix-up's zeroed counters, one per column block."""
     k = a.shape[1]
-    fixup = splits if geglu and splits > 1 else 1
-    ws = torch.empty(fixup, 2, a.shape[0], n, device=a.device, dtype=torch.float32) if fixup > 1 else a
     # Gathered K: slices of whole BK blocks, the last one shorter (masked); otherwise K divides evenly.
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg["bk"]) * cfg["bk"] if gather_k else k // splits
     # PRELOAD: the weight slice into registers before the PDL wait, when it is at most cfg["preload"] bytes
@@ -820,11 +781,11 @@ def _launch_skinny(
         a, w, c, a.shape[0], n, k, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
         a if anchor is None else anchor, 0 if anchor is None else anchor.stride(0),
-        ws, a if counts is None else counts, K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
+        K_PER_SPLIT=k_split, BM=max(16, triton.next_power_of_2(a.shape[0])), BN=cfg["bn"],
         BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
         LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
         GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
-        PRELOAD=preload, FIXUP=fixup, num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
+        PRELOAD=preload, num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
 
 
@@ -877,26 +838,17 @@ def linear_geglu(
     *,
     neurons: Tensor | None = None,
     anchor: Tensor | None = None,
-    counts: Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> Tensor:
     """ops.linear_geglu in one kernel: for a few rows (the denoising steps) the weight-streaming kernel
-    (H200, dense: 7.2 µs vs 9.4 unfused), for many (the prefill) `gemm_geglu`.
-
-    `counts`: zeroed int32 scratch, one element per column block (out columns / BN) and left zeroed, for a
-    split-K launch (config "splits" > 1: the kernel sums its partials itself); without it, no split."""
+    (H200, dense: 7.2 µs vs 9.4 unfused), for many (the prefill) `gemm_geglu`."""
     if a.shape[0] > 64 and neurons is None and anchor is None:
         return gemm_geglu(a, gate_up, out, config)
     # Gathered too: BN 32 beat 16 by 0.19 ms per call in the cached denoise graph (tune_in_graph --cache).
-    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4, "splits": 1} | (config or {})
-    splits = cfg["splits"] if counts is not None else 1
-    if not _skinny_ok(a, gate_up, splits, cfg["bk"]) or out.stride(-1) != 1:
+    cfg = {"bn": 32, "bk": 128, "warps": 4, "stages": 4} | (config or {})
+    if not _skinny_ok(a, gate_up, 1, cfg["bk"]) or out.stride(-1) != 1:
         return ops.linear_geglu(a, gate_up, out, neurons=neurons, anchor=anchor)
-    if splits > 1 and counts.numel() < triton.cdiv(out.shape[1], cfg["bn"]):
-        raise ValueError(
-            f"counts has {counts.numel()} elements, the split-K launch needs one per column block"
-        )
-    _launch_skinny(a, gate_up, out, out.shape[1], splits, True, cfg, neurons, anchor=anchor, counts=counts)
+    _launch_skinny(a, gate_up, out, out.shape[1], 1, True, cfg, neurons, anchor=anchor)
     return out
 
 
