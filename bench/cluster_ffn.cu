@@ -58,7 +58,7 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
                    const bf16* __restrict__ down_t,
                    const int* __restrict__ idx,
                    const bf16* __restrict__ anchor, int stride_anchor,
-                   float* __restrict__ partials) {
+                   float* __restrict__ partials, long long* __restrict__ stamps) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
   cg::cluster_group cluster = cg::this_cluster();
@@ -66,6 +66,18 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
   const int c = blockIdx.y;                                // neuron chunk
   const int t = threadIdx.x, warp = t / 32;
   const int* chunk_idx = idx + c * CHUNK;
+  // stamps (diagnostics, may be null): per CTA, the global timer at start and end (ns) and the SM's clock
+  // at each phase boundary (cycles)
+  long long* stamp = stamps == nullptr ? nullptr : stamps + (blockIdx.y * CLUSTER + j) * 8;
+  auto mark = [&](int k) {
+    if (stamp != nullptr && t == 0) stamp[k] = clock64();
+  };
+  if (stamp != nullptr && t == 0) {
+    long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    stamp[6] = ns;
+  }
+  mark(0);
 
   // Weights (written before the call): start their copies before the PDL wait.
   for (int q = t; q < CHUNK * (SLICE / 8); q += THREADS) {  // 16-byte pieces: 128 rows x 16
@@ -76,6 +88,7 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
     cp_async16(&s.wd[n][piece], down_t + row * WIDTH + j * SLICE + piece);
   }
   asm volatile("cp.async.commit_group;\n" ::);
+  mark(1);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
   for (int q = t; q < ROWS * (SLICE / 8); q += THREADS) {
@@ -89,6 +102,7 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
   asm volatile("cp.async.commit_group;\n" ::);
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
+  mark(2);
 
   // 1. partial gate and up sums over K slice j: warp w takes neurons [16w, 16w+16), all 64 rows.
   {
@@ -114,6 +128,7 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
     }
   }
   cluster.sync();
+  mark(3);
 
   // 2. neurons [16j, 16j+16): the 8 slices' partials summed in rank order, GeGLU, minus the anchor.
   {
@@ -146,6 +161,7 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
     *reinterpret_cast<uint4*>(&s.x[r][rank * OWN + half * 8]) = *reinterpret_cast<const uint4*>(src);
   }
   cluster.sync();  // also: no CTA leaves while another still reads its deltas
+  mark(4);
   {
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[ROWS / 16];
     for (int mt = 0; mt < ROWS / 16; ++mt) wmma::fill_fragment(acc[mt], 0.0f);
@@ -163,10 +179,17 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
       wmma::store_matrix_sync(out + mt * 16 * WIDTH, acc[mt], WIDTH, wmma::mem_row_major);
     }
   }
+  mark(5);
+  if (stamp != nullptr && t == 0) {
+    long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    stamp[7] = ns;
+  }
 }
 
 void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down_t,
-                 const at::Tensor& idx, const at::Tensor& anchor, at::Tensor& partials, bool pdl) {
+                 const at::Tensor& idx, const at::Tensor& anchor, at::Tensor& partials, bool pdl,
+                 c10::optional<at::Tensor> stamps) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == WIDTH &&
                   x.stride(1) == 1 && x.size(0) <= ROWS,
               "x: (rows <= 64, 1024) bf16, unit column stride");
@@ -181,6 +204,8 @@ void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tenso
   TORCH_CHECK(anchor.scalar_type() == at::kBFloat16 && anchor.size(1) == f && anchor.stride(1) == 1,
               "anchor: (rows, F) bf16");
   const int chunks = static_cast<int>(idx.numel() / CHUNK);
+  TORCH_CHECK(!stamps.has_value() || (stamps->scalar_type() == at::kLong && stamps->numel() >= chunks * CLUSTER * 8),
+              "stamps: int64, 8 per CTA");
   TORCH_CHECK(partials.scalar_type() == at::kFloat && partials.is_contiguous() && partials.size(0) == chunks &&
                   partials.size(1) == ROWS && partials.size(2) == WIDTH,
               "partials: (selected / 128, 64, 1024) float32, contiguous");
@@ -205,7 +230,7 @@ void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tenso
       static_cast<int>(x.stride(0)), reinterpret_cast<const bf16*>(gate_up.data_ptr()), static_cast<int>(f),
       reinterpret_cast<const bf16*>(down_t.data_ptr()), idx.data_ptr<int>(),
       reinterpret_cast<const bf16*>(anchor.data_ptr()), static_cast<int>(anchor.stride(0)),
-      partials.data_ptr<float>()));
+      partials.data_ptr<float>(), stamps.has_value() ? reinterpret_cast<long long*>(stamps->data_ptr<int64_t>()) : nullptr));
 }
 
 int max_active_clusters(int chunks) {
@@ -222,6 +247,8 @@ int max_active_clusters(int chunks) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("cluster_ffn", &cluster_ffn, "the Action Cache's gathered FFN in one cluster kernel (probe)");
+  m.def("cluster_ffn", &cluster_ffn, "the Action Cache's gathered FFN in one cluster kernel (probe)",
+        py::arg("x"), py::arg("gate_up"), py::arg("down_t"), py::arg("idx"), py::arg("anchor"),
+        py::arg("partials"), py::arg("pdl"), py::arg("stamps") = py::none());
   m.def("max_active_clusters", &max_active_clusters, "clusters the GPU holds at once");
 }

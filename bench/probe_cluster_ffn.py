@@ -111,6 +111,30 @@ def main() -> None:
     check["max_active_clusters"] = ext.max_active_clusters(sel // 128)  # one wave needs sel / 128
     print(f"[probe] check: {check}", flush=True)
 
+    # Where a launch's time goes: per CTA, the SM's clock at each phase boundary and the global timer at
+    # its start and end; with all chunks, and with one chunk fewer than the GPU holds clusters (one wave).
+    phases = ("weights issued", "activations in", "gate/up + cluster sync", "GeGLU + 2 cluster syncs",
+              "down + store")  # fmt: skip
+    one_wave = min(sel // 128, check["max_active_clusters"]) * 128
+    diagnostics = {}
+    for n_sel in sorted({sel, one_wave}, reverse=True):
+        stamps = torch.zeros(n_sel // 128 * 8, 8, dtype=torch.int64, device=device)
+        part = torch.zeros(n_sel // 128, ROWS_PADDED, width, device=device)
+        for _ in range(3):
+            ext.cluster_ffn(x, gate_up[0], down_t[0], neurons[:n_sel], anchor, part, False, stamps)
+        torch.cuda.synchronize()
+        st = stamps.cpu().double()
+        cycles = st[:, 1:6] - st[:, 0:5]
+        start, end = st[:, 6], st[:, 7]
+        diagnostics[f"{n_sel // 128} chunks"] = {
+            "median_cycles": {ph: round(cycles[:, k].median().item()) for k, ph in enumerate(phases)},
+            "cta_median_us": round((end - start).median().item() / 1e3, 3),
+            "span_us": round((end.max() - start.min()).item() / 1e3, 3),
+            "start_spread_us": round((start.max() - start.min()).item() / 1e3, 3),
+        }
+        print(f"[probe] {n_sel // 128} chunks: {diagnostics[f'{n_sel // 128} chunks']}", flush=True)
+    part_one_wave = torch.zeros(one_wave // 128, ROWS_PADDED, width, device=device)
+
     def triton_ffn(i: int, chain: bool) -> None:
         a = h if chain else x
         triton_ops.linear_geglu(a, gate_up[i], delta, neurons=neurons, anchor=anchor)
@@ -127,6 +151,9 @@ def main() -> None:
     runs = {
         "triton gate/up + down": lambda i: triton_ffn(i, False),
         "cluster kernel": lambda i: cluster_ffn(i, False),
+        f"cluster kernel, {one_wave // 128} chunks (one wave)": lambda i: ext.cluster_ffn(
+            x, gate_up[i], down_t[i], neurons[:one_wave], anchor, part_one_wave, True
+        ),
         "triton gate/up + down + add_norm": lambda i: triton_ffn(i, True),
         "cluster kernel + add_norm": lambda i: cluster_ffn(i, True),
     }
@@ -154,6 +181,7 @@ def main() -> None:
             "pdl": True,
         },
         "check": check,
+        "diagnostics": diagnostics,
         "results": results,
     }
     lines = [
@@ -164,6 +192,8 @@ def main() -> None:
         f"weight copy (in L2); cold: {args.copies} copies cycled (from HBM).",
         "",
         f"Result check (rel L2 of the summed output): {check}",
+        "",
+        f"Inside one launch (no PDL; SM cycles per phase, medians over CTAs): {diagnostics}",
         "",
         "| variant | hot µs | cold µs |",
         "|---|---|---|",
