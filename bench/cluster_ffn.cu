@@ -37,14 +37,25 @@ constexpr int LDW = SLICE + PAD;        // 136: rows of the weight and activatio
 constexpr int LDF = CHUNK + 4;          // 132: rows of the fp32 partial sums
 constexpr int OWN = CHUNK / CLUSTER;    // 16 neurons finished by each CTA
 
+// Shared memory, 89.6 KB, so that two CTAs fit on an SM: the GPU then holds all 16 clusters at once (at
+// 187 KB, one CTA per SM, it held 15 and ran the 16th in a second wave). The gate/up weights' space is
+// reused for the partial sums once the gate/up products are done, then for the down-projection's weights
+// (held in registers until then) once the cluster has read the partial sums.
 struct Smem {
-  bf16 wg[CHUNK][LDW];
-  bf16 wu[CHUNK][LDW];
-  bf16 wd[CHUNK][LDW];
-  bf16 x[ROWS][LDW];      // the activations' K slice, later all 128 neurons' deltas
-  float g[ROWS][LDF];
-  float u[ROWS][LDF];
-  bf16 h[ROWS][OWN];      // this CTA's 16 neurons' deltas, read by the whole cluster
+  union {
+    struct {
+      bf16 wg[CHUNK][LDW];
+      bf16 wu[CHUNK][LDW];
+    } gate_up;
+    struct {
+      float g[ROWS][LDF];
+      float u[ROWS][LDF];
+    } sums;
+    bf16 wd[CHUNK][LDW];
+  } big;
+  bf16 x[ROWS][LDW];  // the activations' K slice, later all 128 neurons' deltas
+  bf16 h[ROWS][OWN];  // this CTA's 16 neurons' deltas, read by the whole cluster
+  int idx[CHUNK];     // the chunk's neuron indices
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -52,7 +63,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
+__device__ __forceinline__ long long global_ns() {
+  long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2)
 cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
                    const bf16* __restrict__ gate_up, int f_total,
                    const bf16* __restrict__ down_t,
@@ -65,29 +82,39 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
   const int j = static_cast<int>(cluster.block_rank());  // K slice and output slice
   const int c = blockIdx.y;                                // neuron chunk
   const int t = threadIdx.x, warp = t / 32;
-  const int* chunk_idx = idx + c * CHUNK;
-  // stamps (diagnostics, may be null): per CTA, the global timer at start and end (ns) and the SM's clock
-  // at each phase boundary (cycles)
+  // stamps (diagnostics, may be null): per CTA, the SM's clock at each phase boundary (cycles) and the
+  // global timer at start and end (ns)
   long long* stamp = stamps == nullptr ? nullptr : stamps + (blockIdx.y * CLUSTER + j) * 8;
   auto mark = [&](int k) {
     if (stamp != nullptr && t == 0) stamp[k] = clock64();
   };
-  if (stamp != nullptr && t == 0) {
-    long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    stamp[6] = ns;
-  }
+  if (stamp != nullptr && t == 0) stamp[6] = global_ns();
   mark(0);
 
-  // Weights (written before the call): start their copies before the PDL wait.
+  // Before the PDL wait, everything written before the call: indices, weights, the anchor's activations.
+  if (t < CHUNK) s.idx[t] = idx[c * CHUNK + t];
+  __syncthreads();
   for (int q = t; q < CHUNK * (SLICE / 8); q += THREADS) {  // 16-byte pieces: 128 rows x 16
     const int n = q / (SLICE / 8), piece = (q % (SLICE / 8)) * 8;
-    const long row = chunk_idx[n];
-    cp_async16(&s.wg[n][piece], gate_up + row * WIDTH + j * SLICE + piece);
-    cp_async16(&s.wu[n][piece], gate_up + (f_total + row) * WIDTH + j * SLICE + piece);
-    cp_async16(&s.wd[n][piece], down_t + row * WIDTH + j * SLICE + piece);
+    const long row = s.idx[n];
+    cp_async16(&s.big.gate_up.wg[n][piece], gate_up + row * WIDTH + j * SLICE + piece);
+    cp_async16(&s.big.gate_up.wu[n][piece], gate_up + (f_total + row) * WIDTH + j * SLICE + piece);
   }
   asm volatile("cp.async.commit_group;\n" ::);
+  constexpr int WD_PIECES = CHUNK * (SLICE / 8) / THREADS;  // 8 per thread, in registers until phase 3
+  uint4 wd[WD_PIECES];
+#pragma unroll
+  for (int i = 0; i < WD_PIECES; ++i) {
+    const int q = t + i * THREADS, n = q / (SLICE / 8), piece = (q % (SLICE / 8)) * 8;
+    wd[i] = *reinterpret_cast<const uint4*>(down_t + static_cast<long>(s.idx[n]) * WIDTH + j * SLICE + piece);
+  }
+  const int r2 = t / 4, n2 = j * OWN + (t % 4) * 4;  // phase 2: this thread's row and 4 neurons
+  float anchor_v[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    anchor_v[e] = r2 < m_rows ? __bfloat162float(anchor[static_cast<long>(r2) * stride_anchor + s.idx[n2 + e]])
+                              : 0.0f;
+  }
   mark(1);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
@@ -107,14 +134,17 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
   // 1. partial gate and up sums over K slice j: warp w takes neurons [16w, 16w+16), all 64 rows.
   {
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc_g[ROWS / 16], acc_u[ROWS / 16];
+#pragma unroll
     for (int mt = 0; mt < ROWS / 16; ++mt) {
       wmma::fill_fragment(acc_g[mt], 0.0f);
       wmma::fill_fragment(acc_u[mt], 0.0f);
     }
+#pragma unroll
     for (int k = 0; k < SLICE; k += 16) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bg, bu;
-      wmma::load_matrix_sync(bg, &s.wg[warp * 16][k], LDW);
-      wmma::load_matrix_sync(bu, &s.wu[warp * 16][k], LDW);
+      wmma::load_matrix_sync(bg, &s.big.gate_up.wg[warp * 16][k], LDW);
+      wmma::load_matrix_sync(bu, &s.big.gate_up.wu[warp * 16][k], LDW);
+#pragma unroll
       for (int mt = 0; mt < ROWS / 16; ++mt) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
         wmma::load_matrix_sync(a, &s.x[mt * 16][k], LDW);
@@ -122,9 +152,11 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
         wmma::mma_sync(acc_u[mt], a, bu, acc_u[mt]);
       }
     }
+    __syncthreads();  // every warp is done with the weights: their space takes the sums
+#pragma unroll
     for (int mt = 0; mt < ROWS / 16; ++mt) {
-      wmma::store_matrix_sync(&s.g[mt * 16][warp * 16], acc_g[mt], LDF, wmma::mem_row_major);
-      wmma::store_matrix_sync(&s.u[mt * 16][warp * 16], acc_u[mt], LDF, wmma::mem_row_major);
+      wmma::store_matrix_sync(&s.big.sums.g[mt * 16][warp * 16], acc_g[mt], LDF, wmma::mem_row_major);
+      wmma::store_matrix_sync(&s.big.sums.u[mt * 16][warp * 16], acc_u[mt], LDF, wmma::mem_row_major);
     }
   }
   cluster.sync();
@@ -132,29 +164,37 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
 
   // 2. neurons [16j, 16j+16): the 8 slices' partials summed in rank order, GeGLU, minus the anchor.
   {
-    const int r = t / 4, n0 = j * OWN + (t % 4) * 4;  // 64 rows x 4 groups of 4 neurons
-    float gs[4] = {0, 0, 0, 0}, us[4] = {0, 0, 0, 0};
-    for (int rank = 0; rank < CLUSTER; ++rank) {
-      const float* g = cluster.map_shared_rank(&s.g[r][n0], rank);
-      const float* u = cluster.map_shared_rank(&s.u[r][n0], rank);
-      const float4 gv = *reinterpret_cast<const float4*>(g), uv = *reinterpret_cast<const float4*>(u);
-      gs[0] += gv.x; gs[1] += gv.y; gs[2] += gv.z; gs[3] += gv.w;
-      us[0] += uv.x; us[1] += uv.y; us[2] += uv.z; us[3] += uv.w;
+    float4 gv[CLUSTER], uv[CLUSTER];
+#pragma unroll
+    for (int rank = 0; rank < CLUSTER; ++rank) {  // all 16 loads in flight before any sum
+      gv[rank] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(&s.big.sums.g[r2][n2], rank));
+      uv[rank] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(&s.big.sums.u[r2][n2], rank));
     }
+    float gs[4] = {0, 0, 0, 0}, us[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int rank = 0; rank < CLUSTER; ++rank) {
+      gs[0] += gv[rank].x; gs[1] += gv[rank].y; gs[2] += gv[rank].z; gs[3] += gv[rank].w;
+      us[0] += uv[rank].x; us[1] += uv[rank].y; us[2] += uv[rank].z; us[3] += uv[rank].w;
+    }
+#pragma unroll
     for (int e = 0; e < 4; ++e) {
       float d = 0.0f;
-      if (r < m_rows) {
-        const float gv = gs[e];
-        const float z = 0.7978845608028654f * (gv + 0.044715f * gv * gv * gv);
-        const float act = gv / (1.0f + __expf(-2.0f * z)) * us[e];
-        d = act - __bfloat162float(anchor[static_cast<long>(r) * stride_anchor + chunk_idx[n0 + e]]);
+      if (r2 < m_rows) {
+        const float g = gs[e];
+        const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        d = g / (1.0f + __expf(-2.0f * z)) * us[e] - anchor_v[e];
       }
-      s.h[r][(t % 4) * 4 + e] = __float2bfloat16(d);
+      s.h[r2][(t % 4) * 4 + e] = __float2bfloat16(d);
     }
   }
-  cluster.sync();
+  cluster.sync();  // the cluster has read the sums: their space takes the down-projection's weights
 
   // 3. all 128 deltas from the cluster (into the activation tile's space), then this CTA's output slice.
+#pragma unroll
+  for (int i = 0; i < WD_PIECES; ++i) {
+    const int q = t + i * THREADS, n = q / (SLICE / 8), piece = (q % (SLICE / 8)) * 8;
+    *reinterpret_cast<uint4*>(&s.big.wd[n][piece]) = wd[i];
+  }
   for (int q = t; q < CLUSTER * ROWS * 2; q += THREADS) {  // 16-byte pieces: 8 ranks x 64 rows x 2
     const int rank = q / (ROWS * 2), r = (q / 2) % ROWS, half = q % 2;
     const bf16* src = cluster.map_shared_rank(&s.h[r][half * 8], rank);
@@ -164,10 +204,13 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
   mark(4);
   {
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[ROWS / 16];
+#pragma unroll
     for (int mt = 0; mt < ROWS / 16; ++mt) wmma::fill_fragment(acc[mt], 0.0f);
+#pragma unroll
     for (int k = 0; k < CHUNK; k += 16) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
-      wmma::load_matrix_sync(b, &s.wd[k][warp * 16], LDW);
+      wmma::load_matrix_sync(b, &s.big.wd[k][warp * 16], LDW);
+#pragma unroll
       for (int mt = 0; mt < ROWS / 16; ++mt) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
         wmma::load_matrix_sync(a, &s.x[mt * 16][k], LDW);
@@ -175,16 +218,13 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
       }
     }
     float* out = partials + static_cast<long>(c) * ROWS * WIDTH + j * SLICE + warp * 16;
+#pragma unroll
     for (int mt = 0; mt < ROWS / 16; ++mt) {
       wmma::store_matrix_sync(out + mt * 16 * WIDTH, acc[mt], WIDTH, wmma::mem_row_major);
     }
   }
   mark(5);
-  if (stamp != nullptr && t == 0) {
-    long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    stamp[7] = ns;
-  }
+  if (stamp != nullptr && t == 0) stamp[7] = global_ns();
 }
 
 void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down_t,

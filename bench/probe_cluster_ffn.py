@@ -113,8 +113,8 @@ def main() -> None:
 
     # Where a launch's time goes: per CTA, the SM's clock at each phase boundary and the global timer at
     # its start and end; with all chunks, and with one chunk fewer than the GPU holds clusters (one wave).
-    phases = ("weights issued", "activations in", "gate/up + cluster sync", "GeGLU + 2 cluster syncs",
-              "down + store")  # fmt: skip
+    phases = ("before the wait (indices, weights, anchor issued)", "activations in, weights landed",
+              "gate/up + cluster sync", "GeGLU + 2 cluster syncs", "down + store")  # fmt: skip
     one_wave = min(sel // 128, check["max_active_clusters"]) * 128
     diagnostics = {}
     for n_sel in sorted({sel, one_wave}, reverse=True):
