@@ -227,6 +227,35 @@ cluster_ffn_kernel(const bf16* __restrict__ x, int m_rows, int stride_x,
   if (stamp != nullptr && t == 0) stamp[7] = global_ns();
 }
 
+// The floor of the design: a kernel with the same grid, clusters, shared memory and PDL wait that only
+// passes its three cluster barriers (no loads, no arithmetic).
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2) cluster_sync_kernel(int syncs) {
+  cg::cluster_group cluster = cg::this_cluster();
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+  for (int i = 0; i < syncs; ++i) cluster.sync();
+}
+
+void cluster_sync_only(int chunks, int syncs, bool pdl) {
+  const int smem = static_cast<int>(sizeof(Smem));
+  static bool configured = false;
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cluster_sync_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(CLUSTER, chunks, 1);
+  config.blockDim = dim3(THREADS, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, cluster_sync_kernel, syncs));
+}
+
 void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down_t,
                  const at::Tensor& idx, const at::Tensor& anchor, at::Tensor& partials, bool pdl,
                  c10::optional<at::Tensor> stamps) {
@@ -291,4 +320,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("gate_up"), py::arg("down_t"), py::arg("idx"), py::arg("anchor"),
         py::arg("partials"), py::arg("pdl"), py::arg("stamps") = py::none());
   m.def("max_active_clusters", &max_active_clusters, "clusters the GPU holds at once");
+  m.def("cluster_sync_only", &cluster_sync_only, "the same launch passing only its cluster barriers");
 }

@@ -39,8 +39,8 @@ def build_extension():
     return load(
         name="cluster_ffn_probe",
         sources=[str(Path(__file__).with_name("cluster_ffn.cu"))],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", "-std=c++17"],
-        verbose=False,
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", "-std=c++17", "-Xptxas=-v"],
+        verbose=True,  # the build log carries ptxas's registers and spills per kernel
     )
 
 
@@ -133,7 +133,6 @@ def main() -> None:
             "start_spread_us": round((start.max() - start.min()).item() / 1e3, 3),
         }
         print(f"[probe] {n_sel // 128} chunks: {diagnostics[f'{n_sel // 128} chunks']}", flush=True)
-    part_one_wave = torch.zeros(one_wave // 128, ROWS_PADDED, width, device=device)
 
     def triton_ffn(i: int, chain: bool) -> None:
         a = h if chain else x
@@ -151,9 +150,8 @@ def main() -> None:
     runs = {
         "triton gate/up + down": lambda i: triton_ffn(i, False),
         "cluster kernel": lambda i: cluster_ffn(i, False),
-        f"cluster kernel, {one_wave // 128} chunks (one wave)": lambda i: ext.cluster_ffn(
-            x, gate_up[i], down_t[i], neurons[:one_wave], anchor, part_one_wave, True
-        ),
+        "same launch, 3 cluster barriers only": lambda i: ext.cluster_sync_only(sel // 128, 3, True),
+        "same launch, no barrier": lambda i: ext.cluster_sync_only(sel // 128, 0, True),
         "triton gate/up + down + add_norm": lambda i: triton_ffn(i, True),
         "cluster kernel + add_norm": lambda i: cluster_ffn(i, True),
     }
