@@ -339,6 +339,32 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def test_cpu_threads_set_at_configure_and_restored_by_zero(harness) -> None:
+    """cpu_threads sets PyTorch's CPU threads at configure, as a thread started afterwards (the worker,
+    at activate) sees them; 0 at a later configure gives back PyTorch's own number. (A process-wide
+    setting: restored here whatever happens.)"""
+    import torch
+
+    def seen_by_a_new_thread() -> int:
+        seen: list[int] = []
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start()
+        worker.join()
+        return seen[0]
+
+    own = torch.get_num_threads()
+    try:
+        h = harness(cpu_threads=1)
+        assert h.transition(Transition.TRANSITION_CONFIGURE)
+        assert seen_by_a_new_thread() == 1
+        assert h.transition(Transition.TRANSITION_CLEANUP)
+        h.node.set_parameters([Parameter("cpu_threads", value=0)])
+        assert h.transition(Transition.TRANSITION_CONFIGURE)
+        assert seen_by_a_new_thread() == own
+    finally:
+        torch.set_num_threads(own)
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

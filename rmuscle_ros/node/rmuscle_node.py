@@ -101,6 +101,7 @@ class RMuscleNode(LifecycleNode):
         self._policy_lock = threading.Lock()
         self._modes: dict[str, int] = {}
         self.last_error = ""  # why the last transition failed (also logged), for operators and tests
+        self._default_cpu_threads: int | None = None  # PyTorch's own choice, before cpu_threads set it
         self._reset_stats()
 
     def _reset_stats(self) -> None:
@@ -119,6 +120,18 @@ class RMuscleNode(LifecycleNode):
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
+    def _set_cpu_threads(self, threads: int) -> None:
+        """PyTorch's CPU threads for this process: `threads`, or (0) what PyTorch chose before the node
+        first set it, so that a reconfigure to 0 restores it. PyTorch applies the number to each thread
+        when that thread first runs an operator: the worker, started at activate, gets it."""
+        import torch
+
+        if self._default_cpu_threads is None:
+            self._default_cpu_threads = torch.get_num_threads()
+        wanted = threads or self._default_cpu_threads
+        torch.set_num_threads(wanted)
+        self.get_logger().info(f"configure: PyTorch uses {wanted} CPU thread(s)")
+
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         try:
             cfg = node_config({name: self.get_parameter(name).value for name in parameter_defaults()})
@@ -128,6 +141,7 @@ class RMuscleNode(LifecycleNode):
         from rmuscle_ros.msg import ActionChunk, CacheStatus
         from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring
 
+        self._set_cpu_threads(cfg.cpu_threads)
         policy = None
         try:
             modes = _mode_codes(ActionChunk)
