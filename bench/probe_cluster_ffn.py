@@ -16,16 +16,15 @@ here with nvcc (torch.utils.cpp_extension); it is a probe, not engine code.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, record_header, rel_l2, save_results
+from bench.bench_pi05 import record_header, rel_l2, save_results
+from bench.probe_ffn_kernels import per_kernel_us  # µs per launch of a graph of launches
 from rmuscle_ros.engine import ops, triton_ops
 from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count
 from rmuscle_ros.models.config import get_preset
@@ -42,21 +41,6 @@ def build_extension():
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", "-std=c++17", "-Xptxas=-v"],
         verbose=True,  # the build log carries ptxas's registers and spills per kernel
     )
-
-
-def per_launch_us(run: Callable[[int], None], cold: bool, copies: int, launches: int, iters: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(min(3, copies)):  # compile and warm up outside the capture
-            run(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(launches):
-            run(j % copies if cold else 0)
-    times = [ms * 1000 / launches for ms in cuda_time_ms(graph.replay, iters, warmup=0)]
-    return round(statistics.median(times), 3)
 
 
 @torch.no_grad()
@@ -160,7 +144,7 @@ def main() -> None:
         for name, run in runs.items():
             try:
                 results[name] = {
-                    key: per_launch_us(run, cold, args.copies, args.launches, args.iters)
+                    key: per_kernel_us(run, cold, args.copies, args.launches, args.iters)
                     for key, cold in (("hot_us", False), ("cold_us", True))
                 }
             except Exception as exc:
