@@ -18,6 +18,7 @@
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include <unordered_set>
 #include <mma.h>
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -236,23 +237,31 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2) cl
   for (int i = 0; i < syncs; ++i) cluster.sync();
 }
 
-void cluster_sync_only(int chunks, int syncs, bool pdl) {
-  const int smem = static_cast<int>(sizeof(Smem));
-  static bool configured = false;
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cluster_sync_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
+// Host side: launches of either kernel over `chunks` clusters, with its shared memory, PDL as asked.
+static void allow_shared_memory(const void* kernel) {
+  static std::unordered_set<const void*> done;  // once per kernel
+  if (done.insert(kernel).second) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Smem)));
   }
+}
+
+static cudaLaunchConfig_t cluster_config(int chunks, bool pdl, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(CLUSTER, chunks, 1);
   config.blockDim = dim3(THREADS, 1, 1);
-  config.dynamicSmemBytes = smem;
+  config.dynamicSmemBytes = sizeof(Smem);
   config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr->val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attr;
   config.numAttrs = 1;
+  return config;
+}
+
+void cluster_sync_only(int chunks, int syncs, bool pdl) {
+  allow_shared_memory(reinterpret_cast<const void*>(cluster_sync_kernel));
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = cluster_config(chunks, pdl, &attr);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, cluster_sync_kernel, syncs));
 }
 
@@ -278,22 +287,9 @@ void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tenso
   TORCH_CHECK(partials.scalar_type() == at::kFloat && partials.is_contiguous() && partials.size(0) == chunks &&
                   partials.size(1) == ROWS && partials.size(2) == WIDTH,
               "partials: (selected / 128, 64, 1024) float32, contiguous");
-  const int smem = static_cast<int>(sizeof(Smem));
-  static bool configured = false;
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cluster_ffn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(CLUSTER, chunks, 1);
-  config.blockDim = dim3(THREADS, 1, 1);
-  config.dynamicSmemBytes = smem;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  config.attrs = attr;
-  config.numAttrs = 1;
+  allow_shared_memory(reinterpret_cast<const void*>(cluster_ffn_kernel));
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = cluster_config(chunks, pdl, &attr);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &config, cluster_ffn_kernel, reinterpret_cast<const bf16*>(x.data_ptr()), static_cast<int>(x.size(0)),
       static_cast<int>(x.stride(0)), reinterpret_cast<const bf16*>(gate_up.data_ptr()), static_cast<int>(f),
@@ -304,12 +300,10 @@ void cluster_ffn(const at::Tensor& x, const at::Tensor& gate_up, const at::Tenso
 
 int max_active_clusters(int chunks) {
   // How many of the kernel's clusters the GPU can hold at once (one wave needs `chunks`).
-  const int smem = static_cast<int>(sizeof(Smem));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(cluster_ffn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(CLUSTER, chunks, 1);
-  config.blockDim = dim3(THREADS, 1, 1);
-  config.dynamicSmemBytes = smem;
+  allow_shared_memory(reinterpret_cast<const void*>(cluster_ffn_kernel));
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t config = cluster_config(chunks, false, &attr);
+  config.numAttrs = 0;
   int clusters = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, cluster_ffn_kernel, &config));
   return clusters;
