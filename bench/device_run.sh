@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -13,11 +13,13 @@
 #   trace_cached: the stage traces with the cached graphs at ρ 0.4/0.5, the denoise by layer-step position, ~1 min;
 #   library: bench_rmuscle at ρ 0.4/0.5, first / fallback / cached calls by library size, ~2 min;
 #   ffn_kernels: bench/probe_ffn_kernels.py, the denoise's FFN kernels alone, weights hot and cold, ~1 min;
-#   tune_geglu: bench/tune_in_graph.py, the gathered gate/up's configurations in the cached denoise graph, ~2 min)
+#   tune_geglu: bench/tune_in_graph.py, the gathered gate/up's configurations in the cached denoise graph, ~2 min;
+#   ncu_gate_up: Nsight Compute on the gathered (32 and 16 columns per program) and dense gate/up kernels,
+#   bench/ncu_gate_up.py, raw reports in $OUT, ~1 min; Firecracker leases only, where ncu reads counters)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -58,12 +60,22 @@ for step in $steps; do
         tune_geglu)
             timeout 300 python3 bench/tune_in_graph.py --cache 0.4 0.5 --only gathered_geglu --commit "$commit" \
                 --out "$out" 2>&1 | quiet | grep "default\|gathered_geglu\|Error" ;;
+        ncu_gate_up)
+            sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats"
+            sections="$sections --section SchedulerStats --section Occupancy --section LaunchStats"
+            for launch in 3:gathered_bn32 8:dense_bn32 13:gathered_bn16; do
+                timeout 200 ncu --clock-control none --cache-control none --kernel-name regex:skinny \
+                    --launch-skip "${launch%%:*}" --launch-count 1 $sections python3 bench/ncu_gate_up.py \
+                    > "$out/ncu_gate_up_h200_${commit}_${launch#*:}.txt" 2>&1
+                grep "Duration\|SM Active Cycles\|Elapsed Cycles\|L1/TEX Cache Throughput\|L2 Cache Throughput" \
+                    "$out/ncu_gate_up_h200_${commit}_${launch#*:}.txt"
+            done ;;
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
                 | quiet | grep "^## " ;;
         trace_cached)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --cache 0.4 0.5 --out "$out" 2>&1 \
                 | quiet | grep "^## \|^| [0-9]" ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up)" ;;
     esac
 done
