@@ -40,9 +40,6 @@ GATHERED_CONFIGS = {
     "gathered_gate_up_bn16": {"bn": 16},
     "gathered_gate_up_bn16_bk512_s2": {"bn": 16, "bk": 512, "stages": 2},
     "gathered_gate_up_bn16_bk1024_s1": {"bn": 16, "bk": 1024, "stages": 1},  # one dot over all of K
-    # gate and up rows as one tile, one product per K step (the activation tile read once, not twice)
-    "gathered_gate_up_one_dot": {"one_dot": 1},
-    "gathered_gate_up_one_dot_bn16": {"one_dot": 1, "bn": 16},
 }
 
 
@@ -73,10 +70,6 @@ def variants(
 
     runs = {
         "dense_gate_up": lambda i: triton_ops.linear_geglu(h, gate_up[i], act),
-        "dense_gate_up_one_dot": lambda i: triton_ops.linear_geglu(h, gate_up[i], act, config={"one_dot": 1}),
-        "dense_gate_up_one_dot_bn16": lambda i: triton_ops.linear_geglu(
-            h, gate_up[i], act, config={"one_dot": 1, "bn": 16}
-        ),
         "gathered_gate_up": gathered_gate_up(None),
         "dense_down": lambda i: triton_ops.linear(act, down[i], split_k(f)),
         "gathered_down": lambda i: triton_ops.linear(delta, down_t[i], gather_splits(sel), neurons=neurons),

@@ -37,14 +37,13 @@ GRIDS: dict[str, dict[str, list[int]]] = {
         "stages": [3],
     },
     "qkv_rope": {"bn": [16, 32], "bk": [64, 128, 256], "warps": [4, 8], "stages": [3, 4]},
-    # one_dot: gate and up rows as one tile, one product per K step
-    "linear_geglu": {"one_dot": [0, 1], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [3, 4]},
+    "linear_geglu": {"bn": [16, 32, 64], "bk": [64, 128, 256], "warps": [4], "stages": [3, 4]},
     "o_proj": {"splits": [2, 4, 8], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
     "down_proj": {"splits": [4, 8, 16], "bn": [16, 32, 64], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
 # The Action Cache's gathered kernels, tuned in the cached denoise graph (--cache RHO_P RHO_N).
 CACHED_GRIDS: dict[str, dict[str, list[int]]] = {
-    "gathered_geglu": {"one_dot": [0, 1], "bn": [16, 32], "bk": [64, 128], "warps": [4], "stages": [3, 4]},
+    "gathered_geglu": {"bn": [16, 32], "bk": [128, 256, 512], "warps": [4, 8], "stages": [2, 3, 4]},
     "gathered_down": {"splits": [4, 8], "bn": [32, 64, 128], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
 

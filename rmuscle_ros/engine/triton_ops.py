@@ -685,7 +685,7 @@ def _skinny_matmul_kernel(
     anchor_ptr, stride_anchor,
     K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEGLU: tl.constexpr,
     PDL: tl.constexpr, LINES: tl.constexpr, GATHER_N: tl.constexpr, GATHER_K: tl.constexpr,
-    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False, ONE_DOT: tl.constexpr = False,
+    SUB_ANCHOR: tl.constexpr, PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """c[split] = a[:, K-slice] @ w[:, K-slice]ᵀ for a few rows of `a`: streams the weight once.
 
@@ -693,9 +693,7 @@ def _skinny_matmul_kernel(
     (not only prefetched into L2), and after it one dot over the K-slice (K_PER_SPLIT a power of two, no BK
     loop).
 
-    GEGLU: w is [W_gate; W_up] (up rows start at `up_offset`) and c = gelu_tanh(g) * u, (M, N). ONE_DOT:
-    each K step loads the gate and up rows as one tile (interleaved) for one product of twice the width,
-    so that the activation tile is read once per step, not twice.
+    GEGLU: w is [W_gate; W_up] (up rows start at `up_offset`) and c = gelu_tanh(g) * u, (M, N).
     The Action Cache's gathers read only the selected neurons' weights, where they lie:
     GATHER_N: output column j uses weight row idx[j] (and up_offset + idx[j]); SUB_ANCHOR: c -= anchor[:, idx[j]].
     GATHER_K: w is K-major (K_full, N) and reduction index k reads its row idx[k]; the K slices may
@@ -735,10 +733,6 @@ def _skinny_matmul_kernel(
         _pdl_enter()
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    if GEGLU and ONE_DOT:  # rows g0, u0, g1, u1, ...: the product's columns split back into gate and up
-        gu_src = tl.reshape(tl.join(src, up_offset + src), [2 * BN])
-        gu_ok = tl.reshape(tl.join(col_ok, col_ok), [2 * BN])
-        acc_gu = tl.zeros([BM, 2 * BN], tl.float32)
     if PRELOAD:
         a_mask = rows[:, None] < M
         if GATHER_K:
@@ -755,21 +749,15 @@ def _skinny_matmul_kernel(
             w_kn = tl.load(w_ptr + k_src[:, None] * stride_w + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
                            other=0.0)  # fmt: skip
             acc += tl.dot(a, w_kn)
-        elif GEGLU and ONE_DOT:
-            a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
-            w = tl.load(w_ptr + gu_src[:, None] * stride_w + ks[None, :], mask=gu_ok[:, None], other=0.0)
-            acc_gu += tl.dot(a, tl.trans(w))
         else:
             a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rows[:, None] < M, other=0.0)
             w = tl.load(w_ptr + src[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0)
             acc += tl.dot(a, tl.trans(w))
-        if GEGLU and not ONE_DOT:
+        if GEGLU:
             w_up = tl.load(
                 w_ptr + (up_offset + src)[:, None] * stride_w + ks[None, :], mask=col_ok[:, None], other=0.0
             )
             acc_up += tl.dot(a, tl.trans(w_up))
-    if GEGLU and ONE_DOT:
-        acc, acc_up = tl.split(tl.reshape(acc_gu, [BM, BN, 2]))
     if GEGLU:
         z = SQRT_2_OVER_PI * (acc + 0.044715 * acc * acc * acc)
         acc = acc * tl.sigmoid(2.0 * z) * acc_up
@@ -797,8 +785,7 @@ def _launch_skinny(
         BK=cfg["bk"], GEGLU=geglu, PDL=_pdl,
         LINES=triton.next_power_of_2(k_split) if gather_k else _prefetch_lines(k_split),
         GATHER_N=neurons is not None and not gather_k, GATHER_K=gather_k, SUB_ANCHOR=anchor is not None,
-        PRELOAD=preload, ONE_DOT=geglu and bool(cfg.get("one_dot", 0)), num_warps=cfg["warps"],
-        num_stages=cfg["stages"], **_launch_opts(),
+        PRELOAD=preload, num_warps=cfg["warps"], num_stages=cfg["stages"], **_launch_opts(),
     )  # fmt: skip
 
 
