@@ -30,6 +30,7 @@ from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count
 from rmuscle_ros.models.config import get_preset
 
 ROWS_PADDED = 64  # the cluster kernel's partial products have 64 rows (the activations padded)
+CHUNK = 128  # selected neurons per cluster (cluster_ffn.cu): one partial product per chunk
 
 
 def build_extension():
@@ -70,7 +71,7 @@ def main() -> None:
     neurons = torch.randperm(f, generator=gen, device=device)[:sel].sort().values.to(torch.int32)
     x, anchor = rand(m, width), rand(m, f, scale=0.1)
     delta = torch.empty(m, sel, device=device, dtype=torch.bfloat16)
-    partials = torch.zeros(sel // 128, ROWS_PADDED, width, device=device)
+    partials = torch.zeros(sel // CHUNK, ROWS_PADDED, width, device=device)
     splits = gather_splits(sel)
     norm = {"eps": 1e-6, "rms": True, "gate": rand(width, dtype=torch.float32),
             "mul": rand(width, dtype=torch.float32), "add": rand(width, dtype=torch.float32),
@@ -92,31 +93,31 @@ def main() -> None:
         "rel_l2_triton_vs_definition": float(f"{rel_l2(y_triton, y_ref):.3e}"),
         "padding_rows_zero": bool((partials[:, m:] == 0).all()),
     }
-    check["max_active_clusters"] = ext.max_active_clusters(sel // 128)  # one wave needs sel / 128
+    check["max_active_clusters"] = ext.max_active_clusters(sel // CHUNK)  # one wave needs sel / CHUNK
     print(f"[probe] check: {check}", flush=True)
 
     # Where a launch's time goes: per CTA, the SM's clock at each phase boundary and the global timer at
-    # its start and end; with all chunks, and with one chunk fewer than the GPU holds clusters (one wave).
+    # its start and end; with all chunks, and with as many as the GPU holds clusters at once (one wave).
     phases = ("before the wait (indices, weights, anchor issued)", "activations in, weights landed",
               "gate/up + cluster sync", "GeGLU + 2 cluster syncs", "down + store")  # fmt: skip
-    one_wave = min(sel // 128, check["max_active_clusters"]) * 128
+    one_wave = min(sel // CHUNK, check["max_active_clusters"]) * CHUNK
     diagnostics = {}
     for n_sel in sorted({sel, one_wave}, reverse=True):
-        stamps = torch.zeros(n_sel // 128 * 8, 8, dtype=torch.int64, device=device)
-        part = torch.zeros(n_sel // 128, ROWS_PADDED, width, device=device)
+        stamps = torch.zeros(n_sel // CHUNK * 8, 8, dtype=torch.int64, device=device)
+        part = torch.zeros(n_sel // CHUNK, ROWS_PADDED, width, device=device)
         for _ in range(3):
             ext.cluster_ffn(x, gate_up[0], down_t[0], neurons[:n_sel], anchor, part, False, stamps)
         torch.cuda.synchronize()
         st = stamps.cpu().double()
         cycles = st[:, 1:6] - st[:, 0:5]
         start, end = st[:, 6], st[:, 7]
-        diagnostics[f"{n_sel // 128} chunks"] = {
+        diagnostics[f"{n_sel // CHUNK} chunks"] = {
             "median_cycles": {ph: round(cycles[:, k].median().item()) for k, ph in enumerate(phases)},
             "cta_median_us": round((end - start).median().item() / 1e3, 3),
             "span_us": round((end.max() - start.min()).item() / 1e3, 3),
             "start_spread_us": round((start.max() - start.min()).item() / 1e3, 3),
         }
-        print(f"[probe] {n_sel // 128} chunks: {diagnostics[f'{n_sel // 128} chunks']}", flush=True)
+        print(f"[probe] {n_sel // CHUNK} chunks: {diagnostics[f'{n_sel // CHUNK} chunks']}", flush=True)
 
     def triton_ffn(i: int, chain: bool) -> None:
         a = h if chain else x
@@ -134,8 +135,8 @@ def main() -> None:
     runs = {
         "triton gate/up + down": lambda i: triton_ffn(i, False),
         "cluster kernel": lambda i: cluster_ffn(i, False),
-        "same launch, 3 cluster barriers only": lambda i: ext.cluster_sync_only(sel // 128, 3, True),
-        "same launch, no barrier": lambda i: ext.cluster_sync_only(sel // 128, 0, True),
+        "same launch, 3 cluster barriers only": lambda i: ext.cluster_sync_only(sel // CHUNK, 3, True),
+        "same launch, no barrier": lambda i: ext.cluster_sync_only(sel // CHUNK, 0, True),
         "triton gate/up + down + add_norm": lambda i: triton_ffn(i, True),
         "cluster kernel + add_norm": lambda i: cluster_ffn(i, True),
     }
