@@ -145,7 +145,7 @@ def main() -> None:
             fused.o_splits, fused.down_splits = defaults["o_splits"], defaults["down_splits"]
             fused_module.gather_splits = gather_splits
         ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-        results[kind] = {"best": ok[:6], "failed": [r for r in rows if "error" in r][:6]}
+        results[kind] = {"best": ok[:6], "failed": [r for r in rows if "error" in r][:6], "all": ok}
         print(f"{kind}: " + "; ".join(f"{r['ms']} ms {r['config']}" for r in ok[:4]), flush=True)
         engine._graphs[key] = engine._capture(engine._stage_fn("denoise", bucket, variant))
     gpu = torch.cuda.get_device_name(device)
