@@ -46,13 +46,6 @@ CACHED_GRIDS: dict[str, dict[str, list[int]]] = {
     "gathered_geglu": {"bn": [16, 32], "bk": [128, 256, 512], "warps": [4, 8], "stages": [2, 3, 4]},
     "gathered_down": {"splits": [4, 8], "bn": [32, 64, 128], "bk": [64, 128], "warps": [4], "stages": [4]},
 }
-# Configurations outside the grids' products: the gathered gate/up with its weight rows loaded whole before
-# the PDL wait (PRELOAD: no K loop, so bk and stages do not apply; 16 columns, as 32 need 256 KB of shared
-# memory), each twice, so that two replays of one configuration show the sweep's noise.
-EXTRA_CONFIGS: dict[str, list[dict[str, int]]] = {
-    "gathered_geglu": [{"bn": 16, "bk": 128, "warps": w, "stages": 1, "preload": 1 << 18} for w in (4, 8, 16)]
-    * 2,
-}
 
 
 def configured_ops(kind: str, cfg: dict[str, int], fused) -> types.ModuleType:
@@ -126,8 +119,8 @@ def main() -> None:
     for kind in kinds:
         rows = []
         grid = grids[kind]
-        configs = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
-        for c in configs + EXTRA_CONFIGS.get(kind, []):
+        for values in itertools.product(*grid.values()):
+            c = dict(zip(grid, values, strict=True))
             fused.ops = configured_ops(kind, c, fused)
             if kind == "gathered_down":
                 fused_module.gather_splits = lambda selected, s=c["splits"]: s

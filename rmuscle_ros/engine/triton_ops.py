@@ -718,12 +718,6 @@ def _skinny_matmul_kernel(
                             other=0.0)  # fmt: skip
         else:  # (K-slice, BN), like the gathered one
             w_pre = tl.load(w_ptr + src[None, :] * stride_w + kp[:, None], mask=col_ok[None, :], other=0.0)
-            if GEGLU:
-                u_pre = tl.load(
-                    w_ptr + (up_offset + src)[None, :] * stride_w + kp[:, None],
-                    mask=col_ok[None, :],
-                    other=0.0,
-                )
         if PDL:
             _pdl_enter()
     elif PDL:  # this program's weight slice does not depend on the previous kernel: start fetching it
@@ -745,8 +739,6 @@ def _skinny_matmul_kernel(
             a_mask = a_mask & kp_ok[None, :]
         a_pre = tl.load(a_ptr + rows[:, None] * stride_a + kp[None, :], mask=a_mask, other=0.0)
         acc = tl.dot(a_pre, w_pre)
-        if GEGLU:
-            acc_up = tl.dot(a_pre, u_pre)
     for k0 in range(0, K_PER_SPLIT if not PRELOAD else 0, BK):
         ks = split * K_PER_SPLIT + k0 + tl.arange(0, BK)
         if GATHER_K:
@@ -784,8 +776,7 @@ def _launch_skinny(
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg["bk"]) * cfg["bk"] if gather_k else k // splits
     # PRELOAD: the weight slice into registers before the PDL wait, when it is at most cfg["preload"] bytes
     w_bytes = k_split * cfg["bn"] * w.element_size()
-    w_bytes *= 2 if geglu else 1
-    preload = w_bytes <= cfg.get("preload", 0) and not k_split & (k_split - 1)
+    preload = not geglu and w_bytes <= cfg.get("preload", 0) and not k_split & (k_split - 1)
     _skinny_matmul_kernel[(triton.cdiv(n, cfg["bn"]), splits)](
         a, w, c, a.shape[0], n, k, a.stride(0), w.stride(0), c.stride(-2), c.stride(0) if splits > 1 else 0,
         a if neurons is None else neurons, w.shape[0] // 2 if geglu else w.shape[0],
