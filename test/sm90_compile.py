@@ -98,6 +98,7 @@ def engine_calls() -> None:
     T.linear_geglu(h, gate_up, act)
     y = T.linear(act, down, split_k(e.mlp_dim))
     T.add_norm(res, y, h, eps=1e-6, rms=True, y_store=y_anchor, **gate)
+    T.neuron_scores(act, act_anchor, t(e.mlp_dim, dtype=f32))  # a recording denoise's scores
     delta = t(ha, sel)
     T.linear_geglu(h, gate_up, delta, neurons=idx, anchor=act_anchor)
     y = T.linear(delta, down_t, gather_splits(sel), neurons=idx)

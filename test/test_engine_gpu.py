@@ -220,6 +220,14 @@ def test_linear_geglu_matches_definition(triton_ops, m: int, f: int, k: int) -> 
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
 
 
+def test_neuron_scores_match_definition(triton_ops) -> None:
+    """The recording denoise's Σ_rows |act − anchor| per neuron, bf16 in, float32 out (pi05's expert)."""
+    act, anchor = (torch.randn(50, 4096, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    ref = ops.neuron_scores(act, anchor, torch.empty(4096, device=CUDA))
+    out = triton_ops.neuron_scores(act, anchor, torch.full((4096,), float("nan"), device=CUDA))
+    assert rel(out, ref) < 1e-6
+
+
 @pytest.mark.parametrize(("h", "kvh", "dh"), [(8, 1, 256), (16, 16, 256), (8, 1, 16)])
 def test_qkv_rope_matches_definition(triton_ops, h: int, kvh: int, dh: int) -> None:
     n, width, cap, off = 50, 1024, 960, 900
@@ -361,6 +369,9 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
         for stage, variant in (("vision", "dense"), ("prefill", "dense"), ("denoise", "record")):
             engine.run_stage(stage, bucket, variant=variant)
         masks = engine.recorded_masks.clone()
+        later = masks[1:]  # step 0 is the anchor: its row is never used
+        assert (later[..., 1:] > later[..., :-1]).all(), "masks are sorted and without repeats"
+        assert int(later.min()) >= 0 and int(later.max()) < cfg.expert.mlp_dim
         entry, entry_nograph = (ContextRef.allocate(cfg, CUDA, torch.bfloat16) for _ in range(2))
         engine.rebuild_entry(ref_inputs, entry)
         engine.rebuild_stream.synchronize()

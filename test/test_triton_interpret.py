@@ -176,6 +176,18 @@ def test_action_cache_kernels_read_only_selected_neurons(
     assert all(rel(got, ref) < 1e-5 for got, ref in zip(outs[1], outs[0], strict=True))
 
 
+@pytest.mark.parametrize("m", [6, 70])  # one block of rows, or two (the second partly masked)
+def test_neuron_scores_sum_each_neurons_change_over_the_rows(m: int, no_fallback) -> None:
+    """The recording denoise's per-neuron Σ_rows |act − anchor| (its columns in blocks of 128, 300 ending
+    in a partial one), the ops definition."""
+    act, anchor = torch.randn(m, 300), torch.randn(m, 300)
+    expected = ops.neuron_scores(act, anchor, torch.empty(300))
+    no_fallback()
+    out = torch.full((302,), -1.0)  # past F: untouched
+    triton_ops.neuron_scores(act, anchor, out[:300])
+    assert rel(out[:300], expected) < 1e-6 and (out[300:] == -1).all()
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_add_norm_measures_the_context_cache_drift(out_dtype: torch.dtype, no_fallback) -> None:
     """drift_out[r] = ‖out[r] − drift_ref[r]‖² over the first Nv rows, from out as stored (rounded to its

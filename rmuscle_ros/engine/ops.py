@@ -184,6 +184,14 @@ def linear_geglu(
     return out
 
 
+def neuron_scores(act: Tensor, anchor: Tensor, out: Tensor) -> Tensor:
+    """act, anchor (N, F) -> out (F,) float32: Σ over the N rows of |act − anchor|, computed in float32.
+    The Action Cache's contribution score of each neuron before its ‖W_down[:, j]‖ factor
+    (cache.sparse_ffn.contribution_scores), taken by a recording denoise at every step after the anchor."""
+    out.copy_((act.float() - anchor.float()).abs().sum(0))
+    return out
+
+
 def geglu(gate_up: Tensor, out: Tensor) -> Tensor:
     """gate_up (N, 2F) = [x W_gate | x W_up] -> out (N, F) = gelu_tanh(gate) * up, computed in float32."""
     f = out.shape[-1]
