@@ -137,6 +137,35 @@ def test_pdl_gives_the_same_actions_as_serial_launches() -> None:
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+def test_recording_denoise_under_pdl_gives_the_masks_and_actions_of_serial_launches() -> None:
+    """A dense episode's calls record Action Cache masks under PDL: the same masks as serial launches, and
+    the same actions as the dense denoise."""
+    from rmuscle_ros.engine import triton_ops
+    from rmuscle_ros.engine.graph import CacheShapes
+
+    if not triton_ops.pdl_supported(CUDA):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
+    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma)
+    model = Pi05Model(cfg).to(CUDA).eval()
+    init_random_(model, 5)
+    inputs, noise = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=2)
+    outs = []
+    for pdl in (True, False):
+        engine = create_engine("graph", model, CUDA, buckets=[64], cache=CacheShapes(0.4, 0.5), pdl=pdl)
+        engine.warmup()
+        bucket = engine.load_inputs(inputs, noise)
+        for stage in ("vision", "prefill"):
+            engine.run_stage(stage, bucket)
+        engine.run_stage("denoise", bucket, variant="record")
+        recorded = (engine.actions.clone(), engine.recorded_masks.clone())
+        engine.run_stage("denoise", bucket)
+        outs.append((*recorded, engine.actions.clone()))
+    (actions, masks, dense), (actions_serial, masks_serial, _) = outs
+    assert torch.equal(actions, dense) and torch.equal(actions, actions_serial)
+    assert torch.equal(masks, masks_serial) and masks[1:].any()
+
+
 def test_graph_engine_takes_host_tensors() -> None:
     """The policy hands CPU tensors to the engine; the result equals that of device-resident inputs."""
     cfg = get_preset("tiny")

@@ -444,12 +444,14 @@ class GraphEngine:
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
-        # The recording variants launch kernels serially. They copy activations out with memory-copy
-        # nodes right after kernels that let their dependents launch early, and no GPU test has yet
-        # compared them with PDL against without. (The all-zero entry first seen on the H200 and blamed
-        # on this was a stream race, fixed in `rebuild_entry`.) They are off the latency path (rebuilds)
-        # or rare (recorded dense episodes), so this costs little.
-        pdl = self.pdl and variant != "record" and stage != "rebuild"
+        # The recording prefills (the rebuild lane's, and the live lane's "record") launch kernels serially.
+        # They copy activations out with memory-copy nodes right after kernels that let their dependents
+        # launch early, and no GPU test has yet compared them with PDL against without. (The all-zero entry
+        # first seen on the H200 and blamed on this was a stream race, fixed in `rebuild_entry`.) They are
+        # off the latency path. The recording denoise runs in every call of a dense episode, so it takes PDL
+        # like the dense one: it writes its scores with kernels, and gives the same masks and actions as
+        # serial launches (a GPU test).
+        pdl = self.pdl and stage != "rebuild" and not (stage == "prefill" and variant == "record")
 
         def run() -> None:
             if self._triton_ops is None:
