@@ -155,11 +155,10 @@ def test_recording_denoise_under_pdl_gives_the_masks_and_actions_of_serial_launc
         engine = create_engine("graph", model, CUDA, buckets=[64], cache=CacheShapes(0.4, 0.5), pdl=pdl)
         engine.warmup()
         bucket = engine.load_inputs(inputs, noise)
-        for stage in ("vision", "prefill"):
-            engine.run_stage(stage, bucket)
-        engine.run_stage("denoise", bucket, variant="record")
+        engine.run_stage("vision", bucket)
+        engine.run_stage("tail", bucket, variant="record")  # the dense prefill, then the recording denoise
         recorded = (engine.actions.clone(), engine.recorded_masks.clone())
-        engine.run_stage("denoise", bucket)
+        engine.run_stage("tail", bucket)
         outs.append((*recorded, engine.actions.clone()))
     (actions, masks, dense), (actions_serial, masks_serial, _) = outs
     assert torch.equal(actions, dense) and torch.equal(actions, actions_serial)

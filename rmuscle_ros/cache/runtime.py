@@ -149,6 +149,16 @@ class _Recording:
     token_mask: list[np.ndarray] = field(default_factory=list)
     masks: list[np.ndarray] = field(default_factory=list)
     image_masks: list[np.ndarray] = field(default_factory=list)
+    # The latest call's masks on their way to the host (a GPU engine): a pinned copy and the event after
+    # it. Converted by the next call's recording, while that call's GPU work runs, or when the episode ends.
+    pending_masks: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def take_pending_masks(self) -> None:
+        if self.pending_masks is not None:
+            host, copied = self.pending_masks
+            copied.synchronize()
+            self.masks.append(host.numpy().astype(np.int16))
+            self.pending_masks = None
 
 
 def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
@@ -279,6 +289,7 @@ class RMuscle:
         """Add the current episode to the library if it is recordable: recording on, at least one call,
         and every call dense (an episode served from the cache is not a reference)."""
         rec, self._recording = self._recording, _Recording()
+        rec.take_pending_masks()
         if not self.cfg.record or not rec.descriptors or self._episode_cached:
             self._episode_cached = False
             return None
@@ -476,11 +487,7 @@ class RMuscle:
         """Queue a dense call's prefill and denoise (vision has run): recording ones if this episode
         qualifies for the library. Returns whether they record."""
         record = self.cfg.record and not self._episode_cached
-        if record:
-            self.engine.run_stage("prefill", bucket)
-            self.engine.run_stage("denoise", bucket, variant="record")
-        else:
-            self.engine.run_stage("tail", bucket)
+        self.engine.run_stage("tail", bucket, variant="record" if record else "dense")
         return record
 
     def _dense_info(self, similarity: float) -> CallInfo:
@@ -517,8 +524,18 @@ class RMuscle:
         rec.images.append(images_to_u8(inputs.images[0]))
         rec.tokens.append(inputs.tokens[0].cpu().numpy().astype(np.int64))
         rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
-        rec.masks.append(self.engine.recorded_masks.cpu().numpy().astype(np.int16))
         rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
+        rec.take_pending_masks()  # the previous call's
+        masks = self.engine.recorded_masks
+        if masks.device.type != "cuda":
+            rec.masks.append(masks.numpy().astype(np.int16))
+            return
+        # Not read back here: that would wait for this call's GPU work and then convert on its latency path.
+        host = torch.empty(masks.shape, dtype=masks.dtype, pin_memory=True)
+        host.copy_(masks, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        rec.pending_masks = (host, copied)
 
     # ── the sliding window ───────────────────────────────────────────────────────────────────────────────
 

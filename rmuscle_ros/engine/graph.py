@@ -77,8 +77,9 @@ VARIANTS = {
     "vision": ("dense",),
     "prefill": ("dense", "cached"),
     "denoise": ("dense", "cached", "record"),
-    # Prefill + denoise in one graph: a call is vision (or match), then this. Cached: with cache shapes.
-    "tail": ("dense", "cached"),
+    # Prefill + denoise in one graph: a call is vision (or match), then this. Cached: with cache shapes;
+    # record: the dense prefill and the recording denoise (a call of a dense episode).
+    "tail": ("dense", "cached", "record"),
     # With CacheShapes.match: vision, then the best usable window entry picked and loaded on the GPU.
     "match": ("cached",),
 }
@@ -439,7 +440,7 @@ class GraphEngine:
         elif stage == "tail":
 
             def runner() -> None:
-                self._run_prefill(self.live, bucket, variant)
+                self._run_prefill(self.live, bucket, "dense" if variant == "record" else variant)
                 self._run_denoise(self.live, bucket, variant)
         else:
             raise ValueError(f"unknown stage {stage!r}")
@@ -482,7 +483,7 @@ class GraphEngine:
             keys += [("prefill", b, "dense"), ("denoise", b, "dense"), ("tail", b, "dense")]
             if self.cache is not None:
                 keys += [("prefill", b, "cached"), ("denoise", b, "cached"), ("denoise", b, "record")]
-                keys += [("tail", b, "cached")]
+                keys += [("tail", b, "cached"), ("tail", b, "record")]
                 keys += [("rebuild", b, f"slice{i}") for i in range(len(self.rebuild_parts))]
         return keys
 
