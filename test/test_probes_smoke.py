@@ -124,3 +124,20 @@ def test_rmuscle_benchmark_runs_every_phase_on_a_cpu(tmp_path) -> None:
     sizes = row["library_scaling"]
     assert [s["episodes"] for s in sizes] == [1, 3] and all(s["host"]["cached"] > 0 for s in sizes)
     assert "By library size" in (tmp_path / "smoke.md").read_text()
+    assert row["recorded_call_ms"] > 0
+
+
+def test_policy_benchmark_times_a_dense_episode_and_its_cached_repeat(tmp_path) -> None:
+    """bench/bench_policy.py on `tiny` (CPU smoke run): the dense episode is recorded and its repeat served
+    from the cache (the script checks the modes), each with its preprocess and model times."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "bench_policy.py"), "--preset", "tiny", "--device", "cpu",
+           "--backend", "fused", "--calls", "3", "--threads", "1", "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    results = json.loads((tmp_path / "smoke.json").read_text())["results"]
+    for key in ("dense_recorded", "cached"):
+        r = results[key]
+        assert r["calls"] == 2 and r["median_ms"] >= r["model_ms"] > 0 and r["preprocess_ms"] > 0

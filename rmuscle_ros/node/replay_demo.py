@@ -172,7 +172,10 @@ def run(
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
     }
-    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds)
+    p = parameter_defaults() | params
+    weights = Path(p["model.checkpoint"]).name if p["model.checkpoint"] else "random weights"
+    what = f"{p['model.preset']} model, {weights}, {p['model.backend']} on {p['model.device']}"
+    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds, what)
     return summary
 
 
@@ -190,7 +193,13 @@ def call_service(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
 
 
 def _plot(
-    path: Path, t: np.ndarray, latencies: list[float], modes: list[str], chunks: list[Any], seconds: float
+    path: Path,
+    t: np.ndarray,
+    latencies: list[float],
+    modes: list[str],
+    chunks: list[Any],
+    seconds: float,
+    what: str,
 ) -> None:
     import matplotlib
 
@@ -208,7 +217,7 @@ def _plot(
     ax_lat.legend(title="cache mode", loc="best", fontsize=8)
     ax_lat.set_xlabel("bag time of the observation (s)")
     ax_lat.set_ylabel("inference latency (ms)")
-    ax_lat.set_title("rmuscle_node on a replayed episode and its repeat (tiny model, random weights, CPU)")
+    ax_lat.set_title(f"rmuscle_node on a replayed episode and its repeat ({what})")
     for c, start in zip(chunks, t, strict=True):
         actions = np.asarray(c.actions, dtype=np.float32).reshape(c.horizon, c.action_dim)
         steps = start + np.arange(c.horizon) * c.control_period_s
@@ -216,7 +225,8 @@ def _plot(
             ax_act.plot(steps, actions[:, j], color=plt.cm.tab20(j), lw=0.8)
     ax_act.set_xlabel("time (s)")
     ax_act.set_ylabel("action (robot units)")
-    ax_act.set_title("action chunks, one line per joint (random weights: no task structure)")
+    structure = " (random weights: no task structure)" if what.split(", ")[1] == "random weights" else ""
+    ax_act.set_title(f"action chunks, one line per joint{structure}")
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

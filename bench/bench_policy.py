@@ -1,0 +1,129 @@
+"""`Policy.infer` as the node calls it, by cache mode: a dense episode (recorded for the library), then a
+repeat of it (served from the cache), ALOHA-sized cameras (3 × 480×640), one process.
+
+Per call, wall clock: preprocess (the images resized into the model's input, the state, the prompt) and
+the model (rMuscle's runtime: vision, the match, the cached or recording prefill + denoise, the actions
+back on the host). Between two calls the window is refilled and waited for, as the node does in the
+motion window. Medians over each episode's calls after its first (the repeat's first call runs dense:
+nothing of the repeat is in the window yet); the first calls are reported apart.
+
+    python bench/bench_policy.py --commit $(git rev-parse --short HEAD)      # pi05, graph, on CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_pi05 import record_header, save_results
+from rmuscle_ros.cache.runtime import RMuscleConfig
+from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="pi05")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--backend", default="graph", help="graph (GPU) or fused (CPU)")
+    p.add_argument("--calls", type=int, default=20, help="calls per episode")
+    p.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (0: its default)")
+    p.add_argument("--prompt", default="pick up the cube and place it in the bin")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--name", default=None)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args()
+    if args.calls < 2:
+        p.error("--calls: at least 2 (each episode's first call is reported apart)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    cfg = PolicyConfig(preset=args.preset, device=args.device, backend=args.backend)
+    start = time.perf_counter()
+    policy = Policy(cfg, cache=RMuscleConfig(rebuilds_per_tick=4 * 5))  # the whole window each time
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    policy.warmup(args.prompt)
+    warmup_s = time.perf_counter() - start
+    print(f"[bench_policy] loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
+    observations = [synthetic_observation(cfg, args.prompt, seed=i) for i in range(args.calls)]
+    calls = []  # (episode, call, mode, preprocess ms, model ms, total ms)
+    for episode in ("dense", "repeat"):
+        for i, obs in enumerate(observations):
+            sync()
+            chunk = policy.infer(obs)
+            t = chunk.timings_s
+            calls.append(
+                (episode, i, chunk.cache_mode, t["preprocess"] * 1e3, t["model_and_postprocess"] * 1e3,
+                 chunk.latency_s * 1e3)
+            )  # fmt: skip
+            policy.rebuild_cache(wait=True)
+        policy.reset_episode()
+    policy.close()
+
+    def summary(rows: list[tuple]) -> dict:
+        return {
+            "calls": len(rows),
+            "median_ms": round(statistics.median(r[5] for r in rows), 3),
+            "preprocess_ms": round(statistics.median(r[3] for r in rows), 3),
+            "model_ms": round(statistics.median(r[4] for r in rows), 3),
+            "modes": sorted({r[2] for r in rows}),
+        }
+
+    results = {
+        "dense_recorded": summary([c for c in calls if c[0] == "dense" and c[1] > 0]),
+        "cached": summary([c for c in calls if c[0] == "repeat" and c[1] > 0]),
+        "first_call_dense_episode": summary([c for c in calls if c[0] == "dense" and c[1] == 0]),
+        "first_call_repeat": summary([c for c in calls if c[0] == "repeat" and c[1] == 0]),
+    }
+    if results["cached"]["modes"] != ["cached"] or results["dense_recorded"]["modes"] != ["dense"]:
+        raise RuntimeError(f"the episodes did not run as intended: {results}")
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    record = {
+        **record_header(device, args.commit),
+        "preset": args.preset,
+        "backend": args.backend,
+        "torch_threads": torch.get_num_threads(),
+        "load_s": round(load_s, 2),
+        "warmup_s": round(warmup_s, 2),
+        "results": results,
+        "calls_ms": [list(c[:3]) + [round(x, 3) for x in c[3:]] for c in calls],
+    }
+    lines = [
+        f"# Policy.infer by cache mode, `{args.preset}` ({args.backend}) — {device}",
+        "",
+        f"commit `{args.commit}`, command `{record['command']}`; 3 cameras 480×640, random weights, "
+        f"{args.calls} calls per episode, PyTorch CPU threads {record['torch_threads']}; loaded in "
+        f"{record['load_s']} s, warm-up {record['warmup_s']} s. Wall clock per call; medians over each "
+        "episode's calls after its first.",
+        "",
+        "| calls | n | median ms | preprocess ms | model ms |",
+        "|---|---|---|---|---|",
+    ]
+    names = {
+        "dense_recorded": "dense episode, recorded for the library",
+        "cached": "its repeat, served from the cache",
+        "first_call_dense_episode": "the dense episode's first call",
+        "first_call_repeat": "the repeat's first call (dense: its window is not filled yet)",
+    }
+    for key, name in names.items():
+        r = results[key]
+        lines.append(f"| {name} | {r['calls']} | {r['median_ms']} | {r['preprocess_ms']} | {r['model_ms']} |")
+    print("\n".join(lines[6:]), flush=True)
+    stem = args.name or f"policy_{args.preset}_{device.split()[-1].lower()}_{args.commit}"
+    save_results(args.out, stem, record, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
