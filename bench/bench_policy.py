@@ -120,7 +120,6 @@ def main() -> None:
     for key, name in names.items():
         r = results[key]
         lines.append(f"| {name} | {r['calls']} | {r['median_ms']} | {r['preprocess_ms']} | {r['model_ms']} |")
-    print("\n".join(lines[6:]), flush=True)
     stem = args.name or f"policy_{args.preset}_{device.split()[-1].lower()}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
