@@ -80,6 +80,22 @@ def test_rope_qkv_matches_definition(triton_ops, h: int, kvh: int, dh: int) -> N
     assert (outs[1][1][:, :off] == 0).all(), "rope_qkv wrote outside its K slice"
 
 
+def _streaming_model(seed: int) -> Pi05Model:
+    """A small model at widths where the expert's matmuls take the weight-streaming kernels (the ones that
+    prefetch under PDL and have the Action Cache's gathered variants), seeded random weights."""
+    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
+    model = Pi05Model(get_preset("tiny").replace(vlm=gemma, expert=gemma)).to(CUDA).eval()
+    init_random_(model, seed)
+    return model
+
+
+def _require_pdl() -> None:
+    from rmuscle_ros.engine import triton_ops
+
+    if not triton_ops.pdl_supported(CUDA):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+
+
 def _inputs(cfg, valid_tokens: int, pad_to: int, missing_camera: bool, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     c = cfg.num_cameras
@@ -118,16 +134,9 @@ def test_graph_engine_matches_eager_tiny(missing_camera: bool) -> None:
 def test_pdl_gives_the_same_actions_as_serial_launches() -> None:
     """Programmatic dependent launch only overlaps weight prefetches with the previous kernel: the
     arithmetic, and so the result, is bit-identical to the same engine launching kernels one by one."""
-    from rmuscle_ros.engine import triton_ops
-
-    if not triton_ops.pdl_supported(CUDA):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
-    # Widths at which the expert's matmuls take the weight-streaming kernels (which prefetch under PDL).
-    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
-    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma)
-    model = Pi05Model(cfg).to(CUDA).eval()
-    init_random_(model, 2)
-    inputs, noise = _inputs(cfg, valid_tokens=37, pad_to=60, missing_camera=False)
+    _require_pdl()
+    model = _streaming_model(2)
+    inputs, noise = _inputs(model.cfg, valid_tokens=37, pad_to=60, missing_camera=False)
     outs = []
     for pdl in (True, False):
         engine = create_engine("graph", model, CUDA, pdl=pdl)
@@ -140,16 +149,11 @@ def test_pdl_gives_the_same_actions_as_serial_launches() -> None:
 def test_recording_denoise_under_pdl_gives_the_masks_and_actions_of_serial_launches() -> None:
     """A dense episode's calls record Action Cache masks under PDL: the same masks as serial launches, and
     the same actions as the dense denoise."""
-    from rmuscle_ros.engine import triton_ops
     from rmuscle_ros.engine.graph import CacheShapes
 
-    if not triton_ops.pdl_supported(CUDA):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
-    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
-    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma)
-    model = Pi05Model(cfg).to(CUDA).eval()
-    init_random_(model, 5)
-    inputs, noise = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=2)
+    _require_pdl()
+    model = _streaming_model(5)
+    inputs, noise = _inputs(model.cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=2)
     outs = []
     for pdl in (True, False):
         engine = create_engine("graph", model, CUDA, buckets=[64], cache=CacheShapes(0.4, 0.5), pdl=pdl)
@@ -378,10 +382,8 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
     from rmuscle_ros.engine.fused import ContextRef
     from rmuscle_ros.engine.graph import CacheShapes
 
-    gemma = GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32)
-    cfg = get_preset("tiny").replace(vlm=gemma, expert=gemma)
-    model = Pi05Model(cfg).to(CUDA).eval()
-    init_random_(model, 4)
+    model = _streaming_model(4)
+    cfg = model.cfg
     ref_inputs, noise = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
     live_inputs, _ = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=1)
     live_inputs.images.add_(0.02 * torch.randn_like(live_inputs.images)).clamp_(-1, 1)
