@@ -445,14 +445,13 @@ class GraphEngine:
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
-        # The recording prefills (the rebuild lane's, and the live lane's "record") launch kernels serially.
-        # They copy activations out with memory-copy nodes right after kernels that let their dependents
-        # launch early, and no GPU test has yet compared them with PDL against without. (The all-zero entry
-        # first seen on the H200 and blamed on this was a stream race, fixed in `rebuild_entry`.) They are
-        # off the latency path. The recording denoise runs in every call of a dense episode, so it takes PDL
-        # like the dense one: it writes its scores with kernels, and gives the same masks and actions as
-        # serial launches (a GPU test).
-        pdl = self.pdl and stage != "rebuild" and not (stage == "prefill" and variant == "record")
+        # The rebuild lane's recording prefill launches kernels serially. It copies activations out with
+        # memory-copy nodes right after kernels that let their dependents launch early, and no GPU test has
+        # yet compared it with PDL against without. (The all-zero entry first seen on the H200 and blamed on
+        # this was a stream race, fixed in `rebuild_entry`.) It is off the latency path. The recording
+        # denoise runs in every call of a dense episode, so it takes PDL like the dense one: it writes its
+        # scores with kernels, and gives the same masks and actions as serial launches (a GPU test).
+        pdl = self.pdl and stage != "rebuild"
 
         def run() -> None:
             if self._triton_ops is None:
