@@ -20,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import random_graph_engine
+from bench.bench_pi05 import make_inputs, random_graph_engine
+from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes
 
 
@@ -43,14 +44,16 @@ def main() -> None:
     )
     runs = [(stage, "dense") for stage in args.stage or ["vision", "prefill", "denoise"]]
     if args.cache:
-        # A reference entry from this very observation, and random neuron masks, sorted per (step, layer).
-        engine.run_stage("vision", bucket)
-        engine._run_prefill(engine.live, bucket, "record")  # writes engine.rebuilt_ref
-        engine.ctx_ref.copy_(engine.rebuilt_ref)
+        # A reference entry rebuilt from this very observation, and random neuron masks, sorted per (step,
+        # layer), loaded as the runtime loads an entry that is not in the window.
+        inputs, _ = make_inputs(engine.cfg, args.prompt_tokens, device, seed=0)  # random_graph_engine's
+        entry = ContextRef.allocate(engine.cfg, device, engine.dtype)
+        engine.rebuild_entry(inputs, entry, use_graphs=False)
+        engine.rebuild_stream.synchronize()
         steps, depth, keep = engine.neurons.shape
         f = engine.cfg.expert.mlp_dim
         masks = torch.rand(steps, depth, f, device=device).argsort(-1)[..., :keep].sort(-1).values
-        engine.neurons.copy_(masks.to(torch.int32))
+        engine.load_reference(entry, masks.to(torch.int32))
         runs += [("prefill", "cached"), ("denoise", "cached")]
     for stage, variant in runs:
         for _ in range(3):
