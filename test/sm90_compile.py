@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource, compile
-from triton.runtime.jit import JITFunction, mangle_type
+from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -128,14 +129,32 @@ def record_launches() -> list[tuple[JITFunction, dict[str, object], dict[str, ob
     return launches
 
 
+def specialize(kernel: JITFunction, named: dict[str, object]) -> tuple[dict, dict, dict]:
+    """(constexprs, signature, attributes) as Triton's launcher specializes them: integers equal to 1
+    become constants, and pointers and integers divisible by 16 say so. Without those hints the compiler
+    neither vectorizes nor pipelines the loads, and would compile other code than the GPU runs."""
+    constexprs = {p.name: named[p.name] for p in kernel.params if p.is_constexpr and p.name in named}
+    signature, attrs = {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            continue
+        kind, spec = native_specialize_impl(
+            BaseBackend, named[p.name], p.is_const, not p.do_not_specialize, True
+        )
+        signature[p.name] = kind
+        if kind == "constexpr":
+            constexprs[p.name] = named[p.name]
+        elif isinstance(spec, str):
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    return constexprs, signature, attrs
+
+
 def main() -> int:
     compiled, failed = set(), 0
     for kernel, named, options in record_launches():
         for pdl in (True, False):
-            constexprs = {p.name: named[p.name] for p in kernel.params if p.is_constexpr and p.name in named}
-            signature = {
-                p.name: "constexpr" if p.is_constexpr else mangle_type(named[p.name]) for p in kernel.params
-            }
+            constexprs, signature, attrs = specialize(kernel, named)
             if "PDL" in constexprs:
                 constexprs["PDL"] = pdl
             opts = dict(options) | {"launch_pdl": pdl}
@@ -149,7 +168,7 @@ def main() -> int:
                 continue
             compiled.add(key)
             try:
-                compile(ASTSource(kernel, signature, constexprs), target=TARGET, options=opts)
+                compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=opts)
                 print(f"ok   {kernel.fn.__name__} PDL={pdl}")
             except Exception as exc:  # report every failure, then fail
                 failed += 1
