@@ -101,7 +101,10 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
                 values = {kv.key: kv.value for kv in s.values}
                 if h.node.get_name() in s.name and values.get("cache.mode") == "cached":
                     return (
-                        values["cache.library_episodes"] == "1" and 0 < float(values["cache.hit_rate"]) <= 1
+                        values["cache.library_episodes"] == "1"
+                        and 0 < float(values["cache.hit_rate"]) <= 1
+                        and float(values["latency_p50_ms.cached"]) > 0  # the modes' latencies, apart
+                        and float(values["latency_p50_ms.dense"]) > 0
                     )
         return False
 

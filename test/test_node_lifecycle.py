@@ -257,7 +257,9 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
                 values = {kv.key: kv.value for kv in status.values}
                 ours = h.node.get_name() in status.name
                 if ours and int(values.get("chunks", 0)) >= 2 and "drops.stale_image" in values:
-                    return float(values["latency_p50_ms"]) > 0
+                    # the whole call, its preprocessing part, and (no cache: every call dense) by mode
+                    latency, pre = float(values["latency_p50_ms"]), float(values["preprocess_p50_ms"])
+                    return 0 < pre < latency and float(values["latency_p50_ms.dense"]) > 0
         return False
 
     assert h.wait_for(reported, timeout=10.0), "diagnostics never reported chunks, latency and the drop"

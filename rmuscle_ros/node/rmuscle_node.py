@@ -110,6 +110,10 @@ class RMuscleNode(LifecycleNode):
             self.chunk_id = 0
             self.drops: Counter[str] = Counter()
             self.latencies_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            # The same calls' preprocessing (images into the model's input) and latencies by cache mode:
+            # where a slow call spent its time, and what the cache saves on this cell.
+            self._preprocess_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            self._latencies_by_mode: dict[str, deque[float]] = {}
             self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
@@ -417,6 +421,9 @@ class RMuscleNode(LifecycleNode):
                 episode, chunk_id = self.episode_id, self.chunk_id
                 self.chunk_id += 1
                 self.latencies_ms.append(chunk.latency_s * 1e3)
+                self._preprocess_ms.append(chunk.timings_s.get("preprocess", 0.0) * 1e3)
+                by_mode = self._latencies_by_mode.setdefault(chunk.cache_mode, deque(maxlen=LATENCY_WINDOW))
+                by_mode.append(chunk.latency_s * 1e3)
                 self._chunk_times.append(time.monotonic())
         if self._stop.is_set():
             return
@@ -544,6 +551,8 @@ class RMuscleNode(LifecycleNode):
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
             lat = list(self.latencies_ms)
+            pre = list(self._preprocess_ms)
+            by_mode = {mode: statistics.median(v) for mode, v in self._latencies_by_mode.items() if v}
             times = list(self._chunk_times)
             drops = dict(self.drops)
             chunks = self.chunk_id
@@ -559,6 +568,9 @@ class RMuscleNode(LifecycleNode):
             "rate_hz": rate,
             "latency_p50_ms": p50,
             "latency_p99_ms": p99,
+            "latency_p50_ms_by_mode": by_mode,  # dense / cached / fallback, over the latest calls of each
+            "preprocess_p50_ms": statistics.median(pre) if pre else 0.0,
+            "preprocess_p99_ms": float(np.percentile(pre, 99)) if pre else 0.0,
             "chunks": chunks,
             "drops": drops,
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
@@ -579,7 +591,16 @@ class RMuscleNode(LifecycleNode):
             status.message = (
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
             )
-        values = {k: s[k] for k in ("rate_hz", "latency_p50_ms", "latency_p99_ms", "chunks")}
+        keys = (
+            "rate_hz",
+            "latency_p50_ms",
+            "latency_p99_ms",
+            "preprocess_p50_ms",
+            "preprocess_p99_ms",
+            "chunks",
+        )
+        values = {k: s[k] for k in keys}
+        values |= {f"latency_p50_ms.{mode}": v for mode, v in s["latency_p50_ms_by_mode"].items()}
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
         if s["waiting_for"]:
             values["waiting_for"] = s["waiting_for"]
