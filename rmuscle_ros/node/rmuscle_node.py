@@ -72,6 +72,11 @@ def _mode_codes(message: Any) -> dict[str, int]:
     return codes
 
 
+def _p50_p99(values: list[float]) -> tuple[float, float]:
+    """Median and 99th percentile (0.0 for no values): the node's latency figures."""
+    return (statistics.median(values), float(np.percentile(values, 99))) if values else (0.0, 0.0)
+
+
 class RMuscleNode(LifecycleNode):
     def __init__(self, node_name: str = "rmuscle_node", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
@@ -420,10 +425,11 @@ class RMuscleNode(LifecycleNode):
             with self._stats_lock:
                 episode, chunk_id = self.episode_id, self.chunk_id
                 self.chunk_id += 1
-                self.latencies_ms.append(chunk.latency_s * 1e3)
+                latency_ms = chunk.latency_s * 1e3
+                self.latencies_ms.append(latency_ms)
                 self._preprocess_ms.append(chunk.timings_s.get("preprocess", 0.0) * 1e3)
                 by_mode = self._latencies_by_mode.setdefault(chunk.cache_mode, deque(maxlen=LATENCY_WINDOW))
-                by_mode.append(chunk.latency_s * 1e3)
+                by_mode.append(latency_ms)
                 self._chunk_times.append(time.monotonic())
         if self._stop.is_set():
             return
@@ -562,15 +568,15 @@ class RMuscleNode(LifecycleNode):
             errors = dict(self.errors)
             waiting_for = self.waiting_for
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-        p50 = statistics.median(lat) if lat else 0.0
-        p99 = float(np.percentile(lat, 99)) if lat else 0.0
+        p50, p99 = _p50_p99(lat)
+        pre_p50, pre_p99 = _p50_p99(pre)
         return {
             "rate_hz": rate,
             "latency_p50_ms": p50,
             "latency_p99_ms": p99,
             "latency_p50_ms_by_mode": by_mode,  # dense / cached / fallback, over the latest calls of each
-            "preprocess_p50_ms": statistics.median(pre) if pre else 0.0,
-            "preprocess_p99_ms": float(np.percentile(pre, 99)) if pre else 0.0,
+            "preprocess_p50_ms": pre_p50,
+            "preprocess_p99_ms": pre_p99,
             "chunks": chunks,
             "drops": drops,
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
