@@ -7,6 +7,7 @@ process on one SingleThreadedExecutor (like the node's own `main`), over real DD
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import itertools
 import os
@@ -207,11 +208,17 @@ def harness() -> Iterator[Callable[..., Harness]]:
 
 def test_lifecycle_services_and_chunks(harness) -> None:
     h = harness()
+    callbacks = len(gc.callbacks)
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
     assert h.transition(Transition.TRANSITION_CONFIGURE)
     assert h.state() == State.PRIMARY_STATE_INACTIVE
+    # What configure loaded (torch, the model) is out of the collector's reach: a full collection while
+    # active walks only what came after it.
+    assert gc.get_freeze_count() > 0
     assert h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.state() == State.PRIMARY_STATE_ACTIVE
+    gc.collect()  # a full collection while active is a pause every thread sat through: reported
+    assert h.node.stats()["gc_full_collections"] >= 1 and h.node.stats()["gc_pause_max_ms"] > 0
     stamps: list[int] = []
     h.publish_observation = _recording(h.publish_observation, stamps)
     assert h.feed_until(lambda: len(h.chunks) >= 3), f"no chunks; drops {h.drops()}"
@@ -236,6 +243,7 @@ def test_lifecycle_services_and_chunks(harness) -> None:
     assert len(h.chunks) == settled, "an inactive node published"
     assert h.transition(Transition.TRANSITION_CLEANUP)
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED and h.node.policy is None
+    assert gc.get_freeze_count() == 0 and len(gc.callbacks) == callbacks  # the model may be collected again
     assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
     assert h.state() == State.PRIMARY_STATE_FINALIZED
 
@@ -259,7 +267,8 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
                 if ours and int(values.get("chunks", 0)) >= 2 and "drops.stale_image" in values:
                     # the whole call, its preprocessing part, and (no cache: every call dense) by mode
                     latency, pre = float(values["latency_p50_ms"]), float(values["preprocess_p50_ms"])
-                    return 0 < pre < latency and float(values["latency_p50_ms.dense"]) > 0
+                    gc_pauses = {"gc_pause_max_ms", "gc_full_collections"} <= set(values)
+                    return 0 < pre < latency and float(values["latency_p50_ms.dense"]) > 0 and gc_pauses
         return False
 
     assert h.wait_for(reported, timeout=10.0), "diagnostics never reported chunks, latency and the drop"
@@ -441,6 +450,7 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert main(["--seconds", "4", "--param", "actions_per_inference=50", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "chunks at" in out and "latency p50" in out and "drops by reason" in out
+    assert "garbage collection while active: longest pause" in out
     # The rMuscle story: a dense warm-up episode, recorded at the reset, then its repeat from the cache.
     assert "episode 0 (dense warm-up)" in out and "episode 1 (repeat of the task)" in out
     assert "episode 0 recorded as library episode 0" in out and "last ~/cache_status" in out

@@ -154,6 +154,8 @@ def run(
         "latency_p50_by_mode_ms": by_mode,
         "drops": stats["drops"],
         "errors": stats["errors"],
+        "gc_pause_max_ms": stats["gc_pause_max_ms"],
+        "gc_full_collections": stats["gc_full_collections"],
         "episodes": episodes,
         "reset": reset_message,
         "cache_status": None
@@ -241,6 +243,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     by_mode = ", ".join(f"{m} {v:.1f} ms" for m, v in summary["latency_p50_by_mode_ms"].items())
     print(f"[demo] latency p50 by cache mode: {by_mode or 'no chunks'}")
     print(f"[demo] drops by reason: {drops}")
+    print(
+        f"[demo] garbage collection while active: longest pause {summary['gc_pause_max_ms']:.1f} ms, "
+        f"{summary['gc_full_collections']} full collection(s)"
+    )
     for i, e in enumerate(summary["episodes"]):
         what = "dense warm-up" if i == 0 else "repeat of the task"
         modes = ", ".join(f"{m} {e['modes'].get(m, 0)}" for m in MODE_COLOURS)

@@ -77,6 +77,24 @@ def _p50_p99(values: list[float]) -> tuple[float, float]:
     return (statistics.median(values), float(np.percentile(values, 99))) if values else (0.0, 0.0)
 
 
+class GcPauses:
+    """Garbage-collection pauses while the node is active (a gc.callbacks entry). A collection stops every
+    Python thread for its whole length, the inference worker's included, whichever thread triggered it."""
+
+    def __init__(self) -> None:
+        self.longest_ms = 0.0
+        self.full_collections = 0  # of the oldest generation: the ones that walk every tracked object
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.longest_ms = max(self.longest_ms, (time.perf_counter() - self._started) * 1e3)
+            self.full_collections += info["generation"] == 2
+            self._started = None
+
+
 class RMuscleNode(LifecycleNode):
     def __init__(self, node_name: str = "rmuscle_node", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
@@ -107,6 +125,7 @@ class RMuscleNode(LifecycleNode):
         self._modes: dict[str, int] = {}
         self.last_error = ""  # why the last transition failed (also logged), for operators and tests
         self._default_cpu_threads: int | None = None  # PyTorch's own choice, before cpu_threads set it
+        self._gc = GcPauses()  # since the latest activation; registered while active
         self._reset_stats()
 
     def _reset_stats(self) -> None:
@@ -199,6 +218,12 @@ class RMuscleNode(LifecycleNode):
         self._buffer = ObservationBuffer(
             len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics
         )
+        # A full garbage collection walks every object the process holds. With torch, the model and ROS
+        # loaded, one took 130-270 ms on a 2-core CPU, and the inference call that triggered it was late
+        # by that much. What configure loaded lives until cleanup: collect once, then freeze it
+        # (gc.freeze) so that later collections walk only what was allocated since. Undone in _release.
+        gc.collect()
+        gc.freeze()
         return TransitionCallbackReturn.SUCCESS
 
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
@@ -274,6 +299,8 @@ class RMuscleNode(LifecycleNode):
         if self._status_pub is not None:
             self._timers.append(self.create_timer(cfg.cache.status_period_s, self._publish_cache_status))
         self._stop.clear()
+        self._gc = GcPauses()
+        gc.callbacks.append(self._gc)
         self._activated_at = time.monotonic()
         with self._stats_lock:
             self.waiting_for = ""
@@ -303,6 +330,8 @@ class RMuscleNode(LifecycleNode):
         for sub in self._subs:
             self.destroy_subscription(sub)
         self._timers, self._subs, self._infer_timer = [], [], None
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
         if self._buffer is not None:
             self._buffer.clear()
 
@@ -339,6 +368,7 @@ class RMuscleNode(LifecycleNode):
                         )
         device = self.cfg.model.device if self.cfg is not None else "cpu"
         self.policy, self.cfg, self._buffer = None, None, None
+        gc.unfreeze()  # configure's objects (the model among them) may be collected again
         gc.collect()
         if device.startswith("cuda"):
             import torch
@@ -577,6 +607,8 @@ class RMuscleNode(LifecycleNode):
             "latency_p50_ms_by_mode": by_mode,  # dense / cached / fallback, over the latest calls of each
             "preprocess_p50_ms": pre_p50,
             "preprocess_p99_ms": pre_p99,
+            "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
+            "gc_full_collections": self._gc.full_collections,
             "chunks": chunks,
             "drops": drops,
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
@@ -603,6 +635,8 @@ class RMuscleNode(LifecycleNode):
             "latency_p99_ms",
             "preprocess_p50_ms",
             "preprocess_p99_ms",
+            "gc_pause_max_ms",
+            "gc_full_collections",
             "chunks",
         )
         values = {k: s[k] for k in keys}
