@@ -13,6 +13,7 @@ nothing of the repeat is in the window yet); the first calls are reported apart.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -56,6 +57,8 @@ def main() -> None:
     start = time.perf_counter()
     policy.warmup(args.prompt)
     warmup_s = time.perf_counter() - start
+    gc.collect()  # as the node does after configure: later collections walk only what comes after
+    gc.freeze()
     print(f"[bench_policy] loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
     observations = [synthetic_observation(cfg, args.prompt, seed=i) for i in range(args.calls)]
     calls = []  # (episode, call, mode, preprocess ms, model ms, total ms)

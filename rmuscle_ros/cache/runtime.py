@@ -249,6 +249,24 @@ class RMuscle:
         # product queued after its descriptor, not a host scan (see Retriever).
         self.retriever = Retriever(retrieval, self._descriptors, self.engine.device)
 
+    def warm_up_retrieval(self) -> None:
+        """Run retrieval's GPU path once, as calls run it, on a stand-in library of one call: on the live
+        stream, and on the side stream where calls matched on the GPU queue it. Otherwise its first run is
+        in the first call after the library gains its first episode (see the README's warm-up notes)."""
+        e = self.engine
+        if e.device.type != "cuda" or e.live_stream is None:
+            return
+        descriptor = e.descriptor()
+        stand_in = Retriever(RetrievalConfig(), {0: np.ones((1, *descriptor.shape), np.float32)}, e.device)
+        for stream in (e.live_stream, e.side_stream):
+            if stream is None:
+                continue
+            stream.wait_stream(torch.cuda.current_stream(e.device))
+            with torch.cuda.stream(stream):
+                stand_in.queue(descriptor)
+                stand_in.query()
+        torch.cuda.synchronize(e.device)
+
     # Settings that neither shape the engine's graphs nor the library: they may change between calls.
     LIVE_SETTINGS = ("threshold", "record", "rebuilds_per_tick")
 

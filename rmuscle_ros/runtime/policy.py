@@ -145,6 +145,7 @@ class Policy:
         self.infer(synthetic_observation(self.cfg, prompt))
         if self.rmuscle is not None:
             self.rmuscle.discard_recording()
+            self.rmuscle.warm_up_retrieval()
         timings["warmup_total"] = time.perf_counter() - start
         return timings
 
