@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import record_header, save_results
 from rmuscle_ros.cache.runtime import RMuscleConfig
-from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+from rmuscle_ros.runtime.policy import Policy, PolicyConfig, host_threads, synthetic_observation
 
 
 def main() -> None:
@@ -34,7 +34,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="graph", help="graph (GPU) or fused (CPU)")
     p.add_argument("--calls", type=int, default=20, help="calls per episode")
-    p.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (0: its default)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="PyTorch CPU threads (0: as the node, host_threads)"
+    )
     p.add_argument("--prompt", default="pick up the cube and place it in the bin")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--name", default=None)
@@ -42,8 +44,7 @@ def main() -> None:
     args = p.parse_args()
     if args.calls < 2:
         p.error("--calls: at least 2 (each episode's first call is reported apart)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or host_threads(args.device, torch.get_num_threads()))
     cuda = args.device.startswith("cuda")
 
     def sync() -> None:

@@ -63,7 +63,7 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"camera_topics": ["a", "b", "c", "d"]}, r"^camera_topics: π0\.5 has 3 image slots"),
         ({"joint_names": [f"j{i}" for i in range(40)]}, r"^joint_names: must be an int in 1\.\.32"),
         ({"prompt": "  "}, r"^prompt: must not be empty"),
-        ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: PyTorch's default\)"),
+        ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
         ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),

@@ -10,7 +10,7 @@ import torch
 from safetensors.numpy import save_file
 
 from rmuscle_ros.demo import load_demo_config, main
-from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig, synthetic_observation
+from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig, host_threads, synthetic_observation
 
 CAMERAS = ("cam_high", "cam_left_wrist", "cam_right_wrist")
 
@@ -127,3 +127,10 @@ def test_demo_config_rejects_unknown_keys(tmp_path: Path) -> None:
     bad.write_text("preset: tiny\nbakend: eager\n")
     with pytest.raises(ValueError, match="bakend"):
         load_demo_config(bad)
+
+
+def test_host_threads_default_is_bounded_on_a_gpu_only() -> None:
+    """cpu_threads 0: on a GPU the host only preprocesses, and PyTorch's one thread per core stalled that
+    on the H200 (runtime.policy.GPU_HOST_THREADS); on the CPU the model needs them all."""
+    assert host_threads("cuda", 16) == 4 and host_threads("cuda:1", 2) == 2
+    assert host_threads("cpu", 16) == 16

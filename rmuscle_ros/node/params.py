@@ -123,9 +123,10 @@ class NodeConfig:
     sensor_startup_timeout_s: float = 5.0
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True
-    # PyTorch's CPU threads in this process (torch.set_num_threads), set at configure; 0: PyTorch's default
-    # (one per core). The executor and DDS need cores too: on a 2-core machine 1 thread ran the CPU demo's
-    # calls faster than 2 (README, Running the node).
+    # PyTorch's CPU threads in this process (torch.set_num_threads), set at configure; 0: automatic, PyTorch's
+    # default (one per core) with the model on the CPU, at most 4 on a GPU, where 16 stalled preprocessing
+    # (runtime.policy.host_threads). The executor and DDS need cores too: on a 2-core machine 1 thread ran
+    # the CPU demo's calls faster than 2 (README, Running the node).
     cpu_threads: int = 0
     cache: CacheParams = field(default_factory=CacheParams)
 
@@ -217,7 +218,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if not values["prompt"].strip():
         raise ParameterError("prompt: must not be empty")
     if values["cpu_threads"] < 0:
-        raise ParameterError(f"cpu_threads: must be >= 0 (0: PyTorch's default), got {values['cpu_threads']}")
+        raise ParameterError(f"cpu_threads: must be >= 0 (0: automatic), got {values['cpu_threads']}")
 
     model_fields = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     for optional in ("checkpoint", "norm_stats", "tokenizer"):

@@ -148,15 +148,18 @@ class RMuscleNode(LifecycleNode):
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
-    def _set_cpu_threads(self, threads: int) -> None:
-        """PyTorch's CPU threads for this process: `threads`, or (0) what PyTorch chose before the node
-        first set it, so that a reconfigure to 0 restores it. PyTorch applies the number to each thread
-        when that thread first runs an operator: the worker, started at activate, gets it."""
+    def _set_cpu_threads(self, threads: int, device: str) -> None:
+        """PyTorch's CPU threads for this process: `threads`, or (0) automatic: with the model on the CPU
+        what PyTorch chose before the node first set it (so that a reconfigure to 0 restores it), on a GPU
+        at most 4 (`policy.host_threads`). PyTorch applies the number to each thread when that thread
+        first runs an operator: the worker, started at activate, gets it."""
         import torch
+
+        from rmuscle_ros.runtime.policy import host_threads
 
         if self._default_cpu_threads is None:
             self._default_cpu_threads = torch.get_num_threads()
-        wanted = threads or self._default_cpu_threads
+        wanted = threads or host_threads(device, self._default_cpu_threads)
         torch.set_num_threads(wanted)
         self.get_logger().info(f"configure: PyTorch uses {wanted} CPU thread(s)")
 
@@ -169,7 +172,7 @@ class RMuscleNode(LifecycleNode):
         from rmuscle_ros.msg import ActionChunk, CacheStatus
         from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring
 
-        self._set_cpu_threads(cfg.cpu_threads)
+        self._set_cpu_threads(cfg.cpu_threads, cfg.model.device)
         policy = None
         try:
             modes = _mode_codes(ActionChunk)

@@ -35,6 +35,18 @@ from rmuscle_ros.runtime.transforms import (
 
 PI05_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
+# With the model on a GPU the host's PyTorch work is preprocessing (three 480×640 images resized). On the
+# H200's 16-core host, 4 threads did it as fast as 8 or 16 (median 3.4 ms), and 16, PyTorch's default of
+# one per core, stalled 3 of 12 calls by 10-46 ms, spinning while one thread lagged
+# (bench/results/dev_preprocess_threads_h200_c4736f1).
+GPU_HOST_THREADS = 4
+
+
+def host_threads(device: str, default: int) -> int:
+    """PyTorch CPU threads for a policy on `device` when none are asked for: on a GPU at most
+    GPU_HOST_THREADS, on the CPU (where the model runs there too) `default`, PyTorch's own choice."""
+    return min(GPU_HOST_THREADS, default) if device.startswith("cuda") else default
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
