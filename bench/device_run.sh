@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -17,12 +17,13 @@
 #   policy: bench/bench_policy.py, Policy.infer by cache mode (a recorded dense episode, its cached repeat), ~1.5 min;
 #   node: the node's demo on the GPU (pi05, graph, rMuscle) over DDS with the replayed bags, ~2.5 min; needs the
 #   ROS wheels for the device's Python carried in .whl/cp312 (scripts/ros_wheels_for_python.sh 3.12 .whl/cp312);
+#   node_setup: only that installation, for a script run after it in the same call (~1 min);
 #   ncu_gate_up: Nsight Compute on the gathered (32 and 16 columns per program) and dense gate/up kernels,
 #   bench/ncu_gate_up.py, raw reports in $OUT, ~1 min; Firecracker leases only, where ncu reads counters)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -80,7 +81,7 @@ for step in $steps; do
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --cache 0.4 0.5 --out "$out" 2>&1 \
                 | quiet | grep "^## \|^| [0-9]" ;;
         policy) timeout 200 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
-        node)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python; then the node's demo
+        node|node_setup)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python; then the demo
             if [[ ! -d .whl/cp312 ]]; then
                 echo "no .whl/cp312: run scripts/ros_wheels_for_python.sh 3.12 .whl/cp312 and carry .whl/cp312"
                 continue
@@ -90,10 +91,11 @@ for step in $steps; do
              python3 -m pip install -q -e . --no-deps --no-build-isolation --config-settings editable_mode=compat &&
                 python3 -m pip install -q rosbags && timeout 200 bash scripts/setup_ros_venv.sh "$prefix") \
                 > "$out/node_setup.log" 2>&1 || { tail -20 "$out/node_setup.log"; continue; }
+            [[ $step == node_setup ]] && { echo "ROS 2 installed: AMENT_PREFIX_PATH=$prefix"; continue; }
             AMENT_PREFIX_PATH=$prefix timeout 300 python3 -m rmuscle_ros.demo --seconds 10 --out "$out/node_demo_$commit" \
                 --param model.preset=pi05 --param model.device=cuda --param model.backend=graph --param cpu_threads=0 \
                 2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_demo_$commit.txt"
             rm -rf "$out/node_demo_$commit"/aloha_episode* ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup)" ;;
     esac
 done
