@@ -376,6 +376,44 @@ def test_cpu_threads_set_at_configure_and_restored_by_zero(harness) -> None:
         torch.set_num_threads(own)
 
 
+_TIMERS_IMPORT_NOTHING = """
+import collections, os, sys
+import rclpy
+from rclpy.parameter import Parameter
+from rmuscle_ros.node.rmuscle_node import RMuscleNode
+context = rclpy.Context()
+rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
+node = RMuscleNode("rmuscle_timers", context=context, parameter_overrides=[Parameter("warmup", value=False)])
+node.trigger_configure()
+assert node.policy is not None, node.last_error
+with node._stats_lock:  # what the timers find once calls have run
+    node.latencies_ms.extend([20.0, 30.0])
+    node._preprocess_ms.extend([2.0, 3.0])
+    node._latencies_by_mode["dense"] = collections.deque([20.0, 30.0])
+before = set(sys.modules)
+node._diagnostics()
+print(sorted(set(sys.modules) - before))
+node.trigger_cleanup()
+node.destroy_node()
+rclpy.shutdown(context=context)
+"""
+
+
+def test_the_executors_timers_import_nothing_once_configured() -> None:
+    """While active, the executor thread's timers must not import modules: an import holds the GIL, and
+    the worker's inference waits. On the H200 the first /diagnostics (np.percentile imports numpy.ma) made
+    the dense episode's 2nd or 3rd call take 44-102 ms against ~19; configure now runs that path once. In a
+    fresh process: a module an earlier test imported would hide the import."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TIMERS_IMPORT_NOTHING], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

@@ -221,6 +221,7 @@ class RMuscleNode(LifecycleNode):
         self._buffer = ObservationBuffer(
             len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics
         )
+        self._warm_up_timer_paths()
         # A full garbage collection walks every object the process holds. With torch, the model and ROS
         # loaded, one took 130-270 ms on a 2-core CPU, and the inference call that triggered it was late
         # by that much. What configure loaded lives until cleanup: collect once, then freeze it
@@ -228,6 +229,14 @@ class RMuscleNode(LifecycleNode):
         gc.collect()
         gc.freeze()
         return TransitionCallbackReturn.SUCCESS
+
+    def _warm_up_timer_paths(self) -> None:
+        """Run once, at configure, what the executor's timers will first run while active. Their first run
+        imported modules (np.percentile imports numpy.ma) in the executor thread, holding the GIL while the
+        worker's call waited: on the H200 the dense episode's 2nd or 3rd call took 44-102 ms against ~19
+        (bench/results/dev_node_calls_h200_23d9f4a)."""
+        _p50_p99([1.0, 2.0])  # what stats() computes once calls are in its window
+        self._diagnostics()
 
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
         """`ros2 param set`: a value is validated with every other parameter (a bad one is refused, naming
@@ -620,6 +629,9 @@ class RMuscleNode(LifecycleNode):
         }
 
     def _publish_diagnostics(self) -> None:
+        self._diag_pub.publish(self._diagnostics())
+
+    def _diagnostics(self) -> DiagnosticArray:
         s = self.stats()
         status = DiagnosticStatus()
         status.name = f"{self.get_name()}: inference"
@@ -660,7 +672,7 @@ class RMuscleNode(LifecycleNode):
         array = DiagnosticArray()
         array.header.stamp = self.get_clock().now().to_msg()
         array.status = [status]
-        self._diag_pub.publish(array)
+        return array
 
     def _publish_cache_status(self) -> None:
         from rmuscle_ros.msg import CacheStatus
