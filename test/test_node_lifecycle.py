@@ -383,7 +383,8 @@ from rclpy.parameter import Parameter
 from rmuscle_ros.node.rmuscle_node import RMuscleNode
 context = rclpy.Context()
 rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
-node = RMuscleNode("rmuscle_timers", context=context, parameter_overrides=[Parameter("warmup", value=False)])
+params = [Parameter("warmup", value=False), Parameter("cache.enabled", value=True), Parameter("model.backend", value="fused")]
+node = RMuscleNode("rmuscle_timers", context=context, parameter_overrides=params)
 node.trigger_configure()
 assert node.policy is not None, node.last_error
 with node._stats_lock:  # what the timers find once calls have run
@@ -392,6 +393,7 @@ with node._stats_lock:  # what the timers find once calls have run
     node._latencies_by_mode["dense"] = collections.deque([20.0, 30.0])
 before = set(sys.modules)
 node._diagnostics()
+assert node._cache_status_message() is not None
 print(sorted(set(sys.modules) - before))
 node.trigger_cleanup()
 node.destroy_node()
@@ -400,8 +402,8 @@ rclpy.shutdown(context=context)
 
 
 def test_the_executors_timers_import_nothing_once_configured() -> None:
-    """While active, the executor thread's timers must not import modules: an import holds the GIL, and
-    the worker's inference waits. On the H200 the first /diagnostics (np.percentile imports numpy.ma) made
+    """While active, the executor thread's timers (/diagnostics, ~/cache_status) must not import modules:
+    an import holds the GIL, and the worker's inference waits. On the H200 the first /diagnostics (np.percentile imports numpy.ma) made
     the dense episode's 2nd or 3rd call take 44-102 ms against ~19; configure now runs that path once. In a
     fresh process: a module an earlier test imported would hide the import."""
     import subprocess

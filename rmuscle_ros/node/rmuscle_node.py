@@ -237,6 +237,7 @@ class RMuscleNode(LifecycleNode):
         (bench/results/dev_node_calls_h200_23d9f4a)."""
         _p50_p99([1.0, 2.0])  # what stats() computes once calls are in its window
         self._diagnostics()
+        self._cache_status_message()
 
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
         """`ros2 param set`: a value is validated with every other parameter (a bad one is refused, naming
@@ -675,13 +676,21 @@ class RMuscleNode(LifecycleNode):
         return array
 
     def _publish_cache_status(self) -> None:
+        pub = self._status_pub
+        if pub is None or not pub.is_activated:
+            return
+        msg = self._cache_status_message()
+        if msg is not None:
+            pub.publish(msg)
+
+    def _cache_status_message(self) -> Any:
+        """The latest cache status as a CacheStatus message; None without a cache."""
         from rmuscle_ros.msg import CacheStatus
 
-        pub = self._status_pub
         with self._stats_lock:
             status, episode = self.cache_status, self.episode_id
-        if pub is None or not pub.is_activated or status is None:
-            return
+        if status is None:
+            return None
         msg = CacheStatus()
         msg.header.stamp = self.get_clock().now().to_msg()
         msg.episode_id = episode
@@ -692,7 +701,7 @@ class RMuscleNode(LifecycleNode):
         msg.window_entries = int(status["window_entries"])
         msg.library_bytes = int(status["library_bytes"])
         msg.library_path = str(status["library_path"])
-        pub.publish(msg)
+        return msg
 
 
 def main(argv: list[str] | None = None) -> int:
