@@ -80,7 +80,8 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
 
 def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_path) -> None:
     """The node's motion window queues one part at a time (it can stop between any two): an entry is
-    usable once its last part ran, and one that retrieval stopped wanting midway is dropped."""
+    usable once its last part ran, and one that is no longer wanted midway is dropped (here the call
+    that wanted it is discarded, as warm-up calls are; retrieval moving on does the same)."""
     policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, rebuild_slices=4))
     run(policy, episode(4))
     policy.reset_episode()
@@ -89,7 +90,7 @@ def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_pat
     assert parts == 3
     assert policy.infer(live[0]).cache_mode == "dense"  # the window is empty
     assert policy.rebuild_cache_slice() == (True, False)
-    policy.reset_episode()  # nothing is wanted any more: the entry one part in is dropped
+    policy.rmuscle.discard_recording()  # nothing is wanted any more: the entry one part in is dropped
     assert policy.rebuild_cache_slice() == (False, False)
     assert policy.cache_status()["window_entries"] == 0
 
@@ -134,6 +135,31 @@ def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
     assert [c.cache_mode for c in got_fallback] == ["fallback"] * 4
     for chunks in (got_exact, got_fallback):
         assert all(np.array_equal(c.actions, w) for c, w in zip(chunks, want, strict=True))
+
+
+def test_a_repeats_first_call_is_served_cached_once_the_reset_refilled_the_window() -> None:
+    """At a reset the runtime wants the first calls of the episodes the next one will likely repeat (those
+    the finished one was served from, best first, then the most recently used), and a motion window then
+    (the node runs one at each reset) rebuilds them: the repeat's first call is served cached. A first call
+    whose scene is not in the repertoire waits for the pick, runs dense, and wastes no cached run."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    assert rm is not None
+    run(policy, episode(6))
+    assert policy.reset_episode() == 0
+    starts = [(0, p) for p in range(rm.cfg.lookahead + 1)]
+    assert rm._wanted == starts
+    policy.rebuild_cache()  # the motion window at the reset
+    repeat = run(policy, episode(6, offset=0.05, light=0.97, noise=2.0))
+    assert [c.cache_mode for c in repeat] == ["cached"] * 6
+    assert all(np.isfinite(c.actions).all() for c in repeat) and rm.match_reruns == 0
+    assert policy.reset_episode() is None, "an episode served from the cache is not recorded"
+    assert rm._wanted == starts, "the episode it was served from"
+
+    policy.rebuild_cache()
+    policy.reconfigure_cache(threshold=1.0)  # a scene no library call matches that well
+    assert policy.infer(episode(3, offset=0.5, noise=2.0)[0]).cache_mode == "fallback"
+    assert rm.match_reruns == 0, "the pick was checked before any cached stage was queued"
 
 
 def test_fallback_is_sticky_until_the_episode_resets(tmp_path) -> None:

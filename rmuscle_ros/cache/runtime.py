@@ -285,13 +285,28 @@ class RMuscle:
     def reset_episode(self) -> int | None:
         """End the current episode (recording it if it ran dense) and start the next. Returns the id the
         finished episode got in the library, or None if it was not recorded."""
+        served_from = list(dict.fromkeys(episode for episode, _ in self._wanted))  # best candidate first
         try:
             return self.finish_episode()
         finally:  # a library that cannot be written must not carry this episode's state into the next
             self.retriever.reset()
             self.episode_id += 1
             self.calls = self.cached_calls = 0
-            self._wanted = []
+            self._wanted = self._episode_starts(served_from)
+
+    def _episode_starts(self, served_from: list[int]) -> list[tuple[int, int]]:
+        """What the next episode's first call will likely match, before it has a descriptor: the first
+        `lookahead` + 1 calls of `top_k` library episodes, those the finished episode was served from
+        first (best candidate first), then the most recently used or recorded. A motion window at the
+        reset can rebuild them, so that a repeat's first call is served cached (`_infer_matched_on_gpu`)."""
+        entries = self.library.entries
+        recent = sorted(entries, key=lambda i: (entries[i].last_used, i), reverse=True)
+        episodes = [i for i in dict.fromkeys([*served_from, *recent]) if i in self._descriptors]
+        return [
+            (episode, position)
+            for episode in episodes[: self.cfg.top_k]
+            for position in range(min(self.cfg.lookahead + 1, len(self._descriptors[episode])))
+        ]
 
     def discard_recording(self) -> None:
         """Forget this episode's calls so far: warm-up calls are not part of any episode (nothing they
@@ -378,8 +393,8 @@ class RMuscle:
         return ready
 
     def _usable(self) -> list[bool]:
-        """Window entries the next call may pick on the device: wanted by the last call's retrieval, and
-        rebuilt. All False with no alignment yet (first call of an episode) or after a fallback. Unless
+        """Window entries the next call may pick on the device: wanted (by the last call's retrieval, or at
+        a reset the likely episodes' starts, `_episode_starts`), and rebuilt. All False after a fallback. Unless
         `concurrent_rebuilds`, a live call starts after the rebuilds queued before it, so an entry counts
         as rebuilt once its last part is queued; with it, once that part has run (its event)."""
         if self.retriever.fallback:
@@ -419,8 +434,8 @@ class RMuscle:
             # library (an episode that fell back; an episode's first call, not aligned yet: 2.1 ms at 64
             # episodes on a 2-core CPU's host path, bench/bench_retrieval.py). The dense stages go first,
             # and retrieval (the similarity reported, the alignment, the entries wanted next) finishes on
-            # the host while they run. A first call gives up little: the window holds what the previous
-            # episode's last calls wanted, not an episode's start.
+            # the host while they run. (Matched on the GPU, an episode's first call is served cached when
+            # a motion window since the reset rebuilt the likely episodes' starts: `_episode_starts`.)
             record = self._dense_stages(bucket)
             descriptor = self._read_descriptor(ready)
             matches = self._query(descriptor)
@@ -442,6 +457,10 @@ class RMuscle:
         self, inputs: ModelInputs, noise: torch.Tensor, usable: list[bool]
     ) -> tuple[torch.Tensor, CallInfo]:
         e = self.engine
+        # An episode's first call (nothing aligned yet: the window holds the likely episodes' starts, see
+        # `_episode_starts`) waits for the pick before queuing the cached stages: a scene that is not a
+        # repeat then costs no cached run for nothing. Later calls queue them at once.
+        first = self.calls == 0
         bucket = e.begin_load(inputs, noise)
         e.run_stage("match", bucket, variant="cached")
         matched = torch.cuda.Event() if e.device.type == "cuda" else None
@@ -449,18 +468,28 @@ class RMuscle:
             matched.record()
         self._queue_similarities(after=matched)
         e.finish_load()  # the prompt is packed on the host while the match graph runs
-        e.run_stage("tail", bucket, variant="cached")  # queued now: it runs while the host does retrieval
+        queued = not first or self._pick_is_usable(matched, usable)
+        if queued:
+            e.run_stage("tail", bucket, variant="cached")  # queued now: it runs while the host does retrieval
         descriptor = self._read_descriptor(matched)  # also waits for the match graph's pick
         index, similarity = int(e.match_host[0]), float(e.match_host[1])
         matches = self._query(descriptor)
         slot = self.window[index]
         if self.retriever.fallback or similarity < self.cfg.threshold or not usable[index]:
-            self.match_reruns += 1  # the cached result is not used: the same call again, dense
+            if queued:
+                self.match_reruns += 1  # the cached result is not used: the same call again, dense
             info = self._serve_dense(inputs, bucket, descriptor, self.retriever.last_similarity)
         else:
             assert slot.key is not None  # usable
             info = self._served_cached(*slot.key, similarity)
         return self._finish_call(matches, info)
+
+    def _pick_is_usable(self, matched: torch.cuda.Event | None, usable: list[bool]) -> bool:
+        """Whether the match graph's pick (waited for) may serve the call: above the threshold and usable."""
+        if matched is not None:
+            matched.synchronize()
+        index, similarity = int(self.engine.match_host[0]), float(self.engine.match_host[1])
+        return similarity >= self.cfg.threshold and usable[index]
 
     def _queue_similarities(self, after: torch.cuda.Event | None = None) -> None:
         """With the library on the GPU: queue this call's similarities right after the stage that computed

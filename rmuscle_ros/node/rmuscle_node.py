@@ -116,7 +116,9 @@ class RMuscleNode(LifecycleNode):
         self._buffer: ObservationBuffer | None = None
         self._worker: threading.Thread | None = None
         self._activated_at = 0.0  # time.monotonic() at the latest activation
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # the worker has something to do: one of the two below
+        self._tick = threading.Event()  # the inference timer fired: an observation is due
+        self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         # Serialises every call into the policy: the worker's infer/rebuild and the executor's episode
@@ -304,7 +306,7 @@ class RMuscleNode(LifecycleNode):
                 self.create_subscription(JointState, topic, buffer.put_joint_state, qos_profile_sensor_data)
             )
         period = cfg.actions_per_inference * cfg.control_period_s
-        self._infer_timer = self.create_timer(period, self._wake.set)
+        self._infer_timer = self.create_timer(period, self._on_tick)
         self._timers = [
             self._infer_timer,
             self.create_timer(1.0, self._publish_diagnostics),
@@ -355,6 +357,8 @@ class RMuscleNode(LifecycleNode):
             self._worker.join()
             self._worker = None
         self._wake.clear()
+        self._tick.clear()
+        self._refill.clear()
 
     def _release(self) -> None:
         """Undo on_configure: publishers, services, the cache (recording the episode in progress), the
@@ -423,6 +427,9 @@ class RMuscleNode(LifecycleNode):
             note = ""
         self.get_logger().info(f"episode {episode} starts")
         self._publish_cache_status()  # the library grew: say so now, not a status period later
+        if self._worker is not None and self.cfg is not None and self.cfg.cache.enabled:
+            self._refill.set()  # the worker refills the window for the next episode's first calls
+            self._wake.set()
         return episode, note
 
     def _on_reset_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
@@ -434,6 +441,10 @@ class RMuscleNode(LifecycleNode):
 
     # ── inference worker ─────────────────────────────────────────────────────────────────────────────────
 
+    def _on_tick(self) -> None:
+        self._tick.set()
+        self._wake.set()
+
     def _inference_loop(self) -> None:
         while True:
             self._wake.wait()
@@ -441,9 +452,23 @@ class RMuscleNode(LifecycleNode):
             if self._stop.is_set():
                 return
             try:
-                self._infer_once()
+                if self._tick.is_set():
+                    self._tick.clear()
+                    self._refill.clear()  # the call's own motion window follows it
+                    self._infer_once()
+                elif self._refill.is_set():
+                    self._refill.clear()
+                    self._refill_for_next_episode()
             except Exception as e:  # nothing may end the worker: the node would look alive and be silent
                 self._error("worker", f"{type(e).__name__}: {e}")
+
+    def _refill_for_next_episode(self) -> None:
+        """A motion window right after an episode reset: the window is refilled with the first calls of
+        the episodes the next one will likely repeat (RMuscle._episode_starts), so that its first call
+        can be served cached. Like every motion window, it stops before the next observation is due."""
+        cfg, policy = self.cfg, self.policy
+        if cfg is not None and policy is not None and cfg.cache.enabled:
+            self._rebuild_cache(policy)
 
     def _infer_once(self) -> None:
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
@@ -529,7 +554,7 @@ class RMuscleNode(LifecycleNode):
         or will be before another part is built (the longest of the latest parts' build times). Build
         times are wall-clock and the timer runs on the node's clock: the same in real time and in a 1× bag
         replay."""
-        if self._wake.is_set() or self._stop.is_set():
+        if self._tick.is_set() or self._stop.is_set():
             return True
         left = self._time_to_next_call_s()
         return left is not None and bool(self._rebuild_s) and left < max(self._rebuild_s)
