@@ -441,7 +441,8 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
 
 def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_rho_one(tmp_path) -> None:
     """The policy-level runtime on the graph backend: live calls on the high-priority stream, rebuilds on
-    the low-priority one; a recorded warm-up makes the repeat cached; ρ = 1 chunks equal dense ones."""
+    the low-priority one; a recorded warm-up makes the repeat cached, its first call too once the reset's
+    motion window rebuilt the episode's start; ρ = 1 chunks equal dense ones."""
     import numpy as np
 
     from rmuscle_ros.cache.runtime import RMuscleConfig
@@ -479,9 +480,12 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         policy.warmup()
         assert [c.cache_mode for c in run(policy, episode(4, 0.0))] == ["dense"] * 4
         assert policy.reset_episode() == 0
+        while policy.rebuild_cache(1, wait=True):  # the motion window at the reset: the episode's start
+            pass
         live = episode(4, 2.0)
         chunks = run(policy, live)
-        assert [c.cache_mode for c in chunks][1:] == ["cached"] * 3
+        assert [c.cache_mode for c in chunks] == ["cached"] * 4, "the first call too, from the refill"
+        assert policy.rmuscle.match_reruns == 0
         assert all(np.isfinite(c.actions).all() for c in chunks)
         if shapes.rho_p == 1.0:
             want = run(dense, live)
