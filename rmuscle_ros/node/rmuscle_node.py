@@ -224,10 +224,10 @@ class RMuscleNode(LifecycleNode):
             len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics
         )
         self._warm_up_timer_paths()
-        # A full garbage collection walks every object the process holds. With torch, the model and ROS
-        # loaded, one took 130-270 ms on a 2-core CPU, and the inference call that triggered it was late
-        # by that much. What configure loaded lives until cleanup: collect once, then freeze it
-        # (gc.freeze) so that later collections walk only what was allocated since. Undone in _release.
+        # A full garbage collection walks every object the process holds, and every thread waits for it.
+        # With torch, the model and ROS loaded, one took 130-270 ms on a 2-core CPU (gc.callbacks in the
+        # demo). What configure loaded lives until cleanup: collect once, then freeze it (gc.freeze) so
+        # that later collections walk only what was allocated since. Undone in _release.
         gc.collect()
         gc.freeze()
         return TransitionCallbackReturn.SUCCESS

@@ -37,8 +37,8 @@ PI05_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
 # With the model on a GPU the host's PyTorch work is preprocessing (three 480×640 images resized). On the
 # H200's 16-core host, 4 threads did it as fast as 8 or 16 (median 3.4 ms), and 16, PyTorch's default of
-# one per core, stalled 3 of 12 calls by 10-46 ms, spinning while one thread lagged
-# (bench/results/dev_preprocess_threads_h200_c4736f1).
+# one per core, took 12-49 ms in 3 of 12 calls, the calling thread busy all along (its CPU time equalled
+# the wall time; bench/results/dev_preprocess_threads_h200_c4736f1).
 GPU_HOST_THREADS = 4
 
 
