@@ -141,3 +141,4 @@ def test_policy_benchmark_times_a_dense_episode_and_its_cached_repeat(tmp_path) 
     for key in ("dense_recorded", "cached"):
         r = results[key]
         assert r["calls"] == 2 and r["median_ms"] >= r["model_ms"] > 0 and r["preprocess_ms"] > 0
+    assert results["first_call_repeat"]["modes"] == ["cached"], "the reset's refill serves the first call"
