@@ -468,14 +468,16 @@ class RMuscle:
             matched.record()
         self._queue_similarities(after=matched)
         e.finish_load()  # the prompt is packed on the host while the match graph runs
-        queued = not first or self._pick_is_usable(matched, usable)
+        if first and matched is not None:
+            matched.synchronize()
+        queued = not first or self._pick(usable)[2]
         if queued:
             e.run_stage("tail", bucket, variant="cached")  # queued now: it runs while the host does retrieval
         descriptor = self._read_descriptor(matched)  # also waits for the match graph's pick
-        index, similarity = int(e.match_host[0]), float(e.match_host[1])
+        index, similarity, serves = self._pick(usable)
         matches = self._query(descriptor)
         slot = self.window[index]
-        if self.retriever.fallback or similarity < self.cfg.threshold or not usable[index]:
+        if self.retriever.fallback or not serves:
             if queued:
                 self.match_reruns += 1  # the cached result is not used: the same call again, dense
             info = self._serve_dense(inputs, bucket, descriptor, self.retriever.last_similarity)
@@ -484,12 +486,11 @@ class RMuscle:
             info = self._served_cached(*slot.key, similarity)
         return self._finish_call(matches, info)
 
-    def _pick_is_usable(self, matched: torch.cuda.Event | None, usable: list[bool]) -> bool:
-        """Whether the match graph's pick (waited for) may serve the call: above the threshold and usable."""
-        if matched is not None:
-            matched.synchronize()
+    def _pick(self, usable: list[bool]) -> tuple[int, float, bool]:
+        """The match graph's pick, once it has arrived: (window index, similarity, whether it may serve
+        the call: at or above the threshold, and usable)."""
         index, similarity = int(self.engine.match_host[0]), float(self.engine.match_host[1])
-        return similarity >= self.cfg.threshold and usable[index]
+        return index, similarity, similarity >= self.cfg.threshold and usable[index]
 
     def _queue_similarities(self, after: torch.cuda.Event | None = None) -> None:
         """With the library on the GPU: queue this call's similarities right after the stage that computed
