@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -18,12 +18,14 @@
 #   node: the node's demo on the GPU (pi05, graph, rMuscle) over DDS with the replayed bags, ~2.5 min; needs the
 #   ROS wheels for the device's Python carried in .whl/cp312 (scripts/ros_wheels_for_python.sh 3.12 .whl/cp312);
 #   node_setup: only that installation, for a script run after it in the same call (~1 min);
+#   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
+#   alongside the prefill against after it, dense and cached, bit-identity checked, ~2 min;
 #   ncu_gate_up: Nsight Compute on the gathered (32 and 16 columns per program) and dense gate/up kernels,
 #   bench/ncu_gate_up.py, raw reports in $OUT, ~1 min; Firecracker leases only, where ncu reads counters)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -59,6 +61,7 @@ for step in $steps; do
         load) probe 240 probe_load_inputs "^\[probe\]\|Error" ;;
         vision_mlp) probe 200 probe_vision_mlp "^\[probe\]\|^| \|Error" ;;
         attention) probe 200 probe_prefill_attention "^| \|Error" ;;
+        overlap_first_step) probe 300 probe_overlap_first_step "^| \|Dense\|Error\|NO" ;;
         overlap) probe 500 probe_rebuild_overlap "^\[probe\]\|Error" ;;
         ffn_kernels) probe 200 probe_ffn_kernels "^\[probe\]\|Error" ;;
         tune_geglu)

@@ -169,6 +169,43 @@ def test_recording_denoise_under_pdl_gives_the_masks_and_actions_of_serial_launc
     assert torch.equal(masks, masks_serial) and masks[1:].any()
 
 
+def test_the_first_denoising_step_alongside_the_prefill_gives_the_serial_tails_results() -> None:
+    """With `overlap_first_step` (the default) the tail's denoise runs on its own stream and its first step
+    follows the prefill layer by layer: the same actions and masks bit for bit as the serial tail, in every
+    variant (dense, recording, cached), replayed as a graph or run directly."""
+    from rmuscle_ros.engine.fused import ContextRef
+    from rmuscle_ros.engine.graph import CacheShapes
+
+    model = _streaming_model(6)
+    inputs, noise = _inputs(model.cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=3)
+    ref_inputs, _ = _inputs(model.cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=4)
+    outs = []
+    for overlap in (True, False):
+        engine = create_engine(
+            "graph", model, CUDA, buckets=[64], cache=CacheShapes(0.4, 0.5), overlap_first_step=overlap
+        )
+        assert engine.overlap_first_step is overlap
+        engine.warmup()
+        entry = ContextRef.allocate(model.cfg, CUDA, torch.bfloat16)
+        engine.rebuild_entry(ref_inputs, entry)
+        engine.rebuild_stream.synchronize()
+        got = []
+        for use_graph in (True, False):
+            bucket = engine.load_inputs(inputs, noise)
+            engine.run_stage("vision", bucket, use_graph)
+            engine.run_stage("tail", bucket, use_graph, variant="record")
+            got += [engine.actions.clone(), engine.recorded_masks.clone()]
+            engine.load_reference(entry, engine.recorded_masks.clone())
+            for variant in ("dense", "cached"):
+                engine.run_stage("tail", bucket, use_graph, variant=variant)
+                got.append(engine.actions.clone())
+        outs.append(got)
+    overlapped, serial = outs
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, serial, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(overlapped[:4], overlapped[4:], strict=True))
+    assert not torch.equal(overlapped[3], overlapped[2]), "the cached tail differs from the dense one"
+
+
 def test_graph_engine_takes_host_tensors() -> None:
     """The policy hands CPU tensors to the engine; the result equals that of device-resident inputs."""
     cfg = get_preset("tiny")

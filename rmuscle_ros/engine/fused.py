@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -477,6 +478,7 @@ class FusedPi05:
         record: ContextRef | None = None,
         layers: range | None = None,
         state: PrefillState | None = None,
+        kv_ready: Sequence[torch.cuda.Event] | None = None,
     ) -> None:
         """Run the VLM over [visual tokens; prompt tokens] and write every layer's K/V into `kv`.
 
@@ -485,6 +487,8 @@ class FusedPi05:
         (a dense call: the two cannot be combined).
         layers: run only these layers, with `state` carrying the residual stream from the slice before (a
         rebuild in slices, which live calls may run between); the slice from layer 0 embeds the prompt.
+        kv_ready: one CUDA event per layer, recorded once that layer's K/V are written (for a denoising
+        loop on another stream that starts its first step before the prefill ends; see `denoise`).
         """
         if context is not None and record is not None:
             raise ValueError("prefill: record= stores dense FFN outputs, it cannot run with context=")
@@ -517,6 +521,8 @@ class FusedPi05:
             layer = self.prefix_layers[i]
             k, v = kv.keys[i][:, :lp], kv.values[i][:, :lp]
             ops.rope_qkv(h @ layer.qkv_w.t(), cos, sin, q, k, v, g.num_heads, g.num_kv_heads)
+            if kv_ready is not None:
+                kv_ready[i].record()
             if i == last:
                 break  # only the last layer's K/V is ever read
             attn = ops.attention(q, k, v, key_bias, g.num_heads)
@@ -565,12 +571,16 @@ class FusedPi05:
         *,
         action: ActionCache | None = None,
         record_masks: Tensor | None = None,
+        kv_ready: Sequence[torch.cuda.Event] | None = None,
     ) -> Tensor:
         """10 Euler steps of the action expert attending the prefix K/V. noise, out (horizon, action_dim) f32.
 
         action: run the expert FFNs with the Action Cache. record_masks (steps, depth, S) int32: run dense
         and write, for every step after the first, the S neurons with the largest contribution score
-        (|a_s − a_0| summed over the chunk, times ‖W_down[:, j]‖), sorted."""
+        (|a_s − a_0| summed over the chunk, times ‖W_down[:, j]‖), sorted.
+        kv_ready: the prefill's per-layer events (`prefill`), when the prefill is still running on another
+        stream: the first step's layer i waits only for layer i's K/V, so the first step runs alongside the
+        prefill instead of after it. Every later step comes after the first, hence after every event."""
         cfg, e = self.cfg, self.cfg.expert
         ops, mod = self.ops, self.modulation
         ha = cfg.horizon
@@ -604,6 +614,8 @@ class FusedPi05:
         for s in range(cfg.num_steps):
             cached = action is not None and s >= anchors
             for i, layer in enumerate(self.expert_layers):
+                if s == 0 and kv_ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
                 k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
                 ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
                              e.num_heads, e.num_kv_heads)  # fmt: skip

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -303,6 +304,7 @@ class GraphEngine:
         use_cuda_graphs: bool = True,
         pdl: bool | None = None,
         cache: CacheShapes | None = None,
+        overlap_first_step: bool | None = None,
     ) -> None:
         cfg = self.cfg = model.cfg
         self.device = device = torch.device(device)
@@ -377,6 +379,22 @@ class GraphEngine:
                 self.cache_bytes += self.window.nbytes
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._pools: dict[str, tuple[int, int] | None] = {"live": None, "rebuild": None}
+        # The tail graph's denoising loop runs on a stream of its own, from the start of the graph: its
+        # first step's layer i waits only for the prefill's layer i K/V (one event per layer), so that
+        # step runs alongside the prefill. At the highest priority, so that its small kernels take the
+        # SMs that the prefill's large GEMMs free as their tiles finish. (PyTorch instantiates graphs with
+        # cudaGraphInstantiateFlagUseNodePriority: a kernel keeps the priority of the stream it was
+        # captured on.) The actions are the same bit for bit: the same kernels, the same inputs.
+        overlap_first_step = self.use_cuda_graphs if overlap_first_step is None else overlap_first_step
+        if overlap_first_step and not self.use_cuda_graphs:
+            raise ValueError("overlap_first_step needs the CUDA graph engine (a CUDA device, cuda graphs on)")
+        self.overlap_first_step = overlap_first_step
+        self._denoise_stream: torch.cuda.Stream | None = None
+        self._kv_ready: list[torch.cuda.Event] = []
+        if overlap_first_step:
+            highest = torch.cuda.Stream.priority_range()[1]
+            self._denoise_stream = torch.cuda.Stream(device, priority=highest)
+            self._kv_ready = [torch.cuda.Event() for _ in range(cfg.vlm.depth)]
 
     # ── the stages, written against a lane's static buffers ──────────────────────────────────────────────
 
@@ -390,19 +408,33 @@ class GraphEngine:
             lane.visual.view(c, -1, lane.visual.shape[-1]), 1, dtype=torch.float32, out=lane.descriptor
         )
 
-    def _run_prefill(self, lane: _Lane, bucket: int, variant: str) -> None:
-        kw = {}
+    def _run_prefill(self, lane: _Lane, bucket: int, variant: str, **kw: Any) -> None:
         if variant == "cached" and self.keep_tokens < self.cfg.image_tokens:
             kw["context"] = ContextCache(self._ref_stack, self.keep_tokens, slot=self.ref_slot)
         self.fused.prefill(lane.visual, lane.tokens[bucket], lane.layout[bucket], lane.kv, **kw)
 
-    def _run_denoise(self, lane: _Lane, bucket: int, variant: str) -> None:
-        kw = {}
+    def _run_denoise(self, lane: _Lane, bucket: int, variant: str, **kw: Any) -> None:
         if variant == "cached" and self.keep_neurons < self.cfg.expert.mlp_dim:
             kw["action"] = ActionCache(self.neurons, self.cache.anchors)
         elif variant == "record":
             kw["record_masks"] = self.recorded_masks
         self.fused.denoise(lane.noise, lane.layout[bucket], lane.kv, lane.actions, **kw)
+
+    def _run_tail(self, lane: _Lane, bucket: int, variant: str) -> None:
+        """Prefill then denoise; with `overlap_first_step`, the denoise on its own stream from the start,
+        its first step following the prefill layer by layer (see __init__)."""
+        prefill_variant = "dense" if variant == "record" else variant
+        side = self._denoise_stream
+        if side is None:
+            self._run_prefill(lane, bucket, prefill_variant)
+            self._run_denoise(lane, bucket, variant)
+            return
+        main = torch.cuda.current_stream(self.device)
+        side.wait_stream(main)  # the call's inputs, loaded before the graph
+        self._run_prefill(lane, bucket, prefill_variant, kv_ready=self._kv_ready)
+        with torch.cuda.stream(side):
+            self._run_denoise(lane, bucket, variant, kv_ready=self._kv_ready)
+        main.wait_stream(side)
 
     def _run_match(self) -> None:
         """Pick the usable window entry most similar to this call's descriptor and load it into the cached
@@ -441,8 +473,7 @@ class GraphEngine:
         elif stage == "tail":
 
             def runner() -> None:
-                self._run_prefill(self.live, bucket, "dense" if variant == "record" else variant)
-                self._run_denoise(self.live, bucket, variant)
+                self._run_tail(self.live, bucket, variant)
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
