@@ -362,7 +362,9 @@ class GraphEngine:
             self.rebuild_state = PrefillState.allocate(cfg, rows, device, self.dtype)
             self._rebuilding: tuple[int, int, ContextRef] | None = None  # (bucket, next part, out)
             # Rebuilds on the lowest-priority stream; live calls should run on `live_stream` (the highest),
-            # so that the GPU schedules a live call's kernels first whenever both have work queued.
+            # so that the GPU schedules a live call's kernels first whenever both have work queued. (That
+            # orders what is launched eagerly on them; the graphs' kernels take the priority of the stream
+            # they were captured on: `_capture_streams`, below.)
             lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
             self.rebuild_stream = torch.cuda.Stream(device, priority=lowest) if cuda else None
             self.live_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
@@ -391,10 +393,22 @@ class GraphEngine:
         self.overlap_first_step = overlap_first_step
         self._denoise_stream: torch.cuda.Stream | None = None
         self._kv_ready: list[torch.cuda.Event] = []
+        lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
         if overlap_first_step:
-            highest = torch.cuda.Stream.priority_range()[1]
             self._denoise_stream = torch.cuda.Stream(device, priority=highest)
             self._kv_ready = [torch.cuda.Event() for _ in range(cfg.vlm.depth)]
+        # For the same reason, the stream a graph is replayed on does not set its kernels' priority: each
+        # pool's graphs are captured on a stream at the priority their kernels should have. Rebuilds at the
+        # lowest; live calls one step below the highest, which the tail's denoise stream has (above).
+        # Before, every graph was captured at the default priority, the lowest: a live call's kernels did
+        # not take precedence over a rebuild's running beside them (`concurrent_rebuilds`).
+        self._capture_streams: dict[str, torch.cuda.Stream] = {}
+        if self.use_cuda_graphs:
+            live = highest + 1 if highest < lowest else highest  # a lower number is a higher priority
+            self._capture_streams = {
+                "live": torch.cuda.Stream(device, priority=live),
+                "rebuild": torch.cuda.Stream(device, priority=lowest),
+            }
 
     # ── the stages, written against a lane's static buffers ──────────────────────────────────────────────
 
@@ -501,7 +515,8 @@ class GraphEngine:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pools[pool]), torch.no_grad():
+        stream = self._capture_streams.get(pool)  # its kernels' priority (see __init__)
+        with torch.cuda.graph(graph, pool=self._pools[pool], stream=stream), torch.no_grad():
             fn()
         self._pools[pool] = graph.pool()
         return graph
