@@ -3,9 +3,10 @@ after it: same process, same inputs, replays alternated.
 
 The first denoising step's layer i needs only the prefill's layer i K/V, so the engine's tail graph runs
 the denoise on a stream of its own and lets that step follow the prefill layer by layer
-(`GraphEngine(overlap_first_step=True)`, the default on a GPU). This probe captures, beside the engine's
-own tail graphs, the same tails serial (prefill, then denoise: the engine before `overlap_first_step`)
-and overlapped with the denoise's stream at the prefill's priority instead of the highest. It checks that
+(`GraphEngine(overlap_first_step=True)`, the default on a GPU), its stream one priority step below the
+prefill's. This probe captures, beside the engine's own tail graphs, the same tails serial (prefill, then
+denoise: the engine before `overlap_first_step`) and overlapped with the denoise's stream at the
+prefill's priority or at the lowest. It checks that
 all give the same actions bit for bit, and times each (CUDA events, median of --iters interleaved
 rounds), dense and cached (ρ --rho-p / --rho-n, a random reference entry and masks: the kernels' cost
 does not depend on which rows and neurons they pick).
@@ -59,7 +60,12 @@ def main() -> None:
     engine.ctx_ref.ffn_out.normal_(generator=gen)
     engine.run_stage("vision", bucket)
 
-    same_priority = torch.cuda.Stream(device)  # the capture stream's priority (the default)
+    lowest, highest = torch.cuda.Stream.priority_range()
+    others = {  # the denoise's stream at the prefill's priority (live graphs are captured at the highest),
+        # and at the lowest
+        "overlap_same_priority": torch.cuda.Stream(device, priority=highest),
+        "overlap_lowest_priority": torch.cuda.Stream(device, priority=lowest),
+    }
     results: dict[str, dict] = {}
     checks: dict[str, bool] = {}
     runs = {}
@@ -67,7 +73,7 @@ def main() -> None:
         graphs = {
             "serial": capture_tail(engine, bucket, variant, None),
             "overlap": engine._graphs[("tail", bucket, variant)],
-            "overlap_same_priority": capture_tail(engine, bucket, variant, same_priority),
+            **{name: capture_tail(engine, bucket, variant, stream) for name, stream in others.items()},
         }
         actions = {}
         for name, graph in graphs.items():
@@ -75,7 +81,7 @@ def main() -> None:
             torch.cuda.synchronize()
             actions[name] = engine.actions.clone()
             runs[f"{variant}_{name}"] = graph.replay
-        for name in ("overlap", "overlap_same_priority"):
+        for name in ("overlap", *others):
             checks[f"{variant}_{name}_equals_serial"] = bool(torch.equal(actions[name], actions["serial"]))
     medians = time_interleaved(runs, args.iters, cuda=True)
     for name, ms in medians.items():
@@ -84,7 +90,7 @@ def main() -> None:
         results[name] = {"median_ms": round(ms, 4), "saved_ms": round(serial - ms, 4)}
     ratio = {
         kind: round(medians[f"dense_{kind}"] / medians[f"cached_{kind}"], 4)
-        for kind in ("serial", "overlap", "overlap_same_priority")
+        for kind in ("serial", "overlap", *others)
     }
     gpu = torch.cuda.get_device_name(device)
     lines = [
