@@ -23,6 +23,13 @@ def test_graph_backend_refuses_a_cpu_device(tiny) -> None:
         create_engine("graph", tiny, "cpu")
 
 
+def test_the_overlapped_first_step_is_a_cuda_graph_feature(tiny) -> None:
+    """Without CUDA graphs the tail runs serially, and asking for the overlap there says why it cannot."""
+    assert create_engine("fused", tiny, "cpu").overlap_first_step is False
+    with pytest.raises(ValueError, match="overlap_first_step needs the CUDA graph engine"):
+        create_engine("fused", tiny, "cpu", overlap_first_step=True)
+
+
 def test_eager_engine_runs_the_model() -> None:
     model = tiny_model(seed=2)
     inputs, noise = random_inputs(model.cfg)

@@ -7,7 +7,8 @@ graphs are captured in `warmup()`, before the first live call: each of the three
 prefill, denoise) as a graph of its own (the benchmark times each one), and the *tail* (prefill +
 denoise) as one more. A call is two replays, vision then the tail: its inputs are loaded in two steps
 (`begin_load`, `finish_load`) so that the host packs the prompt and the call's layout while the GPU runs
-vision, instead of the GPU waiting for the host at the start of every call.
+vision, instead of the GPU waiting for the host at the start of every call. Inside the tail the denoise
+runs on a stream of its own, and its first step follows the prefill layer by layer (`overlap_first_step`).
 
 On Hopper and later the Triton kernels use programmatic dependent launch (`pdl`, see `triton_ops`):
 each kernel prefetches its weights while the previous one finishes. `pdl=False` turns it off (the
@@ -322,6 +323,8 @@ class GraphEngine:
         else:
             ops, self.pdl, self.name = torch_ops, False, "fused"
         self._triton_ops = ops if cuda else None
+        # CUDA stream priorities: a lower number is a higher priority (e.g. 0 lowest, -5 highest)
+        lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
         self.use_cuda_graphs = use_cuda_graphs and cuda
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.fused = FusedPi05(model, device=device, dtype=self.dtype, ops=ops)
@@ -365,7 +368,6 @@ class GraphEngine:
             # so that the GPU schedules a live call's kernels first whenever both have work queued. (That
             # orders what is launched eagerly on them; the graphs' kernels take the priority of the stream
             # they were captured on: `_capture_streams`, below.)
-            lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
             self.rebuild_stream = torch.cuda.Stream(device, priority=lowest) if cuda else None
             self.live_stream = torch.cuda.Stream(device, priority=highest) if cuda else None
             # Work of a live call that its result does not wait for (retrieval's similarities, when the GPU
@@ -395,8 +397,7 @@ class GraphEngine:
         self.overlap_first_step = overlap_first_step
         self._denoise_stream: torch.cuda.Stream | None = None
         self._kv_ready: list[torch.cuda.Event] = []
-        lowest, highest = torch.cuda.Stream.priority_range() if cuda else (0, 0)
-        below_highest = highest + 1 if highest < lowest else highest  # a lower number is a higher priority
+        below_highest = highest + 1 if highest < lowest else highest
         if overlap_first_step:
             self._denoise_stream = torch.cuda.Stream(device, priority=below_highest)
             self._kv_ready = [torch.cuda.Event() for _ in range(cfg.vlm.depth)]
