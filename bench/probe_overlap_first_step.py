@@ -6,7 +6,8 @@ the denoise on a stream of its own and lets that step follow the prefill layer b
 (`GraphEngine(overlap_first_step=True)`, the default on a GPU), its stream one priority step below the
 prefill's. This probe captures, beside the engine's own tail graphs, the same tails serial (prefill, then
 denoise: the engine before `overlap_first_step`) and overlapped with the denoise's stream at the
-prefill's priority or at the lowest. It checks that
+prefill's priority or at the lowest, and with the first step's kernels launched one by one instead of
+under programmatic dependent launch (`FusedPi05.first_step_pdl`). It checks that
 all give the same actions bit for bit, and times each (CUDA events, median of --iters interleaved
 rounds), dense and cached (ρ --rho-p / --rho-n, a random reference entry and masks: the kernels' cost
 does not depend on which rows and neurons they pick).
@@ -28,14 +29,23 @@ from bench.bench_pi05 import random_graph_engine, record_header, save_results, t
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 
 
-def capture_tail(engine: GraphEngine, bucket: int, variant: str, stream: torch.cuda.Stream | None):
-    """The tail graph captured with the denoise on `stream` (None: serial, after the prefill)."""
-    saved = engine._denoise_stream
+def capture_tail(
+    engine: GraphEngine,
+    bucket: int,
+    variant: str,
+    stream: torch.cuda.Stream | None,
+    first_step_pdl: bool | None = None,
+):
+    """The tail graph captured with the denoise on `stream` (None: serial, after the prefill), its first
+    step's kernels launched under PDL or one by one (None: as the engine's)."""
+    saved = engine._denoise_stream, engine.fused.first_step_pdl
     engine._denoise_stream = stream
+    if first_step_pdl is not None:
+        engine.fused.first_step_pdl = first_step_pdl
     try:
         return engine._capture(engine._stage_fn("tail", bucket, variant))
     finally:
-        engine._denoise_stream = saved
+        engine._denoise_stream, engine.fused.first_step_pdl = saved
 
 
 @torch.no_grad()
@@ -66,6 +76,8 @@ def main() -> None:
         "overlap_same_priority": torch.cuda.Stream(device, priority=highest),
         "overlap_lowest_priority": torch.cuda.Stream(device, priority=lowest),
     }
+    # the engine's first step launched the other way: under PDL, or one by one
+    flip_pdl = "overlap_first_step_" + ("one_by_one" if engine.fused.first_step_pdl else "under_pdl")
     results: dict[str, dict] = {}
     checks: dict[str, bool] = {}
     runs = {}
@@ -74,6 +86,13 @@ def main() -> None:
             "serial": capture_tail(engine, bucket, variant, None),
             "overlap": engine._graphs[("tail", bucket, variant)],
             **{name: capture_tail(engine, bucket, variant, stream) for name, stream in others.items()},
+            flip_pdl: capture_tail(
+                engine,
+                bucket,
+                variant,
+                engine._denoise_stream,
+                first_step_pdl=not engine.fused.first_step_pdl,
+            ),
         }
         actions = {}
         for name, graph in graphs.items():
@@ -81,7 +100,7 @@ def main() -> None:
             torch.cuda.synchronize()
             actions[name] = engine.actions.clone()
             runs[f"{variant}_{name}"] = graph.replay
-        for name in ("overlap", *others):
+        for name in sorted(graphs.keys() - {"serial"}):
             checks[f"{variant}_{name}_equals_serial"] = bool(torch.equal(actions[name], actions["serial"]))
     medians = time_interleaved(runs, args.iters, cuda=True)
     for name, ms in medians.items():
@@ -90,7 +109,7 @@ def main() -> None:
         results[name] = {"median_ms": round(ms, 4), "saved_ms": round(serial - ms, 4)}
     ratio = {
         kind: round(medians[f"dense_{kind}"] / medians[f"cached_{kind}"], 4)
-        for kind in ("serial", "overlap", *others)
+        for kind in ("serial", "overlap", *others, flip_pdl)
     }
     gpu = torch.cuda.get_device_name(device)
     lines = [

@@ -31,6 +31,7 @@ same code runs on the CPU in tests and under CUDA-graph capture on the GPU. Batc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -296,6 +297,7 @@ class FusedPi05:
         self.cfg = model.cfg
         self.device, self.dtype, self.ops = torch.device(device), dtype, ops
         self.gelu_in_matmul = False  # set by the graph engine once cuBLASLt's GELU epilogue is verified
+        self.first_step_pdl = False  # see denoise(kv_ready=...)
         # The expert's o- and down-projections have few output columns: split K so the weight streams
         # through every SM (the partial products are summed, in a fixed order, by add_norm).
         e = self.cfg.expert
@@ -611,59 +613,69 @@ class FusedPi05:
         step_args = {"euler_w": self.euler_w, "euler_b": self.euler_b, "in_w": self.action_in_w,
                      "in_b": self.action_in_b, "eps": e.rms_norm_eps}  # fmt: skip
         ops.action_step(x_t, res=res, out=h, mul=mod.attn_mul[0, 0], add=mod.attn_add[0, 0], **step_args)
+        # Alongside the prefill (kv_ready), the first step's kernels may launch one by one instead: under PDL
+        # each launches while its predecessor runs and holds SM slots while it waits, slots the prefill's GEMMs
+        # could use (`first_step_pdl`).
+        serial_first_step = (
+            kv_ready is not None and not self.first_step_pdl and hasattr(ops, "programmatic_launch")
+        )
         for s in range(cfg.num_steps):
-            cached = action is not None and s >= anchors
-            for i, layer in enumerate(self.expert_layers):
-                if s == 0 and kv_ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
-                k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
-                ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
-                             e.num_heads, e.num_kv_heads)  # fmt: skip
-                # The FFN's gate/up weights (or the Action Cache's rows of them) start streaming into L2
-                # during the attention: the FFN's own kernel would start them too late to hide them. (The
-                # down-projection's too measured no faster: bench/results/dev_prefetch_ahead_h200_94aca68.)
-                if cached:
-                    gate_up = ((layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim))
-                    ahead = Prefetch(rows=action.neurons[s, i], tables=gate_up)
+            launch = contextlib.ExitStack()
+            if s == 0 and serial_first_step:
+                launch.enter_context(ops.programmatic_launch(False))
+            with launch:
+                cached = action is not None and s >= anchors
+                for i, layer in enumerate(self.expert_layers):
+                    if s == 0 and kv_ready is not None:
+                        torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
+                    k, v = kv.keys[i][:, :capacity], kv.values[i][:, :capacity]
+                    ops.qkv_rope(h, layer.qkv_w, cos, sin, q, k[:, lp : lp + ha], v[:, lp : lp + ha],
+                                 e.num_heads, e.num_kv_heads)  # fmt: skip
+                    # The FFN's gate/up weights (or the Action Cache's rows of them) start streaming into L2
+                    # during the attention: the FFN's own kernel would start them too late to hide them. (The
+                    # down-projection's too measured no faster: bench/results/dev_prefetch_ahead_h200_94aca68.)
+                    if cached:
+                        gate_up = ((layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim))
+                        ahead = Prefetch(rows=action.neurons[s, i], tables=gate_up)
+                    else:
+                        ahead = Prefetch(whole=layer.gate_up_w)
+                    attn = ops.attention(q, k, v, key_bias, e.num_heads, prefetch=ahead)
+                    # res_ready: the residual was last written by the previous residual+norm (or step kernel), three
+                    # or more kernels back, so both residual+norms may read it before their PDL wait
+                    # (bench/results/trace_graphs_h200_cached_a58c3bc_res: denoise 6.17 -> 5.98 ms, cached 5.91 -> 5.82).
+                    ops.add_norm(
+                        res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
+                        gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i], res_ready=True,
+                    )  # fmt: skip
+                    nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
+                    nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
+                    norm = {
+                        "eps": e.rms_norm_eps,
+                        "rms": True,
+                        "gate": mod.ffn_gate[s, i],
+                        "mul": nxt_mul,
+                        "add": nxt_add,
+                        "res_ready": True,
+                    }
+                    if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
+                        ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
+                        y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
+                        ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
+                    elif cached:  # only the selected neurons, added onto the anchor
+                        idx = action.neurons[s, i]
+                        ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
+                        y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
+                        ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
+                    else:
+                        ops.linear_geglu(h, layer.gate_up_w, act)
+                        ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
+                        if record_masks is not None:
+                            ops.neuron_scores(act, act_anchor[i], scores[s, i])
+                if s + 1 < cfg.num_steps:  # x ← x + dt·v, then the next step's input and first norm
+                    ops.action_step(x_t, h=h, res=res, out=h, mul=mod.attn_mul[s + 1, 0],
+                                    add=mod.attn_add[s + 1, 0], **step_args)  # fmt: skip
                 else:
-                    ahead = Prefetch(whole=layer.gate_up_w)
-                attn = ops.attention(q, k, v, key_bias, e.num_heads, prefetch=ahead)
-                # res_ready: the residual was last written by the previous residual+norm (or step kernel), three
-                # or more kernels back, so both residual+norms may read it before their PDL wait
-                # (bench/results/trace_graphs_h200_cached_a58c3bc_res: denoise 6.17 -> 5.98 ms, cached 5.91 -> 5.82).
-                ops.add_norm(
-                    res, ops.linear(attn, layer.o_w, self.o_splits), h, eps=e.rms_norm_eps, rms=True,
-                    gate=mod.attn_gate[s, i], mul=mod.ffn_mul[s, i], add=mod.ffn_add[s, i], res_ready=True,
-                )  # fmt: skip
-                nxt_mul = mod.final_mul[s] if i == last else mod.attn_mul[s, i + 1]
-                nxt_add = mod.final_add[s] if i == last else mod.attn_add[s, i + 1]
-                norm = {
-                    "eps": e.rms_norm_eps,
-                    "rms": True,
-                    "gate": mod.ffn_gate[s, i],
-                    "mul": nxt_mul,
-                    "add": nxt_add,
-                    "res_ready": True,
-                }
-                if anchors and s < anchors:  # dense anchor step: keep its activations and FFN output
-                    ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
-                    y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
-                    ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
-                elif cached:  # only the selected neurons, added onto the anchor
-                    idx = action.neurons[s, i]
-                    ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
-                    y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
-                    ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
-                else:
-                    ops.linear_geglu(h, layer.gate_up_w, act)
-                    ops.add_norm(res, ops.linear(act, layer.down_w, self.down_splits), h, **norm)
-                    if record_masks is not None:
-                        ops.neuron_scores(act, act_anchor[i], scores[s, i])
-            if s + 1 < cfg.num_steps:  # x ← x + dt·v, then the next step's input and first norm
-                ops.action_step(x_t, h=h, res=res, out=h, mul=mod.attn_mul[s + 1, 0],
-                                add=mod.attn_add[s + 1, 0], **step_args)  # fmt: skip
-            else:
-                ops.action_step(x_t, h=h, **step_args)
+                    ops.action_step(x_t, h=h, **step_args)
         if record_masks is not None:
             self._top_neurons(scores[anchors:], record_masks[anchors:])
         return x_t
