@@ -388,8 +388,9 @@ class GraphEngine:
         # step runs alongside the prefill. One priority step below the prefill, so that its small kernels
         # take only the SMs the prefill leaves idle and do not delay the prefill's GEMMs. (PyTorch
         # instantiates graphs with cudaGraphInstantiateFlagUseNodePriority: a kernel keeps the priority of
-        # the stream it was captured on.) On the H200 this saved 0.31 ms per tail, dense and cached, against
-        # 0.19–0.21 with the denoise above the prefill (bench/results/probe_overlap_first_step_h200_*).
+        # the stream it was captured on.) On the H200 this saved 0.40 ms per dense tail and 0.30 per cached
+        # one, the first step's kernels launched one by one (`FusedPi05.first_step_pdl`); with the denoise
+        # above the prefill, 0.19–0.21 (bench/results/probe_overlap_first_step_h200_*).
         # The actions are the same bit for bit: the same kernels, the same inputs.
         overlap_first_step = self.use_cuda_graphs if overlap_first_step is None else overlap_first_step
         if overlap_first_step and not self.use_cuda_graphs:
