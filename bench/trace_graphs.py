@@ -5,7 +5,10 @@ A kernel-level trace (CUPTI, through torch.profiler) of one replay of each stage
 programmatic dependent launch a kernel starts before its predecessor ends and waits, so raw kernel
 durations overlap. Each kernel is charged instead with the part of the timeline it ends: from the end of
 the kernel before it (or its own start, if later) to its own end. Idle time between kernels is charged to
-the kernel after it as `gap`. Charged time plus gaps add up to the replay's span.
+the kernel after it as `gap`. Charged time plus gaps add up to the replay's span. In the tail graph
+(and so in `sample_actions`) the denoise's first step runs on a second stream alongside the prefill
+(`GraphEngine.overlap_first_step`): its kernels are charged only the time by which they extend the
+timeline, so a fully hidden kernel is charged nothing. The stage graphs run on one stream.
 
     python bench/trace_graphs.py --out bench/results
 """
