@@ -13,8 +13,11 @@ from rmuscle_ros.engine import BACKENDS, create_engine
 
 
 def test_unknown_backend_lists_the_choices(tiny) -> None:
-    with pytest.raises(ValueError, match=r"unknown backend 'tensorrt'.*\['eager', 'fused', 'graph'\]"):
-        create_engine("tensorrt", tiny, "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown backend 'openvino'.*\['eager', 'fused', 'graph', 'onnxruntime', 'tensorrt'\]",
+    ):
+        create_engine("openvino", tiny, "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
@@ -52,7 +55,7 @@ def test_cpu_path_never_imports_gpu_modules(backend: str) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip() == "[]"
-    assert set(BACKENDS) == {"eager", "fused", "graph"}
+    assert set(BACKENDS) == {"eager", "fused", "graph", "onnxruntime", "tensorrt"}
 
 
 def test_fused_engine_rejects_mis_shaped_inputs_by_name(tiny) -> None:

@@ -37,7 +37,7 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
     ("params", "message"),
     [
         ({"model.preset": "pi0"}, r"^model\.preset: unknown 'pi0'"),
-        ({"model.backend": "tensorrt"}, r"^model\.backend"),
+        ({"model.backend": "openvino"}, r"^model\.backend: unknown 'openvino'"),
         ({"control_period_s": 0.0}, r"^control_period_s: must be > 0"),
         ({"max_skew_s": float("nan")}, r"^max_skew_s"),
         ({"sensor_startup_timeout_s": -1.0}, r"^sensor_startup_timeout_s: must be >= 0"),
@@ -57,6 +57,10 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         (
             {"cache.enabled": True},
             r"^model\.backend: cache\.enabled needs backend 'fused' \(CPU\) or 'graph'",
+        ),
+        (
+            {"cache.enabled": True, "model.backend": "tensorrt"},
+            r"^model\.backend: cache\.enabled needs .* got 'tensorrt'",
         ),
         ({"actions_per_inference": 51}, r"^actions_per_inference: must be in 1\.\.50"),
         ({"camera_topics": ["a", "a"]}, r"^camera_topics: needs distinct"),

@@ -83,7 +83,7 @@ def test_bad_observations_are_rejected_clearly(policy: Policy, edit, message: st
     ("field", "value"),
     [
         ("preset", "pi0"),
-        ("backend", "tensorrt"),
+        ("backend", "openvino"),
         ("dtype", "float16"),
         ("state_dim", 40),
         ("cameras", ("a", "a")),

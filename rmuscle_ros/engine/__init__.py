@@ -34,7 +34,13 @@ BACKENDS: dict[str, tuple[str, str, bool]] = {
     "graph": ("rmuscle_ros.engine.graph", "GraphEngine", True),
     # The graph engine's computation on any device without graphs (CPU: float32 PyTorch definitions).
     "fused": ("rmuscle_ros.engine.graph", "GraphEngine", False),
+    # The exported ONNX stages (engine.onnx_export) run by ONNX Runtime on the CPU: checks an export.
+    "onnxruntime": ("rmuscle_ros.engine.onnx_runtime", "OnnxRuntimeEngine", False),
+    # The same stages as TensorRT engines (Jetson Thor). Not run on our machines: see engine/tensorrt.py.
+    "tensorrt": ("rmuscle_ros.engine.tensorrt", "TensorRTEngine", True),
 }
+# Backends that build from an ONNX export and keep it (and their engines) in a cache directory.
+EXPORTED = ("onnxruntime", "tensorrt")
 
 
 def create_engine(name: str, model: Pi05Model, device: str | torch.device, **options: Any) -> Engine:

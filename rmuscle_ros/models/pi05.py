@@ -354,9 +354,13 @@ class Pi05Model(nn.Module):
 
     # 3.4 One denoising step: the action expert attends [prefix K/V ; its own K/V] ---------------------------
 
-    def velocity(self, x_t: Tensor, t: Tensor, prefix: PrefixCache) -> Tensor:
-        """x_t (B, H, action_dim) float32 at time t (B,) -> flow velocity v_t (B, H, action_dim) float32."""
-        cond = self.time_conditioning(t)
+    def velocity(self, x_t: Tensor, t: Tensor, prefix: PrefixCache, cond: Tensor | None = None) -> Tensor:
+        """x_t (B, H, action_dim) float32 at time t (B,) -> flow velocity v_t (B, H, action_dim) float32.
+
+        `cond` is `time_conditioning(t)` when the caller has it already (the exported denoise graph holds
+        it as a constant per step).
+        """
+        cond = self.time_conditioning(t) if cond is None else cond
         x = self.action_in_proj(x_t.to(self.dtype))  # (B, H, W_e); π0.5 has no time concat here
         b, horizon = x.shape[:2]
         positions = prefix.valid_len[:, None] + torch.arange(

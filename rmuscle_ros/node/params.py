@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
-from rmuscle_ros.runtime.policy import PI05_CAMERA_SLOTS, PolicyConfig
+from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, PolicyConfig
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -221,7 +221,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         raise ParameterError(f"cpu_threads: must be >= 0 (0: automatic), got {values['cpu_threads']}")
 
     model_fields = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
-    for optional in ("checkpoint", "norm_stats", "tokenizer"):
+    for optional in ("checkpoint", "norm_stats", "tokenizer", "engine_cache_dir"):
         model_fields[optional] = model_fields[optional] or None
     # Observations are keyed by π0.5 slot; topic i feeds slot i.
     model_fields["cameras"] = PI05_CAMERA_SLOTS[: len(values["camera_topics"])]
@@ -242,10 +242,10 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         raise ParameterError(f"actions_per_inference: must be in 1..{horizon} (the chunk length)")
 
     cache = CacheParams(**{k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")})
-    if cache.enabled and model.backend == "eager":
+    if cache.enabled and model.backend not in CACHE_BACKENDS:
         raise ParameterError(
-            "model.backend: cache.enabled needs backend 'fused' (CPU) or 'graph' (CUDA), got 'eager' "
-            "(the eager reference has no Context/Action Cache)"
+            f"model.backend: cache.enabled needs backend 'fused' (CPU) or 'graph' (CUDA), got {model.backend!r} "
+            "(only those two have the Context and Action Caches)"
         )
     top = {k: v for k, v in values.items() if "." not in k}
     return NodeConfig(model=model, cache=cache, **top)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
-from rmuscle_ros.engine import BACKENDS, Engine, create_engine
+from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine
 from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
 from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs
@@ -40,6 +40,8 @@ PI05_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 # one per core, took 12-49 ms in 3 of 12 calls, the calling thread busy all along (its CPU time equalled
 # the wall time; bench/results/dev_preprocess_threads_h200_c4736f1).
 GPU_HOST_THREADS = 4
+# Backends with rMuscle's cached stages (the others run dense only).
+CACHE_BACKENDS = ("fused", "graph")
 
 
 def host_threads(device: str, default: int) -> int:
@@ -59,6 +61,8 @@ class PolicyConfig:
     device: str = "cpu"
     backend: str = "eager"
     dtype: str = "float32"  # eager backend only; the graph backend is bf16
+    # onnxruntime / tensorrt backends: where exports and engines are kept; None = $XDG_CACHE_HOME/rmuscle_ros
+    engine_cache_dir: str | None = None
     cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
     state_dim: int = 14  # ALOHA: 2 × (6 joints + gripper)
     action_dim: int = 14
@@ -119,10 +123,14 @@ class Policy:
         self.cfg = cfg
         self.model_cfg = cfg.model
         self.device = torch.device(cfg.device)
-        if cache is not None and cfg.backend == "eager":
-            raise ValueError("cache: rMuscle needs backend 'graph' (GPU) or 'fused' (CPU), not 'eager'")
+        if cache is not None and cfg.backend not in CACHE_BACKENDS:
+            raise ValueError(
+                f"cache: rMuscle needs backend 'graph' (GPU) or 'fused' (CPU), not {cfg.backend!r}"
+            )
         model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
         options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
+        if cfg.backend in EXPORTED:
+            options["cache_dir"] = cfg.engine_cache_dir
         if cache is not None:
             options["cache"] = cache.shapes()
         self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)

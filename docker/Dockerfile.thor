@@ -1,0 +1,33 @@
+# The `tensorrt` backend's environment for a Jetson AGX Thor (JetPack 7: CUDA 13, Python 3.12, arm64).
+#
+# NOT BUILT HERE: neither the development machine nor the H200 we measure on can pull NVIDIA's images
+# or install TensorRT. The base is an NGC PyTorch image, which carries PyTorch and TensorRT's Python
+# bindings; pick the tag whose CUDA matches the Thor's JetPack (override with --build-arg BASE=...).
+# The build fails early, naming what is missing, if the base lacks either.
+#
+#   docker build -f docker/Dockerfile.thor -t rmuscle_ros:thor .
+#   docker run --rm --runtime nvidia -v /opt/rmuscle:/opt/rmuscle -v rmuscle-cache:/root/.cache/rmuscle_ros \
+#       rmuscle_ros:thor python -m rmuscle_ros.engine.tensorrt --preset pi05 \
+#       --checkpoint /opt/rmuscle/models/pi05_aloha/model.safetensors
+#
+# That command exports the ONNX stages, builds the three engines (cached in the volume, keyed by weights,
+# shapes, GPU and TensorRT version), compares one call with eager bfloat16 and times 20 calls. The ROS
+# node on the Thor uses the system's ROS 2 Jazzy (apt, not the PyPI wheels, which are x86_64 only) with
+# `model.backend: tensorrt`.
+ARG BASE=nvcr.io/nvidia/pytorch:25.10-py3
+FROM ${BASE}
+
+RUN python3 -c "import tensorrt, torch; print('TensorRT', tensorrt.__version__, 'torch', torch.__version__)" \
+    || (echo "the base image needs PyTorch and TensorRT's Python bindings: pass --build-arg BASE=<an NGC PyTorch image>" && exit 1)
+
+WORKDIR /opt/rmuscle_ros
+COPY pyproject.toml setup.py README.md package.xml ./
+COPY resource ./resource
+COPY config ./config
+COPY launch ./launch
+COPY libexec ./libexec
+COPY rmuscle_ros ./rmuscle_ros
+# The base's torch stays: --no-deps for the package, then only what it needs beyond the base.
+RUN pip install --no-cache-dir --no-deps -e . \
+    && pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "pillow>=10" "sentencepiece>=0.2" \
+       "onnx>=1.17" "onnxscript>=0.3"

@@ -1,0 +1,389 @@
+"""π0.5 as ONNX graphs, one per stage (vision, prefill, denoise): the input of the `tensorrt` backend.
+
+The stages are the graph engine's:
+
+    vision   images (1, C, 3, 224, 224) float32                        -> visual (1, C·256, W)
+    prefill  visual, image_masks (1, C), tokens (1, L), token_mask (1, L) -> keys, values
+             (depth, 1, KV heads, C·256 + L, head dim) and pad_mask (1, C·256 + L)
+    denoise  x (1, horizon, action_dim) float32, step (1,) int64, keys, values, pad_mask -> x_next
+             (one Euler step; the runner replays it `num_steps` times from the noise)
+
+Batch 1 (the node's calls are single observations), the cameras fixed by the config, the prompt length
+dynamic (1..`max_token_len`), so one export serves every prompt. Every step's adaRMS condition is a
+constant table in the denoise graph: the integration times are fixed.
+
+The graphs come from `torch.onnx.export` (the torch.export-based exporter) run on the reference model's
+own methods, so an export is `Pi05Model` as the eager engine runs it; nothing is written twice. Weights
+go to external data files: ONNX's protobuf limit is 2 GB and full-size `pi05` is 6.6 GB in bf16.
+
+An export directory holds `<stage>.onnx` (+ `.onnx.data`) and `manifest.json`: format version, weights
+fingerprint, model config, dtype, opset and exporter versions, and each file's size and sha256.
+`ensure_export` reuses a directory only when its manifest matches (keyed by content, not by path), and
+writes a new one beside it and renames it into place, so an interrupted export never leaves a directory
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rmuscle_ros.models.config import Pi05Config
+from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, PrefixCache, euler_times
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+STAGES = ("vision", "prefill", "denoise")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Opset 22: the first whose Conv (SigLIP's patch embedding) takes bfloat16. TensorRT 11's parser reads opsets
+# 9 to 25 (its ONNX opset guide); check an older TensorRT's support matrix before building with it.
+OPSET = 22
+MANIFEST = "manifest.json"
+
+INPUTS = {
+    "vision": ("images",),
+    "prefill": ("visual", "image_masks", "tokens", "token_mask"),
+    "denoise": ("x", "step", "keys", "values", "pad_mask"),
+}
+OUTPUTS = {
+    "vision": ("visual",),
+    "prefill": ("keys", "values", "pad_mask"),
+    "denoise": ("x_next",),
+}
+
+
+class ExportError(RuntimeError):
+    """An export directory that cannot be used: missing, from another model, or damaged."""
+
+
+# ───────────────────────────────────────────── the three stages ─────────────────────────────────────────────
+
+
+class VisionStage(nn.Module):
+    def __init__(self, model: Pi05Model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model.embed_images(images)
+
+
+class PrefillStage(nn.Module):
+    def __init__(self, model: Pi05Model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, visual: Tensor, image_masks: Tensor, tokens: Tensor, token_mask: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        m = self.model
+        text = m.llm.embed_tokens(tokens) * (m.cfg.vlm.width**0.5)  # Gemma embedding scale, as embed_prefix
+        image_pad = image_masks.repeat_interleave(m.cfg.vision.tokens_per_image, dim=1)  # (1, C·256)
+        embs = torch.cat([visual, text.to(visual.dtype)], dim=1)
+        pad_mask = torch.cat([image_pad, token_mask], dim=1)  # (1, Lp)
+        cache = m.prefill(embs, pad_mask)
+        return torch.stack(cache.keys), torch.stack(cache.values), pad_mask  # (depth, 1, KVH, Lp, Dh)
+
+
+class DenoiseStep(nn.Module):
+    """One Euler step x ← x + dt·v(x, t_step); the adaRMS condition of every step is a constant table.
+
+    One step, not the unrolled loop: a tenth of the graph (export time is tracing time, ~linear in it),
+    and the runner replays it `num_steps` times with the same buffers.
+    """
+
+    def __init__(self, model: Pi05Model) -> None:
+        super().__init__()
+        self.model = model
+        with torch.no_grad():
+            times = torch.tensor(euler_times(model.cfg.num_steps), device=model.projector.weight.device)
+            cond = torch.cat([model.time_conditioning(t[None]) for t in times])  # (steps, expert width)
+        self.register_buffer("cond", cond, persistent=False)
+
+    def forward(self, x: Tensor, step: Tensor, keys: Tensor, values: Tensor, pad_mask: Tensor) -> Tensor:
+        """x (1, horizon, action_dim) float32, step (1,) int64 in [0, num_steps) -> x after that step."""
+        prefix = PrefixCache(list(keys.unbind(0)), list(values.unbind(0)), pad_mask)
+        cond = self.cond.index_select(0, step)  # (1, expert width)
+        t = torch.ones(1, device=x.device)  # unused: velocity takes the condition as given
+        return x + (-1.0 / self.model.cfg.num_steps) * self.model.velocity(x, t, prefix, cond=cond)
+
+
+def stage_modules(model: Pi05Model) -> dict[str, nn.Module]:
+    stages = {"vision": VisionStage(model), "prefill": PrefillStage(model), "denoise": DenoiseStep(model)}
+    return {name: stage.eval() for name, stage in stages.items()}
+
+
+def example_inputs(cfg: Pi05Config, prompt_len: int, device: torch.device) -> ModelInputs:
+    """A batch-1 observation of the export's shapes (values do not matter: the graphs do not branch on them)."""
+    c = cfg.num_cameras
+    return ModelInputs(
+        images=torch.zeros(1, c, 3, 224, 224, device=device),
+        image_masks=torch.ones(1, c, dtype=torch.bool, device=device),
+        tokens=torch.zeros(1, prompt_len, dtype=torch.int64, device=device),
+        token_mask=torch.ones(1, prompt_len, dtype=torch.bool, device=device),
+    )
+
+
+StageRunner = Callable[[str, dict[str, Tensor]], dict[str, Tensor]]
+"""Runs one stage: (stage name, its inputs by name) -> its outputs by name (PyTorch, ONNX Runtime, TensorRT)."""
+
+
+def sample_actions_by_stage(run: StageRunner, inputs: ModelInputs, noise: Tensor, num_steps: int) -> Tensor:
+    """One observation through vision, prefill and `num_steps` denoising steps: `sample_actions` by stage.
+
+    inputs of batch 1, noise (1, horizon, action_dim) -> actions (1, horizon, action_dim) float32.
+    """
+    visual = run("vision", {"images": inputs.images})["visual"]
+    prefix = run(
+        "prefill",
+        {
+            "visual": visual,
+            "image_masks": inputs.image_masks,
+            "tokens": inputs.tokens,
+            "token_mask": inputs.token_mask,
+        },
+    )
+    kv = {name: prefix[name] for name in ("keys", "values", "pad_mask")}
+    x = noise.float()
+    for step in range(num_steps):
+        index = torch.tensor([step], dtype=torch.int64, device=x.device)
+        x = run("denoise", {"x": x, "step": index, **kv})["x_next"]
+    return x
+
+
+def torch_runner(stages: dict[str, nn.Module]) -> StageRunner:
+    """The stage modules themselves, in PyTorch: the reference the exported graphs are checked against."""
+
+    def run(stage: str, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+        with torch.no_grad():
+            out = stages[stage](*(feeds[name] for name in INPUTS[stage]))
+        return dict(zip(OUTPUTS[stage], out if isinstance(out, tuple) else (out,), strict=True))
+
+    return run
+
+
+def stage_examples(model: Pi05Model, prompt_len: int = 16) -> dict[str, tuple[Tensor, ...]]:
+    """Each stage's positional inputs from one call of the model on a blank observation (export examples)."""
+    device = model.projector.weight.device
+    stages = stage_modules(model)
+    reference = torch_runner(stages)
+    seen: dict[str, tuple[Tensor, ...]] = {}
+
+    def record(stage: str, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+        seen.setdefault(stage, tuple(feeds[name] for name in INPUTS[stage]))
+        return reference(stage, feeds)
+
+    noise = torch.zeros(1, model.cfg.horizon, model.cfg.action_dim, device=device)
+    sample_actions_by_stage(record, example_inputs(model.cfg, prompt_len, device), noise, 1)
+    return seen
+
+
+# ───────────────────────────────────────────── export and manifest ──────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class ExportKey:
+    """What an export depends on: a directory is reused only if all of it matches."""
+
+    format_version: int
+    weights: str  # rmuscle_ros.models.checkpoint.weights_fingerprint(model)
+    config: dict[str, Any]  # Pi05Config.to_dict()
+    dtype: str
+    opset: int
+    torch: str
+    onnx: str
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
+    import onnx
+
+    if dtype not in DTYPES:
+        raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return ExportKey(
+        FORMAT_VERSION, weights, cfg.to_dict(), dtype, OPSET, torch.__version__, onnx.__version__
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _export_stage(
+    module: nn.Module, args: tuple[Tensor, ...], stage: str, path: Path, cfg: Pi05Config
+) -> None:
+    from torch.export import Dim
+
+    prompt = Dim("prompt", min=1, max=cfg.max_token_len)
+    prefix = Dim("prefix", min=cfg.image_tokens + 1, max=cfg.image_tokens + cfg.max_token_len)
+    dynamic = {
+        "vision": None,
+        "prefill": {"visual": None, "image_masks": None, "tokens": {1: prompt}, "token_mask": {1: prompt}},
+        "denoise": {
+            "x": None,
+            "step": None,
+            "keys": {3: prefix},
+            "values": {3: prefix},
+            "pad_mask": {1: prefix},
+        },
+    }[stage]
+    with torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            input_names=list(INPUTS[stage]),
+            output_names=list(OUTPUTS[stage]),
+            opset_version=OPSET,
+            dynamic_shapes=dynamic,
+            optimize=True,
+            verbose=False,
+        )
+    if program is None:
+        raise ExportError(f"torch.onnx.export returned no program for {stage}")
+    # One external data file per graph, named after it (the exporter's default splits by tensor size).
+    program.save(str(path), external_data=True)
+
+
+def export_model(
+    model: Pi05Model, out_dir: str | os.PathLike[str], *, weights: str, prompt_len: int = 16
+) -> Path:
+    """Export `model` (already in the export dtype, on any device) into `out_dir`, which must not exist.
+
+    `weights` is the model's fingerprint (rmuscle_ros.models.checkpoint.weights_fingerprint), recorded in
+    the manifest. `prompt_len` is only the example's length; the graphs take any length up to
+    `max_token_len`. Returns the directory.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(
+            f"{out} exists; export into a new directory (ensure_export replaces atomically)"
+        )
+    dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
+    key = export_key(model.cfg, weights, dtype)
+    model = model.eval()
+    stages = stage_modules(model)
+    examples = stage_examples(model, prompt_len)
+    out.mkdir(parents=True)
+    files: dict[str, dict[str, Any]] = {}
+    seconds: dict[str, float] = {}
+    for stage in STAGES:
+        start = time.perf_counter()
+        _export_stage(stages[stage], examples[stage], stage, out / f"{stage}.onnx", model.cfg)
+        seconds[stage] = round(time.perf_counter() - start, 2)
+        log.info("exported %s in %.1f s", stage, seconds[stage])
+    for path in sorted(out.iterdir()):
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {
+        "key": asdict(key),
+        "digest": key.digest(),
+        "stages": {s: {"inputs": list(INPUTS[s]), "outputs": list(OUTPUTS[s])} for s in STAGES},
+        "files": files,
+        "export_seconds": seconds,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return out
+
+
+def read_manifest(export_dir: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
+    """The manifest of an export directory, its files checked (sizes always, sha256 when `verify`).
+
+    Raises ExportError naming the first missing or altered file.
+    """
+    root = Path(export_dir)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ExportError(f"{root} is not an ONNX export: no {MANIFEST}")
+    try:
+        manifest = json.loads(path.read_text())
+        version = manifest["key"]["format_version"]
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{path}: unreadable manifest ({err})") from err
+    if version != FORMAT_VERSION:
+        raise ExportError(f"{path}: export format {version}, this version reads {FORMAT_VERSION}")
+    for name, meta in files.items():
+        file = root / name
+        if not file.is_file():
+            raise ExportError(f"{root}: {name} is missing")
+        if file.stat().st_size != meta["bytes"] or (verify and _sha256(file) != meta["sha256"]):
+            raise ExportError(f"{root}: {name} does not match its manifest (altered or truncated)")
+    return manifest
+
+
+def ensure_export(
+    model: Pi05Model, cache_dir: str | os.PathLike[str], *, weights: str, force: bool = False
+) -> Path:
+    """An export of `model` under `cache_dir/<digest>`, made if missing, damaged or `force`d.
+
+    The digest covers the weights fingerprint, config, dtype, opset and exporter versions, so another
+    model or toolchain gets its own directory. A damaged directory is reported and replaced.
+    """
+    dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
+    key = export_key(model.cfg, weights, dtype)
+    root = Path(cache_dir)
+    target = root / key.digest()
+    if target.exists() and not force:
+        try:
+            manifest = read_manifest(target)
+            if manifest["key"] == asdict(key):
+                return target
+            log.warning("%s was exported for another model or toolchain; exporting again", target)
+        except ExportError as err:
+            log.warning("%s; exporting again", err)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.", dir=root))
+    staging.rmdir()
+    try:
+        export_model(model, staging, weights=weights)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
+    from rmuscle_ros.models.config import get_preset
+
+    p = argparse.ArgumentParser(description="Export π0.5's vision, prefill and denoise stages to ONNX.")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--checkpoint", help="model.safetensors (LeRobot/openpi); random weights when absent")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="a new directory")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = load_model(get_preset(args.preset), args.checkpoint, device=args.device)
+    weights = weights_fingerprint(model)  # of the loaded weights, before any dtype conversion
+    model = model.to(DTYPES[args.dtype])
+    out = export_model(model, args.out, weights=weights)
+    print(json.dumps(read_manifest(out, verify=False)["files"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

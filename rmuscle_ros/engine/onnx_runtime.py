@@ -1,0 +1,112 @@
+"""Backend `onnxruntime`: the exported ONNX stages (`engine.onnx_export`) run by ONNX Runtime on the CPU.
+
+It is how an export is checked on a machine without TensorRT: the `tensorrt` backend runs the same three
+graphs through the same composition (`onnx_export.sample_actions_by_stage`), so this backend agreeing
+with `eager` float32 checks the export and the composition; only the TensorRT build itself is left.
+ONNX Runtime's CPU kernels do not cover bfloat16, so this backend exports and runs float32.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.models.checkpoint import weights_fingerprint
+from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
+
+
+def default_cache_dir() -> Path:
+    """Where exports and engines are kept unless a directory is given: $XDG_CACHE_HOME/rmuscle_ros."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rmuscle_ros"
+
+
+def batch_item(inputs: ModelInputs, i: int) -> ModelInputs:
+    """Observation i of a batch, still batched (1, ...): the exported stages take one observation."""
+    return ModelInputs(
+        *(t[i : i + 1] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask))
+    )
+
+
+class OnnxRuntimeEngine:
+    name = "onnxruntime"
+
+    def __init__(
+        self,
+        model: Pi05Model,
+        *,
+        device: torch.device,
+        cache_dir: str | os.PathLike[str] | None = None,
+        threads: int = 0,
+        force_export: bool = False,
+    ) -> None:
+        """cache_dir: where the export is kept (under `onnx/<digest>`); threads: ONNX Runtime's intra-op
+        threads (0 = its default); force_export: export again even if a matching export exists."""
+        if device.type != "cpu":
+            raise ValueError(f"backend 'onnxruntime' runs on the CPU, got device {device}")
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as err:
+            raise RuntimeError(
+                "backend 'onnxruntime' needs the onnxruntime and onnxscript packages: "
+                "pip install 'rmuscle_ros[onnx]'"
+            ) from err
+        self.device = device
+        self.cfg = model.cfg
+        self.weights = weights_fingerprint(model)
+        self.model = model.float().eval()
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.threads = threads
+        self.force_export = force_export
+        self.export_dir: Path | None = None
+        self._sessions: dict[str, object] = {}
+
+    def warmup(self) -> dict[str, float]:
+        """Export (or reuse a matching export), open one session per stage, run one call. Seconds each."""
+        import onnxruntime as ort
+
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        self.export_dir = onnx_export.ensure_export(
+            self.model, self.cache_dir / "onnx", weights=self.weights, force=self.force_export
+        )
+        timings["export"] = time.perf_counter() - start
+        start = time.perf_counter()
+        options = ort.SessionOptions()
+        if self.threads:
+            options.intra_op_num_threads = self.threads
+        self._sessions = {
+            stage: ort.InferenceSession(
+                str(self.export_dir / f"{stage}.onnx"), options, providers=["CPUExecutionProvider"]
+            )
+            for stage in onnx_export.STAGES
+        }
+        timings["sessions"] = time.perf_counter() - start
+        start = time.perf_counter()
+        blank = onnx_export.example_inputs(self.cfg, 8, self.device)
+        self.sample_actions(blank, torch.zeros(1, self.cfg.horizon, self.cfg.action_dim))
+        timings["first_call"] = time.perf_counter() - start
+        return timings
+
+    def _run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        session = self._sessions[stage]
+        outputs = session.run(None, {name: feeds[name].numpy() for name in onnx_export.INPUTS[stage]})  # type: ignore[attr-defined]
+        return {
+            name: torch.from_numpy(out) for name, out in zip(onnx_export.OUTPUTS[stage], outputs, strict=True)
+        }
+
+    @torch.no_grad()
+    def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
+        if not self._sessions:
+            self.warmup()
+        inputs = inputs.to(self.device)
+        chunks = [
+            onnx_export.sample_actions_by_stage(
+                self._run, batch_item(inputs, i), noise[i : i + 1].float().cpu(), self.cfg.num_steps
+            )
+            for i in range(noise.shape[0])
+        ]
+        return torch.cat(chunks)

@@ -1,0 +1,213 @@
+"""The ONNX export behind the `tensorrt` backend, checked with ONNX Runtime on the CPU.
+
+TensorRT itself cannot be installed here: these tests cover everything up to the engine build (the
+export, its numerics through the same stage composition the TensorRT engine uses, the export and plan
+caches) and the clear errors a machine without TensorRT gives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_inputs, rel_l2, tiny_model
+
+from rmuscle_ros.engine import create_engine, onnx_export
+from rmuscle_ros.engine.onnx_export import ExportError, ensure_export, read_manifest
+from rmuscle_ros.engine.onnx_runtime import OnnxRuntimeEngine
+from rmuscle_ros.engine.tensorrt import PlanCache, PlanKey, import_tensorrt, profile_shapes
+from rmuscle_ros.models.checkpoint import weights_fingerprint
+from rmuscle_ros.models.config import get_preset
+from rmuscle_ros.models.pi05 import Pi05Model
+from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+
+onnx = pytest.importorskip(
+    "onnx", reason="the export needs the onnx package (pip install 'rmuscle_ros[onnx]')"
+)
+pytest.importorskip("onnxruntime", reason="the export is checked with onnxruntime (in the dev extra)")
+
+
+@pytest.fixture(scope="module")
+def export_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache directory for the module: the engines below share the tiny model's float32 export."""
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module")
+def ort_engine(export_cache: Path) -> OnnxRuntimeEngine:
+    engine = create_engine("onnxruntime", tiny_model(), "cpu", cache_dir=export_cache)
+    timings = engine.warmup()
+    assert set(timings) == {"export", "sessions", "first_call"}
+    return engine
+
+
+def test_the_exported_stages_give_eager_float32s_actions(ort_engine) -> None:
+    """Vision, prefill and one denoising step as ONNX graphs, replayed num_steps times, give the eager
+    model's chunk, for any prompt length (the graphs take it as a dynamic axis), a masked camera and a
+    batch of two (one observation at a time)."""
+    model = tiny_model()
+    for valid, padded, seed in ((3, 5, 1), (12, 16, 2), (150, 200, 3)):
+        inputs, noise = random_inputs(model.cfg, batch=2, valid_tokens=valid, pad_to=padded, seed=seed)
+        inputs.image_masks[1, 2] = False
+        expected = model.sample_actions(inputs, noise)
+        got = ort_engine.sample_actions(inputs, noise)
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert rel_l2(got, expected) < 1e-5, (valid, rel_l2(got, expected))
+
+
+def test_each_stage_graph_matches_its_module(ort_engine) -> None:
+    """Stage by stage, ONNX Runtime against the PyTorch module it was exported from (same inputs)."""
+    model = tiny_model()
+    reference = onnx_export.torch_runner(onnx_export.stage_modules(model))
+    inputs, noise = random_inputs(model.cfg, valid_tokens=7, pad_to=9, seed=4)
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    def both(stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ours = ort_engine._run(stage, feeds)
+        ref = reference(stage, feeds)
+        for name in onnx_export.OUTPUTS[stage]:
+            if ref[name].dtype == torch.bool:
+                assert torch.equal(ours[name], ref[name]), f"{stage}.{name}"
+            else:
+                assert rel_l2(ours[name], ref[name]) < 1e-6, f"{stage}.{name}"
+        seen[stage] = ref
+        return ref
+
+    onnx_export.sample_actions_by_stage(both, inputs, noise, 2)
+    assert set(seen) == set(onnx_export.STAGES)
+    assert seen["prefill"]["keys"].shape == (2, 1, 1, model.cfg.image_tokens + 9, 16)
+
+
+def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
+    ort_engine, export_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same weights reuse the export (a Policy on this cache directory exports nothing); another
+    model gets its own directory; a truncated weights file is named, then exported again."""
+    export_dir = ort_engine.export_dir
+    assert export_dir is not None and export_dir.parent == export_cache / "onnx"
+    manifest = read_manifest(export_dir)
+    assert manifest["key"]["weights"] == weights_fingerprint(tiny_model())
+    assert manifest["key"]["dtype"] == "float32" and manifest["key"]["opset"] == onnx_export.OPSET
+    assert {f"{s}.onnx" for s in onnx_export.STAGES} <= set(manifest["files"])
+
+    mtime = (export_dir / "prefill.onnx").stat().st_mtime_ns
+    policy = Policy(PolicyConfig(backend="onnxruntime", engine_cache_dir=str(export_cache)))
+    assert policy.engine.warmup()["export"] < 5.0  # found, not exported (an export takes ~25 s here)
+    assert policy.engine.export_dir == export_dir
+    assert (export_dir / "prefill.onnx").stat().st_mtime_ns == mtime
+    chunk = policy.infer(synthetic_observation(policy.cfg, "pick up the cube"))
+    eager = Policy(PolicyConfig(backend="eager"))
+    expected = eager.infer(synthetic_observation(eager.cfg, "pick up the cube"))
+    assert rel_l2(torch.from_numpy(chunk.actions), torch.from_numpy(expected.actions)) < 1e-5
+
+    other = tiny_model(seed=1)
+    assert (
+        onnx_export.export_key(other.cfg, weights_fingerprint(other), "float32").digest() != export_dir.name
+    )
+
+    damaged = export_cache / "damaged"
+    shutil.copytree(export_dir, damaged)
+    data = damaged / "denoise.onnx.data"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(ExportError, match=r"denoise\.onnx\.data does not match its manifest"):
+        read_manifest(damaged, verify=False)
+    (damaged / "manifest.json").unlink()
+    with pytest.raises(ExportError, match=r"not an ONNX export: no manifest\.json"):
+        read_manifest(damaged)
+
+    # ensure_export on a damaged directory at the model's key: reported, exported again, usable.
+    shutil.rmtree(damaged)
+    vision = export_dir / "vision.onnx.data"
+    vision.write_bytes(vision.read_bytes()[:-8])
+    with caplog.at_level(logging.WARNING):
+        again = ensure_export(tiny_model(), export_cache / "onnx", weights=manifest["key"]["weights"])
+    assert again == export_dir
+    assert "vision.onnx.data does not match its manifest" in caplog.text
+    assert read_manifest(again)["files"]["vision.onnx.data"] == manifest["files"]["vision.onnx.data"]
+
+
+@pytest.mark.slow
+def test_a_bfloat16_export_is_a_valid_typed_graph_with_float32_softmax(tmp_path: Path) -> None:
+    """The TensorRT path builds the bfloat16 export as a strongly typed network, which keeps the graph's
+    types. ONNX Runtime has no bfloat16 CPU kernels, so this checks the graph: ONNX's full checker (with
+    shape inference), bfloat16 K/V, and every softmax taking float32 (attention in float32 as in eager)."""
+    model = tiny_model()
+    weights = weights_fingerprint(model)
+    out = onnx_export.export_model(model.to(torch.bfloat16), tmp_path / "bf16", weights=weights)
+    manifest = read_manifest(out)
+    assert manifest["key"]["dtype"] == "bfloat16" and manifest["key"]["weights"] == weights
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    for stage in onnx_export.STAGES:
+        path = out / f"{stage}.onnx"
+        onnx.checker.check_model(str(path), full_check=True)
+        graph = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False)).graph
+        types = {
+            v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]
+        }
+        if stage == "prefill":
+            assert (
+                types["keys"] == bf16
+                and types["values"] == bf16
+                and types["tokens"] == onnx.TensorProto.INT64
+            )
+        if stage == "denoise":
+            assert types["x"] == f32 and types["x_next"] == f32
+        softmax_inputs = [types[n.input[0]] for n in graph.node if n.op_type == "Softmax"]
+        assert softmax_inputs and set(softmax_inputs) == {f32}, stage
+
+
+def test_the_engine_cache_keeps_plans_by_key_and_rejects_altered_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = PlanCache(tmp_path)
+    key = PlanKey(1, "abc", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32)
+    assert cache.load(key) is None
+    path = cache.store(key, b"plan bytes", 12.0)
+    assert cache.load(key) == b"plan bytes"
+    assert json.loads(path.with_suffix(".json").read_text())["key"]["gpu"] == "NVIDIA Thor"
+    for changed in (PlanKey(1, "abc", "prefill", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32),
+                    PlanKey(1, "abd", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32)):  # fmt: skip
+        assert cache.load(changed) is None  # another TensorRT or export: another file
+    path.write_bytes(b"plan byt")
+    with caplog.at_level(logging.WARNING):
+        assert cache.load(key) is None
+    assert "does not match its sidecar" in caplog.text
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_the_engines_optimisation_profiles_cover_every_prompt_length() -> None:
+    cfg = get_preset("pi05")
+    assert profile_shapes(cfg, "vision", 64) == {}
+    prefill = profile_shapes(cfg, "prefill", 64)
+    assert prefill["tokens"] == ((1, 1), (1, 64), (1, 200)) == prefill["token_mask"]
+    denoise = profile_shapes(cfg, "denoise", 64)
+    assert denoise["keys"] == ((18, 1, 1, 769, 256), (18, 1, 1, 832, 256), (18, 1, 1, 968, 256))
+    assert denoise["pad_mask"] == ((1, 769), (1, 832), (1, 968))
+    with pytest.raises(ValueError, match=r"opt_prompt_len must be in 1\.\.200, got 0"):
+        profile_shapes(cfg, "prefill", 0)
+
+
+def test_without_tensorrt_the_backend_says_what_it_needs(tiny: Pi05Model) -> None:
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="backend 'tensorrt' needs a CUDA GPU"):
+            create_engine("tensorrt", tiny, "cpu")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(
+            RuntimeError, match=r"TensorRT's Python bindings .* JetPack; .* docker/Dockerfile\.thor"
+        ):
+            import_tensorrt()
+    else:
+        pytest.skip("TensorRT is installed here: the missing-TensorRT error cannot be shown")
+
+
+def test_rmuscle_is_refused_on_the_exported_backends() -> None:
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+
+    with pytest.raises(ValueError, match=r"rMuscle needs backend 'graph' .* not 'onnxruntime'"):
+        Policy(PolicyConfig(backend="onnxruntime"), cache=RMuscleConfig())
