@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -20,12 +20,15 @@
 #   node_setup: only that installation, for a script run after it in the same call (~1 min);
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
 #   alongside the prefill against after it, dense and cached, bit-identity checked, ~2 min;
+#   export_f32 / export_bf16: bench/check_export.py at full size (the tensorrt backend's ONNX export: float32
+#   through ONNX Runtime against eager float32, bfloat16 through ONNX's checker); needs onnx, onnxruntime and
+#   onnxscript wheels for the device's Python carried in .whl/onnx312, ~5-9 min each;
 #   ncu_gate_up: Nsight Compute on the gathered (32 and 16 columns per program) and dense gate/up kernels,
 #   bench/ncu_gate_up.py, raw reports in $OUT, ~1 min; Firecracker leases only, where ncu reads counters)
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step] [export_f32] [export_bf16]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -99,6 +102,17 @@ for step in $steps; do
                 --param model.preset=pi05 --param model.device=cuda --param model.backend=graph --param cpu_threads=0 \
                 2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_demo_$commit.txt"
             rm -rf "$out/node_demo_$commit"/aloha_episode* ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup)" ;;
+        export_f32|export_bf16)  # bench/check_export.py at full size; onnx wheels carried in .whl/onnx312
+            if [[ ! -d .whl/onnx312 ]]; then
+                echo "no .whl/onnx312: download onnx, onnxruntime, onnxscript (+ deps) for cp312 and carry it"
+                continue
+            fi
+            python3 -c "import onnxruntime, onnxscript" 2>/dev/null || PIP_DISABLE_PIP_VERSION_CHECK=1 \
+                python3 -m pip install -q --no-index --find-links .whl/onnx312 onnx onnxruntime onnxscript 2>&1 | tail -2
+            dtype=$([[ $step == export_f32 ]] && echo float32 || echo bfloat16)
+            timeout 560 python3 bench/check_export.py --preset pi05 --dtype "$dtype" --workdir "/tmp/export_$dtype" \
+                --commit "$commit" --out "$out" 2>&1 | quiet | grep -v "^\[torch.onnx\]\|rename_mapping\|program = "
+            rm -rf "/tmp/export_$dtype" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, overlap_first_step, export_f32, export_bf16)" ;;
     esac
 done
