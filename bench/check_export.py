@@ -75,7 +75,8 @@ def check_float32(
     actions = onnx_export.sample_actions_by_stage(ort_only, inputs, noise, model.cfg.num_steps)
     call_s = time.perf_counter() - t0
     with torch.no_grad():
-        expected = model.sample_actions(inputs, noise).cpu()
+        device = model.projector.weight.device
+        expected = model.sample_actions(inputs.to(device), noise.to(device)).cpu()
     return {
         "actions_rel_l2_vs_eager_f32": rel_l2(actions, expected),
         "stage_output_max_rel_l2": errors,
