@@ -33,6 +33,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -247,7 +248,9 @@ def _export_stage(
             "pad_mask": {1: prefix},
         },
     }[stage]
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # Both axes of a pair share one constraint, so the exporter keeps one name and says so, per stage.
+        warnings.filterwarnings("ignore", message=r".*axis name: \w+ will not be used")
         program = torch.onnx.export(
             module,
             args,
