@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 STAGES = ("vision", "prefill", "denoise")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Opset 22: the first whose Conv (SigLIP's patch embedding) takes bfloat16. TensorRT 11's parser reads opsets
-# 9 to 25 (its ONNX opset guide); check an older TensorRT's support matrix before building with it.
-OPSET = 22
+# Opset 20: the first with Gelu, and the newest TensorRT 10's parser reads (9 to 20 in onnx-tensorrt's
+# operator matrix, release 10.1; TensorRT 11 reads up to 25).
+OPSET = 20
 MANIFEST = "manifest.json"
 
 INPUTS = {
@@ -75,12 +75,31 @@ class ExportError(RuntimeError):
 
 
 class VisionStage(nn.Module):
+    """SigLIP and the projector, as `Pi05Model.embed_images`, with the patch embedding as one matmul.
+
+    The matmul over each image's 14×14 patches is the Conv2d's arithmetic. It keeps the graph within
+    opset 20 in bfloat16: ONNX's Conv types allow bfloat16 only from opset 22, and TensorRT 10's parser
+    reads opsets 9 to 20 (onnx-tensorrt's operator matrix, release 10.1).
+    """
+
     def __init__(self, model: Pi05Model) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, images: Tensor) -> Tensor:
-        return self.model.embed_images(images)
+        b, c = images.shape[:2]
+        tower, vision = self.model.vision_tower, self.model.cfg.vision
+        conv = tower.embeddings.patch_embedding
+        p, n = vision.patch_size, vision.image_size // vision.patch_size
+        x = images.flatten(0, 1).to(self.model.dtype)  # (B·C, 3, 224, 224)
+        x = x.reshape(-1, 3, n, p, n, p).permute(0, 2, 4, 1, 3, 5)  # (B·C, 16, 16, 3, 14, 14)
+        patches = x.reshape(-1, n * n, 3 * p * p)  # (B·C, 256, 588), each patch in the kernel's order
+        x = patches @ conv.weight.reshape(conv.out_channels, -1).T + conv.bias
+        x = x + tower.embeddings.position_embedding.weight
+        for layer in tower.encoder.layers:
+            x = layer(x)
+        feats = tower.post_layernorm(x)  # (B·C, 256, vision width)
+        return self.model.projector(feats).view(b, c * feats.shape[1], -1)
 
 
 class PrefillStage(nn.Module):
@@ -96,7 +115,9 @@ class PrefillStage(nn.Module):
         image_pad = image_masks.repeat_interleave(m.cfg.vision.tokens_per_image, dim=1)  # (1, C·256)
         embs = torch.cat([visual, text.to(visual.dtype)], dim=1)
         pad_mask = torch.cat([image_pad, token_mask], dim=1)  # (1, Lp)
-        cache = m.prefill(embs, pad_mask)
+        # The model's positions, counted in float32 (exact far beyond Lp): TensorRT's CumSum takes no integers.
+        positions = pad_mask.float().cumsum(-1) - 1
+        cache = m.prefill(embs, pad_mask, positions=positions)
         return torch.stack(cache.keys), torch.stack(cache.values), pad_mask  # (depth, 1, KVH, Lp, Dh)
 
 

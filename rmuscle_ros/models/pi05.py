@@ -330,8 +330,11 @@ class Pi05Model(nn.Module):
 
     # 3.2 Prefill: the VLM runs once, bidirectionally over valid prefix tokens ---------------------------------
 
-    def prefill(self, embs: Tensor, pad_mask: Tensor) -> PrefixCache:
-        positions = pad_mask.cumsum(-1) - 1  # padding does not advance the position
+    def prefill(self, embs: Tensor, pad_mask: Tensor, positions: Tensor | None = None) -> PrefixCache:
+        """`positions` (B, Lp), when given, are the RoPE positions `pad_mask.cumsum(-1) - 1` computed by the
+        caller (the ONNX export computes them in float32: TensorRT's CumSum takes no integers)."""
+        if positions is None:
+            positions = pad_mask.cumsum(-1) - 1  # padding does not advance the position
         mask = pad_mask[:, None, :] & pad_mask[:, :, None]  # (B, Lp, Lp)
         keys, values = [], []
         x = embs
