@@ -96,8 +96,8 @@ def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
 
     mtime = (export_dir / "prefill.onnx").stat().st_mtime_ns
     policy = Policy(PolicyConfig(backend="onnxruntime", engine_cache_dir=str(export_cache)))
-    assert policy.engine.warmup()["export"] < 5.0  # found, not exported (an export takes ~25 s here)
-    assert policy.engine.export_dir == export_dir
+    policy.engine.warmup()
+    assert policy.engine.export_dir == export_dir  # found by content, not exported again:
     assert (export_dir / "prefill.onnx").stat().st_mtime_ns == mtime
     chunk = policy.infer(synthetic_observation(policy.cfg, "pick up the cube"))
     eager = Policy(PolicyConfig(backend="eager"))

@@ -151,9 +151,9 @@ def stage_modules(model: Pi05Model) -> dict[str, nn.Module]:
 
 def example_inputs(cfg: Pi05Config, prompt_len: int, device: torch.device) -> ModelInputs:
     """A batch-1 observation of the export's shapes (values do not matter: the graphs do not branch on them)."""
-    c = cfg.num_cameras
+    c, s = cfg.num_cameras, cfg.vision.image_size
     return ModelInputs(
-        images=torch.zeros(1, c, 3, 224, 224, device=device),
+        images=torch.zeros(1, c, 3, s, s, device=device),
         image_masks=torch.ones(1, c, dtype=torch.bool, device=device),
         tokens=torch.zeros(1, prompt_len, dtype=torch.int64, device=device),
         token_mask=torch.ones(1, prompt_len, dtype=torch.bool, device=device),
@@ -285,7 +285,7 @@ def _export_stage(
         )
     if program is None:
         raise ExportError(f"torch.onnx.export returned no program for {stage}")
-    # One external data file per graph, named after it (the exporter's default splits by tensor size).
+    # The weights to one file beside the graph, `<stage>.onnx.data`: ONNX's protobuf limit is 2 GB.
     program.save(str(path), external_data=True)
 
 
