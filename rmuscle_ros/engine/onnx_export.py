@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rmuscle_ros.engine.eager import DTYPES
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, PrefixCache, euler_times
 
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STAGES = ("vision", "prefill", "denoise")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Opset 20: the first with Gelu, and the newest TensorRT 10's parser reads (9 to 20 in onnx-tensorrt's
 # operator matrix, release 10.1; TensorRT 11 reads up to 25).
 OPSET = 20
@@ -233,6 +233,26 @@ class ExportKey:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def dtype_name(model: Pi05Model) -> str:
+    """The export dtype a model is in ("float32" or "bfloat16"); any other is refused by name."""
+    for name, dtype in DTYPES.items():
+        if model.dtype == dtype:
+            return name
+    raise ValueError(f"the ONNX export takes a float32 or bfloat16 model, got {model.dtype}")
+
+
+def default_cache_dir() -> Path:
+    """Where exports and engines are kept unless a directory is given: $XDG_CACHE_HOME/rmuscle_ros."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rmuscle_ros"
+
+
+def batch_item(inputs: ModelInputs, i: int) -> ModelInputs:
+    """Observation i of a batch, still batched (1, ...): the exported stages take one observation."""
+    return ModelInputs(
+        *(t[i : i + 1] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask))
+    )
+
+
 def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
     import onnx
 
@@ -303,8 +323,7 @@ def export_model(
         raise FileExistsError(
             f"{out} exists; export into a new directory (ensure_export replaces atomically)"
         )
-    dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
-    key = export_key(model.cfg, weights, dtype)
+    key = export_key(model.cfg, weights, dtype_name(model))
     model = model.eval()
     stages = stage_modules(model)
     examples = stage_examples(model, prompt_len)
@@ -364,8 +383,7 @@ def ensure_export(
     The digest covers the weights fingerprint, config, dtype, opset and exporter versions, so another
     model or toolchain gets its own directory. A damaged directory is reported and replaced.
     """
-    dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
-    key = export_key(model.cfg, weights, dtype)
+    key = export_key(model.cfg, weights, dtype_name(model))
     root = Path(cache_dir)
     target = root / key.digest()
     if target.exists() and not force:

@@ -15,20 +15,9 @@ from pathlib import Path
 import torch
 
 from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
-
-
-def default_cache_dir() -> Path:
-    """Where exports and engines are kept unless a directory is given: $XDG_CACHE_HOME/rmuscle_ros."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rmuscle_ros"
-
-
-def batch_item(inputs: ModelInputs, i: int) -> ModelInputs:
-    """Observation i of a batch, still batched (1, ...): the exported stages take one observation."""
-    return ModelInputs(
-        *(t[i : i + 1] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask))
-    )
 
 
 class OnnxRuntimeEngine:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from rmuscle_ros.engine import onnx_export
-from rmuscle_ros.engine.onnx_runtime import batch_item, default_cache_dir
+from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
