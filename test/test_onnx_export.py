@@ -91,6 +91,10 @@ def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
     assert export_dir is not None and export_dir.parent == export_cache / "onnx"
     manifest = read_manifest(export_dir)
     assert manifest["key"]["weights"] == weights_fingerprint(tiny_model())
+    # The directory is named by the key's digest, computable without exporting: the tensorrt backend
+    # finds its cached plans from it and skips the export when all are there.
+    key = onnx_export.export_key(tiny_model().cfg, manifest["key"]["weights"], "float32")
+    assert export_dir.name == key.digest() == manifest["digest"]
     assert manifest["key"]["dtype"] == "float32" and manifest["key"]["opset"] == onnx_export.OPSET
     assert {f"{s}.onnx" for s in onnx_export.STAGES} <= set(manifest["files"])
 
