@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_pi05 import make_inputs, random_model, record_header, rel_l2, save_results
 from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.engine.onnx_runtime import open_sessions, session_runner
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -34,16 +35,8 @@ from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 def check_float32(
     export_dir: Path, model: Pi05Model, inputs: ModelInputs, noise: torch.Tensor, threads: int
 ) -> dict[str, object]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
     start = time.perf_counter()
-    sessions = {
-        s: ort.InferenceSession(str(export_dir / f"{s}.onnx"), options, providers=["CPUExecutionProvider"])
-        for s in onnx_export.STAGES
-    }
+    ort_run = session_runner(open_sessions(export_dir, threads))
     open_s = time.perf_counter() - start
     reference = onnx_export.torch_runner(onnx_export.stage_modules(model))
     errors: dict[str, float] = {}
@@ -51,9 +44,8 @@ def check_float32(
 
     def both(stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        out = sessions[stage].run(None, {n: feeds[n].cpu().numpy() for n in onnx_export.INPUTS[stage]})
+        ours = ort_run(stage, feeds)
         stage_s[stage].append(time.perf_counter() - t0)
-        ours = {n: torch.from_numpy(o) for n, o in zip(onnx_export.OUTPUTS[stage], out, strict=True)}
         ref = reference(stage, {n: feeds[n].to(model.projector.weight.device) for n in feeds})
         for name in onnx_export.OUTPUTS[stage]:
             key = f"{stage}.{name}"
@@ -67,12 +59,8 @@ def check_float32(
     onnx_export.sample_actions_by_stage(both, inputs, noise, model.cfg.num_steps)
 
     # And the whole chunk through ONNX Runtime alone, against the eager model's sample_actions.
-    def ort_only(stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = sessions[stage].run(None, {n: feeds[n].cpu().numpy() for n in onnx_export.INPUTS[stage]})
-        return {n: torch.from_numpy(o) for n, o in zip(onnx_export.OUTPUTS[stage], out, strict=True)}
-
     t0 = time.perf_counter()  # one call: at full size it takes seconds on the CPU
-    actions = onnx_export.sample_actions_by_stage(ort_only, inputs, noise, model.cfg.num_steps)
+    actions = onnx_export.sample_actions_by_stage(ort_run, inputs, noise, model.cfg.num_steps)
     call_s = time.perf_counter() - t0
     with torch.no_grad():
         device = model.projector.weight.device

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +19,31 @@ from rmuscle_ros.engine import onnx_export
 from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
+
+
+def open_sessions(export_dir: Path, threads: int = 0) -> dict[str, Any]:
+    """One ONNX Runtime CPU session per exported stage; threads: intra-op threads (0 = its default)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return {
+        stage: ort.InferenceSession(
+            str(export_dir / f"{stage}.onnx"), options, providers=["CPUExecutionProvider"]
+        )
+        for stage in onnx_export.STAGES
+    }
+
+
+def session_runner(sessions: dict[str, Any]) -> onnx_export.StageRunner:
+    """The sessions as a stage runner: inputs by name (any device) in, CPU tensors out."""
+
+    def run(stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        outputs = sessions[stage].run(None, {n: feeds[n].cpu().numpy() for n in onnx_export.INPUTS[stage]})
+        return {n: torch.from_numpy(o) for n, o in zip(onnx_export.OUTPUTS[stage], outputs, strict=True)}
+
+    return run
 
 
 class OnnxRuntimeEngine:
@@ -51,12 +77,11 @@ class OnnxRuntimeEngine:
         self.threads = threads
         self.force_export = force_export
         self.export_dir: Path | None = None
-        self._sessions: dict[str, object] = {}
+        self._sessions: dict[str, Any] = {}
+        self._run: onnx_export.StageRunner | None = None
 
     def warmup(self) -> dict[str, float]:
         """Export (or reuse a matching export), open one session per stage, run one call. Seconds each."""
-        import onnxruntime as ort
-
         timings: dict[str, float] = {}
         start = time.perf_counter()
         self.export_dir = onnx_export.ensure_export(
@@ -64,15 +89,8 @@ class OnnxRuntimeEngine:
         )
         timings["export"] = time.perf_counter() - start
         start = time.perf_counter()
-        options = ort.SessionOptions()
-        if self.threads:
-            options.intra_op_num_threads = self.threads
-        self._sessions = {
-            stage: ort.InferenceSession(
-                str(self.export_dir / f"{stage}.onnx"), options, providers=["CPUExecutionProvider"]
-            )
-            for stage in onnx_export.STAGES
-        }
+        self._sessions = open_sessions(self.export_dir, self.threads)
+        self._run = session_runner(self._sessions)
         timings["sessions"] = time.perf_counter() - start
         start = time.perf_counter()
         blank = onnx_export.example_inputs(self.cfg, 8, self.device)
@@ -80,18 +98,12 @@ class OnnxRuntimeEngine:
         timings["first_call"] = time.perf_counter() - start
         return timings
 
-    def _run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        session = self._sessions[stage]
-        outputs = session.run(None, {name: feeds[name].numpy() for name in onnx_export.INPUTS[stage]})  # type: ignore[attr-defined]
-        return {
-            name: torch.from_numpy(out) for name, out in zip(onnx_export.OUTPUTS[stage], outputs, strict=True)
-        }
-
     @torch.no_grad()
     def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
         if not self._sessions:
             self.warmup()
         inputs = inputs.to(self.device)
+        assert self._run is not None
         chunks = [
             onnx_export.sample_actions_by_stage(
                 self._run, batch_item(inputs, i), noise[i : i + 1].float().cpu(), self.cfg.num_steps
