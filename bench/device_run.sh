@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -18,6 +18,9 @@
 #   node: the node's demo on the GPU (pi05, graph, rMuscle) over DDS with the replayed bags, ~2.5 min; needs the
 #   ROS wheels for the device's Python carried in .whl/cp312 (scripts/ros_wheels_for_python.sh 3.12 .whl/cp312);
 #   node_setup: only that installation, for a script run after it in the same call (~1 min);
+#   node_tests: the node's GPU tests (test_node_cache, test_node_lifecycle: the graph backend, tiny model), ~3 min;
+#   node_soak: the demo as a shift, a warm-up and 7 repeats of 15 s at full size, ~4 min; the recorded chunks
+#   (latency, cache mode per chunk) come back in $OUT/node_soak_<commit>/action_chunks;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
 #   alongside the prefill against after it, dense and cached, bit-identity checked, ~2 min;
 #   export_f32 / export_bf16: bench/check_export.py at full size (the tensorrt backend's ONNX export: float32
@@ -28,7 +31,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [overlap_first_step] [export_f32] [export_bf16]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [overlap_first_step] [export_f32] [export_bf16]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -87,21 +90,35 @@ for step in $steps; do
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --cache 0.4 0.5 --out "$out" 2>&1 \
                 | quiet | grep "^## \|^| [0-9]" ;;
         policy) timeout 200 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
-        node|node_setup)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python; then the demo
+        node|node_setup|node_tests|node_soak)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python
             if [[ ! -d .whl/cp312 ]]; then
                 echo "no .whl/cp312: run scripts/ros_wheels_for_python.sh 3.12 .whl/cp312 and carry .whl/cp312"
                 continue
             fi
             prefix=$(dirname "$(dirname "$(command -v python3)")")
-            (export PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl/cp312 PIP_DISABLE_PIP_VERSION_CHECK=1
-             python3 -m pip install -q -e . --no-deps --no-build-isolation --config-settings editable_mode=compat &&
-                python3 -m pip install -q rosbags && timeout 200 bash scripts/setup_ros_venv.sh "$prefix") \
-                > "$out/node_setup.log" 2>&1 || { tail -20 "$out/node_setup.log"; continue; }
-            [[ $step == node_setup ]] && { echo "ROS 2 installed: AMENT_PREFIX_PATH=$prefix"; continue; }
-            AMENT_PREFIX_PATH=$prefix timeout 300 python3 -m rmuscle_ros.demo --seconds 10 --out "$out/node_demo_$commit" \
-                --param model.preset=pi05 --param model.device=cuda --param model.backend=graph --param cpu_threads=0 \
-                2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_demo_$commit.txt"
-            rm -rf "$out/node_demo_$commit"/aloha_episode* ;;
+            if ! AMENT_PREFIX_PATH=$prefix python3 -c "import rclpy, rmuscle_ros.msg, rosbags" 2>/dev/null; then
+                (export PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl/cp312 PIP_DISABLE_PIP_VERSION_CHECK=1
+                 python3 -m pip install -q -e . --no-deps --no-build-isolation --config-settings editable_mode=compat &&
+                    python3 -m pip install -q rosbags && timeout 200 bash scripts/setup_ros_venv.sh "$prefix") \
+                    > "$out/node_setup.log" 2>&1 || { tail -20 "$out/node_setup.log"; continue; }
+            fi
+            case $step in
+                node_setup) echo "ROS 2 installed: AMENT_PREFIX_PATH=$prefix" ;;
+                node)
+                    AMENT_PREFIX_PATH=$prefix timeout 300 python3 -m rmuscle_ros.demo --seconds 10 --out "$out/node_demo_$commit" \
+                        --param model.preset=pi05 --param model.device=cuda --param model.backend=graph --param cpu_threads=0 \
+                        2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_demo_$commit.txt"
+                    rm -rf "$out/node_demo_$commit"/aloha_episode* ;;
+                node_tests)  # the node's tests on the graph backend on this GPU (tiny model), over DDS
+                    AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m pytest -q -m gpu -rs -p no:cacheprovider \
+                        test/test_node_cache.py test/test_node_lifecycle.py 2>&1 | quiet | tail -15 ;;
+                node_soak)  # a shift: the warm-up and 7 repeats of 15 s, the node at full size on the GPU
+                    AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m rmuscle_ros.demo --seconds 15 --episodes 8 \
+                        --out "$out/node_soak_$commit" --param model.preset=pi05 --param model.device=cuda \
+                        --param model.backend=graph --param cpu_threads=0 \
+                        2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_soak_$commit.txt"
+                    rm -rf "$out/node_soak_$commit"/aloha_episode* ;;
+            esac ;;
         export_f32|export_bf16)  # bench/check_export.py at full size; onnx wheels carried in .whl/onnx312
             if [[ ! -d .whl/onnx312 ]]; then
                 echo "no .whl/onnx312: download onnx, onnxruntime, onnxscript (+ deps) for cp312 and carry it"
@@ -113,6 +130,6 @@ for step in $steps; do
             timeout 560 python3 bench/check_export.py --preset pi05 --dtype "$dtype" --workdir "/tmp/export_$dtype" \
                 --commit "$commit" --out "$out" 2>&1 | quiet | grep -v "^\[torch.onnx\]\|rename_mapping\|program = "
             rm -rf "/tmp/export_$dtype" ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, overlap_first_step, export_f32, export_bf16)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, overlap_first_step, export_f32, export_bf16)" ;;
     esac
 done

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="--synthetic: policy config")
     p.add_argument("--calls", type=int, default=None, help="--synthetic: number of timed calls")
     p.add_argument("--seconds", type=float, default=6.0, help="bag demo: episode length")
+    p.add_argument(
+        "--episodes", type=int, default=2, help="bag demo: the warm-up, then this minus one repeats (a shift)"
+    )
     p.add_argument("--out", type=Path, default=REPO / "build" / "demo", help="bag demo: output folder")
     p.add_argument(
         "--param",
@@ -66,12 +69,13 @@ def main(argv: list[str] | None = None) -> int:
             if not sep or not name:
                 p.error(f"--param {item!r}: expected NAME=VALUE")
             overrides[name] = yaml.safe_load(value)
+        repeats = args.episodes - 1
         print(
             f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
-            "replayed twice: a dense warm-up, then a repeat served by rMuscle"
+            f"replayed {args.episodes} time(s): a dense warm-up, then {repeats} repeat(s) served by rMuscle"
         )
         try:
-            summary = run(args.out, seconds=args.seconds, overrides=overrides)
+            summary = run(args.out, seconds=args.seconds, overrides=overrides, episodes=args.episodes)
         except ValueError as e:
             p.error(str(e))
         print_summary(summary)

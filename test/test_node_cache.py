@@ -1,6 +1,7 @@
 """rmuscle_node with the rMuscle cache, over real DDS: modes on the chunks, ~/cache_status, the library.
 
-The tiny model on the fused backend (CPU). Its random weights give near-identical retrieval
+The tiny model on the fused backend (CPU); the tests that run the cache (`engine`) also run on the graph
+backend on a GPU (marker `gpu`, the device machine). Its random weights give near-identical retrieval
 descriptors for any two scenes, so the window is rebuilt whole after every chunk
 (cache.rebuilds_per_tick 20, as in config/rmuscle_default.yaml); the harness's observations are the
 same frames every time, so a repeated episode is the same task by construction.
@@ -20,7 +21,7 @@ pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/set
 
 from lifecycle_msgs.msg import State, Transition
 from std_srvs.srv import Trigger
-from test_node_lifecycle import Harness, _configure_fails_saying, harnesses
+from test_node_lifecycle import ENGINES, Harness, _configure_fails_saying, harnesses
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.msg import ActionChunk, CacheStatus
@@ -34,6 +35,12 @@ CACHE = {
     "cache.rebuilds_per_tick": 20,
     "actions_per_inference": 15,
 }
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> dict[str, object]:
+    """CACHE on one of the node's engines (test_node_lifecycle.ENGINES)."""
+    return CACHE | request.param
 
 
 @pytest.fixture
@@ -61,8 +68,8 @@ def _index(library: Path) -> dict:
     return json.loads((library / "index.json").read_text())
 
 
-def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
-    h = harness(**CACHE)
+def test_a_repeated_episode_is_served_cached_and_reported(harness, engine) -> None:
+    h = harness(**engine)
     statuses = _statuses(h)
     _start(h)
     assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
@@ -114,11 +121,11 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness) -> None:
     assert h.node.stats()["errors"] == {}
 
 
-def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harness) -> None:
+def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harness, engine) -> None:
     """At an episode reset the worker runs a motion window (`_refill_for_next_episode`) for the first calls
     of the episodes the next one will likely repeat: the repeat's first call is then served cached.
     Driven directly on a configured node (no worker running), with the node's own policy and library."""
-    h = harness(**CACHE)
+    h = harness(**engine)
     assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
     node, policy = h.node, h.node.policy
     obs = synthetic_observation(policy.cfg, "pick")
@@ -133,13 +140,13 @@ def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harne
     assert node.stats()["errors"] == {}
 
 
-def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness) -> None:
+def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
     part of one window entry at a time, up to cache.rebuilds_per_tick entries; no part once the inference
     timer has fired, nor one that the latest build times say would end after it fires: those entries are
     counted as deferred, and a later motion window builds them, an entry cut short first. Driven directly
     on a configured node (no worker running), with the node's own policy and library."""
-    h = harness(**{**CACHE, "cache.rebuilds_per_tick": 3})
+    h = harness(**{**engine, "cache.rebuilds_per_tick": 3})
     assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
     node, policy = h.node, h.node.policy
     obs = synthetic_observation(policy.cfg, "pick")
@@ -195,9 +202,9 @@ def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observati
     assert node.stats()["errors"] == {}
 
 
-def test_cleanup_records_the_episode_in_progress_and_the_library_persists(harness, tmp_path) -> None:
+def test_cleanup_records_the_episode_in_progress_and_the_library_persists(harness, engine, tmp_path) -> None:
     library = tmp_path / "library"
-    h = harness(**CACHE, **{"cache.library_path": str(library)})
+    h = harness(**engine, **{"cache.library_path": str(library)})
     _start(h)
     assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
     assert h.transition(Transition.TRANSITION_DEACTIVATE)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 
 rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
 pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
@@ -53,6 +54,22 @@ CAMERAS = ("images/base", "images/left_wrist", "images/right_wrist")
 # reused after a node is destroyed in another context can leave its log lines unrouted.
 _NODE_IDS = itertools.count()
 JOINT_TOPICS = ("joint_states/left", "joint_states/right")
+# The node's engines, for the tests that run inference: the node's default (CPU), and the graph backend on
+# a GPU (CUDA graphs, as a cell runs it; marker `gpu`, run on the device machine).
+ENGINES = [
+    pytest.param({}, id="cpu"),
+    pytest.param(
+        {"model.backend": "graph", "model.device": "cuda"},
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="needs a CUDA GPU (run with -m gpu on the device machine)",
+            ),
+        ],
+    ),
+]
 
 
 @dataclass
@@ -206,8 +223,9 @@ def harness() -> Iterator[Callable[..., Harness]]:
         yield make
 
 
-def test_lifecycle_services_and_chunks(harness) -> None:
-    h = harness()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
+    h = harness(**engine)
     callbacks = len(gc.callbacks)
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
     assert h.transition(Transition.TRANSITION_CONFIGURE)
@@ -438,14 +456,20 @@ def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
     assert _rss_mb() - rss < 40.0, f"memory grew {_rss_mb() - rss:.1f} MB over 100 cycles"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
-def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str) -> None:
+def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str, engine: dict) -> None:
     """An ALOHA-like bag (3 cameras at 30 Hz, 480×640; joints at 100 Hz) replayed with its own timing
     and /clock into the node (use_sim_time), its output recorded to a bag and checked from that bag."""
     bag = tmp_path / f"episode_{storage}"
     written = write_aloha_episode(bag, storage=storage, seconds=3.0, cameras=3)
     h = harness(
-        use_sim_time=True, actions_per_inference=25, max_image_age_s=0.25, max_joint_age_s=0.1, max_skew_s=0.1
+        use_sim_time=True,
+        actions_per_inference=25,
+        max_image_age_s=0.25,
+        max_joint_age_s=0.1,
+        max_skew_s=0.1,
+        **engine,
     )
     topic = f"/{h.node.get_name()}/action_chunk"
     received: list[tuple[int, bytes]] = []
@@ -486,20 +510,38 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     # loaded 2-core CPU (the bag replay runs in this process) can take 0.3-0.6 s of the 0.5 s period, and
     # a 3 s repeat was once served all dense. One chunk a second (4 per episode) leaves the motion window
     # room for several entries: with a busy-loop process beside it, 3 of 4 were cached in each of 3 runs.
-    # The repeat's first call is always dense.
-    assert main(["--seconds", "4", "--param", "actions_per_inference=50", "--out", str(tmp_path)]) == 0
+    # The first repeat's first call is always dense. Two repeats: a shift goes on past the first.
+    args = [
+        "--seconds",
+        "4",
+        "--episodes",
+        "3",
+        "--param",
+        "actions_per_inference=50",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "chunks at" in out and "latency p50" in out and "drops by reason" in out
+    assert "max " in out and "slowest calls: " in out
     assert "garbage collection while active: longest pause" in out
     # The rMuscle story: a dense warm-up episode, recorded at the reset, then its repeat from the cache.
-    assert "episode 0 (dense warm-up)" in out and "episode 1 (repeat of the task)" in out
-    assert "episode 0 recorded as library episode 0" in out and "last ~/cache_status" in out
+    assert "episode 0 (dense warm-up)" in out and "episode 2 (repeat of the task)" in out
+    assert "reset before episode 1: episode 1 (episode 0 recorded as library episode 0)" in out
+    assert "reset before episode 2: episode 2" in out and "last ~/cache_status" in out
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
     warmup = [c.cache_mode for c in chunks if c.episode_id == 0]
-    repeat = [c.cache_mode for c in chunks if c.episode_id == 1]
     assert warmup and set(warmup) == {ActionChunk.CACHE_DENSE}
-    assert ActionChunk.CACHE_CACHED in repeat, (repeat, out)
+    for episode in (1, 2):
+        repeat = [c.cache_mode for c in chunks if c.episode_id == episode]
+        assert ActionChunk.CACHE_CACHED in repeat, (episode, repeat, out)
+    # The warm-up's bag and the last repeat's are kept; the one between was deleted once played.
+    assert [b.name for b in sorted(tmp_path.glob("aloha_episode_*"))] == [
+        "aloha_episode_0",
+        "aloha_episode_2",
+    ]
 
 
 def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -515,3 +557,11 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
             main(["--seconds", "1", "--param", param, "--out", str(tmp_path)])
         assert exit_.value.code == 2
         assert says in capsys.readouterr().err, param
+    for option, says in (
+        (["--episodes", "0"], "episodes: at least 1"),
+        (["--seconds", "0"], "seconds: an episode"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main([*option, "--out", str(tmp_path)])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err, option

@@ -8,10 +8,12 @@ config/rmuscle_default.yaml (fused backend, rMuscle cache on, library in a tempo
 use_sim_time, configures and activates it, and replays the bag with /clock: a dense warm-up episode.
 Then it resets the episode through `~/reset_episode` (the node records the dense episode into its
 library) and replays the same task again, from a second bag that continues the clock where the first
-ended: the repeat is served from the cache. The node's chunks are recorded to a bag; the summary gives
-chunks, rate, latency p50/p99, drops by reason, chunks by cache mode per episode, the hit rate, and the
-last `~/cache_status`; the plot shows latency over time coloured by cache mode and the action
-trajectories.
+ended: the repeat is served from the cache. `episodes` > 2 replays more repeats the same way, each
+bag written just before it plays (a shift of one repeated task; bags between the first and the last
+are deleted once played, ~80 MB per second of episode). The node's chunks are recorded to a bag; the
+summary gives chunks, rate, latency p50/p99/max and the slowest calls, drops by reason, chunks by
+cache mode, hit rate and p50 per episode, and the last `~/cache_status`; the plot shows latency over
+time coloured by cache mode and the action trajectories.
 """
 
 from __future__ import annotations
@@ -62,22 +64,35 @@ def _fresh(path: Path) -> Path:
 
 
 def run(
-    out_dir: Path, seconds: float = 6.0, domain_id: int = 77, overrides: Mapping[str, Any] | None = None
+    out_dir: Path,
+    seconds: float = 6.0,
+    domain_id: int = 77,
+    overrides: Mapping[str, Any] | None = None,
+    episodes: int = 2,
 ) -> dict[str, Any]:
-    """Replay a warm-up episode, reset, replay its repeat; returns the summary. Files land in `out_dir`.
-    `overrides`: node parameters (dotted names, e.g. "cache.rho_p") over config/rmuscle_default.yaml."""
+    """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
+    summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
+    over config/rmuscle_default.yaml."""
+    if episodes < 1:
+        raise ValueError(f"episodes: at least 1 (the warm-up), got {episodes}")
+    if seconds <= 0:
+        raise ValueError(f"seconds: an episode must last more than 0 s, got {seconds:g}")
     params = load_params_file(CONFIG) | dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The repeat is the same task (the same frames and joint motion) one episode later: its bag starts
-    # where the first ends, so the node's clock runs on as on a cell and no buffered frame goes stale.
-    bags = [_fresh(out_dir / "aloha_episode"), _fresh(out_dir / "aloha_episode_repeat")]
-    written = write_aloha_episode(bags[0], storage="mcap", seconds=seconds, cameras=3, start_ns=START_NS)
-    write_aloha_episode(
-        bags[1], storage="mcap", seconds=seconds, cameras=3, start_ns=START_NS + round(seconds * 1e9)
-    )
+    # A repeat is the same task (the same frames and joint motion) one episode later: its bag starts where
+    # the one before ends, so the node's clock runs on as on a cell and no buffered frame goes stale.
+    bags = [out_dir / f"aloha_episode_{k}" for k in range(episodes)]
+
+    def write(k: int) -> dict[str, list[int]]:
+        start = START_NS + k * round(seconds * 1e9)
+        return write_aloha_episode(
+            _fresh(bags[k]), storage="mcap", seconds=seconds, cameras=3, start_ns=start
+        )
+
+    written = write(0)
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain_id)
@@ -111,11 +126,15 @@ def run(
         configure_s = time.perf_counter() - start
         remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], node.cfg.camera_topics, strict=True))
         remap |= dict(zip(ALOHA_JOINT_TOPICS, node.cfg.joint_state_topics, strict=True))
-        BagPlayer(peer, bags[0], qos_profile_sensor_data, remap=remap).play()
-        time.sleep(1.0)  # the last inference
-        reset_message = call_service(reset, Trigger.Request()).message
-        BagPlayer(peer, bags[1], qos_profile_sensor_data, remap=remap).play()
-        time.sleep(1.0)
+        resets = []
+        for k in range(episodes):
+            if k > 0:
+                resets.append(call_service(reset, Trigger.Request()).message)
+                write(k)
+            BagPlayer(peer, bags[k], qos_profile_sensor_data, remap=remap).play()
+            time.sleep(1.0)  # the last inference
+            if 0 < k < episodes - 1:
+                shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
         stats = node.stats()
         node.trigger_deactivate()
         node.trigger_cleanup()
@@ -133,13 +152,18 @@ def run(
     t0 = written[ALOHA_CAMERA_TOPICS[0]][0] * 1e-9
     latencies = [c.inference_latency_s * 1e3 for c in chunks]
     modes = [MODE_NAMES[c.cache_mode] for c in chunks]
-    episodes = []
+    per_episode = []
     for episode in sorted({c.episode_id for c in chunks}):
         counts = Counter(m for c, m in zip(chunks, modes, strict=True) if c.episode_id == episode)
         n = sum(counts.values())
-        episodes.append(
-            {"episode": episode, "chunks": n, "modes": dict(counts), "hit_rate": counts["cached"] / n}
+        p50 = statistics.median(
+            lat for c, lat in zip(chunks, latencies, strict=True) if c.episode_id == episode
         )
+        per_episode.append(
+            {"episode": episode, "chunks": n, "modes": dict(counts), "hit_rate": counts["cached"] / n,
+             "latency_p50_ms": p50}
+        )  # fmt: skip
+    slowest = sorted(range(len(chunks)), key=lambda i: -latencies[i])[:3]
     by_mode = {
         mode: statistics.median(lat for lat, m in zip(latencies, modes, strict=True) if m == mode)
         for mode in sorted(set(modes))
@@ -151,13 +175,23 @@ def run(
         "rate_hz": (len(chunks) - 1) / (stamps[-1] - stamps[0]) if len(chunks) > 1 else 0.0,
         "latency_p50_ms": statistics.median(latencies) if latencies else 0.0,
         "latency_p99_ms": float(np.percentile(latencies, 99)) if latencies else 0.0,
+        "latency_max_ms": max(latencies, default=0.0),
+        "slowest": [
+            {
+                "ms": latencies[i],
+                "episode": chunks[i].episode_id,
+                "chunk": chunks[i].chunk_id,
+                "mode": modes[i],
+            }
+            for i in slowest
+        ],
         "latency_p50_by_mode_ms": by_mode,
         "drops": stats["drops"],
         "errors": stats["errors"],
         "gc_pause_max_ms": stats["gc_pause_max_ms"],
         "gc_full_collections": stats["gc_full_collections"],
-        "episodes": episodes,
-        "reset": reset_message,
+        "episodes": per_episode,
+        "resets": resets,
         "cache_status": None
         if last is None
         else {
@@ -170,14 +204,14 @@ def run(
             "library_bytes": last.library_bytes,
         },
         "configure_activate_s": configure_s,
-        "bag": ", ".join(str(b) for b in bags),
+        "bag": ", ".join(str(b) for b in bags if b.exists()),
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
     }
     p = parameter_defaults() | params
     weights = Path(p["model.checkpoint"]).name if p["model.checkpoint"] else "random weights"
     what = f"{p['model.preset']} model, {weights}, {p['model.backend']} on {p['model.device']}"
-    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds, what)
+    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds, episodes, what)
     return summary
 
 
@@ -201,6 +235,7 @@ def _plot(
     modes: list[str],
     chunks: list[Any],
     seconds: float,
+    episodes: int,
     what: str,
 ) -> None:
     import matplotlib
@@ -214,8 +249,10 @@ def _plot(
         picked = [i for i, m in enumerate(modes) if m == mode]
         if picked:
             ax_lat.scatter(t[picked], np.asarray(latencies)[picked], color=colour, label=mode, zorder=2)
-    ax_lat.axvline(seconds, color="k", ls="--", lw=0.8)
-    ax_lat.text(seconds, ax_lat.get_ylim()[1], " reset: repeat of the task", va="top", fontsize=8)
+    for k in range(1, episodes):
+        ax_lat.axvline(k * seconds, color="k", ls="--", lw=0.8)
+    if episodes > 1:
+        ax_lat.text(seconds, ax_lat.get_ylim()[1], " reset: repeat of the task", va="top", fontsize=8)
     ax_lat.legend(title="cache mode", loc="best", fontsize=8)
     ax_lat.set_xlabel("bag time of the observation (s)")
     ax_lat.set_ylabel("inference latency (ms)")
@@ -238,8 +275,14 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(f"[demo] configure + activate {summary['configure_activate_s']:.2f} s")
     print(f"[demo] {summary['chunks']} chunks at {summary['rate_hz']:.2f} Hz (bag time)")
     print(
-        f"[demo] inference latency p50 {summary['latency_p50_ms']:.1f} ms, p99 {summary['latency_p99_ms']:.1f} ms"
+        f"[demo] inference latency p50 {summary['latency_p50_ms']:.1f} ms, p99 {summary['latency_p99_ms']:.1f} ms, "
+        f"max {summary['latency_max_ms']:.1f} ms"
     )
+    slowest = ", ".join(
+        f"{s['ms']:.1f} ms ({s['mode']}, episode {s['episode']} chunk {s['chunk']})"
+        for s in summary["slowest"]
+    )
+    print(f"[demo] slowest calls: {slowest or 'none'}")
     by_mode = ", ".join(f"{m} {v:.1f} ms" for m, v in summary["latency_p50_by_mode_ms"].items())
     print(f"[demo] latency p50 by cache mode: {by_mode or 'no chunks'}")
     print(f"[demo] drops by reason: {drops}")
@@ -251,9 +294,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         what = "dense warm-up" if i == 0 else "repeat of the task"
         modes = ", ".join(f"{m} {e['modes'].get(m, 0)}" for m in MODE_COLOURS)
         print(
-            f"[demo] episode {e['episode']} ({what}): {e['chunks']} chunks: {modes}; hit rate {e['hit_rate']:.2f}"
+            f"[demo] episode {e['episode']} ({what}): {e['chunks']} chunks: {modes}; hit rate {e['hit_rate']:.2f}; "
+            f"p50 {e['latency_p50_ms']:.1f} ms"
         )
-    print(f"[demo] reset between them: {summary['reset']}")
+    for k, message in enumerate(summary["resets"], start=1):
+        print(f"[demo] reset before episode {k}: {message}")
     status = summary["cache_status"]
     if status is None:
         print("[demo] no ~/cache_status received")
