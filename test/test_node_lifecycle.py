@@ -261,7 +261,14 @@ def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
     assert len(h.chunks) == settled, "an inactive node published"
     assert h.transition(Transition.TRANSITION_CLEANUP)
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED and h.node.policy is None
-    assert gc.get_freeze_count() == 0 and len(gc.callbacks) == callbacks  # the model may be collected again
+    assert len(gc.callbacks) == callbacks
+    # The model may be collected again: cleanup unfroze what configure froze. What an unfreeze and a
+    # collection leave in the permanent generation is the interpreter's: none on CPython 3.11, 375 objects
+    # on the device machine's 3.12 (gc.freeze(); gc.unfreeze(); gc.collect() in a bare process).
+    left = gc.get_freeze_count()
+    gc.unfreeze()
+    gc.collect()
+    assert left <= gc.get_freeze_count(), f"cleanup left {left} objects frozen"
     assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
     assert h.state() == State.PRIMARY_STATE_FINALIZED
 
