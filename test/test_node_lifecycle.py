@@ -247,6 +247,14 @@ def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
     assert [c.chunk_id for c in h.chunks[:3]] == [0, 1, 2] and {c.episode_id for c in h.chunks[:3]} == {0}
     assert np.isfinite(np.asarray(chunk.actions)).all() and chunk.inference_latency_s > 0
     assert chunk.cache_mode == ActionChunk.CACHE_DENSE
+    # The slowest calls since activation, slowest first, with where their time went: on a GPU, its span.
+    slowest = h.node.stats()["slowest_calls"]
+    assert 1 <= len(slowest) <= 3 and [c["ms"] for c in slowest] == sorted(
+        (c["ms"] for c in slowest), reverse=True
+    )
+    on_gpu = engine.get("model.device") == "cuda"
+    assert all(0 < c["preprocess_ms"] < c["ms"] and (c["gpu_ms"] is not None) == on_gpu for c in slowest)
+    assert not on_gpu or all(0 < c["gpu_ms"] < c["ms"] for c in slowest), slowest
 
     assert h.call(h.reset, Trigger.Request()).success
     before = len(h.chunks)
@@ -336,6 +344,21 @@ def _configure_fails_saying(h: Harness, text: str) -> None:
     assert h.wait_for(lambda: any(text in log.msg for log in h.logs), timeout=5.0), [
         log.msg for log in h.logs
     ]
+
+
+def test_a_call_far_slower_than_the_median_is_logged_with_where_its_time_went(harness) -> None:
+    h = harness()
+    assert h.wait_for(lambda: h.node.get_logger().info("rosout handshake") or any(
+        log.msg == "rosout handshake" for log in h.logs), timeout=10.0)  # fmt: skip
+    call = {"ms": 250.0, "mode": "cached", "episode": 2, "chunk": 7, "preprocess_ms": 1.5, "gpu_ms": 9.0}
+    h.node._log_if_slow(call, [10.0] * 19)  # too few calls to judge
+    h.node._log_if_slow({**call, "ms": 29.0}, [10.0] * 20)  # within the median + 20 ms
+    h.node._log_if_slow(call, [10.0] * 20)
+    said = "slow call: 250.0 ms (cached, episode 2 chunk 7: preprocess 1.5 ms, GPU 9.0 ms, other host time 239.5 ms)"
+    assert h.wait_for(lambda: any(said in log.msg for log in h.logs), timeout=5.0), [
+        log.msg for log in h.logs
+    ]
+    assert sum("slow call" in log.msg for log in h.logs) == 1
 
 
 def test_invalid_parameter_fails_configure_and_says_why(harness) -> None:
@@ -531,7 +554,7 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "chunks at" in out and "latency p50" in out and "drops by reason" in out
-    assert "max " in out and "slowest calls: " in out
+    assert "max " in out and out.count("[demo] slow call: ") == 3 and "preprocess " in out
     assert "garbage collection while active: longest pause" in out
     # The rMuscle story: a dense warm-up episode, recorded at the reset, then its repeat from the cache.
     assert "episode 0 (dense warm-up)" in out and "episode 2 (repeat of the task)" in out

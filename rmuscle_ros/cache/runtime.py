@@ -41,6 +41,7 @@ import torch
 
 from rmuscle_ros.cache.library import Episode, LibraryKey, ReferenceLibrary
 from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, unit_rows
+from rmuscle_ros.engine import gpu_event
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 from rmuscle_ros.models.pi05 import ModelInputs
@@ -224,6 +225,9 @@ class RMuscle:
         self._usable_writes = -1  # the engine's usable_writes right after that copy (another writer: stale)
         self.calls = self.cached_calls = 0
         self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
+        # The latest call's GPU work on the live stream, from its start (after the waits) to its end: timing
+        # events, read once the call's result has been synchronised. None on a CPU.
+        self.last_gpu_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
     # ── library and retrieval ────────────────────────────────────────────────────────────────────────────
@@ -368,6 +372,7 @@ class RMuscle:
         `concurrent_rebuilds` the rebuilds launch kernel by kernel and the call does not wait for them
         (see RMuscleConfig). The result is ordered back onto the caller's stream."""
         stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
+        self.last_gpu_span = None
         if stream is None:
             return self._infer(inputs, noise)
         caller = torch.cuda.current_stream(self.engine.device)
@@ -375,7 +380,11 @@ class RMuscle:
         if not self.cfg.concurrent_rebuilds:
             stream.wait_stream(self.engine.rebuild_stream)
         with torch.cuda.stream(stream):
+            begun = gpu_event(self.engine.device)  # passed once the waits above are over
             actions, info = self._infer(inputs, noise)
+            done = gpu_event(self.engine.device)
+        assert begun is not None and done is not None  # on a GPU
+        self.last_gpu_span = (begun, done)
         caller.wait_stream(stream)
         actions.record_stream(caller)
         return actions, info

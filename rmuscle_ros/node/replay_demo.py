@@ -45,7 +45,7 @@ from rmuscle_ros.node.bags import (
     write_messages,
 )
 from rmuscle_ros.node.params import load_params_file, parameter_defaults
-from rmuscle_ros.node.rmuscle_node import RMuscleNode
+from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
 START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
@@ -163,7 +163,6 @@ def run(
             {"episode": episode, "chunks": n, "modes": dict(counts), "hit_rate": counts["cached"] / n,
              "latency_p50_ms": p50}
         )  # fmt: skip
-    slowest = sorted(range(len(chunks)), key=lambda i: -latencies[i])[:3]
     by_mode = {
         mode: statistics.median(lat for lat, m in zip(latencies, modes, strict=True) if m == mode)
         for mode in sorted(set(modes))
@@ -176,15 +175,7 @@ def run(
         "latency_p50_ms": statistics.median(latencies) if latencies else 0.0,
         "latency_p99_ms": float(np.percentile(latencies, 99)) if latencies else 0.0,
         "latency_max_ms": max(latencies, default=0.0),
-        "slowest": [
-            {
-                "ms": latencies[i],
-                "episode": chunks[i].episode_id,
-                "chunk": chunks[i].chunk_id,
-                "mode": modes[i],
-            }
-            for i in slowest
-        ],
+        "slowest": stats["slowest_calls"],  # the node's, with where each call's time went
         "latency_p50_by_mode_ms": by_mode,
         "drops": stats["drops"],
         "errors": stats["errors"],
@@ -278,11 +269,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"[demo] inference latency p50 {summary['latency_p50_ms']:.1f} ms, p99 {summary['latency_p99_ms']:.1f} ms, "
         f"max {summary['latency_max_ms']:.1f} ms"
     )
-    slowest = ", ".join(
-        f"{s['ms']:.1f} ms ({s['mode']}, episode {s['episode']} chunk {s['chunk']})"
-        for s in summary["slowest"]
-    )
-    print(f"[demo] slowest calls: {slowest or 'none'}")
+    for call in summary["slowest"]:
+        print(f"[demo] slow call: {describe_call(call)}")
     by_mode = ", ".join(f"{m} {v:.1f} ms" for m, v in summary["latency_p50_by_mode_ms"].items())
     print(f"[demo] latency p50 by cache mode: {by_mode or 'no chunks'}")
     print(f"[demo] drops by reason: {drops}")

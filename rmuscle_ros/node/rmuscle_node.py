@@ -43,6 +43,9 @@ from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, 
 from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
+SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
+# A call this much slower than the window's median is logged with its breakdown (at most every 5 s).
+SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
 STARTUP_REASONS = (DropReason.MISSING_CAMERA, DropReason.MISSING_JOINTS)
 # Parameters a configured node applies from its next call on (`ros2 param set`). The others are read at
@@ -70,6 +73,27 @@ def _mode_codes(message: Any) -> dict[str, int]:
     if set(codes) != set(MODES):  # the runtime grew a mode the messages cannot say: refuse at load time
         raise RuntimeError(f"cache modes {MODES} do not match the message constants {sorted(codes)}")
     return codes
+
+
+def _call_breakdown(chunk: Any, latency_ms: float, episode: int, chunk_id: int) -> dict[str, Any]:
+    """One call for the slowest-calls list: its latency and where the time went (Policy.infer timings)."""
+    gpu = chunk.timings_s.get("gpu")
+    return {
+        "ms": latency_ms,
+        "mode": chunk.cache_mode,
+        "episode": episode,
+        "chunk": chunk_id,
+        "preprocess_ms": chunk.timings_s.get("preprocess", 0.0) * 1e3,
+        "gpu_ms": None if gpu is None else gpu * 1e3,
+    }
+
+
+def describe_call(call: dict[str, Any]) -> str:
+    where = f"preprocess {call['preprocess_ms']:.1f} ms"
+    if call["gpu_ms"] is not None:
+        rest = call["ms"] - call["preprocess_ms"] - call["gpu_ms"]
+        where += f", GPU {call['gpu_ms']:.1f} ms, other host time {rest:.1f} ms"
+    return f"{call['ms']:.1f} ms ({call['mode']}, episode {call['episode']} chunk {call['chunk']}: {where})"
 
 
 def _p50_p99(values: list[float]) -> tuple[float, float]:
@@ -141,6 +165,7 @@ class RMuscleNode(LifecycleNode):
             self._preprocess_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._latencies_by_mode: dict[str, deque[float]] = {}
             self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
@@ -499,11 +524,28 @@ class RMuscleNode(LifecycleNode):
                 by_mode = self._latencies_by_mode.setdefault(chunk.cache_mode, deque(maxlen=LATENCY_WINDOW))
                 by_mode.append(latency_ms)
                 self._chunk_times.append(time.monotonic())
+                call = _call_breakdown(chunk, latency_ms, episode, chunk_id)
+                if len(self._slowest) < SLOWEST_KEPT or latency_ms > self._slowest[-1]["ms"]:
+                    self._slowest = sorted([*self._slowest, call], key=lambda c: -c["ms"])[:SLOWEST_KEPT]
+                recent = list(self.latencies_ms)
         if self._stop.is_set():
             return
         self._publish_chunk(cfg, chunk, episode, chunk_id)
+        self._log_if_slow(call, recent)
         if cfg.cache.enabled:
             self._rebuild_cache(policy)
+
+    def _log_if_slow(self, call: dict[str, Any], recent: list[float]) -> None:
+        """A warning for a call far slower than the latest calls' median, saying where its time went: on
+        a GPU, its GPU span against the rest (host work, and waiting to start)."""
+        if len(recent) < SLOW_CALL_MIN_CALLS:
+            return
+        p50 = statistics.median(recent)
+        if call["ms"] > max(SLOW_CALL_FACTOR * p50, p50 + SLOW_CALL_MARGIN_MS):
+            self.get_logger().warning(
+                f"slow call: {describe_call(call)}; the latest {len(recent)} calls' p50 {p50:.1f} ms",
+                throttle_duration_sec=5.0,
+            )
 
     def _rebuild_cache(self, policy: Any) -> None:
         """The motion window: refill rMuscle's entries for the next calls while the arm executes.
@@ -629,6 +671,7 @@ class RMuscleNode(LifecycleNode):
             by_mode = {mode: statistics.median(v) for mode, v in self._latencies_by_mode.items() if v}
             times = list(self._chunk_times)
             drops = dict(self.drops)
+            slowest = [dict(c) for c in self._slowest]
             chunks = self.chunk_id
             cache = dict(self.cache_status) if self.cache_status is not None else None
             if cache is not None:
@@ -647,6 +690,8 @@ class RMuscleNode(LifecycleNode):
             "preprocess_p99_ms": pre_p99,
             "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
             "gc_full_collections": self._gc.full_collections,
+            # since activation, slowest first: ms, mode, episode, chunk, preprocess_ms, gpu_ms (None off a GPU)
+            "slowest_calls": slowest,
             "chunks": chunks,
             "drops": drops,
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
@@ -682,6 +727,8 @@ class RMuscleNode(LifecycleNode):
         )
         values = {k: s[k] for k in keys}
         values |= {f"latency_p50_ms.{mode}": v for mode, v in s["latency_p50_ms_by_mode"].items()}
+        if s["slowest_calls"]:
+            values["slowest_call"] = describe_call(s["slowest_calls"][0])
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
         if s["waiting_for"]:
             values["waiting_for"] = s["waiting_for"]

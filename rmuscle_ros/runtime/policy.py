@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
-from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine
+from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
 from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
 from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs
@@ -112,6 +112,8 @@ class ActionChunk:
     latency_s: float  # preprocess + inference + postprocess, wall clock
     prompt_tokens: int
     prompt_truncated: bool
+    # preprocess, model_and_postprocess (wall clock), and on a GPU gpu: from the start of the call's first
+    # GPU work to the end of its last (CUDA events), so that latency - gpu is host time and waiting
     timings_s: dict[str, float] = field(default_factory=dict)
     cache_mode: str = "dense"  # rMuscle path: dense, cached or fallback (cache.runtime.MODES)
     cache_similarity: float = 0.0  # best library match's cosine similarity (0.0 without a library)
@@ -217,17 +219,24 @@ class Policy:
         t_model = time.perf_counter()
         if self.rmuscle is not None:
             raw, info = self.rmuscle.infer(inputs, noise)
+            span = self.rmuscle.last_gpu_span
         else:
+            begun = gpu_event(self.device)
             raw, info = self.engine.sample_actions(inputs, noise), CallInfo("dense", 0.0, reason="no cache")
+            span = None if begun is None else (begun, gpu_event(self.device))
         actions = self.postprocess(raw)  # .cpu() synchronises the device
         t_end = time.perf_counter()
+        timings = {"preprocess": t_model - start, "model_and_postprocess": t_end - t_model}
+        if span is not None:  # the call's GPU work, from its first kernel's start to its last one's end
+            span[1].synchronize()
+            timings["gpu"] = span[0].elapsed_time(span[1]) / 1e3
         return ActionChunk(
             actions=actions,
             stamp_ns=obs.stamp_ns,
             latency_s=t_end - start,
             prompt_tokens=num_tokens,
             prompt_truncated=truncated,
-            timings_s={"preprocess": t_model - start, "model_and_postprocess": t_end - t_model},
+            timings_s=timings,
             cache_mode=info.mode,
             cache_similarity=info.similarity,
         )
