@@ -111,7 +111,8 @@ for step in $steps; do
                     rm -rf "$out/node_demo_$commit"/aloha_episode* ;;
                 node_tests)  # the node's tests on the graph backend on this GPU (tiny model), over DDS
                     AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m pytest -q -m gpu -rs -p no:cacheprovider \
-                        test/test_node_cache.py test/test_node_lifecycle.py 2>&1 | quiet | tail -15 ;;
+                        test/test_node_cache.py test/test_node_lifecycle.py > "$out/node_tests_$commit.log" 2>&1
+                    grep -E "^(FAILED|ERROR)|^E  |[0-9]+ (passed|failed)" "$out/node_tests_$commit.log" | head -30 ;;
                 node_soak)  # a shift: the warm-up and 7 repeats of 15 s, the node at full size on the GPU
                     AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m rmuscle_ros.demo --seconds 15 --episodes 8 \
                         --out "$out/node_soak_$commit" --param model.preset=pi05 --param model.device=cuda \
