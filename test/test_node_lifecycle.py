@@ -595,3 +595,19 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
             main([*option, "--out", str(tmp_path)])
         assert exit_.value.code == 2
         assert says in capsys.readouterr().err, option
+
+
+def test_the_bag_player_command_refuses_bad_arguments_by_name(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rmuscle_ros.node.bags import main
+
+    for args, says in (
+        ([str(tmp_path / "missing")], "no such file or folder"),
+        ([str(tmp_path), "--remap", "/a/b"], "expected FROM:=TO"),
+        ([str(tmp_path), "--rate", "0"], "--rate must be > 0"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["play", *args])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err, args

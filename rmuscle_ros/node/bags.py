@@ -5,11 +5,18 @@
 - `BagPlayer` publishes a bag's messages (their CDR bytes, unchanged) on their topics at the recorded
   pace, with /clock, which is what `ros2 bag play --clock` does; nodes run with use_sim_time.
 - `write_messages` records received messages (e.g. the node's ActionChunks) into a bag.
+
+As a command, what `ros2 bag play --clock` does, in a process of its own (as on a cell, where the player
+is not the node's process):
+
+    python -m rmuscle_ros.node.bags play BAG [--remap FROM:=TO ...] [--rate R] [--wait-for-subscribers S]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -122,8 +129,10 @@ class BagPlayer:
         self._qos = qos
         self.published = 0
 
-    def play(self, rate: float = 1.0) -> None:
-        """Blocks until every message has been published at its recorded time (scaled by `rate`)."""
+    def play(self, rate: float = 1.0, wait_for_subscribers_s: float = 0.0) -> None:
+        """Blocks until every message has been published at its recorded time (scaled by `rate`).
+        `wait_for_subscribers_s`: first wait up to this long for every topic (and /clock) to have a
+        subscriber, as discovery between processes takes longer than within one (then 0.5 s more)."""
         with AnyReader([self.path]) as reader:
             pubs = {
                 c.topic: self.node.create_publisher(
@@ -131,6 +140,10 @@ class BagPlayer:
                 )
                 for c in reader.connections
             }
+            deadline = time.monotonic() + wait_for_subscribers_s
+            everyone = [*pubs.values(), self._clock_pub]
+            while time.monotonic() < deadline and any(p.get_subscription_count() == 0 for p in everyone):
+                time.sleep(0.05)
             time.sleep(0.5)  # discovery: let subscribers match before the first message
             wall0, bag0 = time.monotonic(), None
             for connection, t, raw in reader.messages():
@@ -165,3 +178,46 @@ def read_messages(path: Path, topic: str) -> list[tuple[int, Any]]:
         return [
             (t, reader.deserialize(raw, c.msgtype)) for c, t, raw in reader.messages(connections=connections)
         ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Replay a rosbag2 file with /clock (ros2 bag play --clock).")
+    sub = p.add_subparsers(dest="command", required=True)
+    play = sub.add_parser("play", help="publish a bag's messages at their recorded pace, with /clock")
+    play.add_argument("bag", type=Path)
+    play.add_argument(
+        "--remap", action="append", default=[], metavar="FROM:=TO", help="a topic remap (repeatable)"
+    )
+    play.add_argument("--rate", type=float, default=1.0, help="playback speed (1 = recorded pace)")
+    play.add_argument(
+        "--wait-for-subscribers", type=float, default=10.0, metavar="S",
+        help="wait up to S seconds for every topic to have a subscriber before the first message",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    remap = {}
+    for item in args.remap:
+        frm, sep, to = item.partition(":=")
+        if not sep or not frm or not to:
+            p.error(f"--remap {item!r}: expected FROM:=TO")
+        remap[frm] = to
+    if not args.bag.exists():
+        p.error(f"bag {args.bag}: no such file or folder")
+    if args.rate <= 0:
+        p.error(f"--rate must be > 0, got {args.rate:g}")
+    import rclpy
+    from rclpy.qos import qos_profile_sensor_data
+
+    rclpy.init()
+    node = rclpy.create_node("bag_player")
+    try:
+        player = BagPlayer(node, args.bag, qos_profile_sensor_data, remap=remap)
+        player.play(args.rate, wait_for_subscribers_s=args.wait_for_subscribers)
+        print(f"published {player.published} messages from {args.bag}")
+    finally:
+        node.destroy_node()
+        rclpy.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

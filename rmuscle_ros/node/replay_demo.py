@@ -18,8 +18,11 @@ time coloured by cache mode and the action trajectories.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -32,14 +35,12 @@ import rclpy
 from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
-from rclpy.qos import qos_profile_sensor_data
 from std_srvs.srv import Trigger
 
 from rmuscle_ros.msg import ActionChunk, CacheStatus
 from rmuscle_ros.node.bags import (
     ALOHA_CAMERA_TOPICS,
     ALOHA_JOINT_TOPICS,
-    BagPlayer,
     read_messages,
     write_aloha_episode,
     write_messages,
@@ -131,7 +132,7 @@ def run(
             if k > 0:
                 resets.append(call_service(reset, Trigger.Request()).message)
                 write(k)
-            BagPlayer(peer, bags[k], qos_profile_sensor_data, remap=remap).play()
+            _play(bags[k], remap, domain_id)
             time.sleep(1.0)  # the last inference
             if 0 < k < episodes - 1:
                 shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
@@ -204,6 +205,18 @@ def run(
     what = f"{p['model.preset']} model, {weights}, {p['model.backend']} on {p['model.device']}"
     _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds, episodes, what)
     return summary
+
+
+def _play(bag: Path, remap: Mapping[str, str], domain_id: int) -> None:
+    """Replay `bag` from a process of its own (`python -m rmuscle_ros.node.bags play`), as `ros2 bag play`
+    runs on a cell: in this process its reading and publishing would hold the node's interpreter lock
+    (the node's GPU soak at f99b13b had calls whose preprocessing took 26 and 68 ms, ~2 ms otherwise)."""
+    command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
+    command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
+    env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the bag player failed on {bag} (exit {done.returncode}): {done.stderr[-2000:]}")
 
 
 def call_service(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
