@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(args.out, seconds=args.seconds, overrides=overrides, episodes=args.episodes)
         except ValueError as e:
             p.error(str(e))
+        except RuntimeError as e:  # e.g. the bag player failed: say so, without a traceback
+            print(f"[demo] error: {e}", file=sys.stderr)
+            return 1
         print_summary(summary)
         return 0 if summary["chunks"] > 0 else 1
     cfg, demo = load_demo_config(args.config)

@@ -132,7 +132,7 @@ def run(
             if k > 0:
                 resets.append(call_service(reset, Trigger.Request()).message)
                 write(k)
-            _play(bags[k], remap, domain_id)
+            _play(bags[k], remap, domain_id, seconds)
             time.sleep(1.0)  # the last inference
             if 0 < k < episodes - 1:
                 shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
@@ -207,14 +207,20 @@ def run(
     return summary
 
 
-def _play(bag: Path, remap: Mapping[str, str], domain_id: int) -> None:
+def _play(bag: Path, remap: Mapping[str, str], domain_id: int, seconds: float) -> None:
     """Replay `bag` from a process of its own (`python -m rmuscle_ros.node.bags play`), as `ros2 bag play`
     runs on a cell: in this process its reading and publishing would hold the node's interpreter lock
     (the node's GPU soak at f99b13b had calls whose preprocessing took 26 and 68 ms, ~2 ms otherwise)."""
     command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
     command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    # The episode's length, the player's wait for subscribers (10 s) and its start-up: a player that
+    # hangs stops the demo with this error instead of holding it.
+    limit_s = seconds + 60.0
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=limit_s)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"the bag player did not finish {bag} within {limit_s:g} s") from e
     if done.returncode != 0:
         raise RuntimeError(f"the bag player failed on {bag} (exit {done.returncode}): {done.stderr[-2000:]}")
 
