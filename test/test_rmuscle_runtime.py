@@ -21,7 +21,7 @@ import torch
 from rmuscle_ros.cache.library import LibraryMismatch
 from rmuscle_ros.cache.retrieval import unit_rows
 from rmuscle_ros.cache.runtime import RMuscleConfig
-from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+from rmuscle_ros.runtime.policy import NonFiniteActions, Observation, Policy, PolicyConfig
 
 CFG = PolicyConfig(backend="fused")
 FULL_REBUILD = 20  # rebuilds per tick that refill the whole default window
@@ -75,6 +75,33 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
     assert status["hit_rate"] == pytest.approx(5 / 6) and status["window_entries"] > 0
     assert policy.reset_episode() is None, "an episode served from the cache is not recorded"
     assert policy.cache_status()["library_episodes"] == 1
+    policy.close()
+
+
+def test_non_finite_actions_are_refused_naming_where_and_keep_the_episode_out_of_the_library(
+    tmp_path,
+) -> None:
+    """A call whose actions hold NaN or Inf raises NonFiniteActions (the node drops it: never published),
+    and its episode is not recorded, since its recorded calls may hold the same fault. The next episode
+    records as usual."""
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(3))
+    infer = policy.rmuscle.infer
+
+    def faulty(inputs, noise):  # the real call (recorded as usual), then a fault in its result
+        actions, info = infer(inputs, noise)
+        actions[0, 7, 3] = float("nan")
+        return actions, info
+
+    policy.rmuscle.infer = faulty
+    with pytest.raises(NonFiniteActions, match=r"1 of 700 values, the first at step 7, action 3; dense call"):
+        policy.infer(episode(4)[3])
+    del policy.rmuscle.infer
+    assert np.isfinite(run(policy, episode(2))[0].actions).all(), "the next call is served as usual"
+    assert policy.reset_episode() is None, "the faulty episode is not recorded"
+    assert policy.cache_status()["library_episodes"] == 0
+    run(policy, episode(3))
+    assert policy.reset_episode() == 0, "the next episode is"
     policy.close()
 
 

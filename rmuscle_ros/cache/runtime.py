@@ -219,6 +219,7 @@ class RMuscle:
         self.episode_id = 0
         self._recording = _Recording()
         self._episode_cached = False
+        self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
         self._usable_on_device: list[bool] | None = None  # the usable flags last copied to the engine
@@ -317,17 +318,27 @@ class RMuscle:
         did may be recorded, counted, or steer retrieval's alignment or fallback)."""
         self._recording = _Recording()
         self._episode_cached = False
+        self._episode_excluded = ""
         self.calls = self.cached_calls = 0
         self._wanted = []
         self.retriever.reset()
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
+    def exclude_episode(self, reason: str) -> None:
+        """Keep the current episode out of the library (its calls so far are dropped, later ones are not
+        recorded): e.g. a call produced non-finite actions, and its recorded calls may hold the fault."""
+        if not self._episode_excluded:
+            log.warning(f"episode {self.episode_id} will not be recorded into the library: {reason}")
+        self._episode_excluded = reason
+        self._recording = _Recording()
+
     def finish_episode(self) -> int | None:
         """Add the current episode to the library if it is recordable: recording on, at least one call,
-        and every call dense (an episode served from the cache is not a reference)."""
+        every call dense (an episode served from the cache is not a reference), and not excluded."""
         rec, self._recording = self._recording, _Recording()
         rec.take_pending_masks()
-        if not self.cfg.record or not rec.descriptors or self._episode_cached:
+        excluded, self._episode_excluded = self._episode_excluded, ""
+        if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
             self._episode_cached = False
             return None
         self._episode_cached = False
@@ -543,7 +554,7 @@ class RMuscle:
     def _dense_stages(self, bucket: int) -> bool:
         """Queue a dense call's prefill and denoise (vision has run): recording ones if this episode
         qualifies for the library. Returns whether they record."""
-        record = self.cfg.record and not self._episode_cached
+        record = self.cfg.record and not self._episode_cached and not self._episode_excluded
         self.engine.run_stage("tail", bucket, variant="record" if record else "dense")
         return record
 

@@ -29,6 +29,7 @@ class DropReason(enum.Enum):
     BAD_IMAGE = "bad_image"  # encoding, size or truncated data
     BAD_STATE = "bad_state"  # NaN/Inf joint positions
     INFERENCE_ERROR = "inference_error"  # the policy raised; the node keeps running
+    BAD_ACTIONS = "bad_actions"  # the model produced NaN/Inf actions: never published
 
 
 class ObservationUnavailable(Exception):

@@ -496,6 +496,8 @@ class RMuscleNode(LifecycleNode):
             self._rebuild_cache(policy)
 
     def _infer_once(self) -> None:
+        from rmuscle_ros.runtime.policy import NonFiniteActions  # loaded at configure: a dict lookup
+
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
         if cfg is None or buffer is None or policy is None:
             return
@@ -512,6 +514,9 @@ class RMuscleNode(LifecycleNode):
         with self._policy_lock:
             try:
                 chunk = policy.infer(obs)
+            except NonFiniteActions as e:  # never published: a robot must not get NaN or Inf targets
+                self._drop(DropReason.BAD_ACTIONS, str(e))
+                return
             except Exception as e:  # the hot path logs, counts and keeps the node alive
                 self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
                 return

@@ -119,6 +119,10 @@ class ActionChunk:
     cache_similarity: float = 0.0  # best library match's cosine similarity (0.0 without a library)
 
 
+class NonFiniteActions(ValueError):
+    """The model produced NaN or Inf actions: the chunk must not reach a robot."""
+
+
 class Policy:
     def __init__(self, cfg: PolicyConfig, cache: RMuscleConfig | None = None) -> None:
         """cache: run with rMuscle (backends 'graph' or 'fused'); None = always dense."""
@@ -225,6 +229,8 @@ class Policy:
             raw, info = self.engine.sample_actions(inputs, noise), CallInfo("dense", 0.0, reason="no cache")
             span = None if begun is None else (begun, gpu_event(self.device))
         actions = self.postprocess(raw)  # .cpu() synchronises the device
+        if not np.isfinite(actions).all():
+            self._refuse(actions, info)
         t_end = time.perf_counter()
         timings = {"preprocess": t_model - start, "model_and_postprocess": t_end - t_model}
         if span is not None:  # the call's GPU work, from its first kernel's start to its last one's end
@@ -239,6 +245,20 @@ class Policy:
             timings_s=timings,
             cache_mode=info.mode,
             cache_similarity=info.similarity,
+        )
+
+    def _refuse(self, actions: np.ndarray, info: CallInfo) -> None:
+        """A chunk with NaN or Inf: raise NonFiniteActions naming where, and (with the cache) keep the
+        episode out of the library, since its recorded calls may hold the same fault."""
+        bad = ~np.isfinite(actions)
+        step, joint = (int(i) for i in np.argwhere(bad)[0])
+        excluded = ""
+        if self.rmuscle is not None:
+            self.rmuscle.exclude_episode("a call produced non-finite actions")
+            excluded = "; this episode will not be recorded into the library"
+        raise NonFiniteActions(
+            f"the model produced non-finite actions ({int(bad.sum())} of {bad.size} values, the first at step "
+            f"{step}, action {joint}; {info.mode} call){excluded}"
         )
 
     # ── rMuscle hooks (no-ops without a cache) ───────────────────────────────────────────────────────────
