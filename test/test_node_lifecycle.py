@@ -347,20 +347,31 @@ def _configure_fails_saying(h: Harness, text: str) -> None:
 
 
 def test_non_finite_actions_are_never_published_and_the_node_goes_on(harness) -> None:
-    h = harness()
+    """Never published; counted as bad_actions; after error_after_drops such ticks in a row /diagnostics
+    says ERROR with the reason (active, but the arm gets nothing), and one chunk ends that."""
+    h = harness(error_after_drops=3)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     engine = h.node.policy.engine
     real = engine.sample_actions
     engine.sample_actions = lambda inputs, noise: torch.full_like(real(inputs, noise), float("nan"))
     before = len(h.chunks)  # a call that ran before the fault may still be published
-    assert h.feed_until(lambda: h.drops().get("bad_actions", 0) >= 2), h.drops()
+    assert h.feed_until(lambda: h.drops().get("bad_actions", 0) >= 3), h.drops()
     settled = len(h.chunks)
     assert settled <= before + 1, "a chunk of non-finite actions was published"
     assert h.wait_for(lambda: any("non-finite actions" in log.msg for log in h.logs), timeout=5.0)
+    status = h.node._diagnostics().status[0]
+    assert status.level == status.ERROR and status.message.startswith("no chunk for the last "), (
+        status.message
+    )
+    assert "bad_actions: the model produced non-finite actions" in status.message
     del engine.sample_actions
     assert h.feed_until(lambda: len(h.chunks) > settled + 1), f"the node stopped publishing: {h.drops()}"
     assert all(np.isfinite(np.asarray(c.actions)).all() for c in h.chunks)
     assert h.state() == State.PRIMARY_STATE_ACTIVE and h.node.stats()["errors"] == {}
+    status = h.node._diagnostics().status[0]
+    assert status.level == status.WARN, (
+        "chunks again: the drops since activation leave a warning, not an error"
+    )
 
 
 def test_a_call_far_slower_than_the_median_is_logged_with_where_its_time_went(harness) -> None:

@@ -68,6 +68,7 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"joint_names": [f"j{i}" for i in range(40)]}, r"^joint_names: must be an int in 1\.\.32"),
         ({"prompt": "  "}, r"^prompt: must not be empty"),
         ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
+        ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
         ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),

@@ -121,6 +121,9 @@ class NodeConfig:
     # After activation, how long (wall clock) a sensor may stay silent before a tick without it counts as a
     # drop. Until then the node waits for it quietly: camera drivers start at their own pace. 0: count it.
     sensor_startup_timeout_s: float = 5.0
+    # /diagnostics says ERROR once this many ticks in a row gave no chunk (at 2 Hz, 10 is 5 s): the node is
+    # active but the arm gets nothing. One chunk brings it back to OK / WARN.
+    error_after_drops: int = 10
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True
     # PyTorch's CPU threads in this process (torch.set_num_threads), set at configure; 0: automatic, PyTorch's
@@ -217,6 +220,8 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             raise ParameterError(f"{name}: needs distinct, non-empty entries, got {list(values[name])}")
     if not values["prompt"].strip():
         raise ParameterError("prompt: must not be empty")
+    if values["error_after_drops"] < 1:
+        raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     if values["cpu_threads"] < 0:
         raise ParameterError(f"cpu_threads: must be >= 0 (0: automatic), got {values['cpu_threads']}")
 

@@ -56,6 +56,7 @@ LIVE_PARAMETERS = {
     "max_joint_age_s": None,
     "max_skew_s": None,
     "sensor_startup_timeout_s": None,
+    "error_after_drops": None,
     "cache.similarity_threshold": "threshold",  # -> RMuscleConfig's name
     "cache.record": "record",
     "cache.rebuilds_per_tick": "rebuilds_per_tick",
@@ -166,6 +167,8 @@ class RMuscleNode(LifecycleNode):
             self._latencies_by_mode: dict[str, deque[float]] = {}
             self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
+            self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
+            self._last_drop = ""  # the latest drop's reason and detail
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
@@ -523,6 +526,7 @@ class RMuscleNode(LifecycleNode):
             with self._stats_lock:
                 episode, chunk_id = self.episode_id, self.chunk_id
                 self.chunk_id += 1
+                self._failing_ticks = 0
                 latency_ms = chunk.latency_s * 1e3
                 self.latencies_ms.append(latency_ms)
                 self._preprocess_ms.append(chunk.timings_s.get("preprocess", 0.0) * 1e3)
@@ -633,6 +637,8 @@ class RMuscleNode(LifecycleNode):
         with self._stats_lock:
             self.drops[reason.value] += 1
             count = self.drops[reason.value]
+            self._failing_ticks += 1
+            self._last_drop = f"{reason.value}: {detail}"
         # First occurrence at warn level, then throttled: a camera that died must not flood the log.
         if count == 1 or count % 50 == 0:
             self.get_logger().warning(f"no chunk ({reason.value}, {count}x): {detail}")
@@ -683,6 +689,7 @@ class RMuscleNode(LifecycleNode):
                 cache |= {"rebuilds": self.rebuilds, "rebuilds_deferred": self.rebuilds_deferred}
             errors = dict(self.errors)
             waiting_for = self.waiting_for
+            failing, last_drop = self._failing_ticks, self._last_drop
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         p50, p99 = _p50_p99(lat)
         pre_p50, pre_p99 = _p50_p99(pre)
@@ -702,6 +709,8 @@ class RMuscleNode(LifecycleNode):
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
             "errors": errors,
             "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
+            "failing_ticks": failing,  # ticks in a row without a chunk, up to now
+            "last_drop": last_drop,  # the latest drop's reason and detail ("" = none since activation)
         }
 
     def _publish_diagnostics(self) -> None:
@@ -716,6 +725,11 @@ class RMuscleNode(LifecycleNode):
         warn = s["drops"] or s["errors"] or (cache is not None and cache["library_problems"])
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
+        if self.cfg is not None and s["failing_ticks"] >= self.cfg.error_after_drops:
+            status.level = DiagnosticStatus.ERROR  # active, but the arm gets nothing
+            status.message = (
+                f"no chunk for the last {s['failing_ticks']} ticks ({s['last_drop']}); " + status.message
+            )
         if s["waiting_for"]:
             status.message = (
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
@@ -729,6 +743,7 @@ class RMuscleNode(LifecycleNode):
             "gc_pause_max_ms",
             "gc_full_collections",
             "chunks",
+            "failing_ticks",
         )
         values = {k: s[k] for k in keys}
         values |= {f"latency_p50_ms.{mode}": v for mode, v in s["latency_p50_ms_by_mode"].items()}
