@@ -49,6 +49,7 @@ from rmuscle_ros.node.params import load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
+FASTDDS_LARGE_FRAMES = CONFIG.parent / "fastdds_shm_large_frames.xml"
 START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
 MODE_NAMES = {
     ActionChunk.CACHE_DENSE: "dense",
@@ -214,6 +215,9 @@ def _play(bag: Path, remap: Mapping[str, str], domain_id: int, seconds: float) -
     command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
     command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
+    # The player publishes 0.9 MB frames: shared-memory segments that hold them (unless the caller chose a
+    # Fast DDS profile), as a camera driver on the node's host should (config/fastdds_shm_large_frames.xml).
+    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(FASTDDS_LARGE_FRAMES))
     # The episode's length, the player's wait for subscribers (10 s) and its start-up: a player that
     # hangs stops the demo with this error instead of holding it.
     limit_s = seconds + 60.0
