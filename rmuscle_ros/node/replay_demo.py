@@ -210,8 +210,9 @@ def run(
 
 def _play(bag: Path, remap: Mapping[str, str], domain_id: int, seconds: float) -> None:
     """Replay `bag` from a process of its own (`python -m rmuscle_ros.node.bags play`), as `ros2 bag play`
-    runs on a cell: in this process its reading and publishing would hold the node's interpreter lock
-    (the node's GPU soak at f99b13b had calls whose preprocessing took 26 and 68 ms, ~2 ms otherwise)."""
+    runs on a cell: in this process its reading and publishing (~80 MB/s of frames) would compete with the
+    node's worker for the interpreter lock. (With it here, the GPU soak's p50 was 2-3 ms higher; README,
+    "A shift on the GPU".)"""
     command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
     command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
