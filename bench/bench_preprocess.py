@@ -2,9 +2,14 @@
 `Policy.preprocess` (images, state, prompt), in one process on the same observation.
 
 Variants for one 480x640 camera image: `two_steps` (resize_with_pad, then image_to_model: the uint8
-(224, 224, 3) intermediate) and `one_step` (image_to_model_padded, the path the policy takes); both give
-the same tensor bit for bit (checked here and in test/test_transforms.py). Then `policy_preprocess`:
-three such cameras, the state and the prompt. Medians of --iters calls, wall clock, torch threads as set.
+(224, 224, 3) intermediate) and `one_step` (image_to_model_padded); both give the same tensor bit for bit
+(checked here and in test/test_transforms.py). For three such cameras: `cameras_one_by_one` (one_step per
+camera, the policy's path until 2026-12-01) and `cameras_batched` (images_to_model_padded, one batch, the
+policy's path now; the same tensors bit for bit), each alone and `with_busy_thread`: another thread runs
+Python the whole time, so each PyTorch operation that hands over the interpreter lock waits up to the
+switch interval (5 ms) to get it back, which is what a node's executor thread busy with frames can do
+to its worker. Then `policy_preprocess`: three cameras, the state and the prompt. Medians of --iters
+calls (fewer with the busy thread), wall clock, torch threads as set.
 
     python bench/bench_preprocess.py --commit $(git rev-parse --short HEAD)
 """
@@ -16,7 +21,9 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import record_header, save_results
 from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
-from rmuscle_ros.runtime.transforms import image_to_model, image_to_model_padded, resize_with_pad
+from rmuscle_ros.runtime.transforms import (
+    image_to_model,
+    image_to_model_padded,
+    images_to_model_padded,
+    resize_with_pad,
+)
 
 
 def median_ms(fn, iters: int, warmup: int = 5) -> float:
@@ -40,6 +52,23 @@ def median_ms(fn, iters: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def with_busy_thread(fn: Callable[[], object], iters: int) -> float:
+    """median_ms of fn while another thread runs pure Python without a pause."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        return median_ms(fn, iters, warmup=2)
+    finally:
+        stop.set()
+        thread.join()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--iters", type=int, default=100)
@@ -51,6 +80,22 @@ def main() -> None:
     image = np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)
     if not torch.equal(image_to_model(resize_with_pad(image)), image_to_model_padded(image)):
         raise RuntimeError("the one-step image path differs from the two steps")
+    cameras = {
+        slot: np.random.default_rng(slot).integers(0, 256, (480, 640, 3), dtype=np.uint8) for slot in range(3)
+    }
+    one_by_one, batched = torch.empty(3, 3, 224, 224), torch.empty(3, 3, 224, 224)
+
+    def cameras_one_by_one() -> None:
+        for slot, camera in cameras.items():
+            image_to_model_padded(camera, out=one_by_one[slot])
+
+    def cameras_batched() -> None:
+        images_to_model_padded(cameras, batched)
+
+    cameras_one_by_one()
+    cameras_batched()
+    if not torch.equal(one_by_one, batched):
+        raise RuntimeError("the batched image path differs from one image at a time")
     policy = Policy(PolicyConfig(backend="fused"))
     obs = Observation({c: image for c in policy.cfg.cameras}, np.zeros(14, np.float32), "stack the cups")
     results = {
@@ -58,6 +103,14 @@ def main() -> None:
             "median_ms": round(median_ms(lambda: image_to_model(resize_with_pad(image)), args.iters), 3)
         },
         "one_step": {"median_ms": round(median_ms(lambda: image_to_model_padded(image), args.iters), 3)},
+        "cameras_one_by_one": {"median_ms": round(median_ms(cameras_one_by_one, args.iters), 3)},
+        "cameras_batched": {"median_ms": round(median_ms(cameras_batched, args.iters), 3)},
+        "cameras_one_by_one_with_busy_thread": {
+            "median_ms": round(with_busy_thread(cameras_one_by_one, max(args.iters // 3, 5)), 3)
+        },
+        "cameras_batched_with_busy_thread": {
+            "median_ms": round(with_busy_thread(cameras_batched, max(args.iters // 3, 5)), 3)
+        },
         "policy_preprocess": {"median_ms": round(median_ms(lambda: policy.preprocess(obs), args.iters), 3)},
     }
     cpu = platform.processor() or platform.machine()
@@ -81,9 +134,10 @@ def main() -> None:
         "|---|---|",
         *(f"| {k} | {v['median_ms']} |" for k, v in results.items()),
         "",
-        "`two_steps` and `one_step` give the same tensor bit for bit; the policy uses `one_step`.",
+        "`two_steps` and `one_step` give the same tensor bit for bit, and so do `cameras_one_by_one` and",
+        "`cameras_batched` (the policy's path). `with_busy_thread`: another thread runs Python meanwhile.",
     ]
-    save_results(args.out, f"preprocess_cpu_{args.commit}", record, "\n".join(lines) + "\n")
+    save_results(args.out, f"preprocess_cpu_{args.commit}_t{args.threads}", record, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

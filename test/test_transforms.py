@@ -14,6 +14,7 @@ from rmuscle_ros.runtime.transforms import (
     discretize_state,
     image_to_model,
     image_to_model_padded,
+    images_to_model_padded,
     pad_to_dim,
     resize_with_pad,
     tokenize_prompt,
@@ -106,6 +107,31 @@ def test_image_to_model_padded_is_the_two_steps_bit_for_bit(height: int, width: 
     slots = torch.full((2, 3, 224, 224), 7.0)
     image_to_model_padded(image, out=slots[1])
     assert torch.equal(slots[1], expected) and (slots[0] == 7.0).all()
+
+
+def test_images_to_model_padded_batches_cameras_bit_for_bit() -> None:
+    """The policy's path for all cameras at once: images of one size resampled as one batch, each slot
+    exactly image_to_model_padded of its image, for consecutive and scattered slots and mixed sizes;
+    slots without an image are left untouched; a bad image is refused before anything is written."""
+    images = {
+        0: _random_image(480, 640, seed=1),
+        1: _random_image(480, 640, seed=2),
+        3: _random_image(480, 640, seed=3),
+    }
+    images[5] = _random_image(300, 101, seed=4)
+    images[6] = _random_image(224, 224, seed=5)
+    out = torch.full((7, 3, 224, 224), 7.0)
+    images_to_model_padded(images, out)
+    for slot, image in images.items():
+        assert torch.equal(out[slot], image_to_model_padded(image)), slot
+    assert (out[2] == 7.0).all() and (out[4] == 7.0).all()
+    out = torch.full((3, 3, 224, 224), 7.0)
+    images_to_model_padded({0: images[0], 1: images[1], 2: images[3]}, out)  # the usual case: one write
+    assert all(torch.equal(out[i], image_to_model_padded(images[j])) for i, j in ((0, 0), (1, 1), (2, 3)))
+    out.fill_(7.0)
+    with pytest.raises(ValueError, match="dtype uint8"):
+        images_to_model_padded({0: images[0], 1: images[1].astype(np.float32)}, out)
+    assert (out == 7.0).all()
 
 
 def test_image_to_model_requires_resized_input() -> None:

@@ -28,8 +28,9 @@ from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
 from rmuscle_ros.runtime.normalize import NormStats, identity_stats, load_norm_stats
 from rmuscle_ros.runtime.transforms import (
     build_prompt,
+    check_rgb_u8,
     discretize_state,
-    image_to_model_padded,
+    images_to_model_padded,
     tokenize_prompt,
 )
 
@@ -182,19 +183,22 @@ class Policy:
         unknown = set(obs.images) - set(self.cfg.cameras)
         if unknown:
             raise ValueError(f"unknown camera(s) {sorted(unknown)}; configured: {list(self.cfg.cameras)}")
-        size = self.model_cfg.vision.image_size
-        slots = self.model_cfg.num_cameras
-        images = self._images.fill_(-1.0)  # missing slot = black, masked out
-        masks = torch.zeros(1, slots, dtype=torch.bool)
+        present: dict[int, np.ndarray] = {}
         for slot, name in enumerate(self.cfg.cameras):
             if name in obs.images:
                 try:
-                    image_to_model_padded(obs.images[name], size, out=images[0, slot])
+                    check_rgb_u8(obs.images[name])
                 except ValueError as e:
                     raise ValueError(f"camera {name!r}: {e}") from None
-                masks[0, slot] = True
-        if not masks.any():
+                present[slot] = obs.images[name]
+        if not present:
             raise ValueError("observation has no camera image")
+        images = self._images
+        images_to_model_padded(present, out=images[0])  # the cameras of one size as one batch
+        for slot in range(self.model_cfg.num_cameras):
+            if slot not in present:
+                images[0, slot].fill_(-1.0)  # missing slot = black, masked out
+        masks = torch.from_numpy(np.isin(np.arange(self.model_cfg.num_cameras), list(present)))[None]
         state = np.asarray(obs.state, dtype=np.float32)
         if state.shape != (self.cfg.state_dim,):
             raise ValueError(f"state must have shape ({self.cfg.state_dim},), got {state.shape}")

@@ -20,7 +20,8 @@ MODEL_IMAGE_SIZE = 224
 STATE_BINS = 256
 
 
-def _require_rgb_u8(image: np.ndarray, name: str = "image") -> None:
+def check_rgb_u8(image: np.ndarray, name: str = "image") -> None:
+    """Raise ValueError saying what is wrong unless `image` is an (H, W, 3) uint8 array of at least 1x1."""
     if not isinstance(image, np.ndarray):
         raise ValueError(f"{name} must be a numpy array, got {type(image).__name__}")
     if image.ndim != 3 or image.shape[2] != 3:
@@ -45,7 +46,7 @@ def _fitted_size(height: int, width: int, size: int) -> tuple[int, int]:
 def _resized(image: np.ndarray, size: int) -> tuple[torch.Tensor, int, int] | None:
     """The resampled pixels of `resize_with_pad`, rounded: (3, new_h, new_w) float32 holding integers in
     [0, 255], and the (top, left) corner they go to. None if the image is already size x size."""
-    _require_rgb_u8(image)
+    check_rgb_u8(image)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")
     height, width = image.shape[:2]
@@ -98,9 +99,44 @@ def image_to_model_padded(
     return out
 
 
+def images_to_model_padded(images: dict[int, np.ndarray], out: torch.Tensor) -> None:
+    """image_to_model_padded for several images at once, bit for bit: image `images[i]` into `out[i]`
+    ((slots, 3, size, size) float32; slots not in `images` are left as they are). Images of the same
+    size are resampled as one batch, so a call makes a dozen PyTorch operations rather than a dozen per
+    camera: each one hands the interpreter lock to any other thread and waits to get it back
+    (bench/bench_preprocess.py)."""
+    size = out.shape[-1]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for slot, image in images.items():
+        check_rgb_u8(image)
+        groups.setdefault(image.shape[:2], []).append(slot)
+    for (height, width), slots in groups.items():
+        if len(slots) == 1 or (height, width) == (size, size):
+            for slot in slots:
+                image_to_model_padded(images[slot], size, out=out[slot])
+            continue
+        new_h, new_w = _fitted_size(height, width, size)
+        batch = torch.from_numpy(np.stack([images[slot] for slot in slots])).permute(0, 3, 1, 2)
+        # The same operations as _resized and image_to_model_padded, in place, on the batch.
+        pixels = F.interpolate(
+            batch.to(torch.float32), size=(new_h, new_w), mode="bilinear", align_corners=False
+        )
+        pixels.round_().clamp_(0, 255).div_(255.0).mul_(2.0).sub_(1.0)
+        top, left = (size - new_h) // 2, (size - new_w) // 2
+        rows, cols = slice(top, top + new_h), slice(left, left + new_w)
+        if slots == list(range(slots[0], slots[0] + len(slots))):  # consecutive slots: one write each
+            block = out[slots[0] : slots[0] + len(slots)]
+            block.fill_(-1.0)
+            block[:, :, rows, cols] = pixels
+            continue
+        for j, slot in enumerate(slots):
+            out[slot].fill_(-1.0)
+            out[slot, :, rows, cols] = pixels[j]
+
+
 def image_to_model(image_u8: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> torch.Tensor:
     """(size, size, 3) uint8 RGB -> (3, size, size) float32 tensor in [-1, 1] (x / 255 * 2 - 1)."""
-    _require_rgb_u8(image_u8, "image_u8")
+    check_rgb_u8(image_u8, "image_u8")
     if image_u8.shape[:2] != (size, size):
         raise ValueError(
             f"image_u8 must be {size}x{size} (run resize_with_pad first), got {image_u8.shape[:2]}"
