@@ -102,8 +102,8 @@ def image_to_model_padded(
 def images_to_model_padded(images: dict[int, np.ndarray], out: torch.Tensor) -> None:
     """image_to_model_padded for several images at once, bit for bit: image `images[i]` into `out[i]`
     ((slots, 3, size, size) float32; slots not in `images` are left as they are). Images of the same
-    size are resampled as one batch, so a call makes a dozen PyTorch operations rather than a dozen per
-    camera: each one hands the interpreter lock to any other thread and waits to get it back
+    size are resampled as one batch, so a call makes about a dozen PyTorch calls rather than a dozen per
+    camera: each that releases the interpreter lock may then wait for another thread to hand it back
     (bench/bench_preprocess.py)."""
     size = out.shape[-1]
     groups: dict[tuple[int, int], list[int]] = {}
