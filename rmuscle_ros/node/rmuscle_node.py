@@ -90,6 +90,7 @@ def _call_breakdown(chunk: Any, latency_ms: float, episode: int, chunk_id: int) 
 
 
 def describe_call(call: dict[str, Any]) -> str:
+    """One line for a slow call: its latency, mode, episode and chunk, and where its time went."""
     where = f"preprocess {call['preprocess_ms']:.1f} ms"
     if call["gpu_ms"] is not None:
         rest = call["ms"] - call["preprocess_ms"] - call["gpu_ms"]
