@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_pi05 import record_header, save_results
+from rmuscle_ros.cache.runtime import MODES  # indexed by ActionChunk's cache_mode code
 from rmuscle_ros.node.bags import read_messages
 
 TOPIC = "/rmuscle_node/action_chunk"
-MODES = {0: "dense", 1: "cached", 2: "fallback"}  # ActionChunk.CACHE_*
 
 
 def summarise(folder: Path) -> dict[str, object]:
