@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_stacks] [preprocess] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -21,6 +21,8 @@
 #   node_tests: the node's GPU tests (test_node_cache, test_node_lifecycle: the graph backend, tiny model), ~3 min;
 #   node_soak: the demo as a shift, a warm-up and 7 repeats of 15 s at full size, ~4 min; the recorded chunks
 #   (latency, cache mode per chunk) come back in $OUT/node_soak_<commit>/action_chunks;
+#   node_stacks: bench/probe_node_stacks.py, the demo at full size with slow preprocessing calls' thread
+#   stacks sampled, ~3 min; preprocess: bench/bench_preprocess.py with 4 threads (the node's on a GPU), ~1 min;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
 #   alongside the prefill against after it, dense and cached, bit-identity checked, ~2 min;
 #   export_f32 / export_bf16: bench/check_export.py at full size (the tensorrt backend's ONNX export: float32
@@ -31,7 +33,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [overlap_first_step] [export_f32] [export_bf16]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_stacks] [preprocess] [overlap_first_step] [export_f32] [export_bf16]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -89,8 +91,11 @@ for step in $steps; do
         trace_cached)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --cache 0.4 0.5 --out "$out" 2>&1 \
                 | quiet | grep "^## \|^| [0-9]" ;;
+        preprocess)  # bench/bench_preprocess.py with the node's 4 threads on a GPU host
+            timeout 200 python3 bench/bench_preprocess.py --threads 4 --commit "$commit" --out "$out" 2>&1 \
+                | quiet | grep "^| " ;;
         policy) timeout 200 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
-        node|node_setup|node_tests|node_soak)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python
+        node|node_setup|node_tests|node_soak|node_stacks)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python
             if [[ ! -d .whl/cp312 ]]; then
                 echo "no .whl/cp312: run scripts/ros_wheels_for_python.sh 3.12 .whl/cp312 and carry .whl/cp312"
                 continue
@@ -113,6 +118,12 @@ for step in $steps; do
                     AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m pytest -q -m gpu -rs -p no:cacheprovider \
                         test/test_node_cache.py test/test_node_lifecycle.py > "$out/node_tests_$commit.log" 2>&1
                     grep -E "^(FAILED|ERROR)|^E  |[0-9]+ (passed|failed)" "$out/node_tests_$commit.log" | head -30 ;;
+                node_stacks)  # bench/probe_node_stacks.py: slow preprocessing, with every thread's stack
+                    AMENT_PREFIX_PATH=$prefix timeout 420 python3 bench/probe_node_stacks.py --seconds 15 --episodes 6 \
+                        --param model.preset=pi05 --param model.device=cuda --param model.backend=graph \
+                        --param cpu_threads=0 --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+                        --commit "$commit" --out "$out" 2>&1 | quiet | grep "^#\|^- call\|preprocessing calls\|Error"
+                    rm -rf "$out/probe_node_stacks_${commit}_run"/aloha_episode* ;;
                 node_soak)  # a shift: the warm-up and 7 repeats of 15 s, the node at full size on the GPU
                     AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m rmuscle_ros.demo --seconds 15 --episodes 8 \
                         --out "$out/node_soak_$commit" --param model.preset=pi05 --param model.device=cuda \
@@ -131,6 +142,6 @@ for step in $steps; do
             timeout 560 python3 bench/check_export.py --preset pi05 --dtype "$dtype" --workdir "/tmp/export_$dtype" \
                 --commit "$commit" --out "$out" 2>&1 | quiet | grep -v "^\[torch.onnx\]\|rename_mapping\|program = "
             rm -rf "/tmp/export_$dtype" ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, overlap_first_step, export_f32, export_bf16)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, node_stacks, preprocess, overlap_first_step, export_f32, export_bf16)" ;;
     esac
 done
