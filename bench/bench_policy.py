@@ -1,9 +1,11 @@
 """`Policy.infer` as the node calls it, by cache mode: a dense episode (recorded for the library), then a
 repeat of it (served from the cache), ALOHA-sized cameras (3 × 480×640), one process.
 
-Per call, wall clock: preprocess (the images resized into the model's input, the state, the prompt) and
-the model (rMuscle's runtime: vision, the match, the cached or recording prefill + denoise, the actions
-back on the host). Between two calls, and at the reset between the episodes, the window is refilled and
+Per call, wall clock: preprocess (the images resized into the model's input, the state, the prompt; on a
+GPU only the host's part: the frames copied into pinned memory, the resampling queued) and the model
+(rMuscle's runtime: vision, the match, the cached or recording prefill + denoise, the actions back on the
+host; on a GPU after the resampling there). A second policy, alternated with the first call by call,
+resamples the images on the host as the policy did until 2026-12-01. Between two calls, and at the reset between the episodes, the window is refilled and
 waited for, as the node does in its motion windows (at the reset: the likely episodes' first calls, so
 the repeat's first call can be served cached). Medians over each episode's calls after its first; the
 first calls are reported apart, with their cache mode.
@@ -53,48 +55,65 @@ def main() -> None:
             torch.cuda.synchronize()
 
     cfg = PolicyConfig(preset=args.preset, device=args.device, backend=args.backend)
+    # On a GPU the policy resamples the images there. A second policy, alternated call by call with the
+    # first, times the path before that (the images resampled on the host into pinned memory, then copied
+    # up): its buffers swapped by reaching into it, which only a benchmark should do.
+    paths = ("", "_host_preprocessing") if cuda else ("",)
     start = time.perf_counter()
-    policy = Policy(cfg, cache=RMuscleConfig(rebuilds_per_tick=4 * 5))  # the whole window each time
+    policies = {path: Policy(cfg, cache=RMuscleConfig(rebuilds_per_tick=4 * 5)) for path in paths}
     load_s = time.perf_counter() - start
+    if cuda:
+        old = policies["_host_preprocessing"]
+        old._uploads = None
+        old._images = torch.empty(old._images.shape, pin_memory=True)
     start = time.perf_counter()
-    policy.warmup(args.prompt)
+    for policy in policies.values():
+        policy.warmup(args.prompt)
     warmup_s = time.perf_counter() - start
     gc.collect()  # as the node does after configure: later collections walk only what comes after
     gc.freeze()
     print(f"[bench_policy] loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
     observations = [synthetic_observation(cfg, args.prompt, seed=i) for i in range(args.calls)]
-    calls = []  # (episode, call, mode, preprocess ms, model ms, total ms)
+    calls = []  # (path, episode, call, mode, preprocess ms, model ms, total ms)
     for episode in ("dense", "repeat"):
         for i, obs in enumerate(observations):
-            sync()
-            chunk = policy.infer(obs)
-            t = chunk.timings_s
-            calls.append(
-                (episode, i, chunk.cache_mode, t["preprocess"] * 1e3, t["model_and_postprocess"] * 1e3,
-                 chunk.latency_s * 1e3)
-            )  # fmt: skip
-            policy.rebuild_cache(wait=True)
-        policy.reset_episode()
-        policy.rebuild_cache(wait=True)  # the node's motion window at the reset: the likely episode starts
-    policy.close()
+            for path, policy in policies.items():
+                sync()
+                chunk = policy.infer(obs)
+                t = chunk.timings_s
+                calls.append(
+                    (path, episode, i, chunk.cache_mode, t["preprocess"] * 1e3,
+                     t["model_and_postprocess"] * 1e3, chunk.latency_s * 1e3)
+                )  # fmt: skip
+                policy.rebuild_cache(wait=True)
+        for policy in policies.values():
+            policy.reset_episode()
+            policy.rebuild_cache(wait=True)  # the node's motion window at the reset: the likely starts
+    for policy in policies.values():
+        policy.close()
 
     def summary(rows: list[tuple]) -> dict:
         return {
             "calls": len(rows),
-            "median_ms": round(statistics.median(r[5] for r in rows), 3),
-            "preprocess_ms": round(statistics.median(r[3] for r in rows), 3),
-            "model_ms": round(statistics.median(r[4] for r in rows), 3),
-            "modes": sorted({r[2] for r in rows}),
+            "median_ms": round(statistics.median(r[6] for r in rows), 3),
+            "preprocess_ms": round(statistics.median(r[4] for r in rows), 3),
+            "model_ms": round(statistics.median(r[5] for r in rows), 3),
+            "modes": sorted({r[3] for r in rows}),
         }
 
-    results = {
-        "dense_recorded": summary([c for c in calls if c[0] == "dense" and c[1] > 0]),
-        "cached": summary([c for c in calls if c[0] == "repeat" and c[1] > 0]),
-        "first_call_dense_episode": summary([c for c in calls if c[0] == "dense" and c[1] == 0]),
-        "first_call_repeat": summary([c for c in calls if c[0] == "repeat" and c[1] == 0]),
-    }
-    if results["cached"]["modes"] != ["cached"] or results["dense_recorded"]["modes"] != ["dense"]:
-        raise RuntimeError(f"the episodes did not run as intended: {results}")
+    results = {}
+    for path in paths:
+        mine = [c for c in calls if c[0] == path]
+        results |= {
+            f"dense_recorded{path}": summary([c for c in mine if c[1] == "dense" and c[2] > 0]),
+            f"cached{path}": summary([c for c in mine if c[1] == "repeat" and c[2] > 0]),
+            f"first_call_dense_episode{path}": summary([c for c in mine if c[1] == "dense" and c[2] == 0]),
+            f"first_call_repeat{path}": summary([c for c in mine if c[1] == "repeat" and c[2] == 0]),
+        }
+        if results[f"cached{path}"]["modes"] != ["cached"] or results[f"dense_recorded{path}"]["modes"] != [
+            "dense"
+        ]:
+            raise RuntimeError(f"the episodes did not run as intended: {results}")
     device = torch.cuda.get_device_name() if cuda else "CPU"
     record = {
         **record_header(device, args.commit),
@@ -104,7 +123,7 @@ def main() -> None:
         "load_s": round(load_s, 2),
         "warmup_s": round(warmup_s, 2),
         "results": results,
-        "calls_ms": [list(c[:3]) + [round(x, 3) for x in c[3:]] for c in calls],
+        "calls_ms": [list(c[:4]) + [round(x, 3) for x in c[4:]] for c in calls],
     }
     lines = [
         f"# Policy.infer by cache mode, `{args.preset}` ({args.backend}) — {device}",
@@ -123,12 +142,17 @@ def main() -> None:
         "first_call_dense_episode": "the dense episode's first call",
         "first_call_repeat": "the repeat's first call (after the reset's refill of the window)",
     }
-    for key, name in names.items():
-        r = results[key]
-        modes = ", ".join(r["modes"])
-        lines.append(
-            f"| {name} | {r['calls']} | {modes} | {r['median_ms']} | {r['preprocess_ms']} | {r['model_ms']} |"
-        )
+    for path in paths:
+        for key, name in names.items():
+            r = results[key + path]
+            modes = ", ".join(r["modes"])
+            name += ", images resampled on the host (the previous path)" if path else ""
+            lines.append(
+                f"| {name} | {r['calls']} | {modes} | {r['median_ms']} | {r['preprocess_ms']} | {r['model_ms']} |"
+            )
+    if cuda:
+        lines += ["", "The images are resampled on the GPU (the policy's path) except in the rows that say "
+                  "otherwise: a second policy, alternated call by call with the first."]  # fmt: skip
     stem = args.name or f"policy_{args.preset}_{device.split()[-1].lower()}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 

@@ -1,15 +1,16 @@
-"""Host-side preprocessing per call (CPU): camera images to the model's input, and the whole
+"""Preprocessing per call: on the host (CPU), camera images to the model's input, and the whole
 `Policy.preprocess` (images, state, prompt), in one process on the same observation.
 
 Variants for one 480x640 camera image: `two_steps` (resize_with_pad, then image_to_model: the uint8
 (224, 224, 3) intermediate) and `one_step` (image_to_model_padded); both give the same tensor bit for bit
 (checked here and in test/test_transforms.py). For three such cameras: `cameras_one_by_one` (one_step per
 camera, the policy's path until 2026-12-01) and `cameras_batched` (images_to_model_padded, one batch, the
-policy's path now; the same tensors bit for bit), each alone and `with_busy_thread`: another thread runs
-Python the whole time, so each PyTorch operation that hands over the interpreter lock waits up to the
+policy's path on a CPU; the same tensors bit for bit), each alone and `with_busy_thread`: another thread
+runs Python the whole time, so each PyTorch operation that hands over the interpreter lock waits up to the
 switch interval (5 ms) to get it back, which is what a node's executor thread busy with frames can do
-to its worker. Then `policy_preprocess`: three cameras, the state and the prompt. Medians of --iters
-calls (fewer with the busy thread), wall clock, torch threads as set.
+to its worker. Then `policy_preprocess`: three cameras, the state and the prompt. With a GPU, the same on
+the GPU (`gpu_variants`). Medians of --iters calls (fewer with the busy thread), wall clock, torch threads
+as set.
 
     python bench/bench_preprocess.py --commit $(git rev-parse --short HEAD)
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_pi05 import record_header, save_results
 from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
 from rmuscle_ros.runtime.transforms import (
+    ImageUploads,
     image_to_model,
     image_to_model_padded,
     images_to_model_padded,
@@ -67,6 +69,45 @@ def with_busy_thread(fn: Callable[[], object], iters: int) -> float:
     finally:
         stop.set()
         thread.join()
+
+
+def gpu_variants(
+    cameras: dict[int, np.ndarray], on_cpu: torch.Tensor, obs: Observation, iters: int
+) -> dict[str, dict[str, float]]:
+    """The three cameras to the model's input on the GPU, each call waited for: the host path then a copy,
+    and the upload with the resampling on the GPU (alone and beside a busy thread); Policy.preprocess."""
+    device = torch.device("cuda")
+    pinned, on_gpu = torch.empty(on_cpu.shape, pin_memory=True), torch.empty(on_cpu.shape, device=device)
+    uploads = ImageUploads(device)
+
+    def host_then_copy() -> None:
+        images_to_model_padded(cameras, pinned)
+        on_gpu.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def gpu() -> None:
+        images_to_model_padded(cameras, on_gpu, uploads)
+        torch.cuda.synchronize()
+
+    gpu()
+    diff = (on_gpu.cpu() - on_cpu).abs()
+    policy = Policy(PolicyConfig(backend="fused", device="cuda"))
+    policy.preprocess(obs)
+
+    def policy_gpu() -> None:
+        policy.preprocess(obs)
+        torch.cuda.synchronize()
+
+    return {
+        "cameras_host_then_copy": {"median_ms": round(median_ms(host_then_copy, iters), 3)},
+        "cameras_gpu": {
+            "median_ms": round(median_ms(gpu, iters), 3),
+            "max_abs_diff": round(diff.max().item(), 6),
+            "fraction_differing": float(f"{(diff > 0).float().mean().item():.3g}"),
+        },
+        "cameras_gpu_with_busy_thread": {"median_ms": round(with_busy_thread(gpu, max(iters // 3, 5)), 3)},
+        "policy_preprocess_gpu": {"median_ms": round(median_ms(policy_gpu, iters), 3)},
+    }
 
 
 def main() -> None:
@@ -113,9 +154,22 @@ def main() -> None:
         },
         "policy_preprocess": {"median_ms": round(median_ms(lambda: policy.preprocess(obs), args.iters), 3)},
     }
+    gpu_lines: list[str] = []
+    if torch.cuda.is_available():
+        results |= gpu_variants(cameras, batched, obs, args.iters)
+        gpu_lines = [
+            "",
+            "On the GPU (each call synchronised, so the figures include the GPU's work): `cameras_host_then_copy`",
+            "is the policy's path until 2026-12-01 (`cameras_batched` into pinned memory, then copied up as",
+            "float32); `cameras_gpu` uploads the uint8 frames and resamples them there (the policy's path now);",
+            "`policy_preprocess_gpu` is `Policy.preprocess` with `tiny` on the GPU. The GPU's pixels against",
+            f"the CPU's: max difference {results['cameras_gpu']['max_abs_diff']} (one grey level is "
+            f"{2 / 255:.5f}), {results['cameras_gpu']['fraction_differing']} of the values differ.",
+        ]
     cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     record = {
-        **record_header(f"none (CPU: {cpu}, {os.cpu_count()} cores)", args.commit),
+        **record_header(f"{gpu} (CPU: {cpu}, {os.cpu_count()} cores)", args.commit),
         "setting": {
             "image": [480, 640, 3],
             "cameras": len(policy.cfg.cameras),
@@ -125,7 +179,7 @@ def main() -> None:
         "results": results,
     }
     lines = [
-        f"# Host preprocessing — CPU ({cpu}, {os.cpu_count()} cores, {args.threads} torch threads)",
+        f"# Preprocessing — CPU ({cpu}, {os.cpu_count()} cores, {args.threads} torch threads), GPU {gpu}",
         "",
         f"commit `{args.commit}`; one 480x640 camera image, then `Policy.preprocess` with "
         f"{len(policy.cfg.cameras)} of them; medians of {args.iters} calls (wall clock).",
@@ -135,9 +189,13 @@ def main() -> None:
         *(f"| {k} | {v['median_ms']} |" for k, v in results.items()),
         "",
         "`two_steps` and `one_step` give the same tensor bit for bit, and so do `cameras_one_by_one` and",
-        "`cameras_batched` (the policy's path). `with_busy_thread`: another thread runs Python meanwhile.",
+        "`cameras_batched` (the policy's path on a CPU). `with_busy_thread`: another thread runs Python meanwhile.",
+        *gpu_lines,
     ]
-    save_results(args.out, f"preprocess_cpu_{args.commit}_t{args.threads}", record, "\n".join(lines) + "\n")
+    where = "cpu" if gpu == "none" else gpu.split()[-1].lower()
+    save_results(
+        args.out, f"preprocess_{where}_{args.commit}_t{args.threads}", record, "\n".join(lines) + "\n"
+    )
 
 
 if __name__ == "__main__":

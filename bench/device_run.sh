@@ -46,7 +46,7 @@ for step in $steps; do
     echo "=== $step ($(date -u +%T))"
     case $step in
         tests)
-            timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py \
+            timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py test/test_transforms.py \
                 test/test_rmuscle_engine.py 2>&1 | quiet | tail -15 ;;
         pi05)
             timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_h200_$commit" \
@@ -94,7 +94,7 @@ for step in $steps; do
         preprocess)  # bench/bench_preprocess.py with the node's 4 threads on a GPU host
             timeout 200 python3 bench/bench_preprocess.py --threads 4 --commit "$commit" --out "$out" 2>&1 \
                 | quiet | grep "^| " ;;
-        policy) timeout 200 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
+        policy) timeout 400 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         node|node_setup|node_tests|node_soak|node_stacks)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python
             if [[ ! -d .whl/cp312 ]]; then
                 echo "no .whl/cp312: run scripts/ros_wheels_for_python.sh 3.12 .whl/cp312 and carry .whl/cp312"

@@ -382,7 +382,7 @@ def test_a_call_far_slower_than_the_median_is_logged_with_where_its_time_went(ha
     h.node._log_if_slow(call, [10.0] * 19)  # too few calls to judge
     h.node._log_if_slow({**call, "ms": 29.0}, [10.0] * 20)  # within the median + 20 ms
     h.node._log_if_slow(call, [10.0] * 20)
-    said = "slow call: 250.0 ms (cached, episode 2 chunk 7: preprocess 1.5 ms, GPU 9.0 ms, other host time 239.5 ms)"
+    said = "slow call: 250.0 ms (cached, episode 2 chunk 7: preprocess 1.5 ms, GPU 9.0 ms, other 239.5 ms)"
     assert h.wait_for(lambda: any(said in log.msg for log in h.logs), timeout=5.0), [
         log.msg for log in h.logs
     ]

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from rmuscle_ros.models.tokenizer import ByteTokenizer
 from rmuscle_ros.runtime.transforms import (
+    ImageUploads,
     TokenizedPrompt,
+    _fitted_size,
     build_prompt,
     discretize_state,
     image_to_model,
@@ -132,6 +134,67 @@ def test_images_to_model_padded_batches_cameras_bit_for_bit() -> None:
     with pytest.raises(ValueError, match="dtype uint8"):
         images_to_model_padded({0: images[0], 1: images[1].astype(np.float32)}, out)
     assert (out == 7.0).all()
+
+
+def test_images_to_model_padded_off_the_cpu_needs_uploads() -> None:
+    """Into a tensor that is not on the CPU the frames must be uploaded first: without an ImageUploads the
+    call says so; an ImageUploads is for a CUDA device only."""
+    with pytest.raises(ValueError, match="needs uploads"):
+        images_to_model_padded({0: _random_image(480, 640)}, torch.empty(1, 3, 224, 224, device="meta"))
+    with pytest.raises(ValueError, match="CUDA device"):
+        ImageUploads(torch.device("cpu"))
+
+
+GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on the device machine)"
+)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize(
+    ("height", "width"), [(480, 640), (300, 101), (120, 160), (224, 224), (225, 225), (640, 480)]
+)
+def test_images_to_model_padded_on_the_gpu_is_the_cpu_path_within_one_grey_level(
+    height: int, width: int
+) -> None:
+    """The policy's path with the engine on a GPU (frames uploaded as uint8, resampled there): the padding
+    and an image already 224 x 224 are exact; a resampled pixel is the CPU's or a neighbouring grey level
+    (2/255 in the model's range), and such pixels are rare."""
+    images = {slot: _random_image(height, width, seed=10 * slot + height) for slot in range(3)}
+    images[4] = _random_image(height, width, seed=99)  # a scattered slot: written on its own
+    cpu = torch.full((5, 3, 224, 224), 7.0)
+    images_to_model_padded(images, cpu)
+    out = torch.full((5, 3, 224, 224), 7.0, device="cuda")
+    images_to_model_padded(images, out, ImageUploads(torch.device("cuda")))
+    gpu = out.cpu()
+    assert (gpu[3] == 7.0).all(), "a slot without an image is left as it was"
+    diff = (gpu - cpu).abs()
+    if (height, width) == (224, 224):
+        assert torch.equal(gpu, cpu)
+    assert diff.max().item() <= 2 / 255 + 1e-6
+    assert (diff > 0).float().mean().item() <= 1e-3, f"{(diff > 0).float().mean().item():.2e} differ"
+    new_h, new_w = _fitted_size(height, width, 224)
+    top, left = (224 - new_h) // 2, (224 - new_w) // 2
+    inside = torch.zeros(224, 224, dtype=torch.bool)
+    inside[top : top + new_h, left : left + new_w] = True
+    assert (gpu[..., ~inside] == -1.0).all() and (cpu[..., ~inside] == -1.0).all(), "the padding"
+
+
+@pytest.mark.gpu
+@GPU
+def test_image_uploads_reuse_their_buffers_without_mixing_calls() -> None:
+    """Frames uploaded call after call, nothing waited on between: each upload holds its own frames (a
+    pinned buffer is rewritten only once the GPU has read it); a fifth new shape frees the oldest buffer."""
+    uploads = ImageUploads(torch.device("cuda"), max_shapes=4)
+    frames = [[_random_image(480, 640, seed=3 * i + j) for j in range(3)] for i in range(6)]
+    on_device = [uploads.upload(f) for f in frames]  # queued back to back
+    for f, d in zip(frames, on_device, strict=True):
+        assert np.array_equal(d.cpu().numpy(), np.stack(f))
+    for k in range(5):
+        frame = _random_image(100 + k, 100, seed=k)
+        assert np.array_equal(uploads.upload([frame]).cpu().numpy()[0], frame)
+    assert len(uploads._buffers) == 4
 
 
 def test_image_to_model_requires_resized_input() -> None:

@@ -150,16 +150,29 @@ class _Recording:
     token_mask: list[np.ndarray] = field(default_factory=list)
     masks: list[np.ndarray] = field(default_factory=list)
     image_masks: list[np.ndarray] = field(default_factory=list)
-    # The latest call's masks on their way to the host (a GPU engine): a pinned copy and the event after
-    # it. Converted by the next call's recording, while that call's GPU work runs, or when the episode ends.
-    pending_masks: tuple[torch.Tensor, torch.cuda.Event] | None = None
+    # The latest call's images and masks on their way to the host (a GPU engine): per list, a pinned copy,
+    # the event after it and the dtype it is kept in. Converted by the next call's recording, while that
+    # call's GPU work runs, or when the episode ends.
+    pending: list[tuple[list[np.ndarray], torch.Tensor, torch.cuda.Event, type]] = field(default_factory=list)
 
-    def take_pending_masks(self) -> None:
-        if self.pending_masks is not None:
-            host, copied = self.pending_masks
+    def take_pending(self) -> None:
+        for into, host, copied, dtype in self.pending:
             copied.synchronize()
-            self.masks.append(host.numpy().astype(np.int16))
-            self.pending_masks = None
+            into.append(host.numpy().astype(dtype))
+        self.pending = []
+
+    def send_to_host(self, into: list[np.ndarray], tensor: torch.Tensor, dtype: type) -> None:
+        """Append `tensor` to `into` as a `dtype` array: at once from the CPU; from a GPU, through a pinned
+        copy queued on the current stream, taken by `take_pending` (reading it now would wait for the
+        call's GPU work and convert on its latency path)."""
+        if tensor.device.type != "cuda":
+            into.append(tensor.numpy().astype(dtype))
+            return
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.pending.append((into, host, copied, dtype))
 
 
 def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
@@ -179,10 +192,11 @@ def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
     )
 
 
-def images_to_u8(images: torch.Tensor) -> np.ndarray:
-    """Model images (C, 3, S, S) in [-1, 1] (x/255·2−1 of uint8 pixels) -> (C, S, S, 3) uint8, exactly."""
+def images_to_u8(images: torch.Tensor) -> torch.Tensor:
+    """Model images (C, 3, S, S) in [-1, 1] (x/255·2−1 of uint8 pixels) -> (C, S, S, 3) uint8, exactly,
+    on the images' device."""
     u8 = torch.round((images.float() + 1.0) * 127.5).clamp(0, 255).to(torch.uint8)
-    return u8.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    return u8.permute(0, 2, 3, 1).contiguous()
 
 
 def images_from_u8(u8: np.ndarray) -> torch.Tensor:
@@ -336,7 +350,7 @@ class RMuscle:
         """Add the current episode to the library if it is recordable: recording on, at least one call,
         every call dense (an episode served from the cache is not a reference), and not excluded."""
         rec, self._recording = self._recording, _Recording()
-        rec.take_pending_masks()
+        rec.take_pending()
         excluded, self._episode_excluded = self._episode_excluded, ""
         if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
             self._episode_cached = False
@@ -589,21 +603,12 @@ class RMuscle:
     def _record(self, inputs: ModelInputs, descriptor: np.ndarray) -> None:
         rec = self._recording
         rec.descriptors.append(descriptor.astype(np.float32))
-        rec.images.append(images_to_u8(inputs.images[0]))
+        rec.take_pending()  # the previous call's images and masks
+        rec.send_to_host(rec.images, images_to_u8(inputs.images[0]), np.uint8)
         rec.tokens.append(inputs.tokens[0].cpu().numpy().astype(np.int64))
         rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
         rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
-        rec.take_pending_masks()  # the previous call's
-        masks = self.engine.recorded_masks
-        if masks.device.type != "cuda":
-            rec.masks.append(masks.numpy().astype(np.int16))
-            return
-        # Not read back here: that would wait for this call's GPU work and then convert on its latency path.
-        host = torch.empty(masks.shape, dtype=masks.dtype, pin_memory=True)
-        host.copy_(masks, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        rec.pending_masks = (host, copied)
+        rec.send_to_host(rec.masks, self.engine.recorded_masks, np.int16)
 
     # ── the sliding window ───────────────────────────────────────────────────────────────────────────────
 

@@ -94,7 +94,7 @@ def describe_call(call: dict[str, Any]) -> str:
     where = f"preprocess {call['preprocess_ms']:.1f} ms"
     if call["gpu_ms"] is not None:
         rest = call["ms"] - call["preprocess_ms"] - call["gpu_ms"]
-        where += f", GPU {call['gpu_ms']:.1f} ms, other host time {rest:.1f} ms"
+        where += f", GPU {call['gpu_ms']:.1f} ms, other {rest:.1f} ms"
     return f"{call['ms']:.1f} ms ({call['mode']}, episode {call['episode']} chunk {call['chunk']}: {where})"
 
 

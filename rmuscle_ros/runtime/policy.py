@@ -27,6 +27,7 @@ from rmuscle_ros.models.pi05 import ModelInputs
 from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
 from rmuscle_ros.runtime.normalize import NormStats, identity_stats, load_norm_stats
 from rmuscle_ros.runtime.transforms import (
+    ImageUploads,
     build_prompt,
     check_rgb_u8,
     discretize_state,
@@ -36,10 +37,10 @@ from rmuscle_ros.runtime.transforms import (
 
 PI05_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
-# With the model on a GPU the host's PyTorch work is preprocessing (three 480×640 images resized). On the
-# H200's 16-core host, 4 threads did it as fast as 8 or 16 (median 3.4 ms), and 16, PyTorch's default of
-# one per core, took 12-49 ms in 3 of 12 calls, the calling thread busy all along (its CPU time equalled
-# the wall time; bench/results/dev_preprocess_threads_h200_c4736f1).
+# With the model on a GPU the host's PyTorch work was preprocessing (three 480×640 images resized), until
+# that moved to the GPU too. On the H200's 16-core host, 4 threads did it as fast as 8 or 16 (median
+# 3.4 ms), and 16, PyTorch's default of one per core, took 12-49 ms in 3 of 12 calls, the calling thread
+# busy all along (its CPU time equalled the wall time; bench/results/dev_preprocess_threads_h200_c4736f1).
 GPU_HOST_THREADS = 4
 # Backends with rMuscle's cached stages (the others run dense only).
 CACHE_BACKENDS = ("fused", "graph")
@@ -113,8 +114,9 @@ class ActionChunk:
     latency_s: float  # preprocess + inference + postprocess, wall clock
     prompt_tokens: int
     prompt_truncated: bool
-    # preprocess, model_and_postprocess (wall clock), and on a GPU gpu: from the start of the call's first
-    # GPU work to the end of its last (CUDA events), so that latency - gpu is host time and waiting
+    # preprocess, model_and_postprocess (wall clock), and on a GPU gpu: from the start of the model's first
+    # GPU work to the end of its last (CUDA events), so that latency - preprocess - gpu is the rest: host
+    # time, waits, and the images' upload and resampling on the GPU (queued by preprocess, run before)
     timings_s: dict[str, float] = field(default_factory=dict)
     cache_mode: str = "dense"  # rMuscle path: dense, cached or fallback (cache.runtime.MODES)
     cache_similarity: float = 0.0  # best library match's cosine similarity (0.0 without a library)
@@ -159,11 +161,13 @@ class Policy:
                 f"tokenizer: vocabulary {self.tokenizer.vocab_size} exceeds the model's {self.model_cfg.vocab_size}"
             )
         self._noise = torch.Generator().manual_seed(cfg.seed)
-        # The images of the latest preprocess. Pinned when the engine is on a GPU: its copy to the device is
-        # then a DMA that the host does not wait on (a fresh pageable tensor cost the H200 0.35 ms per call
-        # before vision could start, bench/results/dev_probes_h200_2026-11-30_s6.json).
+        # The images of the latest preprocess. With the engine on a GPU they are made there: the frames go
+        # up as uint8 through pinned buffers (a DMA the host does not wait on) and are resampled on the GPU,
+        # which takes the host's ~2-3 ms of PyTorch work per call off the call (bench/bench_preprocess.py).
         s, slots = self.model_cfg.vision.image_size, self.model_cfg.num_cameras
-        self._images = torch.empty(1, slots, 3, s, s, pin_memory=self.device.type == "cuda")
+        on_gpu = self.device.type == "cuda"
+        self._images = torch.empty(1, slots, 3, s, s, device=self.device if on_gpu else "cpu")
+        self._uploads = ImageUploads(self.device) if on_gpu else None
 
     def warmup(self, prompt: str = "warm up") -> dict[str, float]:
         """Backend warm-up (graph capture) plus one full inference on a synthetic observation (seconds)."""
@@ -194,7 +198,7 @@ class Policy:
         if not present:
             raise ValueError("observation has no camera image")
         images = self._images
-        images_to_model_padded(present, out=images[0])  # the cameras of one size as one batch
+        images_to_model_padded(present, images[0], self._uploads)  # the cameras of one size as one batch
         for slot in range(self.model_cfg.num_cameras):
             if slot not in present:
                 images[0, slot].fill_(-1.0)  # missing slot = black, masked out
@@ -206,8 +210,8 @@ class Policy:
             raise ValueError(f"state contains NaN or Inf: {state.tolist()}")
         prompt = build_prompt(obs.prompt, discretize_state(self.stats.state.normalize(state)))
         tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len)
-        # Host tensors: each engine places them (the graph engine copies into its static buffers and packs
-        # the prompt on the host, so a device copy here would only be read back).
+        # The images where the engine runs, the rest as host tensors: each engine places them (the graph
+        # engine packs the prompt on the host, so a device copy here would only be read back).
         inputs = ModelInputs(
             images, masks, torch.from_numpy(tok.tokens)[None], torch.from_numpy(tok.mask)[None]
         )

@@ -99,39 +99,103 @@ def image_to_model_padded(
     return out
 
 
-def images_to_model_padded(images: dict[int, np.ndarray], out: torch.Tensor) -> None:
-    """image_to_model_padded for several images at once, bit for bit: image `images[i]` into `out[i]`
-    ((slots, 3, size, size) float32; slots not in `images` are left as they are). Images of the same
-    size are resampled as one batch, so a call makes about a dozen PyTorch calls rather than a dozen per
-    camera: each that releases the interpreter lock may then wait for another thread to hand it back
-    (bench/bench_preprocess.py)."""
+def images_to_model_padded(
+    images: dict[int, np.ndarray], out: torch.Tensor, uploads: ImageUploads | None = None
+) -> None:
+    """image_to_model_padded for several images at once: image `images[i]` into `out[i]` ((slots, 3, size,
+    size) float32; slots not in `images` are left as they are). A bad image raises ValueError before
+    anything is written.
+
+    On the CPU, bit for bit image_to_model_padded's result. Images of the same size are resampled as one
+    batch, so a call makes about a dozen PyTorch calls rather than a dozen per camera: each that releases
+    the interpreter lock may then wait for another thread to hand it back (bench/bench_preprocess.py).
+
+    With `out` on a GPU, `uploads` (required) copies the uint8 images there and the same operations run
+    on the GPU, queued on the current stream: the host only copies the frames. The GPU's bilinear
+    resampling may round a pixel to the neighbouring grey level where the CPU's does not (one level,
+    2/255 in the model's range; test/test_transforms.py bounds how often)."""
     size = out.shape[-1]
     groups: dict[tuple[int, int], list[int]] = {}
     for slot, image in images.items():
         check_rgb_u8(image)
         groups.setdefault(image.shape[:2], []).append(slot)
+    if out.device.type != "cpu":
+        if uploads is None:
+            raise ValueError(f"images_to_model_padded into {out.device} needs uploads (an ImageUploads)")
+        for slots in groups.values():
+            _fill_padded(uploads.upload([images[slot] for slot in slots]), out, slots)
+        return
     for (height, width), slots in groups.items():
         if len(slots) == 1 or (height, width) == (size, size):
             for slot in slots:
                 image_to_model_padded(images[slot], size, out=out[slot])
             continue
-        new_h, new_w = _fitted_size(height, width, size)
-        batch = torch.from_numpy(np.stack([images[slot] for slot in slots])).permute(0, 3, 1, 2)
-        # The same operations as _resized and image_to_model_padded, in place, on the batch.
-        pixels = F.interpolate(
-            batch.to(torch.float32), size=(new_h, new_w), mode="bilinear", align_corners=False
-        )
-        pixels.round_().clamp_(0, 255).div_(255.0).mul_(2.0).sub_(1.0)
-        top, left = (size - new_h) // 2, (size - new_w) // 2
-        rows, cols = slice(top, top + new_h), slice(left, left + new_w)
-        if slots == list(range(slots[0], slots[0] + len(slots))):  # consecutive slots: one write each
-            block = out[slots[0] : slots[0] + len(slots)]
-            block.fill_(-1.0)
-            block[:, :, rows, cols] = pixels
-            continue
+        _fill_padded(torch.from_numpy(np.stack([images[slot] for slot in slots])), out, slots)
+
+
+def _fill_padded(batch: torch.Tensor, out: torch.Tensor, slots: list[int]) -> None:
+    """(n, H, W, 3) uint8 images, on out's device -> out[slots], with the operations of _resized and
+    image_to_model_padded (image_to_model's for images already size x size), in place on the batch."""
+    size = out.shape[-1]
+    height, width = batch.shape[1:3]
+    pixels = batch.permute(0, 3, 1, 2).to(torch.float32)
+    if (height, width) == (size, size):
         for j, slot in enumerate(slots):
-            out[slot].fill_(-1.0)
-            out[slot, :, rows, cols] = pixels[j]
+            out[slot] = pixels[j].div_(255.0).mul_(2.0).sub_(1.0)
+        return
+    new_h, new_w = _fitted_size(height, width, size)
+    pixels = F.interpolate(pixels, size=(new_h, new_w), mode="bilinear", align_corners=False)
+    pixels.round_().clamp_(0, 255).div_(255.0).mul_(2.0).sub_(1.0)
+    top, left = (size - new_h) // 2, (size - new_w) // 2
+    rows, cols = slice(top, top + new_h), slice(left, left + new_w)
+    if _consecutive(slots):  # one write for all: the usual case
+        block = out[slots[0] : slots[0] + len(slots)]
+        block.fill_(-1.0)
+        block[:, :, rows, cols] = pixels
+        return
+    for j, slot in enumerate(slots):
+        out[slot].fill_(-1.0)
+        out[slot, :, rows, cols] = pixels[j]
+
+
+def _consecutive(slots: list[int]) -> bool:
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
+class ImageUploads:
+    """Copies camera frames to a GPU through pinned host buffers, reused from call to call.
+
+    A frame from a ROS message is pageable memory; copying it into a pinned buffer and queuing a DMA
+    from there lets the host go on at once. One buffer per batch shape (cameras of one size share one),
+    at most `max_shapes` of them (a stream of ever-new sizes frees the oldest). A buffer is rewritten
+    only after the GPU has read its previous contents (an event per buffer)."""
+
+    def __init__(self, device: torch.device, max_shapes: int = 4) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"ImageUploads copies to a CUDA device, got {device}")
+        self.device = device
+        self.max_shapes = max_shapes
+        self._buffers: dict[tuple[int, ...], tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def upload(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """(n, H, W, 3) uint8 on the device: `frames` (each (H, W, 3) uint8, checked by the caller),
+        copied on the current stream."""
+        shape = (len(frames), *frames[0].shape)
+        held = self._buffers.pop(shape, None)
+        if held is None:
+            if len(self._buffers) >= self.max_shapes:
+                oldest = next(iter(self._buffers))
+                self._buffers.pop(oldest)[1].synchronize()  # its last copy done before it is freed
+            held = (torch.empty(shape, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+        host, copied = held
+        copied.synchronize()  # the previous copy from this buffer has been read (at once if none)
+        staging = host.numpy()
+        for j, frame in enumerate(frames):
+            np.copyto(staging[j], frame)
+        on_device = host.to(self.device, non_blocking=True)
+        copied.record()
+        self._buffers[shape] = held  # most recently used last
+        return on_device
 
 
 def image_to_model(image_u8: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> torch.Tensor:
