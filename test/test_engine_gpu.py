@@ -530,6 +530,30 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         policy.close()
 
 
+def test_a_gpu_policy_records_the_images_it_resampled_on_the_gpu(tmp_path) -> None:
+    """With the engine on the GPU the policy resamples the images there, and a recorded episode keeps
+    them: each call's library images are that call's model input as uint8, exactly (they reach the host
+    through a pinned copy taken by the next call or at the episode's end)."""
+    import numpy as np
+
+    from rmuscle_ros.cache.runtime import RMuscleConfig, images_to_u8
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+
+    cfg = PolicyConfig(backend="graph", device="cuda")
+    policy = Policy(cfg, RMuscleConfig(library_path=str(tmp_path / "library")))
+    observations = [synthetic_observation(cfg, "stack", seed=i) for i in range(3)]
+    want = []
+    for obs in observations:
+        want.append(images_to_u8(policy.preprocess(obs)[0].images[0]).cpu().numpy())
+        assert policy.preprocess(obs)[0].images.is_cuda
+        policy.infer(obs)
+    assert policy.reset_episode() == 0
+    recorded = policy.rmuscle.library.load(0).images
+    assert recorded.shape == (3, *want[0].shape)
+    assert all(np.array_equal(r, w) for r, w in zip(recorded, want, strict=True))
+    policy.close()
+
+
 def test_retrieval_on_the_gpu_picks_what_the_host_picks() -> None:
     """The library's descriptors on the GPU: a first call, aligned calls and a fallback call give the same
     matches as host retrieval, similarities within float32 rounding."""
