@@ -111,9 +111,8 @@ def images_to_model_padded(
     the interpreter lock may then wait for another thread to hand it back (bench/bench_preprocess.py).
 
     With `out` on a GPU, `uploads` (required) copies the uint8 images there and the same operations run
-    on the GPU, queued on the current stream: the host only copies the frames. The GPU's bilinear
-    resampling may round a pixel to the neighbouring grey level where the CPU's does not (one level,
-    2/255 in the model's range; test/test_transforms.py bounds how often)."""
+    on the GPU, queued on the current stream: the host only copies the frames. The result is the CPU
+    path's, bit for bit (test/test_transforms.py, on a GPU)."""
     size = out.shape[-1]
     groups: dict[tuple[int, int], list[int]] = {}
     for slot, image in images.items():
@@ -123,7 +122,7 @@ def images_to_model_padded(
         if uploads is None:
             raise ValueError(f"images_to_model_padded into {out.device} needs uploads (an ImageUploads)")
         for slots in groups.values():
-            _fill_padded(uploads.upload([images[slot] for slot in slots]), out, slots)
+            _fill_padded(uploads.upload([images[slot] for slot in slots]), out, slots, uploads.full_scale)
         return
     for (height, width), slots in groups.items():
         if len(slots) == 1 or (height, width) == (size, size):
@@ -133,19 +132,22 @@ def images_to_model_padded(
         _fill_padded(torch.from_numpy(np.stack([images[slot] for slot in slots])), out, slots)
 
 
-def _fill_padded(batch: torch.Tensor, out: torch.Tensor, slots: list[int]) -> None:
+def _fill_padded(
+    batch: torch.Tensor, out: torch.Tensor, slots: list[int], full_scale: float | torch.Tensor = 255.0
+) -> None:
     """(n, H, W, 3) uint8 images, on out's device -> out[slots], with the operations of _resized and
-    image_to_model_padded (image_to_model's for images already size x size), in place on the batch."""
+    image_to_model_padded (image_to_model's for images already size x size), in place on the batch.
+    `full_scale`: 255, as ImageUploads.full_scale on a GPU."""
     size = out.shape[-1]
     height, width = batch.shape[1:3]
     pixels = batch.permute(0, 3, 1, 2).to(torch.float32)
     if (height, width) == (size, size):
         for j, slot in enumerate(slots):
-            out[slot] = pixels[j].div_(255.0).mul_(2.0).sub_(1.0)
+            out[slot] = pixels[j].div_(full_scale).mul_(2.0).sub_(1.0)
         return
     new_h, new_w = _fitted_size(height, width, size)
     pixels = F.interpolate(pixels, size=(new_h, new_w), mode="bilinear", align_corners=False)
-    pixels.round_().clamp_(0, 255).div_(255.0).mul_(2.0).sub_(1.0)
+    pixels.round_().clamp_(0, 255).div_(full_scale).mul_(2.0).sub_(1.0)
     top, left = (size - new_h) // 2, (size - new_w) // 2
     rows, cols = slice(top, top + new_h), slice(left, left + new_w)
     if _consecutive(slots):  # one write for all: the usual case
@@ -175,6 +177,10 @@ class ImageUploads:
             raise ValueError(f"ImageUploads copies to a CUDA device, got {device}")
         self.device = device
         self.max_shapes = max_shapes
+        # 255 as a tensor on the device, to divide the pixels by: divided by a Python number, PyTorch's
+        # CUDA kernels multiply by its reciprocal, which differed from the CPU's division by one ulp in 29 %
+        # of the values (H200, 3 cameras); divided by a device tensor, they divide, as the CPU does.
+        self.full_scale = torch.tensor(255.0, device=device)
         self._buffers: dict[tuple[int, ...], tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     def upload(self, frames: list[np.ndarray]) -> torch.Tensor:
