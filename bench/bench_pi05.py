@@ -2,7 +2,8 @@
 
 Setting (issue #2): full `pi05` size, 3 cameras, a prompt of ~50 valid tokens (task text + 14-D ALOHA
 state; padding not computed), 10 denoising steps, horizon 50; the graph engines take host inputs as the
-node's policy hands them over (images pinned). Weights are seeded random (no trained
+node's policy handed them over until 2026-12-01 (images pinned; it now resamples them on the GPU and hands
+them over there, as in the graph-device-inputs row). Weights are seeded random (no trained
 π0.5 weights on the benchmark machine): timings do not depend on values, accuracy ratios are
 graph-vs-eager on the same weights.
 
@@ -128,8 +129,8 @@ def make_inputs(cfg, prompt_tokens: int, device: torch.device, seed: int) -> tup
 
 
 def policy_inputs(inputs: ModelInputs, noise: torch.Tensor) -> tuple[ModelInputs, torch.Tensor]:
-    """The inputs as the node's policy hands them to the engine (Policy.preprocess): host tensors, the
-    images in pinned memory where there is CUDA."""
+    """The inputs as the node's policy handed them to the engine until 2026-12-01 (Policy.preprocess): host
+    tensors, the images in pinned memory where there is CUDA. (It now makes the images on the GPU.)"""
     images = inputs.images.cpu()
     images = images.pin_memory() if torch.cuda.is_available() else images
     cpu = ModelInputs(images, inputs.image_masks.cpu(), inputs.tokens.cpu(), inputs.token_mask.cpu())
@@ -289,9 +290,10 @@ def main() -> None:
     results["eager"]["stages_ms"] = {
         k: round(statistics.median(cuda_time_ms(f, args.eager_iters)), 3) for k, f in stages_e.items()
     }
-    # The graph engines take the inputs as the node's policy hands them over: images in pinned host memory,
-    # prompt and noise as host tensors (Policy.preprocess). "graph-device-inputs": the same call with the
-    # inputs already on the GPU (the prompt is then read back to pick its bucket).
+    # The graph engines take the inputs as the node's policy handed them over until 2026-12-01: images in
+    # pinned host memory, prompt and noise as host tensors. "graph-device-inputs": the same call with the
+    # inputs already on the GPU (the prompt is then read back to pick its bucket); the policy now hands
+    # the images over on the GPU, the prompt and noise on the host.
     host = policy_inputs(inputs, noise)
     bucket = graph.load_inputs(*host)
     variants = [("fused-nograph", graph, False, host), ("graph", graph, True, host),
@@ -406,8 +408,8 @@ def to_markdown(r: dict) -> str:
         f"The call's two graphs alone (vision, tail), inputs already loaded: {g['replay_ms']} ms. Loading "
         f"the inputs takes {g['begin_load_host_ms']} ms of host time before vision starts (validation, the "
         f"images' copy) and {g['finish_load_host_ms']} ms while it runs (prompt, layout, noise). The graph "
-        "engines' rows take host inputs as the node's policy hands them over (images pinned, prompt and noise "
-        "on the host); graph-device-inputs takes them on the GPU.",
+        "engines' rows take host inputs as the node's policy handed them over until 2026-12-01 (images pinned, "
+        "prompt and noise on the host); graph-device-inputs takes them on the GPU (the policy's images now are).",
         "",
         "Medians of the graph call in successive timing loops (the table has the first): "
         + "; ".join(

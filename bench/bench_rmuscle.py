@@ -71,8 +71,8 @@ def scene(cfg, t: float, light: float, noise: float, gen: torch.Generator) -> to
 def observation(
     cfg, t: float, light: float, noise: float, seed: int, prompt: int, pin: bool = False
 ) -> ModelInputs:
-    """The scene at phase t as model inputs on the host; pin: images in pinned memory (the node's policy and
-    the runtime's library hand images over that way, so their copies to the GPU never block)."""
+    """The scene at phase t as model inputs on the host; pin: images in pinned memory (as the node's policy
+    handed them over until 2026-12-01, so their copies to the GPU never block; it now makes them there)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(7))
     tokens[0, -14:] = cfg.vocab_size - 30 + int(20 * t)  # the discretised state moves with the task

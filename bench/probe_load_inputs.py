@@ -11,8 +11,8 @@ three ways to run the same call, interleaved call by call so that clock drift be
 - `serial`: `load_inputs`, then vision, then the tail (the GPU waits for all of the host's work);
 - `graphs_alone`: vision and the tail with the inputs already loaded (nothing to wait for);
 
-for inputs as the node's policy hands them over (images pinned, prompt and noise on the host) and for
-inputs already on the GPU; each with the live lane's staging buffer pageable (the engine's default) and
+for inputs as the node's policy handed them over until 2026-12-01 (images pinned, prompt and noise on the
+host) and for inputs already on the GPU; each with the live lane's staging buffer pageable (the engine's default) and
 pinned (`_Staging.pin`). Also the host time of each step of a call, and a cProfile of `load_inputs`.
 (The previous version of this probe, `bench/results/probe_load_inputs_h200_acf81b9`, compared staging
 buffers and the prefill's gate/up kernel: the pinned and pageable buffers load alike.)
