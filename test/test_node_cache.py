@@ -133,11 +133,18 @@ def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harne
         policy.infer(obs)
     assert node.reset_episode() == 1 and policy.cache_status()["library_episodes"] == 1
     assert policy.cache_status()["window_entries"] == 0
+    # The next observation is 10 ms away on the node's clock, and the latest part took a minute: a motion
+    # window after a call would start nothing, the reset's starts parts until the observation is due (in
+    # a bag replay between two bags, the clock stands still).
+    node._infer_timer = node.create_timer(0.01, lambda: None)
+    node._rebuild_s.append(60.0)
     node._refill_for_next_episode()
     assert node.stats()["cache"]["rebuilds"] > 0
     chunk = policy.infer(obs)
     assert chunk.cache_mode == "cached" and chunk.cache_similarity > 0.8
     assert node.stats()["errors"] == {}
+    node.destroy_timer(node._infer_timer)
+    node._infer_timer = None
 
 
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
