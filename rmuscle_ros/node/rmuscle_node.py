@@ -44,6 +44,10 @@ from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, par
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
+# A rebuild part's time steers the motion windows for this long. A first part after a reset once took
+# 520 ms on the H200 (~2 ms after), and as the longest remembered part it stopped every later window
+# from starting one, so no newer time could replace it (tiny, 0.3 s period, test_node_cache).
+PART_MEMORY_S = 10.0
 # A call this much slower than the window's median is logged with its breakdown (at most every 5 s).
 SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
@@ -175,7 +179,8 @@ class RMuscleNode(LifecycleNode):
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
             self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
-        self._rebuild_s: deque[float] = deque(maxlen=8)  # wall time of the latest rebuild parts
+        # (when, wall seconds) of the latest rebuild parts: what the motion windows' estimate reads
+        self._rebuild_s: deque[tuple[float, float]] = deque(maxlen=8)
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -590,7 +595,8 @@ class RMuscleNode(LifecycleNode):
                     start = time.monotonic()
                     queued, finished = policy.rebuild_cache_slice(wait=True)
                     if queued:
-                        self._rebuild_s.append(time.monotonic() - start)
+                        now = time.monotonic()
+                        self._rebuild_s.append((now, now - start))
                 except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
                     self._error("cache_rebuild", f"{type(e).__name__}: {e}")
                     break
@@ -609,14 +615,17 @@ class RMuscleNode(LifecycleNode):
     def _next_call_too_close(self, estimate: bool = True) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
         or, with `estimate`, will be before another part is built (the longest of the latest parts' build
-        times). Build times are wall-clock and the timer runs on the node's clock: the same in real time
-        and in a 1× bag replay while it plays."""
+        times, of the last PART_MEMORY_S seconds; with none that recent, one part is started, and its
+        time steers the next windows). Build times are wall-clock and the timer runs on the node's clock:
+        the same in real time and in a 1× bag replay while it plays."""
         if self._tick.is_set() or self._stop.is_set():
             return True
         if not estimate:
             return False
         left = self._time_to_next_call_s()
-        return left is not None and bool(self._rebuild_s) and left < max(self._rebuild_s)
+        now = time.monotonic()
+        recent = [seconds for when, seconds in self._rebuild_s if now - when < PART_MEMORY_S]
+        return left is not None and bool(recent) and left < max(recent)
 
     def _time_to_next_call_s(self) -> float | None:
         """Seconds until the inference timer next fires (on the node's clock), None without one."""
