@@ -501,7 +501,8 @@ class RMuscleNode(LifecycleNode):
         the episodes the next one will likely repeat (RMuscle._episode_starts), so that its first call
         can be served cached. It stops once the next observation is due, but starts parts without the
         latest part times' estimate: the first call gains from them directly (a cached call instead of a
-        dense one, ~2.7 ms at `pi05` on the H200), and waits at most for the part in flight (~2 ms there).
+        dense one, 2-3 ms less at `pi05` on the H200: bench_policy, the node's soaks), and waits at most
+        for the part in flight (~2 ms there).
         A replay whose clock stops between episodes (the demo's bags) refills here too: nothing falls
         due while the clock stands still, which the estimate cannot know."""
         cfg, policy = self.cfg, self.policy
