@@ -142,3 +142,20 @@ def test_policy_benchmark_times_a_dense_episode_and_its_cached_repeat(tmp_path) 
         r = results[key]
         assert r["calls"] == 2 and r["median_ms"] >= r["model_ms"] > 0 and r["preprocess_ms"] > 0
     assert results["first_call_repeat"]["modes"] == ["cached"], "the reset's refill serves the first call"
+
+
+def test_first_rebuild_probe_times_each_part_after_a_reset(tmp_path) -> None:
+    """bench/probe_first_rebuild.py on `tiny` (CPU smoke run): a recorded episode, then the parts of the
+    reset's refill, each with its pieces; the repeat is served cached."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "probe_first_rebuild.py"), "--device", "cpu", "--backend",
+           "fused", "--calls", "3", "--out", str(tmp_path), "--commit", "smoke"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    record = json.loads((tmp_path / "probe_first_rebuild_tiny_cpu_smoke.json").read_text())
+    assert record["modes"] == {"recorded": ["dense"] * 3, "cached": ["cached"] * 3}
+    parts = [r for r in record["results"]["parts"] if r["after"].startswith("the reset after the recorded")]
+    assert len(parts) >= 3 and sum(r["completed_an_entry"] for r in parts) == 3, "the episode's 3 calls"
+    assert parts[0]["episode_load_ms"] > 0 and all(r["total_ms"] >= r["host_ms"] > 0 for r in parts)
