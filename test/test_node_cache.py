@@ -123,6 +123,50 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine) -> No
     assert h.node.stats()["errors"] == {}
 
 
+def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> None:
+    """~/discard_episode (service, or an Empty on the topic of the same name) keeps the episode in progress
+    out of the library: a failed attempt must not become the cell's muscle memory. The reset then says
+    so, and recording starts again with the next episode; /diagnostics counts the discarded episodes."""
+    from std_msgs.msg import Empty
+
+    h = harness(**CACHE)
+    _start(h)
+    name = h.node.get_name()
+    discard = h.peer.create_client(Trigger, f"/{name}/discard_episode")
+    discard_topic = h.peer.create_publisher(Empty, f"/{name}/discard_episode", 10)
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 2), f"no chunks; drops {h.drops()}"
+    reply = h.call(discard, Trigger.Request())
+    assert reply.success and reply.message == "episode 0 will not be recorded into the library", reply.message
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 4), "the episode goes on, unrecorded"
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.success and reply.message == "episode 1 (episode 0 was discarded, not recorded)", (
+        reply.message
+    )
+    assert h.node.policy.cache_status()["library_episodes"] == 0
+
+    assert h.feed_until(lambda: len(_episode(h, 1)) >= 2)
+    reply = h.call(h.reset, Trigger.Request())
+    assert "episode 1 recorded as library episode 0" in reply.message, reply.message
+
+    assert h.feed_until(lambda: len(_episode(h, 2)) >= 1)
+    discard_topic.publish(Empty())
+    assert h.wait_for(lambda: h.node.stats()["cache"]["episodes_discarded"] == 2), h.node.stats()["cache"]
+    h.call(discard, Trigger.Request())  # the same episode again: counted once
+    assert h.node.stats()["cache"]["episodes_discarded"] == 2
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.message == "episode 3 (episode 2 was discarded, not recorded)", reply.message
+    assert h.node.policy.cache_status()["library_episodes"] == 1
+    assert h.node.stats()["errors"] == {}
+
+
+def test_discarding_without_the_cache_says_there_is_nothing_to_keep_out(harness) -> None:
+    h = harness()
+    _start(h)
+    discard = h.peer.create_client(Trigger, f"/{h.node.get_name()}/discard_episode")
+    reply = h.call(discard, Trigger.Request())
+    assert not reply.success and reply.message == "episode 0: no cache to keep it out of", reply.message
+
+
 def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harness, engine) -> None:
     """At an episode reset the worker runs a motion window (`_refill_for_next_episode`) for the first calls
     of the episodes the next one will likely repeat: the repeat's first call is then served cached.

@@ -140,6 +140,8 @@ class RMuscleNode(LifecycleNode):
         self._status_pub: Any = None
         self._reset_srv: Any = None
         self._reset_sub: Any = None
+        self._discard_srv: Any = None
+        self._discard_sub: Any = None
         self._subs: list[Any] = []
         self._timers: list[Any] = []
         self._infer_timer: Any = None  # the first of _timers: it wakes the worker for each observation
@@ -177,6 +179,8 @@ class RMuscleNode(LifecycleNode):
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
+            self.episodes_discarded = 0  # episodes kept out of the library on ~/discard_episode
+            self._discarded = -1  # the latest of them
             self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
         # (when, wall seconds) of the latest rebuild parts: what the motion windows' estimate reads
@@ -250,6 +254,10 @@ class RMuscleNode(LifecycleNode):
         self._reset_srv = self.create_service(Trigger, "~/reset_episode", self._on_reset_service)
         self._reset_sub = self.create_subscription(
             Empty, "~/reset_episode", lambda _msg: self.reset_episode(), 10
+        )
+        self._discard_srv = self.create_service(Trigger, "~/discard_episode", self._on_discard_service)
+        self._discard_sub = self.create_subscription(
+            Empty, "~/discard_episode", lambda _msg: self.discard_episode(), 10
         )
         limits = _limits(cfg)
         # Reasons name each camera's topic as remapped (the cell's name for it), which an operator can look up.
@@ -400,12 +408,14 @@ class RMuscleNode(LifecycleNode):
         for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub, self._status_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
-        if self._reset_srv is not None:
-            self.destroy_service(self._reset_srv)
-        if self._reset_sub is not None:
-            self.destroy_subscription(self._reset_sub)
+        for srv in (self._reset_srv, self._discard_srv):
+            if srv is not None:
+                self.destroy_service(srv)
+        for sub in (self._reset_sub, self._discard_sub):
+            if sub is not None:
+                self.destroy_subscription(sub)
         self._chunk_pub = self._trajectory_pub = self._diag_pub = self._status_pub = None
-        self._reset_srv = self._reset_sub = None
+        self._reset_srv = self._reset_sub = self._discard_srv = self._discard_sub = None
         if self.policy is not None:
             with self._policy_lock:
                 try:
@@ -457,6 +467,8 @@ class RMuscleNode(LifecycleNode):
         elif recorded is not None:
             note = f"episode {episode - 1} recorded as library episode {recorded}"
             self.get_logger().info(note)
+        elif self._discarded == episode - 1:
+            note = f"episode {episode - 1} was discarded, not recorded"
         else:
             note = ""
         self.get_logger().info(f"episode {episode} starts")
@@ -465,6 +477,29 @@ class RMuscleNode(LifecycleNode):
             self._refill.set()  # the worker refills the window for the next episode's first calls
             self._wake.set()
         return episode, note
+
+    def discard_episode(self) -> str:
+        """Keep the episode in progress out of the cache's library: an operator's (or a success
+        detector's) word that this attempt failed, so that the cell does not learn it. Its calls so far are
+        dropped and later ones are not recorded; the next reset starts recording again. Returns what
+        happened, for the service's reply."""
+        with self._policy_lock:
+            policy = self.policy
+            with self._stats_lock:
+                episode = self.episode_id
+            if policy is None or not policy.discard_episode("discarded on ~/discard_episode"):
+                return f"episode {episode}: no cache to keep it out of"
+            with self._stats_lock:
+                self.episodes_discarded += self._discarded != episode
+                self._discarded = episode
+        note = f"episode {episode} will not be recorded into the library"
+        self.get_logger().info(note)
+        return note
+
+    def _on_discard_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        response.message = self.discard_episode()
+        response.success = "will not be recorded" in response.message
+        return response
 
     def _on_reset_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         # The episode did reset even if its recording failed (that is logged and counted on /diagnostics).
@@ -704,7 +739,8 @@ class RMuscleNode(LifecycleNode):
             chunks = self.chunk_id
             cache = dict(self.cache_status) if self.cache_status is not None else None
             if cache is not None:
-                cache |= {"rebuilds": self.rebuilds, "rebuilds_deferred": self.rebuilds_deferred}
+                cache |= {"rebuilds": self.rebuilds, "rebuilds_deferred": self.rebuilds_deferred,
+                          "episodes_discarded": self.episodes_discarded}  # fmt: skip
             errors = dict(self.errors)
             waiting_for = self.waiting_for
             failing, last_drop = self._failing_ticks, self._last_drop
@@ -774,7 +810,7 @@ class RMuscleNode(LifecycleNode):
             status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
                                                         "window_entries", "library_bytes", "rebuilds",
-                                                        "rebuilds_deferred")}  # fmt: skip
+                                                        "rebuilds_deferred", "episodes_discarded")}  # fmt: skip
             values["cache.library_problems"] = len(cache["library_problems"])
         values |= {f"errors.{k}": v for k, v in s["errors"].items()}
         status.values = [

@@ -298,6 +298,15 @@ class Policy:
     def cache_status(self) -> dict[str, object] | None:
         return self.rmuscle.status() if self.rmuscle is not None else None
 
+    def discard_episode(self, reason: str) -> bool:
+        """Keep the episode in progress out of the library (e.g. the attempt failed: the cache must not
+        learn it). Its calls so far are dropped and later ones are not recorded, until the next
+        `reset_episode`. Returns whether there is a cache to keep it out of."""
+        if self.rmuscle is None:
+            return False
+        self.rmuscle.exclude_episode(reason)
+        return True
+
     def close(self) -> int | None:
         """Record the current episode if it qualifies and release the cache's temporary files."""
         rm, self.rmuscle = self.rmuscle, None
