@@ -166,3 +166,68 @@ def test_similarities_from_the_gpu_need_a_gpu_retriever_and_a_queued_call() -> N
         r.queue(torch.zeros(2, 8))
     with pytest.raises(RuntimeError, match="needs similarities queued"):
         r.query()
+
+
+def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys) -> None:
+    """`python -m rmuscle_ros.cache.library`: list (the index), verify (every file's checksum; exit 1 on a
+    problem), remove (the index first, then the files; an unknown id removes nothing)."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    for seed in range(3):
+        lib.add(episode(seed=seed), meta={"session_episode": str(seed)})
+    lib.close()
+    assert main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 episode(s), weights abc123" in out and "not open in any live process" in out
+    assert "episode 1: 5 calls" in out and "(session_episode 1)" in out
+
+    (tmp_path / lib.entries[1].file).write_bytes(b"damaged")
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "episode 1: episode_000001.safetensors is corrupt" in out and "2 of 3 episode(s) intact" in out
+
+    assert main(["remove", str(tmp_path), "1", "9"]) == 2
+    assert "no episode [9]" in capsys.readouterr().err
+    assert (tmp_path / "episode_000001.safetensors").exists(), "nothing removed"
+    assert main(["remove", str(tmp_path), "1"]) == 0
+    assert "removed episode(s) [1]; 2 left" in capsys.readouterr().out
+    assert not (tmp_path / "episode_000001.safetensors").exists()
+    reopened = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(reopened.entries) == [0, 2] and reopened.problems == []
+    reopened.close()
+    assert main(["verify", str(tmp_path)]) == 0
+    assert main(["list", str(tmp_path / "nothing")]) == 2
+    assert "no library here" in capsys.readouterr().err
+
+
+def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp_path: Path, capsys) -> None:
+    """An open library holds a marker naming its process: while that process lives, `remove` refuses (its
+    index in memory would put the episodes back); a marker left by a process that is gone is ignored."""
+    import socket
+    import subprocess
+    import sys
+
+    from rmuscle_ros.cache.library import OPEN_MARKER, holder, main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode())
+    lib.add(episode(seed=1))
+    assert holder(tmp_path) is not None
+    assert main(["remove", str(tmp_path), "0"]) == 2
+    assert "is open in process" in capsys.readouterr().err
+    assert sorted(ReferenceLibrary.open(tmp_path / "other", KEY).entries) == []  # an unrelated library
+    lib.close()
+    assert holder(tmp_path) is None and not (tmp_path / OPEN_MARKER).exists()
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (tmp_path / OPEN_MARKER).write_text(f"{socket.gethostname()} {int(gone.stdout)}")
+    assert holder(tmp_path) is None, "the process that wrote the marker has exited"
+    assert main(["remove", str(tmp_path), "0"]) == 0
+    out = subprocess.run(
+        [sys.executable, "-m", "rmuscle_ros.cache.library", "list", str(tmp_path)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "1 episode(s)" in out and "episode 1: 5 calls" in out

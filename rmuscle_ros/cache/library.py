@@ -19,17 +19,30 @@ Guarantees:
   and left out (its file is kept for inspection), never silently used. A corrupt index is an error; it is
   moved aside (not deleted) before a new library is saved in its place.
 - **Bounded.** `max_bytes` / `max_episodes`, evicting the least recently used episodes.
+- **One writer.** An open library holds a marker (`.open`: host and pid, removed by `close`); the
+  command line below refuses to remove episodes from a library a live process has open, whose index in
+  memory would put them back.
 No pickle: safetensors and JSON only.
+
+On a cell (read-only while the node runs; `remove` once it is cleaned up or stopped):
+
+    python -m rmuscle_ros.cache.library list /var/lib/rmuscle/cell7
+    python -m rmuscle_ros.cache.library verify /var/lib/rmuscle/cell7
+    python -m rmuscle_ros.cache.library remove /var/lib/rmuscle/cell7 3 7
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
 import hashlib
 import json
 import logging
 import os
+import socket
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +54,7 @@ log = logging.getLogger(__name__)
 
 LIBRARY_VERSION = 1
 INDEX = "index.json"
+OPEN_MARKER = ".open"  # "<host> <pid>" of the process that has the library open for writing
 EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")
 OPTIONAL_TENSORS = ("action_masks", "image_masks")
 
@@ -51,6 +65,10 @@ class LibraryError(RuntimeError):
 
 class LibraryMismatch(LibraryError):
     """A library recorded with other weights or shapes."""
+
+
+class LibraryBusy(LibraryError):
+    """The library is open in another live process (a running node), which owns its index."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_problem(root: Path, entry: EpisodeEntry) -> str | None:
+    """What is wrong with an episode's file (missing, or not what the index recorded), None if nothing."""
+    path = root / entry.file
+    if not path.exists():
+        return f"episode {entry.id}: {entry.file} is missing"
+    if path.stat().st_size != entry.bytes or _sha256(path) != entry.sha256:
+        return f"episode {entry.id}: {entry.file} is corrupt (checksum mismatch); left out"
+    return None
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -149,6 +177,7 @@ class ReferenceLibrary:
         self.max_bytes, self.max_episodes = max_bytes, max_episodes
         self.entries: dict[int, EpisodeEntry] = {}
         self.problems: list[str] = []  # what open() found wrong, for logs and CacheStatus
+        self.left_out: dict[int, EpisodeEntry] = {}  # the index's episodes whose files open() refused
         self._next_id = 0
 
     # ── open / save ──────────────────────────────────────────────────────────────────────────────────────
@@ -159,6 +188,7 @@ class ReferenceLibrary:
         lib = cls(root, key, **bounds)
         index_path = lib.root / INDEX
         if not index_path.exists():
+            lib._mark_open()
             return lib
         try:
             index = json.loads(index_path.read_text())
@@ -177,19 +207,37 @@ class ReferenceLibrary:
             )
         for raw in episodes:
             entry = EpisodeEntry(**raw)
-            path = lib.root / entry.file
-            if not path.exists():
-                lib.problems.append(f"episode {entry.id}: {entry.file} is missing")
-            elif path.stat().st_size != entry.bytes or _sha256(path) != entry.sha256:
-                lib.problems.append(
-                    f"episode {entry.id}: {entry.file} is corrupt (checksum mismatch); left out"
-                )
-            else:
+            problem = _file_problem(lib.root, entry)
+            if problem is None:
                 lib.entries[entry.id] = entry
+            else:
+                lib.problems.append(problem)
+                lib.left_out[entry.id] = entry
         for problem in lib.problems:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e["id"] for e in episodes], default=-1) + 1
+        lib._mark_open()
         return lib
+
+    def _mark_open(self) -> None:
+        """Write the open marker. A folder that cannot be written costs the marker, not the library: the
+        node runs on and fails only where it records (its reset reports it)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.root / OPEN_MARKER, _this_process().encode())
+        except OSError as e:
+            log.warning(
+                "reference library %s: cannot mark it open (%s); nothing will be recorded", self.root, e
+            )
+
+    def close(self) -> None:
+        """Give up the library: its marker is removed if it is still this process's."""
+        marker = self.root / OPEN_MARKER
+        try:
+            if marker.read_text() == _this_process():
+                marker.unlink()
+        except OSError:  # none (never written, or removed by hand)
+            pass
 
     def save_index(self) -> None:
         """Atomically replace index.json with the current entries (episode files are already on disk)."""
@@ -248,6 +296,19 @@ class ReferenceLibrary:
                 raise KeyError(f"episode {episode_id} has no {name!r}")
             return f.get_tensor(name)
 
+    def remove(self, episode_ids: Sequence[int]) -> None:
+        """Take episodes out of the library, corrupt ones (left out at open) too: the index first
+        (atomically), then their files. An id the index does not hold is a KeyError naming it, and nothing
+        is removed."""
+        unknown = sorted(set(episode_ids) - set(self.entries) - set(self.left_out))
+        if unknown:
+            held = sorted([*self.entries, *self.left_out])
+            raise KeyError(f"no episode {unknown} in {self.root} (it holds {held})")
+        removed = [self.entries.pop(i, None) or self.left_out.pop(i) for i in dict.fromkeys(episode_ids)]
+        self.save_index()
+        for entry in removed:  # once the index no longer names them
+            (self.root / entry.file).unlink(missing_ok=True)
+
     @property
     def total_bytes(self) -> int:
         return sum(e.bytes for e in self.entries.values())
@@ -261,3 +322,102 @@ class ReferenceLibrary:
             evicted.append(self.entries.pop(oldest.id))
             log.info("reference library %s: evicted episode %d (least recently used)", self.root, oldest.id)
         return evicted
+
+
+# ── command line ─────────────────────────────────────────────────────────────────────────────────────────
+
+
+def _this_process() -> str:
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def holder(root: Path) -> str | None:
+    """The process that has the library at `root` open ("<host> <pid>"), if it is alive; None if none
+    does, or the marker is stale (its process on this host is gone). A process on another host cannot be
+    checked and counts as alive."""
+    try:
+        host, pid = (Path(root) / OPEN_MARKER).read_text().split()
+    except (FileNotFoundError, ValueError):
+        return None
+    if host != socket.gethostname():
+        return f"{host} {pid}"
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return f"{host} {pid}"
+
+
+def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:
+    index_path = Path(root) / INDEX
+    if not index_path.exists():
+        raise LibraryError(f"{root}: no library here (no {INDEX})")
+    try:
+        index = json.loads(index_path.read_text())
+        key = LibraryKey(index["key"]["weights"], index["key"]["shapes"])
+        return key, list(index["episodes"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LibraryError(f"{index_path}: unreadable library index ({e})") from None
+
+
+def _when(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m rmuscle_ros.cache.library",
+        description="Inspect a reference library, check its files, or take episodes out of it.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the library's key and episodes (reads the index only)").add_argument(
+        "root", type=Path
+    )
+    sub.add_parser("verify", help="check every episode file's size and checksum").add_argument(
+        "root", type=Path
+    )
+    remove = sub.add_parser("remove", help="take episodes out (not while a live node has it open)")
+    remove.add_argument("root", type=Path)
+    remove.add_argument("ids", type=int, nargs="+", metavar="ID")
+    args = p.parse_args(argv)
+    try:
+        key, episodes = _stored(args.root)
+        if args.command == "list":
+            print(f"library {args.root}: {len(episodes)} episode(s), weights {key.weights[:16]}, "
+                  f"shapes {dict(key.shapes)}")  # fmt: skip
+            who = holder(args.root)
+            print(f"open in process {who}" if who else "not open in any live process")
+            for e in episodes:
+                meta = ", ".join(f"{k} {v}" for k, v in sorted(e.get("meta", {}).items()))
+                print(f"  episode {e['id']}: {e['calls']} calls, {e['bytes'] / 2**20:.1f} MiB, recorded "
+                      f"{_when(e['created'])}, last used {_when(e['last_used'])}" + (f" ({meta})" if meta else ""))  # fmt: skip
+            return 0
+        if args.command == "verify":
+            found = (_file_problem(args.root, EpisodeEntry(**e)) for e in episodes)
+            problems = [problem for problem in found if problem is not None]
+            for problem in problems:
+                print(f"  {problem}")
+            print(f"{len(episodes) - len(problems)} of {len(episodes)} episode(s) intact")
+            return 1 if problems else 0
+        who = holder(args.root)
+        if who is not None:
+            raise LibraryBusy(
+                f"{args.root} is open in process {who} (a running node?): its index in memory would put "
+                "the episodes back. Clean the node up (or stop it), then remove them"
+            )
+        lib = ReferenceLibrary.open(args.root, key, max_bytes=1 << 62, max_episodes=1 << 30)
+        try:
+            lib.remove(args.ids)
+        finally:
+            lib.close()
+        print(f"removed episode(s) {args.ids}; {len(lib.entries)} left")
+        return 0
+    except (LibraryError, KeyError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -720,6 +720,7 @@ class RMuscle:
     def close(self) -> int | None:
         """Record the current episode if it qualifies (the library is already on disk otherwise)."""
         added = self.finish_episode()
+        self.library.close()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
