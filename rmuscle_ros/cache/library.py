@@ -227,7 +227,9 @@ class ReferenceLibrary:
             _write_atomic(self.root / OPEN_MARKER, _this_process().encode())
         except OSError as e:
             log.warning(
-                "reference library %s: cannot mark it open (%s); nothing will be recorded", self.root, e
+                "reference library %s: cannot mark it open (%s); the command line will not see that it is",
+                self.root,
+                e,
             )
 
     def close(self) -> None:
