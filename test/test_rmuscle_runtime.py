@@ -176,7 +176,11 @@ def test_a_repeats_first_call_is_served_cached_once_the_reset_refilled_the_windo
     assert policy.reset_episode() == 0
     starts = [(0, p) for p in range(rm.cfg.lookahead + 1)]
     assert rm._wanted == starts
+    loads = []
+    load = rm.library.load
+    rm.library.load = lambda i: loads.append(i) or load(i)  # type: ignore[method-assign]
     policy.rebuild_cache()  # the motion window at the reset
+    assert loads == [], "the episode just recorded is rebuilt from memory, not read back from its file"
     repeat = run(policy, episode(6, offset=0.05, light=0.97, noise=2.0))
     assert [c.cache_mode for c in repeat] == ["cached"] * 6
     assert all(np.isfinite(c.actions).all() for c in repeat) and rm.match_reruns == 0
