@@ -725,9 +725,10 @@ class RMuscle:
 
     def close(self) -> int | None:
         """Record the current episode if it qualifies (the library is already on disk otherwise)."""
-        added = self.finish_episode()
-        self.library.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-        return added
+        try:
+            return self.finish_episode()
+        finally:  # a recording that fails (a full disk) still gives the library up
+            self.library.close()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
