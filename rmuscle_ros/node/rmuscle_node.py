@@ -478,27 +478,26 @@ class RMuscleNode(LifecycleNode):
             self._wake.set()
         return episode, note
 
-    def discard_episode(self) -> str:
+    def discard_episode(self) -> tuple[bool, str]:
         """Keep the episode in progress out of the cache's library: an operator's (or a success
         detector's) word that this attempt failed, so that the cell does not learn it. Its calls so far are
-        dropped and later ones are not recorded; the next reset starts recording again. Returns what
-        happened, for the service's reply."""
+        dropped and later ones are not recorded; the next reset starts recording again. Returns whether
+        there was a cache to keep it out of, and what happened (the service's reply)."""
         with self._policy_lock:
             policy = self.policy
             with self._stats_lock:
                 episode = self.episode_id
             if policy is None or not policy.discard_episode("discarded on ~/discard_episode"):
-                return f"episode {episode}: no cache to keep it out of"
+                return False, f"episode {episode}: no cache to keep it out of"
             with self._stats_lock:
                 self.episodes_discarded += self._discarded != episode
                 self._discarded = episode
         note = f"episode {episode} will not be recorded into the library"
         self.get_logger().info(note)
-        return note
+        return True, note
 
     def _on_discard_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        response.message = self.discard_episode()
-        response.success = "will not be recorded" in response.message
+        response.success, response.message = self.discard_episode()
         return response
 
     def _on_reset_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
