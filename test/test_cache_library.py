@@ -175,12 +175,14 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
 
     lib = ReferenceLibrary.open(tmp_path, KEY)
     for seed in range(3):
-        lib.add(episode(seed=seed), meta={"session_episode": str(seed)})
+        task = {"task": "stack the cups"} if seed < 2 else {}  # episode 2 as recorded before tasks were kept
+        lib.add(episode(seed=seed), meta={"session_episode": str(seed)} | task)
     lib.close()
     assert main(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "3 episode(s), weights abc123" in out and "not open in any live process" in out
-    assert "episode 1: 5 calls" in out and "(session_episode 1)" in out
+    assert "episode 1: 5 calls" in out and "(task 'stack the cups', session_episode 1)" in out
+    assert "(no task recorded: served to none, session_episode 2)" in out
 
     (tmp_path / lib.entries[1].file).write_bytes(b"damaged")
     assert main(["verify", str(tmp_path)]) == 1

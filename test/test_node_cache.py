@@ -159,6 +159,42 @@ def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> Non
     assert h.node.stats()["errors"] == {}
 
 
+def test_each_task_is_served_from_its_own_episodes(harness) -> None:
+    """The prompt names the task, and muscle memory is per task: after `ros2 param set … prompt` to another
+    task on the same bench, calls run dense (and the episode is recorded under the new task) instead of
+    being served from the old task's episodes. An episode whose prompt changed midway is not recorded,
+    and the reset says why."""
+    from rclpy.parameter import Parameter
+
+    h = harness(**CACHE)
+    _start(h)
+    node = h.node
+    assert node.cfg.prompt == "pick"
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 2), f"no chunks; drops {h.drops()}"
+    assert "episode 0 recorded as library episode 0" in h.call(h.reset, Trigger.Request()).message
+
+    assert node.set_parameters([Parameter("prompt", value="sort the screws")])[0].successful
+    assert h.feed_until(lambda: len(_episode(h, 1)) >= 3), f"drops {h.drops()}"
+    assert {c.cache_mode for c in _episode(h, 1)} == {ActionChunk.CACHE_DENSE}, (
+        "not served from the other task"
+    )
+    status = node.policy.cache_status()
+    assert (status["task"], status["task_episodes"], status["library_episodes"]) == ("sort the screws", 0, 1)
+
+    # Back to the first task (the harness's prompt), midway through the episode.
+    assert node.set_parameters([Parameter("prompt", value="pick")])[0].successful
+    calls = len(_episode(h, 1))
+    assert h.feed_until(lambda: len(_episode(h, 1)) > calls + 1)
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.message.startswith(
+        "episode 2 (episode 1 was not recorded: its task changed from 'sort the screws' to 'pick' after"
+    ), reply.message
+    assert h.feed_until(lambda: any(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 2))), (
+        f"the first task's episode serves it again: {[c.cache_mode for c in _episode(h, 2)]}"
+    )
+    assert node.policy.cache_status()["library_episodes"] == 1 and node.stats()["errors"] == {}
+
+
 def test_discarding_without_the_cache_says_there_is_nothing_to_keep_out(harness) -> None:
     h = harness()
     _start(h)

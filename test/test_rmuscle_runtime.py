@@ -13,6 +13,7 @@ window is rebuilt whole after each call (alignment on such descriptors jumps wit
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -246,6 +247,73 @@ def test_retrieval_waits_for_no_call_it_cannot_serve_cached() -> None:
     retriever.cfg = type(retriever.cfg)(4, 4, threshold)
     assert infer(live[3]) == "fallback"
     assert seen[2:] == [False, True], "found out by retrieval; from then on the dense stages go first"
+
+
+def with_task(observations: list[Observation], task: str) -> list[Observation]:
+    return [dataclasses.replace(o, prompt=task) for o in observations]
+
+
+def test_muscle_memory_is_per_task(tmp_path, caplog) -> None:
+    """The descriptor sees the scene, not the instruction, and a bench set up the same way may be doing
+    another job. A call is served only from episodes recorded under its task (the prompt's instruction,
+    as the prompt carries it), each episode is recorded under its own, and an episode whose task changed
+    after its first call is kept out of the library (its calls ran under two tasks)."""
+    lib = tmp_path / "lib"
+    policy = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    assert rm is not None
+    run(policy, episode(4))  # "stack the cups"
+    assert policy.reset_episode() == 0
+
+    screws = run(policy, with_task(episode(4, offset=0.05, noise=2.0), "sort the screws"))
+    assert [c.cache_mode for c in screws] == ["dense"] * 4, "the same bench, another task: not served"
+    assert rm.last.reason == "no library episode of this task"
+    status = policy.cache_status()
+    assert (status["task"], status["task_episodes"], status["library_episodes"]) == ("sort the screws", 0, 1)
+    assert policy.reset_episode() == 1, "recorded, under its own task"
+
+    # The first task again, spelled as an operator might: the same prompt once cleaned.
+    cups = run(policy, with_task(episode(4, offset=0.05, noise=2.0), "  stack_the cups\n"))
+    assert [c.cache_mode for c in cups][1:] == ["cached"] * 3
+    assert rm.last.episode == 0, "served from the cups' episode, not the screws'"
+    assert policy.reset_episode() is None
+
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.runtime")
+    policy.rebuild_cache()  # the window holds the cups' first entries again
+    assert any(slot.key is not None and slot.key[0] == 0 for slot in rm.window)
+    towel = run(policy, with_task(episode(4)[:2], "fold the towel"))
+    towel += run(policy, with_task(episode(4)[2:], "wipe the bench"))
+    assert [c.cache_mode for c in towel] == ["dense"] * 4, "the cups' entries serve neither task"
+    assert policy.reset_episode() is None, "an episode that ran under two tasks is not recorded"
+    assert "its task changed from 'fold the towel' to 'wipe the bench' after 2 call(s)" in caplog.text
+    run(policy, with_task(episode(3), "wipe the bench"))
+    assert policy.reset_episode() == 2, "the next episode is"
+    policy.close()
+    index = json.loads((lib / "index.json").read_text())
+    assert [e["meta"]["task"] for e in index["episodes"]] == [
+        "stack the cups",
+        "sort the screws",
+        "wipe the bench",
+    ]
+
+
+def test_episodes_recorded_without_their_task_are_named_and_never_served(tmp_path, caplog) -> None:
+    """A library written before episodes carried their task: which task they ran is unknown, so they are
+    served for none, and opening the library says which they are and how to take them out."""
+    lib = tmp_path / "lib"
+    first = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    run(first, episode(3))
+    assert first.close() == 0
+    index = json.loads((lib / "index.json").read_text())
+    del index["episodes"][0]["meta"]["task"]
+    (lib / "index.json").write_text(json.dumps(index))
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.runtime")
+    again = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    assert "library episode(s) [0]" in caplog.text and "without their task" in caplog.text
+    assert "rmuscle_ros.cache.library remove" in caplog.text
+    assert [c.cache_mode for c in run(again, episode(3, offset=0.1))] == ["dense"] * 3
+    assert again.cache_status()["task_episodes"] == 0
+    again.close()
 
 
 def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:

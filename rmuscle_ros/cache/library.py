@@ -2,7 +2,8 @@
 
 Layout of a library folder:
 
-    index.json                  versioned header + one entry per episode (file, sha256, calls, bytes, …)
+    index.json                  versioned header + one entry per episode (file, sha256, calls, bytes, …;
+                                meta: the task it ran, which rMuscle serves it to, and its session episode)
     episode_<id>.safetensors    one file per episode, tensors stacked over its calls:
         descriptors   (T, C, D) float32  retrieval descriptor: pooled visual embedding per camera
         images        (T, C, H, W, 3) uint8  the preprocessed observation, to rebuild the VLM states
@@ -392,9 +393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             who = holder(args.root)
             print(f"open in process {who}" if who else "not open in any live process")
             for e in episodes:
-                meta = ", ".join(f"{k} {v}" for k, v in sorted(e.get("meta", {}).items()))
+                meta = dict(e.get("meta", {}))
+                task = meta.pop("task", None)  # rMuscle serves an episode only to calls of its task
+                about = [f"task {task!r}" if task is not None else "no task recorded: served to none"]
+                about += [f"{k} {v}" for k, v in sorted(meta.items())]
                 print(f"  episode {e['id']}: {e['calls']} calls, {e['bytes'] / 2**20:.1f} MiB, recorded "
-                      f"{_when(e['created'])}, last used {_when(e['last_used'])}" + (f" ({meta})" if meta else ""))  # fmt: skip
+                      f"{_when(e['created'])}, last used {_when(e['last_used'])} ({', '.join(about)})")  # fmt: skip
             return 0
         if args.command == "verify":
             found = (_file_problem(args.root, EpisodeEntry(**e)) for e in episodes)

@@ -82,6 +82,11 @@ class Retriever:
         self.reset()
 
     @property
+    def episodes(self) -> int:
+        """How many episodes this retriever searches."""
+        return len(self._ids)
+
+    @property
     def on_device(self) -> bool:
         """Whether similarities are computed on the GPU (`queue`, then `query()`)."""
         return self._rows_dev is not None

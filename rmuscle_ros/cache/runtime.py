@@ -9,6 +9,9 @@ Per call (`RMuscle.infer`):
   4. a dense call of a dense episode is recorded (descriptor, 224² uint8 images, prompt tokens, the
      Action Cache masks of its own denoising run); at `reset_episode` an episode with no cached call is
      added to the library.
+Muscle memory is per task (`set_task`: the instruction as the prompt carries it): retrieval serves a call
+only from episodes recorded under its task, since the descriptor sees the scene, not the instruction,
+and a bench set up the same way may be doing another job.
 Between calls (`RMuscle.rebuild`, called by the node right after publishing a chunk, while the arm
 executes it) the window is refilled with the entries retrieval asked for: each candidate's positions
 after its aligned one, then that one, best candidate first. Rebuilds run on the engine's rebuild lane (a
@@ -226,6 +229,15 @@ class RMuscle:
         )
         self._episodes: dict[int, Episode] = {}  # full episodes, for rebuilds: the few most recent
         self._descriptors: dict[int, np.ndarray] = {}  # every library episode's descriptors, for retrieval
+        self.task = ""  # what the calls run under (`set_task`); retrieval serves only this task's episodes
+        untasked = sorted(i for i in self.library.entries if self._task_of(i) is None)
+        if untasked:
+            log.warning(
+                "rMuscle: library episode(s) %s in %s were recorded without their task and are never served "
+                "(take them out with `python -m rmuscle_ros.cache.library remove`, or let eviction drop them)",
+                untasked,
+                root,
+            )
         self._refresh_retriever()
         window = engine.window
         assert window is not None  # the engine's cache shapes equal cfg.shapes(), checked above
@@ -234,6 +246,7 @@ class RMuscle:
         self._recording = _Recording()
         self._episode_cached = False
         self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
+        self.last_excluded = ""  # why the latest finished episode was kept out of the library, if it was
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
         self._usable_on_device: list[bool] | None = None  # the usable flags last copied to the engine
@@ -259,17 +272,39 @@ class RMuscle:
         while len(self._episodes) > self.cfg.top_k:
             self._episodes.pop(next(iter(self._episodes)))
 
+    def _task_of(self, episode_id: int) -> str | None:
+        """The task an episode was recorded under; None for one recorded before the library kept tasks."""
+        return self.library.entries[episode_id].meta.get("task")
+
     def _refresh_retriever(self) -> None:
+        """Retrieval over the library's episodes of the current task (alignment and fallback start over)."""
         for stale in set(self._episodes) - set(self.library.entries):
             del self._episodes[stale]
         self._descriptors = {
             i: self._descriptors[i] if i in self._descriptors else self.library.load_field(i, "descriptors")
             for i in sorted(self.library.entries)
         }
+        same_task = {i: d for i, d in self._descriptors.items() if self._task_of(i) == self.task}
         retrieval = RetrievalConfig(self.cfg.top_k, self.cfg.lookahead, self.cfg.threshold)
         # On a GPU the library's descriptors live there too: a call's similarities are one matrix-vector
         # product queued after its descriptor, not a host scan (see Retriever).
-        self.retriever = Retriever(retrieval, self._descriptors, self.engine.device)
+        self.retriever = Retriever(retrieval, same_task, self.engine.device)
+
+    def set_task(self, task: str) -> None:
+        """The task the next calls run under: the instruction as the prompt carries it
+        (`transforms.clean_task`; `Policy.infer` sets it from each observation's prompt). Retrieval serves
+        only episodes recorded under the same task, and an episode is recorded under its own. A change
+        after the episode's first call keeps that episode out of the library (its calls ran under two
+        tasks) and starts retrieval over on the new task's episodes; entries of the old task in the window
+        are no longer served."""
+        if task == self.task:
+            return
+        previous, self.task = self.task, task
+        if self.calls:
+            self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
+        self._refresh_retriever()
+        self._wanted = self._episode_starts([])
+        log.info("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
 
     def warm_up_retrieval(self) -> None:
         """Run retrieval's GPU path once, as calls run it, on a stand-in library of one call: on the live
@@ -323,7 +358,11 @@ class RMuscle:
         reset can rebuild them, so that a repeat's first call is served cached (`_infer_matched_on_gpu`)."""
         entries = self.library.entries
         recent = sorted(entries, key=lambda i: (entries[i].last_used, i), reverse=True)
-        episodes = [i for i in dict.fromkeys([*served_from, *recent]) if i in self._descriptors]
+        episodes = [
+            i
+            for i in dict.fromkeys([*served_from, *recent])
+            if i in self._descriptors and self._task_of(i) == self.task
+        ]
         return [
             (episode, position)
             for episode in episodes[: self.cfg.top_k]
@@ -355,6 +394,7 @@ class RMuscle:
         rec, self._recording = self._recording, _Recording()
         rec.take_pending()
         excluded, self._episode_excluded = self._episode_excluded, ""
+        self.last_excluded = excluded
         if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
             self._episode_cached = False
             return None
@@ -367,7 +407,7 @@ class RMuscle:
             np.stack(rec.masks),
             np.stack(rec.image_masks),
         )
-        added = self.library.add(episode, meta={"session_episode": str(self.episode_id)})
+        added = self.library.add(episode, meta={"session_episode": str(self.episode_id), "task": self.task})
         self._descriptors[added] = episode.descriptors
         # The next episode's first calls will likely be rebuilt from it, right after this reset: kept, not
         # read back from the file just written (33.6 MiB for a 30-call episode at `pi05`).
@@ -583,6 +623,8 @@ class RMuscle:
             return CallInfo("fallback", similarity, reason=f"similarity below {self.cfg.threshold}")
         if not self.library.entries:
             return CallInfo("dense", similarity, reason="empty library")
+        if not self.retriever.episodes:
+            return CallInfo("dense", similarity, reason="no library episode of this task")
         return CallInfo("dense", similarity, reason="entry not rebuilt yet")
 
     def _read_descriptor(self, ready: torch.cuda.Event | None) -> np.ndarray:
@@ -716,6 +758,9 @@ class RMuscle:
             "similarity": self.last.similarity,
             "hit_rate": self.cached_calls / self.calls if self.calls else 0.0,
             "library_episodes": len(self.library.entries),
+            "task": self.task,
+            "last_episode_excluded": self.last_excluded,
+            "task_episodes": self.retriever.episodes,
             "window_entries": sum(1 for s in self.window if s.key is not None),
             "library_bytes": self.library.total_bytes,
             "library_path": str(self.library.root) if self.cfg.library_path else "",

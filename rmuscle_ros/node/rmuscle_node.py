@@ -469,6 +469,8 @@ class RMuscleNode(LifecycleNode):
             self.get_logger().info(note)
         elif self._discarded == episode - 1:
             note = f"episode {episode - 1} was discarded, not recorded"
+        elif status is not None and status["last_episode_excluded"]:  # e.g. its task changed midway
+            note = f"episode {episode - 1} was not recorded: {status['last_episode_excluded']}"
         else:
             note = ""
         self.get_logger().info(f"episode {episode} starts")
@@ -808,8 +810,9 @@ class RMuscleNode(LifecycleNode):
         if cache is not None:
             status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
-                                                        "window_entries", "library_bytes", "rebuilds",
-                                                        "rebuilds_deferred", "episodes_discarded")}  # fmt: skip
+                                                        "task_episodes", "window_entries", "library_bytes",
+                                                        "rebuilds", "rebuilds_deferred",
+                                                        "episodes_discarded")}  # fmt: skip
             values["cache.library_problems"] = len(cache["library_problems"])
         values |= {f"errors.{k}": v for k, v in s["errors"].items()}
         status.values = [

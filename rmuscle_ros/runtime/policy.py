@@ -30,6 +30,7 @@ from rmuscle_ros.runtime.transforms import (
     ImageUploads,
     build_prompt,
     check_rgb_u8,
+    clean_task,
     discretize_state,
     images_to_model_padded,
     tokenize_prompt,
@@ -230,6 +231,7 @@ class Policy:
             noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
         t_model = time.perf_counter()
         if self.rmuscle is not None:
+            self.rmuscle.set_task(clean_task(obs.prompt))  # muscle memory is per task
             raw, info = self.rmuscle.infer(inputs, noise)
             span = self.rmuscle.last_gpu_span
         else:

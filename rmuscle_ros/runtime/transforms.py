@@ -236,6 +236,12 @@ def discretize_state(state_normalized: np.ndarray) -> np.ndarray:
     return (np.digitize(state, bins=left_edges) - 1).astype(np.int64)
 
 
+def clean_task(task: str) -> str:
+    """The task text as the prompt carries it: surrounding whitespace stripped, "_" and newlines as spaces.
+    Two instructions with the same cleaned text are the same task to the model (and to rMuscle's library)."""
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
 def build_prompt(task: str, discretized_state: np.ndarray) -> str:
     """The π0.5 prompt: "Task: <task>, State: <bins>;\\nAction: ".
 
@@ -248,7 +254,7 @@ def build_prompt(task: str, discretized_state: np.ndarray) -> str:
         raise ValueError(
             f"discretized_state must be a 1-D integer array, got shape {bins.shape} dtype {bins.dtype}"
         )
-    cleaned = task.strip().replace("_", " ").replace("\n", " ")
+    cleaned = clean_task(task)
     state_text = " ".join(str(b) for b in bins.tolist())
     return f"Task: {cleaned}, State: {state_text};\nAction: "
 
