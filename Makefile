@@ -46,6 +46,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[dev]' --config-settings editable_mode=compat
+	# CUDA 13's ptxas, for the test that compiles the kernels for a Jetson Thor (sm_110a), which Triton's
+	# own ptxas does not know. ptxas is a static binary: --no-deps skips the rest of nvcc's toolchain.
+	$(PY) -m pip install --no-deps 'nvidia-cuda-nvcc==13.5.37'
 	touch $@
 
 demo: venv

@@ -20,6 +20,13 @@ FROM ${BASE}
 RUN python3 -c "import tensorrt, torch; print('TensorRT', tensorrt.__version__, 'torch', torch.__version__)" \
     || (echo "the base image needs PyTorch and TensorRT's Python bindings: pass --build-arg BASE=<an NGC PyTorch image>" && exit 1)
 
+# The graph backend (config/rmuscle_thor.yaml) compiles its Triton kernels for the Thor's sm_110a, which
+# came with CUDA 13: Triton 3.6's bundled ptxas does not know it (the engine refuses to start and names this
+# variable). A pull request for Triton 3.7 reads TRITON_PTXAS_THOR_PATH for sm_110 instead, so both are set.
+# Triton 3.6 falls back to its own ptxas when the path does not exist.
+ENV TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas \
+    TRITON_PTXAS_THOR_PATH=/usr/local/cuda/bin/ptxas
+
 WORKDIR /opt/rmuscle_ros
 COPY pyproject.toml setup.py README.md package.xml ./
 COPY resource ./resource

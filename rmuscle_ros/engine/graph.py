@@ -315,6 +315,10 @@ class GraphEngine:
             from rmuscle_ros.engine import triton_ops  # CUDA-only import, deferred on purpose
 
             ops = triton_ops
+            major, minor = torch.cuda.get_device_capability(device)
+            problem = triton_ops.assembler_problem(10 * major + minor)
+            if problem is not None:  # said now, not as a ptxas error in the warm-up's first kernel
+                raise RuntimeError(f"the graph engine cannot compile its kernels for {device}: {problem}")
             self.pdl = triton_ops.pdl_supported(device) if pdl is None else pdl
             if self.pdl and not triton_ops.pdl_supported(device):
                 raise ValueError(

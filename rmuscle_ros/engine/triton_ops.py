@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import subprocess
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,43 @@ def programmatic_launch(enabled: bool) -> Iterator[None]:
 def pdl_supported(device: torch.device) -> bool:
     """PDL needs compute capability 9.0 (Hopper) or later; the Triton interpreter has none."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.cache
+def assembler_problem(arch: int) -> str | None:
+    """What keeps Triton from assembling the kernels for compute capability `arch` (90 for an H200, 110 for
+    a Jetson Thor), or None.
+
+    Triton compiles each kernel to PTX for sm_<arch>a and assembles it with a ptxas: the one its wheel
+    bundles, or the one an environment variable names. Triton 3.6 bundles CUDA 12.8's (below sm_100) and
+    12.9's (from sm_100), and neither knows the Thor's sm_110a, which came with CUDA 13: there the engine's
+    warm-up would fail on its first kernel with ptxas's "Value 'sm_110a' is not defined". This asks that
+    ptxas which targets it knows (`ptxas --help`) and says which variable to set."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    target = sm_arch_from_capability(arch)
+    tool = get_ptxas(arch)
+    listed = subprocess.run([tool.path, "--help"], capture_output=True, text=True, check=False).stdout
+    if f"'{target}'" in listed:
+        return None
+    variables = [
+        knob.key
+        for knob in vars(type(knobs.nvidia)).values()
+        if isinstance(knob, knobs.env_nvidia_tool) and _resolves_to(knob, tool.path)
+    ]
+    return (
+        f"Triton {triton.__version__} assembles kernels for {target} with {tool.path} (CUDA {tool.version}), "
+        f"which does not know {target}. Set {' or '.join(variables) or 'TRITON_PTXAS_PATH'} to a ptxas that "
+        "does (for a Jetson Thor's sm_110a, CUDA 13 or later: e.g. /usr/local/cuda/bin/ptxas on JetPack 7)"
+    )
+
+
+def _resolves_to(knob: object, path: str) -> bool:
+    try:
+        return knob.get().path == path  # type: ignore[attr-defined]
+    except RuntimeError:  # a tool this Triton install does not ship (and no variable names one)
+        return False
 
 
 def _launch_opts() -> dict[str, bool]:

@@ -1,4 +1,5 @@
-"""Compile the graph engine's Triton kernels for Hopper (sm_90, the H200) on a machine without a GPU.
+"""Compile the graph engine's Triton kernels for a GPU on a machine without one: Hopper (sm_90a, the H200
+we measure on) or a Jetson Thor (sm_110a, the reference deployment).
 
 Run by test_kernels_compile.py in a child process (Triton's interpreter must be off here). Each wrapper
 in `triton_ops` is called as the engine calls it (`engine/fused.py`), on CPU tensors of the full-size
@@ -7,11 +8,16 @@ specialization is compiled through ptxas, with PDL and without (`graph-nopdl`). 
 check what the kernels compute; this checks that the compiler accepts them (it rejects code the
 interpreter runs, e.g. a name defined under a branch on a runtime value and used after it).
 
-    python test/sm90_compile.py        # prints one line per kernel; exit status 1 on a failure
+    python test/kernels_compile.py             # sm_90a; one line per kernel, exit status 1 on a failure
+    TRITON_PTXAS_BLACKWELL_PATH=<CUDA 13's ptxas> python test/kernels_compile.py --arch 110   # the Thor
+
+Triton 3.6's own ptxas does not know sm_110a (`triton_ops.assembler_problem`); the tests take CUDA 13's
+from the `nvidia-cuda-nvcc` wheel (`make venv` installs it).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +34,6 @@ from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count, rho_count
 from rmuscle_ros.engine.ops import Prefetch
 from rmuscle_ros.models.config import get_preset
 
-TARGET = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
@@ -151,6 +156,11 @@ def specialize(kernel: JITFunction, named: dict[str, object]) -> tuple[dict, dic
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--arch", type=int, default=90, help="compute capability as one number: 90 (H200), 110 (Thor)"
+    )
+    target = GPUTarget("cuda", p.parse_args().arch, 32)
     compiled, failed = set(), 0
     for kernel, named, options in record_launches():
         for pdl in (True, False):
@@ -168,12 +178,14 @@ def main() -> int:
                 continue
             compiled.add(key)
             try:
-                compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=opts)
+                compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=opts)
                 print(f"ok   {kernel.fn.__name__} PDL={pdl}")
             except Exception as exc:  # report every failure, then fail
                 failed += 1
                 print(f"FAIL {kernel.fn.__name__} PDL={pdl}: {type(exc).__name__}: {str(exc)[:2000]}")
-    print(f"{len(compiled) - failed} of {len(compiled)} kernel specializations compiled for sm_90")
+    print(
+        f"{len(compiled) - failed} of {len(compiled)} kernel specializations compiled for sm_{target.arch}a"
+    )
     return 1 if failed or not compiled else 0
 
 
