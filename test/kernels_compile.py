@@ -18,7 +18,9 @@ from the `nvidia-cuda-nvcc` wheel (`make venv` installs it).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -162,6 +164,8 @@ def main() -> int:
     )
     target = GPUTarget("cuda", p.parse_args().arch, 32)
     compiled, failed = set(), 0
+    shared: dict[str, int] = {}  # kernel -> the most shared memory one of its programs needs, bytes
+    mma: Counter[str] = Counter()  # tensor-core instruction families in the PTX
     for kernel, named, options in record_launches():
         for pdl in (True, False):
             constexprs, signature, attrs = specialize(kernel, named)
@@ -178,11 +182,22 @@ def main() -> int:
                 continue
             compiled.add(key)
             try:
-                compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=opts)
-                print(f"ok   {kernel.fn.__name__} PDL={pdl}")
+                binary = compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=opts)
+                name = kernel.fn.__name__
+                shared[name] = max(shared.get(name, 0), binary.metadata.shared)
+                mma.update(
+                    re.findall(r"^\s*(tcgen05\.mma|wgmma\.mma_async|mma\.sync)\b", binary.asm["ptx"], re.M)
+                )
+                print(f"ok   {name} PDL={pdl}")
             except Exception as exc:  # report every failure, then fail
                 failed += 1
                 print(f"FAIL {kernel.fn.__name__} PDL={pdl}: {type(exc).__name__}: {str(exc)[:2000]}")
+    if shared:
+        top = max(shared, key=shared.__getitem__)
+        print(f"largest shared memory per program: {shared[top]} bytes ({top})")
+        print(
+            "tensor-core instructions: " + (", ".join(f"{k} ×{n}" for k, n in sorted(mma.items())) or "none")
+        )
     print(
         f"{len(compiled) - failed} of {len(compiled)} kernel specializations compiled for sm_{target.arch}a"
     )

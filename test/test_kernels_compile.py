@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import site
 import subprocess
 import sys
@@ -42,6 +43,18 @@ def cuda13_ptxas() -> Path | None:
 NO_CUDA13 = "CUDA 13's ptxas is not installed (make venv: pip install --no-deps nvidia-cuda-nvcc)"
 
 
+# What one program (thread block) may use with the opt-in: 227 KB on Hopper and on Blackwell's sm_100
+# (NVIDIA's tuning guides), whose architecture the Thor's sm_110a follows (it lacks only stochastic
+# rounding, by flash-attention's pull request 2108); not read off a Thor.
+SHARED_LIMIT = 227 * 1024
+
+
+def largest_shared(out: str) -> int:
+    match = re.search(r"largest shared memory per program: (\d+) bytes", out)
+    assert match is not None, out[-2000:]
+    return int(match.group(1))
+
+
 def compile_all(arch: int, **env: str) -> str:
     child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
     done = subprocess.run(
@@ -64,13 +77,17 @@ def test_every_engine_kernel_compiles_for_the_h200_sm90() -> None:
     out = compile_all(90)
     assert "of" in out and "kernel specializations compiled for sm_90a" in out
     assert "FAIL" not in out
+    assert largest_shared(out) <= SHARED_LIMIT
 
 
 @pytest.mark.skipif(TRITON is None, reason=NO_TRITON)
 @pytest.mark.skipif(cuda13_ptxas() is None, reason=NO_CUDA13)
 def test_every_engine_kernel_compiles_for_a_jetson_thor_sm110_with_cuda13s_ptxas() -> None:
+    """Nothing runs on a Thor here: Triton and CUDA 13's ptxas accept every kernel for its architecture,
+    and no program needs more shared memory than a block may have."""
     out = compile_all(110, TRITON_PTXAS_BLACKWELL_PATH=str(cuda13_ptxas()))
     assert "kernel specializations compiled for sm_110a" in out and "FAIL" not in out
+    assert largest_shared(out) <= SHARED_LIMIT
 
 
 @pytest.mark.skipif(TRITON is None, reason=NO_TRITON)
