@@ -58,6 +58,28 @@ def test_corrupt_episode_is_reported_and_left_out_not_deleted(tmp_path: Path) ->
     assert any("corrupt" in p for p in again.problems) and path.exists()
 
 
+def test_a_corrupt_episode_stays_reported_and_its_file_intact_while_the_library_records_on(
+    tmp_path: Path,
+) -> None:
+    """Recording goes on beside a corrupt episode: the index keeps naming it (every open reports it, and
+    `remove` can take it out), and no new episode takes its id, whose file would overwrite the evidence."""
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    good, bad = lib.add(episode(seed=1)), lib.add(episode(seed=2))
+    path = tmp_path / lib.entries[bad].file
+    damaged = bytearray(path.read_bytes())
+    damaged[-10] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    new = again.add(episode(seed=3))
+    assert new not in (good, bad) and path.read_bytes() == bytes(damaged)
+    third = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(third.entries) == [good, new] and list(third.left_out) == [bad]
+    assert any(f"episode {bad}" in p and "corrupt" in p for p in third.problems)
+    assert third.total_bytes == sum(e.bytes for e in third.entries.values()), "the budget counts usable ones"
+    third.remove([bad])
+    assert not path.exists() and ReferenceLibrary.open(tmp_path, KEY).problems == []
+
+
 def test_corrupt_index_is_an_error_and_is_kept_when_a_new_library_is_saved(tmp_path: Path) -> None:
     ReferenceLibrary.open(tmp_path, KEY).add(episode())
     (tmp_path / "index.json").write_text('{"version": 1, "key": ')  # a partial write

@@ -243,7 +243,9 @@ class ReferenceLibrary:
             pass
 
     def save_index(self) -> None:
-        """Atomically replace index.json with the current entries (episode files are already on disk)."""
+        """Atomically replace index.json with the current entries (episode files are already on disk). The
+        corrupt episodes open() left out stay in it: every open reports them until they are removed, and
+        their ids stay taken, so that no new episode's file overwrites one kept for inspection."""
         self.root.mkdir(parents=True, exist_ok=True)
         index_path = self.root / INDEX
         if index_path.exists():
@@ -254,7 +256,10 @@ class ReferenceLibrary:
         index = {
             "version": LIBRARY_VERSION,
             "key": self.key.to_json(),
-            "episodes": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.id)],
+            "episodes": [
+                asdict(e)
+                for e in sorted([*self.entries.values(), *self.left_out.values()], key=lambda e: e.id)
+            ],
         }
         _write_atomic(index_path, json.dumps(index, indent=1).encode())
 
