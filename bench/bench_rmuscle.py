@@ -69,16 +69,16 @@ def scene(cfg, t: float, light: float, noise: float, gen: torch.Generator) -> to
 
 
 def observation(
-    cfg, t: float, light: float, noise: float, seed: int, prompt: int, pin: bool = False
+    cfg, t: float, light: float, noise: float, seed: int, prompt: int, device: torch.device | None = None
 ) -> ModelInputs:
-    """The scene at phase t as model inputs on the host; pin: images in pinned memory (as the node's policy
-    handed them over until 2026-12-01, so their copies to the GPU never block; it now makes them there)."""
+    """The scene at phase t as model inputs: the images on `device` (a GPU: where the policy resamples
+    them and hands them over, since d42afb2), the prompt on the host (the engine packs it there)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(7))
     tokens[0, -14:] = cfg.vocab_size - 30 + int(20 * t)  # the discretised state moves with the task
     images = scene(cfg, t, light, noise, gen)
     return ModelInputs(
-        images.pin_memory() if pin else images,
+        images if device is None else images.to(device),
         torch.ones(1, cfg.num_cameras, dtype=torch.bool),
         tokens,
         torch.ones(1, prompt, dtype=torch.bool),
@@ -182,9 +182,9 @@ class Bench:
         """A dense episode through the runtime (recorded into its library), then the rebuild cost of one
         entry on the rebuild lane alone (into a scratch entry: the window's slots belong to the runtime)."""
         cfg, n = self.cfg, self.args.calls
-        pin = self.device.type == "cuda"
         self.ref_obs = [
-            observation(cfg, t / (n - 1), 1.0, 0.01, 100 + t, self.args.prompt_tokens, pin) for t in range(n)
+            observation(cfg, t / (n - 1), 1.0, 0.01, 100 + t, self.args.prompt_tokens, self.device)
+            for t in range(n)
         ]
         recorded = []  # wall ms of each call: a dense call of a dense episode, recorded as it runs
         for obs in self.ref_obs:
@@ -227,9 +227,8 @@ class Bench:
         dense graph on the same inputs; the window is refilled after each call, as on the cell."""
         cfg, n = self.cfg, self.args.calls
         errors, sims, modes = [], [], []
-        pin = self.device.type == "cuda"
         self.live_obs = [
-            observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens, pin)
+            observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens, self.device)
             for t in range(n - 1)
         ]
         for obs in self.live_obs:
