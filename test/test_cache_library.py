@@ -46,13 +46,19 @@ def test_other_weights_are_refused(tmp_path: Path) -> None:
         ReferenceLibrary.open(tmp_path, other)
 
 
-def test_corrupt_episode_is_reported_and_left_out_not_deleted(tmp_path: Path) -> None:
-    lib = ReferenceLibrary.open(tmp_path, KEY)
+def with_a_corrupt_episode(root: Path) -> tuple[int, int, Path, bytes]:
+    """A library of two episodes, the second one's file damaged: (good id, bad id, its file, its bytes)."""
+    lib = ReferenceLibrary.open(root, KEY)
     good, bad = lib.add(episode(seed=1)), lib.add(episode(seed=2))
-    path = tmp_path / lib.entries[bad].file
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(bytes(data))
+    path = root / lib.entries[bad].file
+    damaged = bytearray(path.read_bytes())
+    damaged[-10] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    return good, bad, path, bytes(damaged)
+
+
+def test_corrupt_episode_is_reported_and_left_out_not_deleted(tmp_path: Path) -> None:
+    good, _, path, _ = with_a_corrupt_episode(tmp_path)
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert list(again.entries) == [good]
     assert any("corrupt" in p for p in again.problems) and path.exists()
@@ -63,15 +69,9 @@ def test_a_corrupt_episode_stays_reported_and_its_file_intact_while_the_library_
 ) -> None:
     """Recording goes on beside a corrupt episode: the index keeps naming it (every open reports it, and
     `remove` can take it out), and no new episode takes its id, whose file would overwrite the evidence."""
-    lib = ReferenceLibrary.open(tmp_path, KEY)
-    good, bad = lib.add(episode(seed=1)), lib.add(episode(seed=2))
-    path = tmp_path / lib.entries[bad].file
-    damaged = bytearray(path.read_bytes())
-    damaged[-10] ^= 0xFF
-    path.write_bytes(bytes(damaged))
-    again = ReferenceLibrary.open(tmp_path, KEY)
-    new = again.add(episode(seed=3))
-    assert new not in (good, bad) and path.read_bytes() == bytes(damaged)
+    good, bad, path, damaged = with_a_corrupt_episode(tmp_path)
+    new = ReferenceLibrary.open(tmp_path, KEY).add(episode(seed=3))
+    assert new not in (good, bad) and path.read_bytes() == damaged
     third = ReferenceLibrary.open(tmp_path, KEY)
     assert sorted(third.entries) == [good, new] and list(third.left_out) == [bad]
     assert any(f"episode {bad}" in p and "corrupt" in p for p in third.problems)
