@@ -186,7 +186,11 @@ def main() -> int:
                 name = kernel.fn.__name__
                 shared[name] = max(shared.get(name, 0), binary.metadata.shared)
                 mma.update(
-                    re.findall(r"^\s*(tcgen05\.mma|wgmma\.mma_async|mma\.sync)\b", binary.asm["ptx"], re.M)
+                    re.findall(
+                        r"^\s*(?:@!?%p\d+\s+)?(tcgen05\.mma|wgmma\.mma_async|mma\.sync)\b",
+                        binary.asm["ptx"],
+                        re.M,
+                    )
                 )
                 print(f"ok   {name} PDL={pdl}")
             except Exception as exc:  # report every failure, then fail
