@@ -2,12 +2,17 @@
 
     python -m rmuscle_ros.demo              # rmuscle_node on a replayed ALOHA-like bag (node/replay_demo.py)
     python -m rmuscle_ros.demo --synthetic  # the policy alone (config/demo.yaml), synthetic observations
+    python -m rmuscle_ros.demo --bags ep0 ep1 ep2 --param prompt="fold the towel"  # your recorded episodes
 
 Both need no files and no GPU: the `tiny` preset on the CPU with seeded weights. The bag demo replays
 the episode twice with rMuscle on: a dense warm-up episode that the node records into its reference
 library, then a repeat of the task served from the cache. It prints chunks by cache mode and hit rate
 per episode, rate, latency p50/p99 and drops by reason, and writes a plot; the synthetic one prints the
 chunk shape and the latency per call (median and p90 after warm-up).
+
+With --bags the node replays recorded episodes instead (one rosbag2 folder per episode, in order, a
+reset before each after the first), on one clock; --remap maps a bag's topics onto the node's where
+they are not an ALOHA cell's (/cam_high/camera/color/image_rect_raw, ..., /follower_left/joint_states).
 """
 
 from __future__ import annotations
@@ -53,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=REPO / "build" / "demo", help="bag demo: output folder")
     p.add_argument(
+        "--bags", type=Path, nargs="+", default=None, metavar="BAG",
+        help="bag demo: replay these recorded episodes (rosbag2 folders, one per episode, in order)",
+    )  # fmt: skip
+    p.add_argument(
+        "--remap", action="append", default=[], metavar="FROM:=TO",
+        help="--bags: a bag topic onto one of the node's (repeatable; ALOHA topics are mapped by default)",
+    )  # fmt: skip
+    p.add_argument(
         "--param",
         action="append",
         default=[],
@@ -69,13 +82,29 @@ def main(argv: list[str] | None = None) -> int:
             if not sep or not name:
                 p.error(f"--param {item!r}: expected NAME=VALUE")
             overrides[name] = yaml.safe_load(value)
-        repeats = args.episodes - 1
-        print(
-            f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
-            f"replayed {args.episodes} time(s): a dense warm-up, then {repeats} repeat(s) served by rMuscle"
-        )
+        remap = {}
+        for item in args.remap:
+            frm, sep, to = item.partition(":=")
+            if not sep or not frm or not to:
+                p.error(f"--remap {item!r}: expected FROM:=TO")
+            remap[frm] = to
+        if remap and args.bags is None:
+            p.error("--remap: only with --bags (the demo's own bags use the node's topics)")
+        if args.bags is not None:
+            print(
+                f"[demo] rmuscle_node (config/rmuscle_default.yaml) on {len(args.bags)} recorded episode(s)"
+            )
+        else:
+            print(
+                f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
+                f"replayed {args.episodes} time(s): a dense warm-up, then {args.episodes - 1} repeat(s) "
+                "served by rMuscle"
+            )
         try:
-            summary = run(args.out, seconds=args.seconds, overrides=overrides, episodes=args.episodes)
+            summary = run(
+                args.out, seconds=args.seconds, overrides=overrides, episodes=args.episodes, bags=args.bags,
+                remap=remap,
+            )  # fmt: skip
         except ValueError as e:
             p.error(str(e))
         except RuntimeError as e:  # e.g. the bag player failed: say so, without a traceback

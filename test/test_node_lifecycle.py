@@ -42,6 +42,8 @@ from rmuscle_ros.node.bags import (  # noqa: E402
     ALOHA_JOINT_TOPICS,
     BagPlayer,
     read_messages,
+    shift_header_stamp,
+    typestore,
     write_aloha_episode,
     write_messages,
 )
@@ -623,6 +625,89 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
             main([*option, "--out", str(tmp_path)])
         assert exit_.value.code == 2
         assert says in capsys.readouterr().err, option
+
+
+def test_the_player_moves_a_messages_header_stamp_and_nothing_else() -> None:
+    """`--start-ns` replays a bag as if recorded later (or earlier): each header stamp moves by the offset,
+    byte for byte the rest of the message stays; a stamp never set (zero) stays zero."""
+    store = typestore()
+    Header, Time = store.types["std_msgs/msg/Header"], store.types["builtin_interfaces/msg/Time"]
+    JointStateT = store.types["sensor_msgs/msg/JointState"]
+    for sec, nanosec, offset in ((1_700_000_000, 999_999_999, 2), (1_700_000_005, 1, -3 * 10**9 - 2)):
+        msg = JointStateT(
+            header=Header(stamp=Time(sec=sec, nanosec=nanosec), frame_id="arm"), name=["a", "b"],
+            position=np.array([0.1, -0.2]), velocity=np.zeros(0), effort=np.zeros(0),
+        )  # fmt: skip
+        raw = bytes(store.serialize_cdr(msg, "sensor_msgs/msg/JointState"))
+        moved = store.deserialize_cdr(shift_header_stamp(raw, offset), "sensor_msgs/msg/JointState")
+        total = sec * 10**9 + nanosec + offset
+        assert (moved.header.stamp.sec, moved.header.stamp.nanosec) == divmod(total, 10**9)
+        assert moved.header.frame_id == "arm" and list(moved.name) == ["a", "b"]
+        assert np.array_equal(moved.position, msg.position)
+        assert shift_header_stamp(raw, offset)[12:] == raw[12:]
+    unset = JointStateT(header=Header(stamp=Time(sec=0, nanosec=0), frame_id=""), name=[],
+                        position=np.zeros(0), velocity=np.zeros(0), effort=np.zeros(0))  # fmt: skip
+    raw = bytes(store.serialize_cdr(unset, "sensor_msgs/msg/JointState"))
+    assert shift_header_stamp(raw, 10**9) == raw
+
+
+def test_replay_demo_replays_recorded_episodes_on_one_clock(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m rmuscle_ros.demo --bags …`: a cell's own recordings, one bag per episode, with its own
+    topic names (--remap) and recorded on other days (here the second one a day *before* the first). Each
+    bag after the first is moved to start 10 ms after the one before ends, so the node sees one clock: the
+    second episode is served from the first one's memory, and its chunks are stamped after the first's."""
+    from rmuscle_ros.demo import main
+
+    cameras = ("/rig/cam_top", "/rig/cam_left", "/rig/cam_right")
+    arms = ("/rig/arm_left/joints", "/rig/arm_right/joints")
+    bags = [tmp_path / "monday", tmp_path / "sunday"]
+    for bag, start_s in zip(bags, (1_700_086_400, 1_700_000_000), strict=True):
+        write_aloha_episode(
+            bag, seconds=4.0, start_ns=start_s * 10**9, camera_topics=cameras, joint_topics=arms
+        )
+    node_topics = ("images/base", "images/left_wrist", "images/right_wrist", "joint_states/left",
+                   "joint_states/right")  # fmt: skip
+    remaps = [f"--remap={frm}:={to}" for frm, to in zip((*cameras, *arms), node_topics, strict=True)]
+    out = tmp_path / "out"
+    args = ["--bags", *map(str, bags), *remaps, "--param", "actions_per_inference=50", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "on 2 recorded episode(s)" in printed
+    assert "episode 0 (monday)" in printed and "episode 1 (sunday)" in printed
+    assert "reset before episode 1: episode 1 (episode 0 recorded as library episode 0)" in printed
+    chunks = [m for _, m in read_messages(out / "action_chunks", "/rmuscle_node/action_chunk")]
+    first = [c for c in chunks if c.episode_id == 0]
+    second = [c for c in chunks if c.episode_id == 1]
+    assert first and second, printed
+    assert ActionChunk.CACHE_CACHED in {c.cache_mode for c in second}, printed
+    stamp = lambda c: c.header.stamp.sec * 10**9 + c.header.stamp.nanosec  # noqa: E731
+    assert min(map(stamp, second)) > max(map(stamp, first)) >= 1_700_086_400 * 10**9
+    assert "future_stamp" not in printed, printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["monday", "out", "sunday"], "the bags are kept"
+
+
+def test_replay_of_recorded_bags_refuses_what_the_node_could_not_run_naming_it(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rmuscle_ros.demo import main
+
+    bag = tmp_path / "episode"
+    write_aloha_episode(bag, seconds=0.5, camera_topics=("/a", "/b", "/c"))
+    for args, says in (
+        ([str(tmp_path / "missing")], "no such file or folder"),
+        ([str(bag)], "nothing would reach the node's topic(s) ['images/base', 'images/left_wrist', "
+                     "'images/right_wrist']; the bag has ['/a', '/b', '/c', "),
+        ([str(tmp_path)], "cannot be read"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(["--bags", *args, "--out", str(tmp_path / "out")])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err, args
+    with pytest.raises(SystemExit):
+        main(["--remap", "/a:=images/base", "--out", str(tmp_path / "out")])
+    assert "--remap: only with --bags" in capsys.readouterr().err
 
 
 def test_the_bag_player_command_refuses_bad_arguments_by_name(

@@ -3,22 +3,28 @@
 - `write_aloha_episode` writes an ALOHA-like episode (cameras at 30 Hz, 480×640 rgb8; both follower
   arms' joint states at 100 Hz) as MCAP or sqlite3, with the `rosbags` package.
 - `BagPlayer` publishes a bag's messages (their CDR bytes, unchanged) on their topics at the recorded
-  pace, with /clock, which is what `ros2 bag play --clock` does; nodes run with use_sim_time.
+  pace, with /clock, which is what `ros2 bag play --clock` does; nodes run with use_sim_time. With
+  `start_ns` it moves the bag in time: /clock and every header stamp shifted by the same offset, so that
+  episodes recorded on other days replay one after another on one clock.
+- `bag_info` says what a bag holds (time span, topics with their types and counts), to check it first.
 - `write_messages` records received messages (e.g. the node's ActionChunks) into a bag.
 
 As a command, what `ros2 bag play --clock` does, in a process of its own (as on a cell, where the player
 is not the node's process):
 
     python -m rmuscle_ros.node.bags play BAG [--remap FROM:=TO ...] [--rate R] [--wait-for-subscribers S]
+                                             [--start-ns NS]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import struct
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +64,11 @@ def write_aloha_episode(
     joint_hz: float = 100.0,
     size: tuple[int, int] = (480, 640),
     start_ns: int = 1_700_000_000 * 10**9,
+    camera_topics: Sequence[str] = ALOHA_CAMERA_TOPICS,
+    joint_topics: Sequence[str] = ALOHA_JOINT_TOPICS,
 ) -> dict[str, list[int]]:
-    """Write a synthetic episode; returns the header stamps (ns) written per topic."""
+    """Write a synthetic episode; returns the header stamps (ns) written per topic. The topics default to
+    an ALOHA cell's (camera k on camera_topics[k], the left and right arms on joint_topics)."""
     store = typestore()
     types = store.types
     Image, JointState, Header, Time = (  # message classes
@@ -86,8 +95,8 @@ def write_aloha_episode(
                 step=w * 3,
                 data=rgb.reshape(-1),
             )
-            events.append((t, ALOHA_CAMERA_TOPICS[cam], msg, "sensor_msgs/msg/Image"))
-    for side, topic in zip(("left", "right"), ALOHA_JOINT_TOPICS, strict=True):
+            events.append((t, camera_topics[cam], msg, "sensor_msgs/msg/Image"))
+    for side, topic in zip(("left", "right"), joint_topics, strict=True):
         for i in range(int(seconds * joint_hz)):
             t = start_ns + round(i * 1e9 / joint_hz)
             header = Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id="")
@@ -112,6 +121,56 @@ def write_aloha_episode(
     return stamps
 
 
+@dataclass(frozen=True)
+class BagInfo:
+    start_ns: int  # the first message's bag time
+    end_ns: int  # the last one's
+    topics: dict[str, tuple[str, int]]  # topic -> (message type, message count)
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+def bag_info(path: Path) -> BagInfo:
+    """What a bag holds, read from its metadata (no message is read). ValueError naming the bag if it
+    cannot be opened or holds no message."""
+    try:
+        with AnyReader([path]) as reader:
+            topics: dict[str, tuple[str, int]] = {}
+            for c in reader.connections:
+                count = topics.get(c.topic, (c.msgtype, 0))[1]
+                topics[c.topic] = (c.msgtype, count + c.msgcount)
+            start, end = reader.start_time, reader.end_time
+    except Exception as e:  # rosbags raises its own types for every kind of unreadable bag
+        raise ValueError(f"bag {path}: cannot be read ({type(e).__name__}: {e})") from None
+    if not topics or sum(n for _, n in topics.values()) == 0:
+        raise ValueError(f"bag {path}: holds no message")
+    return BagInfo(start, end, topics)
+
+
+def _starts_with_header(msgtype: str) -> bool:
+    fields = typestore().fielddefs.get(msgtype, (None, []))[1]
+    return bool(fields) and fields[0][1][1] == "std_msgs/msg/Header"
+
+
+def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
+    """A CDR-serialised message that begins with a std_msgs/Header, its stamp moved by `offset_ns`. The
+    stamp is the first thing after CDR's 4-byte encapsulation: int32 sec, uint32 nanosec, in the byte
+    order the encapsulation names (0x0001: little-endian). A zero stamp (never set by its publisher) stays
+    zero."""
+    order = "<" if raw[1] == 1 else ">"
+    sec, nanosec = struct.unpack_from(f"{order}iI", raw, 4)
+    if sec == 0 and nanosec == 0:
+        return raw
+    sec, nanosec = divmod(sec * 10**9 + nanosec + offset_ns, 10**9)
+    if not 0 <= sec < 2**31:
+        raise ValueError(f"a header stamp moved by {offset_ns} ns falls outside ROS time ({sec} s)")
+    out = bytearray(raw)
+    struct.pack_into(f"{order}iI", out, 4, sec, nanosec)
+    return bytes(out)
+
+
 def _message_class(msgtype: str) -> Any:
     package, _, name = msgtype.split("/")
     return getattr(importlib.import_module(f"{package}.msg"), name)
@@ -129,11 +188,17 @@ class BagPlayer:
         self._qos = qos
         self.published = 0
 
-    def play(self, rate: float = 1.0, wait_for_subscribers_s: float = 0.0) -> None:
+    def play(
+        self, rate: float = 1.0, wait_for_subscribers_s: float = 0.0, start_ns: int | None = None
+    ) -> None:
         """Blocks until every message has been published at its recorded time (scaled by `rate`).
         `wait_for_subscribers_s`: first wait up to this long for every topic (and /clock) to have a
-        subscriber, as discovery between processes takes longer than within one (then 0.5 s more)."""
+        subscriber, as discovery between processes takes longer than within one (then 0.5 s more).
+        `start_ns`: play the bag as if it had been recorded from that time on: /clock and the header stamp
+        of every message that has one move by the same offset (the rest of each message is unchanged)."""
         with AnyReader([self.path]) as reader:
+            offset = 0 if start_ns is None else start_ns - reader.start_time
+            shifted = {c.topic for c in reader.connections if offset and _starts_with_header(c.msgtype)}
             pubs = {
                 c.topic: self.node.create_publisher(
                     _message_class(c.msgtype), self.remap.get(c.topic, c.topic), self._qos
@@ -152,9 +217,11 @@ class BagPlayer:
                 if delay > 0:
                     time.sleep(delay)
                 clock = self._clock_type()
-                clock.clock.sec, clock.clock.nanosec = divmod(t, 10**9)
+                clock.clock.sec, clock.clock.nanosec = divmod(t + offset, 10**9)
                 self._clock_pub.publish(clock)
-                pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes, unchanged
+                if connection.topic in shifted:
+                    raw = shift_header_stamp(raw, offset)
+                pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
                 self.published += 1
             for pub in pubs.values():
                 self.node.destroy_publisher(pub)
@@ -193,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         "--wait-for-subscribers", type=float, default=10.0, metavar="S",
         help="wait up to S seconds for every topic to have a subscriber before the first message",
     )  # fmt: skip
+    play.add_argument(
+        "--start-ns", type=int, default=None, metavar="NS",
+        help="move the bag in time to start at NS (ROS time, ns): /clock and header stamps shift together",
+    )  # fmt: skip
     args = p.parse_args(argv)
     remap = {}
     for item in args.remap:
@@ -211,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     node = rclpy.create_node("bag_player")
     try:
         player = BagPlayer(node, args.bag, qos_profile_sensor_data, remap=remap)
-        player.play(args.rate, wait_for_subscribers_s=args.wait_for_subscribers)
+        player.play(args.rate, wait_for_subscribers_s=args.wait_for_subscribers, start_ns=args.start_ns)
         print(f"published {player.published} messages from {args.bag}")
     finally:
         node.destroy_node()

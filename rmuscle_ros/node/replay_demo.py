@@ -14,6 +14,12 @@ are deleted once played, ~80 MB per second of episode). The node's chunks are re
 summary gives chunks, rate, latency p50/p99/max and the slowest calls, drops by reason, chunks by
 cache mode, hit rate and p50 per episode, and the last `~/cache_status`; the plot shows latency over
 time coloured by cache mode and the action trajectories.
+
+With `bags`, the same run replays recorded episodes instead (one bag per episode, in order; e.g. a
+cell's own recordings): each is checked first (readable, and every camera and joint topic the node
+subscribes to present after `remap`), and each after the first is moved in time to start `BAG_GAP_NS`
+after the one before ends (the player shifts /clock and the header stamps alike), so episodes recorded on
+other days replay as one shift on one clock.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,8 @@ from rmuscle_ros.msg import ActionChunk, CacheStatus
 from rmuscle_ros.node.bags import (
     ALOHA_CAMERA_TOPICS,
     ALOHA_JOINT_TOPICS,
+    BagInfo,
+    bag_info,
     read_messages,
     write_aloha_episode,
     write_messages,
@@ -51,6 +59,11 @@ from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
 FASTDDS_LARGE_FRAMES = CONFIG.parent / "fastdds_shm_large_frames.xml"
 START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
+# Between two recorded episodes on the replay's clock. The clock stands still between two plays (the
+# player publishes it), so this only puts the next bag's first message after the last one: 10 ms, one
+# joint-state period at ALOHA's 100 Hz. Longer gaps are time the node ticks with silent sensors, and
+# cost a stale drop per reset (1 s: a stale image; 0.1 s: stale joints).
+BAG_GAP_NS = 10_000_000
 MODE_NAMES = {
     ActionChunk.CACHE_DENSE: "dense",
     ActionChunk.CACHE_CACHED: "cached",
@@ -71,30 +84,52 @@ def run(
     domain_id: int = 77,
     overrides: Mapping[str, Any] | None = None,
     episodes: int = 2,
+    bags: Sequence[Path] | None = None,
+    remap: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
-    over config/rmuscle_default.yaml."""
-    if episodes < 1:
-        raise ValueError(f"episodes: at least 1 (the warm-up), got {episodes}")
-    if seconds <= 0:
-        raise ValueError(f"seconds: an episode must last more than 0 s, got {seconds:g}")
+    over config/rmuscle_default.yaml. `bags`: recorded episodes to replay instead of written ones (then
+    `seconds` and `episodes` are theirs); `remap`: bag topic -> the node's topic, over the ALOHA defaults
+    (/cam_high/... onto the node's first camera topic, and so on)."""
     params = load_params_file(CONFIG) | dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
+    topics = parameter_defaults() | params
+    remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], topics["camera_topics"], strict=False)) | dict(
+        zip(ALOHA_JOINT_TOPICS, topics["joint_state_topics"], strict=False)
+    ) | dict(remap or {})  # fmt: skip
+    recorded = bags is not None
+    if recorded:
+        if not bags:
+            raise ValueError("bags: at least one episode to replay")
+        bags, episodes = [Path(b) for b in bags], len(bags)
+        infos = [_check_bag(b, remap, topics) for b in bags]
+    if episodes < 1:
+        raise ValueError(f"episodes: at least 1 (the warm-up), got {episodes}")
+    if not recorded and seconds <= 0:
+        raise ValueError(f"seconds: an episode must last more than 0 s, got {seconds:g}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    # A repeat is the same task (the same frames and joint motion) one episode later: its bag starts where
-    # the one before ends, so the node's clock runs on as on a cell and no buffered frame goes stale.
-    bags = [out_dir / f"aloha_episode_{k}" for k in range(episodes)]
+    if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
+        starts = [infos[0].start_ns]
+        for info in infos[:-1]:
+            starts.append(starts[-1] + info.end_ns - info.start_ns + BAG_GAP_NS)
+        lengths = [info.seconds for info in infos]
+    else:
+        # A repeat is the same task (the same frames and joint motion) one episode later: its bag starts
+        # where the one before ends, so the node's clock runs on as on a cell and no frame goes stale.
+        bags = [out_dir / f"aloha_episode_{k}" for k in range(episodes)]
+        starts = [START_NS + k * round(seconds * 1e9) for k in range(episodes)]
+        lengths = [seconds] * episodes
 
-    def write(k: int) -> dict[str, list[int]]:
-        start = START_NS + k * round(seconds * 1e9)
-        return write_aloha_episode(
-            _fresh(bags[k]), storage="mcap", seconds=seconds, cameras=3, start_ns=start
-        )
+    def write(k: int) -> None:
+        if not recorded:
+            write_aloha_episode(
+                _fresh(bags[k]), storage="mcap", seconds=seconds, cameras=3, start_ns=starts[k]
+            )
 
-    written = write(0)
+    write(0)
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain_id)
@@ -126,16 +161,14 @@ def run(
             raise ValueError(f"the node refused its parameters: {node.last_error}")
         node.trigger_activate()
         configure_s = time.perf_counter() - start
-        remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], node.cfg.camera_topics, strict=True))
-        remap |= dict(zip(ALOHA_JOINT_TOPICS, node.cfg.joint_state_topics, strict=True))
         resets = []
         for k in range(episodes):
             if k > 0:
                 resets.append(call_service(reset, Trigger.Request()).message)
                 write(k)
-            _play(bags[k], remap, domain_id, seconds)
+            _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None)
             time.sleep(1.0)  # the last inference
-            if 0 < k < episodes - 1:
+            if not recorded and 0 < k < episodes - 1:
                 shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
         stats = node.stats()
         node.trigger_deactivate()
@@ -151,7 +184,7 @@ def run(
     write_messages(record, topic, "rmuscle_ros/msg/ActionChunk", received)
     chunks = [m for _, m in read_messages(record, topic)]
     stamps = np.array([c.header.stamp.sec + c.header.stamp.nanosec * 1e-9 for c in chunks])
-    t0 = written[ALOHA_CAMERA_TOPICS[0]][0] * 1e-9
+    t0 = starts[0] * 1e-9
     latencies = [c.inference_latency_s * 1e3 for c in chunks]
     modes = [MODE_NAMES[c.cache_mode] for c in chunks]
     per_episode = []
@@ -163,7 +196,7 @@ def run(
         )
         per_episode.append(
             {"episode": episode, "chunks": n, "modes": dict(counts), "hit_rate": counts["cached"] / n,
-             "latency_p50_ms": p50}
+             "latency_p50_ms": p50, "bag": bags[episode].name if recorded and episode < len(bags) else None}
         )  # fmt: skip
     by_mode = {
         mode: statistics.median(lat for lat, m in zip(latencies, modes, strict=True) if m == mode)
@@ -198,23 +231,51 @@ def run(
         },
         "configure_activate_s": configure_s,
         "bag": ", ".join(str(b) for b in bags if b.exists()),
+        "recorded_bags": recorded,
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
     }
     p = parameter_defaults() | params
     weights = Path(p["model.checkpoint"]).name if p["model.checkpoint"] else "random weights"
     what = f"{p['model.preset']} model, {weights}, {p['model.backend']} on {p['model.device']}"
-    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, seconds, episodes, what)
+    resets_at = [(start - starts[0]) / 1e9 for start in starts[1:]]
+    title = f"{episodes} recorded episode(s)" if recorded else "a replayed episode and its repeat"
+    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})")
     return summary
 
 
-def _play(bag: Path, remap: Mapping[str, str], domain_id: int, seconds: float) -> None:
+def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -> BagInfo:
+    """A recorded episode the node can run on: readable, and every camera and joint-state topic the node
+    subscribes to published by it once remapped. ValueError naming the bag and what is missing."""
+    if not bag.exists():
+        raise ValueError(f"bag {bag}: no such file or folder")
+    info = bag_info(bag)
+    published = {_absolute(remap.get(topic, topic)) for topic in info.topics}
+    wanted = [*params["camera_topics"], *params["joint_state_topics"]]
+    missing = [topic for topic in wanted if _absolute(topic) not in published]
+    if missing:
+        raise ValueError(
+            f"bag {bag}: nothing would reach the node's topic(s) {missing}; the bag has "
+            f"{sorted(info.topics)}: map one onto each with --remap FROM:=TO"
+        )
+    return info
+
+
+def _absolute(topic: str) -> str:
+    """A topic name as resolved in the root namespace, where the node and the player run here."""
+    return "/" + topic.lstrip("/")
+
+
+def _play(
+    bag: Path, remap: Mapping[str, str], domain_id: int, seconds: float, start_ns: int | None = None
+) -> None:
     """Replay `bag` from a process of its own (`python -m rmuscle_ros.node.bags play`), as `ros2 bag play`
     runs on a cell: in this process its reading and publishing (~80 MB/s of frames) would compete with the
     node's worker for the interpreter lock. (With it here, the GPU soak's p50 was 2-3 ms higher; README,
     "A shift on the GPU".)"""
     command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
     command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
+    command += [] if start_ns is None else [f"--start-ns={start_ns}"]
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
     # The player publishes 0.9 MB frames: shared-memory segments that hold them (unless the caller chose a
     # Fast DDS profile), as a camera driver on the node's host should (config/fastdds_shm_large_frames.xml).
@@ -249,8 +310,7 @@ def _plot(
     latencies: list[float],
     modes: list[str],
     chunks: list[Any],
-    seconds: float,
-    episodes: int,
+    resets_at: list[float],
     what: str,
 ) -> None:
     import matplotlib
@@ -264,14 +324,14 @@ def _plot(
         picked = [i for i, m in enumerate(modes) if m == mode]
         if picked:
             ax_lat.scatter(t[picked], np.asarray(latencies)[picked], color=colour, label=mode, zorder=2)
-    for k in range(1, episodes):
-        ax_lat.axvline(k * seconds, color="k", ls="--", lw=0.8)
-    if episodes > 1:
-        ax_lat.text(seconds, ax_lat.get_ylim()[1], " reset: repeat of the task", va="top", fontsize=8)
+    for at in resets_at:
+        ax_lat.axvline(at, color="k", ls="--", lw=0.8)
+    if resets_at:
+        ax_lat.text(resets_at[0], ax_lat.get_ylim()[1], " reset: the next episode", va="top", fontsize=8)
     ax_lat.legend(title="cache mode", loc="best", fontsize=8)
     ax_lat.set_xlabel("bag time of the observation (s)")
     ax_lat.set_ylabel("inference latency (ms)")
-    ax_lat.set_title(f"rmuscle_node on a replayed episode and its repeat ({what})")
+    ax_lat.set_title(f"rmuscle_node on {what}")
     for c, start in zip(chunks, t, strict=True):
         actions = np.asarray(c.actions, dtype=np.float32).reshape(c.horizon, c.action_dim)
         steps = start + np.arange(c.horizon) * c.control_period_s
@@ -279,7 +339,7 @@ def _plot(
             ax_act.plot(steps, actions[:, j], color=plt.cm.tab20(j), lw=0.8)
     ax_act.set_xlabel("time (s)")
     ax_act.set_ylabel("action (robot units)")
-    structure = " (random weights: no task structure)" if what.split(", ")[1] == "random weights" else ""
+    structure = " (random weights: no task structure)" if "random weights" in what else ""
     ax_act.set_title(f"action chunks, one line per joint{structure}")
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -303,7 +363,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"{summary['gc_full_collections']} full collection(s)"
     )
     for i, e in enumerate(summary["episodes"]):
-        what = "dense warm-up" if i == 0 else "repeat of the task"
+        what = e.get("bag") or ("dense warm-up" if i == 0 else "repeat of the task")
         modes = ", ".join(f"{m} {e['modes'].get(m, 0)}" for m in MODE_COLOURS)
         print(
             f"[demo] episode {e['episode']} ({what}): {e['chunks']} chunks: {modes}; hit rate {e['hit_rate']:.2f}; "
