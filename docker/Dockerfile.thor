@@ -26,6 +26,9 @@ RUN python3 -c "import tensorrt, torch; print('TensorRT', tensorrt.__version__, 
 # Triton 3.6 falls back to its own ptxas when the path does not exist.
 ENV TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas \
     TRITON_PTXAS_THOR_PATH=/usr/local/cuda/bin/ptxas
+# The graph backend keeps its compiled kernels under model.engine_cache_dir/triton: mount a volume there
+# (e.g. -v rmuscle-engines:/var/lib/rmuscle/engines for config/rmuscle_thor.yaml), or every container
+# start compiles them all again.
 
 WORKDIR /opt/rmuscle_ros
 COPY pyproject.toml setup.py README.md package.xml ./

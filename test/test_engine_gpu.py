@@ -554,6 +554,26 @@ def test_a_gpu_policy_records_the_images_it_resampled_on_the_gpu(tmp_path) -> No
     policy.close()
 
 
+def test_a_graph_policy_keeps_its_compiled_kernels_under_the_engine_cache_dir(tmp_path) -> None:
+    """`engine_cache_dir` holds the graph backend's compiled Triton kernels (triton/): a fresh process
+    (nothing compiled yet, as at a cell's first configure) writes them there, not in ~/.triton."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from rmuscle_ros.runtime.policy import Policy, PolicyConfig\n"
+        f"Policy(PolicyConfig(backend='graph', device='cuda', engine_cache_dir={str(tmp_path)!r})).warmup()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    cubins = list((tmp_path / "triton").rglob("*.cubin"))
+    assert len(cubins) >= 10, f"{len(cubins)} compiled kernels under {tmp_path / 'triton'}"
+
+
 def test_retrieval_on_the_gpu_picks_what_the_host_picks() -> None:
     """The library's descriptors on the GPU: a first call, aligned calls and a fallback call give the same
     matches as host retrieval, similarities within float32 rounding."""

@@ -107,3 +107,23 @@ def test_a_ptxas_that_does_not_know_the_gpu_is_named_before_any_kernel_compiles(
         assembler_problem.cache_clear()
         assert assembler_problem(110) is None
     assembler_problem.cache_clear()
+
+
+@pytest.mark.skipif(TRITON is None, reason=NO_TRITON)
+def test_compiled_kernels_are_kept_where_the_deployment_says_unless_triton_cache_dir_does(
+    tmp_path, monkeypatch
+) -> None:
+    """The graph backend keeps Triton's compiled kernels under `model.engine_cache_dir`/triton, so that a
+    container whose home is not a volume does not compile them all again at every start; a
+    TRITON_CACHE_DIR set by the operator wins."""
+    from triton import knobs
+
+    from rmuscle_ros.engine.triton_ops import keep_kernels_in
+
+    monkeypatch.setattr(knobs.cache, "dir", knobs.cache.dir)  # restored after the test
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    kept = tmp_path / "engines" / "triton"
+    assert keep_kernels_in(kept) == str(kept) and kept.is_dir() and knobs.cache.dir == str(kept)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "operator"))
+    assert keep_kernels_in(tmp_path / "elsewhere") == str(tmp_path / "operator")
+    assert not (tmp_path / "elsewhere").exists()

@@ -306,7 +306,10 @@ class GraphEngine:
         pdl: bool | None = None,
         cache: CacheShapes | None = None,
         overlap_first_step: bool | None = None,
+        kernel_cache_dir: str | None = None,
     ) -> None:
+        """kernel_cache_dir (GPU): where Triton keeps the compiled kernels (`triton_ops.keep_kernels_in`);
+        None leaves Triton's own choice (TRITON_CACHE_DIR, else ~/.triton/cache)."""
         cfg = self.cfg = model.cfg
         self.device = device = torch.device(device)
         cuda = device.type == "cuda"
@@ -319,6 +322,8 @@ class GraphEngine:
             problem = triton_ops.assembler_problem(10 * major + minor)
             if problem is not None:  # said now, not as a ptxas error in the warm-up's first kernel
                 raise RuntimeError(f"the graph engine cannot compile its kernels for {device}: {problem}")
+            if kernel_cache_dir is not None:
+                self.kernel_cache_dir = triton_ops.keep_kernels_in(kernel_cache_dir)
             self.pdl = triton_ops.pdl_supported(device) if pdl is None else pdl
             if self.pdl and not triton_ops.pdl_supported(device):
                 raise ValueError(

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import triton
@@ -78,6 +80,20 @@ def assembler_problem(arch: int) -> str | None:
         f"which does not know {target}. Set {' or '.join(variables) or 'TRITON_PTXAS_PATH'} to a ptxas that "
         "does (for a Jetson Thor's sm_110a, CUDA 13 or later: e.g. /usr/local/cuda/bin/ptxas on JetPack 7)"
     )
+
+
+def keep_kernels_in(path: str | os.PathLike[str]) -> str:
+    """Keep Triton's compiled kernels under `path`, unless TRITON_CACHE_DIR already names a place; returns
+    where they are kept. Process-wide (Triton has one cache). Triton's default is ~/.triton/cache: in a
+    container without a volume there, every start compiles every kernel again (38-44 s of the first
+    configure on the H200's host, more on a Thor's CPU)."""
+    from triton import knobs
+
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return os.environ["TRITON_CACHE_DIR"]
+    Path(path).mkdir(parents=True, exist_ok=True)
+    knobs.cache.dir = str(path)
+    return str(path)
 
 
 def _resolves_to(knob: object, path: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,7 +65,9 @@ class PolicyConfig:
     device: str = "cpu"
     backend: str = "eager"
     dtype: str = "float32"  # eager backend only; the graph backend is bf16
-    # onnxruntime / tensorrt backends: where exports and engines are kept; None = $XDG_CACHE_HOME/rmuscle_ros
+    # onnxruntime / tensorrt backends: where exports and engines are kept; None = $XDG_CACHE_HOME/rmuscle_ros.
+    # graph backend: its compiled Triton kernels go to <engine_cache_dir>/triton (unless TRITON_CACHE_DIR is
+    # set); None = Triton's default, ~/.triton/cache
     engine_cache_dir: str | None = None
     cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
     state_dim: int = 14  # ALOHA: 2 × (6 joints + gripper)
@@ -141,6 +144,8 @@ class Policy:
         options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
         if cfg.backend in EXPORTED:
             options["cache_dir"] = cfg.engine_cache_dir
+        if cfg.backend == "graph" and cfg.engine_cache_dir:
+            options["kernel_cache_dir"] = str(Path(cfg.engine_cache_dir) / "triton")
         if cache is not None:
             options["cache"] = cache.shapes()
         self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
