@@ -225,6 +225,33 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     assert "no library here" in capsys.readouterr().err
 
 
+def test_a_library_another_live_process_has_open_is_refused_and_a_stale_marker_is_not(tmp_path: Path) -> None:
+    """Two writers would each rewrite the index from memory and drop the other's episodes: opening a
+    library that another live process holds is refused, naming it; once that process is gone its marker
+    no longer counts. This process may open its own library again (a node's cleanup and configure)."""
+    import socket
+    import subprocess
+    import sys
+
+    from rmuscle_ros.cache.library import OPEN_MARKER, LibraryBusy
+
+    mine = ReferenceLibrary.open(tmp_path, KEY)
+    mine.add(episode())
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0], "the same process: allowed"
+    mine.close()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / OPEN_MARKER).write_text(f"{socket.gethostname()} {other.pid}")
+        with pytest.raises(
+            LibraryBusy, match=rf"open in process {socket.gethostname()} {other.pid} \(another node\?\)"
+        ):
+            ReferenceLibrary.open(tmp_path, KEY)
+    finally:
+        other.kill()
+        other.wait()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0], "its process is gone"
+
+
 def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp_path: Path, capsys) -> None:
     """An open library holds a marker naming its process: while that process lives, `remove` refuses (its
     index in memory would put the episodes back); a marker left by a process that is gone is ignored."""

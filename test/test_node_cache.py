@@ -338,11 +338,23 @@ def _library_with_a_corrupt_index(library: Path) -> None:
     (library / "index.json").write_text('{"version": 1, "key": ')
 
 
+def _library_another_node_has_open(library: Path) -> None:
+    """A library written by a node that is still running (another process: the test's pytest parent)."""
+    import os
+    import socket
+
+    from rmuscle_ros.cache.library import OPEN_MARKER
+
+    _library_of_other_weights(library)
+    (library / OPEN_MARKER).write_text(f"{socket.gethostname()} {os.getppid()}")
+
+
 @pytest.mark.parametrize(
     ("make_library", "reason"),
     [
         (_library_of_other_weights, "other weights"),
         (_library_with_a_corrupt_index, "unreadable library index"),
+        (_library_another_node_has_open, "the library is open in process"),
     ],
 )
 def test_configure_refuses_a_library_it_cannot_use(

@@ -20,9 +20,10 @@ Guarantees:
   and left out (its file is kept for inspection), never silently used. A corrupt index is an error; it is
   moved aside (not deleted) before a new library is saved in its place.
 - **Bounded.** `max_bytes` / `max_episodes`, evicting the least recently used episodes.
-- **One writer.** An open library holds a marker (`.open`: host and pid, removed by `close`); the
-  command line below refuses to remove episodes from a library a live process has open, whose index in
-  memory would put them back.
+- **One writer.** An open library holds a marker (`.open`: host and pid, removed by `close`). Opening a
+  library another live process has open is refused (`LibraryBusy`): two nodes given the same folder
+  would each rewrite the index from their own memory and drop the other's episodes. The command line
+  below refuses to remove episodes from a library a live process has open, for the same reason.
 No pickle: safetensors and JSON only.
 
 On a cell (read-only while the node runs; `remove` once it is cleaned up or stopped):
@@ -185,7 +186,15 @@ class ReferenceLibrary:
 
     @classmethod
     def open(cls, root: Path, key: LibraryKey, **bounds: int) -> ReferenceLibrary:
-        """Load the index at `root` (empty library if there is none) and verify every episode file."""
+        """Load the index at `root` (empty library if there is none) and verify every episode file.
+        LibraryBusy if another live process has it open (a marker left by a process that is gone is not)."""
+        who = holder(root)
+        if who is not None and who != _this_process():
+            raise LibraryBusy(
+                f"{root}: the library is open in process {who} (another node?): two writers would drop each "
+                f"other's episodes from its index; give each node its own library_path, or stop that process "
+                f"(if it is gone, e.g. on another host, delete {Path(root) / OPEN_MARKER})"
+            )
         lib = cls(root, key, **bounds)
         index_path = lib.root / INDEX
         if not index_path.exists():
@@ -345,7 +354,7 @@ def holder(root: Path) -> str | None:
     checked and counts as alive."""
     try:
         host, pid = (Path(root) / OPEN_MARKER).read_text().split()
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # no marker (or no folder, or a path through a file), or a garbled one
         return None
     if host != socket.gethostname():
         return f"{host} {pid}"
