@@ -39,6 +39,33 @@ def test_round_trip(tmp_path: Path) -> None:
     assert again.entries[ids[0]].meta == {"prompt": "fold"}
 
 
+def test_each_file_and_its_rename_reach_the_disk_before_the_index_names_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A cell can lose power mid-write: the episode file, then the folder (its rename), are fsynced before
+    the index that names the episode is written, and the index's own rename is fsynced too."""
+    import os
+
+    from rmuscle_ros.cache import library as library_module
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(library_module.os, "fsync", spy)
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    synced.clear()  # the open marker's
+    lib.add(episode())
+    names = [Path(p).name for p in synced]
+    episode_file, folder = names.index(".episode_000000.safetensors.tmp-" + str(os.getpid())), tmp_path.name
+    assert names[episode_file + 1] == folder, names  # the episode's rename
+    index = next(i for i, n in enumerate(names) if n.startswith(".index.json.tmp-"))
+    assert episode_file < index and names[index + 1] == folder and len(names) == index + 2, names
+
+
 def test_other_weights_are_refused(tmp_path: Path) -> None:
     ReferenceLibrary.open(tmp_path, KEY).add(episode())
     other = LibraryKey(weights="def456", shapes=KEY.shapes)

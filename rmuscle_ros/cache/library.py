@@ -14,8 +14,10 @@ Layout of a library folder:
 Guarantees:
 - **Keyed by content.** The index records the model's weights fingerprint and shapes; a library from
   other weights is refused with a message saying so (`LibraryMismatch`).
-- **Atomic.** Episode files and the index are written to a temporary name, fsynced and renamed; the
-  index is replaced last, so a crash leaves the previous library intact.
+- **Atomic.** Episode files and the index are written to a temporary name, fsynced and renamed, and the
+  folder is fsynced after each rename (so the rename itself survives a power cut); the index is replaced
+  last, so a crash leaves the previous library intact and never an index naming an episode file the
+  disk does not have.
 - **Checked.** Every episode file's sha256 is verified on open; a corrupt or missing episode is reported
   and left out (its file is kept for inspection), never silently used. A corrupt index is an error; it is
   moved aside (not deleted) before a new library is saved in its place.
@@ -158,13 +160,31 @@ def _file_problem(root: Path, entry: EpisodeEntry) -> str | None:
     return None
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in `folder` durable: a rename is an entry of the folder, which its own fsync
+    writes (on Linux; elsewhere a folder cannot be opened for it, and this does nothing)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _replace_durably(tmp, path)
 
 
 class ReferenceLibrary:
@@ -284,7 +304,7 @@ class ReferenceLibrary:
         save_file(episode.tensors(), str(tmp), metadata={"episode": str(episode_id)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, self.root / name)
+        _replace_durably(tmp, self.root / name)  # on disk before the index that names it
         now = time.time()
         path = self.root / name
         self.entries[episode_id] = EpisodeEntry(
