@@ -155,6 +155,23 @@ def test_retrieval_finds_and_follows_the_same_task() -> None:
         assert len(matches) == 2 and matches[0].similarity >= matches[1].similarity
 
 
+def test_a_restricted_search_matches_only_the_episodes_it_is_given() -> None:
+    """`restrict` (rMuscle: the current task's episodes) masks the others out of every query, the best
+    similarity reported included; with none left it serves nothing and reports 0, as an empty library."""
+    library = {0: walk(0), 1: walk(1), 2: walk(2)}
+    r = Retriever(RetrievalConfig(top_k=3, lookahead=4, threshold=-1.0), library)  # every query matches
+    assert r.query(walk(1)[0] + 0.01)[0].episode == 1
+    r.restrict([0, 2])
+    assert r.episodes == 2 and r.positions == {}, "alignment starts over"
+    matches = r.query(walk(1)[0] + 0.01)
+    assert {m.episode for m in matches} <= {0, 2} and set(r.positions) == {0, 2}
+    assert r.last_similarity == max(m.similarity for m in matches) < 0.99
+    r.restrict([])
+    assert r.query(walk(0)[0]) == [] and r.last_similarity == 0.0 and not r.fallback and r.episodes == 0
+    r.restrict(None)
+    assert r.episodes == 3 and r.query(walk(2)[3])[0].episode == 2
+
+
 def test_alignment_only_looks_ahead() -> None:
     r = Retriever(RetrievalConfig(top_k=1, lookahead=4, threshold=-1.0), {0: walk(0)})
     assert r.query(walk(0)[10])[0].position == 10

@@ -602,6 +602,18 @@ def test_retrieval_on_the_gpu_picks_what_the_host_picks() -> None:
             host.last_similarity, abs=1e-5
         )
     assert gpu.fallback
+    # Restricted to some episodes (rMuscle: the current task's), and to none: the same picks, and a call's
+    # queued similarities are collected either way (the next call's queue starts clean).
+    for episodes in ([0, 5], []):
+        host.restrict(episodes)
+        gpu.restrict(episodes)
+        for t in range(3):
+            q = library[5][2 * t] + 0.01 * rng.standard_normal((3, 64)).astype(np.float32)
+            gpu.queue(torch.from_numpy(q).to(CUDA))
+            want, got = host.query(q), gpu.query()
+            assert [(m.episode, m.position) for m in got] == [(m.episode, m.position) for m in want]
+            assert {m.episode for m in got} <= set(episodes) and not gpu._queued
+            assert gpu.last_similarity == pytest.approx(host.last_similarity, abs=1e-5)
 
 
 def test_matching_on_the_gpu_serves_the_chunks_of_matching_on_the_host(tmp_path) -> None:

@@ -297,6 +297,24 @@ def test_muscle_memory_is_per_task(tmp_path, caplog) -> None:
     ]
 
 
+def test_a_prompt_that_changes_every_call_is_served_dense_and_cheaply(tmp_path) -> None:
+    """A prompt that changes within an episode (e.g. a planner's subtask instructions) is a new task at each
+    change: those calls are served only from episodes of their own prompt, the episode is not recorded, and
+    switching costs no rebuild of retrieval (a mask over the rows it holds)."""
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    assert rm is not None
+    run(policy, episode(4))
+    assert policy.reset_episode() == 0
+    retriever = rm.retriever
+    steps = [dataclasses.replace(o, prompt=f"stack the cups: step {k}") for k, o in enumerate(episode(4))]
+    assert [c.cache_mode for c in run(policy, steps)] == ["dense"] * 4
+    assert rm.retriever is retriever, "retrieval was restricted, not rebuilt"
+    assert policy.reset_episode() is None, "its calls ran under four prompts"
+    assert [c.cache_mode for c in run(policy, episode(4, offset=0.05))][1:] == ["cached"] * 3
+    policy.close()
+
+
 def test_episodes_recorded_without_their_task_are_named_and_never_served(tmp_path, caplog) -> None:
     """A library written before episodes carried their task: which task they ran is unknown, so they are
     served for none, and opening the library says which they are and how to take them out."""

@@ -4,11 +4,12 @@ At each call: cosine similarity between the current retrieval descriptor and eve
 episode the best match within its aligned position and the next `lookahead` (the whole episode on the
 first call after a reset); the `top_k` episodes by that similarity are the candidates. If the best one
 is below `threshold`, the episode runs dense from then on: the fallback is sticky until `reset()`.
+`restrict` limits the search to some episodes (rMuscle: those of the current task) without rebuilding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,12 +80,21 @@ class Retriever:
             self._sims_ready = torch.cuda.Event()
             torch.cuda.current_stream(device).synchronize()  # ready for calls on any stream
         self._queued = False
+        self._allowed = np.ones(len(self._ids), dtype=bool)  # per episode (in _ids order): searched
+        self.reset()
+
+    def restrict(self, episodes: Iterable[int] | None) -> None:
+        """Search only these library episodes (None: all of them); alignment and fallback start over. A
+        mask over the rows already held, so changing it costs nothing like a rebuild (at 64 episodes on a
+        GPU, ~47 MB of rows to upload)."""
+        allowed = None if episodes is None else set(episodes)
+        self._allowed = np.array([allowed is None or int(i) in allowed for i in self._ids], dtype=bool)
         self.reset()
 
     @property
     def episodes(self) -> int:
         """How many episodes this retriever searches."""
-        return len(self._ids)
+        return int(self._allowed.sum())
 
     @property
     def on_device(self) -> bool:
@@ -141,12 +151,13 @@ class Retriever:
         On the call's critical path with matching on the host (between vision and the cached stages). An
         aligned query reads each episode's lookahead rows only; an episode's first call and a fallback call
         read the whole library (then the runtime queues the dense stages first)."""
-        if not len(self._ids):
-            self._queued = False
+        if not self._allowed.any():
+            if self._queued:  # similarities were queued for this call: collect them all the same
+                self._similarities(None, self._whole)
             self.last_similarity = 0.0
             return []
         if self.fallback:  # still report how far the scene is from the repertoire
-            self.last_similarity = float(self._similarities(descriptor, self._whole).max())
+            self.last_similarity = float(self._similarities(descriptor, self._whole)[self._allowed].max())
             return []
         if self._aligned is None:
             rows = self._whole
@@ -154,6 +165,7 @@ class Retriever:
             ahead = self._aligned[:, None] + np.arange(self.cfg.lookahead + 1)
             rows = np.where(ahead < self._lengths[:, None], self._starts[:, None] + ahead, len(self._rows))
         sims = self._similarities(descriptor, rows)
+        sims[~self._allowed] = -np.inf  # episodes outside the search never win
         best = sims.argmax(axis=1)  # the first of equal maxima, as before
         best_sims = sims[np.arange(len(best)), best]
         positions = best if self._aligned is None else self._aligned + best
@@ -163,7 +175,9 @@ class Retriever:
             self.fallback = True  # sticky: the scene left the repertoire for this episode
             return []
         self._aligned = positions  # every episode stays aligned
-        self.positions = dict(zip(self._ids.tolist(), positions.tolist(), strict=True))
+        searched = np.flatnonzero(self._allowed)
+        self.positions = dict(zip(self._ids[searched].tolist(), positions[searched].tolist(), strict=True))
+        order = order[self._allowed[order]]
         return [
             Match(int(self._ids[k]), int(positions[k]), float(best_sims[k])) for k in order[: self.cfg.top_k]
         ]

@@ -277,18 +277,22 @@ class RMuscle:
         return self.library.entries[episode_id].meta.get("task")
 
     def _refresh_retriever(self) -> None:
-        """Retrieval over the library's episodes of the current task (alignment and fallback start over)."""
+        """Retrieval over the library as it is now, searching the current task's episodes (alignment and
+        fallback start over)."""
         for stale in set(self._episodes) - set(self.library.entries):
             del self._episodes[stale]
         self._descriptors = {
             i: self._descriptors[i] if i in self._descriptors else self.library.load_field(i, "descriptors")
             for i in sorted(self.library.entries)
         }
-        same_task = {i: d for i, d in self._descriptors.items() if self._task_of(i) == self.task}
         retrieval = RetrievalConfig(self.cfg.top_k, self.cfg.lookahead, self.cfg.threshold)
         # On a GPU the library's descriptors live there too: a call's similarities are one matrix-vector
         # product queued after its descriptor, not a host scan (see Retriever).
-        self.retriever = Retriever(retrieval, same_task, self.engine.device)
+        self.retriever = Retriever(retrieval, self._descriptors, self.engine.device)
+        self.retriever.restrict(self._task_episodes())
+
+    def _task_episodes(self) -> list[int]:
+        return [i for i in self._descriptors if self._task_of(i) == self.task]
 
     def set_task(self, task: str) -> None:
         """The task the next calls run under: the instruction as the prompt carries it
@@ -302,7 +306,7 @@ class RMuscle:
         previous, self.task = self.task, task
         if self.calls:
             self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
-        self._refresh_retriever()
+        self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
         self._wanted = self._episode_starts([])
         log.info("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
 
