@@ -308,7 +308,7 @@ class RMuscle:
             self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
         self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
         self._wanted = self._episode_starts([])
-        log.info("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
+        log.debug("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
 
     def warm_up_retrieval(self) -> None:
         """Run retrieval's GPU path once, as calls run it, on a stand-in library of one call: on the live
