@@ -36,7 +36,7 @@ from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count, rho_count
 from rmuscle_ros.engine.ops import Prefetch
 from rmuscle_ros.models.config import get_preset
 
-OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
 
