@@ -100,6 +100,7 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine) -> No
     assert h.wait_for(reported, timeout=10.0), [(s.episode_id, s.mode) for s in statuses]
     status = next(s for s in reversed(statuses) if s.episode_id == 1 and s.mode == CacheStatus.CACHE_CACHED)
     assert status.library_episodes == 1 and status.library_bytes > 0
+    assert (status.task, status.task_episodes) == ("pick", 1), "the harness's prompt, and its one episode"
     assert 0.0 < status.hit_rate <= 1.0 and 0.8 < status.similarity <= 1.0 + 1e-6
     assert 1 <= status.window_entries <= 20
     assert status.library_path == "", "the default library is a temporary folder"

@@ -590,6 +590,9 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert "episode 0 (dense warm-up)" in out and "episode 2 (repeat of the task)" in out
     assert "reset before episode 1: episode 1 (episode 0 recorded as library episode 0)" in out
     assert "reset before episode 2: episode 2" in out and "last ~/cache_status" in out
+    assert (
+        "library 1 episode(s) / " in out and "(1 of task 'pick up the cube and place it in the bin')" in out
+    )
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
     warmup = [c.cache_mode for c in chunks if c.episode_id == 0]

@@ -51,6 +51,8 @@ CACHE_STATUS_FIELDS = {
     "window_entries": "uint32",
     "library_bytes": "uint64",
     "library_path": "string",
+    "task": "string",
+    "task_episodes": "uint32",
 }
 
 
@@ -156,6 +158,7 @@ def test_cache_status_round_trips_between_nodes(executor):
     msg.library_episodes, msg.window_entries = 17, 20
     msg.library_bytes = 5 * 2**32  # beyond uint32
     msg.library_path = "/var/lib/rmuscle/library"
+    msg.task, msg.task_episodes = "fold the towel", 4
 
     got = _round_trip(executor, CacheStatus, msg)
 

@@ -228,6 +228,8 @@ def run(
             "library_episodes": last.library_episodes,
             "window_entries": last.window_entries,
             "library_bytes": last.library_bytes,
+            "task": last.task,
+            "task_episodes": last.task_episodes,
         },
         "configure_activate_s": configure_s,
         "bag": ", ".join(str(b) for b in bags if b.exists()),
@@ -378,7 +380,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(
             f"[demo] last ~/cache_status (bag time {status['bag_time_s']:.1f} s): episode {status['episode_id']}, "
             f"mode {status['mode']}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
-            f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB, window {status['window_entries']} entries"
+            f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB ({status['task_episodes']} of task "
+            f"{status['task']!r}), window {status['window_entries']} entries"
         )
     if summary["errors"]:
         print(f"[demo] errors the node survived: {summary['errors']}")

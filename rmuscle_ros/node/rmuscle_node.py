@@ -849,6 +849,8 @@ class RMuscleNode(LifecycleNode):
         msg.window_entries = int(status["window_entries"])
         msg.library_bytes = int(status["library_bytes"])
         msg.library_path = str(status["library_path"])
+        msg.task = str(status["task"])
+        msg.task_episodes = int(status["task_episodes"])
         return msg
 
 
