@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             if not sep or not name:
                 p.error(f"--param {item!r}: expected NAME=VALUE")
             overrides[name] = yaml.safe_load(value)
-        remap = {}
-        for item in args.remap:
-            frm, sep, to = item.partition(":=")
-            if not sep or not frm or not to:
-                p.error(f"--remap {item!r}: expected FROM:=TO")
-            remap[frm] = to
+        from rmuscle_ros.node.bags import parse_remaps
+
+        try:
+            remap = parse_remaps(args.remap)
+        except ValueError as e:
+            p.error(str(e))
         if remap and args.bags is None:
             p.error("--remap: only with --bags (the demo's own bags use the node's topics)")
         if args.bags is not None:

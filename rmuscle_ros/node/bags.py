@@ -247,6 +247,18 @@ def read_messages(path: Path, topic: str) -> list[tuple[int, Any]]:
         ]
 
 
+def parse_remaps(items: Iterable[str]) -> dict[str, str]:
+    """`--remap FROM:=TO` arguments (as `ros2 bag play --remap` takes them) -> {FROM: TO}; ValueError
+    naming the first malformed one."""
+    remap = {}
+    for item in items:
+        frm, sep, to = item.partition(":=")
+        if not sep or not frm or not to:
+            raise ValueError(f"--remap {item!r}: expected FROM:=TO")
+        remap[frm] = to
+    return remap
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Replay a rosbag2 file with /clock (ros2 bag play --clock).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -265,12 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         help="move the bag in time to start at NS (ROS time, ns): /clock and header stamps shift together",
     )  # fmt: skip
     args = p.parse_args(argv)
-    remap = {}
-    for item in args.remap:
-        frm, sep, to = item.partition(":=")
-        if not sep or not frm or not to:
-            p.error(f"--remap {item!r}: expected FROM:=TO")
-        remap[frm] = to
+    try:
+        remap = parse_remaps(args.remap)
+    except ValueError as e:
+        p.error(str(e))
     if not args.bag.exists():
         p.error(f"bag {args.bag}: no such file or folder")
     if args.rate <= 0:
