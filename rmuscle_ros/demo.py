@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--bags: a bag topic onto one of the node's (repeatable; ALOHA topics are mapped by default)",
     )  # fmt: skip
     p.add_argument(
+        "--domain-id", type=int, default=77, metavar="N",
+        help="bag demo: the DDS domain of its node and player (default 77, away from a robot's usual 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--param",
         action="append",
         default=[],
@@ -102,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         try:
             summary = run(
-                args.out, seconds=args.seconds, overrides=overrides, episodes=args.episodes, bags=args.bags,
-                remap=remap,
+                args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
+                episodes=args.episodes, bags=args.bags, remap=remap,
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))

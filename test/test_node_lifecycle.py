@@ -563,6 +563,12 @@ def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str, engin
     assert all((c.horizon, c.action_dim, len(c.actions)) == (50, 14, 700) for c in chunks)
 
 
+# The demo's node and player in a domain of this test run's own: 100 above its DDS domain (the Makefile's
+# ROS_TEST_DOMAIN_ID), apart from the harness's nodes, rather than the demo's fixed default 77, so that two
+# test runs at once on one host, given different domains, do not hear each other's demos.
+DEMO_DOMAIN = ("--domain-id", str((int(os.environ.get("ROS_DOMAIN_ID", "0")) + 100) % 233))
+
+
 def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from rmuscle_ros.demo import main
 
@@ -572,6 +578,7 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     # room for several entries: with a busy-loop process beside it, 3 of 4 were cached in each of 3 runs.
     # The first repeat's first call is always dense. Two repeats: a shift goes on past the first.
     args = [
+        *DEMO_DOMAIN,
         "--seconds",
         "4",
         "--episodes",
@@ -623,6 +630,7 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
     for option, says in (
         (["--episodes", "0"], "episodes: at least 1"),
         (["--seconds", "0"], "seconds: an episode"),
+        (["--domain-id", "233"], "domain id: 0 to 232, got 233"),
     ):
         with pytest.raises(SystemExit) as exit_:
             main([*option, "--out", str(tmp_path)])
@@ -674,7 +682,16 @@ def test_replay_demo_replays_recorded_episodes_on_one_clock(
                    "joint_states/right")  # fmt: skip
     remaps = [f"--remap={frm}:={to}" for frm, to in zip((*cameras, *arms), node_topics, strict=True)]
     out = tmp_path / "out"
-    args = ["--bags", *map(str, bags), *remaps, "--param", "actions_per_inference=50", "--out", str(out)]
+    args = [
+        "--bags",
+        *map(str, bags),
+        *remaps,
+        "--param",
+        "actions_per_inference=50",
+        "--out",
+        str(out),
+        *DEMO_DOMAIN,
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "on 2 recorded episode(s)" in printed

@@ -92,6 +92,8 @@ def run(
     over config/rmuscle_default.yaml. `bags`: recorded episodes to replay instead of written ones (then
     `seconds` and `episodes` are theirs); `remap`: bag topic -> the node's topic, over the ALOHA defaults
     (/cam_high/... onto the node's first camera topic, and so on)."""
+    if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
+        raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(CONFIG) | dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
