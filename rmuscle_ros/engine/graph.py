@@ -313,6 +313,7 @@ class GraphEngine:
         cfg = self.cfg = model.cfg
         self.device = device = torch.device(device)
         cuda = device.type == "cuda"
+        self.kernel_cache_dir: str | None = None  # where Triton keeps this engine's compiled kernels, if set
         ops: ModuleType
         if cuda:
             from rmuscle_ros.engine import triton_ops  # CUDA-only import, deferred on purpose
