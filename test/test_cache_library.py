@@ -265,6 +265,15 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     assert sorted(reopened.entries) == [0, 2] and reopened.problems == []
     reopened.close()
     assert main(["verify", str(tmp_path)]) == 0
+    # A retired job: every episode of its task at once.
+    assert main(["remove", str(tmp_path), "--task", "sort the screws"]) == 2
+    err = capsys.readouterr().err
+    assert "no episode of task 'sort the screws' in" in err and "(its tasks: ['stack the cups'])" in err
+    assert main(["remove", str(tmp_path), "--task", "stack the cups"]) == 0
+    assert "removed episode(s) [0]; 1 left" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["remove", str(tmp_path), "2", "--task", "stack the cups"])
+    assert "episode ids, or --task, not both" in capsys.readouterr().err
     assert main(["list", str(tmp_path / "nothing")]) == 2
     assert "no library here" in capsys.readouterr().err
 

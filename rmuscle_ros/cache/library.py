@@ -33,6 +33,7 @@ On a cell (read-only while the node runs; `remove` once it is cleaned up or stop
     python -m rmuscle_ros.cache.library list /var/lib/rmuscle/cell7
     python -m rmuscle_ros.cache.library verify /var/lib/rmuscle/cell7
     python -m rmuscle_ros.cache.library remove /var/lib/rmuscle/cell7 3 7
+    python -m rmuscle_ros.cache.library remove /var/lib/rmuscle/cell7 --task "fold the towel"
 """
 
 from __future__ import annotations
@@ -417,8 +418,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     remove = sub.add_parser("remove", help="take episodes out (not while a live node has it open)")
     remove.add_argument("root", type=Path)
-    remove.add_argument("ids", type=int, nargs="+", metavar="ID")
+    remove.add_argument("ids", type=int, nargs="*", metavar="ID")
+    remove.add_argument(
+        "--task",
+        default=None,
+        help="instead of ids: every episode of this task, as `list` shows it (a retired job)",
+    )
     args = p.parse_args(argv)
+    if args.command == "remove" and (args.task is None) == (not args.ids):
+        p.error("remove: episode ids, or --task, not both")
     try:
         key, episodes = _stored(args.root)
         if args.command == "list":
@@ -447,12 +455,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.root} is open in process {who} (a running node?): its index in memory would put "
                 "the episodes back. Clean the node up (or stop it), then remove them"
             )
+        ids = args.ids
+        if args.task is not None:
+            ids = [e["id"] for e in episodes if e.get("meta", {}).get("task") == args.task]
+            if not ids:
+                tasks = sorted({e["meta"]["task"] for e in episodes if "task" in e.get("meta", {})})
+                raise KeyError(f"no episode of task {args.task!r} in {args.root} (its tasks: {tasks})")
         lib = ReferenceLibrary.open(args.root, key, max_bytes=1 << 62, max_episodes=1 << 30)
         try:
-            lib.remove(args.ids)
+            lib.remove(ids)
         finally:
             lib.close()
-        print(f"removed episode(s) {args.ids}; {len(lib.entries)} left")
+        print(f"removed episode(s) {ids}; {len(lib.entries)} left")
         return 0
     except (LibraryError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
