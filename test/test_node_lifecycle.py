@@ -638,6 +638,53 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         assert says in capsys.readouterr().err, option
 
 
+def test_the_player_skips_types_not_installed_and_waits_only_for_the_remapped_topics(
+    harness, tmp_path
+) -> None:
+    """A cell's own recording carries more than cameras and joints: a topic whose message type is not
+    installed here (a driver's own) is skipped and named, and one nobody subscribes to (/chatter) is
+    published without being waited for: only the topics remapped onto the node are."""
+    from rosbags.highlevel import AnyReader
+    from rosbags.rosbag2 import Writer
+    from rosbags.typesys import get_types_from_msg
+
+    from rmuscle_ros.node.bags import STORAGE
+
+    aloha, bag = tmp_path / "aloha", tmp_path / "cell"
+    write_aloha_episode(aloha, seconds=0.5)
+    store = typestore()
+    store.register(get_types_from_msg("float64 position", "cell_driver/msg/GripperCommand"))
+    Grip, String = store.types["cell_driver/msg/GripperCommand"], store.types["std_msgs/msg/String"]
+    with AnyReader([aloha]) as reader, Writer(bag, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        recorded = reader.message_count
+        out = {
+            c.topic: writer.add_connection(c.topic, c.msgtype, typestore=store) for c in reader.connections
+        }
+        grip = writer.add_connection("/gripper/cmd", "cell_driver/msg/GripperCommand", typestore=store)
+        chatter = writer.add_connection("/chatter", "std_msgs/msg/String", typestore=store)
+        extra = [(reader.start_time + k * 10**8, k) for k in range(5)]
+        events = [(t, out[c.topic], bytes(raw)) for c, t, raw in reader.messages()]
+        events += [
+            (t, grip, bytes(store.serialize_cdr(Grip(position=0.1 * k), Grip.__msgtype__))) for t, k in extra
+        ]
+        events += [
+            (t, chatter, bytes(store.serialize_cdr(String(data="hi"), String.__msgtype__))) for t, _ in extra
+        ]
+        for t, connection, raw in sorted(events, key=lambda e: e[0]):
+            writer.write(connection, t, raw)
+    h = harness(use_sim_time=True)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], CAMERAS, strict=True)) | dict(
+        zip(ALOHA_JOINT_TOPICS, JOINT_TOPICS, strict=True)
+    )
+    player = BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap)
+    start = time.monotonic()
+    player.play(wait_for_subscribers_s=8.0)
+    assert time.monotonic() - start < 5.0, "it waited for a topic nobody subscribes to"
+    assert player.skipped == {"/gripper/cmd": "cell_driver/msg/GripperCommand"}
+    assert player.published == recorded + 5, "the cameras, the joints and /chatter; not the gripper's"
+
+
 def test_the_player_moves_a_messages_header_stamp_and_nothing_else() -> None:
     """`--start-ns` replays a bag as if recorded later (or earlier): each header stamp moves by the offset,
     byte for byte the rest of the message stays; a stamp never set (zero) stays zero."""

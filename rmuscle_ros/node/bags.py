@@ -187,6 +187,7 @@ class BagPlayer:
         self._clock_type = Clock
         self._qos = qos
         self.published = 0
+        self.skipped: dict[str, str] = {}  # topic -> message type not installed here (e.g. a driver's own)
 
     def play(
         self, rate: float = 1.0, wait_for_subscribers_s: float = 0.0, start_ns: int | None = None
@@ -195,23 +196,34 @@ class BagPlayer:
         `wait_for_subscribers_s`: first wait up to this long for every topic (and /clock) to have a
         subscriber, as discovery between processes takes longer than within one (then 0.5 s more).
         `start_ns`: play the bag as if it had been recorded from that time on: /clock and the header stamp
-        of every message that has one move by the same offset (the rest of each message is unchanged)."""
+        of every message that has one move by the same offset (the rest of each message is unchanged).
+
+        A cell's recordings hold more than cameras and joints: topics whose message type is not installed
+        here (a driver's own, e.g. a gripper command) are skipped (`skipped`), and with a remap only the
+        remapped topics are waited for, since nobody may subscribe to the rest (/tf, diagnostics, ...)."""
         with AnyReader([self.path]) as reader:
             offset = 0 if start_ns is None else start_ns - reader.start_time
             shifted = {c.topic for c in reader.connections if offset and _starts_with_header(c.msgtype)}
-            pubs = {
-                c.topic: self.node.create_publisher(
-                    _message_class(c.msgtype), self.remap.get(c.topic, c.topic), self._qos
+            pubs: dict[str, Any] = {}
+            for c in reader.connections:
+                if c.topic in pubs or c.topic in self.skipped:
+                    continue
+                try:
+                    message_class = _message_class(c.msgtype)
+                except (ImportError, AttributeError):
+                    self.skipped[c.topic] = c.msgtype
+                    continue
+                pubs[c.topic] = self.node.create_publisher(
+                    message_class, self.remap.get(c.topic, c.topic), self._qos
                 )
-                for c in reader.connections
-            }
             deadline = time.monotonic() + wait_for_subscribers_s
-            everyone = [*pubs.values(), self._clock_pub]
+            awaited = [pub for topic, pub in pubs.items() if not self.remap or topic in self.remap]
+            everyone = [*awaited, self._clock_pub]
             while time.monotonic() < deadline and any(p.get_subscription_count() == 0 for p in everyone):
                 time.sleep(0.05)
             time.sleep(0.5)  # discovery: let subscribers match before the first message
             wall0, bag0 = time.monotonic(), None
-            for connection, t, raw in reader.messages():
+            for connection, t, raw in reader.messages([c for c in reader.connections if c.topic in pubs]):
                 bag0 = t if bag0 is None else bag0
                 delay = wall0 + (t - bag0) / 1e9 / rate - time.monotonic()
                 if delay > 0:
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         player = BagPlayer(node, args.bag, qos_profile_sensor_data, remap=remap)
         player.play(args.rate, wait_for_subscribers_s=args.wait_for_subscribers, start_ns=args.start_ns)
         print(f"published {player.published} messages from {args.bag}")
+        for topic, msgtype in sorted(player.skipped.items()):
+            print(f"skipped {topic}: its type {msgtype} is not installed here")
     finally:
         node.destroy_node()
         rclpy.shutdown()
