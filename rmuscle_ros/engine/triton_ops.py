@@ -85,7 +85,7 @@ def assembler_problem(arch: int) -> str | None:
 def keep_kernels_in(path: str | os.PathLike[str]) -> str:
     """Keep Triton's compiled kernels under `path`, unless TRITON_CACHE_DIR already names a place; returns
     where they are kept. Process-wide (Triton has one cache). Triton's default is ~/.triton/cache: in a
-    container without a volume there, every start compiles every kernel again (38-44 s of the first
+    container without a volume there, every start compiles every kernel again (38-49 s of the first
     configure on the H200's host, more on a Thor's CPU)."""
     from triton import knobs
 
