@@ -10,6 +10,7 @@ import contextlib
 import gc
 import io
 import itertools
+import json
 import os
 import threading
 import time
@@ -752,6 +753,12 @@ def test_replay_demo_replays_recorded_episodes_on_one_clock(
     stamp = lambda c: c.header.stamp.sec * 10**9 + c.header.stamp.nanosec  # noqa: E731
     assert min(map(stamp, second)) > max(map(stamp, first)) >= 1_700_086_400 * 10**9
     assert "future_stamp" not in printed, printed
+    summary = json.loads((out / "summary.json").read_text())  # the printed figures, for a program
+    assert [(e["bag"], e["chunks"]) for e in summary["episodes"]] == [
+        ("monday", len(first)),
+        ("sunday", len(second)),
+    ]
+    assert summary["episodes"][1]["hit_rate"] > 0 and summary["recorded_bags"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["monday", "out", "sunday"], "the bags are kept"
 
 

@@ -24,6 +24,7 @@ other days replay as one shift on one clock.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -238,11 +239,14 @@ def run(
         "recorded_bags": recorded,
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
+        "summary": str(out_dir / "summary.json"),
     }
     p = parameter_defaults() | params
     weights = Path(p["model.checkpoint"]).name if p["model.checkpoint"] else "random weights"
     what = f"{p['model.preset']} model, {weights}, {p['model.backend']} on {p['model.device']}"
     resets_at = [(start - starts[0]) / 1e9 for start in starts[1:]]
+    # The same figures for a program: e.g. hit rates compared across a cell's recordings or between runs.
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     title = f"{episodes} recorded episode(s)" if recorded else "a replayed episode and its repeat"
     _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})")
     return summary
@@ -388,5 +392,6 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary["errors"]:
         print(f"[demo] errors the node survived: {summary['errors']}")
     print(
-        f"[demo] episode bags {summary['bag']}, recorded chunks {summary['recorded']}, plot {summary['plot']}"
+        f"[demo] episode bags {summary['bag']}, recorded chunks {summary['recorded']}, plot {summary['plot']}, "
+        f"summary {summary['summary']}"
     )
