@@ -86,7 +86,7 @@ def keep_kernels_in(path: str | os.PathLike[str]) -> str:
     """Keep Triton's compiled kernels under `path`, unless TRITON_CACHE_DIR already names a place; returns
     where they are kept. Process-wide (Triton has one cache). Triton's default is ~/.triton/cache: in a
     container without a volume there, every start compiles every kernel again (38-49 s of the first
-    configure on the H200's host, more on a Thor's CPU)."""
+    configure on the H200's host; a Thor's CPU has not been timed)."""
     from triton import knobs
 
     if os.environ.get("TRITON_CACHE_DIR"):
