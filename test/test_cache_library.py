@@ -127,6 +127,45 @@ def test_bounded_size_evicts_the_least_recently_used(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(f"episode_{second:06d}*")), "evicted episode file still on disk"
 
 
+def test_one_busy_task_evicts_its_own_episodes_not_another_tasks(tmp_path: Path) -> None:
+    """A cell that runs one job all day and another now and then: past the bound, the task holding the
+    most episodes gives up its least recently used one; the other job keeps its episodes, even older
+    ones. Episodes recorded without a task (never served) go before any task's."""
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=4)
+    legacy = lib.add(episode(seed=0))  # no task: from before episodes carried theirs
+    towel = lib.add(episode(seed=1), {"task": "fold the towel"})
+    cups = [lib.add(episode(seed=s), {"task": "stack the cups"}) for s in (2, 3)]
+    assert sorted(lib.entries) == [legacy, towel, *cups]
+    cups.append(lib.add(episode(seed=4), {"task": "stack the cups"}))
+    assert sorted(lib.entries) == [towel, *cups], "the untasked episode goes first"
+    lib.touch(cups[0])  # served from: used more recently than cups[1]
+    newest = lib.add(episode(seed=5), {"task": "stack the cups"})
+    assert sorted(lib.entries) == [towel, cups[0], cups[2], newest], (
+        "the cups' least recently used episode goes, not the towel's older one"
+    )
+    assert not list(tmp_path.glob(f"episode_{cups[1]:06d}*")), "evicted episode file still on disk"
+    # Tasks holding as many episodes: the one whose least recent use is oldest gives one up.
+    fair = ReferenceLibrary(tmp_path / "fair", KEY, max_episodes=2)
+    a, b = fair.add(episode(seed=6), {"task": "a"}), fair.add(episode(seed=7), {"task": "b"})
+    fair.touch(a)
+    fair.add(episode(seed=8), {"task": "c"})
+    assert a in fair.entries and b not in fair.entries
+
+
+def test_an_episodes_last_use_survives_a_restart(tmp_path: Path) -> None:
+    """Serving from an episode marks it used in memory; closing the library writes that to the index, so
+    the next start evicts by the same order."""
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    first = lib.add(episode(seed=1), {"task": "t"})
+    lib.touch(first)
+    used = lib.entries[first].last_used
+    assert json.loads((tmp_path / "index.json").read_text())["episodes"][0]["last_used"] < used
+    lib.close()
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert again.entries[first].last_used == used
+    again.close()
+
+
 def test_episode_shapes_are_validated() -> None:
     with pytest.raises(ValueError, match="images"):
         Episode(

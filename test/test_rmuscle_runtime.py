@@ -76,6 +76,10 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
     assert status["hit_rate"] == pytest.approx(5 / 6) and status["window_entries"] > 0
     assert policy.reset_episode() is None, "an episode served from the cache is not recorded"
     assert policy.cache_status()["library_episodes"] == 1
+    rm = policy.rmuscle
+    assert rm is not None
+    recorded = rm.library.entries[0]
+    assert recorded.last_used > recorded.created, "served from: the episode counts as used for eviction"
     policy.close()
 
 

@@ -21,7 +21,11 @@ Guarantees:
 - **Checked.** Every episode file's sha256 is verified on open; a corrupt or missing episode is reported
   and left out (its file is kept for inspection), never silently used. A corrupt index is an error; it is
   moved aside (not deleted) before a new library is saved in its place.
-- **Bounded.** `max_bytes` / `max_episodes`, evicting the least recently used episodes.
+- **Bounded.** `max_bytes` / `max_episodes`, evicting the least recently used episode of the task that
+  holds the most (episodes recorded without a task, which are never served, go first): a job the cell
+  runs all day does not evict another job's episodes, only its own oldest. An episode is used when a call
+  is served from it (`touch`) or its file is read; that time is kept in the index (written at the next
+  add or remove, and at `close`), so it survives a restart.
 - **One writer.** An open library holds a marker (`.open`: host and pid, removed by `close`). Opening a
   library another live process has open is refused (`LibraryBusy`): two nodes given the same folder
   would each rewrite the index from their own memory and drop the other's episodes. The command line
@@ -202,6 +206,7 @@ class ReferenceLibrary:
         self.problems: list[str] = []  # what open() found wrong, for logs and CacheStatus
         self.left_out: dict[int, EpisodeEntry] = {}  # the index's episodes whose files open() refused
         self._next_id = 0
+        self._unsaved_use = False  # touch() since the index was last written
 
     # ── open / save ──────────────────────────────────────────────────────────────────────────────────────
 
@@ -264,7 +269,14 @@ class ReferenceLibrary:
             )
 
     def close(self) -> None:
-        """Give up the library: its marker is removed if it is still this process's."""
+        """Give up the library: the episodes' last use is written to the index if it changed since the last
+        write (a failed write is logged: the episodes are on disk already), then the marker is removed if it
+        is still this process's."""
+        if self._unsaved_use:
+            try:
+                self.save_index()
+            except OSError as e:
+                log.warning("reference library %s: its episodes' last use was not saved (%s)", self.root, e)
         marker = self.root / OPEN_MARKER
         try:
             if marker.read_text() == _this_process():
@@ -292,6 +304,7 @@ class ReferenceLibrary:
             ],
         }
         _write_atomic(index_path, json.dumps(index, indent=1).encode())
+        self._unsaved_use = False
 
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
@@ -322,9 +335,16 @@ class ReferenceLibrary:
         entry = self.entries[episode_id]
         tensors = load_file(str(self.root / entry.file))
         entry.last_used = time.time()
+        self._unsaved_use = True
         return Episode(
             **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
         )
+
+    def touch(self, episode_id: int) -> None:
+        """Mark an episode used now (a call was served from it): eviction takes it after the episodes of its
+        task used less recently. Kept in memory until the index is next written."""
+        self.entries[episode_id].last_used = time.time()
+        self._unsaved_use = True
 
     def load_field(self, episode_id: int, name: str) -> np.ndarray:
         """One tensor of an episode (e.g. its descriptors for retrieval), without reading the rest."""
@@ -352,13 +372,32 @@ class ReferenceLibrary:
         return sum(e.bytes for e in self.entries.values())
 
     def _evict(self) -> list[EpisodeEntry]:
+        """Past a bound, take out the least recently used episode of the task holding the most episodes
+        (ties: the task whose oldest use is oldest); episodes without a task first, as nothing serves them.
+        Until then, one task's new recordings evict only its own episodes once it holds the largest share."""
         evicted = []
         while len(self.entries) > 1 and (
             len(self.entries) > self.max_episodes or self.total_bytes > self.max_bytes
         ):
-            oldest = min(self.entries.values(), key=lambda e: (e.last_used, e.id))
-            evicted.append(self.entries.pop(oldest.id))
-            log.info("reference library %s: evicted episode %d (least recently used)", self.root, oldest.id)
+            by_task: dict[str | None, list[EpisodeEntry]] = {}
+            for entry in self.entries.values():
+                by_task.setdefault(entry.meta.get("task"), []).append(entry)
+            for held in by_task.values():
+                held.sort(key=lambda e: (e.last_used, e.id))
+            task = (
+                None
+                if None in by_task
+                else max(by_task, key=lambda t: (len(by_task[t]), -by_task[t][0].last_used))
+            )
+            victim = by_task[task][0]
+            evicted.append(self.entries.pop(victim.id))
+            log.info(
+                "reference library %s: evicted episode %d (task %r: the least recently used of its %d)",
+                self.root,
+                victim.id,
+                task,
+                len(by_task[task]),
+            )
         return evicted
 
 

@@ -597,6 +597,7 @@ class RMuscle:
         return self.retriever.query(None if self.retriever.on_device else descriptor)
 
     def _served_cached(self, episode: int, position: int, similarity: float) -> CallInfo:
+        self.library.touch(episode)  # used: eviction keeps the episodes a cell is being served from
         self._episode_cached = True
         self.cached_calls += 1
         return CallInfo("cached", similarity, episode, position)
