@@ -166,6 +166,54 @@ def test_an_episodes_last_use_survives_a_restart(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: Path, monkeypatch) -> None:
+    """A disk that fills mid-recording: the add fails with the OS's error, the partial file is deleted (it
+    would keep holding the space every later recording needs), and the library is as it was."""
+    import errno
+
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    kept = lib.add(episode(seed=1), {"task": "t"})
+    index_before = (tmp_path / "index.json").read_bytes()
+
+    def full_disk(tensors, filename, metadata=None) -> None:
+        Path(filename).write_bytes(b"\0" * 4096)  # part of it reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(library_module, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        lib.add(episode(seed=2), {"task": "t"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".open", "episode_000000.safetensors", "index.json"]
+    assert (tmp_path / "index.json").read_bytes() == index_before
+    monkeypatch.undo()
+    assert sorted(lib.entries) == [kept] and lib.add(episode(seed=3), {"task": "t"}) not in (kept,)
+    assert np.array_equal(lib.load(kept).images, episode(seed=1).images)
+
+
+def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog) -> None:
+    """A writer killed mid-write (or a power cut) leaves temporary files: the next open deletes them and
+    says so. An episode file the index does not name (its index write failed) is named and kept, and no
+    new episode is written over it. Files that are not the library's are left alone."""
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(seed=1), {"task": "t"})
+    lib.close()
+    (tmp_path / ".episode_000001.safetensors.tmp-99999").write_bytes(b"\0" * (1 << 20))
+    (tmp_path / ".index.json.tmp-99999").write_text("{")
+    (tmp_path / ".notes.tmp-1").write_text("the operator's")
+    unnamed = tmp_path / "episode_000004.safetensors"
+    unnamed.write_bytes(b"a whole episode whose index write failed")
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert "removed 2 partial file(s) of writes that never finished (1.0 MiB)" in caplog.text
+    assert "episode_000004.safetensors" in caplog.text and "kept and never used" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".notes.tmp-1", ".open"]
+    assert sorted(again.entries) == [0] and again.problems == []
+    assert again.add(episode(seed=2), {"task": "t"}) == 5, "the unnamed file's id is not reused"
+    assert unnamed.read_bytes() == b"a whole episode whose index write failed"
+    again.close()
+
+
 def test_episode_shapes_are_validated() -> None:
     with pytest.raises(ValueError, match="images"):
         Episode(

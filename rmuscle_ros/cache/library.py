@@ -17,7 +17,9 @@ Guarantees:
 - **Atomic.** Episode files and the index are written to a temporary name, fsynced and renamed, and the
   folder is fsynced after each rename (so the rename itself survives a power cut); the index is replaced
   last, so a crash leaves the previous library intact and never an index naming an episode file the
-  disk does not have.
+  disk does not have. A write that fails (a full disk) deletes its partial file; the partial files of a
+  writer that died are deleted at the next open, and an episode file the index does not name is
+  reported there and kept (its id is never reused).
 - **Checked.** Every episode file's sha256 is verified on open; a corrupt or missing episode is reported
   and left out (its file is kept for inspection), never silently used. A corrupt index is an error; it is
   moved aside (not deleted) before a new library is saved in its place.
@@ -48,6 +50,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -64,6 +67,8 @@ log = logging.getLogger(__name__)
 LIBRARY_VERSION = 1
 INDEX = "index.json"
 OPEN_MARKER = ".open"  # "<host> <pid>" of the process that has the library open for writing
+TMP_INFIX = ".tmp-"  # ".<name>.tmp-<pid>": a file being written, renamed to <name> once it is on disk
+EPISODE_FILE = re.compile(r"episode_(\d{6,})\.safetensors")
 EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")
 OPTIONAL_TENSORS = ("action_masks", "image_masks")
 
@@ -183,13 +188,28 @@ def _replace_durably(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def _temporary(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place (see `_leftovers`)."""
+    return path.with_name(f".{path.name}{TMP_INFIX}{os.getpid()}")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    _replace_durably(tmp, path)
+    tmp = _temporary(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace_durably(tmp, path)
+    except BaseException:  # a full disk: the partial file must not keep holding the space
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _leftovers(root: Path) -> list[Path]:
+    """Temporary files of writes that never finished (a process killed mid-write, a power cut)."""
+    ours = (f".{INDEX}{TMP_INFIX}*", f".{OPEN_MARKER}{TMP_INFIX}*", f".episode_*.safetensors{TMP_INFIX}*")
+    return sorted(p for pattern in ours for p in root.glob(pattern) if p.is_file())
 
 
 class ReferenceLibrary:
@@ -224,6 +244,7 @@ class ReferenceLibrary:
         lib = cls(root, key, **bounds)
         index_path = lib.root / INDEX
         if not index_path.exists():
+            lib._tidy()
             lib._mark_open()
             return lib
         try:
@@ -252,8 +273,53 @@ class ReferenceLibrary:
         for problem in lib.problems:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e["id"] for e in episodes], default=-1) + 1
+        lib._tidy()
         lib._mark_open()
         return lib
+
+    def _tidy(self) -> None:
+        """What writes that never finished left behind: their partial files are deleted, and episode files
+        the index does not name are reported and kept, their ids never reused."""
+        self._remove_leftovers()
+        indexed = set(self.entries) | set(self.left_out)
+        unnamed = {
+            int(m.group(1)): path.name
+            for path in (self.root.glob("episode_*.safetensors") if self.root.is_dir() else ())
+            if (m := EPISODE_FILE.fullmatch(path.name)) and int(m.group(1)) not in indexed
+        }
+        if unnamed:
+            log.warning(
+                "reference library %s: episode file(s) the index does not name, kept and never used: %s "
+                "(a recording whose index write failed, or an eviction whose delete did; delete them by hand)",
+                self.root,
+                ", ".join(unnamed[i] for i in sorted(unnamed)),
+            )
+            self._next_id = max(self._next_id, max(unnamed) + 1)  # never written over
+
+    def _remove_leftovers(self) -> None:
+        """Delete the partial files of writes that never finished: no live process has the library open
+        (checked before this), so none is still writing them, and nothing names them. An episode written
+        in full but not yet in the index when its writer died is one of them (its recording never
+        finished: the index is written last)."""
+        found = _leftovers(self.root) if self.root.is_dir() else []
+        freed = 0
+        for path in found:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+                freed += size
+            except OSError as e:
+                log.warning(
+                    "reference library %s: cannot remove the partial file %s (%s)", self.root, path, e
+                )
+        if found:
+            log.warning(
+                "reference library %s: removed %d partial file(s) of writes that never finished (%.1f MiB): %s",
+                self.root,
+                len(found),
+                freed / 2**20,
+                ", ".join(p.name for p in found),
+            )
 
     def _mark_open(self) -> None:
         """Write the open marker. A folder that cannot be written costs the marker, not the library: the
@@ -314,11 +380,15 @@ class ReferenceLibrary:
         episode_id = self._next_id
         self._next_id += 1
         name = f"episode_{episode_id:06d}.safetensors"
-        tmp = self.root / f".{name}.tmp-{os.getpid()}"
-        save_file(episode.tensors(), str(tmp), metadata={"episode": str(episode_id)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        _replace_durably(tmp, self.root / name)  # on disk before the index that names it
+        tmp = _temporary(self.root / name)
+        try:
+            save_file(episode.tensors(), str(tmp), metadata={"episode": str(episode_id)})
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            _replace_durably(tmp, self.root / name)  # on disk before the index that names it
+        except BaseException:  # a full disk: the partial file must not keep holding the space
+            tmp.unlink(missing_ok=True)
+            raise
         now = time.time()
         path = self.root / name
         self.entries[episode_id] = EpisodeEntry(
