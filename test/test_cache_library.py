@@ -191,6 +191,31 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     assert np.array_equal(lib.load(kept).images, episode(seed=1).images)
 
 
+def test_an_index_write_that_fails_undoes_the_recording_and_its_evictions(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The disk fills between the episode file and the index: the index on disk is the previous one, so
+    the library in memory must be too (the episode it would have evicted still there, the new one not),
+    and the new episode's file goes, since nothing names it."""
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=1)
+    kept = lib.add(episode(seed=1), {"task": "t"})
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(library_module, "_write_atomic", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        lib.add(episode(seed=2), {"task": "t"})
+    assert sorted(lib.entries) == [kept]
+    assert sorted(p.name for p in tmp_path.glob("episode_*")) == ["episode_000000.safetensors"]
+    lib.touch(99)  # not in the library (evicted since it served a call): ignored
+    monkeypatch.undo()
+    lib.close()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [kept]
+
+
 def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog) -> None:
     """A writer killed mid-write (or a power cut) leaves temporary files: the next open deletes them and
     says so. An episode file the index does not name (its index write failed) is named and kept, and no

@@ -395,7 +395,13 @@ class ReferenceLibrary:
             episode_id, name, _sha256(path), episode.calls, path.stat().st_size, now, now, dict(meta or {})
         )
         evicted = self._evict()
-        self.save_index()
+        try:
+            self.save_index()
+        except BaseException:  # the index on disk is the previous one: so is the library, here too
+            self.entries.pop(episode_id)
+            self.entries.update((entry.id, entry) for entry in evicted)
+            path.unlink(missing_ok=True)
+            raise
         for entry in evicted:  # delete files only once the index no longer names them
             (self.root / entry.file).unlink(missing_ok=True)
         return episode_id
@@ -412,9 +418,12 @@ class ReferenceLibrary:
 
     def touch(self, episode_id: int) -> None:
         """Mark an episode used now (a call was served from it): eviction takes it after the episodes of its
-        task used less recently. Kept in memory until the index is next written."""
-        self.entries[episode_id].last_used = time.time()
-        self._unsaved_use = True
+        task used less recently. Kept in memory until the index is next written. An episode no longer in
+        the library is ignored: bookkeeping must not fail the call that was served."""
+        entry = self.entries.get(episode_id)
+        if entry is not None:
+            entry.last_used = time.time()
+            self._unsaved_use = True
 
     def load_field(self, episode_id: int, name: str) -> np.ndarray:
         """One tensor of an episode (e.g. its descriptors for retrieval), without reading the rest."""
