@@ -4,7 +4,9 @@
 situations:
 - `aligned`: every episode aligned (the lookahead's rows only), as in the calls of a cached episode;
 - `first_call`: right after a reset, every episode scanned whole, as on an episode's first call;
-- `fallback`: the episode fell back to dense; the similarity it reports scans the whole library.
+- `fallback`: the episode fell back to dense; the similarity it reports scans the whole library;
+- `task_change`: the prompt's task changed (`Retriever.restrict` to that task's episodes, here half the
+  library, alternating between two halves), without the query after it (a first call over those episodes).
 
 This is the host path, which CPU engines take: on a GPU engine the similarities are one matrix-vector
 product on the GPU (`bench_rmuscle.py --library-episodes` times both there). With matching on the host,
@@ -63,6 +65,10 @@ def measure(episodes: int, calls: int, iters: int, seed: int = 0) -> dict[str, f
         "aligned_ms": timed(lambda: retriever.query(query), iters),
         "first_call_ms": timed(first_call, iters),
     }
+    halves = [list(range(0, episodes, 2)), list(range(1, episodes, 2))]
+    turn = iter(range(1 << 30))
+    out["task_change_ms"] = timed(lambda: retriever.restrict(halves[next(turn) % 2]), iters)
+    retriever.restrict(None)
     retriever.fallback = True
     out["fallback_ms"] = timed(lambda: retriever.query(query), iters)
     return out
@@ -86,10 +92,11 @@ def main() -> None:
         f"commit `{args.commit}`, command `{record['command']}`; episodes of {args.calls} calls, descriptors "
         f"{CAMERAS} × {WIDTH} float32; medians of {args.iters} queries.",
         "",
-        "| library episodes | aligned ms | first call ms | fallback ms |",
-        "|---|---|---|---|",
+        "| library episodes | aligned ms | first call ms | fallback ms | task change ms |",
+        "|---|---|---|---|---|",
         *(
-            f"| {k.split('_')[1]} | {v['aligned_ms']} | {v['first_call_ms']} | {v['fallback_ms']} |"
+            f"| {k.split('_')[1]} | {v['aligned_ms']} | {v['first_call_ms']} | {v['fallback_ms']} "
+            f"| {v['task_change_ms']} |"
             for k, v in results.items()
         ),
     ]
