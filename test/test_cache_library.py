@@ -361,6 +361,9 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     assert "3 episode(s), weights abc123" in out and "not open in any live process" in out
     assert "episode 1: 5 calls" in out and "(task 'stack the cups', session_episode 1)" in out
     assert "(no task recorded: served to none, session_episode 2)" in out
+    assert out.index("  task 'stack the cups': 2 episode(s)") < out.index(
+        "  no task recorded (served to none"
+    )
 
     (tmp_path / lib.entries[1].file).write_bytes(b"damaged")
     assert main(["verify", str(tmp_path)]) == 1

@@ -552,6 +552,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"shapes {dict(key.shapes)}")  # fmt: skip
             who = holder(args.root)
             print(f"open in process {who}" if who else "not open in any live process")
+            by_task: dict[str | None, list[dict]] = {}
+            for e in episodes:
+                by_task.setdefault(e.get("meta", {}).get("task"), []).append(e)
+            for task, held in sorted(by_task.items(), key=lambda kv: (-len(kv[1]), str(kv[0]))):
+                name = (
+                    f"task {task!r}"
+                    if task is not None
+                    else "no task recorded (served to none, evicted first)"
+                )
+                mib = sum(e["bytes"] for e in held) / 2**20
+                print(f"  {name}: {len(held)} episode(s), {mib:.1f} MiB")  # eviction takes from the most
             for e in episodes:
                 meta = dict(e.get("meta", {}))
                 task = meta.pop("task", None)  # rMuscle serves an episode only to calls of its task
