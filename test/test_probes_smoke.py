@@ -99,12 +99,15 @@ def test_vision_mlp_probe_runs_the_engine_mlps_on_a_cpu(tiny) -> None:
     assert set(ms) == set(runs) and all(v > 0 for v in ms.values())
 
 
-def test_retrieval_benchmark_times_the_three_situations() -> None:
-    """bench/bench_retrieval.py times Retriever.query aligned, on an episode's first call and in fallback."""
+def test_retrieval_benchmark_times_the_four_situations() -> None:
+    """bench/bench_retrieval.py times Retriever.query aligned, on an episode's first call and in fallback,
+    and a task change (Retriever.restrict: microseconds, which may round to 0.0 ms)."""
     from bench.bench_retrieval import measure
 
     ms = measure(episodes=3, calls=6, iters=2)
-    assert set(ms) == {"aligned_ms", "first_call_ms", "fallback_ms"} and all(v > 0 for v in ms.values())
+    queries = ("aligned_ms", "first_call_ms", "fallback_ms")
+    assert set(ms) == {*queries, "task_change_ms"} and all(ms[k] > 0 for k in queries)
+    assert ms["task_change_ms"] >= 0
 
 
 def test_rmuscle_benchmark_runs_every_phase_on_a_cpu(tmp_path) -> None:
