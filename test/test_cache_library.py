@@ -239,6 +239,23 @@ def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: 
     again.close()
 
 
+def test_an_episode_damaged_after_open_fails_its_load_by_name_and_can_be_left_out(tmp_path: Path) -> None:
+    from rmuscle_ros.cache.library import EpisodeUnreadable
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    first, second = lib.add(episode(seed=1), {"task": "t"}), lib.add(episode(seed=2), {"task": "t"})
+    (tmp_path / lib.entries[first].file).write_bytes(b"garbage")
+    with pytest.raises(EpisodeUnreadable, match=r"episode 0: episode_000000\.safetensors could not be read"):
+        lib.load(first)
+    lib.leave_out(first, "episode 0: damaged")
+    assert sorted(lib.entries) == [second] and lib.problems == ["episode 0: damaged"]
+    lib.add(episode(seed=3), {"task": "t"})  # the index still names it, as open() keeps a corrupt one
+    lib.close()
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.left_out) == [first] and "corrupt" in again.problems[0]
+    again.close()
+
+
 def test_episode_shapes_are_validated() -> None:
     with pytest.raises(ValueError, match="images"):
         Episode(

@@ -368,6 +368,32 @@ def test_a_corrupt_episode_is_reported_left_out_and_kept(tmp_path) -> None:
     assert episode_file.exists(), "the corrupt file is kept for inspection"
 
 
+def test_an_episode_damaged_while_the_node_runs_is_left_out_and_the_cell_records_anew(tmp_path) -> None:
+    """An episode file that can no longer be read after open checked it (a failing disk, a file replaced by
+    hand): the window's refill reports it and leaves it out instead of failing every motion window on it,
+    the calls run dense, and the cell records the task again and serves its repeats from that."""
+    lib = tmp_path / "lib"
+    policy = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    assert rm is not None
+    run(policy, episode(4))
+    assert policy.reset_episode() == 0
+    rm._episodes.clear()  # as after other episodes displaced it from memory: the next use reads its file
+    (lib / "episode_000000.safetensors").write_bytes(b"overwritten")
+    after = run(policy, episode(4, offset=0.05, noise=2.0))
+    assert [c.cache_mode for c in after] == ["dense"] * 4
+    status = policy.cache_status()
+    assert status["library_episodes"] == 0 and status["task_episodes"] == 0
+    assert any(
+        "episode 0: episode_000000.safetensors could not be read" in p for p in status["library_problems"]
+    )
+    assert policy.reset_episode() == 1, "every call ran dense: recorded, the task's memory again"
+    assert [c.cache_mode for c in run(policy, episode(4, offset=0.1))][1:] == ["cached"] * 3
+    assert rm.last.episode == 1
+    policy.close()
+    assert (lib / "episode_000000.safetensors").read_bytes() == b"overwritten", "kept for inspection"
+
+
 def test_cache_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="rho_p"):
         RMuscleConfig(rho_p=0.0)

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,10 @@ class LibraryMismatch(LibraryError):
 
 class LibraryBusy(LibraryError):
     """The library is open in another live process (a running node), which owns its index."""
+
+
+class EpisodeUnreadable(LibraryError):
+    """An episode whose file could not be read after open checked it (damaged or removed since)."""
 
 
 @dataclass(frozen=True)
@@ -409,12 +413,27 @@ class ReferenceLibrary:
     def load(self, episode_id: int) -> Episode:
         """Read an episode (checksum verified on open; marks it used for LRU eviction)."""
         entry = self.entries[episode_id]
-        tensors = load_file(str(self.root / entry.file))
+        try:
+            tensors = load_file(str(self.root / entry.file))
+            episode = Episode(
+                **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
+            )
+        except (OSError, SafetensorError, KeyError, ValueError) as e:
+            raise EpisodeUnreadable(
+                f"episode {episode_id}: {entry.file} could not be read ({type(e).__name__}: {e})"
+            ) from e
         entry.last_used = time.time()
         self._unsaved_use = True
-        return Episode(
-            **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
-        )
+        return episode
+
+    def leave_out(self, episode_id: int, problem: str) -> None:
+        """Take an episode out of service after open (its file could not be read): reported (`problems`)
+        and kept as open() keeps a corrupt one, in the index and on disk for inspection. The next open
+        checks its file again."""
+        self.left_out[episode_id] = self.entries.pop(episode_id)
+        self.problems.append(problem)
+        log.warning("reference library %s: %s; left out until it is removed or checks out at the next open",
+                    self.root, problem)  # fmt: skip
 
     def touch(self, episode_id: int) -> None:
         """Mark an episode used now (a call was served from it): eviction takes it after the episodes of its

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rmuscle_ros.cache.library import Episode, LibraryKey, ReferenceLibrary
+from rmuscle_ros.cache.library import Episode, EpisodeUnreadable, LibraryKey, ReferenceLibrary
 from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, unit_rows
 from rmuscle_ros.engine import gpu_event
 from rmuscle_ros.engine.fused import ContextRef
@@ -290,6 +290,17 @@ class RMuscle:
         # product queued after its descriptor, not a host scan (see Retriever).
         self.retriever = Retriever(retrieval, self._descriptors, self.engine.device)
         self.retriever.restrict(self._task_episodes())
+
+    def _leave_out(self, episode_id: int, problem: str) -> None:
+        """An episode whose file can no longer be read: the library reports it and keeps it out, retrieval
+        stops searching it (a mask; this episode's alignment starts over, its fallback stays) and no entry
+        of it is wanted."""
+        self.library.leave_out(episode_id, problem)
+        del self._descriptors[episode_id]
+        self._wanted = [key for key in self._wanted if key[0] != episode_id]
+        fallback = self.retriever.fallback
+        self.retriever.restrict(self._task_episodes())
+        self.retriever.fallback = fallback
 
     def _task_episodes(self) -> list[int]:
         return [i for i in self._descriptors if self._task_of(i) == self.task]
@@ -731,7 +742,13 @@ class RMuscle:
         free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
         if key is None or free is None:
             return None
-        episode = self._episode(key[0])
+        try:
+            episode = self._episode(key[0])
+        except (
+            EpisodeUnreadable
+        ) as e:  # damaged since open: out of service, and the next wanted entry instead
+            self._leave_out(key[0], str(e))
+            return self._start_rebuild()
         call = key[1]
         present = (
             episode.image_masks[call]
