@@ -256,6 +256,26 @@ def test_an_episode_damaged_after_open_fails_its_load_by_name_and_can_be_left_ou
     again.close()
 
 
+def test_the_library_says_when_its_disk_could_not_take_another_episode(tmp_path: Path, monkeypatch) -> None:
+    """Free space where it writes, and whether another episode as large as its largest would still fit:
+    the node warns on /diagnostics before a recording fails."""
+    import shutil
+
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path / "lib", KEY)
+    free = lib.disk_free_bytes()
+    assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 64 << 20  # others write too
+    assert not lib.disk_low(), "no episode yet: nothing to compare with"
+    lib.add(episode(seed=1), {"task": "t"})
+    size = lib.entries[0].bytes
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=size))
+    assert lib.disk_low()
+    monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=size + (2 << 20)))
+    assert not lib.disk_low()
+
+
 def test_episode_shapes_are_validated() -> None:
     with pytest.raises(ValueError, match="images"):
         Episode(

@@ -70,7 +70,7 @@ def _index(library: Path) -> dict:
     return json.loads((library / "index.json").read_text())
 
 
-def test_a_repeated_episode_is_served_cached_and_reported(harness, engine) -> None:
+def test_a_repeated_episode_is_served_cached_and_reported(harness, engine, monkeypatch) -> None:
     h = harness(**engine)
     statuses = _statuses(h)
     _start(h)
@@ -117,11 +117,26 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine) -> No
                         and 0 < float(values["cache.hit_rate"]) <= 1
                         and float(values["latency_p50_ms.cached"]) > 0  # the modes' latencies, apart
                         and float(values["latency_p50_ms.dense"]) > 0
+                        and float(values["cache.library_disk_free_mib"]) > 0
                     )
         return False
 
     assert h.wait_for(diagnosed, timeout=10.0), "/diagnostics never reported the cache"
     assert h.node.stats()["errors"] == {}
+
+    # A disk that could not take another episode like the one recorded: a warning before a recording fails.
+    import shutil
+
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from rmuscle_ros.cache import library as library_module
+
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=1 << 20))
+    published = len(h.chunks)
+    assert h.feed_until(lambda: len(h.chunks) >= published + 2)
+    status = h.node._diagnostics().status[0]
+    assert status.level == DiagnosticStatus.WARN and "library disk nearly full" in status.message, status
 
 
 def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> None:

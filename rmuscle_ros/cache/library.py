@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -468,6 +469,24 @@ class ReferenceLibrary:
     @property
     def total_bytes(self) -> int:
         return sum(e.bytes for e in self.entries.values())
+
+    def disk_free_bytes(self) -> int | None:
+        """Free space on the disk the library writes to (its folder, or the nearest existing folder above
+        it before the first recording creates it); None if that cannot be read."""
+        folder = self.root.absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            return None
+
+    def disk_low(self) -> bool:
+        """Whether the disk could not take another episode as large as the largest held: the next
+        recording would then likely fail (and is reported when it does). False with no episode yet."""
+        free = self.disk_free_bytes()
+        largest = max((e.bytes for e in self.entries.values()), default=0)
+        return free is not None and largest > 0 and free < largest + (1 << 20)  # + the index, with room
 
     def _evict(self) -> list[EpisodeEntry]:
         """Past a bound, take out the least recently used episode of the task holding the most episodes

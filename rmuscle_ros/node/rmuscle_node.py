@@ -777,7 +777,11 @@ class RMuscleNode(LifecycleNode):
         status.name = f"{self.get_name()}: inference"
         status.hardware_id = self.cfg.model.device if self.cfg else ""
         cache = s["cache"]
-        warn = s["drops"] or s["errors"] or (cache is not None and cache["library_problems"])
+        warn = (
+            s["drops"]
+            or s["errors"]
+            or (cache is not None and (cache["library_problems"] or cache["library_disk_low"]))
+        )
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
         if self.cfg is not None and s["failing_ticks"] >= self.cfg.error_after_drops:
@@ -814,6 +818,10 @@ class RMuscleNode(LifecycleNode):
                                                         "rebuilds", "rebuilds_deferred",
                                                         "episodes_discarded")}  # fmt: skip
             values["cache.library_problems"] = len(cache["library_problems"])
+            free = cache["library_disk_free_bytes"]
+            values["cache.library_disk_free_mib"] = round(free / 2**20, 1) if free is not None else "unknown"
+            if cache["library_disk_low"]:
+                status.message += ", library disk nearly full: the next recording may fail"
         values |= {f"errors.{k}": v for k, v in s["errors"].items()}
         status.values = [
             KeyValue(key=k, value=f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in values.items()
