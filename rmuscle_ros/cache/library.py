@@ -184,11 +184,16 @@ def _fsync_dir(folder: Path) -> None:
         return
     try:
         os.fsync(fd)
+    except OSError as e:  # the rename is done: say that it may not survive a power cut, do not undo it
+        log.warning("reference library %s: the folder could not be synced (%s): its latest rename may not "
+                    "survive a power cut", folder, e)  # fmt: skip
     finally:
         os.close(fd)
 
 
 def _replace_durably(tmp: Path, path: Path) -> None:
+    """Rename `tmp` onto `path` and sync the folder. Once this returns or raises, the rename either
+    happened (the folder's sync only logs a failure) or did not (os.replace raised)."""
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 

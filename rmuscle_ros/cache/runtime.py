@@ -293,8 +293,8 @@ class RMuscle:
 
     def _leave_out(self, episode_id: int, problem: str) -> None:
         """An episode whose file can no longer be read: the library reports it and keeps it out, retrieval
-        stops searching it (a mask; this episode's alignment starts over, its fallback stays) and no entry
-        of it is wanted."""
+        stops searching it (a mask: the episode's alignments start over, a fallback stays) and no entry of
+        it is wanted."""
         self.library.leave_out(episode_id, problem)
         del self._descriptors[episode_id]
         self._wanted = [key for key in self._wanted if key[0] != episode_id]
@@ -744,9 +744,8 @@ class RMuscle:
             return None
         try:
             episode = self._episode(key[0])
-        except (
-            EpisodeUnreadable
-        ) as e:  # damaged since open: out of service, and the next wanted entry instead
+        except EpisodeUnreadable as e:
+            # Damaged since open: out of service, and the next wanted entry instead.
             self._leave_out(key[0], str(e))
             return self._start_rebuild()
         call = key[1]
