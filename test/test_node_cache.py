@@ -210,6 +210,15 @@ def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     )
     assert node.policy.cache_status()["library_episodes"] == 1 and node.stats()["errors"] == {}
 
+    # A job named by cache.task (live) keeps its memory whatever the prompt says (a planner's subtasks).
+    assert node.set_parameters([Parameter("cache.task", value="pick")])[0].successful
+    assert node.set_parameters([Parameter("prompt", value="pick: grasp the handle")])[0].successful
+    assert h.call(h.reset, Trigger.Request()).message.startswith("episode 3"), "episode 2 ran cached"
+    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 3)) >= 2), (
+        f"the job's episode serves the subtask's prompt: {[c.cache_mode for c in _episode(h, 3)]}"
+    )
+    assert node.policy.cache_status()["task"] == "pick" and node.stats()["errors"] == {}
+
 
 def test_discarding_without_the_cache_says_there_is_nothing_to_keep_out(harness) -> None:
     h = harness()

@@ -319,6 +319,36 @@ def test_a_prompt_that_changes_every_call_is_served_dense_and_cheaply(tmp_path) 
     policy.close()
 
 
+def test_a_named_job_keeps_one_memory_across_the_prompts_it_runs(tmp_path) -> None:
+    """A cell whose prompt changes within one job (a planner's subtask instructions) names the job
+    (`task`): its episodes are recorded and served under that name whatever each call's prompt says.
+    Changing the name live (RMuscle.reconfigure, the node's `cache.task`) is a change of task."""
+    policy = Policy(
+        CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD, task="Cups")
+    )
+    rm = policy.rmuscle
+    assert rm is not None
+
+    def steps(observations: list[Observation]) -> list[Observation]:
+        return [
+            dataclasses.replace(o, prompt=f"stack the cups: step {k}") for k, o in enumerate(observations)
+        ]
+
+    run(policy, steps(episode(4)))
+    assert policy.reset_episode() == 0, "recorded, though its calls had four prompts"
+    assert rm.library.entries[0].meta["task"] == "Cups"
+    repeat = run(policy, steps(episode(4, offset=0.05, noise=2.0)))
+    assert [c.cache_mode for c in repeat][1:] == ["cached"] * 3
+    assert policy.cache_status()["task"] == "Cups"
+    assert policy.reset_episode() is None
+
+    policy.reconfigure_cache(task="")  # back to the prompt's instruction: no episode of those
+    assert [c.cache_mode for c in run(policy, steps(episode(3)))] == ["dense"] * 3
+    with pytest.raises(ValueError, match="task must be a string"):
+        policy.reconfigure_cache(task=3)
+    policy.close()
+
+
 def test_episodes_recorded_without_their_task_are_named_and_never_served(tmp_path, caplog) -> None:
     """A library written before episodes carried their task: which task they ran is unknown, so they are
     served for none, and opening the library says which they are and how to take them out."""

@@ -9,9 +9,9 @@ Per call (`RMuscle.infer`):
   4. a dense call of a dense episode is recorded (descriptor, 224² uint8 images, prompt tokens, the
      Action Cache masks of its own denoising run); at `reset_episode` an episode with no cached call is
      added to the library.
-Muscle memory is per task (`set_task`: the instruction as the prompt carries it): retrieval serves a call
-only from episodes recorded under its task, since the descriptor sees the scene, not the instruction,
-and a bench set up the same way may be doing another job.
+Muscle memory is per task (`set_task`: the instruction as the prompt carries it, or the job named by
+`RMuscleConfig.task`): retrieval serves a call only from episodes recorded under its task, since the
+descriptor sees the scene, not the instruction, and a bench set up the same way may be doing another job.
 Between calls (`RMuscle.rebuild`, called by the node right after publishing a chunk, while the arm
 executes it) the window is refilled with the entries retrieval asked for: each candidate's positions
 after its aligned one, then that one, best candidate first. Rebuilds run on the engine's rebuild lane (a
@@ -69,6 +69,11 @@ class RMuscleConfig:
     max_library_mb: int = 4096
     max_episodes: int = 64
     rebuilds_per_tick: int = 2  # entries rebuilt per motion window (each is one vision + prefill)
+    # The job the calls' episodes are recorded and served under. "" = each call's prompt instruction, so
+    # another job on the same bench is never served from this one's episodes. Name the job when the prompt
+    # varies within it (a planner's subtask instructions, a prompt with a counter): otherwise every change
+    # is a new task, and such an episode is neither served nor recorded.
+    task: str = ""
     # False: rebuilds replay their CUDA graph, and a live call starts after the rebuilds queued before
     # it. True: rebuilds launch their kernels one by one and run alongside live calls. On the H200 a live
     # call concurrent with rebuild *graphs* hung the GPU in earlier builds (4 runs, cause not found; not
@@ -92,6 +97,8 @@ class RMuscleConfig:
         for name in ("max_library_mb", "max_episodes", "rebuilds_per_tick"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.task, str):
+            raise ValueError(f"task must be a string (the job's name, or empty), got {self.task!r}")
 
     def shapes(self) -> CacheShapes:
         return CacheShapes(
@@ -307,7 +314,8 @@ class RMuscle:
 
     def set_task(self, task: str) -> None:
         """The task the next calls run under: the instruction as the prompt carries it
-        (`transforms.clean_task`; `Policy.infer` sets it from each observation's prompt). Retrieval serves
+        (`transforms.clean_task`; `Policy.infer` sets it from each observation's prompt, or from
+        `RMuscleConfig.task` when that names the job). Retrieval serves
         only episodes recorded under the same task, and an episode is recorded under its own. A change
         after the episode's first call keeps that episode out of the library (its calls ran under two
         tasks) and starts retrieval over on the new task's episodes; entries of the old task in the window
@@ -339,8 +347,9 @@ class RMuscle:
                 stand_in.query()
         torch.cuda.synchronize(e.device)
 
-    # Settings that neither shape the engine's graphs nor the library: they may change between calls.
-    LIVE_SETTINGS = ("threshold", "record", "rebuilds_per_tick")
+    # Settings that shape neither the engine's graphs nor how the library is opened: they may change
+    # between calls.
+    LIVE_SETTINGS = ("threshold", "record", "rebuilds_per_tick", "task")
 
     def reconfigure(self, **changes: object) -> None:
         """Change settings among LIVE_SETTINGS from the next call on (validated first: a bad value raises

@@ -57,6 +57,7 @@ class CacheParams:
     max_library_mb: int = 4096
     max_episodes: int = 64
     rebuilds_per_tick: int = 2  # at most this many window entries rebuilt after each published chunk
+    task: str = ""  # the job episodes are kept under; "" = the prompt's instruction (RMuscleConfig.task)
     concurrent_rebuilds: bool = False  # rebuilds alongside live calls, kernel by kernel (RMuscleConfig)
     match_on_gpu: bool = True  # pick and load the window entry on the GPU, no host round trip
     rebuild_slices: int = 4  # parts of an entry's rebuild: the most a live call can wait for is one

@@ -64,6 +64,7 @@ LIVE_PARAMETERS = {
     "cache.similarity_threshold": "threshold",  # -> RMuscleConfig's name
     "cache.record": "record",
     "cache.rebuilds_per_tick": "rebuilds_per_tick",
+    "cache.task": "task",
 }
 
 

@@ -236,7 +236,8 @@ class Policy:
             noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
         t_model = time.perf_counter()
         if self.rmuscle is not None:
-            self.rmuscle.set_task(clean_task(obs.prompt))  # muscle memory is per task
+            # Muscle memory is per task: the job named in the settings, else the prompt's instruction.
+            self.rmuscle.set_task(clean_task(self.rmuscle.cfg.task or obs.prompt))
             raw, info = self.rmuscle.infer(inputs, noise)
             span = self.rmuscle.last_gpu_span
         else:
