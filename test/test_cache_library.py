@@ -216,7 +216,7 @@ def test_an_index_write_that_fails_undoes_the_recording_and_its_evictions(
     assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [kept]
 
 
-def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog) -> None:
+def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog, capsys) -> None:
     """A writer killed mid-write (or a power cut) leaves temporary files: the next open deletes them and
     says so. An episode file the index does not name (its index write failed) is named and kept, and no
     new episode is written over it. Files that are not the library's are left alone."""
@@ -228,6 +228,13 @@ def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: 
     (tmp_path / ".notes.tmp-1").write_text("the operator's")
     unnamed = tmp_path / "episode_000004.safetensors"
     unnamed.write_bytes(b"a whole episode whose index write failed")
+    from rmuscle_ros.cache.library import main
+
+    assert main(["verify", str(tmp_path)]) == 0, "read only: what is indexed is intact"
+    out = capsys.readouterr().out
+    assert "episode_000004.safetensors: not named by the index" in out
+    assert ".episode_000001.safetensors.tmp-99999: a write that never finished" in out
+    assert ".notes.tmp-1" not in out
     caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert "removed 2 partial file(s) of writes that never finished (1.0 MiB)" in caplog.text

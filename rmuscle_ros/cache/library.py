@@ -617,6 +617,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             found = (_file_problem(args.root, EpisodeEntry(**e)) for e in episodes)
             problems = [problem for problem in found if problem is not None]
+            indexed = {e["id"] for e in episodes}
+            for path in sorted(args.root.glob("episode_*.safetensors")):
+                m = EPISODE_FILE.fullmatch(path.name)
+                if m and int(m.group(1)) not in indexed:
+                    print(f"  {path.name}: not named by the index (kept; never used)")
+            for path in _leftovers(args.root):
+                print(f"  {path.name}: a write that never finished (the next open deletes it)")
             for problem in problems:
                 print(f"  {problem}")
             print(f"{len(episodes) - len(problems)} of {len(episodes)} episode(s) intact")
