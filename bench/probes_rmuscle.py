@@ -52,7 +52,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -140,6 +140,10 @@ TASKS = {
     ),
 }
 
+# A planner's subtask of "pick" (the instruction a `cache.task` job may carry at one call): the live
+# episode's observations with this prompt instead, served from the reference recorded under the task's own.
+SUBTASK_TEXT = "grasp the red block"
+
 JOINT_FREQS = torch.tensor([0.25, 0.5, 0.5, 0.75, 0.25, 0.5, 1.0])  # cycles per episode
 
 
@@ -226,12 +230,17 @@ class Episode:
 
 def episodes(cfg: Pi05Config, calls: int) -> dict[str, Episode]:
     """The reference episode (recorded densely), the live repetition of the same task (phases between the
-    reference's, light −3 %, twice the sensor noise) and a reference episode of another task."""
+    reference's, light −3 %, twice the sensor noise), that repetition under a subtask's prompt, and a
+    reference episode of another task."""
     ref_taus = [k / (calls - 1) for k in range(calls)]
     live_taus = [(k + 0.3) / (calls - 1) for k in range(calls - 1)]
     return {
         "reference": Episode.make(cfg, TASKS["pick"], ref_taus, 1.0, 0.01, seed=100),
         "live": Episode.make(cfg, TASKS["pick"], live_taus, 0.97, 0.02, seed=500),
+        # the same images and noise as `live` (same seed), another prompt: a subtask of the same job
+        "live_subtask": Episode.make(
+            cfg, replace(TASKS["pick"], text=SUBTASK_TEXT), live_taus, 0.97, 0.02, seed=500
+        ),
         "other_task": Episode.make(cfg, TASKS["wipe"], ref_taus, 1.0, 0.01, seed=900),
     }
 
@@ -572,18 +581,22 @@ def episode_error(
         for inputs, noise in zip(reference.inputs, reference.noises, strict=True):
             run_call(engine, inputs, noise, "dense", "record")
             masks.append(engine.recorded_masks.clone())
-        errors, dense_task, cached_task = [], [], []
+        errors, dense_task, cached_task, subtask_errors = [], [], [], []
         for m in matches:
-            inputs, noise = live.inputs[m["call"]], live.noises[m["call"]]
-            dense = run_call(engine, inputs, noise, "dense", "dense")
-            engine.load_reference(ref[m["position"]].entry, masks[m["position"]])
-            cached = run_call(engine, inputs, noise, "cached", "cached")
-            if (rho_p, rho_n) == (1.0, 1.0) and not torch.equal(cached, dense):
-                raise AssertionError("ρp = ρn = 1 must give the dense actions bit for bit")
-            errors.append(rel_l2(cached, dense))
-            target = target_chunk(cfg, live.task, live.taus[m["call"]])[:, :JOINTS]
-            dense_task.append(rel_l2(dense[:, :JOINTS], target))
-            cached_task.append(rel_l2(cached[:, :JOINTS], target))
+            for name in ("live", "live_subtask"):
+                inputs, noise = episodes_[name].inputs[m["call"]], episodes_[name].noises[m["call"]]
+                dense = run_call(engine, inputs, noise, "dense", "dense")
+                engine.load_reference(ref[m["position"]].entry, masks[m["position"]])
+                cached = run_call(engine, inputs, noise, "cached", "cached")
+                if (rho_p, rho_n) == (1.0, 1.0) and not torch.equal(cached, dense):
+                    raise AssertionError("ρp = ρn = 1 must give the dense actions bit for bit")
+                if name == "live_subtask":
+                    subtask_errors.append(rel_l2(cached, dense))
+                    continue
+                errors.append(rel_l2(cached, dense))
+                target = target_chunk(cfg, live.task, live.taus[m["call"]])[:, :JOINTS]
+                dense_task.append(rel_l2(dense[:, :JOINTS], target))
+                cached_task.append(rel_l2(cached[:, :JOINTS], target))
         out[f"p{rho_p:g}_n{rho_n:g}"] = {
             "rho_p": rho_p,
             "rho_n": rho_n,
@@ -591,6 +604,8 @@ def episode_error(
             "rel_l2_max": max(errors),
             "vs_target_dense_median": round(statistics.median(dense_task), 4),
             "vs_target_cached_median": round(statistics.median(cached_task), 4),
+            # the same calls under the subtask's prompt, served from the reference recorded under the task's
+            "rel_l2_median_subtask_prompt": statistics.median(subtask_errors),
         }
         log(f"  episode ρp={rho_p:g} ρn={rho_n:g}: rel L2 median {statistics.median(errors):.3g}")
     return out
@@ -637,6 +652,7 @@ def probe_model(
     recorded = {
         name: [record_call(engine, i, n) for i, n in zip(e.inputs, e.noises, strict=True)]
         for name, e in eps.items()
+        if name != "live_subtask"  # served in probe 4 only
     }
     ref, live, other = recorded["reference"], recorded["live"], recorded["other_task"]
     matches = match(eps["live"].taus, eps["reference"].taus, live, ref)
@@ -686,6 +702,8 @@ def summary_table(r: dict[str, Any]) -> list[str]:
          lambda v: v["action_cache"]["0.5"]["overlap_other_task"], pct),
         ("Action chunk rel L2, cached vs dense, (ρp, ρn) = (0.4, 0.5), median", "not published",
          lambda v: v["episode"]["p0.4_n0.5"]["rel_l2_median"], lambda x: f"{x:.3g}"),
+        ("The same, each live call under a subtask's prompt (one `cache.task` job), median", "not published",
+         lambda v: v["episode"]["p0.4_n0.5"]["rel_l2_median_subtask_prompt"], lambda x: f"{x:.3g}"),
         ("Action chunk rel L2, cached vs dense, (1, 1), max", "0 (by design)",
          lambda v: v["episode"]["p1_n1"]["rel_l2_max"], lambda x: f"{x:.3g}"),
     ]  # fmt: skip
@@ -784,16 +802,20 @@ def to_markdown(r: dict[str, Any]) -> str:
         lines += [
             "",
             "**Probe 4 — replayed episode**: action chunk relative L2 error, cached vs dense on the same "
-            "inputs and noise (whole chunk, all action dims), over the live episode; and each one's error "
-            "against the task's target chunk (joint dims).",
+            "inputs and noise (whole chunk, all action dims), over the live episode; each one's error "
+            "against the task's target chunk (joint dims); and the cached error of the same calls under a "
+            f"subtask's prompt ({SUBTASK_TEXT!r}), served from the reference recorded under the task's prompt "
+            "(a job named by `cache.task` whose prompt varies).",
             "",
-            "| ρp | ρn | rel L2 median | rel L2 max | vs target: dense | vs target: cached |",
-            "|---|---|---|---|---|---|",
+            "| ρp | ρn | rel L2 median | rel L2 max | vs target: dense | vs target: cached | rel L2 median, subtask prompt |",
+            "|---|---|---|---|---|---|---|",
         ]
         for v in run["episode"].values():
+            sub = v.get("rel_l2_median_subtask_prompt")
             lines.append(
                 f"| {v['rho_p']:g} | {v['rho_n']:g} | {v['rel_l2_median']:.3g} | {v['rel_l2_max']:.3g} | "
-                f"{v['vs_target_dense_median']} | {v['vs_target_cached_median']} |"
+                f"{v['vs_target_dense_median']} | {v['vs_target_cached_median']} | "
+                f"{'—' if sub is None else f'{sub:.3g}'} |"
             )
         g = run["reference_gap"]
         lines += [

@@ -41,6 +41,8 @@ def test_probes_run_on_tiny(one_thread) -> None:
     assert act["kept_with_reference_mask"] <= act["kept_own"] + 1e-6  # a call's own top ρn is the best set
     assert out["episode"]["p1_n1"]["rel_l2_max"] == 0.0
     assert 0.0 < out["episode"]["p0.4_n0.5"]["rel_l2_median"] < 1.0
+    assert 0.0 < out["episode"]["p0.4_n0.5"]["rel_l2_median_subtask_prompt"] < 1.0
+    assert out["episode"]["p1_n1"]["rel_l2_median_subtask_prompt"] == 0.0, "ρ = 1 is exact for any prompt"
     record = {
         **dict.fromkeys(("date", "commit", "torch", "command"), "-"),
         "setting": {"task": "-", "episodes": "-"},
