@@ -315,8 +315,8 @@ class RMuscle:
     def set_task(self, task: str) -> None:
         """The task the next calls run under: the instruction as the prompt carries it
         (`transforms.clean_task`; `Policy.infer` sets it from each observation's prompt, or from
-        `RMuscleConfig.task` when that names the job). Retrieval serves
-        only episodes recorded under the same task, and an episode is recorded under its own. A change
+        `RMuscleConfig.task` when that names the job). Retrieval serves only episodes recorded under the
+        same task, and an episode is recorded under its own. A change
         after the episode's first call keeps that episode out of the library (its calls ran under two
         tasks) and starts retrieval over on the new task's episodes; entries of the old task in the window
         are no longer served."""
