@@ -273,14 +273,13 @@ def test_the_library_says_when_its_disk_could_not_take_another_episode(tmp_path:
     lib = ReferenceLibrary.open(tmp_path / "lib", KEY)
     free = lib.disk_free_bytes()
     assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 64 << 20  # others write too
-    assert not lib.disk_low(), "no episode yet: nothing to compare with"
+    assert not lib.disk_low(free), "no episode yet: nothing to compare with"
     lib.add(episode(seed=1), {"task": "t"})
     size = lib.entries[0].bytes
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=size))
-    assert lib.disk_low()
-    monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=size + (2 << 20)))
-    assert not lib.disk_low()
+    assert lib.disk_free_bytes() == size and lib.disk_low(size)
+    assert not lib.disk_low(size + (2 << 20)) and not lib.disk_low(None)
 
 
 def test_episode_shapes_are_validated() -> None:

@@ -486,10 +486,10 @@ class ReferenceLibrary:
         except OSError:
             return None
 
-    def disk_low(self) -> bool:
-        """Whether the disk could not take another episode as large as the largest held: the next
-        recording would then likely fail (and is reported when it does). False with no episode yet."""
-        free = self.disk_free_bytes()
+    def disk_low(self, free: int | None) -> bool:
+        """Whether `free` bytes (`disk_free_bytes`) could not take another episode as large as the largest
+        held: the next recording would then likely fail (and is reported when it does). False with no
+        episode yet, or free space unknown."""
         largest = max((e.bytes for e in self.entries.values()), default=0)
         return free is not None and largest > 0 and free < largest + (1 << 20)  # + the index, with room
 

@@ -782,6 +782,7 @@ class RMuscle:
 
     def status(self) -> dict[str, object]:
         """What CacheStatus reports."""
+        free = self.library.disk_free_bytes()
         return {
             "episode_id": self.episode_id,
             "mode": self.last.mode,
@@ -793,8 +794,8 @@ class RMuscle:
             "task_episodes": self.retriever.episodes,
             "window_entries": sum(1 for s in self.window if s.key is not None),
             "library_bytes": self.library.total_bytes,
-            "library_disk_free_bytes": self.library.disk_free_bytes(),
-            "library_disk_low": self.library.disk_low(),
+            "library_disk_free_bytes": free,
+            "library_disk_low": self.library.disk_low(free),
             "library_path": str(self.library.root) if self.cfg.library_path else "",
             "library_problems": list(self.library.problems),
             "match_reruns": self.match_reruns,
