@@ -216,6 +216,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _unnamed(root: Path, indexed: set[int]) -> dict[int, str]:
+    """Episode files in `root` whose id the index does not hold: id -> file name."""
+    files = root.glob("episode_*.safetensors") if root.is_dir() else ()
+    return {
+        int(m.group(1)): path.name
+        for path in files
+        if (m := EPISODE_FILE.fullmatch(path.name)) and int(m.group(1)) not in indexed
+    }
+
+
 def _leftovers(root: Path) -> list[Path]:
     """Temporary files of writes that never finished (a process killed mid-write, a power cut)."""
     ours = (f".{INDEX}{TMP_INFIX}*", f".{OPEN_MARKER}{TMP_INFIX}*", f".episode_*.safetensors{TMP_INFIX}*")
@@ -291,12 +301,7 @@ class ReferenceLibrary:
         """What writes that never finished left behind: their partial files are deleted, and episode files
         the index does not name are reported and kept, their ids never reused."""
         self._remove_leftovers()
-        indexed = set(self.entries) | set(self.left_out)
-        unnamed = {
-            int(m.group(1)): path.name
-            for path in (self.root.glob("episode_*.safetensors") if self.root.is_dir() else ())
-            if (m := EPISODE_FILE.fullmatch(path.name)) and int(m.group(1)) not in indexed
-        }
+        unnamed = _unnamed(self.root, set(self.entries) | set(self.left_out))
         if unnamed:
             log.warning(
                 "reference library %s: episode file(s) the index does not name, kept and never used: %s "
@@ -617,11 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             found = (_file_problem(args.root, EpisodeEntry(**e)) for e in episodes)
             problems = [problem for problem in found if problem is not None]
-            indexed = {e["id"] for e in episodes}
-            for path in sorted(args.root.glob("episode_*.safetensors")):
-                m = EPISODE_FILE.fullmatch(path.name)
-                if m and int(m.group(1)) not in indexed:
-                    print(f"  {path.name}: not named by the index (kept; never used)")
+            for _, name in sorted(_unnamed(args.root, {e["id"] for e in episodes}).items()):
+                print(f"  {name}: not named by the index (kept; never used)")
             for path in _leftovers(args.root):
                 print(f"  {path.name}: a write that never finished (the next open deletes it)")
             for problem in problems:
