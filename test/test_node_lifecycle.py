@@ -49,7 +49,7 @@ from rmuscle_ros.node.bags import (  # noqa: E402
     write_messages,
 )
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
-from rmuscle_ros.node.replay_demo import call_service  # noqa: E402
+from rmuscle_ros.node.replay_demo import START_NS, call_service  # noqa: E402
 from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
 
 CAMERAS = ("images/base", "images/left_wrist", "images/right_wrist")
@@ -333,6 +333,19 @@ def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
     # parametrised bad-input test below).
 
 
+def test_the_first_chunk_follows_the_last_sensor_to_come_up(harness) -> None:
+    # A tick that finds a sensor not yet heard from waits for it, and the call runs when its first message
+    # arrives, not a whole period later: with 3 s between chunks the arm would stand for up to 3 s more.
+    # (A replayed bag's first tick, at its first instant, races its first frames the same way.)
+    h = harness(sensor_startup_timeout_s=30.0, actions_per_inference=50, control_period_s=0.06)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: h.node.stats()["waiting_for"] != "", skip_camera=2)  # the first tick, at 3 s
+    waited = time.monotonic()
+    assert h.feed_until(lambda: len(h.chunks) >= 1, timeout=10.0), f"drops {h.drops()}"
+    assert time.monotonic() - waited < 2.0, "the first chunk waited for the next tick"
+    assert h.drops() == {} and h.node.stats()["waiting_for"] == ""
+
+
 def _configure_fails_saying(h: Harness, text: str) -> None:
     # /rosout is how an operator sees the reason. Handshake first: a log line of the node's must arrive.
     def rosout_connected() -> bool:
@@ -605,6 +618,11 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
     warmup = [c.cache_mode for c in chunks if c.episode_id == 0]
     assert warmup and set(warmup) == {ActionChunk.CACHE_DENSE}
+    # The first tick falls on the bag's first instant, before or after its first frames: either way the
+    # first chunk is of that instant's frames (a tick that waited retries when they arrive), not of the
+    # frames a period (1 s) later.
+    first = chunks[0].header.stamp
+    assert first.sec * 10**9 + first.nanosec - START_NS < 0.25e9, first
     for episode in (1, 2):
         repeat = [c.cache_mode for c in chunks if c.episode_id == episode]
         assert ActionChunk.CACHE_CACHED in repeat, (episode, repeat, out)

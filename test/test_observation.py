@@ -60,6 +60,16 @@ def test_complete_observation() -> None:
     assert obs.state.tolist() == [0.5, 0.5, 0.5] and obs.prompt == "task"
 
 
+def test_a_put_says_whether_it_brought_a_first_message() -> None:
+    # What the node's start-up wait retries on: a camera's first frame, a joint's first position.
+    b, t = buffer(), 10**12
+    assert b.put_image(0, image(t)) and not b.put_image(0, image(t + MS))
+    assert b.put_joint_state(joints(t, names=("a", "b"))) and not b.put_joint_state(joints(t, names=("b",)))
+    assert b.put_joint_state(joints(t, names=("b", "c")))  # "c" is new
+    b.clear()
+    assert b.put_image(0, image(t)) and b.put_joint_state(joints(t))
+
+
 def test_camera_refusals_name_the_topic() -> None:
     t = 10**12
     topics = ("/cam_high/image", "/cam_left_wrist/image")

@@ -70,16 +70,22 @@ class ObservationBuffer:
         self._decode: Callable[[Any], np.ndarray] = compressed_to_rgb if compressed else image_to_rgb
         self.limits = limits
 
-    # Called from subscription callbacks: store only, never convert (the executor must stay quick).
-    def put_image(self, slot: int, msg: Any) -> None:
+    # Called from subscription callbacks: store only, never convert (the executor must stay quick). Each
+    # says whether the message brought something the buffer did not hold yet (a camera's first frame, a
+    # joint's first position): what a start-up wait for the first messages looks out for.
+    def put_image(self, slot: int, msg: Any) -> bool:
         with self._lock:
+            first = self._images[slot] is None
             self._images[slot] = msg
+        return first
 
-    def put_joint_state(self, msg: Any) -> None:
+    def put_joint_state(self, msg: Any) -> bool:
         t = stamp_ns(msg.header)
         with self._lock:
+            held = len(self._joints)
             for name, position in zip(msg.name, msg.position, strict=False):
                 self._joints[name] = (t, float(position))
+            return len(self._joints) > held
 
     def clear(self) -> None:
         with self._lock:

@@ -149,9 +149,12 @@ class RMuscleNode(LifecycleNode):
         self._buffer: ObservationBuffer | None = None
         self._worker: threading.Thread | None = None
         self._activated_at = 0.0  # time.monotonic() at the latest activation
-        self._wake = threading.Event()  # the worker has something to do: one of the two below
+        self._wake = threading.Event()  # the worker has something to do: one of the three below
         self._tick = threading.Event()  # the inference timer fired: an observation is due
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
+        # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
+        # first message arrives, so the first chunk follows the last sensor to come up, not a period later.
+        self._start_wait = threading.Event()
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         # Serialises every call into the policy: the worker's infer/rebuild and the executor's episode
@@ -340,13 +343,18 @@ class RMuscleNode(LifecycleNode):
                 self.create_subscription(
                     image_type,
                     topic,
-                    lambda msg, slot=slot: buffer.put_image(slot, msg),
+                    lambda msg, slot=slot: self._stored(buffer.put_image(slot, msg)),
                     qos_profile_sensor_data,
                 )
             )
         for topic in cfg.joint_state_topics:
             self._subs.append(
-                self.create_subscription(JointState, topic, buffer.put_joint_state, qos_profile_sensor_data)
+                self.create_subscription(
+                    JointState,
+                    topic,
+                    lambda msg: self._stored(buffer.put_joint_state(msg)),
+                    qos_profile_sensor_data,
+                )
             )
         period = cfg.actions_per_inference * cfg.control_period_s
         self._infer_timer = self.create_timer(period, self._on_tick)
@@ -360,6 +368,7 @@ class RMuscleNode(LifecycleNode):
         self._gc = GcPauses()
         gc.callbacks.append(self._gc)
         self._activated_at = time.monotonic()
+        self._start_wait.clear()
         with self._stats_lock:
             self.waiting_for = ""
         self._worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
@@ -516,6 +525,12 @@ class RMuscleNode(LifecycleNode):
         self._tick.set()
         self._wake.set()
 
+    def _stored(self, first: bool) -> None:
+        """A sensor message was stored; one that brought a camera's first frame or a joint's first position
+        wakes the worker while a start-up tick waits for the first messages (`_start_wait`)."""
+        if first and self._start_wait.is_set():
+            self._wake.set()
+
     def _inference_loop(self) -> None:
         while True:
             self._wake.wait()
@@ -527,6 +542,8 @@ class RMuscleNode(LifecycleNode):
                     self._tick.clear()
                     self._refill.clear()  # the call's own motion window follows it
                     self._infer_once()
+                elif self._start_wait.is_set():
+                    self._infer_once(retry=True)
                 elif self._refill.is_set():
                     self._refill.clear()
                     self._refill_for_next_episode()
@@ -546,7 +563,10 @@ class RMuscleNode(LifecycleNode):
         if cfg is not None and policy is not None and cfg.cache.enabled:
             self._rebuild_cache(policy, estimate=False)
 
-    def _infer_once(self) -> None:
+    def _infer_once(self, retry: bool = False) -> None:
+        """One call on the latest observation: at a tick, or (`retry`) when a sensor a start-up tick waited
+        for has sent its first message. A retry that still finds no observation is not a drop: the next
+        tick says what is missing."""
         from rmuscle_ros.runtime.policy import NonFiniteActions  # loaded at configure: a dict lookup
 
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
@@ -557,10 +577,17 @@ class RMuscleNode(LifecycleNode):
             obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
         except ObservationUnavailable as e:
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
-            self._wait_for_sensor(e.detail if starting and e.reason in STARTUP_REASONS else "")
-            if not self.waiting_for:
+            waiting = starting and e.reason in STARTUP_REASONS
+            if waiting:
+                self._start_wait.set()
+            elif retry:
+                self._start_wait.clear()
+                return
+            self._wait_for_sensor(e.detail if waiting else "")
+            if not waiting:
                 self._drop(e.reason, e.detail)
             return
+        self._start_wait.clear()
         self._wait_for_sensor("")
         with self._policy_lock:
             try:
