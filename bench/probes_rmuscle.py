@@ -315,6 +315,7 @@ def flow_matching_loss(
     b = actions.shape[0]
     t = torch.rand(b, generator=gen) ** (1 / 1.5) * 0.999 + 0.001  # Beta(1.5, 1) by its inverse CDF u^(1/1.5)
     noise = torch.randn(actions.shape, generator=gen)
+    t, noise = t.to(actions.device), noise.to(actions.device)
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
     prefix = prefill_for_training(model, *model.embed_prefix(inputs))
     prefix = PrefixCache(
@@ -325,9 +326,14 @@ def flow_matching_loss(
     return F.mse_loss(model.velocity(x_t, t, prefix), noise - actions)
 
 
-def train(model: Pi05Model, steps: int, batch: int, draws: int, lr: float, seed: int) -> dict[str, Any]:
-    """Adam on every parameter, linear warm-up over 10 % of the steps, cosine decay, gradient clip 1."""
+def train(
+    model: Pi05Model, steps: int, batch: int, draws: int, lr: float, seed: int, device: str = "cpu"
+) -> dict[str, Any]:
+    """Adam on every parameter, linear warm-up over 10 % of the steps, cosine decay, gradient clip 1. On
+    `device` (the data and the noise are drawn on the CPU from the same seeded generator, then moved);
+    the model is back on the CPU when this returns, where the probes run."""
     gen = torch.Generator().manual_seed(seed)
+    model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     warmup = max(1, steps // 10)
     schedule = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))  # noqa: E731
@@ -337,7 +343,7 @@ def train(model: Pi05Model, steps: int, batch: int, draws: int, lr: float, seed:
     start = time.perf_counter()
     for step in range(steps):
         inputs, actions = training_batch(model.cfg, batch, gen)
-        loss = flow_matching_loss(model, inputs, actions, draws, gen)
+        loss = flow_matching_loss(model, inputs.to(device), actions.to(device), draws, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -347,12 +353,14 @@ def train(model: Pi05Model, steps: int, batch: int, draws: int, lr: float, seed:
         if step % 50 == 0 or step == steps - 1:
             log(f"train step {step}: loss {loss.item():.4f}")
     model.eval()
+    model.to("cpu")
     window = max(1, min(20, steps // 5))
     return {
         "steps": steps,
         "batch": batch,
         "noise_draws": draws,
         "lr": lr,
+        "device": device,
         "seconds": round(time.perf_counter() - start, 1),
         "first_loss": round(statistics.mean(losses[:window]), 4),
         "final_loss": round(statistics.mean(losses[-window:]), 4),
@@ -838,6 +846,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=10, help="calls per reference episode")
     p.add_argument("--train-steps", type=int, default=450)
+    p.add_argument(
+        "--train-device",
+        default="cpu",
+        help="where to train (e.g. cuda, for longer training); probes run on the CPU",
+    )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--noise-draws", type=int, default=4, help="(t, noise) samples per observation")
     p.add_argument("--lr", type=float, default=6e-3)
@@ -871,10 +884,12 @@ def main() -> None:
     if gap > 1e-4:
         raise RuntimeError(f"the training prefill differs from Pi05Model.prefill by {gap}")
     log(f"tiny, training {args.train_steps} steps (training prefill matches the model's to {gap:.1e})")
-    training = train(model, args.train_steps, args.batch, args.noise_draws, args.lr, args.seed)
+    training = train(
+        model, args.train_steps, args.batch, args.noise_draws, args.lr, args.seed, args.train_device
+    )
     results["tiny_trained"] = {
-        "description": "`tiny` preset **briefly trained** from the same random weights: flow matching on "
-        "the two synthetic tasks (random phase, light and sensor noise).",
+        "description": f"`tiny` preset **trained {args.train_steps} steps** ({args.train_device}) from the same "
+        "random weights: flow matching on the two synthetic tasks (random phase, light and sensor noise).",
         "training": training,
     } | probe_model(model, *probe_args)
 
