@@ -669,6 +669,11 @@ def probe_model(
     matches = match(eps["live"].taus, eps["reference"].taus, live, ref)
     sims = [m["similarity"] for m in matches]
     log(f"  recorded {sum(map(len, recorded.values()))} calls; similarity min {min(sims):.6f}")
+    # What the fallback threshold compares against: how similar the other task's scene looks to each live
+    # call (its best match among the other task's calls), beside the same task's matched pairs above.
+    unit = lambda d: d.ravel() / np.linalg.norm(d)  # noqa: E731
+    other_rows = np.stack([unit(r.descriptor) for r in other])
+    other_sims = [float((other_rows @ unit(c.descriptor)).max()) for c in live]
     fused = engine.fused
     return {
         "matching": {
@@ -677,6 +682,8 @@ def probe_model(
             "below_runtime_threshold_0.8": sum(s < 0.8 for s in sims),
             "retrieval_agrees": sum(m["retrieval_position"] == m["position"] for m in matches),
             "live_calls": len(matches),
+            "other_task_similarity_max": round(max(other_sims), 6),
+            "other_task_similarity_median": round(statistics.median(other_sims), 6),
         },
         "recorded_masks_equal_sparse_ffn_top_neurons": all(masks_agree(fused, c, 0.5) for c in live),
         "context_cache": context_probe(fused, live, ref, matches, rho_p),
@@ -770,7 +777,9 @@ def to_markdown(r: dict[str, Any]) -> str:
             f"similarity of those pairs: min {m['similarity_min']}, median {m['similarity_median']} "
             f"({m['below_runtime_threshold_0.8']} of {m['live_calls']} below the runtime's 0.8 threshold); the "
             f"runtime's retrieval picked the same reference call for {m['retrieval_agrees']} of "
-            f"{m['live_calls']}. Engine's recorded masks = sparse_ffn top neurons recomputed from the tapped "
+            f"{m['live_calls']}. The other task's scene, for the fallback threshold: each live call's best "
+            f"similarity to the other task's calls, median {m.get('other_task_similarity_median', '–')}, max "
+            f"{m.get('other_task_similarity_max', '–')}. Engine's recorded masks = sparse_ffn top neurons recomputed from the tapped "
             f"activations: {run['recorded_masks_equal_sparse_ffn_top_neurons']}.",
             "",
             "**Probe 1 — Context Cache**: share of the visual tokens' FFN-output change captured by the top ρp "
