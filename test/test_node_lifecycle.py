@@ -48,6 +48,7 @@ from rmuscle_ros.node.bags import (  # noqa: E402
     write_aloha_episode,
     write_messages,
 )
+from rmuscle_ros.node.observation import ObservationUnavailable  # noqa: E402
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
 from rmuscle_ros.node.replay_demo import START_NS, call_service  # noqa: E402
 from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
@@ -344,6 +345,31 @@ def test_the_first_chunk_follows_the_last_sensor_to_come_up(harness) -> None:
     assert h.feed_until(lambda: len(h.chunks) >= 1, timeout=10.0), f"drops {h.drops()}"
     assert time.monotonic() - waited < 2.0, "the first chunk waited for the next tick"
     assert h.drops() == {} and h.node.stats()["waiting_for"] == ""
+
+
+def test_a_first_frame_stored_while_the_tick_reads_the_buffer_still_wakes_the_retry(harness) -> None:
+    # The frame lands between the tick's read of the buffer and its decision to wait. The retry is armed
+    # before the read, so that frame still wakes it; armed after, the first chunk would slip a period.
+    h = harness(sensor_startup_timeout_s=30.0, actions_per_inference=50, control_period_s=0.06)  # 3 s
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    buffer = h.node._buffer
+    read, delivered = buffer.observation, []
+
+    def observation(*args: Any) -> Any:
+        try:
+            return read(*args)
+        except ObservationUnavailable:
+            if not delivered:  # camera 2's first frame arrives mid-read, through the node's own hook
+                frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
+                frame.header.stamp = h.now().to_msg()
+                delivered.append(h.node._stored(buffer.put_image(2, frame)))
+            raise
+
+    buffer.observation = observation
+    assert h.feed_until(lambda: bool(delivered), skip_camera=2)  # the first tick, at 3 s
+    waited = time.monotonic()
+    assert h.feed_until(lambda: len(h.chunks) >= 1, timeout=10.0, skip_camera=2), f"drops {h.drops()}"
+    assert time.monotonic() - waited < 2.0, "the frame stored mid-read was missed until the next tick"
 
 
 def _configure_fails_saying(h: Harness, text: str) -> None:

@@ -573,16 +573,17 @@ class RMuscleNode(LifecycleNode):
         if cfg is None or buffer is None or policy is None:
             return
         now_ns = self.get_clock().now().nanoseconds
+        starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
+        if starting:  # set before the buffer is read: a first message from then on wakes a retry
+            self._start_wait.set()
         try:
             obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
         except ObservationUnavailable as e:
-            starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
             waiting = starting and e.reason in STARTUP_REASONS
-            if waiting:
-                self._start_wait.set()
-            elif retry:
+            if not waiting:
                 self._start_wait.clear()
-                return
+                if retry:
+                    return
             self._wait_for_sensor(e.detail if waiting else "")
             if not waiting:
                 self._drop(e.reason, e.detail)
