@@ -436,6 +436,46 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     assert "no library here" in capsys.readouterr().err
 
 
+def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_from_other_scenes(
+    tmp_path: Path, capsys
+) -> None:
+    """`similarity`: what cache.similarity_threshold must tell apart, from the library's own descriptors:
+    each call's best match among its task's other episodes (a repeat) and among other tasks' (another
+    scene). A damaged file is named and left out, not a crash."""
+    from rmuscle_ros.cache.library import main
+
+    rng = np.random.default_rng(0)
+    bench = {"stack the cups": rng.standard_normal((2, 8)), "sort the screws": rng.standard_normal((2, 8))}
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    for task, look in bench.items():
+        for seed in range(3):  # three repeats of each job: its scene, with a little noise per call
+            ep = episode(seed=seed)
+            ep.descriptors[:] = look + 0.05 * rng.standard_normal(ep.descriptors.shape)
+            lib.add(ep, meta={"task": task})
+    lone = episode(seed=9)
+    lib.add(lone)  # recorded before tasks were kept: one episode, no repeat
+    lib.close()
+    assert main(["similarity", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "task 'stack the cups': 3 episode(s), 15 calls" in out and "no task recorded: 1 episode(s)" in out
+    assert "repeats: none (one episode)" in out
+    assert out.count("0 of 15 below 0.8 (would run dense)") == 2
+    assert "separated: every repeat scored above every other task's scene" in out and "(0.8 does)" in out
+    # A threshold above the repeats' similarity would send them dense: the report says so.
+    assert main(["similarity", str(tmp_path), "--threshold", "0.9999"]) == 0
+    assert "15 of 15 below 0.9999" in capsys.readouterr().out
+
+    (tmp_path / "episode_000001.safetensors").write_bytes(b"damaged")
+    assert main(["similarity", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "episode 1: descriptors unreadable" in out and "task 'stack the cups': 2 episode(s), 10 calls" in out
+    )
+    with pytest.raises(SystemExit):
+        main(["similarity", str(tmp_path), "--threshold", "2"])
+    assert "--threshold is a cosine similarity in [-1, 1], got 2" in capsys.readouterr().err
+
+
 def test_a_library_another_live_process_has_open_is_refused_and_a_stale_marker_is_not(tmp_path: Path) -> None:
     """Two writers would each rewrite the index from memory and drop the other's episodes: opening a
     library that another live process holds is refused, naming it; once that process is gone its marker

@@ -38,6 +38,7 @@ On a cell (read-only while the node runs; `remove` once it is cleaned up or stop
 
     python -m rmuscle_ros.cache.library list /var/lib/rmuscle/cell7
     python -m rmuscle_ros.cache.library verify /var/lib/rmuscle/cell7
+    python -m rmuscle_ros.cache.library similarity /var/lib/rmuscle/cell7 --threshold 0.8
     python -m rmuscle_ros.cache.library remove /var/lib/rmuscle/cell7 3 7
     python -m rmuscle_ros.cache.library remove /var/lib/rmuscle/cell7 --task "fold the towel"
 """
@@ -570,6 +571,100 @@ def _when(seconds: float) -> str:
     return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _descriptors(root: Path, episodes: list[dict]) -> tuple[dict[int, np.ndarray], list[str]]:
+    """Each readable episode's descriptors as unit rows (as retrieval holds them), and what could not be
+    read. Only the descriptors are read from each file, not its images."""
+    from rmuscle_ros.cache.retrieval import unit_rows  # the runtime's own normalisation
+
+    rows: dict[int, np.ndarray] = {}
+    problems = []
+    for e in episodes:
+        try:
+            with safe_open(str(Path(root) / e["file"]), framework="np") as f:
+                rows[e["id"]] = unit_rows(f.get_tensor("descriptors"))
+        except (OSError, SafetensorError, KeyError, ValueError) as err:
+            problems.append(f"episode {e['id']}: descriptors unreadable ({err}); left out, see verify")
+    return rows, problems
+
+
+@dataclass(frozen=True)
+class TaskSimilarity:
+    """Per task, every recorded call's best descriptor similarity among the task's other episodes (what a
+    repeat of the task scores) and among other tasks' episodes (what another job's scene scores)."""
+
+    task: str | None
+    episodes: int
+    repeat: np.ndarray  # (calls,), empty when the task has one episode
+    other: np.ndarray  # (calls,), empty when the library holds one task
+
+
+def task_similarities(
+    rows: Mapping[int, np.ndarray], tasks: Mapping[int, str | None]
+) -> list[TaskSimilarity]:
+    """rows: episode id -> unit descriptor rows; tasks: episode id -> its task (None: recorded without)."""
+    out = []
+    for task in sorted(set(tasks.values()), key=str):
+        mine = [i for i in rows if tasks[i] == task]
+        repeat, other = [], []
+        for i in mine:
+            same = [rows[j] for j in mine if j != i]
+            others = [rows[j] for j in rows if tasks[j] != task]
+            if same:
+                repeat.append((rows[i] @ np.concatenate(same).T).max(axis=1))
+            if others:
+                other.append((rows[i] @ np.concatenate(others).T).max(axis=1))
+        stack = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.float32)  # noqa: E731
+        out.append(TaskSimilarity(task, len(mine), stack(repeat), stack(other)))
+    return out
+
+
+def _similarity_report(root: Path, episodes: list[dict], threshold: float) -> list[str]:
+    rows, problems = _descriptors(root, episodes)
+    tasks = {e["id"]: e.get("meta", {}).get("task") for e in episodes if e["id"] in rows}
+    lines = [
+        f"library {root}: each recorded call's best descriptor similarity (cosine, as retrieval computes it)",
+        "  against its task's other episodes (a repeat: should stay above cache.similarity_threshold) and",
+        "  against other tasks' episodes (another job's scene: below it, unless the jobs share a bench)",
+    ]
+    lines += [f"  {problem}" for problem in problems]
+    repeats, others = [], []
+    for t in task_similarities(rows, tasks):
+        name = f"task {t.task!r}" if t.task is not None else "no task recorded"
+        lines.append(
+            f"  {name}: {t.episodes} episode(s), {sum(len(rows[i]) for i in tasks if tasks[i] == t.task)} calls"
+        )
+        if len(t.repeat):
+            below = int((t.repeat < threshold).sum())
+            lines.append(
+                f"    repeats: min {t.repeat.min():.3f}, 5th percentile {np.percentile(t.repeat, 5):.3f}, "
+                f"median {np.median(t.repeat):.3f}; {below} of {len(t.repeat)} below {threshold:g} (would run dense)"
+            )
+            repeats.append(t.repeat)
+        else:
+            lines.append("    repeats: none (one episode)")
+        if len(t.other):
+            above = int((t.other >= threshold).sum())
+            lines.append(
+                f"    other tasks: max {t.other.max():.3f}, 95th percentile {np.percentile(t.other, 95):.3f}, "
+                f"median {np.median(t.other):.3f}; {above} of {len(t.other)} at or above {threshold:g}"
+            )
+            others.append(t.other)
+    if repeats and others:
+        low, high = min(r.min() for r in repeats), max(o.max() for o in others)
+        if low > high:
+            lines.append(
+                f"separated: every repeat scored above every other task's scene; a threshold between "
+                f"{high:.3f} and {low:.3f} tells them apart ({threshold:g} "
+                f"{'does' if high < threshold <= low else 'does not'})"
+            )
+        else:
+            lines.append(
+                f"not separated: a repeat scored as low as {low:.3f} and another task's scene as high as "
+                f"{high:.3f}; retrieval keeps tasks apart by name (cache.task or the prompt), not by threshold"
+            )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m rmuscle_ros.cache.library",
@@ -582,6 +677,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("verify", help="check every episode file's size and checksum").add_argument(
         "root", type=Path
     )
+    similarity = sub.add_parser(
+        "similarity", help="how alike repeats and other tasks' scenes look to retrieval, against a threshold"
+    )
+    similarity.add_argument("root", type=Path)
+    similarity.add_argument("--threshold", type=float, default=0.8, help="cache.similarity_threshold")
     remove = sub.add_parser("remove", help="take episodes out (not while a live node has it open)")
     remove.add_argument("root", type=Path)
     remove.add_argument("ids", type=int, nargs="*", metavar="ID")
@@ -593,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "remove" and (args.task is None) == (not args.ids):
         p.error("remove: episode ids, or --task, not both")
+    if args.command == "similarity" and not -1.0 <= args.threshold <= 1.0:
+        p.error(f"similarity: --threshold is a cosine similarity in [-1, 1], got {args.threshold:g}")
     try:
         key, episodes = _stored(args.root)
         if args.command == "list":
@@ -618,6 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 about += [f"{k} {v}" for k, v in sorted(meta.items())]
                 print(f"  episode {e['id']}: {e['calls']} calls, {e['bytes'] / 2**20:.1f} MiB, recorded "
                       f"{_when(e['created'])}, last used {_when(e['last_used'])} ({', '.join(about)})")  # fmt: skip
+            return 0
+        if args.command == "similarity":
+            print("\n".join(_similarity_report(args.root, episodes, args.threshold)))
             return 0
         if args.command == "verify":
             found = (_file_problem(args.root, EpisodeEntry(**e)) for e in episodes)
