@@ -574,7 +574,9 @@ def _when(seconds: float) -> str:
 def _descriptors(root: Path, episodes: list[dict]) -> tuple[dict[int, np.ndarray], list[str]]:
     """Each readable episode's descriptors as unit rows (as retrieval holds them), and what could not be
     read. Only the descriptors are read from each file, not its images."""
-    from rmuscle_ros.cache.retrieval import unit_rows  # the runtime's own normalisation
+    # The runtime's own normalisation; imported here, as retrieval imports torch, which the other commands
+    # do not need.
+    from rmuscle_ros.cache.retrieval import unit_rows
 
     rows: dict[int, np.ndarray] = {}
     problems = []
@@ -594,6 +596,7 @@ class TaskSimilarity:
 
     task: str | None
     episodes: int
+    calls: int
     repeat: np.ndarray  # (calls,), empty when the task has one episode
     other: np.ndarray  # (calls,), empty when the library holds one task
 
@@ -614,7 +617,8 @@ def task_similarities(
             if others:
                 other.append((rows[i] @ np.concatenate(others).T).max(axis=1))
         stack = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.float32)  # noqa: E731
-        out.append(TaskSimilarity(task, len(mine), stack(repeat), stack(other)))
+        calls = sum(len(rows[i]) for i in mine)
+        out.append(TaskSimilarity(task, len(mine), calls, stack(repeat), stack(other)))
     return out
 
 
@@ -630,9 +634,7 @@ def _similarity_report(root: Path, episodes: list[dict], threshold: float) -> li
     repeats, others = [], []
     for t in task_similarities(rows, tasks):
         name = f"task {t.task!r}" if t.task is not None else "no task recorded"
-        lines.append(
-            f"  {name}: {t.episodes} episode(s), {sum(len(rows[i]) for i in tasks if tasks[i] == t.task)} calls"
-        )
+        lines.append(f"  {name}: {t.episodes} episode(s), {t.calls} calls")
         if len(t.repeat):
             below = int((t.repeat < threshold).sum())
             lines.append(
