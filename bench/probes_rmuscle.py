@@ -68,7 +68,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
+from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever, unit_rows
 from rmuscle_ros.cache.sparse_ffn import (
     captured_change,
     contribution_scores,
@@ -671,9 +671,8 @@ def probe_model(
     log(f"  recorded {sum(map(len, recorded.values()))} calls; similarity min {min(sims):.6f}")
     # What the fallback threshold compares against: how similar the other task's scene looks to each live
     # call (its best match among the other task's calls), beside the same task's matched pairs above.
-    unit = lambda d: d.ravel() / np.linalg.norm(d)  # noqa: E731
-    other_rows = np.stack([unit(r.descriptor) for r in other])
-    other_sims = [float((other_rows @ unit(c.descriptor)).max()) for c in live]
+    live_rows, other_rows = (unit_rows(np.stack([c.descriptor for c in calls])) for calls in (live, other))
+    other_sims = (live_rows @ other_rows.T).max(axis=1).tolist()
     fused = engine.fused
     return {
         "matching": {
