@@ -475,6 +475,23 @@ def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_fro
         main(["similarity", str(tmp_path), "--threshold", "2"])
     assert "--threshold is a cosine similarity in [-1, 1], got 2" in capsys.readouterr().err
 
+    # Two jobs on one bench look alike to retrieval: no threshold separates them, and the report says
+    # what keeps them apart instead.
+    same_bench = tmp_path / "same_bench"
+    lib = ReferenceLibrary.open(same_bench, KEY)
+    for task in ("stack the cups", "sort the screws"):
+        for seed in range(2):
+            ep = episode(seed=seed)
+            ep.descriptors[:] = bench["stack the cups"] + 0.05 * rng.standard_normal(ep.descriptors.shape)
+            lib.add(ep, meta={"task": task})
+    lib.close()
+    assert main(["similarity", str(same_bench)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "not separated: a repeat scored as low as" in out
+        and "apart by name (cache.task or the prompt)" in out
+    )
+
 
 def test_a_library_another_live_process_has_open_is_refused_and_a_stale_marker_is_not(tmp_path: Path) -> None:
     """Two writers would each rewrite the index from memory and drop the other's episodes: opening a
