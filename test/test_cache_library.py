@@ -407,6 +407,9 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     assert out.index("  task 'stack the cups': 2 episode(s)") < out.index(
         "  no task recorded (served to none"
     )
+    assert (
+        "  task 'stack the cups': 2 episode(s), " in out and " MiB, last used 20" in out
+    )  # a retired job shows
 
     (tmp_path / lib.entries[1].file).write_bytes(b"damaged")
     assert main(["verify", str(tmp_path)]) == 1

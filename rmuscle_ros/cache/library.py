@@ -714,7 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else "no task recorded (served to none, evicted first)"
                 )
                 mib = sum(e["bytes"] for e in held) / 2**20
-                print(f"  {name}: {len(held)} episode(s), {mib:.1f} MiB")  # eviction takes from the most
+                # Eviction takes from the task holding the most; a retired job (long unused) keeps its share
+                # until `remove --task`.
+                last = _when(max(e["last_used"] for e in held))
+                print(f"  {name}: {len(held)} episode(s), {mib:.1f} MiB, last used {last}")
             for e in episodes:
                 meta = dict(e.get("meta", {}))
                 task = meta.pop("task", None)  # rMuscle serves an episode only to calls of its task
