@@ -579,13 +579,13 @@ class RMuscleNode(LifecycleNode):
         try:
             obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
         except ObservationUnavailable as e:
-            waiting = starting and e.reason in STARTUP_REASONS
-            if not waiting:
-                self._start_wait.clear()
-                if retry:
-                    return
-            self._wait_for_sensor(e.detail if waiting else "")
-            if not waiting:
+            # A wait, not a drop: retried when a sensor's first message comes.
+            if starting and e.reason in STARTUP_REASONS:
+                self._wait_for_sensor(e.detail)
+                return
+            self._start_wait.clear()
+            if not retry:
+                self._wait_for_sensor("")
                 self._drop(e.reason, e.detail)
             return
         self._start_wait.clear()
