@@ -608,14 +608,15 @@ def task_similarities(
     out = []
     for task in sorted(set(tasks.values()), key=str):
         mine = [i for i in rows if tasks[i] == task]
+        others = [rows[j] for j in rows if tasks[j] != task]
+        other_rows = np.concatenate(others) if others else None  # the same for each of the task's episodes
         repeat, other = [], []
         for i in mine:
             same = [rows[j] for j in mine if j != i]
-            others = [rows[j] for j in rows if tasks[j] != task]
             if same:
                 repeat.append((rows[i] @ np.concatenate(same).T).max(axis=1))
-            if others:
-                other.append((rows[i] @ np.concatenate(others).T).max(axis=1))
+            if other_rows is not None:
+                other.append((rows[i] @ other_rows.T).max(axis=1))
         stack = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.float32)  # noqa: E731
         calls = sum(len(rows[i]) for i in mine)
         out.append(TaskSimilarity(task, len(mine), calls, stack(repeat), stack(other)))
