@@ -40,6 +40,7 @@ from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 from rmuscle_ros.msg import ActionChunk  # noqa: E402
 from rmuscle_ros.node.bags import (  # noqa: E402
     ALOHA_CAMERA_TOPICS,
+    ALOHA_JOINT_STATE_NAMES,
     ALOHA_JOINT_TOPICS,
     BagPlayer,
     read_messages,
@@ -133,9 +134,10 @@ class Harness:
 
     def publish_observation(
         self, *, skip_camera: int | None = None, image_edit: Callable[[Image], None] | None = None,
-        joint_value: float = 0.1, stamp_offset_s: float = 0.0,
+        joint_value: float | tuple[float, float] = 0.1, stamp_offset_s: float = 0.0,
     ) -> int:  # fmt: skip
-        """One frame per camera (480×640 rgb8) and both arms' joint states, stamped now(+offset)."""
+        """One frame per camera (480×640 rgb8) and both arms' joint states (one value, or one per arm),
+        stamped now(+offset)."""
         stamp = (self.now() + rclpy.duration.Duration(seconds=stamp_offset_s)).to_msg()
         for i, pub in enumerate(self.image_pubs):
             if i == skip_camera:
@@ -149,10 +151,11 @@ class Harness:
             if image_edit is not None:
                 image_edit(msg)
             pub.publish(msg)
-        for side, pub in zip(("left", "right"), self.joint_pubs, strict=True):
-            js = JointState(name=[n for n in ALOHA_JOINTS if n.startswith(side)])
+        values = joint_value if isinstance(joint_value, tuple) else (joint_value, joint_value)
+        for pub, value in zip(self.joint_pubs, values, strict=True):
+            js = JointState(name=list(ALOHA_JOINT_STATE_NAMES))  # as an Interbotix arm: alike on both
             js.header.stamp = stamp
-            js.position = [joint_value] * len(js.name)
+            js.position = [value] * len(js.name)
             pub.publish(js)
         return stamp.sec * 1_000_000_000 + stamp.nanosec
 
@@ -225,6 +228,27 @@ def harnesses() -> Iterator[Callable[..., Harness]]:
 def harness() -> Iterator[Callable[..., Harness]]:
     with harnesses() as make:
         yield make
+
+
+def test_each_arm_fills_its_own_joints_though_both_publish_the_same_names(harness) -> None:
+    """An Interbotix ALOHA publishes "waist" ... "gripper" on both follower arms' joint_states. The node
+    prefixes each topic's names (joint_name_prefixes, left_ / right_ by default), so the state it feeds
+    the policy has the left arm's positions in the left_* slots and the right arm's in the right_*."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+
+    def state() -> np.ndarray | None:
+        h.publish_observation(joint_value=(0.25, -0.5))
+        time.sleep(0.03)
+        try:
+            return h.node._buffer.observation(h.now().nanoseconds, "pick", ("a", "b", "c")).state
+        except ObservationUnavailable:
+            return None
+
+    assert h.wait_for(lambda: state() is not None), f"no observation; drops {h.drops()}"
+    got = dict(zip(ALOHA_JOINTS, state().tolist(), strict=True))
+    assert all(v == 0.25 for k, v in got.items() if k.startswith("left_")), got
+    assert all(v == -0.5 for k, v in got.items() if k.startswith("right_")), got
 
 
 @pytest.mark.parametrize("engine", ENGINES)

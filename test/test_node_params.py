@@ -66,6 +66,14 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"camera_topics": ["a", "a"]}, r"^camera_topics: needs distinct"),
         ({"camera_topics": ["a", "b", "c", "d"]}, r"^camera_topics: π0\.5 has 3 image slots"),
         ({"joint_names": [f"j{i}" for i in range(40)]}, r"^joint_names: must be an int in 1\.\.32"),
+        (
+            {"joint_name_prefixes": ["left_"]},
+            r"^joint_name_prefixes: needs one entry per joint_state_topics entry \(2\)",
+        ),
+        (
+            {"joint_state_topics": ["arm"], "joint_name_prefixes": ["a_", "b_"]},
+            r"^joint_name_prefixes: needs one entry per joint_state_topics entry \(1\)",
+        ),
         ({"prompt": "  "}, r"^prompt: must not be empty"),
         ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),

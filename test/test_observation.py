@@ -70,6 +70,34 @@ def test_a_put_says_whether_it_brought_a_first_message() -> None:
     assert b.put_image(0, image(t)) and b.put_joint_state(joints(t))
 
 
+def test_two_arms_publishing_the_same_joint_names_are_told_apart_by_their_prefix() -> None:
+    # An Interbotix ALOHA: both follower arms' joint_states say "waist", "gripper", ...; the node gives each
+    # arm's topic its prefix (joint_name_prefixes), so neither arm overwrites the other.
+    b = ObservationBuffer(1, ("left_waist", "left_gripper", "right_waist", "right_gripper"), compressed=False,
+                          limits=Limits(100 * MS, 50 * MS, 80 * MS))  # fmt: skip
+    t = 10**12
+    b.put_image(0, image(t))
+    b.put_joint_state(
+        SimpleNamespace(header=header(t), name=["waist", "gripper"], position=[0.1, 0.2]), "left_"
+    )
+    assert reason(b, t) is DropReason.MISSING_JOINTS
+    b.put_joint_state(
+        SimpleNamespace(header=header(t), name=["waist", "gripper"], position=[0.3, 0.4]), "right_"
+    )
+    assert b.observation(t, "task", SLOTS[:1]).state.tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_missing_joints_show_the_names_that_did_arrive() -> None:
+    # A prefix left out (or doubled) shows at once: the configured names beside the received ones.
+    b, t = buffer(), 10**12
+    b.put_image(0, image(t))
+    b.put_image(1, image(t))
+    b.put_joint_state(joints(t, names=("a", "b", "x")), "left_")
+    with pytest.raises(ObservationUnavailable, match=r"no position yet for \['a', 'b', 'c'\]; received "
+                       r"\['left_a', 'left_b', 'left_x'\]"):  # fmt: skip
+        b.observation(t, "task", SLOTS)
+
+
 def test_camera_refusals_name_the_topic() -> None:
     t = 10**12
     topics = ("/cam_high/image", "/cam_left_wrist/image")

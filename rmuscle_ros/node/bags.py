@@ -41,6 +41,9 @@ ALOHA_CAMERA_TOPICS = (
 )
 ALOHA_JOINT_TOPICS = ("/follower_left/joint_states", "/follower_right/joint_states")
 ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
+# What an Interbotix follower arm's joint_states carries: the same names on both arms (the topic tells the
+# arm), the gripper's two finger positions after its joint.
+ALOHA_JOINT_STATE_NAMES = (*ALOHA_ARM_JOINTS, "left_finger", "right_finger")
 STORAGE = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 MSG_DIR = Path(__file__).resolve().parents[2] / "msg"
 
@@ -96,14 +99,14 @@ def write_aloha_episode(
                 data=rgb.reshape(-1),
             )
             events.append((t, camera_topics[cam], msg, "sensor_msgs/msg/Image"))
-    for side, topic in zip(("left", "right"), joint_topics, strict=True):
+    for topic in joint_topics:
         for i in range(int(seconds * joint_hz)):
             t = start_ns + round(i * 1e9 / joint_hz)
             header = Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id="")
-            position = 0.3 * np.sin(np.linspace(0, 1, 7) + 2 * np.pi * 0.5 * i / joint_hz)
+            position = 0.3 * np.sin(np.linspace(0, 1, 9) + 2 * np.pi * 0.5 * i / joint_hz)
             msg = JointState(
                 header=header,
-                name=[f"{side}_{j}" for j in ALOHA_ARM_JOINTS],
+                name=list(ALOHA_JOINT_STATE_NAMES),
                 position=position.astype(np.float64),
                 velocity=np.zeros(0),
                 effort=np.zeros(0),

@@ -79,12 +79,14 @@ class ObservationBuffer:
             self._images[slot] = msg
         return first
 
-    def put_joint_state(self, msg: Any) -> bool:
+    def put_joint_state(self, msg: Any, prefix: str = "") -> bool:
+        """Store each named position as `prefix + name` (the arm's topic decides the prefix: an Interbotix
+        ALOHA names both arms' joints alike)."""
         t = stamp_ns(msg.header)
         with self._lock:
             held = len(self._joints)
             for name, position in zip(msg.name, msg.position, strict=False):
-                self._joints[name] = (t, float(position))
+                self._joints[prefix + name] = (t, float(position))
             return len(self._joints) > held
 
     def clear(self) -> None:
@@ -118,7 +120,9 @@ class ObservationBuffer:
                 raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{slot_names[slot]}: {e}") from None
         missing = [n for n in self._joint_names if n not in joints]
         if missing:
-            raise ObservationUnavailable(DropReason.MISSING_JOINTS, f"no position yet for {missing}")
+            # The names that did arrive show a naming mismatch (a prefix missing or doubled) at a glance.
+            held = f"; received {sorted(joints)[:8]}{' ...' if len(joints) > 8 else ''}" if joints else ""
+            raise ObservationUnavailable(DropReason.MISSING_JOINTS, f"no position yet for {missing}{held}")
         state = np.array([joints[n][1] for n in self._joint_names], dtype=np.float32)
         joint_stamps = [joints[n][0] for n in self._joint_names]
         oldest_joint = min(joint_stamps)

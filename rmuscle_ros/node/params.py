@@ -112,6 +112,10 @@ class NodeConfig:
     camera_topics: tuple[str, ...] = ("images/base", "images/left_wrist", "images/right_wrist")
     compressed_images: bool = False  # sensor_msgs/CompressedImage instead of sensor_msgs/Image
     joint_state_topics: tuple[str, ...] = ("joint_states/left", "joint_states/right")
+    # Prefixed to the joint names in each joint_state_topics entry's messages (same order) before they are
+    # matched against joint_names. An Interbotix ALOHA publishes the same names (waist ... gripper) on both
+    # arms' topics, so the arm is told apart by its topic. "" for a topic whose names are already unique.
+    joint_name_prefixes: tuple[str, ...] = ("left_", "right_")
     joint_names: tuple[str, ...] = ALOHA_JOINTS  # state order fed to the policy
     action_joint_names: tuple[str, ...] = ALOHA_JOINTS  # meaning of each action dimension
     control_period_s: float = 0.02  # the arm consumes one action per period (ALOHA: 50 Hz)
@@ -174,7 +178,7 @@ def parameter_defaults() -> dict[str, Any]:
     return {k: ("" if v is None else v) for k, v in defaults.items() if k not in DERIVED}
 
 
-def _check_type(name: str, value: Any, default: Any) -> Any:
+def check_type(name: str, value: Any, default: Any) -> Any:
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):
@@ -199,7 +203,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if unknown:
         raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
     values = {
-        name: _check_type(name, params.get(name, default), default) for name, default in defaults.items()
+        name: check_type(name, params.get(name, default), default) for name, default in defaults.items()
     }
 
     def positive(name: str) -> None:
@@ -219,6 +223,11 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             or len(set(values[name])) != len(values[name])
         ):
             raise ParameterError(f"{name}: needs distinct, non-empty entries, got {list(values[name])}")
+    if len(values["joint_name_prefixes"]) != len(values["joint_state_topics"]):
+        raise ParameterError(
+            f"joint_name_prefixes: needs one entry per joint_state_topics entry ({len(values['joint_state_topics'])}), "
+            f"got {list(values['joint_name_prefixes'])}"
+        )
     if not values["prompt"].strip():
         raise ParameterError("prompt: must not be empty")
     if values["error_after_drops"] < 1:

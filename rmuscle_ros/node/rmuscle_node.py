@@ -347,12 +347,12 @@ class RMuscleNode(LifecycleNode):
                     qos_profile_sensor_data,
                 )
             )
-        for topic in cfg.joint_state_topics:
+        for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
             self._subs.append(
                 self.create_subscription(
                     JointState,
                     topic,
-                    lambda msg: self._stored(buffer.put_joint_state(msg)),
+                    lambda msg, prefix=prefix: self._stored(buffer.put_joint_state(msg, prefix)),
                     qos_profile_sensor_data,
                 )
             )
