@@ -1,0 +1,188 @@
+"""Which action of which chunk the arms should hold now: the action streamer's clock arithmetic (no rclpy).
+
+An `ActionChunk` says: row t of `actions` is due at `stamp + t * control_period_s`, where the stamp is the
+time of the observation it was computed from. By the time a chunk arrives its first rows are already past
+(the call took its latency), so a tick at time `now` commands row `(now - stamp) // period` of the newest
+chunk that has started. A newer chunk takes over from its first due row; one stamped slightly ahead of
+this clock waits for its time while the previous one goes on. When the newest chunk has run out, nothing
+is commanded: a position-controlled arm holds its last command.
+
+No command moves any joint by more than `max_step` from the previous command. The first command (after
+activation, a reset, or a hold) is measured from the arm's own joint positions, so a chunk that starts far
+from where the arm is brings it there at that pace instead of in one jump.
+
+A chunk that cannot be executed as it says is refused with a `ChunkRefused` naming the reason; the chunk in
+execution, if any, stays in force.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class RefusalReason(enum.Enum):
+    SHAPE = "shape"  # horizon x action_dim does not match the actions, or action_dim the joints
+    JOINT_NAMES = "joint_names"  # names other joints, or the same ones in another order
+    PERIOD = "period"  # another control period than the streamer's
+    NON_FINITE = "non_finite"  # a NaN or infinite action
+    STALE = "stale"  # stamped before the chunk in execution
+    EXPIRED = "expired"  # its last row was due before it arrived
+    FUTURE = "future"  # stamped further ahead of this clock than max_future_s
+
+
+class ChunkRefused(ValueError):
+    def __init__(self, reason: RefusalReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    joint_names: tuple[str, ...]  # the action order the streamer expects
+    control_period_s: float = 0.02
+    max_step: float = 0.1  # largest change of one joint between consecutive commands (robot units); 0: none
+    max_future_s: float = 0.05  # how far ahead of this clock a chunk's stamp may be (clock disagreement)
+
+    def __post_init__(self) -> None:
+        if not self.joint_names or len(set(self.joint_names)) != len(self.joint_names):
+            raise ValueError(f"joint_names: needs distinct entries, got {list(self.joint_names)}")
+        if not (self.control_period_s > 0 and math.isfinite(self.control_period_s)):
+            raise ValueError(f"control_period_s: must be > 0, got {self.control_period_s!r}")
+        if not (self.max_step >= 0 and math.isfinite(self.max_step)):
+            raise ValueError(f"max_step: must be >= 0 (0: no limit), got {self.max_step!r}")
+        if not (self.max_future_s >= 0 and math.isfinite(self.max_future_s)):
+            raise ValueError(f"max_future_s: must be >= 0, got {self.max_future_s!r}")
+
+    @property
+    def period_ns(self) -> int:
+        return round(self.control_period_s * 1e9)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start_ns: int  # when row 0 is due (the observation's stamp)
+    actions: np.ndarray  # (horizon, joints), float64
+    episode_id: int
+    chunk_id: int
+
+
+@dataclass(frozen=True)
+class Command:
+    action: np.ndarray  # what the joints are commanded to, in joint_names order
+    chunk: Chunk
+    row: int  # the chunk's row it came from
+    limited: bool  # max_step held back at least one joint
+
+
+class ChunkSchedule:
+    """The chunks in hand and the last command. Not thread-safe: the streamer calls it from one executor."""
+
+    def __init__(self, cfg: ScheduleConfig) -> None:
+        self.cfg = cfg
+        self._chunks: list[Chunk] = []  # by start, at most the running one and one waiting for its time
+        self._last: np.ndarray | None = None  # the previous command, while commands flow
+
+    def reset(self) -> None:
+        """Forget the chunks and the last command (deactivation): the next command starts from the arm."""
+        self._chunks.clear()
+        self._last = None
+
+    def offer(
+        self,
+        *,
+        stamp_ns: int,
+        actions: np.ndarray | list[float],
+        horizon: int,
+        action_dim: int,
+        control_period_s: float,
+        joint_names: list[str] | tuple[str, ...],
+        episode_id: int,
+        chunk_id: int,
+        now_ns: int,
+    ) -> Chunk:
+        """Take a chunk (an ActionChunk's fields), or raise ChunkRefused saying why it cannot run."""
+        cfg = self.cfg
+        names = tuple(joint_names)
+        if names and names != cfg.joint_names:
+            raise ChunkRefused(
+                RefusalReason.JOINT_NAMES,
+                f"chunk names {list(names)}, this streamer drives {list(cfg.joint_names)}",
+            )
+        flat = np.asarray(actions, dtype=np.float64).reshape(-1)
+        if action_dim != len(cfg.joint_names) or horizon < 1 or flat.size != horizon * action_dim:
+            raise ChunkRefused(
+                RefusalReason.SHAPE,
+                f"horizon {horizon} x action_dim {action_dim} with {flat.size} values, for "
+                f"{len(cfg.joint_names)} joints",
+            )
+        if not math.isclose(control_period_s, cfg.control_period_s, rel_tol=1e-3):
+            raise ChunkRefused(
+                RefusalReason.PERIOD,
+                f"control_period_s {control_period_s:g} s, this streamer runs at {cfg.control_period_s:g} s",
+            )
+        rows = flat.reshape(horizon, action_dim)
+        if not np.isfinite(rows).all():
+            bad = sorted({cfg.joint_names[j] for j in np.argwhere(~np.isfinite(rows))[:, 1]})
+            raise ChunkRefused(RefusalReason.NON_FINITE, f"non-finite actions for {bad}")
+        ahead = stamp_ns - now_ns
+        if ahead > cfg.max_future_s * 1e9:
+            raise ChunkRefused(
+                RefusalReason.FUTURE,
+                f"stamped {ahead / 1e6:.0f} ms ahead of this clock (max_future_s {cfg.max_future_s:g} s)",
+            )
+        end_ns = stamp_ns + horizon * cfg.period_ns
+        if end_ns <= now_ns:
+            raise ChunkRefused(
+                RefusalReason.EXPIRED, f"its last action was due {(now_ns - end_ns) / 1e6:.0f} ms ago"
+            )
+        newest = self._chunks[-1] if self._chunks else None
+        if newest is not None and stamp_ns <= newest.start_ns:
+            raise ChunkRefused(
+                RefusalReason.STALE,
+                f"stamped {(newest.start_ns - stamp_ns) / 1e6:.0f} ms before the chunk in hand "
+                f"(episode {newest.episode_id}, chunk {newest.chunk_id})",
+            )
+        chunk = Chunk(stamp_ns, rows.copy(), episode_id, chunk_id)
+        self._chunks.append(chunk)
+        self._drop_superseded(now_ns)
+        return chunk
+
+    def _drop_superseded(self, now_ns: int) -> None:
+        """Keep the newest chunk that has started and any that wait for their time."""
+        started = [i for i, c in enumerate(self._chunks) if c.start_ns <= now_ns]
+        if started:
+            del self._chunks[: started[-1]]
+
+    def command(self, now_ns: int, measured: np.ndarray | None) -> Command | None:
+        """What to command at `now_ns`, or None: no chunk due (hold), or no joint positions to start from.
+
+        `measured`: the arm's joint positions in joint_names order (None while some are unknown); used as
+        the previous command when commands start, so the first one is also limited by max_step.
+        """
+        self._drop_superseded(now_ns)
+        running = self._chunks[0] if self._chunks and self._chunks[0].start_ns <= now_ns else None
+        row = -1 if running is None else (now_ns - running.start_ns) // self.cfg.period_ns
+        if running is None or row >= len(running.actions):
+            self._last = None  # holding: the next command starts again from the arm's position
+            return None
+        previous = self._last if self._last is not None else measured
+        if previous is None:
+            return None
+        target = running.actions[row]
+        step = self.cfg.max_step
+        # A joint within a step of its target gets the target itself. The 1e-6 is for values that crossed
+        # the wire as float32, a step whose remainder rounded a hair above max_step.
+        held_back = (
+            np.abs(target - previous) > step + 1e-6 if step > 0 else np.zeros(target.shape, dtype=bool)
+        )
+        action = np.where(held_back, previous + np.clip(target - previous, -step, step), target)
+        self._last = action
+        return Command(action=action, chunk=running, row=int(row), limited=bool(held_back.any()))
+
+    @property
+    def chunk_in_hand(self) -> Chunk | None:
+        return self._chunks[-1] if self._chunks else None

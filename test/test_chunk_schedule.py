@@ -1,0 +1,145 @@
+"""The action streamer's schedule: which row of which chunk is commanded when, at what pace, and which
+chunks are refused (and that a refusal leaves the chunk in execution in force)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
+
+MS = 1_000_000
+T0 = 10**15  # a clock reading, ns
+JOINTS = ("a", "b")
+
+
+def rows(horizon: int, base: float = 0.0) -> np.ndarray:
+    """Row t = [base + t/100, base - t/100]: each row says which one it is."""
+    t = np.arange(horizon, dtype=np.float64)[:, None] / 100
+    return np.hstack([base + t, base - t])
+
+
+def offer(s: ChunkSchedule, stamp_ns: int, actions: np.ndarray, now_ns: int, **fields) -> None:
+    msg = {"horizon": len(actions), "action_dim": actions.shape[1], "control_period_s": 0.02,
+           "joint_names": list(JOINTS), "episode_id": 0, "chunk_id": 0} | fields  # fmt: skip
+    s.offer(stamp_ns=stamp_ns, actions=actions.reshape(-1), now_ns=now_ns, **msg)
+
+
+def schedule(max_step: float = 0.0, max_future_s: float = 0.05) -> ChunkSchedule:
+    return ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=max_step, max_future_s=max_future_s))
+
+
+AT_REST = np.zeros(2)
+
+
+def test_a_tick_commands_the_row_due_now_skipping_those_the_call_took() -> None:
+    s = schedule()
+    offer(s, T0, rows(50), now_ns=T0 + 70 * MS)  # arrived 70 ms after its observation
+    for now, row in ((T0 + 70 * MS, 3), (T0 + 79 * MS, 3), (T0 + 80 * MS, 4), (T0 + 980 * MS, 49)):
+        cmd = s.command(now, AT_REST)
+        assert cmd is not None and cmd.row == row and cmd.action.tolist() == rows(50)[row].tolist()
+    assert s.command(T0 + 1000 * MS, AT_REST) is None  # ran out: hold
+
+
+def test_a_newer_chunk_takes_over_from_its_due_row() -> None:
+    s = schedule()
+    offer(s, T0, rows(50), now_ns=T0 + 20 * MS)
+    assert s.command(T0 + 400 * MS, AT_REST).row == 20
+    offer(s, T0 + 500 * MS, rows(50, base=1.0), now_ns=T0 + 530 * MS, chunk_id=1)
+    cmd = s.command(T0 + 540 * MS, AT_REST)
+    assert cmd.chunk.chunk_id == 1 and cmd.row == 2 and cmd.action.tolist() == rows(50, 1.0)[2].tolist()
+
+
+def test_a_chunk_stamped_a_little_ahead_waits_while_the_previous_one_goes_on() -> None:
+    s = schedule()
+    offer(s, T0, rows(50), now_ns=T0)
+    offer(s, T0 + 130 * MS, rows(50, base=1.0), now_ns=T0 + 100 * MS, chunk_id=1)  # 30 ms ahead: accepted
+    assert s.command(T0 + 120 * MS, AT_REST).chunk.chunk_id == 0
+    assert s.command(T0 + 130 * MS, AT_REST).chunk.chunk_id == 1
+
+
+def test_no_joint_moves_more_than_max_step_per_command_starting_from_the_arm() -> None:
+    s = schedule(max_step=0.25)
+    far = np.full((50, 2), 1.0)
+    offer(s, T0, far, now_ns=T0)
+    assert s.command(T0, None) is None  # no joint positions yet: nothing to start from
+    got = [s.command(T0 + k * 20 * MS, AT_REST) for k in range(6)]
+    assert [c.action[0] for c in got] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert [c.limited for c in got] == [True, True, True, False, False, False]
+    # Commands flow: the measured position no longer matters, the previous command does.
+    assert s.command(T0 + 120 * MS, np.full(2, -5.0)).action.tolist() == [1.0, 1.0]
+
+
+def test_after_a_hold_commands_start_again_from_the_arm() -> None:
+    s = schedule(max_step=0.25)
+    offer(s, T0, np.full((2, 2), 1.0), now_ns=T0)  # two rows: 40 ms
+    assert s.command(T0, np.full(2, 1.0)).action.tolist() == [1.0, 1.0]
+    assert s.command(T0 + 40 * MS, np.full(2, 1.0)) is None
+    offer(s, T0 + 60 * MS, np.full((50, 2), 0.0), now_ns=T0 + 60 * MS, chunk_id=1)
+    # The arm drifted to 0.6 while it held: the new command steps from there, not from the old 1.0.
+    assert s.command(T0 + 60 * MS, np.full(2, 0.6)).action.tolist() == pytest.approx([0.35, 0.35])
+
+
+def test_reset_forgets_chunks_and_the_last_command() -> None:
+    s = schedule(max_step=0.25)
+    offer(s, T0, np.full((50, 2), 1.0), now_ns=T0)
+    s.command(T0, np.full(2, 1.0))
+    s.reset()
+    assert s.command(T0 + 20 * MS, np.full(2, 1.0)) is None and s.chunk_in_hand is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason", "detail"),
+    [
+        ({"joint_names": ["b", "a"]}, RefusalReason.JOINT_NAMES, r"chunk names \['b', 'a'\]"),
+        ({"action_dim": 3}, RefusalReason.SHAPE, r"action_dim 3 with 100 values, for 2 joints"),
+        ({"horizon": 49}, RefusalReason.SHAPE, r"horizon 49"),
+        (
+            {"control_period_s": 0.033},
+            RefusalReason.PERIOD,
+            r"control_period_s 0.033 s, this streamer runs at 0.02 s",
+        ),
+        ({"nan": True}, RefusalReason.NON_FINITE, r"non-finite actions for \['b'\]"),
+        ({"stamp_ns": T0 + 460 * MS}, RefusalReason.FUTURE, r"stamped 60 ms ahead"),
+        ({"stamp_ns": T0 - 1100 * MS}, RefusalReason.EXPIRED, r"due 500 ms ago"),
+        (
+            {"stamp_ns": T0 - 10 * MS},
+            RefusalReason.STALE,
+            r"10 ms before the chunk in hand \(episode 0, chunk 7\)",
+        ),
+    ],
+)
+def test_a_refused_chunk_says_why_and_the_running_one_goes_on(
+    edit: dict, reason: RefusalReason, detail: str
+) -> None:
+    s = schedule()
+    offer(s, T0, rows(50), now_ns=T0, chunk_id=7)
+    bad = rows(50, base=3.0)
+    if edit.pop("nan", False):
+        bad[10, 1] = np.nan
+    stamp = edit.pop("stamp_ns", T0 + 200 * MS)
+    with pytest.raises(ChunkRefused, match=detail) as e:
+        offer(s, stamp, bad, now_ns=T0 + 400 * MS, **edit)
+    assert e.value.reason is reason and str(e.value).startswith(reason.value)
+    cmd = s.command(T0 + 400 * MS, AT_REST)
+    assert cmd.chunk.chunk_id == 7 and cmd.action.tolist() == rows(50)[20].tolist()
+
+
+def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
+    s = schedule()
+    offer(s, T0, rows(50), now_ns=T0, joint_names=[])
+    assert s.command(T0, AT_REST).row == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"joint_names": ("a", "a")}, r"^joint_names: needs distinct"),
+        ({"control_period_s": 0.0}, r"^control_period_s: must be > 0"),
+        ({"max_step": -0.1}, r"^max_step: must be >= 0"),
+        ({"max_future_s": float("nan")}, r"^max_future_s: must be >= 0"),
+    ],
+)
+def test_invalid_settings_are_named(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ScheduleConfig(**({"joint_names": JOINTS} | fields))
