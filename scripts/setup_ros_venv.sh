@@ -7,8 +7,9 @@
 #   2. patches the wheels' exported CMake targets, which hard-code the include paths of the manylinux
 #      machine that built them;
 #   3. builds this package's interfaces (msg/) with CMake into build/ros and installs them into VENV,
-#      with -DRMUSCLE_INSTALL_PYTHON=OFF because pip owns the Python package.
-# Idempotent: steps 1 and 3 are skipped while the stamps under VENV/.setup_ros_venv match their inputs,
+#      with -DRMUSCLE_INSTALL_PYTHON=OFF because pip owns the Python package;
+#   4. builds the tests' stand-in for the Interbotix command messages (test/interfaces/interbotix_xs_msgs).
+# Idempotent: steps 1, 3 and 4 are skipped while the stamps under VENV/.setup_ros_venv match their inputs,
 # so a second run takes well under a second. RMUSCLE_BUILD_JOBS (default 2) sets the build parallelism.
 set -euo pipefail
 
@@ -143,6 +144,35 @@ if [[ $(cat "$stamps/interfaces" 2>/dev/null) != "$interfaces_key" ]] ||
   echo "$interfaces_key" >"$stamps/interfaces"
 fi
 
+# 3. The tests' stand-in for the two Interbotix command messages the action streamer publishes
+# (test/interfaces/interbotix_xs_msgs; the Interbotix packages are not on PyPI). A cell has the real ones.
+stand_in="$repo/test/interfaces/interbotix_xs_msgs"
+if [[ -d $stand_in ]]; then
+  mapfile -t stand_in_files < <(find "$stand_in" -type f | LC_ALL=C sort)
+  stand_in_key=$(printf '%s\n%s\n%s\n' "$wheels_key" "$venv" "$(hash_files "${stand_in_files[@]}" "$repo/scripts/setup_ros_venv.sh")" | sha256sum | cut -d' ' -f1)
+  if [[ $(cat "$stamps/interbotix_xs_msgs" 2>/dev/null) != "$stand_in_key" ]] ||
+    ! compgen -G "$venv/lib/python3*/site-packages/interbotix_xs_msgs/msg/__init__.py" >/dev/null; then
+    changed=1
+    rm -f "$stamps/interbotix_xs_msgs"
+    patch_cmake_exports
+    stand_in_build="$repo/build/interbotix_xs_msgs"
+    log "building the test stand-in interbotix_xs_msgs into $venv (logs in $stand_in_build/*.log)"
+    rm -rf "$stand_in_build"
+    mkdir -p "$stand_in_build"
+    run_logged "$stand_in_build/configure.log" env -u CMAKE_PREFIX_PATH -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
+      cmake -S "$stand_in" -B "$stand_in_build" \
+      -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX="$venv" \
+      -DCMAKE_PREFIX_PATH="$venv" \
+      -DPython3_EXECUTABLE="$py" \
+      -DBUILD_TESTING=OFF
+    run_logged "$stand_in_build/build.log" env -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
+      cmake --build "$stand_in_build" -j "${RMUSCLE_BUILD_JOBS:-2}"
+    run_logged "$stand_in_build/install.log" cmake --install "$stand_in_build"
+    echo "$stand_in_key" >"$stamps/interbotix_xs_msgs"
+  fi
+fi
+
 if ((!changed)); then
   log "up to date ($venv)"
   exit 0
@@ -153,9 +183,10 @@ fi
 if ! check=$(cd / && AMENT_PREFIX_PATH="$venv" "$py" -c '
 import rmuscle_ros, rmuscle_ros.runtime
 from rmuscle_ros.msg import ActionChunk, CacheStatus
-ActionChunk(); CacheStatus()
+from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand
+ActionChunk(); CacheStatus(); JointGroupCommand(); JointSingleCommand()
 print(list(rmuscle_ros.__path__))' 2>&1); then
   echo "$check" >&2
-  die "cannot import rmuscle_ros.msg in $venv (see the error above)"
+  die "cannot import rmuscle_ros.msg or interbotix_xs_msgs.msg in $venv (see the error above)"
 fi
-log "ok: rmuscle_ros.msg importable in $venv"
+log "ok: rmuscle_ros.msg and the stand-in interbotix_xs_msgs.msg importable in $venv"

@@ -1,0 +1,368 @@
+"""`action_streamer`: an rclpy LifecycleNode that executes `rmuscle_node`'s action chunks on Interbotix arms.
+
+`rmuscle_node` publishes a chunk of future actions every few control periods; an Interbotix X-series arm
+(an ALOHA follower) takes one position command at a time, per joint group, on
+`<robot>/commands/joint_group` (`interbotix_xs_msgs/JointGroupCommand`) and, for its gripper,
+`<robot>/commands/joint_single` (`JointSingleCommand`). Every control period this node sends each arm the
+row of the newest chunk that is due then (`chunk_schedule`: rows the call's latency made past are
+skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, and no
+joint moves more than `max_step` per period, starting from the arm's measured position).
+
+Lifecycle: configure validates the parameters (FAILURE names the bad one) and checks that the Interbotix
+messages are importable; activate subscribes to the chunks and the arms' joint states and starts the
+control timer; deactivate stops sending at once and forgets the chunks (the next activation starts from
+the arm again). A refused chunk (bad shape, other joints, another period, non-finite values, stale, expired,
+stamped ahead of this clock) is logged with its reason and counted on /diagnostics; the chunk in execution
+goes on.
+
+The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
+node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import JointState
+
+from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
+from rmuscle_ros.node.observation import stamp_ns
+from rmuscle_ros.node.params import ALOHA_JOINTS, ParameterError, check_type
+
+COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
+REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
+
+
+@dataclass(frozen=True)
+class StreamerConfig:
+    """The streamer's parameters (validated). Defaults: an ALOHA cell's two Interbotix follower arms."""
+
+    # The chunks' action order; a chunk naming other joints is refused.
+    joint_names: tuple[str, ...] = ALOHA_JOINTS
+    # The arms' joint states, with the prefix that makes each arm's names unique (as in rmuscle_node).
+    joint_state_topics: tuple[str, ...] = ("joint_states/left", "joint_states/right")
+    joint_name_prefixes: tuple[str, ...] = ("left_", "right_")
+    # One arm per prefix: its joint group (the arm joints, in the group's order, unprefixed) and its gripper.
+    arm_joints: tuple[str, ...] = (
+        "waist",
+        "shoulder",
+        "elbow",
+        "forearm_roll",
+        "wrist_angle",
+        "wrist_rotate",
+    )
+    arm_group_name: str = "arm"
+    arm_command_topics: tuple[str, ...] = ("commands/left/joint_group", "commands/right/joint_group")
+    gripper_joint: str = "gripper"  # "": the arms have no gripper command
+    gripper_command_topics: tuple[str, ...] = ("commands/left/joint_single", "commands/right/joint_single")
+    control_period_s: float = 0.02  # one command per arm per period; a chunk's period must be the same
+    max_step: float = 0.1  # the most one joint's command moves per period (robot units); 0: no limit
+    max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
+    max_joint_age_s: float = 0.1  # joint positions older than this do not count as where the arm is
+
+    def __post_init__(self) -> None:
+        for name in ("joint_names", "joint_state_topics", "arm_joints", "arm_command_topics"):
+            values = getattr(self, name)
+            if not values or any(not v for v in values) or len(set(values)) != len(values):
+                raise ParameterError(f"{name}: needs distinct, non-empty entries, got {list(values)}")
+        arms = len(self.joint_name_prefixes)
+        if len(self.joint_state_topics) != arms:
+            raise ParameterError(
+                f"joint_name_prefixes: needs one entry per joint_state_topics entry ({len(self.joint_state_topics)}), "
+                f"got {list(self.joint_name_prefixes)}"
+            )
+        if len(self.arm_command_topics) != arms:
+            raise ParameterError(
+                f"arm_command_topics: needs one topic per arm (joint_name_prefixes has {arms}), "
+                f"got {list(self.arm_command_topics)}"
+            )
+        if self.gripper_joint and len(self.gripper_command_topics) != arms:
+            raise ParameterError(
+                f"gripper_command_topics: needs one topic per arm (joint_name_prefixes has {arms}), "
+                f"got {list(self.gripper_command_topics)}"
+            )
+        if not self.arm_group_name:
+            raise ParameterError("arm_group_name: must not be empty")
+        for prefix in self.joint_name_prefixes:
+            for joint in (*self.arm_joints, *([self.gripper_joint] if self.gripper_joint else [])):
+                if prefix + joint not in self.joint_names:
+                    raise ParameterError(
+                        f"joint_names: has no {prefix + joint!r} (joint_name_prefixes {prefix!r} + {joint!r}), "
+                        f"so that arm's command would have no value for it"
+                    )
+        if not (self.max_joint_age_s > 0 and math.isfinite(self.max_joint_age_s)):
+            raise ParameterError(f"max_joint_age_s: must be > 0, got {self.max_joint_age_s!r}")
+        try:
+            self.schedule()
+        except ValueError as e:
+            raise ParameterError(str(e)) from None
+
+    def schedule(self) -> ScheduleConfig:
+        return ScheduleConfig(self.joint_names, self.control_period_s, self.max_step, self.max_future_s)
+
+    def arm_indices(self) -> list[list[int]]:
+        """Per arm, the action indices of its group's joints, in the group's order."""
+        return [[self.joint_names.index(p + j) for j in self.arm_joints] for p in self.joint_name_prefixes]
+
+    def gripper_indices(self) -> list[int]:
+        if not self.gripper_joint:
+            return []
+        return [self.joint_names.index(p + self.gripper_joint) for p in self.joint_name_prefixes]
+
+
+def streamer_defaults() -> dict[str, Any]:
+    defaults = StreamerConfig()
+    return {name: (list(v) if isinstance(v, tuple) else v) for name, v in vars(defaults).items()}
+
+
+def streamer_config(params: Mapping[str, Any]) -> StreamerConfig:
+    """Validate `params` (the node's parameter values) and build the StreamerConfig."""
+    defaults = streamer_defaults()
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
+    values = {name: check_type(name, params.get(name, d), d) for name, d in defaults.items()}
+    return StreamerConfig(**values)
+
+
+def import_command_messages() -> tuple[type, type]:
+    """(JointGroupCommand, JointSingleCommand), or ImportError saying where they come from."""
+    try:
+        module = importlib.import_module(COMMAND_MESSAGES)
+    except ImportError as e:
+        raise ImportError(
+            f"{COMMAND_MESSAGES} is not importable ({e}): the Interbotix arms' command messages come with the "
+            "cell's Interbotix workspace (interbotix_ros_core); source it before starting action_streamer"
+        ) from None
+    return module.JointGroupCommand, module.JointSingleCommand
+
+
+class ActionStreamerNode(LifecycleNode):
+    def __init__(self, node_name: str = "action_streamer", **kwargs: Any) -> None:
+        super().__init__(node_name, **kwargs)
+        for name, default in streamer_defaults().items():
+            self.declare_parameter(name, default)
+        self.cfg: StreamerConfig | None = None
+        self._schedule: ChunkSchedule | None = None
+        self._messages: tuple[type, type] | None = None
+        self._arm_pubs: list[Any] = []
+        self._gripper_pubs: list[Any] = []
+        self._diag_pub: Any = None
+        self._subs: list[Any] = []
+        self._timers: list[Any] = []
+        self._joints: dict[str, tuple[int, float]] = {}  # prefixed joint name -> (stamp ns, position)
+        self._counts: Counter[str] = Counter()
+        self._refused: Counter[str] = Counter()
+        self._last_refusal = ""
+        self._last_refusal_logged = -math.inf
+        self._last_command: Any = None  # chunk_schedule.Command
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            params = {name: self.get_parameter(name).value for name in streamer_defaults()}
+            cfg = streamer_config(params)
+            messages = import_command_messages()
+        except (ParameterError, ImportError) as e:
+            self.get_logger().error(f"configure failed: {e}")
+            return TransitionCallbackReturn.FAILURE
+        self.cfg, self._messages = cfg, messages
+        self._schedule = ChunkSchedule(cfg.schedule())
+        group, single = messages
+        self._arm_pubs = [self.create_lifecycle_publisher(group, t, 10) for t in cfg.arm_command_topics]
+        if cfg.gripper_joint:
+            self._gripper_pubs = [
+                self.create_lifecycle_publisher(single, t, 10) for t in cfg.gripper_command_topics
+            ]
+        self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.get_logger().info(
+            f"configured: {len(cfg.arm_command_topics)} arms, {len(cfg.joint_names)} joints, "
+            f"{1 / cfg.control_period_s:.0f} Hz, max_step {cfg.max_step:g}"
+        )
+        return super().on_configure(state)
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        from rmuscle_ros.msg import ActionChunk  # generated interfaces: imported where the node needs them
+
+        cfg = self.cfg
+        assert cfg is not None
+        self._subs.append(self.create_subscription(ActionChunk, "action_chunk", self._on_chunk, 10))
+        for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
+            self._subs.append(
+                self.create_subscription(
+                    JointState,
+                    topic,
+                    lambda msg, prefix=prefix: self._on_joints(msg, prefix),
+                    qos_profile_sensor_data,
+                )
+            )
+        self._timers = [
+            self.create_timer(cfg.control_period_s, self._on_tick),
+            self.create_timer(1.0, self._publish_diagnostics),
+        ]
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_streaming()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState | None) -> TransitionCallbackReturn:
+        self._stop_streaming()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_streaming(self) -> None:
+        for timer in self._timers:
+            self.destroy_timer(timer)
+        for sub in self._subs:
+            self.destroy_subscription(sub)
+        self._timers, self._subs = [], []
+        if self._schedule is not None:
+            self._schedule.reset()
+        self._joints.clear()
+        self._last_command = None
+
+    def _release(self) -> None:
+        for pub in (*self._arm_pubs, *self._gripper_pubs, *([self._diag_pub] if self._diag_pub else [])):
+            self.destroy_lifecycle_publisher(pub)
+        self._arm_pubs, self._gripper_pubs, self._diag_pub = [], [], None
+        self.cfg = self._schedule = self._messages = None
+
+    # -- callbacks ---------------------------------------------------------------------------------------
+    def _on_joints(self, msg: JointState, prefix: str) -> None:
+        t = stamp_ns(msg.header)
+        for name, position in zip(msg.name, msg.position, strict=False):
+            self._joints[prefix + name] = (t, float(position))
+
+    def _measured(self, now_ns: int) -> np.ndarray | None:
+        """The arm's joint positions in action order, if every one is known and recent enough."""
+        cfg = self.cfg
+        assert cfg is not None
+        held = [self._joints.get(n) for n in cfg.joint_names]
+        if any(h is None or now_ns - h[0] > cfg.max_joint_age_s * 1e9 for h in held):
+            return None
+        positions = np.array([h[1] for h in held if h is not None])
+        return positions if np.isfinite(positions).all() else None
+
+    def _on_chunk(self, msg: Any) -> None:
+        schedule = self._schedule
+        if schedule is None:
+            return
+        now = self.get_clock().now().nanoseconds
+        try:
+            schedule.offer(
+                stamp_ns=stamp_ns(msg.header),
+                actions=np.asarray(msg.actions, dtype=np.float64),
+                horizon=int(msg.horizon),
+                action_dim=int(msg.action_dim),
+                control_period_s=float(msg.control_period_s),
+                joint_names=list(msg.joint_names),
+                episode_id=int(msg.episode_id),
+                chunk_id=int(msg.chunk_id),
+                now_ns=now,
+            )
+            self._counts["chunks_accepted"] += 1
+        except ChunkRefused as e:
+            self._refuse(e.reason.value, f"episode {msg.episode_id} chunk {msg.chunk_id} refused: {e}")
+        except Exception as e:  # a message this node cannot read at all: counted, never fatal
+            self._refuse("error", f"episode {msg.episode_id} chunk {msg.chunk_id} unreadable: {e!r}")
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self._refused[reason] += 1
+        self._last_refusal = message
+        now = time.monotonic()
+        if now - self._last_refusal_logged >= REFUSAL_LOG_PERIOD_S:
+            self._last_refusal_logged = now
+            self.get_logger().warning(message)
+
+    def _on_tick(self) -> None:
+        cfg, schedule, messages = self.cfg, self._schedule, self._messages
+        if cfg is None or schedule is None or messages is None:
+            return
+        now = self.get_clock().now().nanoseconds
+        measured = self._measured(now)
+        command = schedule.command(now, measured)
+        if command is None:
+            in_hand = schedule.chunk_in_hand is not None
+            self._counts["held" if measured is not None or not in_hand else "waiting_for_joints"] += 1
+            return
+        group, single = messages
+        action = command.action
+        for pub, indices in zip(self._arm_pubs, cfg.arm_indices(), strict=True):
+            pub.publish(group(name=cfg.arm_group_name, cmd=[float(action[i]) for i in indices]))
+        for pub, index in zip(self._gripper_pubs, cfg.gripper_indices(), strict=True):
+            pub.publish(single(name=cfg.gripper_joint, cmd=float(action[index])))
+        self._counts["commands"] += 1
+        self._counts["limited"] += command.limited
+        self._last_command = command
+
+    # -- diagnostics -------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        last = self._last_command
+        return {
+            "commands": self._counts["commands"],
+            "limited": self._counts["limited"],
+            "held": self._counts["held"],
+            "waiting_for_joints": self._counts["waiting_for_joints"],
+            "chunks_accepted": self._counts["chunks_accepted"],
+            "refused": dict(self._refused),
+            "last_refusal": self._last_refusal,
+            "last": None if last is None else (last.chunk.episode_id, last.chunk.chunk_id, last.row),
+        }
+
+    def _publish_diagnostics(self) -> None:
+        if self._diag_pub is None:
+            return
+        s = self.stats()
+        status = DiagnosticStatus(name=f"{self.get_name()}: streaming", hardware_id="")
+        status.level = DiagnosticStatus.WARN if s["refused"] else DiagnosticStatus.OK
+        where = "no chunk yet" if s["last"] is None else "episode {} chunk {} row {}".format(*s["last"])
+        status.message = f"{s['commands']} commands ({where})"
+        if s["refused"]:
+            status.message += f"; last refused: {s['last_refusal']}"
+        values = {k: s[k] for k in ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted")}
+        values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
+        values["refused.error"] = s["refused"].get("error", 0)
+        status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(array)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`action_streamer` executable: the lifecycle node on a single-threaded executor."""
+    rclpy.init(args=argv if argv is not None else sys.argv)
+    node = ActionStreamerNode()
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""action_streamer with the real middleware: chunks in, Interbotix arm and gripper commands out.
+
+The node runs in this process on one SingleThreadedExecutor, a peer node stands in for the policy node and
+the arms (it publishes chunks and joint states and records the commands), over real DDS on loopback. The
+Interbotix command messages are the tests' stand-in package (test/interfaces/interbotix_xs_msgs, built into
+the venv by scripts/setup_ros_venv.sh), with the field layout of the real ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
+interbotix = pytest.importorskip(
+    "interbotix_xs_msgs.msg",
+    reason="the stand-in Interbotix messages are not built (scripts/setup_ros_venv.sh)",
+)
+
+from lifecycle_msgs.msg import State, Transition  # noqa: E402
+from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
+from rcl_interfaces.msg import Log  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import JointState  # noqa: E402
+
+from rmuscle_ros.msg import ActionChunk  # noqa: E402
+from rmuscle_ros.node import action_streamer  # noqa: E402
+from rmuscle_ros.node.action_streamer import ActionStreamerNode  # noqa: E402
+from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES  # noqa: E402
+from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
+from rmuscle_ros.node.replay_demo import call_service  # noqa: E402
+
+_IDS = itertools.count()
+SIDES = ("left", "right")
+HORIZON = 50
+
+
+@dataclass
+class Cell:
+    """The streamer, a peer standing in for the policy node and the two arms, and an executor thread."""
+
+    context: Any
+    node: ActionStreamerNode
+    peer: Any
+    executor: SingleThreadedExecutor
+    arm: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
+    gripper: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
+    logs: list = field(default_factory=list)
+
+    def setup(self) -> None:
+        name = self.node.get_name()
+        self._change = self.peer.create_client(ChangeState, f"/{name}/change_state")
+        self._get = self.peer.create_client(GetState, f"/{name}/get_state")
+        self.chunk_pub = self.peer.create_publisher(ActionChunk, "action_chunk", 10)
+        self.joint_pubs = [
+            self.peer.create_publisher(JointState, f"joint_states/{s}", qos_profile_sensor_data)
+            for s in SIDES
+        ]
+        for s in SIDES:
+            self.peer.create_subscription(
+                interbotix.JointGroupCommand, f"commands/{s}/joint_group", self.arm[s].append, 100
+            )
+            self.peer.create_subscription(
+                interbotix.JointSingleCommand, f"commands/{s}/joint_single", self.gripper[s].append, 100
+            )
+        self.peer.create_subscription(Log, "/rosout", self.logs.append, 100)
+
+    def transition(self, transition_id: int) -> bool:
+        req = ChangeState.Request()
+        req.transition.id = transition_id
+        return call_service(self._change, req, 30.0).success
+
+    def state(self) -> int:
+        return call_service(self._get, GetState.Request(), 30.0).current_state.id
+
+    def now_ns(self) -> int:
+        return self.peer.get_clock().now().nanoseconds
+
+    def publish_joints(self, value: float | tuple[float, float] = 0.0) -> None:
+        values = value if isinstance(value, tuple) else (value, value)
+        stamp = self.peer.get_clock().now().to_msg()
+        for pub, v in zip(self.joint_pubs, values, strict=True):
+            msg = JointState(name=list(ALOHA_JOINT_STATE_NAMES), position=[v] * len(ALOHA_JOINT_STATE_NAMES))
+            msg.header.stamp = stamp
+            pub.publish(msg)
+
+    def publish_chunk(self, actions: np.ndarray, stamp_ns: int, chunk_id: int = 0, **fields: Any) -> None:
+        msg = ActionChunk(
+            episode_id=0, chunk_id=chunk_id, joint_names=list(ALOHA_JOINTS), horizon=actions.shape[0],
+            action_dim=actions.shape[1], control_period_s=0.02, actions=actions.astype(np.float32).reshape(-1).tolist(),
+        )  # fmt: skip
+        for k, v in fields.items():
+            setattr(msg, k, v)
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 1_000_000_000)
+        self.chunk_pub.publish(msg)
+
+    def keep_joints_coming(
+        self, value: float = 0.0, until: Callable[[], bool] = lambda: False, timeout: float = 10.0
+    ) -> bool:
+        """Joint states at ~100 Hz (as an Interbotix arm) until `until` holds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.publish_joints(value)
+            if until():
+                return True
+            time.sleep(0.01)
+        return False
+
+
+@contextlib.contextmanager
+def cells() -> Iterator[Callable[..., Cell]]:
+    made: list[Cell] = []
+
+    def make(**params: Any) -> Cell:
+        context = rclpy.Context()
+        rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
+        n = next(_IDS)
+        overrides = [Parameter(k, value=v) for k, v in params.items()]
+        node = ActionStreamerNode(f"streamer_test_{n}", context=context, parameter_overrides=overrides)
+        peer = rclpy.create_node(f"cell_{n}", context=context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        executor.add_node(peer)
+        threading.Thread(target=executor.spin, daemon=True).start()
+        cell = Cell(context, node, peer, executor)
+        cell.setup()
+        made.append(cell)
+        return cell
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.node.on_shutdown(None)
+            c.executor.shutdown()
+            c.node.destroy_node()
+            c.peer.destroy_node()
+            rclpy.shutdown(context=c.context)
+
+
+@pytest.fixture
+def cell() -> Iterator[Callable[..., Cell]]:
+    with cells() as make:
+        yield make
+
+
+def rows(base: float = 0.0) -> np.ndarray:
+    """Row t of a 50 x 14 chunk: joint j at base + t/1000 + j/100, so a command says its row and joint."""
+    return base + np.arange(HORIZON)[:, None] / 1000 + np.arange(14)[None, :] / 100
+
+
+def row_of(cmd: list[float], chunk: np.ndarray, columns: list[int]) -> int:
+    """The chunk row whose values at `columns` a command carries (float32 on the wire)."""
+    diff = np.abs(chunk[:, columns] - np.asarray(cmd)[None, :]).max(axis=1)
+    assert diff.min() < 1e-5, f"{cmd} is no row of the chunk"
+    return int(diff.argmin())
+
+
+def test_each_arm_gets_its_joints_and_gripper_from_the_row_due_now(cell) -> None:
+    c = cell(max_step=0.0)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    assert c.state() == State.PRIMARY_STATE_ACTIVE
+    chunk = rows()
+    sent = c.now_ns() - 100_000_000  # the call took 100 ms: rows 0..4 are past
+    c.publish_chunk(chunk, sent)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 20 and len(c.gripper["right"]) >= 20)
+    left_cols, right_cols = list(range(6)), list(range(7, 13))
+    left_rows = [row_of(list(m.cmd), chunk, left_cols) for m in c.arm["left"]]
+    assert all(m.name == "arm" and len(m.cmd) == 6 for m in c.arm["left"] + c.arm["right"])
+    assert [row_of(list(m.cmd), chunk, right_cols) for m in c.arm["right"][:5]] == left_rows[:5]
+    assert left_rows[0] >= 5, "rows the call's latency made past are skipped"
+    assert left_rows == sorted(left_rows) and left_rows[-1] > left_rows[0], "rows advance with the clock"
+    for side, col in (("left", 6), ("right", 13)):
+        assert all(m.name == "gripper" for m in c.gripper[side])
+        assert row_of([c.gripper[side][0].cmd], chunk, [col]) == left_rows[0]
+    # ~50 Hz: the rows commanded cover about the time they took.
+    assert c.node.stats()["commands"] >= 20 and c.node.stats()["refused"] == {}
+
+
+def test_a_newer_chunk_takes_over_and_streaming_holds_when_chunks_run_out(cell) -> None:
+    c = cell(max_step=0.0)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    short = rows()[:10]  # 200 ms of actions
+    c.publish_chunk(short, c.now_ns())
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["held"] > 5)  # ran out: nothing sent
+    n = len(c.arm["left"])
+    sent_rows = [row_of(list(m.cmd), short, list(range(6))) for m in c.arm["left"]]
+    assert 1 <= n <= 10 and sent_rows == sorted(set(sent_rows)), sent_rows  # each row at most once, in order
+    c.keep_joints_coming(timeout=0.2)
+    assert len(c.arm["left"]) == n, "nothing is sent while no chunk is due"
+    second = rows(base=0.5)
+    c.publish_chunk(second, c.now_ns(), chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 5)
+    assert row_of(list(c.arm["left"][n].cmd), second, list(range(6))) <= 3
+    assert c.node.stats()["last"][:2] == (0, 1)
+
+
+def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
+    c = cell(max_step=0.05)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(np.full((HORIZON, 14), 0.4), c.now_ns())
+    assert c.keep_joints_coming(value=0.1, until=lambda: len(c.arm["left"]) >= 8)
+    first = [m.cmd[0] for m in c.arm["left"][:8]]
+    assert first[:6] == pytest.approx([0.15, 0.2, 0.25, 0.3, 0.35, 0.4], abs=1e-6)
+    assert first[6:] == pytest.approx([0.4, 0.4], abs=1e-6)
+    assert c.node.stats()["limited"] == 5
+
+
+def test_nothing_is_sent_until_both_arms_positions_are_known(cell) -> None:
+    c = cell()
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    deadline = time.monotonic() + 0.4
+    while time.monotonic() < deadline:  # only the left arm reports
+        msg = JointState(name=list(ALOHA_JOINT_STATE_NAMES), position=[0.0] * len(ALOHA_JOINT_STATE_NAMES))
+        msg.header.stamp = c.peer.get_clock().now().to_msg()
+        c.joint_pubs[0].publish(msg)
+        time.sleep(0.01)
+    assert c.arm["left"] == [] and c.node.stats()["waiting_for_joints"] > 0
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+
+
+def test_a_bad_chunk_is_refused_with_its_reason_and_the_running_one_goes_on(cell) -> None:
+    c = cell(max_step=0.0)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    good = rows()
+    c.publish_chunk(good, c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+    bad = rows(base=2.0)
+    bad[20, 3] = np.nan
+    c.publish_chunk(bad, c.now_ns(), chunk_id=1)
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=2, control_period_s=0.033)
+    c.publish_chunk(rows()[:, :7], c.now_ns(), chunk_id=3, joint_names=list(ALOHA_JOINTS[:7]))
+    assert c.keep_joints_coming(until=lambda: sum(c.node.stats()["refused"].values()) >= 3)
+    refused = c.node.stats()["refused"]
+    assert refused == {"non_finite": 1, "period": 1, "joint_names": 1}
+    n = len(c.arm["left"])
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 5)
+    assert all(row_of(list(m.cmd), good, list(range(6))) >= 0 for m in c.arm["left"][n:])
+    assert any(
+        "chunk 1 refused: non_finite: non-finite actions for ['left_forearm_roll']" in m.msg for m in c.logs
+    )
+    assert c.state() == State.PRIMARY_STATE_ACTIVE
+
+
+def test_deactivate_stops_the_commands_at_once(cell) -> None:
+    c = cell()
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+    assert c.transition(Transition.TRANSITION_DEACTIVATE)
+    n = len(c.arm["left"])
+    c.keep_joints_coming(timeout=0.3)
+    assert len(c.arm["left"]) == n
+    # Activated again it starts over: the old chunk is forgotten, a new one is needed.
+    assert c.transition(Transition.TRANSITION_ACTIVATE)
+    c.keep_joints_coming(timeout=0.2)
+    assert len(c.arm["left"]) == n
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=5)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (
+            {"arm_command_topics": ["a"]},
+            "arm_command_topics: needs one topic per arm (joint_name_prefixes has 2)",
+        ),
+        ({"gripper_joint": "claw"}, "joint_names: has no 'left_claw'"),
+        ({"max_step": -1.0}, "max_step: must be >= 0"),
+    ],
+)
+def test_configure_fails_naming_the_bad_parameter(cell, params: dict, message: str) -> None:
+    c = cell(**params)
+    assert not c.transition(Transition.TRANSITION_CONFIGURE)
+    assert c.state() == State.PRIMARY_STATE_UNCONFIGURED
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(message in m.msg for m in c.logs):
+        time.sleep(0.02)
+    assert any(message in m.msg for m in c.logs), [m.msg for m in c.logs]
+
+
+def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatch) -> None:
+    monkeypatch.setattr(action_streamer, "COMMAND_MESSAGES", "interbotix_xs_msgs_absent.msg")
+    c = cell()
+    assert not c.transition(Transition.TRANSITION_CONFIGURE)
+    deadline = time.monotonic() + 5
+    wanted = "the Interbotix arms' command messages come with the cell's Interbotix workspace"
+    while time.monotonic() < deadline and not any(wanted in m.msg for m in c.logs):
+        time.sleep(0.02)
+    assert any(wanted in m.msg for m in c.logs)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"control_period_s": "fast"}, r"^control_period_s: expected float"),
+        ({"arm_joints": ["waist", "waist"]}, r"^arm_joints: needs distinct"),
+        (
+            {"joint_name_prefixes": ["left_"]},
+            r"^joint_name_prefixes: needs one entry per joint_state_topics entry \(2\)",
+        ),
+        ({"gripper_command_topics": ["g"]}, r"^gripper_command_topics: needs one topic per arm"),
+        ({"max_joint_age_s": 0.0}, r"^max_joint_age_s: must be > 0"),
+        ({"max_future_s": -1.0}, r"^max_future_s: must be >= 0"),
+        ({"arm_group_name": ""}, r"^arm_group_name: must not be empty"),
+        ({"speed": 1.0}, r"^speed: unknown parameter"),
+    ],
+)
+def test_invalid_streamer_parameters_are_named(params: dict, message: str) -> None:
+    # What a --params-file can carry that the node's declarations let through (rclpy itself refuses a value
+    # of another type than the default's when the node starts, naming the parameter).
+    with pytest.raises(action_streamer.ParameterError, match=message):
+        action_streamer.streamer_config(params)
+
+
+def test_no_gripper_needs_no_gripper_topics() -> None:
+    cfg = action_streamer.streamer_config({"gripper_joint": "", "gripper_command_topics": ["unused"]})
+    assert cfg.gripper_indices() == [] and cfg.arm_indices() == [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]
