@@ -218,6 +218,19 @@ def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
     assert c.node.stats()["limited"] == 5
 
 
+def test_the_gripper_command_maps_the_policys_opening_onto_the_joints_range(cell) -> None:
+    # An ALOHA policy's gripper action is its opening, 0 closed ... 1 open; the follower's gripper joint
+    # takes a position between its closed and open commands (gripper_command_range).
+    c = cell(max_step=0.0, gripper_command_range=[0.6, 1.6])
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    chunk = np.zeros((HORIZON, 14))
+    chunk[:, 6], chunk[:, 13], chunk[:, 0] = 0.25, 1.0, 0.5
+    c.publish_chunk(chunk, c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.gripper["right"]) >= 3)
+    assert c.gripper["left"][0].cmd == pytest.approx(0.85) and c.gripper["right"][0].cmd == pytest.approx(1.6)
+    assert c.arm["left"][0].cmd[0] == pytest.approx(0.5), "the arm joints pass as they are"
+
+
 def test_nothing_is_sent_until_both_arms_positions_are_known(cell) -> None:
     c = cell()
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
@@ -317,6 +330,7 @@ def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatc
         ({"max_joint_age_s": 0.0}, r"^max_joint_age_s: must be > 0"),
         ({"max_future_s": -1.0}, r"^max_future_s: must be >= 0"),
         ({"arm_group_name": ""}, r"^arm_group_name: must not be empty"),
+        ({"gripper_command_range": [1.0, 1.0]}, r"^gripper_command_range: needs \[closed, open\]"),
         ({"speed": 1.0}, r"^speed: unknown parameter"),
     ],
 )

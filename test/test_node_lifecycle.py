@@ -251,6 +251,26 @@ def test_each_arm_fills_its_own_joints_though_both_publish_the_same_names(harnes
     assert all(v == -0.5 for k, v in got.items() if k.startswith("right_")), got
 
 
+def test_the_gripper_slot_reads_the_finger_and_maps_its_range(harness) -> None:
+    """With gripper_state_joint / gripper_state_range (an ALOHA profile), each arm's gripper slot is its
+    finger's position mapped from [closed, open] to [0, 1]; the other slots are as published."""
+    h = harness(gripper_state_joint="left_finger", gripper_state_range=[0.0, 0.5])
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+
+    def state() -> np.ndarray | None:
+        h.publish_observation(joint_value=(0.25, -0.5))
+        time.sleep(0.03)
+        try:
+            return h.node._buffer.observation(h.now().nanoseconds, "pick", ("a", "b", "c")).state
+        except ObservationUnavailable:
+            return None
+
+    assert h.wait_for(lambda: state() is not None), f"no observation; drops {h.drops()}"
+    got = dict(zip(ALOHA_JOINTS, state().tolist(), strict=True))
+    assert (got["left_gripper"], got["right_gripper"]) == (0.5, -1.0)
+    assert (got["left_waist"], got["right_wrist_rotate"]) == (0.25, -0.5)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
     h = harness(**engine)

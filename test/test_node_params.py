@@ -74,6 +74,17 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
             {"joint_state_topics": ["arm"], "joint_name_prefixes": ["a_", "b_"]},
             r"^joint_name_prefixes: needs one entry per joint_state_topics entry \(1\)",
         ),
+        (
+            {"gripper_state_range": [0.04, 0.04]},
+            r"^gripper_state_range: needs \[closed, open\], two different",
+        ),
+        ({"gripper_state_range": [0.0, 0.5, 1.0]}, r"^gripper_state_range: needs \[closed, open\]"),
+        ({"gripper_state_range": ["a", "b"]}, r"^gripper_state_range: expected a list of numbers"),
+        (
+            {"gripper_state_joint": "left_finger", "gripper_joint": "claw"},
+            r"^gripper_joint: joint_names has no 'left_claw'",
+        ),
+        ({"gripper_state_joint": "left_finger", "gripper_joint": ""}, r"^gripper_joint: names no gripper"),
         ({"prompt": "  "}, r"^prompt: must not be empty"),
         ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
@@ -125,3 +136,31 @@ def test_the_default_profile_runs_the_cache_on_the_cpu() -> None:
     cfg = node_config(load_params_file(CONFIG_DIR / "rmuscle_default.yaml"))
     assert cfg.cache.enabled and (cfg.model.backend, cfg.model.device) == ("fused", "cpu")
     assert cfg.cache.library_path == "", "a temporary library: the demo leaves nothing behind"
+
+
+def test_the_aloha_profile_reads_the_gripper_as_the_fingers_opening() -> None:
+    # An ALOHA's recordings hold each gripper as (left_finger - closed) / (open - closed): the profile reads
+    # the arm's left_finger (prefixed per arm) for its gripper slot; every other slot reads itself, unscaled.
+    from rmuscle_ros.node.params import load_params_file, state_sources
+
+    cfg = node_config(load_params_file(CONFIG_DIR / "rmuscle_aloha.yaml"))
+    sources, offset, scale = state_sources(cfg)
+    grippers = [cfg.joint_names.index(n) for n in ("left_gripper", "right_gripper")]
+    assert [sources[i] for i in grippers] == ["left_left_finger", "right_left_finger"]
+    assert offset[grippers].tolist() == [0.044, 0.044] and scale[grippers] == pytest.approx([1 / 0.0139] * 2)
+    others = [i for i in range(len(sources)) if i not in grippers]
+    assert [sources[i] for i in others] == [cfg.joint_names[i] for i in others]
+    assert (offset[others] == 0).all() and (scale[others] == 1).all()
+    # The default reads every slot as published.
+    default = node_config({})
+    assert state_sources(default)[0] == default.joint_names and (state_sources(default)[2] == 1).all()
+
+
+@pytest.mark.parametrize("profile", ["rmuscle_aloha.yaml", "rmuscle_thor.yaml"])
+def test_shipped_profiles_configure_the_action_streamer(profile: str) -> None:
+    pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+    from rmuscle_ros.node.action_streamer import streamer_config
+    from rmuscle_ros.node.params import load_params_file
+
+    cfg = streamer_config(load_params_file(CONFIG_DIR / profile, "action_streamer"))
+    assert cfg.gripper_command_range == (0.6197, 1.6214) and cfg.control_period_s == 0.02

@@ -87,6 +87,20 @@ def test_two_arms_publishing_the_same_joint_names_are_told_apart_by_their_prefix
     assert b.observation(t, "task", SLOTS[:1]).state.tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
 
 
+def test_a_state_map_reads_another_joint_for_a_slot_and_scales_it() -> None:
+    # An ALOHA's gripper state: the finger's position between closed and open, as 0 ... 1.
+    state_map = (("a", "b_finger"), np.array([0.0, 0.04]), np.array([1.0, 1 / 0.02]))
+    b = ObservationBuffer(1, ("a", "b"), compressed=False, limits=Limits(100 * MS, 50 * MS, 80 * MS),
+                          state_map=state_map)  # fmt: skip
+    t = 10**12
+    b.put_image(0, image(t))
+    b.put_joint_state(SimpleNamespace(header=header(t), name=["a", "b"], position=[0.3, 1.2]))
+    with pytest.raises(ObservationUnavailable, match=r"no position yet for \['b_finger'\]"):
+        b.observation(t, "task", SLOTS[:1])
+    b.put_joint_state(SimpleNamespace(header=header(t), name=["b_finger"], position=[0.05]))
+    assert b.observation(t, "task", SLOTS[:1]).state.tolist() == pytest.approx([0.3, 0.5])
+
+
 def test_missing_joints_show_the_names_that_did_arrive() -> None:
     # A prefix left out (or doubled) shows at once: the configured names beside the received ones.
     b, t = buffer(), 10**12

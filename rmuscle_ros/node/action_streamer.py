@@ -68,6 +68,9 @@ class StreamerConfig:
     arm_command_topics: tuple[str, ...] = ("commands/left/joint_group", "commands/right/joint_group")
     gripper_joint: str = "gripper"  # "": the arms have no gripper command
     gripper_command_topics: tuple[str, ...] = ("commands/left/joint_single", "commands/right/joint_single")
+    # The gripper joint's command for the chunk's gripper value 0 and 1: [closed, open]. An ALOHA policy's
+    # gripper action is its opening, 0 closed ... 1 open; [0, 1] sends the value as it is.
+    gripper_command_range: tuple[float, float] = (0.0, 1.0)
     control_period_s: float = 0.02  # one command per arm per period; a chunk's period must be the same
     max_step: float = 0.1  # the most one joint's command moves per period (robot units); 0: no limit
     max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
@@ -103,6 +106,15 @@ class StreamerConfig:
                         f"joint_names: has no {prefix + joint!r} (joint_name_prefixes {prefix!r} + {joint!r}), "
                         f"so that arm's command would have no value for it"
                     )
+        closed_open = self.gripper_command_range
+        if (
+            len(closed_open) != 2
+            or not all(map(math.isfinite, closed_open))
+            or closed_open[0] == closed_open[1]
+        ):
+            raise ParameterError(
+                f"gripper_command_range: needs [closed, open], two different finite commands, got {list(closed_open)}"
+            )
         if not (self.max_joint_age_s > 0 and math.isfinite(self.max_joint_age_s)):
             raise ParameterError(f"max_joint_age_s: must be > 0, got {self.max_joint_age_s!r}")
         try:
@@ -121,6 +133,14 @@ class StreamerConfig:
         if not self.gripper_joint:
             return []
         return [self.joint_names.index(p + self.gripper_joint) for p in self.joint_name_prefixes]
+
+    def to_commands(self, rows: np.ndarray) -> np.ndarray:
+        """A chunk's rows in the arms' command units: each gripper column mapped onto gripper_command_range."""
+        closed, opened = self.gripper_command_range
+        out = np.array(rows, dtype=np.float64)
+        for i in self.gripper_indices():
+            out[:, i] = closed + out[:, i] * (opened - closed)
+        return out
 
 
 def streamer_defaults() -> dict[str, Any]:
@@ -266,10 +286,16 @@ class ActionStreamerNode(LifecycleNode):
         if schedule is None:
             return
         now = self.get_clock().now().nanoseconds
+        cfg = self.cfg
+        assert cfg is not None
         try:
+            actions = np.asarray(msg.actions, dtype=np.float64)
+            if msg.action_dim == len(cfg.joint_names) and actions.size % len(cfg.joint_names) == 0:
+                # In command units from here on: the rate limit compares them with the measured joints.
+                actions = cfg.to_commands(actions.reshape(-1, len(cfg.joint_names)))
             schedule.offer(
                 stamp_ns=stamp_ns(msg.header),
-                actions=np.asarray(msg.actions, dtype=np.float64),
+                actions=actions,
                 horizon=int(msg.horizon),
                 action_dim=int(msg.action_dim),
                 control_period_s=float(msg.control_period_s),

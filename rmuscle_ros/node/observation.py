@@ -60,13 +60,25 @@ class ObservationBuffer:
         compressed: bool,
         limits: Limits,
         camera_topics: Sequence[str] | None = None,
+        state_map: tuple[Sequence[str], np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """camera_topics: the topic feeding each slot, named in the reasons (an operator looks for topics)."""
+        """camera_topics: the topic feeding each slot, named in the reasons (an operator looks for topics).
+        state_map: (the joint read for each joint_names slot, offset, scale), the state being
+        (position - offset) * scale (params.state_sources); None: each slot's own joint, unchanged."""
         self._lock = threading.Lock()
         self._topics = tuple(camera_topics) if camera_topics is not None else None
         self._images: list[Any | None] = [None] * num_cameras
         self._joints: dict[str, tuple[int, float]] = {}  # joint name -> (stamp ns, position)
         self._joint_names = tuple(joint_names)
+        sources, offset, scale = state_map or (
+            joint_names,
+            np.zeros(len(joint_names)),
+            np.ones(len(joint_names)),
+        )
+        if len(sources) != len(self._joint_names):
+            raise ValueError(f"state_map: {len(sources)} sources for {len(self._joint_names)} joints")
+        self._sources = tuple(sources)
+        self._offset, self._scale = np.asarray(offset, np.float64), np.asarray(scale, np.float64)
         self._decode: Callable[[Any], np.ndarray] = compressed_to_rgb if compressed else image_to_rgb
         self.limits = limits
 
@@ -118,13 +130,14 @@ class ObservationBuffer:
                 rgb[slot_names[slot]] = self._decode(msg)
             except ImageConversionError as e:
                 raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{slot_names[slot]}: {e}") from None
-        missing = [n for n in self._joint_names if n not in joints]
+        missing = [n for n in self._sources if n not in joints]
         if missing:
             # The names that did arrive show a naming mismatch (a prefix missing or doubled) at a glance.
             held = f"; received {sorted(joints)[:8]}{' ...' if len(joints) > 8 else ''}" if joints else ""
             raise ObservationUnavailable(DropReason.MISSING_JOINTS, f"no position yet for {missing}{held}")
-        state = np.array([joints[n][1] for n in self._joint_names], dtype=np.float32)
-        joint_stamps = [joints[n][0] for n in self._joint_names]
+        raw = np.array([joints[n][1] for n in self._sources])
+        state = ((raw - self._offset) * self._scale).astype(np.float32)
+        joint_stamps = [joints[n][0] for n in self._sources]
         oldest_joint = min(joint_stamps)
         if now_ns - oldest_joint > lim.max_joint_age_ns:
             raise ObservationUnavailable(

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import yaml
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
@@ -116,6 +117,13 @@ class NodeConfig:
     # matched against joint_names. An Interbotix ALOHA publishes the same names (waist ... gripper) on both
     # arms' topics, so the arm is told apart by its topic. "" for a topic whose names are already unique.
     joint_name_prefixes: tuple[str, ...] = ("left_", "right_")
+    # Each arm's gripper slot in joint_names is its prefix + gripper_joint. By default its state is that
+    # joint's position as published. An ALOHA's recordings hold the gripper as its fingers' opening, 0
+    # closed ... 1 open: gripper_state_joint "left_finger" reads each arm's finger position instead, and
+    # gripper_state_range [closed, open] maps it to (position - closed) / (open - closed).
+    gripper_joint: str = "gripper"
+    gripper_state_joint: str = ""  # "": the gripper joint itself
+    gripper_state_range: tuple[float, float] = (0.0, 1.0)  # [closed, open]; [0, 1]: the position as it is
     joint_names: tuple[str, ...] = ALOHA_JOINTS  # state order fed to the policy
     action_joint_names: tuple[str, ...] = ALOHA_JOINTS  # meaning of each action dimension
     control_period_s: float = 0.02  # the arm consumes one action per period (ALOHA: 50 Hz)
@@ -137,6 +145,24 @@ class NodeConfig:
     # the CPU demo's calls faster than 2 (README, Running the node).
     cpu_threads: int = 0
     cache: CacheParams = field(default_factory=CacheParams)
+
+
+def state_sources(cfg: NodeConfig) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """(the joint read for each joint_names slot, offset, scale): the state is (position - offset) * scale.
+
+    Every slot reads its own name and passes it on unchanged, except each arm's gripper slot when
+    gripper_state_joint / gripper_state_range convert it (an ALOHA's finger opening, 0 closed ... 1 open).
+    """
+    sources = list(cfg.joint_names)
+    offset = np.zeros(len(sources))
+    scale = np.ones(len(sources))
+    closed, opened = cfg.gripper_state_range
+    if cfg.gripper_state_joint or (closed, opened) != (0.0, 1.0):
+        for prefix in cfg.joint_name_prefixes:
+            slot = cfg.joint_names.index(prefix + cfg.gripper_joint)
+            sources[slot] = prefix + (cfg.gripper_state_joint or cfg.gripper_joint)
+            offset[slot], scale[slot] = closed, 1.0 / (opened - closed)
+    return tuple(sources), offset, scale
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -186,13 +212,22 @@ def check_type(name: str, value: Any, default: Any) -> Any:
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif isinstance(default, (list, tuple)) and default and isinstance(default[0], float):
+        # A ROS double array (rclpy may hand it over as an array.array).
+        ok = not isinstance(value, (str, bytes)) and hasattr(value, "__len__")
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        value = tuple(float(v) for v in value) if ok else value
     elif isinstance(default, (list, tuple)):
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
         value = tuple(value) if ok else value
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ParameterError(f"{name}: expected {type(default).__name__}, got {value!r}")
+        if isinstance(default, (list, tuple)):
+            kind = "a list of numbers" if default and isinstance(default[0], float) else "a list of strings"
+        else:
+            kind = type(default).__name__
+        raise ParameterError(f"{name}: expected {kind}, got {value!r}")
     return value
 
 
@@ -228,6 +263,22 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             f"joint_name_prefixes: needs one entry per joint_state_topics entry ({len(values['joint_state_topics'])}), "
             f"got {list(values['joint_name_prefixes'])}"
         )
+    closed_open = values["gripper_state_range"]
+    if len(closed_open) != 2 or not all(map(math.isfinite, closed_open)) or closed_open[0] == closed_open[1]:
+        raise ParameterError(
+            f"gripper_state_range: needs [closed, open], two different finite positions, got {list(closed_open)}"
+        )
+    if values["gripper_state_joint"] or closed_open != (0.0, 1.0):
+        if not values["gripper_joint"]:
+            raise ParameterError(
+                "gripper_joint: names no gripper, but gripper_state_joint/_range convert one"
+            )
+        for prefix in values["joint_name_prefixes"]:
+            if prefix + values["gripper_joint"] not in values["joint_names"]:
+                raise ParameterError(
+                    f"gripper_joint: joint_names has no {prefix + values['gripper_joint']!r} "
+                    f"(joint_name_prefixes {prefix!r} + {values['gripper_joint']!r}) to convert"
+                )
     if not values["prompt"].strip():
         raise ParameterError("prompt: must not be empty")
     if values["error_after_drops"] < 1:

@@ -40,7 +40,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from rmuscle_ros.cache.runtime import MODES
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
-from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults
+from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults, state_sources
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
@@ -267,7 +267,7 @@ class RMuscleNode(LifecycleNode):
         # Reasons name each camera's topic as remapped (the cell's name for it), which an operator can look up.
         topics = [self.resolve_topic_name(t) for t in cfg.camera_topics]
         self._buffer = ObservationBuffer(
-            len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics
+            len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics, state_sources(cfg)
         )
         self._warm_up_timer_paths()
         # A full garbage collection walks every object the process holds, and every thread waits for it.
