@@ -193,11 +193,16 @@ class BagPlayer:
         self.skipped: dict[str, str] = {}  # topic -> message type not installed here (e.g. a driver's own)
 
     def play(
-        self, rate: float = 1.0, wait_for_subscribers_s: float = 0.0, start_ns: int | None = None
+        self,
+        rate: float = 1.0,
+        wait_for_subscribers_s: float = 0.0,
+        start_ns: int | None = None,
+        clock_subscribers: int = 1,
     ) -> None:
         """Blocks until every message has been published at its recorded time (scaled by `rate`).
-        `wait_for_subscribers_s`: first wait up to this long for every topic (and /clock) to have a
-        subscriber, as discovery between processes takes longer than within one (then 0.5 s more).
+        `wait_for_subscribers_s`: first wait up to this long for every topic to have a subscriber, and
+        /clock `clock_subscribers` of them (every node on the bag's clock: one that matched late would
+        run behind it), as discovery between processes takes longer than within one (then 0.5 s more).
         `start_ns`: play the bag as if it had been recorded from that time on: /clock and the header stamp
         of every message that has one move by the same offset (the rest of each message is unchanged).
 
@@ -221,8 +226,13 @@ class BagPlayer:
                 )
             deadline = time.monotonic() + wait_for_subscribers_s
             awaited = [pub for topic, pub in pubs.items() if not self.remap or topic in self.remap]
-            everyone = [*awaited, self._clock_pub]
-            while time.monotonic() < deadline and any(p.get_subscription_count() == 0 for p in everyone):
+
+            def waiting() -> bool:
+                return self._clock_pub.get_subscription_count() < clock_subscribers or any(
+                    pub.get_subscription_count() == 0 for pub in awaited
+                )
+
+            while time.monotonic() < deadline and waiting():
                 time.sleep(0.05)
             time.sleep(0.5)  # discovery: let subscribers match before the first message
             wall0, bag0 = time.monotonic(), None
@@ -288,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         help="wait up to S seconds for every topic to have a subscriber before the first message",
     )  # fmt: skip
     play.add_argument(
+        "--clock-subscribers", type=int, default=1, metavar="N",
+        help="wait (as for --wait-for-subscribers) for N subscribers of /clock: every node on the bag's clock",
+    )  # fmt: skip
+    play.add_argument(
         "--start-ns", type=int, default=None, metavar="NS",
         help="move the bag in time to start at NS (ROS time, ns): /clock and header stamps shift together",
     )  # fmt: skip
@@ -307,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     node = rclpy.create_node("bag_player")
     try:
         player = BagPlayer(node, args.bag, qos_profile_sensor_data, remap=remap)
-        player.play(args.rate, wait_for_subscribers_s=args.wait_for_subscribers, start_ns=args.start_ns)
+        player.play(
+            args.rate,
+            wait_for_subscribers_s=args.wait_for_subscribers,
+            start_ns=args.start_ns,
+            clock_subscribers=args.clock_subscribers,
+        )
         print(f"published {player.published} messages from {args.bag}")
         for topic, msgtype in sorted(player.skipped.items()):
             print(f"skipped {topic}: its type {msgtype} is not installed here")
