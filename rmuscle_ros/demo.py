@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         help="bag demo: the DDS domain of its node and player (default 77, away from a robot's usual 0)",
     )  # fmt: skip
     p.add_argument(
+        "--no-stream", action="store_true",
+        help="bag demo: without action_streamer (the chunks are not turned into the arms' commands)",
+    )  # fmt: skip
+    p.add_argument(
         "--param",
         action="append",
         default=[],
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
-                episodes=args.episodes, bags=args.bags, remap=remap,
+                episodes=args.episodes, bags=args.bags, remap=remap, stream=not args.no_stream,
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))

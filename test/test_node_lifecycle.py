@@ -696,6 +696,16 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     for episode in (1, 2):
         repeat = [c.cache_mode for c in chunks if c.episode_id == episode]
         assert ActionChunk.CACHE_CACHED in repeat, (episode, repeat, out)
+    # action_streamer, in its own process on the bag's clock, executed every chunk: each arm got its
+    # commands every control period (20 ms) while a chunk was due.
+    assert "action_streamer (own process, the bag's clock): " in out and "chunks refused: none" in out
+    streamed = json.loads((tmp_path / "summary.json").read_text())["streaming"]
+    assert streamed["skipped"] == "" and streamed["streamer"]["chunks_accepted"] == len(chunks)
+    assert streamed["interval_p50_ms"] == pytest.approx(20.0, abs=2.0)
+    assert (
+        min(streamed["arm_commands"].values()) >= 300
+        and streamed["gripper_commands"] == streamed["arm_commands"]
+    )
     # The warm-up's bag and the last repeat's are kept; the one between was deleted once played.
     assert [b.name for b in sorted(tmp_path.glob("aloha_episode_*"))] == [
         "aloha_episode_0",

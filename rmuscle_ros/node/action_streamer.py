@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.clock import Clock, ClockType
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import qos_profile_sensor_data
@@ -231,7 +232,8 @@ class ActionStreamerNode(LifecycleNode):
             )
         self._timers = [
             self.create_timer(cfg.control_period_s, self._on_tick),
-            self.create_timer(1.0, self._publish_diagnostics),
+            # On the wall clock: a replayed bag's /clock stops between bags, the diagnostics should not.
+            self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME)),
         ]
         return super().on_activate(state)
 

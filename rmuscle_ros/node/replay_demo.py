@@ -13,7 +13,9 @@ bag written just before it plays (a shift of one repeated task; bags between the
 are deleted once played, ~80 MB per second of episode). The node's chunks are recorded to a bag; the
 summary gives chunks, rate, latency p50/p99/max and the slowest calls, drops by reason, chunks by
 cache mode, hit rate and p50 per episode, and the last `~/cache_status`; the plot shows latency over
-time coloured by cache mode and the action trajectories.
+time coloured by cache mode and the action trajectories. `action_streamer` runs beside the node (where the
+Interbotix command messages are importable: the dev venv has a stand-in) and turns the chunks into the
+arms' commands at 50 Hz on the bag's clock; the summary counts what each arm received.
 
 With `bags`, the same run replays recorded episodes instead (one bag per episode, in order; e.g. a
 cell's own recordings): each is checked first (readable, and every camera and joint topic the node
@@ -39,12 +41,14 @@ from typing import Any
 
 import numpy as np
 import rclpy
+import yaml
 from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from std_srvs.srv import Trigger
 
 from rmuscle_ros.msg import ActionChunk, CacheStatus
+from rmuscle_ros.node.action_streamer import import_command_messages
 from rmuscle_ros.node.bags import (
     ALOHA_CAMERA_TOPICS,
     ALOHA_JOINT_TOPICS,
@@ -87,12 +91,14 @@ def run(
     episodes: int = 2,
     bags: Sequence[Path] | None = None,
     remap: Mapping[str, str] | None = None,
+    stream: bool = True,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
     over config/rmuscle_default.yaml. `bags`: recorded episodes to replay instead of written ones (then
     `seconds` and `episodes` are theirs); `remap`: bag topic -> the node's topic, over the ALOHA defaults
-    (/cam_high/... onto the node's first camera topic, and so on)."""
+    (/cam_high/... onto the node's first camera topic, and so on). `stream`: run action_streamer beside
+    the node."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(CONFIG) | dict(overrides or {}) | {"use_sim_time": True}
@@ -157,7 +163,11 @@ def run(
     statuses: list[CacheStatus] = []
     peer.create_subscription(CacheStatus, f"/{node.get_name()}/cache_status", statuses.append, 10)
     reset = peer.create_client(Trigger, f"/{node.get_name()}/reset_episode")
+    streaming = _Streaming(peer, topic, domain_id, topics, out_dir, stream)
     try:
+        # First: its process takes seconds to come up on a loaded CPU, and the node's sensor start-up
+        # window (sensor_startup_timeout_s) opens at its activation.
+        streaming.start()
         start = time.perf_counter()
         node.trigger_configure()
         if node.cfg is None:
@@ -169,14 +179,18 @@ def run(
             if k > 0:
                 resets.append(call_service(reset, Trigger.Request()).message)
                 write(k)
-            _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None)
+            # Every node on the bag's clock hears it from the first message: the node, and the streamer.
+            clocks = 1 + (streaming.process is not None)
+            _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks)
             time.sleep(1.0)  # the last inference
             if not recorded and 0 < k < episodes - 1:
                 shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
         stats = node.stats()
+        streamed = streaming.stop()
         node.trigger_deactivate()
         node.trigger_cleanup()
     finally:
+        streaming.close()
         executor.shutdown()
         node.destroy_node()
         peer.destroy_node()
@@ -235,6 +249,7 @@ def run(
             "task_episodes": last.task_episodes,
         },
         "configure_activate_s": configure_s,
+        "streaming": streamed,
         "bag": ", ".join(str(b) for b in bags if b.exists()),
         "recorded_bags": recorded,
         "recorded": str(record),
@@ -250,6 +265,132 @@ def run(
     title = f"{episodes} recorded episode(s)" if recorded else "a replayed episode and its repeat"
     _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})")
     return summary
+
+
+class _Streaming:
+    """action_streamer beside the demo's node, in a process of its own as the launch file starts it on a cell
+    (in this process its 50 Hz timer would compete with the node's worker for the interpreter lock), on the
+    bag's clock. The demo's peer node drives its lifecycle and counts the arms' commands it sends. Skipped,
+    saying why, where the Interbotix command messages are missing."""
+
+    NAME = "action_streamer"
+
+    def __init__(
+        self,
+        peer: Any,
+        chunk_topic: str,
+        domain_id: int,
+        node_params: Mapping[str, Any],
+        out_dir: Path,
+        enabled: bool = True,
+    ) -> None:
+        self.skipped = ""
+        self.process: subprocess.Popen[bytes] | None = None
+        self.received: dict[str, list[int]] = {"left": [], "right": []}  # wall-clock receipt, ns
+        self.grippers = {"left": 0, "right": 0}
+        self.diagnostics: dict[str, str] = {}  # its last /diagnostics values
+        self.message = ""  # and its message (the last refusal's reason, if any)
+        if not enabled:
+            self.skipped = "--no-stream"
+            return
+        try:
+            group, single = import_command_messages()
+        except ImportError as e:
+            self.skipped = str(e)
+            return
+        from diagnostic_msgs.msg import DiagnosticArray
+        from lifecycle_msgs.srv import ChangeState
+
+        for side, times in self.received.items():
+            peer.create_subscription(
+                group,
+                f"commands/{side}/joint_group",
+                lambda _m, times=times: times.append(time.time_ns()),
+                100,
+            )
+            peer.create_subscription(
+                single, f"commands/{side}/joint_single", lambda _m, side=side: self._gripper(side), 100
+            )
+        peer.create_subscription(DiagnosticArray, "/diagnostics", self._diagnostics, 10)
+        self._change = peer.create_client(ChangeState, f"/{self.NAME}/change_state")
+        # The node's joints, topics and period, so that its chunks are the streamer's to execute.
+        params = {
+            "use_sim_time": True,
+            "joint_names": list(node_params["action_joint_names"]),
+            "joint_state_topics": list(node_params["joint_state_topics"]),
+            "joint_name_prefixes": list(node_params["joint_name_prefixes"]),
+            "gripper_joint": node_params["gripper_joint"],
+            "control_period_s": float(node_params["control_period_s"]),
+        }
+        params_file = out_dir / "action_streamer_params.yaml"
+        params_file.write_text(yaml.safe_dump({self.NAME: {"ros__parameters": params}}))
+        self.log = out_dir / "action_streamer.log"
+        command = [sys.executable, "-m", "rmuscle_ros.node.action_streamer", "--ros-args"]
+        command += ["-r", f"__node:={self.NAME}", "-r", f"action_chunk:={chunk_topic}"]
+        command += ["--params-file", str(params_file)]
+        env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def _gripper(self, side: str) -> None:
+        self.grippers[side] += 1
+
+    def _diagnostics(self, array: Any) -> None:
+        for status in array.status:
+            if status.name.startswith(f"{self.NAME}:"):
+                self.diagnostics = {kv.key: kv.value for kv in status.values}
+                self.message = status.message
+
+    def _transition(self, transition: int) -> None:
+        from lifecycle_msgs.srv import ChangeState
+
+        request = ChangeState.Request()
+        request.transition.id = transition
+        if not call_service(self._change, request).success:
+            raise RuntimeError(f"{self.NAME} refused lifecycle transition {transition}")
+
+    def start(self) -> None:
+        if self.process is None:
+            return
+        from lifecycle_msgs.msg import Transition
+
+        try:
+            self._transition(Transition.TRANSITION_CONFIGURE)
+            self._transition(Transition.TRANSITION_ACTIVATE)
+        except (RuntimeError, TimeoutError) as e:  # the demo goes on without it, saying why
+            self.close()
+            self.process = None
+            self.skipped = f"{e} (its log: {self.log})"
+
+    def stop(self) -> dict[str, Any]:
+        if self.process is None:
+            return {"skipped": self.skipped}
+        from lifecycle_msgs.msg import Transition
+
+        time.sleep(1.1)  # one more /diagnostics (every second of wall clock), with the last chunk's commands
+        self._transition(Transition.TRANSITION_DEACTIVATE)
+        intervals = [np.diff(t) / 1e6 for t in self.received.values() if len(t) > 1]
+        d = self.diagnostics
+        return {
+            "skipped": "",
+            "arm_commands": {side: len(t) for side, t in self.received.items()},
+            "gripper_commands": dict(self.grippers),
+            # The median gap between an arm's consecutive commands: the streaming rate while a chunk was due
+            # (the gaps between episodes, when none is, do not move it).
+            "interval_p50_ms": float(np.median(np.concatenate(intervals))) if intervals else 0.0,
+            "streamer": {k: int(v) for k, v in d.items() if v.isdigit()},
+            "streamer_message": self.message,
+        }
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -> BagInfo:
@@ -275,7 +416,12 @@ def _absolute(topic: str) -> str:
 
 
 def _play(
-    bag: Path, remap: Mapping[str, str], domain_id: int, seconds: float, start_ns: int | None = None
+    bag: Path,
+    remap: Mapping[str, str],
+    domain_id: int,
+    seconds: float,
+    start_ns: int | None = None,
+    clock_subscribers: int = 1,
 ) -> None:
     """Replay `bag` from a process of its own (`python -m rmuscle_ros.node.bags play`), as `ros2 bag play`
     runs on a cell: in this process its reading and publishing (~80 MB/s of frames) would compete with the
@@ -284,6 +430,7 @@ def _play(
     command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
     command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
     command += [] if start_ns is None else [f"--start-ns={start_ns}"]
+    command += [f"--clock-subscribers={clock_subscribers}"]
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
     # The player publishes 0.9 MB frames: shared-memory segments that hold them (unless the caller chose a
     # Fast DDS profile), as a camera driver on the node's host should (config/fastdds_shm_large_frames.xml).
@@ -388,6 +535,26 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"mode {status['mode']}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
             f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB ({status['task_episodes']} of task "
             f"{status['task']!r}), window {status['window_entries']} entries"
+        )
+    streamed = summary["streaming"]
+    if streamed["skipped"]:
+        print(f"[demo] action_streamer not run: {streamed['skipped']}")
+    else:
+        d = streamed["streamer"]
+        refused = ", ".join(
+            f"{k.removeprefix('refused.')} {v}"
+            for k, v in sorted(d.items())
+            if k.startswith("refused.") and v
+        )
+        arms = ", ".join(
+            f"{side} {n} arm + {streamed['gripper_commands'][side]} gripper"
+            for side, n in streamed["arm_commands"].items()
+        )
+        print(
+            f"[demo] action_streamer (own process, the bag's clock): {d.get('chunks_accepted', 0)} chunks executed; "
+            f"commands received: {arms}, every {streamed['interval_p50_ms']:.1f} ms (median); "
+            f"{d.get('limited', 0)} held back by max_step; {d.get('held', 0)} ticks with no chunk due; "
+            f"chunks refused: {refused or 'none'}"
         )
     if summary["errors"]:
         print(f"[demo] errors the node survived: {summary['errors']}")
