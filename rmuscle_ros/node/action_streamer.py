@@ -31,10 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.clock import Clock, ClockType
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import JointState
@@ -42,6 +40,7 @@ from sensor_msgs.msg import JointState
 from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
 from rmuscle_ros.node.observation import stamp_ns
 from rmuscle_ros.node.params import ALOHA_JOINTS, ParameterError, check_type
+from rmuscle_ros.node.spin import spin_node
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
@@ -376,20 +375,7 @@ class ActionStreamerNode(LifecycleNode):
 
 def main(argv: list[str] | None = None) -> int:
     """`action_streamer` executable: the lifecycle node on a single-threaded executor."""
-    rclpy.init(args=argv if argv is not None else sys.argv)
-    node = ActionStreamerNode()
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        executor.shutdown()
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
-    return 0
+    return spin_node(ActionStreamerNode, argv)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ from collections import Counter, deque
 from typing import Any
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -41,6 +39,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from rmuscle_ros.cache.runtime import MODES
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults, state_sources
+from rmuscle_ros.node.spin import spin_node
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
@@ -893,20 +892,7 @@ class RMuscleNode(LifecycleNode):
 
 def main(argv: list[str] | None = None) -> int:
     """`rmuscle_node` executable: the lifecycle node on a single-threaded executor."""
-    rclpy.init(args=argv if argv is not None else sys.argv)
-    node = RMuscleNode()
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        executor.shutdown()
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
-    return 0
+    return spin_node(RMuscleNode, argv)
 
 
 if __name__ == "__main__":
