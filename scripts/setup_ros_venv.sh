@@ -96,6 +96,26 @@ run_logged() {
   fi
 }
 
+# Configures and builds the ament_cmake package in $1 in a clean build directory $2 against the venv,
+# with any further CMake flags; the caller installs it (cmake --install $2).
+cmake_build() {
+  local src=$1 dir=$2
+  shift 2
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  # Only the venv is searched: a sourced /opt/ros must not leak in through the environment.
+  run_logged "$dir/configure.log" env -u CMAKE_PREFIX_PATH -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
+    cmake -S "$src" -B "$dir" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_INSTALL_PREFIX="$venv" \
+    -DCMAKE_PREFIX_PATH="$venv" \
+    -DPython3_EXECUTABLE="$py" \
+    -DBUILD_TESTING=OFF \
+    "$@"
+  run_logged "$dir/build.log" env -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
+    cmake --build "$dir" -j "${RMUSCLE_BUILD_JOBS:-2}"
+}
+
 changed=0
 
 # 1. Wheels. The key includes pyvenv.cfg so a venv recreated with another Python reinstalls.
@@ -125,19 +145,7 @@ if [[ $(cat "$stamps/interfaces" 2>/dev/null) != "$interfaces_key" ]] ||
   rm -f "$stamps/interfaces"
   patch_cmake_exports
   log "building msg/ into $build and installing into $venv (logs in $build/*.log)"
-  rm -rf "$build"
-  mkdir -p "$build"
-  # Only the venv is searched: a sourced /opt/ros must not leak in through the environment.
-  run_logged "$build/configure.log" env -u CMAKE_PREFIX_PATH -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
-    cmake -S "$repo" -B "$build" \
-    -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_INSTALL_PREFIX="$venv" \
-    -DCMAKE_PREFIX_PATH="$venv" \
-    -DPython3_EXECUTABLE="$py" \
-    -DBUILD_TESTING=OFF \
-    -DRMUSCLE_INSTALL_PYTHON=OFF
-  run_logged "$build/build.log" env -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
-    cmake --build "$build" -j "${RMUSCLE_BUILD_JOBS:-2}"
+  cmake_build "$repo" "$build" -DRMUSCLE_INSTALL_PYTHON=OFF
   # Start from an empty generated package so that modules of removed messages do not linger.
   rm -rf "$venv"/lib/python3*/site-packages/rmuscle_ros
   run_logged "$build/install.log" cmake --install "$build"
@@ -157,17 +165,7 @@ if [[ -d $stand_in ]]; then
     patch_cmake_exports
     stand_in_build="$repo/build/interbotix_xs_msgs"
     log "building the test stand-in interbotix_xs_msgs into $venv (logs in $stand_in_build/*.log)"
-    rm -rf "$stand_in_build"
-    mkdir -p "$stand_in_build"
-    run_logged "$stand_in_build/configure.log" env -u CMAKE_PREFIX_PATH -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
-      cmake -S "$stand_in" -B "$stand_in_build" \
-      -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_INSTALL_PREFIX="$venv" \
-      -DCMAKE_PREFIX_PATH="$venv" \
-      -DPython3_EXECUTABLE="$py" \
-      -DBUILD_TESTING=OFF
-    run_logged "$stand_in_build/build.log" env -u PYTHONPATH AMENT_PREFIX_PATH="$venv" \
-      cmake --build "$stand_in_build" -j "${RMUSCLE_BUILD_JOBS:-2}"
+    cmake_build "$stand_in" "$stand_in_build"
     run_logged "$stand_in_build/install.log" cmake --install "$stand_in_build"
     echo "$stand_in_key" >"$stamps/interbotix_xs_msgs"
   fi
