@@ -230,15 +230,13 @@ def harness() -> Iterator[Callable[..., Harness]]:
         yield make
 
 
-def test_each_arm_fills_its_own_joints_though_both_publish_the_same_names(harness) -> None:
-    """An Interbotix ALOHA publishes "waist" ... "gripper" on both follower arms' joint_states. The node
-    prefixes each topic's names (joint_name_prefixes, left_ / right_ by default), so the state it feeds
-    the policy has the left arm's positions in the left_* slots and the right arm's in the right_*."""
-    h = harness()
+def _observed_state(h: Harness, joint_value: tuple[float, float]) -> dict[str, float]:
+    """Configure and activate `h`'s node, publish observations until it can assemble one, and return the
+    state it would feed the policy, by joint name."""
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
 
     def state() -> np.ndarray | None:
-        h.publish_observation(joint_value=(0.25, -0.5))
+        h.publish_observation(joint_value=joint_value)
         time.sleep(0.03)
         try:
             return h.node._buffer.observation(h.now().nanoseconds, "pick", ("a", "b", "c")).state
@@ -246,7 +244,14 @@ def test_each_arm_fills_its_own_joints_though_both_publish_the_same_names(harnes
             return None
 
     assert h.wait_for(lambda: state() is not None), f"no observation; drops {h.drops()}"
-    got = dict(zip(ALOHA_JOINTS, state().tolist(), strict=True))
+    return dict(zip(ALOHA_JOINTS, state().tolist(), strict=True))
+
+
+def test_each_arm_fills_its_own_joints_though_both_publish_the_same_names(harness) -> None:
+    """An Interbotix ALOHA publishes "waist" ... "gripper" on both follower arms' joint_states. The node
+    prefixes each topic's names (joint_name_prefixes, left_ / right_ by default), so the state it feeds
+    the policy has the left arm's positions in the left_* slots and the right arm's in the right_*."""
+    got = _observed_state(harness(), joint_value=(0.25, -0.5))
     assert all(v == 0.25 for k, v in got.items() if k.startswith("left_")), got
     assert all(v == -0.5 for k, v in got.items() if k.startswith("right_")), got
 
@@ -255,18 +260,7 @@ def test_the_gripper_slot_reads_the_finger_and_maps_its_range(harness) -> None:
     """With gripper_state_joint / gripper_state_range (an ALOHA profile), each arm's gripper slot is its
     finger's position mapped from [closed, open] to [0, 1]; the other slots are as published."""
     h = harness(gripper_state_joint="left_finger", gripper_state_range=[0.0, 0.5])
-    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
-
-    def state() -> np.ndarray | None:
-        h.publish_observation(joint_value=(0.25, -0.5))
-        time.sleep(0.03)
-        try:
-            return h.node._buffer.observation(h.now().nanoseconds, "pick", ("a", "b", "c")).state
-        except ObservationUnavailable:
-            return None
-
-    assert h.wait_for(lambda: state() is not None), f"no observation; drops {h.drops()}"
-    got = dict(zip(ALOHA_JOINTS, state().tolist(), strict=True))
+    got = _observed_state(h, joint_value=(0.25, -0.5))
     assert (got["left_gripper"], got["right_gripper"]) == (0.5, -1.0)
     assert (got["left_waist"], got["right_wrist_rotate"]) == (0.25, -0.5)
 
