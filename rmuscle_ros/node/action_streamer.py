@@ -72,7 +72,7 @@ class StreamerConfig:
     # gripper action is its opening, 0 closed ... 1 open; [0, 1] sends the value as it is.
     gripper_command_range: tuple[float, float] = (0.0, 1.0)
     control_period_s: float = 0.02  # one command per arm per period; a chunk's period must be the same
-    max_step: float = 0.1  # the most one joint's command moves per period (robot units); 0: no limit
+    max_step: float = 0.1  # the most one joint's command moves per period (command units: rad); 0: none
     max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
     max_joint_age_s: float = 0.1  # joint positions older than this do not count as where the arm is
 

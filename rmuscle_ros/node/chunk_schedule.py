@@ -44,7 +44,7 @@ class ChunkRefused(ValueError):
 class ScheduleConfig:
     joint_names: tuple[str, ...]  # the action order the streamer expects
     control_period_s: float = 0.02
-    max_step: float = 0.1  # largest change of one joint between consecutive commands (robot units); 0: none
+    max_step: float = 0.1  # largest change of one joint between consecutive commands (their units); 0: none
     max_future_s: float = 0.05  # how far ahead of this clock a chunk's stamp may be (clock disagreement)
 
     def __post_init__(self) -> None:
