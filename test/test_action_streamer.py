@@ -330,6 +330,7 @@ def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatc
         ({"max_joint_age_s": 0.0}, r"^max_joint_age_s: must be > 0"),
         ({"max_future_s": -1.0}, r"^max_future_s: must be >= 0"),
         ({"arm_group_name": ""}, r"^arm_group_name: must not be empty"),
+        ({"max_rows": -1}, r"^max_rows: must be >= 0"),
         ({"gripper_command_range": [1.0, 1.0]}, r"^gripper_command_range: needs \[closed, open\]"),
         ({"speed": 1.0}, r"^speed: unknown parameter"),
     ],

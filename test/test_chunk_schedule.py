@@ -80,6 +80,16 @@ def test_after_a_hold_commands_start_again_from_the_arm() -> None:
     assert s.command(T0 + 60 * MS, np.full(2, 0.6)).action.tolist() == pytest.approx([0.35, 0.35])
 
 
+def test_max_rows_bounds_how_much_of_a_chunk_is_followed() -> None:
+    # A stalled policy: its last chunk is followed for max_rows rows, then the arm holds.
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, max_rows=25))
+    offer(s, T0, rows(50), now_ns=T0)
+    assert s.command(T0 + 480 * MS, AT_REST).row == 24
+    assert s.command(T0 + 500 * MS, AT_REST) is None
+    offer(s, T0 + 500 * MS, rows(50, base=1.0), now_ns=T0 + 510 * MS, chunk_id=1)  # the next one takes over
+    assert s.command(T0 + 520 * MS, np.full(2, 1.0)).row == 1
+
+
 def test_reset_forgets_chunks_and_the_last_command() -> None:
     s = schedule(max_step=0.25)
     offer(s, T0, np.full((50, 2), 1.0), now_ns=T0)
@@ -138,6 +148,7 @@ def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
         ({"control_period_s": 0.0}, r"^control_period_s: must be > 0"),
         ({"max_step": -0.1}, r"^max_step: must be >= 0"),
         ({"max_future_s": float("nan")}, r"^max_future_s: must be >= 0"),
+        ({"max_rows": -1}, r"^max_rows: must be >= 0"),
     ],
 )
 def test_invalid_settings_are_named(fields: dict, message: str) -> None:

@@ -74,6 +74,9 @@ class StreamerConfig:
     control_period_s: float = 0.02  # one command per arm per period; a chunk's period must be the same
     max_step: float = 0.1  # the most one joint's command moves per period (command units: rad); 0: none
     max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
+    # Rows of each chunk executed at most (past them the arms hold until a newer chunk): bounds how long a
+    # stalled policy's last plan is followed. 0: every row (a 50-row chunk at 50 Hz: 1 s).
+    max_rows: int = 0
     max_joint_age_s: float = 0.1  # joint positions older than this do not count as where the arm is
 
     def __post_init__(self) -> None:
@@ -123,7 +126,9 @@ class StreamerConfig:
             raise ParameterError(str(e)) from None
 
     def schedule(self) -> ScheduleConfig:
-        return ScheduleConfig(self.joint_names, self.control_period_s, self.max_step, self.max_future_s)
+        return ScheduleConfig(
+            self.joint_names, self.control_period_s, self.max_step, self.max_future_s, self.max_rows
+        )
 
     def arm_indices(self) -> list[list[int]]:
         """Per arm, the action indices of its group's joints, in the group's order."""

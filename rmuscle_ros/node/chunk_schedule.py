@@ -46,6 +46,9 @@ class ScheduleConfig:
     control_period_s: float = 0.02
     max_step: float = 0.1  # largest change of one joint between consecutive commands (their units); 0: none
     max_future_s: float = 0.05  # how far ahead of this clock a chunk's stamp may be (clock disagreement)
+    # Rows of a chunk executed at most, from its first: past them the arm holds until a newer chunk comes
+    # (a stalled policy's plan is not followed to its end). 0: every row.
+    max_rows: int = 0
 
     def __post_init__(self) -> None:
         if not self.joint_names or len(set(self.joint_names)) != len(self.joint_names):
@@ -56,6 +59,8 @@ class ScheduleConfig:
             raise ValueError(f"max_step: must be >= 0 (0: no limit), got {self.max_step!r}")
         if not (self.max_future_s >= 0 and math.isfinite(self.max_future_s)):
             raise ValueError(f"max_future_s: must be >= 0, got {self.max_future_s!r}")
+        if self.max_rows < 0:
+            raise ValueError(f"max_rows: must be >= 0 (0: every row), got {self.max_rows}")
 
     @property
     def period_ns(self) -> int:
@@ -166,7 +171,10 @@ class ChunkSchedule:
         self._drop_superseded(now_ns)
         running = self._chunks[0] if self._chunks and self._chunks[0].start_ns <= now_ns else None
         row = -1 if running is None else (now_ns - running.start_ns) // self.cfg.period_ns
-        if running is None or row >= len(running.actions):
+        rows = len(running.actions) if running is not None else 0
+        if self.cfg.max_rows:
+            rows = min(rows, self.cfg.max_rows)
+        if running is None or row >= rows:
             self._last = None  # holding: the next command starts again from the arm's position
             return None
         previous = self._last if self._last is not None else measured
