@@ -39,7 +39,7 @@ from sensor_msgs.msg import JointState
 
 from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
 from rmuscle_ros.node.observation import stamp_ns
-from rmuscle_ros.node.params import ALOHA_JOINTS, ParameterError, check_type
+from rmuscle_ros.node.params import ALOHA_JOINTS, ParameterError, check_closed_open, check_type
 from rmuscle_ros.node.spin import spin_node
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
@@ -109,15 +109,7 @@ class StreamerConfig:
                         f"joint_names: has no {prefix + joint!r} (joint_name_prefixes {prefix!r} + {joint!r}), "
                         f"so that arm's command would have no value for it"
                     )
-        closed_open = self.gripper_command_range
-        if (
-            len(closed_open) != 2
-            or not all(map(math.isfinite, closed_open))
-            or closed_open[0] == closed_open[1]
-        ):
-            raise ParameterError(
-                f"gripper_command_range: needs [closed, open], two different finite commands, got {list(closed_open)}"
-            )
+        check_closed_open("gripper_command_range", self.gripper_command_range)
         if not (self.max_joint_age_s > 0 and math.isfinite(self.max_joint_age_s)):
             raise ParameterError(f"max_joint_age_s: must be > 0, got {self.max_joint_age_s!r}")
         try:

@@ -157,7 +157,7 @@ def state_sources(cfg: NodeConfig) -> tuple[tuple[str, ...], np.ndarray, np.ndar
     offset = np.zeros(len(sources))
     scale = np.ones(len(sources))
     closed, opened = cfg.gripper_state_range
-    if cfg.gripper_state_joint or (closed, opened) != (0.0, 1.0):
+    if converts_gripper(cfg):
         for prefix in cfg.joint_name_prefixes:
             slot = cfg.joint_names.index(prefix + cfg.gripper_joint)
             sources[slot] = prefix + (cfg.gripper_state_joint or cfg.gripper_joint)
@@ -204,7 +204,19 @@ def parameter_defaults() -> dict[str, Any]:
     return {k: ("" if v is None else v) for k, v in defaults.items() if k not in DERIVED}
 
 
+def check_closed_open(name: str, value: tuple[float, ...]) -> None:
+    """A gripper's [closed, open] pair: two different finite numbers, or ParameterError naming `name`."""
+    if len(value) != 2 or not all(map(math.isfinite, value)) or value[0] == value[1]:
+        raise ParameterError(f"{name}: needs [closed, open], two different finite values, got {list(value)}")
+
+
+def converts_gripper(cfg: NodeConfig) -> bool:
+    """Whether each arm's gripper slot is read from another joint or rescaled (state_sources)."""
+    return bool(cfg.gripper_state_joint) or cfg.gripper_state_range != (0.0, 1.0)
+
+
 def check_type(name: str, value: Any, default: Any) -> Any:
+    float_array = isinstance(default, (list, tuple)) and bool(default) and isinstance(default[0], float)
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):
@@ -212,7 +224,7 @@ def check_type(name: str, value: Any, default: Any) -> Any:
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
-    elif isinstance(default, (list, tuple)) and default and isinstance(default[0], float):
+    elif float_array:
         # A ROS double array (rclpy may hand it over as an array.array).
         ok = not isinstance(value, (str, bytes)) and hasattr(value, "__len__")
         ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
@@ -224,7 +236,7 @@ def check_type(name: str, value: Any, default: Any) -> Any:
         ok = isinstance(value, str)
     if not ok:
         if isinstance(default, (list, tuple)):
-            kind = "a list of numbers" if default and isinstance(default[0], float) else "a list of strings"
+            kind = "a list of numbers" if float_array else "a list of strings"
         else:
             kind = type(default).__name__
         raise ParameterError(f"{name}: expected {kind}, got {value!r}")
@@ -263,22 +275,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             f"joint_name_prefixes: needs one entry per joint_state_topics entry ({len(values['joint_state_topics'])}), "
             f"got {list(values['joint_name_prefixes'])}"
         )
-    closed_open = values["gripper_state_range"]
-    if len(closed_open) != 2 or not all(map(math.isfinite, closed_open)) or closed_open[0] == closed_open[1]:
-        raise ParameterError(
-            f"gripper_state_range: needs [closed, open], two different finite positions, got {list(closed_open)}"
-        )
-    if values["gripper_state_joint"] or closed_open != (0.0, 1.0):
-        if not values["gripper_joint"]:
-            raise ParameterError(
-                "gripper_joint: names no gripper, but gripper_state_joint/_range convert one"
-            )
-        for prefix in values["joint_name_prefixes"]:
-            if prefix + values["gripper_joint"] not in values["joint_names"]:
-                raise ParameterError(
-                    f"gripper_joint: joint_names has no {prefix + values['gripper_joint']!r} "
-                    f"(joint_name_prefixes {prefix!r} + {values['gripper_joint']!r}) to convert"
-                )
+    check_closed_open("gripper_state_range", values["gripper_state_range"])
     if not values["prompt"].strip():
         raise ParameterError("prompt: must not be empty")
     if values["error_after_drops"] < 1:
@@ -314,4 +311,16 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             "(only those two have the Context and Action Caches)"
         )
     top = {k: v for k, v in values.items() if "." not in k}
-    return NodeConfig(model=model, cache=cache, **top)
+    cfg = NodeConfig(model=model, cache=cache, **top)
+    if converts_gripper(cfg):
+        if not cfg.gripper_joint:
+            raise ParameterError(
+                "gripper_joint: names no gripper, but gripper_state_joint/_range convert one"
+            )
+        for prefix in cfg.joint_name_prefixes:
+            if prefix + cfg.gripper_joint not in cfg.joint_names:
+                raise ParameterError(
+                    f"gripper_joint: joint_names has no {prefix + cfg.gripper_joint!r} "
+                    f"(joint_name_prefixes {prefix!r} + {cfg.gripper_joint!r}) to convert"
+                )
+    return cfg
