@@ -42,6 +42,9 @@ from typing import Any
 import numpy as np
 import rclpy
 import yaml
+from diagnostic_msgs.msg import DiagnosticArray
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState
 from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
@@ -298,9 +301,6 @@ class _Streaming:
         except ImportError as e:
             self.skipped = str(e)
             return
-        from diagnostic_msgs.msg import DiagnosticArray
-        from lifecycle_msgs.srv import ChangeState
-
         for side, times in self.received.items():
             peer.create_subscription(
                 group,
@@ -342,8 +342,6 @@ class _Streaming:
                 self.message = status.message
 
     def _transition(self, transition: int) -> None:
-        from lifecycle_msgs.srv import ChangeState
-
         request = ChangeState.Request()
         request.transition.id = transition
         if not call_service(self._change, request).success:
@@ -352,8 +350,6 @@ class _Streaming:
     def start(self) -> None:
         if self.process is None:
             return
-        from lifecycle_msgs.msg import Transition
-
         try:
             self._transition(Transition.TRANSITION_CONFIGURE)
             self._transition(Transition.TRANSITION_ACTIVATE)
@@ -365,8 +361,6 @@ class _Streaming:
     def stop(self) -> dict[str, Any]:
         if self.process is None:
             return {"skipped": self.skipped}
-        from lifecycle_msgs.msg import Transition
-
         time.sleep(1.1)  # one more /diagnostics (every second of wall clock), with the last chunk's commands
         self._transition(Transition.TRANSITION_DEACTIVATE)
         intervals = [np.diff(t) / 1e6 for t in self.received.values() if len(t) > 1]
