@@ -11,12 +11,15 @@ import pytest
 LAUNCH = Path(__file__).resolve().parents[1] / "launch" / "rmuscle.launch.py"
 
 
-def test_launch_file_is_valid_python_with_the_aloha_remappings() -> None:
+def remappings(name: str) -> list[tuple[str, str]]:
+    """A remapping table of the launch file (read from its source: launch_ros is not installable here)."""
     tree = ast.parse(LAUNCH.read_text())
-    remaps = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.targets[0].id == "ALOHA_REMAPPINGS"
-    )
-    pairs = ast.literal_eval(remaps.value)
+    table = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.targets[0].id == name)
+    return ast.literal_eval(table.value)
+
+
+def test_launch_file_is_valid_python_with_the_aloha_remappings() -> None:
+    pairs = remappings("ALOHA_REMAPPINGS")
     assert ("images/base", "/cam_high/camera/color/image_rect_raw") in pairs
     assert {to for _, to in pairs} >= {"/follower_left/joint_states", "/follower_right/joint_states"}
     # Every node topic it remaps is one the node subscribes to by default.
@@ -27,11 +30,7 @@ def test_launch_file_is_valid_python_with_the_aloha_remappings() -> None:
 
 
 def test_the_streamer_is_remapped_onto_the_policys_chunks_and_the_follower_arms() -> None:
-    tree = ast.parse(LAUNCH.read_text())
-    remaps = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.targets[0].id == "STREAMER_REMAPPINGS"
-    )
-    pairs = dict(ast.literal_eval(remaps.value))
+    pairs = dict(remappings("STREAMER_REMAPPINGS"))
     from rmuscle_ros.node.action_streamer import StreamerConfig
 
     cfg = StreamerConfig()
@@ -58,3 +57,118 @@ def test_launch_description_builds() -> None:
     spec.loader.exec_module(module)
     description = module.generate_launch_description()
     assert len(description.entities) >= 11  # 5 arguments, then each node with its two autostart events
+
+
+def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) -> None:
+    """What `ros2 launch` would start, without the launch library (not installable here): both executables
+    as processes of their own with the launch file's remappings, the policy node on the CPU profile and the
+    streamer on the ALOHA profile's section, configured and activated through their lifecycle services. A
+    stand-in for the Interbotix stack publishes on the ALOHA's own topics (cameras, both followers' joint
+    states, with the names an Interbotix arm uses) and listens on the followers' command topics, which must
+    then carry the policy's actions."""
+    rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+    pytest.importorskip(
+        "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
+    )
+    interbotix = pytest.importorskip(
+        "interbotix_xs_msgs.msg",
+        reason="the stand-in Interbotix messages are not built (scripts/setup_ros_venv.sh)",
+    )
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import numpy as np
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import Image, JointState
+
+    from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
+    from rmuscle_ros.node.replay_demo import call_service
+
+    config = LAUNCH.parents[1] / "config"
+    domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 50  # away from the other tests' nodes
+    env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
+
+    def start(module: str, params_file: Path, table: str, *extra: str) -> subprocess.Popen:
+        remaps = [arg for frm, to in remappings(table) for arg in ("-r", f"{frm}:={to}")]
+        command = [
+            sys.executable,
+            "-m",
+            module,
+            "--ros-args",
+            "--params-file",
+            str(params_file),
+            *remaps,
+            *extra,
+        ]
+        log = (tmp_path / f"{module.rsplit('.', 1)[1]}.log").open("wb")
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    processes = [
+        start("rmuscle_ros.node.rmuscle_node", config / "rmuscle_default.yaml", "ALOHA_REMAPPINGS",
+              "-p", "warmup:=false", "-p", "cache.enabled:=false"),
+        start("rmuscle_ros.node.action_streamer", config / "rmuscle_aloha.yaml", "STREAMER_REMAPPINGS"),
+    ]  # fmt: skip
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=domain)
+    cell = rclpy.create_node("aloha_stand_in", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(cell)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    commands: dict[str, list] = {"left": [], "right": [], "left_gripper": [], "right_gripper": []}
+    try:
+        for side in ("left", "right"):
+            cell.create_subscription(
+                interbotix.JointGroupCommand,
+                f"/follower_{side}/commands/joint_group",
+                commands[side].append,
+                100,
+            )
+            cell.create_subscription(
+                interbotix.JointSingleCommand, f"/follower_{side}/commands/joint_single",
+                commands[f"{side}_gripper"].append, 100,
+            )  # fmt: skip
+        cameras = [cell.create_publisher(Image, to, qos_profile_sensor_data)
+                   for frm, to in remappings("ALOHA_REMAPPINGS") if frm.startswith("images/")]  # fmt: skip
+        arms = [cell.create_publisher(JointState, f"/follower_{side}/joint_states", qos_profile_sensor_data)
+                for side in ("left", "right")]  # fmt: skip
+        for name in ("rmuscle_node", "action_streamer"):
+            client = cell.create_client(ChangeState, f"/{name}/change_state")
+            for transition in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+                request = ChangeState.Request()
+                request.transition.id = transition
+                assert call_service(client, request, 120.0).success, (tmp_path / f"{name}.log").read_text()[
+                    -3000:
+                ]
+        pixels = np.full((48, 64, 3), 90, np.uint8).tobytes()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and min(len(v) for v in commands.values()) < 10:
+            stamp = cell.get_clock().now().to_msg()
+            for pub in cameras:
+                msg = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=pixels)
+                msg.header.stamp = stamp
+                pub.publish(msg)
+            for pub in arms:  # an Interbotix follower: the same names on both arms, the fingers in metres
+                msg = JointState(name=list(ALOHA_JOINT_STATE_NAMES), position=[0.0] * 6 + [0.9, 0.05, -0.05])
+                msg.header.stamp = stamp
+                pub.publish(msg)
+            time.sleep(0.02)
+        assert min(len(v) for v in commands.values()) >= 10, {k: len(v) for k, v in commands.items()}
+        assert all(m.name == "arm" and len(m.cmd) == 6 for m in commands["left"] + commands["right"])
+        assert all(m.name == "gripper" for m in commands["left_gripper"] + commands["right_gripper"])
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        executor.shutdown()
+        cell.destroy_node()
+        rclpy.shutdown(context=context)
