@@ -175,8 +175,9 @@ class ActionStreamerNode(LifecycleNode):
         self.cfg: StreamerConfig | None = None
         self._schedule: ChunkSchedule | None = None
         self._messages: tuple[type, type] | None = None
-        self._arm_pubs: list[Any] = []
-        self._gripper_pubs: list[Any] = []
+        # Each arm's publisher with the action indices it sends (joint_names.index lookups done once).
+        self._arm_pubs: list[tuple[Any, list[int]]] = []
+        self._gripper_pubs: list[tuple[Any, int]] = []
         self._diag_pub: Any = None
         self._subs: list[Any] = []
         self._timers: list[Any] = []
@@ -199,11 +200,16 @@ class ActionStreamerNode(LifecycleNode):
         self.cfg, self._messages = cfg, messages
         self._schedule = ChunkSchedule(cfg.schedule())
         group, single = messages
-        self._arm_pubs = [self.create_lifecycle_publisher(group, t, 10) for t in cfg.arm_command_topics]
-        if cfg.gripper_joint:
-            self._gripper_pubs = [
-                self.create_lifecycle_publisher(single, t, 10) for t in cfg.gripper_command_topics
-            ]
+        self._arm_pubs = [
+            (self.create_lifecycle_publisher(group, t, 10), indices)
+            for t, indices in zip(cfg.arm_command_topics, cfg.arm_indices(), strict=True)
+        ]
+        self._gripper_pubs = [
+            (self.create_lifecycle_publisher(single, t, 10), index)
+            for t, index in zip(
+                cfg.gripper_command_topics, cfg.gripper_indices(), strict=False
+            )  # none: no gripper
+        ]
         self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
         self.get_logger().info(
             f"configured: {len(cfg.arm_command_topics)} arms, {len(cfg.joint_names)} joints, "
@@ -258,7 +264,8 @@ class ActionStreamerNode(LifecycleNode):
         self._last_command = None
 
     def _release(self) -> None:
-        for pub in (*self._arm_pubs, *self._gripper_pubs, *([self._diag_pub] if self._diag_pub else [])):
+        pubs = [pub for pub, _ in (*self._arm_pubs, *self._gripper_pubs)]
+        for pub in (*pubs, *([self._diag_pub] if self._diag_pub else [])):
             self.destroy_lifecycle_publisher(pub)
         self._arm_pubs, self._gripper_pubs, self._diag_pub = [], [], None
         self.cfg = self._schedule = self._messages = None
@@ -329,9 +336,9 @@ class ActionStreamerNode(LifecycleNode):
             return
         group, single = messages
         action = command.action
-        for pub, indices in zip(self._arm_pubs, cfg.arm_indices(), strict=True):
+        for pub, indices in self._arm_pubs:
             pub.publish(group(name=cfg.arm_group_name, cmd=[float(action[i]) for i in indices]))
-        for pub, index in zip(self._gripper_pubs, cfg.gripper_indices(), strict=True):
+        for pub, index in self._gripper_pubs:
             pub.publish(single(name=cfg.gripper_joint, cmd=float(action[index])))
         self._counts["commands"] += 1
         self._counts["limited"] += command.limited
