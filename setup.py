@@ -19,6 +19,6 @@ setup(
         (f"share/{PACKAGE}/config", sorted(glob("config/*.yaml"))),
         (f"share/{PACKAGE}/launch", sorted(glob("launch/*.launch.py"))),
         # pip ignores setup.cfg install_scripts; launch_ros looks for lib/<package>/<executable>.
-        (f"lib/{PACKAGE}", ["libexec/rmuscle_node", "libexec/action_streamer"]),
+        (f"lib/{PACKAGE}", ["libexec/rmuscle_node", "libexec/action_streamer", "libexec/aloha_sim"]),
     ],
 )

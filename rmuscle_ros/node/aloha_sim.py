@@ -1,0 +1,357 @@
+"""`aloha_sim`: a simulated ALOHA cell (MuJoCo, rmuscle_ros/sim/aloha.py) on the real cell's ROS topics.
+
+It stands in for the Interbotix ALOHA stack and its cameras, so that `rmuscle_node` and `action_streamer`
+run in closed loop, with the launch file's remappings, as they would on the cell:
+
+- publishes `/cam_high`, `/cam_left_wrist`, `/cam_right_wrist` `/camera/color/image_rect_raw`
+  (`sensor_msgs/Image`, rgb8, 480×640) at `camera_rate_hz`, and `/follower_{left,right}/joint_states`
+  (the Interbotix names, the same on both arms, in the real arms' units) every control period (50 Hz);
+- takes `/follower_{left,right}/commands/joint_group` (`interbotix_xs_msgs/JointGroupCommand`, group
+  `arm`, six positions) and `.../joint_single` (`JointSingleCommand`, joint `gripper`); each arm holds
+  its last command, as a position-controlled arm does. A bad command is refused, counted and logged;
+  the simulation goes on;
+- is the clock: it publishes `/clock` at every step (run the other nodes with use_sim_time), paced to
+  `real_time_factor` of the wall clock (0: as fast as it can). Where the CPU cannot keep up, simulated
+  time runs slower than the wall clock and the other nodes see their own latency shrink by as much;
+- `~/reset` (`std_srvs/Trigger`) ends the episode and starts the next, with the object placed from
+  `seed` + episode × `seed_step` (0: the same scene each time, a repeated task); the response's message is
+  the ended episode's result as JSON (reward, best reward, success). `/diagnostics` once a second (wall
+  clock): episode, simulated time, reward, the real-time factor achieved, commands taken and refused.
+
+The simulation runs on a thread of its own; the executor's thread only queues commands and resets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.clock import Clock, ClockType
+from rclpy.node import Node
+from rclpy.qos import qos_profile_sensor_data
+from rosgraph_msgs.msg import Clock as ClockMsg
+from sensor_msgs.msg import Image, JointState
+from std_srvs.srv import Trigger
+
+from rmuscle_ros.node.action_streamer import import_command_messages
+from rmuscle_ros.node.params import ParameterError, check_type
+from rmuscle_ros.node.spin import spin_node
+from rmuscle_ros.sim.aloha import DEFAULT_CAMERAS, JOINT_STATE_NAMES, SIDES, AlohaSim, CommandError, SimConfig
+
+# The cell's topics, in π0.5 camera slot order (base, left wrist, right wrist) and arm order.
+CAMERA_TOPICS = (
+    "/cam_high/camera/color/image_rect_raw",
+    "/cam_left_wrist/camera/color/image_rect_raw",
+    "/cam_right_wrist/camera/color/image_rect_raw",
+)
+JOINT_STATE_TOPIC = "/follower_{side}/joint_states"
+ARM_COMMAND_TOPIC = "/follower_{side}/commands/joint_group"
+GRIPPER_COMMAND_TOPIC = "/follower_{side}/commands/joint_single"
+ARM_GROUP = "arm"  # the Interbotix group of an ALOHA follower's six arm joints
+GRIPPER_JOINT = "gripper"
+REFUSAL_LOG_PERIOD_S = 1.0
+# Behind the paced schedule by more than this, the pacing starts again from now instead of catching up
+# in a burst of unpaced steps.
+MAX_PACING_LAG_S = 0.25
+RESET_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SimNodeConfig:
+    """aloha_sim's parameters (validated): the scene's, then the node's."""
+
+    task: str = "transfer_cube"
+    seed: int = 0
+    seed_step: int = 1  # episode k's scene comes from seed + k × seed_step; 0 repeats one scene
+    cameras: tuple[str, ...] = DEFAULT_CAMERAS  # MuJoCo cameras, published in CAMERA_TOPICS' order
+    camera_rate_hz: float = 30.0  # simulated time; each frame costs ~20 ms of CPU per camera
+    height: int = 480
+    width: int = 640
+    finger_range: tuple[float, float] = SimConfig.finger_range
+    gripper_joint_range: tuple[float, float] = SimConfig.gripper_joint_range
+    shadows: bool = False
+    real_time_factor: float = 1.0  # 0: unpaced
+    start_time_s: float = 1_700_000_000.0  # the clock at the first step (it never goes back, resets included)
+
+    def __post_init__(self) -> None:
+        if len(self.cameras) > len(CAMERA_TOPICS):
+            raise ParameterError(
+                f"cameras: at most {len(CAMERA_TOPICS)} (one per ALOHA camera topic), got {list(self.cameras)}"
+            )
+        if not (0 < self.camera_rate_hz <= 1000 and math.isfinite(self.camera_rate_hz)):
+            raise ParameterError(f"camera_rate_hz: must be in (0, 1000], got {self.camera_rate_hz!r}")
+        if not (0 <= self.real_time_factor < math.inf):
+            raise ParameterError(
+                f"real_time_factor: must be >= 0 (0: unpaced), got {self.real_time_factor!r}"
+            )
+        if not (0 < self.start_time_s < 2**31 and math.isfinite(self.start_time_s)):
+            raise ParameterError(
+                f"start_time_s: must be a positive time in seconds, got {self.start_time_s!r}"
+            )
+        if self.seed < 0 or self.seed + 10**6 * abs(self.seed_step) >= 2**32:
+            raise ParameterError(
+                f"seed, seed_step: the seeds must stay in 0 ... 2^32 - 1, got {self.seed}, {self.seed_step}"
+            )
+        try:
+            self.sim()
+        except ValueError as e:
+            raise ParameterError(str(e)) from None
+
+    def sim(self) -> SimConfig:
+        return SimConfig(
+            self.task,
+            self.cameras,
+            self.height,
+            self.width,
+            self.finger_range,
+            self.gripper_joint_range,
+            self.shadows,
+        )
+
+
+def sim_defaults() -> dict[str, Any]:
+    return {name: (list(v) if isinstance(v, tuple) else v) for name, v in vars(SimNodeConfig()).items()}
+
+
+def sim_node_config(params: dict[str, Any]) -> SimNodeConfig:
+    defaults = sim_defaults()
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
+    return SimNodeConfig(**{name: check_type(name, params.get(name, d), d) for name, d in defaults.items()})
+
+
+class AlohaSimNode(Node):
+    def __init__(self, node_name: str = "aloha_sim", **kwargs: Any) -> None:
+        super().__init__(node_name, **kwargs)
+        for name, default in sim_defaults().items():
+            self.declare_parameter(name, default)
+        # Bad parameters or a missing scene stop the node at start-up, saying which: there is no lifecycle
+        # to fail, and a simulated cell that is not running is better found at once.
+        self.cfg = sim_node_config({name: self.get_parameter(name).value for name in sim_defaults()})
+        group, single = import_command_messages()
+        self.sim = AlohaSim(self.cfg.sim())
+        self.episode = 0
+        self._pending: deque[tuple[str, str, Any]] = (
+            deque()
+        )  # (side, "arm" | "gripper", values) from callbacks
+        self._reset_request: threading.Event = threading.Event()
+        self._reset_done: threading.Event = threading.Event()
+        self._result: dict[str, Any] = {}
+        self._counts: Counter[str] = Counter()
+        self._last_refusal = ""
+        self._last_refusal_logged = -math.inf
+        self._rtf_window: deque[tuple[float, float]] = deque(maxlen=64)  # (wall s, simulated s)
+        self._steps = 0  # since the start: the clock
+        self._stop = threading.Event()
+
+        self._clock_pub = self.create_publisher(ClockMsg, "/clock", 10)
+        self._image_pubs = [
+            self.create_publisher(Image, t, qos_profile_sensor_data)
+            for t in CAMERA_TOPICS[: len(self.cfg.cameras)]
+        ]
+        self._joint_pubs = [
+            self.create_publisher(JointState, JOINT_STATE_TOPIC.format(side=side), qos_profile_sensor_data)
+            for side in SIDES
+        ]
+        for side in SIDES:
+            self.create_subscription(
+                group, ARM_COMMAND_TOPIC.format(side=side), lambda m, s=side: self._on_arm(s, m), 10
+            )
+            self.create_subscription(
+                single, GRIPPER_COMMAND_TOPIC.format(side=side), lambda m, s=side: self._on_gripper(s, m), 10
+            )
+        self.create_service(Trigger, "~/reset", self._on_reset)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+        self.sim.reset(self._seed())
+        self._thread = threading.Thread(target=self._run, name="aloha_sim", daemon=True)
+        self._thread.start()
+        self.get_logger().info(
+            f"{self.cfg.task}, episode 0 (seed {self.sim.seed}); {len(self.cfg.cameras)} cameras at "
+            f"{self.cfg.camera_rate_hz:g} Hz, real-time factor {self.cfg.real_time_factor:g}"
+        )
+
+    def _seed(self) -> int:
+        return self.cfg.seed + self.episode * self.cfg.seed_step
+
+    # -- the executor's thread: commands and resets are queued for the simulation's thread ---------------
+    def _on_arm(self, side: str, msg: Any) -> None:
+        if msg.name != ARM_GROUP:
+            self._refuse(f"{side} arm: group {msg.name!r} is not this arm's ({ARM_GROUP!r})")
+            return
+        self._pending.append((side, "arm", list(msg.cmd)))
+
+    def _on_gripper(self, side: str, msg: Any) -> None:
+        if msg.name != GRIPPER_JOINT:
+            self._refuse(f"{side} arm: joint {msg.name!r} is not its gripper ({GRIPPER_JOINT!r})")
+            return
+        self._pending.append((side, "gripper", float(msg.cmd)))
+
+    def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        self._reset_done.clear()
+        self._reset_request.set()
+        if not self._reset_done.wait(RESET_TIMEOUT_S):
+            response.success, response.message = (
+                False,
+                f"the simulation did not reset within {RESET_TIMEOUT_S:g} s",
+            )
+            return response
+        response.success, response.message = True, json.dumps(self._result)
+        return response
+
+    def _refuse(self, message: str) -> None:
+        self._counts["refused"] += 1
+        self._last_refusal = message
+        now = time.monotonic()
+        if now - self._last_refusal_logged >= REFUSAL_LOG_PERIOD_S:
+            self._last_refusal_logged = now
+            self.get_logger().warning(f"command refused: {message}")
+
+    # -- the simulation's thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+            self.sim.close()  # its OpenGL context belongs to this thread
+        except Exception as e:  # the simulation died: say so loudly, the node stays up to report it
+            if self._stop.is_set() or not self.context.ok():
+                return  # shutting down (Ctrl-C, SIGTERM): its publishers went first
+            self._counts["crashed"] += 1
+            self._last_refusal = f"simulation stopped: {e!r}"
+            self.get_logger().error(self._last_refusal)
+
+    def _loop(self) -> None:
+        period = self.sim.period_s
+        frame_period = 1.0 / self.cfg.camera_rate_hz
+        next_frame = 0.0  # simulated seconds since the start
+        paced_from, paced_steps = time.perf_counter(), 0
+        while not self._stop.is_set():
+            if self._reset_request.is_set():
+                self._reset_request.clear()
+                self._result = self.result()
+                self.episode += 1
+                self.sim.reset(self._seed())
+                self._pending.clear()  # commands for the ended episode's arms
+                self.get_logger().info(f"episode {self.episode - 1}: {json.dumps(self._result)}")
+                self._reset_done.set()
+            while self._pending:
+                side, kind, values = self._pending.popleft()
+                try:
+                    if kind == "arm":
+                        self.sim.command_arm(side, values)
+                    else:
+                        self.sim.command_gripper(side, values)
+                    self._counts[f"{kind}_commands"] += 1
+                except CommandError as e:
+                    self._refuse(f"{side} {e}")
+            self.sim.step()
+            self._steps += 1
+            now_s = self._steps * period
+            stamp = self._stamp(now_s)
+            self._clock_pub.publish(ClockMsg(clock=stamp))
+            for side, pub in zip(SIDES, self._joint_pubs, strict=True):
+                position, velocity = self.sim.joint_state(side)
+                msg = JointState(name=list(JOINT_STATE_NAMES), position=position, velocity=velocity)
+                msg.header.stamp = stamp
+                pub.publish(msg)
+            if now_s + 1e-9 >= next_frame:
+                next_frame += frame_period * max(1, math.ceil((now_s + 1e-9 - next_frame) / frame_period))
+                for camera, pub in zip(self.cfg.cameras, self._image_pubs, strict=True):
+                    pub.publish(self._image(camera, stamp))
+            self._rtf_window.append((time.perf_counter(), now_s))
+            paced_steps += 1
+            if self.cfg.real_time_factor > 0:
+                due = paced_from + paced_steps * period / self.cfg.real_time_factor
+                lag = time.perf_counter() - due
+                if lag < 0:
+                    time.sleep(-lag)
+                elif lag > MAX_PACING_LAG_S:
+                    paced_from, paced_steps = time.perf_counter(), 0
+
+    def _stamp(self, since_start_s: float) -> Time:
+        ns = round(self.cfg.start_time_s * 1e9) + round(since_start_s * 1e9)
+        return Time(sec=ns // 10**9, nanosec=ns % 10**9)
+
+    def _image(self, camera: str, stamp: Time) -> Image:
+        pixels = self.sim.render(camera)
+        msg = Image(
+            height=pixels.shape[0],
+            width=pixels.shape[1],
+            encoding="rgb8",
+            is_bigendian=0,
+            step=pixels.shape[1] * 3,
+        )
+        msg.header.stamp = stamp
+        msg.header.frame_id = camera
+        msg.data = pixels.tobytes()  # bytes: assigning an array element by element is slow
+        return msg
+
+    # -- reporting -------------------------------------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        """The current episode's result so far."""
+        sim = self.sim
+        return {
+            "episode": self.episode,
+            "task": self.cfg.task,
+            "seed": sim.seed,
+            "seconds": round(sim.time_s, 3),
+            "reward": sim.reward,
+            "best_reward": sim.best_reward,
+            "max_reward": sim.max_reward,
+            "success": sim.success,
+        }
+
+    def real_time_factor(self) -> float:
+        """Simulated over wall-clock seconds across the last ~64 steps (0 before two steps)."""
+        if len(self._rtf_window) < 2:
+            return 0.0
+        (w0, s0), (w1, s1) = self._rtf_window[0], self._rtf_window[-1]
+        return (s1 - s0) / (w1 - w0) if w1 > w0 else 0.0
+
+    def _publish_diagnostics(self) -> None:
+        r = self.result()
+        status = DiagnosticStatus(name=f"{self.get_name()}: simulation", hardware_id=self.cfg.task)
+        status.level = (
+            DiagnosticStatus.ERROR
+            if self._counts["crashed"]
+            else (DiagnosticStatus.WARN if self._counts["refused"] else DiagnosticStatus.OK)
+        )
+        status.message = (
+            f"episode {r['episode']} at {r['seconds']:.2f} s, reward {r['reward']}/{r['max_reward']}"
+        )
+        if self._last_refusal:
+            status.message += f"; last: {self._last_refusal}"
+        values = r | {
+            "real_time_factor": round(self.real_time_factor(), 3),
+            "arm_commands": self._counts["arm_commands"],
+            "gripper_commands": self._counts["gripper_commands"],
+            "refused": self._counts["refused"],
+        }
+        status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self._stamp(self._steps * self.sim.period_s)
+        self._diag_pub.publish(array)
+
+    def destroy_node(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+        super().destroy_node()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`aloha_sim` executable: the simulated cell on a single-threaded executor."""
+    return spin_node(AlohaSimNode, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

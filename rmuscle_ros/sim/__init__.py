@@ -1,0 +1,1 @@
+"""Simulated cells for closed-loop tests and demos: a MuJoCo ALOHA (aloha.py). No ROS here."""

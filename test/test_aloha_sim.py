@@ -1,0 +1,374 @@
+"""The simulated ALOHA cell: the arms in the real arms' units, its ROS node, and the whole stack in closed loop."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip(
+    "gym_aloha", reason="gym-aloha (the ALOHA scenes) is not installed: make venv installs it"
+)
+
+from rmuscle_ros.sim.aloha import JOINT_STATE_NAMES, AlohaSim, CommandError, SimConfig
+
+CONFIG = Path(__file__).resolve().parents[1] / "config"
+START = (0.0, -0.96, 1.16, 0.0, -0.3, 0.0)  # gym-aloha's start pose of each arm
+POSE = (0.3, -0.5, 0.8, 0.1, -0.2, 0.1)
+
+
+@pytest.fixture(scope="module")
+def sim() -> AlohaSim:
+    s = AlohaSim()
+    yield s
+    s.close()
+
+
+def run(sim: AlohaSim, seconds: float) -> None:
+    for _ in range(round(seconds / sim.period_s)):
+        sim.step()
+
+
+def test_the_sim_speaks_the_real_followers_names_and_gripper_constants() -> None:
+    """A stack configured for a real ALOHA (config/rmuscle_aloha.yaml) must read and command the sim unchanged."""
+    from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
+
+    assert JOINT_STATE_NAMES == ALOHA_JOINT_STATE_NAMES
+    aloha = yaml.safe_load((CONFIG / "rmuscle_aloha.yaml").read_text())
+    node, streamer = aloha["rmuscle_node"]["ros__parameters"], aloha["action_streamer"]["ros__parameters"]
+    assert node["gripper_state_joint"] == "left_finger"
+    assert tuple(node["gripper_state_range"]) == SimConfig().finger_range
+    assert tuple(streamer["gripper_command_range"]) == SimConfig().gripper_joint_range
+
+
+def test_an_arm_reaches_its_commanded_pose_and_holds_it(sim: AlohaSim) -> None:
+    sim.reset(0)
+    position, velocity = sim.joint_state("left")
+    assert len(position) == len(velocity) == len(JOINT_STATE_NAMES)
+    np.testing.assert_allclose(position[:6], START, atol=1e-6)
+    sim.command_arm("left", POSE)
+    run(sim, 1.0)
+    np.testing.assert_allclose(sim.joint_state("left")[0][:6], POSE, atol=0.015)
+    np.testing.assert_allclose(sim.joint_state("right")[0][:6], START, atol=0.015)  # the other arm held
+    run(sim, 0.5)
+    np.testing.assert_allclose(sim.joint_state("left")[0][:6], POSE, atol=0.015)
+    assert max(abs(v) for v in sim.joint_state("left")[1][:6]) < 0.05  # at rest
+
+
+def test_the_gripper_is_commanded_and_reported_in_the_real_arms_units(sim: AlohaSim) -> None:
+    """Commanded as the Interbotix gripper joint (rad), reported as that joint and the fingers (m), all the
+    same opening: what the node's gripper_state_range and the streamer's gripper_command_range expect."""
+    cfg = sim.config
+    (j_closed, j_open), (f_closed, f_open) = cfg.gripper_joint_range, cfg.finger_range
+    sim.reset(0)
+    openings = []
+    for command in (j_open, j_open + 1.0, j_closed):  # past the range: as open as it goes
+        sim.command_gripper("right", command)
+        run(sim, 1.0)
+        position, _ = sim.joint_state("right")
+        gripper, left_finger, right_finger = position[6:]
+        opening = (left_finger - f_closed) / (f_open - f_closed)
+        assert (gripper - j_closed) / (j_open - j_closed) == pytest.approx(opening)
+        assert right_finger == -left_finger
+        openings.append(opening)
+    assert openings[0] > 0.9 and openings[1] == pytest.approx(openings[0], abs=0.01)
+    # gym-aloha's fingers stop at ~0.1 of their range when closed on nothing, as they start.
+    assert openings[2] < 0.15
+
+
+def test_bad_commands_are_refused_and_the_arm_keeps_its_target(sim: AlohaSim) -> None:
+    sim.reset(1)
+    sim.command_arm("left", POSE)
+    before = sim.targets("left")
+    for bad in (POSE[:5], [*POSE[:5], math.nan], [[0.1] * 6, [0.2] * 6]):
+        with pytest.raises(CommandError, match="arm command"):
+            sim.command_arm("left", bad)
+    with pytest.raises(CommandError, match="non-finite"):
+        sim.command_gripper("left", math.inf)
+    np.testing.assert_array_equal(sim.targets("left"), before)
+    with pytest.raises(ValueError, match="side"):
+        sim.command_arm("middle", POSE)
+
+
+def test_reset_places_the_object_from_the_seed(sim: AlohaSim) -> None:
+    poses = []
+    for seed in (3, 3, 4):
+        sim.reset(seed)
+        run(sim, 0.1)
+        assert sim.seed == seed and sim.reward == 0 and not sim.success
+        poses.append(sim.physics.data.qpos[16:19].copy())  # the cube's position
+    np.testing.assert_allclose(poses[0], poses[1], atol=1e-9)
+    assert np.abs(poses[0] - poses[2]).max() > 1e-3
+    np.testing.assert_allclose(sim.joint_state("left")[0][:6], START, atol=0.01)  # the arms start over
+
+
+def test_config_is_validated_naming_the_setting() -> None:
+    for kwargs, match in (
+        ({"task": "fold_towel"}, "task"),
+        ({"cameras": ()}, "cameras"),
+        ({"cameras": ("top", "top")}, "cameras"),
+        ({"height": 8}, "height"),
+        ({"finger_range": (0.05, 0.05)}, "finger_range"),
+        ({"gripper_joint_range": (0.0, math.nan)}, "gripper_joint_range"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SimConfig(**kwargs)
+    with pytest.raises(ValueError, match="not in the transfer_cube scene"):
+        AlohaSim(SimConfig(cameras=("top", "cam_low")))
+    with pytest.raises(ValueError, match="offscreen buffer"):
+        AlohaSim(SimConfig(height=720, width=1280))
+
+
+def _render_or_skip(sim: AlohaSim, camera: str) -> np.ndarray:
+    try:
+        return sim.render(camera)
+    except Exception as e:  # no OpenGL for MuJoCo here: say so instead of failing every frame test
+        pytest.skip(f"MuJoCo cannot render offscreen here (MUJOCO_GL=egl): {e!r}")
+
+
+def test_cameras_render_the_scene(sim: AlohaSim) -> None:
+    sim.reset(0)
+    frames = {camera: _render_or_skip(sim, camera) for camera in sim.config.cameras}
+    for frame in frames.values():
+        assert frame.shape == (480, 640, 3) and frame.dtype == np.uint8
+        assert frame.std() > 5  # a scene, not a blank buffer
+    assert np.abs(frames["top"].astype(int) - frames["left_wrist"].astype(int)).mean() > 5
+    sim.command_arm("left", POSE)
+    run(sim, 1.0)
+    moved = sim.render("left_wrist")
+    assert np.abs(moved.astype(int) - frames["left_wrist"].astype(int)).mean() > 5  # the wrist camera moved
+
+
+# -- the ROS node -----------------------------------------------------------------------------------------
+
+
+def _ros_or_skip() -> object:
+    pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+    return pytest.importorskip(
+        "interbotix_xs_msgs.msg",
+        reason="the stand-in Interbotix messages are not built (scripts/setup_ros_venv.sh)",
+    )
+
+
+def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
+    _ros_or_skip()
+    from rmuscle_ros.node.aloha_sim import sim_node_config
+    from rmuscle_ros.node.params import ParameterError
+
+    assert sim_node_config({}).cameras == ("top", "left_wrist", "right_wrist")
+    for params, match in (
+        ({"camera_rate_hz": 0.0}, "camera_rate_hz"),
+        ({"real_time_factor": -1.0}, "real_time_factor"),
+        ({"seed": -1}, "seed"),
+        ({"cameras": ["top", "angle", "left_wrist", "right_wrist"]}, "cameras"),
+        ({"task": "towel"}, "task"),
+        ({"camera_rate_hz": "fast"}, "camera_rate_hz"),
+        ({"speed": 2.0}, "speed: unknown parameter"),
+    ):
+        with pytest.raises(ParameterError, match=match):
+            sim_node_config(params)
+
+
+def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> None:
+    """Over DDS: the sim's clock, cameras and joint states arrive on the ALOHA's topics; a command moves
+    the arm; commands for another group or joint are refused and counted while the simulation goes on;
+    ~/reset reports the ended episode and starts the next at the start pose."""
+    interbotix = _ros_or_skip()
+    import os
+    import threading
+    import time
+
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+    from rclpy.qos import qos_profile_sensor_data
+    from rosgraph_msgs.msg import Clock
+    from sensor_msgs.msg import Image, JointState
+    from std_srvs.srv import Trigger
+
+    from rmuscle_ros.node.aloha_sim import CAMERA_TOPICS, AlohaSimNode
+    from rmuscle_ros.node.replay_demo import call_service
+
+    domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 61
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=domain)
+    params = [Parameter("camera_rate_hz", value=5.0), Parameter("real_time_factor", value=2.0)]
+    node = AlohaSimNode(context=context, parameter_overrides=params)
+    peer = rclpy.create_node("cell_user", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+    executor.add_node(peer)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    seen: dict[str, list] = {"clock": [], "joints": [], "image": [], "diag": []}
+    peer.create_subscription(Clock, "/clock", seen["clock"].append, 10)
+    peer.create_subscription(
+        JointState, "/follower_left/joint_states", seen["joints"].append, qos_profile_sensor_data
+    )
+    peer.create_subscription(Image, CAMERA_TOPICS[1], seen["image"].append, qos_profile_sensor_data)
+    peer.create_subscription(DiagnosticArray, "/diagnostics", seen["diag"].append, 10)
+    arm = peer.create_publisher(interbotix.JointGroupCommand, "/follower_left/commands/joint_group", 10)
+    gripper = peer.create_publisher(interbotix.JointSingleCommand, "/follower_left/commands/joint_single", 10)
+    reset = peer.create_client(Trigger, "/aloha_sim/reset")
+
+    def wait_for(condition, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert condition()
+
+    def values() -> dict[str, str]:
+        return {kv.key: kv.value for kv in seen["diag"][-1].status[0].values} if seen["diag"] else {}
+
+    try:
+        wait_for(lambda: seen["joints"] and seen["image"] and seen["clock"])
+        joints, image = seen["joints"][-1], seen["image"][-1]
+        assert tuple(joints.name) == JOINT_STATE_NAMES
+        assert (image.height, image.width, image.encoding, image.header.frame_id) == (
+            480,
+            640,
+            "rgb8",
+            "left_wrist",
+        )
+        wait_for(lambda: arm.get_subscription_count() and gripper.get_subscription_count())
+        arm.publish(interbotix.JointGroupCommand(name="arm", cmd=list(POSE)))
+        arm.publish(interbotix.JointGroupCommand(name="arms", cmd=list(POSE)))  # not this arm's group
+        gripper.publish(interbotix.JointSingleCommand(name="waist", cmd=0.3))  # not its gripper
+        arm.publish(interbotix.JointGroupCommand(name="arm", cmd=[0.0] * 5))  # one joint short
+        wait_for(lambda: np.allclose(seen["joints"][-1].position[:6], POSE, atol=0.02))
+        wait_for(lambda: values().get("refused") == "3" and values().get("arm_commands") == "1")
+        clock = seen["clock"][-1].clock.sec
+        wait_for(lambda: seen["clock"][-1].clock.sec > clock)  # still stepping
+        response = call_service(reset, Trigger.Request())
+        assert response.success, response.message
+        ended = json.loads(response.message)
+        assert (
+            ended["episode"] == 0 and ended["seed"] == 0 and ended["max_reward"] == 4 and not ended["success"]
+        )
+        assert ended["seconds"] > 0.5
+        wait_for(lambda: values().get("episode") == "1" and values().get("seed") == "1")
+        wait_for(lambda: np.allclose(seen["joints"][-1].position[:6], START, atol=0.02))
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        peer.destroy_node()
+        rclpy.shutdown(context=context)
+
+
+@pytest.mark.slow
+def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
+    """What a cell runs, on the simulated ALOHA: aloha_sim, rmuscle_node (CPU profile, tiny, random weights,
+    the ALOHA profile's gripper state) and action_streamer (the ALOHA profile's section), each a process
+    with the launch file's remappings, on the simulation's clock. The policy's chunks must become the arms'
+    commands and the simulated arms must follow them: the loop is closed through the follower topics."""
+    interbotix = _ros_or_skip()
+    pytest.importorskip(
+        "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
+    )
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import JointState
+    from test_launch import remappings
+
+    from rmuscle_ros.msg import ActionChunk
+    from rmuscle_ros.node.replay_demo import call_service
+
+    domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 60
+    env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
+    aloha = yaml.safe_load((CONFIG / "rmuscle_aloha.yaml").read_text())["rmuscle_node"]["ros__parameters"]
+    gripper_state = aloha["gripper_state_range"]
+
+    def start(module: str, *args: str) -> subprocess.Popen:
+        log = (tmp_path / f"{module.rsplit('.', 1)[1]}.log").open("wb")
+        command = [sys.executable, "-m", module, "--ros-args", *args]
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def remaps(table: str) -> list[str]:
+        return [arg for frm, to in remappings(table) for arg in ("-r", f"{frm}:={to}")]
+
+    processes = [
+        # 10 frames a second: three cameras cost ~60 ms of CPU per frame here, beside the policy.
+        start("rmuscle_ros.node.aloha_sim", "-p", "camera_rate_hz:=10.0"),
+        start("rmuscle_ros.node.rmuscle_node", "--params-file", str(CONFIG / "rmuscle_default.yaml"),
+              *remaps("ALOHA_REMAPPINGS"), "-p", "use_sim_time:=true", "-p", "warmup:=false",
+              "-p", "cache.enabled:=false", "-p", "gripper_state_joint:=left_finger",
+              "-p", f"gripper_state_range:=[{gripper_state[0]}, {gripper_state[1]}]"),
+        start("rmuscle_ros.node.action_streamer", "--params-file", str(CONFIG / "rmuscle_aloha.yaml"),
+              *remaps("STREAMER_REMAPPINGS"), "-p", "use_sim_time:=true"),
+    ]  # fmt: skip
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=domain)
+    watcher = rclpy.create_node("cell_watcher", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(watcher)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    commands: list = []
+    joints: list = []
+    chunks: list = []
+    sim_status: list = []
+    watcher.create_subscription(
+        interbotix.JointGroupCommand, "/follower_left/commands/joint_group", commands.append, 100
+    )
+    watcher.create_subscription(
+        JointState, "/follower_left/joint_states", joints.append, qos_profile_sensor_data
+    )
+    watcher.create_subscription(ActionChunk, "/rmuscle_node/action_chunk", chunks.append, 10)
+    watcher.create_subscription(
+        DiagnosticArray,
+        "/diagnostics",
+        lambda a: sim_status.extend(s for s in a.status if s.name.startswith("aloha_sim")),
+        10,
+    )
+
+    def logs() -> str:
+        return "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
+
+    try:
+        for name in ("rmuscle_node", "action_streamer"):
+            client = watcher.create_client(ChangeState, f"/{name}/change_state")
+            for transition in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+                request = ChangeState.Request()
+                request.transition.id = transition
+                assert call_service(client, request, 120.0).success, logs()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (len(chunks) < 4 or len(commands) < 100):
+            time.sleep(0.1)
+        assert len(chunks) >= 4 and len(commands) >= 100, (len(chunks), len(commands), logs())
+        # The simulated arm follows its commands: where it is now against the command sent a few periods ago
+        # (the streamer limits each joint's step to 0.1 rad per period, the arm lags its target by a few).
+        time.sleep(0.5)
+        start_pose = np.array(joints[0].position[:6])
+        sent = np.array([c.cmd for c in commands])
+        measured = np.array(joints[-1].position[:6])
+        assert np.abs(sent - start_pose).max() > 0.05, "the policy's commands never moved the arm"
+        assert np.abs(measured - start_pose).max() > 0.05, "the simulated arm did not move"
+        recent = sent[-10:]  # ~0.2 s of simulated time
+        assert np.abs(recent - measured).min(axis=0).max() < 0.2, (recent, measured)
+        values = {kv.key: kv.value for kv in sim_status[-1].values}
+        assert int(values["arm_commands"]) >= 100 and values["refused"] == "0", values
+        assert all(c.cache_mode == ActionChunk.CACHE_DENSE for c in chunks)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        executor.shutdown()
+        watcher.destroy_node()
+        rclpy.shutdown(context=context)
