@@ -25,11 +25,12 @@ ROS_TEST_DOMAIN_ID ?= 42
 export AMENT_PREFIX_PATH := $(abspath $(VENV))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo test lint format clean
+.PHONY: help venv demo demo-sim test lint format clean
 
 help:
 	@echo "make venv    create $(VENV) ($(TORCH_SPEC), pip install -e '.[dev]', ROS 2 Jazzy wheels, build msg/)"
 	@echo "make demo    run the tiny-preset CPU demo (python -m rmuscle_ros.demo)"
+	@echo "make demo-sim  the same node driving a simulated ALOHA (MuJoCo) in closed loop (demo --sim)"
 	@echo "make test    ruff check, ruff format --check, pytest (GPU tests skip without CUDA)"
 	@echo "make lint    ruff check + ruff format --check"
 	@echo "make format  ruff format + ruff check --fix"
@@ -53,6 +54,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 
 demo: venv
 	$(PY) -m rmuscle_ros.demo
+
+demo-sim: venv
+	$(PY) -m rmuscle_ros.demo --sim
 
 lint: venv
 	$(PY) -m ruff check .

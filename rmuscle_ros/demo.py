@@ -3,6 +3,7 @@
     python -m rmuscle_ros.demo              # rmuscle_node on a replayed ALOHA-like bag (node/replay_demo.py)
     python -m rmuscle_ros.demo --synthetic  # the policy alone (config/demo.yaml), synthetic observations
     python -m rmuscle_ros.demo --bags ep0 ep1 ep2 --param prompt="fold the towel"  # your recorded episodes
+    python -m rmuscle_ros.demo --sim        # the node driving a simulated ALOHA (MuJoCo) in closed loop
 
 Both need no files and no GPU: the `tiny` preset on the CPU with seeded weights. The bag demo replays
 the episode twice with rMuscle on: a dense warm-up episode that the node records into its reference
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         help="bag demo: the DDS domain of its node and player (default 77, away from a robot's usual 0)",
     )  # fmt: skip
     p.add_argument(
+        "--sim", action="store_true",
+        help="bag demo: a simulated ALOHA (MuJoCo, aloha_sim) in closed loop instead of bags",
+    )  # fmt: skip
+    p.add_argument(
         "--no-stream", action="store_true",
         help="bag demo: without action_streamer (the chunks are not turned into the arms' commands)",
     )  # fmt: skip
@@ -98,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         if remap and args.bags is None:
             p.error("--remap: only with --bags (the demo's own bags use the node's topics)")
-        if args.bags is not None:
+        if args.sim:
+            print(
+                f"[demo] rmuscle_node (config/rmuscle_default.yaml) driving a simulated ALOHA (transfer_cube) in closed "
+                f"loop through action_streamer: {args.episodes} episode(s) of {args.seconds:g} s on one scene, a dense "
+                "warm-up, then repeats served by rMuscle"
+            )
+        elif args.bags is not None:
             print(
                 f"[demo] rmuscle_node (config/rmuscle_default.yaml) on {len(args.bags)} recorded episode(s)"
             )
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
-                episodes=args.episodes, bags=args.bags, remap=remap, stream=not args.no_stream,
+                episodes=args.episodes, bags=args.bags, remap=remap, stream=not args.no_stream, sim=args.sim,
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))

@@ -372,3 +372,48 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
         executor.shutdown()
         watcher.destroy_node()
         rclpy.shutdown(context=context)
+
+
+@pytest.mark.slow
+def test_the_sim_demo_runs_a_dense_warm_up_then_a_cached_repeat(tmp_path, capsys) -> None:
+    """`python -m rmuscle_ros.demo --sim`: the node drives the simulated arms through the streamer; the
+    repeat of the scene is served from the cache; the sim reports each episode and the commands it took."""
+    _ros_or_skip()
+    pytest.importorskip(
+        "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
+    )
+    import os
+
+    from rmuscle_ros.demo import main
+    from rmuscle_ros.msg import ActionChunk
+    from rmuscle_ros.node.bags import read_messages
+
+    domain = str((int(os.environ.get("ROS_DOMAIN_ID", "0")) + 110) % 233)
+    for bad, says in (
+        (["--no-stream"], "needs action_streamer"),
+        (["--bags", str(tmp_path)], "replays no bags"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--sim", *bad, "--domain-id", domain, "--out", str(tmp_path)])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    # One chunk a second leaves the 2-core CPU's motion window room to rebuild the window's entries (see
+    # test_node_lifecycle's replay demo test).
+    args = ["--sim", "--seconds", "4", "--param", "actions_per_inference=50", "--domain-id", domain]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "episode 0 (dense warm-up)" in out and "reset before episode 1: episode 1 (episode 0 recorded" in out
+    )
+    assert "action_streamer (own process, the sim's clock): " in out and "chunks refused: none" in out
+    assert "[demo] aloha_sim episode 1 (transfer_cube, seed 0, " in out
+    chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
+    assert {c.cache_mode for c in chunks if c.episode_id == 0} == {ActionChunk.CACHE_DENSE}
+    assert ActionChunk.CACHE_CACHED in [c.cache_mode for c in chunks if c.episode_id == 1], out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    sim = summary["sim"]
+    assert [e["episode"] for e in sim["episodes"]] == [0, 1]
+    assert all(e["seed"] == 0 and e["seconds"] >= 4.0 for e in sim["episodes"])  # one scene, repeated
+    assert sim["arm_commands"] >= 200 and sim["refused"] == 0, sim  # both arms, ~8 s at 50 Hz
+    assert 0 < sim["real_time_factor"] <= 1.05
+    assert summary["drops"] == {} or sum(summary["drops"].values()) <= 2, summary["drops"]
+    assert (tmp_path / "demo.png").stat().st_size > 10_000

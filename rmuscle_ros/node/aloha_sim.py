@@ -11,8 +11,9 @@ run in closed loop, with the launch file's remappings, as they would on the cell
   its last command, as a position-controlled arm does. A bad command is refused, counted and logged;
   the simulation goes on;
 - is the clock: it publishes `/clock` at every step (run the other nodes with use_sim_time), paced to
-  `real_time_factor` of the wall clock (0: as fast as it can). Where the CPU cannot keep up, simulated
-  time runs slower than the wall clock and the other nodes see their own latency shrink by as much;
+  `real_time_factor` of the wall clock (0: as fast as it can). A step that takes longer (one that renders
+  the cameras) is not made up by a burst of steps: simulated time runs slower than the wall clock instead,
+  and the other nodes see their own latency shrink by as much;
 - `~/reset` (`std_srvs/Trigger`) ends the episode and starts the next, with the object placed from
   `seed` + episode × `seed_step` (0: the same scene each time, a repeated task); the response's message is
   the ended episode's result as JSON (reward, best reward, success). `/diagnostics` once a second (wall
@@ -58,9 +59,6 @@ GRIPPER_COMMAND_TOPIC = "/follower_{side}/commands/joint_single"
 ARM_GROUP = "arm"  # the Interbotix group of an ALOHA follower's six arm joints
 GRIPPER_JOINT = "gripper"
 REFUSAL_LOG_PERIOD_S = 1.0
-# Behind the paced schedule by more than this, the pacing starts again from now instead of catching up
-# in a burst of unpaced steps.
-MAX_PACING_LAG_S = 0.25
 RESET_TIMEOUT_S = 10.0
 
 
@@ -233,7 +231,7 @@ class AlohaSimNode(Node):
         period = self.sim.period_s
         frame_period = 1.0 / self.cfg.camera_rate_hz
         next_frame = 0.0  # simulated seconds since the start
-        paced_from, paced_steps = time.perf_counter(), 0
+        last_step = time.perf_counter()
         while not self._stop.is_set():
             if self._reset_request.is_set():
                 self._reset_request.clear()
@@ -253,8 +251,13 @@ class AlohaSimNode(Node):
                     self._counts[f"{kind}_commands"] += 1
                 except CommandError as e:
                     self._refuse(f"{side} {e}")
+            before = self.sim.best_reward
             self.sim.step()
             self._steps += 1
+            if self.sim.best_reward > before:
+                self.get_logger().info(
+                    f"episode {self.episode}: reward {self.sim.best_reward}/{self.sim.max_reward} at {self.sim.time_s:.2f} s"
+                )
             now_s = self._steps * period
             stamp = self._stamp(now_s)
             self._clock_pub.publish(ClockMsg(clock=stamp))
@@ -268,14 +271,15 @@ class AlohaSimNode(Node):
                 for camera, pub in zip(self.cfg.cameras, self._image_pubs, strict=True):
                     pub.publish(self._image(camera, stamp))
             self._rtf_window.append((time.perf_counter(), now_s))
-            paced_steps += 1
             if self.cfg.real_time_factor > 0:
-                due = paced_from + paced_steps * period / self.cfg.real_time_factor
-                lag = time.perf_counter() - due
-                if lag < 0:
-                    time.sleep(-lag)
-                elif lag > MAX_PACING_LAG_S:
-                    paced_from, paced_steps = time.perf_counter(), 0
+                # Each step at least one period of wall clock (over the factor) after the one before. A late
+                # step (a frame rendered) is not made up by steps in a burst: the clock runs slower instead,
+                # so the other nodes still get a period of wall clock to answer each step.
+                due = last_step + period / self.cfg.real_time_factor
+                now = time.perf_counter()
+                if now < due:
+                    time.sleep(due - now)
+                last_step = max(due, now)
 
     def _stamp(self, since_start_s: float) -> Time:
         ns = round(self.cfg.start_time_s * 1e9) + round(since_start_s * 1e9)

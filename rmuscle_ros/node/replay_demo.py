@@ -65,6 +65,7 @@ from rmuscle_ros.node.params import load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
+ALOHA_CONFIG = CONFIG.parent / "rmuscle_aloha.yaml"
 FASTDDS_LARGE_FRAMES = CONFIG.parent / "fastdds_shm_large_frames.xml"
 START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
 # Between two recorded episodes on the replay's clock. The clock stands still between two plays (the
@@ -95,16 +96,27 @@ def run(
     bags: Sequence[Path] | None = None,
     remap: Mapping[str, str] | None = None,
     stream: bool = True,
+    sim: bool = False,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
     over config/rmuscle_default.yaml. `bags`: recorded episodes to replay instead of written ones (then
     `seconds` and `episodes` are theirs); `remap`: bag topic -> the node's topic, over the ALOHA defaults
     (/cam_high/... onto the node's first camera topic, and so on). `stream`: run action_streamer beside
-    the node."""
+    the node. `sim`: instead of bags, a simulated ALOHA (aloha_sim) in closed loop: the streamer's
+    commands move its arms, and each episode is `seconds` of its clock on the same scene."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
-    params = load_params_file(CONFIG) | dict(overrides or {}) | {"use_sim_time": True}
+    params = load_params_file(CONFIG)
+    streamer_params: dict[str, Any] = {}
+    if sim:  # the simulated arms speak a real ALOHA's gripper units: the node and streamer convert as on one
+        aloha = yaml.safe_load(ALOHA_CONFIG.read_text())
+        node_aloha = aloha["rmuscle_node"]["ros__parameters"]
+        params |= {k: node_aloha[k] for k in ("gripper_state_joint", "gripper_state_range")}
+        streamer_params = {
+            "gripper_command_range": aloha["action_streamer"]["ros__parameters"]["gripper_command_range"]
+        }
+    params |= dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
@@ -113,6 +125,10 @@ def run(
         zip(ALOHA_JOINT_TOPICS, topics["joint_state_topics"], strict=False)
     ) | dict(remap or {})  # fmt: skip
     recorded = bags is not None
+    if sim and (recorded or not stream):
+        raise ValueError(
+            "sim: the simulated cell needs action_streamer to move its arms, and replays no bags"
+        )
     if recorded:
         if not bags:
             raise ValueError("bags: at least one episode to replay")
@@ -136,7 +152,7 @@ def run(
         lengths = [seconds] * episodes
 
     def write(k: int) -> None:
-        if not recorded:
+        if not recorded and not sim:
             write_aloha_episode(
                 _fresh(bags[k]), storage="mcap", seconds=seconds, cameras=3, start_ns=starts[k]
             )
@@ -166,11 +182,18 @@ def run(
     statuses: list[CacheStatus] = []
     peer.create_subscription(CacheStatus, f"/{node.get_name()}/cache_status", statuses.append, 10)
     reset = peer.create_client(Trigger, f"/{node.get_name()}/reset_episode")
-    streaming = _Streaming(peer, topic, domain_id, topics, out_dir, stream)
+    streaming = _Streaming(peer, topic, domain_id, topics, out_dir, stream, streamer_params)
+    cell = _SimCell(peer, domain_id, remap, out_dir) if sim else None
     try:
         # First: its process takes seconds to come up on a loaded CPU, and the node's sensor start-up
         # window (sensor_startup_timeout_s) opens at its activation.
         streaming.start()
+        if cell is not None:
+            if streaming.process is None:
+                raise RuntimeError(
+                    f"the simulated cell needs action_streamer, which did not start: {streaming.skipped}"
+                )
+            cell.wait_running()
         start = time.perf_counter()
         node.trigger_configure()
         if node.cfg is None:
@@ -182,6 +205,10 @@ def run(
             if k > 0:
                 resets.append(call_service(reset, Trigger.Request()).message)
                 write(k)
+            if cell is not None:  # the arms start over on the same scene; the episode runs on the sim's clock
+                starts[k] = cell.reset()
+                cell.run_for(seconds)
+                continue
             # Every node on the bag's clock hears it from the first message: the node, and the streamer.
             clocks = 1 + (streaming.process is not None)
             _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks)
@@ -189,11 +216,16 @@ def run(
             if not recorded and 0 < k < episodes - 1:
                 shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
         stats = node.stats()
-        streamed = streaming.stop()
+        # Before the cell's and streamer's reports: a simulated cell's clock runs on, and the node would go on
+        # publishing chunks past the last episode.
         node.trigger_deactivate()
+        simulated = cell.stop() if cell is not None else None
+        streamed = streaming.stop()
         node.trigger_cleanup()
     finally:
         streaming.close()
+        if cell is not None:
+            cell.close()
         executor.shutdown()
         node.destroy_node()
         peer.destroy_node()
@@ -253,7 +285,8 @@ def run(
         },
         "configure_activate_s": configure_s,
         "streaming": streamed,
-        "bag": ", ".join(str(b) for b in bags if b.exists()),
+        "sim": simulated,
+        "bag": "" if sim else ", ".join(str(b) for b in bags if b.exists()),
         "recorded_bags": recorded,
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
@@ -266,6 +299,8 @@ def run(
     # The same figures for a program: e.g. hit rates compared across a cell's recordings or between runs.
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     title = f"{episodes} recorded episode(s)" if recorded else "a replayed episode and its repeat"
+    if sim:
+        title = "a simulated ALOHA in closed loop, an episode and its repeat"
     _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})")
     return summary
 
@@ -286,6 +321,7 @@ class _Streaming:
         node_params: Mapping[str, Any],
         out_dir: Path,
         enabled: bool = True,
+        extra_params: Mapping[str, Any] | None = None,
     ) -> None:
         self.skipped = ""
         self.process: subprocess.Popen[bytes] | None = None
@@ -321,7 +357,7 @@ class _Streaming:
             "joint_name_prefixes": list(node_params["joint_name_prefixes"]),
             "gripper_joint": node_params["gripper_joint"],
             "control_period_s": float(node_params["control_period_s"]),
-        }
+        } | dict(extra_params or {})
         params_file = out_dir / "action_streamer_params.yaml"
         params_file.write_text(yaml.safe_dump({self.NAME: {"ros__parameters": params}}))
         self.log = out_dir / "action_streamer.log"
@@ -385,6 +421,112 @@ class _Streaming:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+class _SimCell:
+    """The simulated ALOHA (`aloha_sim`) in a process of its own, as its drivers are on a cell, its topics
+    remapped onto the node's and the streamer's. The demo's peer node watches its /clock and /diagnostics
+    and resets it: every episode starts from the arms' start pose on the same scene (seed_step 0), a task
+    repeated as on a cell. It renders its three cameras at CAMERA_RATE_HZ of its clock: ~60 ms of CPU per
+    frame on 2 cores, beside the policy."""
+
+    NAME = "aloha_sim"
+    CAMERA_RATE_HZ = 10.0
+
+    def __init__(self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path) -> None:
+        from rosgraph_msgs.msg import Clock
+
+        from rmuscle_ros.node.aloha_sim import ARM_COMMAND_TOPIC, CAMERA_TOPICS, GRIPPER_COMMAND_TOPIC
+
+        self.clock_ns = 0
+        self.diagnostics: dict[str, str] = {}
+        self.results: list[dict[str, Any]] = []  # one per demo episode
+        peer.create_subscription(Clock, "/clock", self._clock, 10)
+        peer.create_subscription(DiagnosticArray, "/diagnostics", self._diagnostics, 10)
+        self._reset = peer.create_client(Trigger, f"/{self.NAME}/reset")
+        # Its ALOHA topics onto the node's (as the bags' are) and onto the streamer's command topics.
+        remaps = {t: remap[t] for t in CAMERA_TOPICS if t in remap}
+        remaps |= {t: remap[t] for t in ALOHA_JOINT_TOPICS if t in remap}
+        for side in ("left", "right"):
+            remaps[ARM_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_group"
+            remaps[GRIPPER_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_single"
+        command = [sys.executable, "-m", "rmuscle_ros.node.aloha_sim", "--ros-args"]
+        command += ["-p", f"camera_rate_hz:={self.CAMERA_RATE_HZ}", "-p", "seed_step:=0"]
+        for frm, to in remaps.items():
+            command += ["-r", f"{frm}:={to}"]
+        env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
+        env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(FASTDDS_LARGE_FRAMES))  # its 0.9 MB frames
+        self.log = out_dir / "aloha_sim.log"
+        with self.log.open("wb") as log:
+            self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def _clock(self, msg: Any) -> None:
+        self.clock_ns = msg.clock.sec * 10**9 + msg.clock.nanosec
+
+    def _diagnostics(self, array: Any) -> None:
+        for status in array.status:
+            if status.name.startswith(f"{self.NAME}:"):
+                self.diagnostics = {kv.key: kv.value for kv in status.values}
+
+    def _wait(self, condition: Any, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.NAME} exited ({self.process.returncode}): {self.log.read_text()[-2000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.NAME}: {what} within {timeout_s:g} s (its log: {self.log})")
+            time.sleep(0.02)
+
+    def wait_running(self) -> None:
+        self._wait(lambda: self.clock_ns > 0, 60.0, "no /clock")
+
+    def reset(self) -> int:
+        """Start the next episode; returns the clock (ns) at its start. The ended one's result is kept, but
+        for the first reset's: that ends the time the cell waited for the nodes."""
+        response = call_service(self._reset, Trigger.Request())
+        if not response.success:
+            raise RuntimeError(f"{self.NAME} did not reset: {response.message}")
+        ended = json.loads(response.message)
+        if self.results or ended["episode"] > 0:
+            self.results.append(ended | {"episode": len(self.results)})
+        after = self.clock_ns
+        self._wait(lambda: self.clock_ns > after, 10.0, "no /clock after the reset")
+        return self.clock_ns
+
+    def run_for(self, seconds: float) -> None:
+        """Wait until `seconds` of the sim's clock have passed (it may run slower than the wall clock)."""
+        end = self.clock_ns + round(seconds * 1e9)
+        self._wait(
+            lambda: self.clock_ns >= end, 60.0 + 20.0 * seconds, f"{seconds:g} s of its clock did not pass"
+        )
+
+    def stop(self) -> dict[str, Any]:
+        """The episodes' results (the last one's through one more reset) and the cell's counters."""
+        self.reset()
+        time.sleep(1.1)  # its next /diagnostics (every second of wall clock)
+        d = self.diagnostics
+        return {
+            "episodes": self.results,
+            "real_time_factor": float(d.get("real_time_factor", 0.0)),
+            "arm_commands": int(d.get("arm_commands", 0)),
+            "gripper_commands": int(d.get("gripper_commands", 0)),
+            "refused": int(d.get("refused", 0)),
+        }
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
 
 
 def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -> BagInfo:
@@ -545,14 +687,26 @@ def print_summary(summary: dict[str, Any]) -> None:
             for side, n in streamed["arm_commands"].items()
         )
         print(
-            f"[demo] action_streamer (own process, the bag's clock): {d.get('chunks_accepted', 0)} chunks executed; "
+            f"[demo] action_streamer (own process, the {'sim' if summary.get('sim') else 'bag'}'s clock): "
+            f"{d.get('chunks_accepted', 0)} chunks executed; "
             f"commands received: {arms}, every {streamed['interval_p50_ms']:.1f} ms (median); "
             f"{d.get('limited', 0)} held back by max_step; {d.get('held', 0)} ticks with no chunk due; "
             f"chunks refused: {refused or 'none'}"
         )
+    simulated = summary.get("sim")
+    if simulated:
+        for e in simulated["episodes"]:
+            print(
+                f"[demo] aloha_sim episode {e['episode']} ({e['task']}, seed {e['seed']}, {e['seconds']:.1f} s): "
+                f"reward {e['reward']}/{e['max_reward']}, best {e['best_reward']}, success {e['success']}"
+            )
+        print(
+            f"[demo] aloha_sim (own process): {simulated['arm_commands']} arm + {simulated['gripper_commands']} "
+            f"gripper commands taken, {simulated['refused']} refused; real-time factor {simulated['real_time_factor']:.2f}"
+        )
     if summary["errors"]:
         print(f"[demo] errors the node survived: {summary['errors']}")
+    bags = f"episode bags {summary['bag']}, " if summary["bag"] else ""
     print(
-        f"[demo] episode bags {summary['bag']}, recorded chunks {summary['recorded']}, plot {summary['plot']}, "
-        f"summary {summary['summary']}"
+        f"[demo] {bags}recorded chunks {summary['recorded']}, plot {summary['plot']}, summary {summary['summary']}"
     )
