@@ -268,6 +268,38 @@ def test_a_bad_chunk_is_refused_with_its_reason_and_the_running_one_goes_on(cell
     assert c.state() == State.PRIMARY_STATE_ACTIVE
 
 
+def test_a_chunk_before_the_first_clock_is_held_for_it_not_refused(cell) -> None:
+    """With use_sim_time a chunk can come before this node's first /clock (a simulator or a bag player it
+    matched late): its clock reads 0, against which every stamp is decades ahead. The chunk waits for the
+    clock and is then executed from its due row."""
+    from builtin_interfaces.msg import Time
+    from rosgraph_msgs.msg import Clock
+
+    c = cell(use_sim_time=True)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    clock = c.peer.create_publisher(Clock, "/clock", 10)
+    start_ns = 1_700_000_000 * 10**9
+    chunk = rows(1.0)
+    c.publish_chunk(chunk, start_ns)
+    time.sleep(0.5)  # the chunk is in; no /clock yet
+    assert c.node.stats()["refused"] == {} and not c.arm["left"]
+    t = start_ns
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(c.arm["left"]) < 5:
+        t += 20_000_000
+        clock.publish(Clock(clock=Time(sec=t // 10**9, nanosec=t % 10**9)))
+        for pub in c.joint_pubs:
+            msg = JointState(
+                name=list(ALOHA_JOINT_STATE_NAMES), position=[1.0] * len(ALOHA_JOINT_STATE_NAMES)
+            )
+            msg.header.stamp = Time(sec=t // 10**9, nanosec=t % 10**9)
+            pub.publish(msg)
+        time.sleep(0.02)
+    assert len(c.arm["left"]) >= 5 and c.node.stats()["refused"] == {}, c.node.stats()
+    assert c.node.stats()["chunks_accepted"] == 1
+    assert row_of(c.arm["left"][0].cmd, chunk, list(range(6))) <= 5  # from near its first row
+
+
 def test_deactivate_stops_the_commands_at_once(cell) -> None:
     c = cell()
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)

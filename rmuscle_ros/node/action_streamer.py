@@ -187,6 +187,9 @@ class ActionStreamerNode(LifecycleNode):
         self._last_refusal = ""
         self._last_refusal_logged = -math.inf
         self._last_command: Any = None  # chunk_schedule.Command
+        # The newest chunk that came before this node had a time (use_sim_time, no /clock yet): offered at
+        # the first tick, which comes with the clock, instead of refused as stamped ~55 years ahead.
+        self._before_clock: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -261,7 +264,7 @@ class ActionStreamerNode(LifecycleNode):
         if self._schedule is not None:
             self._schedule.reset()
         self._joints.clear()
-        self._last_command = None
+        self._last_command = self._before_clock = None
 
     def _release(self) -> None:
         pubs = [pub for pub, _ in (*self._arm_pubs, *self._gripper_pubs)]
@@ -291,6 +294,13 @@ class ActionStreamerNode(LifecycleNode):
         if schedule is None:
             return
         now = self.get_clock().now().nanoseconds
+        if now == 0:  # simulated time that has not started: hold the newest chunk for the first tick
+            if self._before_clock is None:
+                self.get_logger().info(
+                    "a chunk came before the first /clock (use_sim_time): held until it comes"
+                )
+            self._before_clock = msg
+            return
         cfg = self.cfg
         assert cfg is not None
         try:
@@ -327,6 +337,9 @@ class ActionStreamerNode(LifecycleNode):
         cfg, schedule, messages = self.cfg, self._schedule, self._messages
         if cfg is None or schedule is None or messages is None:
             return
+        if self._before_clock is not None:
+            early, self._before_clock = self._before_clock, None
+            self._on_chunk(early)
         now = self.get_clock().now().nanoseconds
         measured = self._measured(now)
         command = schedule.command(now, measured)
