@@ -219,8 +219,8 @@ def run(
         # Before the cell's and streamer's reports: a simulated cell's clock runs on, and the node would go on
         # publishing chunks past the last episode.
         node.trigger_deactivate()
-        simulated = cell.stop() if cell is not None else None
         streamed = streaming.stop()
+        simulated = cell.stop() if cell is not None else None  # after the streamer's last command
         node.trigger_cleanup()
     finally:
         streaming.close()
@@ -639,7 +639,8 @@ def _plot(
 def print_summary(summary: dict[str, Any]) -> None:
     drops = ", ".join(f"{k} {v}" for k, v in sorted(summary["drops"].items())) or "none"
     print(f"[demo] configure + activate {summary['configure_activate_s']:.2f} s")
-    print(f"[demo] {summary['chunks']} chunks at {summary['rate_hz']:.2f} Hz (bag time)")
+    clock = "sim" if summary.get("sim") else "bag"
+    print(f"[demo] {summary['chunks']} chunks at {summary['rate_hz']:.2f} Hz ({clock} time)")
     print(
         f"[demo] inference latency p50 {summary['latency_p50_ms']:.1f} ms, p99 {summary['latency_p99_ms']:.1f} ms, "
         f"max {summary['latency_max_ms']:.1f} ms"
@@ -667,7 +668,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         print("[demo] no ~/cache_status received")
     else:
         print(
-            f"[demo] last ~/cache_status (bag time {status['bag_time_s']:.1f} s): episode {status['episode_id']}, "
+            f"[demo] last ~/cache_status ({clock} time {status['bag_time_s']:.1f} s): episode {status['episode_id']}, "
             f"mode {status['mode']}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
             f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB ({status['task_episodes']} of task "
             f"{status['task']!r}), window {status['window_entries']} entries"
@@ -687,7 +688,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             for side, n in streamed["arm_commands"].items()
         )
         print(
-            f"[demo] action_streamer (own process, the {'sim' if summary.get('sim') else 'bag'}'s clock): "
+            f"[demo] action_streamer (own process, the {clock}'s clock): "
             f"{d.get('chunks_accepted', 0)} chunks executed; "
             f"commands received: {arms}, every {streamed['interval_p50_ms']:.1f} ms (median); "
             f"{d.get('limited', 0)} held back by max_step; {d.get('held', 0)} ticks with no chunk due; "
