@@ -1,1 +1,1 @@
-"""rMuscle: the reference library, retrieval and alignment (sliding window and caches come next)."""
+"""rMuscle: the reference library (library.py), retrieval and alignment, the sliding GPU window and the Context and Action Caches per call (runtime.py)."""
