@@ -413,14 +413,7 @@ class _Streaming:
         }
 
     def close(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
 
 class _SimCell:
@@ -518,14 +511,7 @@ class _SimCell:
         }
 
     def close(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
         self.process = None
 
 
@@ -580,6 +566,18 @@ def _play(
         raise RuntimeError(f"the bag player did not finish {bag} within {limit_s:g} s") from e
     if done.returncode != 0:
         raise RuntimeError(f"the bag player failed on {bag} (exit {done.returncode}): {done.stderr[-2000:]}")
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
+    """SIGTERM (a ROS executable shuts down cleanly on it), then SIGKILL if it has not exited in time."""
+    if process is None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def call_service(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
