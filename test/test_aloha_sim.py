@@ -164,6 +164,7 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
         ({"camera_rate_hz": 0.0}, "camera_rate_hz"),
         ({"real_time_factor": -1.0}, "real_time_factor"),
         ({"seed": -1}, "seed"),
+        ({"seed_step": -1}, "seed_step"),
         ({"cameras": ["top", "angle", "left_wrist", "right_wrist"]}, "cameras"),
         ({"task": "towel"}, "task"),
         ({"camera_rate_hz": "fast"}, "camera_rate_hz"),

@@ -94,9 +94,10 @@ class SimNodeConfig:
             raise ParameterError(
                 f"start_time_s: must be a positive time in seconds, got {self.start_time_s!r}"
             )
-        if self.seed < 0 or self.seed + 10**6 * abs(self.seed_step) >= 2**32:
+        # NumPy seeds are 0 ... 2^32 - 1; a million episodes on from the first seed stay in range.
+        if self.seed < 0 or self.seed_step < 0 or self.seed + 10**6 * self.seed_step >= 2**32:
             raise ParameterError(
-                f"seed, seed_step: the seeds must stay in 0 ... 2^32 - 1, got {self.seed}, {self.seed_step}"
+                f"seed, seed_step: both >= 0 and the seeds within 0 ... 2^32 - 1, got {self.seed}, {self.seed_step}"
             )
         try:
             self.sim()
@@ -104,15 +105,8 @@ class SimNodeConfig:
             raise ParameterError(str(e)) from None
 
     def sim(self) -> SimConfig:
-        return SimConfig(
-            self.task,
-            self.cameras,
-            self.height,
-            self.width,
-            self.finger_range,
-            self.gripper_joint_range,
-            self.shadows,
-        )
+        fields = ("task", "cameras", "height", "width", "finger_range", "gripper_joint_range", "shadows")
+        return SimConfig(**{name: getattr(self, name) for name in fields})
 
 
 def sim_defaults() -> dict[str, Any]:
