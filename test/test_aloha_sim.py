@@ -123,6 +123,22 @@ def test_config_is_validated_naming_the_setting() -> None:
         AlohaSim(SimConfig(height=720, width=1280))
 
 
+def test_the_scripted_demonstrator_hands_the_cube_over(sim: AlohaSim) -> None:
+    """Joint-space demonstrations through the arms' command interface: the left gripper ends up holding the
+    cube off the table (gym-aloha's reward 4) on most scenes (27 of seeds 0-29 when it was written)."""
+    from rmuscle_ros.sim.scripted import EPISODE_STEPS, TransferCubeDemonstrator
+
+    finals = []
+    for seed in range(10):
+        sim.reset(seed)
+        best, final = TransferCubeDemonstrator(sim).run()
+        assert sim.steps == EPISODE_STEPS and best >= final
+        finals.append(final)
+    assert sum(f == sim.max_reward for f in finals) >= 8, finals
+    with pytest.raises(ValueError, match="transfer_cube only"):
+        TransferCubeDemonstrator(AlohaSim(SimConfig(task="insertion")))
+
+
 def _render_or_skip(sim: AlohaSim, camera: str) -> np.ndarray:
     try:
         return sim.render(camera)
