@@ -43,19 +43,18 @@ from sensor_msgs.msg import Image, JointState
 from std_srvs.srv import Trigger
 
 from rmuscle_ros.node.action_streamer import import_command_messages
+from rmuscle_ros.node.bags import (
+    ALOHA_ARM_COMMAND_TOPIC,
+    ALOHA_CAMERA_TOPICS,
+    ALOHA_GRIPPER_COMMAND_TOPIC,
+    ALOHA_JOINT_STATE_TOPIC,
+)
 from rmuscle_ros.node.params import ParameterError, check_type
 from rmuscle_ros.node.spin import spin_node
 from rmuscle_ros.sim.aloha import DEFAULT_CAMERAS, JOINT_STATE_NAMES, SIDES, AlohaSim, CommandError, SimConfig
 
-# The cell's topics, in π0.5 camera slot order (base, left wrist, right wrist) and arm order.
-CAMERA_TOPICS = (
-    "/cam_high/camera/color/image_rect_raw",
-    "/cam_left_wrist/camera/color/image_rect_raw",
-    "/cam_right_wrist/camera/color/image_rect_raw",
-)
-JOINT_STATE_TOPIC = "/follower_{side}/joint_states"
-ARM_COMMAND_TOPIC = "/follower_{side}/commands/joint_group"
-GRIPPER_COMMAND_TOPIC = "/follower_{side}/commands/joint_single"
+# The cell's cameras in π0.5 slot order (base, left wrist, right wrist); the sim has no cam_low.
+CAMERA_TOPICS = ALOHA_CAMERA_TOPICS[:3]
 ARM_GROUP = "arm"  # the Interbotix group of an ALOHA follower's six arm joints
 GRIPPER_JOINT = "gripper"
 REFUSAL_LOG_PERIOD_S = 1.0
@@ -151,15 +150,20 @@ class AlohaSimNode(Node):
             for t in CAMERA_TOPICS[: len(self.cfg.cameras)]
         ]
         self._joint_pubs = [
-            self.create_publisher(JointState, JOINT_STATE_TOPIC.format(side=side), qos_profile_sensor_data)
+            self.create_publisher(
+                JointState, ALOHA_JOINT_STATE_TOPIC.format(side=side), qos_profile_sensor_data
+            )
             for side in SIDES
         ]
         for side in SIDES:
             self.create_subscription(
-                group, ARM_COMMAND_TOPIC.format(side=side), lambda m, s=side: self._on_arm(s, m), 10
+                group, ALOHA_ARM_COMMAND_TOPIC.format(side=side), lambda m, s=side: self._on_arm(s, m), 10
             )
             self.create_subscription(
-                single, GRIPPER_COMMAND_TOPIC.format(side=side), lambda m, s=side: self._on_gripper(s, m), 10
+                single,
+                ALOHA_GRIPPER_COMMAND_TOPIC.format(side=side),
+                lambda m, s=side: self._on_gripper(s, m),
+                10,
             )
         self.create_service(Trigger, "~/reset", self._on_reset)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)

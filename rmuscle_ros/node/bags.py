@@ -39,7 +39,11 @@ ALOHA_CAMERA_TOPICS = (
     "/cam_right_wrist/camera/color/image_rect_raw",
     "/cam_low/camera/color/image_rect_raw",
 )
-ALOHA_JOINT_TOPICS = ("/follower_left/joint_states", "/follower_right/joint_states")
+# The Interbotix follower arms' topics, per side ("left", "right").
+ALOHA_JOINT_STATE_TOPIC = "/follower_{side}/joint_states"
+ALOHA_ARM_COMMAND_TOPIC = "/follower_{side}/commands/joint_group"  # JointGroupCommand, group "arm"
+ALOHA_GRIPPER_COMMAND_TOPIC = "/follower_{side}/commands/joint_single"  # JointSingleCommand, "gripper"
+ALOHA_JOINT_TOPICS = tuple(ALOHA_JOINT_STATE_TOPIC.format(side=side) for side in ("left", "right"))
 ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
 # What an Interbotix follower arm's joint_states carries: the same names on both arms (the topic tells the
 # arm), the gripper's two finger positions after its joint.

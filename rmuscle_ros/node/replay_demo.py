@@ -53,7 +53,9 @@ from std_srvs.srv import Trigger
 from rmuscle_ros.msg import ActionChunk, CacheStatus
 from rmuscle_ros.node.action_streamer import import_command_messages
 from rmuscle_ros.node.bags import (
+    ALOHA_ARM_COMMAND_TOPIC,
     ALOHA_CAMERA_TOPICS,
+    ALOHA_GRIPPER_COMMAND_TOPIC,
     ALOHA_JOINT_TOPICS,
     BagInfo,
     bag_info,
@@ -429,8 +431,6 @@ class _SimCell:
     def __init__(self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path) -> None:
         from rosgraph_msgs.msg import Clock
 
-        from rmuscle_ros.node.aloha_sim import ARM_COMMAND_TOPIC, CAMERA_TOPICS, GRIPPER_COMMAND_TOPIC
-
         self.clock_ns = 0
         self.diagnostics: dict[str, str] = {}
         self.results: list[dict[str, Any]] = []  # one per demo episode
@@ -438,11 +438,11 @@ class _SimCell:
         peer.create_subscription(DiagnosticArray, "/diagnostics", self._diagnostics, 10)
         self._reset = peer.create_client(Trigger, f"/{self.NAME}/reset")
         # Its ALOHA topics onto the node's (as the bags' are) and onto the streamer's command topics.
-        remaps = {t: remap[t] for t in CAMERA_TOPICS if t in remap}
+        remaps = {t: remap[t] for t in ALOHA_CAMERA_TOPICS if t in remap}
         remaps |= {t: remap[t] for t in ALOHA_JOINT_TOPICS if t in remap}
         for side in ("left", "right"):
-            remaps[ARM_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_group"
-            remaps[GRIPPER_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_single"
+            remaps[ALOHA_ARM_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_group"
+            remaps[ALOHA_GRIPPER_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_single"
         command = [sys.executable, "-m", "rmuscle_ros.node.aloha_sim", "--ros-args"]
         command += ["-p", f"camera_rate_hz:={self.CAMERA_RATE_HZ}", "-p", "seed_step:=0"]
         for frm, to in remaps.items():
