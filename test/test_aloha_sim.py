@@ -434,3 +434,59 @@ def test_the_sim_demo_runs_a_dense_warm_up_then_a_cached_repeat(tmp_path, capsys
     assert 0 < sim["real_time_factor"] <= 1.05
     assert summary["drops"] == {} or sum(summary["drops"].values()) <= 2, summary["drops"]
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_recorded_demonstrations_are_cell_episodes_the_node_replays(tmp_path, capsys) -> None:
+    """`python -m rmuscle_ros.node.record_demos`: a scripted demonstration as a bag in an ALOHA cell's
+    layout (JPEG cameras, both arms' joint states, the arms' commands), which the demo replays into the
+    node as it would a cell's own recording; a recording never overwrites one."""
+    _ros_or_skip()
+    pytest.importorskip(
+        "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
+    )
+    import os
+
+    from rmuscle_ros.demo import main as demo
+    from rmuscle_ros.node.bags import bag_info
+    from rmuscle_ros.node.record_demos import main as record
+    from rmuscle_ros.node.record_demos import record_episode
+
+    assert record(["--out", str(tmp_path / "demos"), "--episodes", "1", "--camera-rate", "10"]) == 0
+    assert "[record] 1 of 1 demonstrations succeeded" in capsys.readouterr().out
+    bag = tmp_path / "demos" / "episode_0"
+    result = json.loads((bag / "episode.json").read_text())
+    assert result["seed"] == 0 and result["success"] and result["final_reward"] == 4
+    topics = bag_info(bag).topics
+    for side in ("left", "right"):
+        assert topics[f"/follower_{side}/joint_states"] == ("sensor_msgs/msg/JointState", 400)
+        assert topics[f"/follower_{side}/commands/joint_group"] == (
+            "interbotix_xs_msgs/msg/JointGroupCommand",
+            400,
+        )
+        assert topics[f"/follower_{side}/commands/joint_single"][1] == 400
+    cameras = [
+        f"/cam_{c}/camera/color/image_rect_raw/compressed" for c in ("high", "left_wrist", "right_wrist")
+    ]
+    for topic in cameras:
+        assert topics[topic] == ("sensor_msgs/msg/CompressedImage", 80)  # 8 s at 10 Hz
+    with pytest.raises(ValueError, match="never overwrites"):
+        record_episode(bag, seed=0)
+    with pytest.raises(ValueError, match="image format"):
+        record_episode(tmp_path / "other", seed=0, image_format="png")
+    # The node on the recording: JPEG frames, each camera's compressed topic onto the node's own.
+    domain = str((int(os.environ.get("ROS_DOMAIN_ID", "0")) + 111) % 233)
+    remaps = [arg for topic, slot in zip(cameras, ("base", "left_wrist", "right_wrist"), strict=True)
+              for arg in ("--remap", f"{topic}:=images/{slot}")]  # fmt: skip
+    args = [
+        "--bags",
+        str(bag),
+        *remaps,
+        "--param",
+        "compressed_images=true",
+        "--param",
+        "max_image_age_s=0.3",
+    ]
+    assert demo([*args, "--domain-id", domain, "--out", str(tmp_path / "replay")]) == 0
+    out = capsys.readouterr().out
+    assert "episode 0 (episode_0)" in out and "drops by reason: none" in out, out
