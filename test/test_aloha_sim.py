@@ -302,7 +302,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     from test_launch import remappings
 
     from rmuscle_ros.msg import ActionChunk
-    from rmuscle_ros.node.replay_demo import call_service
+    from rmuscle_ros.node.replay_demo import call_service, stop_processes
 
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 60
     env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
@@ -379,13 +379,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
         assert int(values["arm_commands"]) >= 100 and values["refused"] == "0", values
         assert all(c.cache_mode == ActionChunk.CACHE_DENSE for c in chunks)
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(*processes)
         executor.shutdown()
         watcher.destroy_node()
         rclpy.shutdown(context=context)

@@ -88,7 +88,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     from sensor_msgs.msg import Image, JointState
 
     from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
-    from rmuscle_ros.node.replay_demo import call_service
+    from rmuscle_ros.node.replay_demo import call_service, stop_processes
 
     config = LAUNCH.parents[1] / "config"
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 50  # away from the other tests' nodes
@@ -162,13 +162,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
         assert all(m.name == "arm" and len(m.cmd) == 6 for m in commands["left"] + commands["right"])
         assert all(m.name == "gripper" for m in commands["left_gripper"] + commands["right_gripper"])
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(*processes)
         executor.shutdown()
         cell.destroy_node()
         rclpy.shutdown(context=context)

@@ -415,7 +415,7 @@ class _Streaming:
         }
 
     def close(self) -> None:
-        stop_process(self.process)
+        stop_processes(self.process)
 
 
 class _SimCell:
@@ -511,7 +511,7 @@ class _SimCell:
         }
 
     def close(self) -> None:
-        stop_process(self.process)
+        stop_processes(self.process)
         self.process = None
 
 
@@ -568,16 +568,18 @@ def _play(
         raise RuntimeError(f"the bag player failed on {bag} (exit {done.returncode}): {done.stderr[-2000:]}")
 
 
-def stop_process(process: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
-    """SIGTERM (a ROS executable shuts down cleanly on it), then SIGKILL if it has not exited in time."""
-    if process is None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def stop_processes(*processes: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
+    """SIGTERM to each (a ROS executable shuts down cleanly on it), then SIGKILL to any that has not
+    exited within `timeout_s`. None entries (processes never started) are passed over."""
+    running = [p for p in processes if p is not None]
+    for process in running:
+        process.terminate()
+    for process in running:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def call_service(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
