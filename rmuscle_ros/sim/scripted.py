@@ -138,7 +138,8 @@ class TransferCubeDemonstrator:
         cube = self.cube()
         cube[2] = self.sim.physics.named.model.geom_size["red_box"][2]
         above = cube + np.array([0, 0, 0.10])
-        right, (p0, r0) = RIGHT_TO_LEFT, start["right"]
+        p0, r0 = start["right"]
+        present = RIGHT_TO_LEFT  # the cube held out toward the left arm
         self.paths = {
             "right": [
                 Waypoint(0, p0, r0, 0.0),
@@ -148,11 +149,11 @@ class TransferCubeDemonstrator:
                 Waypoint(165, cube, RIGHT_DOWN, 0.0),
                 Waypoint(185, cube, RIGHT_DOWN, 0.0),
                 Waypoint(200, above, RIGHT_DOWN, 0.0),
-                Waypoint(250, MEET, right, 0.0),
-                Waypoint(320, MEET, right, 0.0),
-                Waypoint(335, MEET, right, 1.0),
-                Waypoint(370, MEET + np.array([0.10, 0, 0]), right, 1.0),
-                Waypoint(EPISODE_STEPS, MEET + np.array([0.10, 0, 0]), right, 1.0),
+                Waypoint(250, MEET, present, 0.0),
+                Waypoint(320, MEET, present, 0.0),
+                Waypoint(335, MEET, present, 1.0),
+                Waypoint(370, MEET + np.array([0.10, 0, 0]), present, 1.0),
+                Waypoint(EPISODE_STEPS, MEET + np.array([0.10, 0, 0]), present, 1.0),
             ],
         }
         self._aim_left(MEET, start["left"])
