@@ -39,7 +39,13 @@ from sensor_msgs.msg import JointState
 
 from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
 from rmuscle_ros.node.observation import stamp_ns
-from rmuscle_ros.node.params import ALOHA_JOINTS, ParameterError, check_closed_open, check_type
+from rmuscle_ros.node.params import (
+    ALOHA_JOINTS,
+    ParameterError,
+    check_closed_open,
+    flat_config,
+    flat_defaults,
+)
 from rmuscle_ros.node.spin import spin_node
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
@@ -141,18 +147,12 @@ class StreamerConfig:
 
 
 def streamer_defaults() -> dict[str, Any]:
-    defaults = StreamerConfig()
-    return {name: (list(v) if isinstance(v, tuple) else v) for name, v in vars(defaults).items()}
+    return flat_defaults(StreamerConfig)
 
 
 def streamer_config(params: Mapping[str, Any]) -> StreamerConfig:
     """Validate `params` (the node's parameter values) and build the StreamerConfig."""
-    defaults = streamer_defaults()
-    unknown = sorted(set(params) - set(defaults))
-    if unknown:
-        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
-    values = {name: check_type(name, params.get(name, d), d) for name, d in defaults.items()}
-    return StreamerConfig(**values)
+    return flat_config(StreamerConfig, params)
 
 
 def import_command_messages() -> tuple[type, type]:

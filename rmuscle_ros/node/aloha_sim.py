@@ -49,7 +49,7 @@ from rmuscle_ros.node.bags import (
     ALOHA_GRIPPER_COMMAND_TOPIC,
     ALOHA_JOINT_STATE_TOPIC,
 )
-from rmuscle_ros.node.params import ParameterError, check_type
+from rmuscle_ros.node.params import ParameterError, flat_config, flat_defaults
 from rmuscle_ros.node.spin import spin_node
 from rmuscle_ros.sim.aloha import DEFAULT_CAMERAS, JOINT_STATE_NAMES, SIDES, AlohaSim, CommandError, SimConfig
 
@@ -109,15 +109,11 @@ class SimNodeConfig:
 
 
 def sim_defaults() -> dict[str, Any]:
-    return {name: (list(v) if isinstance(v, tuple) else v) for name, v in vars(SimNodeConfig()).items()}
+    return flat_defaults(SimNodeConfig)
 
 
 def sim_node_config(params: dict[str, Any]) -> SimNodeConfig:
-    defaults = sim_defaults()
-    unknown = sorted(set(params) - set(defaults))
-    if unknown:
-        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
-    return SimNodeConfig(**{name: check_type(name, params.get(name, d), d) for name, d in defaults.items()})
+    return flat_config(SimNodeConfig, params)
 
 
 class AlohaSimNode(Node):

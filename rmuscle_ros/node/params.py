@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import yaml
@@ -241,6 +241,24 @@ def check_type(name: str, value: Any, default: Any) -> Any:
             kind = type(default).__name__
         raise ParameterError(f"{name}: expected {kind}, got {value!r}")
     return value
+
+
+_C = TypeVar("_C")
+
+
+def flat_defaults(config_class: type) -> dict[str, Any]:
+    """A flat config dataclass's defaults as ROS parameter values (tuples as lists), by field name."""
+    return {name: (list(v) if isinstance(v, tuple) else v) for name, v in vars(config_class()).items()}
+
+
+def flat_config(config_class: type[_C], params: Mapping[str, Any]) -> _C:
+    """Build a flat config dataclass from ROS parameter values: an unknown name, or a value of another type
+    than its default's, is a ParameterError naming the parameter (the dataclass checks the values)."""
+    defaults = flat_defaults(config_class)
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
+    return config_class(**{name: check_type(name, params.get(name, d), d) for name, d in defaults.items()})
 
 
 def node_config(params: Mapping[str, Any]) -> NodeConfig:
