@@ -287,8 +287,6 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
     )
     import os
-    import subprocess
-    import sys
     import threading
     import time
 
@@ -299,7 +297,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import qos_profile_sensor_data
     from sensor_msgs.msg import JointState
-    from test_launch import remappings
+    from test_launch import start_executable
 
     from rmuscle_ros.msg import ActionChunk
     from rmuscle_ros.node.replay_demo import call_service, stop_processes
@@ -309,23 +307,18 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     aloha = yaml.safe_load((CONFIG / "rmuscle_aloha.yaml").read_text())["rmuscle_node"]["ros__parameters"]
     gripper_state = aloha["gripper_state_range"]
 
-    def start(module: str, *args: str) -> subprocess.Popen:
-        log = (tmp_path / f"{module.rsplit('.', 1)[1]}.log").open("wb")
-        command = [sys.executable, "-m", module, "--ros-args", *args]
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def remaps(table: str) -> list[str]:
-        return [arg for frm, to in remappings(table) for arg in ("-r", f"{frm}:={to}")]
+    def start(module: str, *args: str, table: str = "") -> object:
+        return start_executable(tmp_path, env, module, *args, table=table)
 
     processes = [
         # 10 frames a second: three cameras cost ~60 ms of CPU per frame here, beside the policy.
         start("rmuscle_ros.node.aloha_sim", "-p", "camera_rate_hz:=10.0"),
         start("rmuscle_ros.node.rmuscle_node", "--params-file", str(CONFIG / "rmuscle_default.yaml"),
-              *remaps("ALOHA_REMAPPINGS"), "-p", "use_sim_time:=true", "-p", "warmup:=false",
+              "-p", "use_sim_time:=true", "-p", "warmup:=false",
               "-p", "cache.enabled:=false", "-p", "gripper_state_joint:=left_finger",
-              "-p", f"gripper_state_range:=[{gripper_state[0]}, {gripper_state[1]}]"),
+              "-p", f"gripper_state_range:=[{gripper_state[0]}, {gripper_state[1]}]", table="ALOHA_REMAPPINGS"),
         start("rmuscle_ros.node.action_streamer", "--params-file", str(CONFIG / "rmuscle_aloha.yaml"),
-              *remaps("STREAMER_REMAPPINGS"), "-p", "use_sim_time:=true"),
+              "-p", "use_sim_time:=true", table="STREAMER_REMAPPINGS"),
     ]  # fmt: skip
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,18 @@ def remappings(name: str) -> list[tuple[str, str]]:
     tree = ast.parse(LAUNCH.read_text())
     table = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.targets[0].id == name)
     return ast.literal_eval(table.value)
+
+
+def start_executable(log_dir: Path, env: dict[str, str], module: str, *ros_args: str, table: str = "") -> Any:
+    """`python -m module --ros-args ...` as its own process, with the launch table `table`'s remappings (if
+    any) first; its output goes to log_dir/<module's last part>.log."""
+    import subprocess
+    import sys
+
+    remaps = [arg for frm, to in remappings(table) for arg in ("-r", f"{frm}:={to}")] if table else []
+    log = (log_dir / f"{module.rsplit('.', 1)[1]}.log").open("wb")
+    command = [sys.executable, "-m", module, "--ros-args", *remaps, *ros_args]
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_launch_file_is_valid_python_with_the_aloha_remappings() -> None:
@@ -75,8 +88,6 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
         reason="the stand-in Interbotix messages are not built (scripts/setup_ros_venv.sh)",
     )
     import os
-    import subprocess
-    import sys
     import threading
     import time
 
@@ -94,25 +105,12 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 50  # away from the other tests' nodes
     env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
 
-    def start(module: str, params_file: Path, table: str, *extra: str) -> subprocess.Popen:
-        remaps = [arg for frm, to in remappings(table) for arg in ("-r", f"{frm}:={to}")]
-        command = [
-            sys.executable,
-            "-m",
-            module,
-            "--ros-args",
-            "--params-file",
-            str(params_file),
-            *remaps,
-            *extra,
-        ]
-        log = (tmp_path / f"{module.rsplit('.', 1)[1]}.log").open("wb")
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-
     processes = [
-        start("rmuscle_ros.node.rmuscle_node", config / "rmuscle_default.yaml", "ALOHA_REMAPPINGS",
-              "-p", "warmup:=false", "-p", "cache.enabled:=false"),
-        start("rmuscle_ros.node.action_streamer", config / "rmuscle_aloha.yaml", "STREAMER_REMAPPINGS"),
+        start_executable(tmp_path, env, "rmuscle_ros.node.rmuscle_node", "--params-file",
+                         str(config / "rmuscle_default.yaml"), "-p", "warmup:=false", "-p", "cache.enabled:=false",
+                         table="ALOHA_REMAPPINGS"),
+        start_executable(tmp_path, env, "rmuscle_ros.node.action_streamer", "--params-file",
+                         str(config / "rmuscle_aloha.yaml"), table="STREAMER_REMAPPINGS"),
     ]  # fmt: skip
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain)
