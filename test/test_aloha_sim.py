@@ -14,7 +14,7 @@ pytest.importorskip(
     "gym_aloha", reason="gym-aloha (the ALOHA scenes) is not installed: make venv installs it"
 )
 
-from rmuscle_ros.sim.aloha import JOINT_STATE_NAMES, AlohaSim, CommandError, SimConfig
+from rmuscle_ros.sim.aloha import JOINT_STATE_NAMES, AlohaSim, CommandError, SimConfig, SimulationDiverged
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
 START = (0.0, -0.96, 1.16, 0.0, -0.3, 0.0)  # gym-aloha's start pose of each arm
@@ -104,6 +104,22 @@ def test_reset_places_the_object_from_the_seed(sim: AlohaSim) -> None:
     np.testing.assert_allclose(poses[0], poses[1], atol=1e-9)
     assert np.abs(poses[0] - poses[2]).max() > 1e-3
     np.testing.assert_allclose(sim.joint_state("left")[0][:6], START, atol=0.01)  # the arms start over
+
+
+def test_a_diverged_episode_stops_stepping_until_a_reset(sim: AlohaSim) -> None:
+    """An invalid physics state (here planted; in use, violent commands from an untrained policy) ends
+    the episode with a message instead of killing the sim, and the next reset starts a valid one."""
+    sim.reset(2)
+    run(sim, 0.1)
+    sim.physics.data.qvel[0] = math.nan
+    for _ in range(2):  # at the step where it happens, and at every later one
+        with pytest.raises(SimulationDiverged, match=r"physics diverged at 0\.10 s of episode seed 2"):
+            sim.step()
+    assert sim.steps == 5 and sim.reward == 0 and sim.diverged
+    sim.reset(2)
+    run(sim, 0.1)
+    assert not sim.diverged and sim.steps == 5
+    np.testing.assert_allclose(sim.joint_state("left")[0][:6], START, atol=0.01)
 
 
 def test_config_is_validated_naming_the_setting() -> None:
@@ -200,7 +216,7 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
     import time
 
     import rclpy
-    from diagnostic_msgs.msg import DiagnosticArray
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from rclpy.qos import qos_profile_sensor_data
@@ -269,6 +285,18 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         assert ended["seconds"] > 0.5
         wait_for(lambda: values().get("episode") == "1" and values().get("seed") == "1")
         wait_for(lambda: np.allclose(seen["joints"][-1].position[:6], START, atol=0.02))
+        # An invalid physics state (violent commands can cause one): reported, the node stays up, the cell
+        # holds still with its clock running, and ~/reset starts a valid episode.
+        node.sim.physics.data.qvel[0] = math.nan
+        wait_for(lambda: values().get("diverged", "").startswith("the physics diverged"))
+        assert seen["diag"][-1].status[0].level == DiagnosticStatus.ERROR
+        clock = seen["clock"][-1].clock.sec
+        wait_for(lambda: seen["clock"][-1].clock.sec > clock)
+        response = call_service(reset, Trigger.Request())
+        assert response.success, response.message
+        ended = json.loads(response.message)
+        assert ended["episode"] == 1 and ended["diverged"].startswith("the physics diverged")
+        wait_for(lambda: values().get("episode") == "2" and values().get("diverged") == "")
     finally:
         executor.shutdown()
         node.destroy_node()

@@ -51,7 +51,15 @@ from rmuscle_ros.node.bags import (
 )
 from rmuscle_ros.node.params import ParameterError, flat_config, flat_defaults
 from rmuscle_ros.node.spin import spin_node
-from rmuscle_ros.sim.aloha import DEFAULT_CAMERAS, JOINT_STATE_NAMES, SIDES, AlohaSim, CommandError, SimConfig
+from rmuscle_ros.sim.aloha import (
+    DEFAULT_CAMERAS,
+    JOINT_STATE_NAMES,
+    SIDES,
+    AlohaSim,
+    CommandError,
+    SimConfig,
+    SimulationDiverged,
+)
 
 # The cell's cameras in π0.5 slot order (base, left wrist, right wrist); the sim has no cam_low.
 CAMERA_TOPICS = ALOHA_CAMERA_TOPICS[:3]
@@ -246,7 +254,15 @@ class AlohaSimNode(Node):
                 except CommandError as e:
                     self._refuse(f"{side} {e}")
             before = self.sim.best_reward
-            self.sim.step()
+            if not self.sim.diverged:
+                try:
+                    self.sim.step()
+                except SimulationDiverged as e:
+                    # The episode is over; the cell holds still (clock, joint states and cameras go on, as
+                    # on a stopped robot's drivers) until ~/reset starts the next one.
+                    self._counts["diverged"] += 1
+                    self._last_refusal = f"{e}; the arms hold still until ~/reset"
+                    self.get_logger().error(self._last_refusal)
             self._steps += 1
             if self.sim.best_reward > before:
                 self.get_logger().info(
@@ -306,6 +322,7 @@ class AlohaSimNode(Node):
             "best_reward": sim.best_reward,
             "max_reward": sim.max_reward,
             "success": sim.success,
+            "diverged": sim.diverged,  # why the physics stopped this episode ("" if it did not)
         }
 
     def real_time_factor(self) -> float:
@@ -320,7 +337,7 @@ class AlohaSimNode(Node):
         status = DiagnosticStatus(name=f"{self.get_name()}: simulation", hardware_id=self.cfg.task)
         status.level = (
             DiagnosticStatus.ERROR
-            if self._counts["crashed"]
+            if self._counts["crashed"] or self.sim.diverged
             else (DiagnosticStatus.WARN if self._counts["refused"] else DiagnosticStatus.OK)
         )
         status.message = (

@@ -65,6 +65,11 @@ class CommandError(ValueError):
     """A command the simulated arm refuses (the message says why); the arm keeps its last target."""
 
 
+class SimulationDiverged(RuntimeError):
+    """The physics reached an invalid state (MuJoCo's bad-acceleration/velocity/position warnings, e.g.
+    after violent commands): the episode is over, and the sim does not step again until a `reset`."""
+
+
 class AlohaSim:
     """One simulated ALOHA cell: `reset(seed)`, then `step()` every `period_s` with the latest targets.
 
@@ -106,6 +111,7 @@ class AlohaSim:
         self._renderer: Any = None  # created at the first frame: tests of the arms need no OpenGL
         self._targets = np.zeros(14)  # gym-aloha's action: per arm 6 joints (rad), then the gripper opening
         self.seed: int | None = None
+        self.diverged = ""  # why the physics became invalid in this episode ("" while it is valid)
         self.steps = 0
         self.reward = 0
         self.best_reward = 0
@@ -130,12 +136,26 @@ class AlohaSim:
             self._tasks.BOX_POSE[0] = np.concatenate(sample_insertion_pose(seed))
         self.task.initialize_episode(self.physics)
         self.seed, self.steps, self.reward, self.best_reward = seed, 0, 0, 0
+        self.diverged = ""
         self._targets = self._qpos()
 
     def step(self) -> int:
-        """Advance one control period toward the current targets; returns the task's reward (0 ... max)."""
+        """Advance one control period toward the current targets; returns the task's reward (0 ... max).
+
+        Raises SimulationDiverged when the physics becomes invalid, and again at every later step until a
+        `reset`: MuJoCo has then put the scene back to its model's default pose, which is no continuation
+        of the episode. The episode's best reward so far stands; the current one becomes 0."""
+        from dm_control.rl.control import PhysicsError
+
+        if self.diverged:
+            raise SimulationDiverged(self.diverged)
         self.task.before_step(self._targets, self.physics)
-        self.physics.step(self._substeps)
+        try:
+            self.physics.step(self._substeps)
+        except PhysicsError as e:
+            self.reward = 0
+            self.diverged = f"the physics diverged at {self.time_s:.2f} s of episode seed {self.seed}: {e}"
+            raise SimulationDiverged(self.diverged) from None
         self.steps += 1
         self.reward = int(self.task.get_reward(self.physics))
         self.best_reward = max(self.best_reward, self.reward)
