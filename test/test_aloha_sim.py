@@ -122,6 +122,25 @@ def test_a_diverged_episode_stops_stepping_until_a_reset(sim: AlohaSim) -> None:
     np.testing.assert_allclose(sim.joint_state("left")[0][:6], START, atol=0.01)
 
 
+def test_a_fixtured_cell_places_the_parts_near_the_middle_of_gym_alohas_ranges() -> None:
+    """placement_spread scales each object's offset from the middle of gym-aloha's range: 0.25 keeps the
+    cube within ±2.5 cm of (0.1, 0.5) m, 1 is gym-aloha's own 20 × 20 cm, and the seed still decides."""
+    offsets = {}
+    for spread in (1.0, 0.25, 0.0):
+        s = AlohaSim(SimConfig(cameras=("top",), placement_spread=spread))
+        offsets[spread] = []
+        for seed in range(8):
+            s.reset(seed)
+            offsets[spread].append(s.physics.named.data.qpos["red_box_joint"][:2] - (0.1, 0.5))
+        s.close()
+    np.testing.assert_allclose(np.array(offsets[0.25]), 0.25 * np.array(offsets[1.0]), atol=1e-12)
+    assert np.abs(offsets[1.0]).max() > 0.05 and np.abs(offsets[0.25]).max() <= 0.025
+    assert not np.any(offsets[0.0])
+    insertion = AlohaSim(SimConfig(task="insertion", cameras=("top",), placement_spread=0.0))
+    insertion.reset(3)
+    np.testing.assert_allclose(insertion.physics.data.qpos[[16, 17, 23, 24]], [0.15, 0.5, -0.15, 0.5])
+
+
 def test_config_is_validated_naming_the_setting() -> None:
     for kwargs, match in (
         ({"task": "fold_towel"}, "task"),
@@ -130,6 +149,8 @@ def test_config_is_validated_naming_the_setting() -> None:
         ({"height": 8}, "height"),
         ({"finger_range": (0.05, 0.05)}, "finger_range"),
         ({"gripper_joint_range": (0.0, math.nan)}, "gripper_joint_range"),
+        ({"placement_spread": 1.5}, "placement_spread"),
+        ({"placement_spread": math.nan}, "placement_spread"),
     ):
         with pytest.raises(ValueError, match=match):
             SimConfig(**kwargs)
@@ -207,6 +228,7 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
         ({"seed_step": -1}, "seed_step"),
         ({"cameras": ["top", "angle", "left_wrist", "right_wrist"]}, "cameras"),
         ({"task": "towel"}, "task"),
+        ({"placement_spread": -0.1}, "placement_spread"),
         ({"camera_rate_hz": "fast"}, "camera_rate_hz"),
         ({"speed": 2.0}, "speed: unknown parameter"),
     ):

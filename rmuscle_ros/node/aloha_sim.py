@@ -83,6 +83,7 @@ class SimNodeConfig:
     finger_range: tuple[float, float] = SimConfig.finger_range
     gripper_joint_range: tuple[float, float] = SimConfig.gripper_joint_range
     shadows: bool = False
+    placement_spread: float = 1.0  # 1: gym-aloha's placements; 0.25: a fixtured cell's (±2.5 cm)
     real_time_factor: float = 1.0  # 0: unpaced
     start_time_s: float = 1_700_000_000.0  # the clock at the first step (it never goes back, resets included)
 
@@ -112,7 +113,16 @@ class SimNodeConfig:
             raise ParameterError(str(e)) from None
 
     def sim(self) -> SimConfig:
-        fields = ("task", "cameras", "height", "width", "finger_range", "gripper_joint_range", "shadows")
+        fields = (
+            "task",
+            "cameras",
+            "height",
+            "width",
+            "finger_range",
+            "gripper_joint_range",
+            "shadows",
+            "placement_spread",
+        )
         return SimConfig(**{name: getattr(self, name) for name in fields})
 
 

@@ -33,6 +33,9 @@ JOINT_STATE_NAMES = (*ARM_JOINTS, "gripper", "left_finger", "right_finger")
 # MuJoCo cameras of gym-aloha's scene in π0.5 slot order (base, left wrist, right wrist); "angle",
 # "front_close", "left_pillar" and "right_pillar" also exist.
 DEFAULT_CAMERAS = ("top", "left_wrist", "right_wrist")
+# The middle (x, y in m) of each object's placement range in gym_aloha.utils' samplers: the cube; the peg,
+# then the socket.
+PLACEMENT_MIDDLES = {"transfer_cube": [(0.1, 0.5)], "insertion": [(0.15, 0.5), (-0.15, 0.5)]}
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class SimConfig:
     finger_range: tuple[float, float] = (0.0440, 0.0579)  # left_finger position (m), [closed, open]
     gripper_joint_range: tuple[float, float] = (0.6197, 1.6214)  # gripper joint (rad), [closed, open]
     shadows: bool = False  # shadows and reflections: ~4× the rendering time on a CPU
+    # How far from the middle of gym-aloha's placement ranges the objects are put, as a fraction of those
+    # ranges: 1 = gym-aloha's (the cube anywhere in a 20 × 20 cm square), 0.25 = a fixtured cell whose
+    # parts arrive within ±2.5 cm, 0 = always the middle.
+    placement_spread: float = 1.0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -53,6 +60,8 @@ class SimConfig:
             raise ValueError(f"cameras: needs distinct camera names, got {list(self.cameras)}")
         if not (self.height >= 16 and self.width >= 16):
             raise ValueError(f"height, width: at least 16 pixels, got {self.height} × {self.width}")
+        if not 0.0 <= self.placement_spread <= 1.0:
+            raise ValueError(f"placement_spread: must be in [0, 1], got {self.placement_spread!r}")
         for name in ("finger_range", "gripper_joint_range"):
             closed, opened = getattr(self, name)
             if not (math.isfinite(closed) and math.isfinite(opened) and closed != opened):
@@ -131,9 +140,12 @@ class AlohaSim:
 
         # gym-aloha's tasks read the object pose from this module global when they initialise.
         if self.config.task == "transfer_cube":
-            self._tasks.BOX_POSE[0] = sample_box_pose(seed)
+            poses = [sample_box_pose(seed)]
         else:
-            self._tasks.BOX_POSE[0] = np.concatenate(sample_insertion_pose(seed))
+            poses = list(sample_insertion_pose(seed))
+        for pose, middle in zip(poses, PLACEMENT_MIDDLES[self.config.task], strict=True):
+            pose[:2] = middle + self.config.placement_spread * (pose[:2] - middle)
+        self._tasks.BOX_POSE[0] = np.concatenate(poses)
         self.task.initialize_episode(self.physics)
         self.seed, self.steps, self.reward, self.best_reward = seed, 0, 0, 0
         self.diverged = ""
