@@ -1,0 +1,608 @@
+"""Success rate in closed loop on the simulated ALOHA: the same trained policy dense and with rMuscle.
+
+The product's claim is "faster, with unchanged success rates". The speed benchmarks measure the first
+half; this measures the second on a task that can fail: gym-aloha's transfer-cube, simulated in MuJoCo
+(rmuscle_ros.sim), with a `tiny` π0.5 trained here from scripted demonstrations. Three stages:
+
+  collect   scripted demonstrations (rmuscle_ros.sim.scripted, privileged cube pose) of the seeds asked
+            for; the successful ones are kept: the top camera at 10 Hz, 168×224 (what Policy.preprocess
+            makes of a 480×640 ALOHA frame before padding), each frame zlib-compressed, the 14-D state
+            at those frames, the 14-D commanded targets at every 50 Hz step, in one safetensors file.
+            ~1.5 s per episode on a 2-core CPU.
+  train     flow matching (π0's objective, bench/probes_rmuscle.py's loss) on those, every parameter
+            of `tiny` from its seeded random start, on a GPU. The inputs are made by Policy.preprocess
+            itself, so training sees what the deployed policy sees. Writes model.safetensors (LeRobot
+            key names, what the node's `checkpoint` parameter loads) and norm_stats.json (openpi
+            layout: q01/q99 of the demonstrations' state and actions).
+  evaluate  closed loop on the CPU, with no ROS: per episode the sim is reset to a seed, the policy is
+            called every `--replan` steps on the rendered top frame and the measured state, and the
+            sim takes the chunk's rows in between. Two policies from the same files, the same seeds
+            and the same noise per call: `dense` (fused engine, no cache) and `rmuscle` (fused engine,
+            Context + Action Cache at ρp/ρn). rMuscle's library is warmed up first by dense episodes of
+            other seeds; failed episodes are kept out of it (`discard_episode`), as a cell would. During
+            the rMuscle episodes a third, dense policy is called on the same inputs, so every call's
+            action error (relative L2, cached vs dense on the same observation) is measured too.
+
+Results go to bench/results/<name>.{md,json}. Commands (the data and the checkpoint in an ignored
+folder, bench/_dev_sim/; the device tool carries them there and back):
+
+    .venv/bin/python bench/sim_success.py collect --seeds 0-79 --out bench/_dev_sim/demos.safetensors
+    python bench/sim_success.py train --data bench/_dev_sim/demos.safetensors --out $OUT/sim_policy  # GPU
+    .venv/bin/python bench/sim_success.py evaluate --policy bench/_dev_sim/sim_policy --seeds 1000-1049 \\
+        --commit $(git rev-parse --short HEAD)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rmuscle_ros.models.config import PRESETS
+from rmuscle_ros.sim.aloha import SIDES, AlohaSim, SimConfig, SimulationDiverged
+from rmuscle_ros.sim.scripted import EPISODE_STEPS, TransferCubeDemonstrator
+
+PROMPT = "transfer the cube to the other arm"
+CAMERA = "top"  # ACT's simulated tasks see through this one camera as well
+FRAME_HEIGHT, FRAME_WIDTH = 168, 224  # a 480×640 frame fitted into the model's 224×224, before padding
+FRAME_EVERY = 5  # steps between recorded frames: 10 Hz at the sim's 50 Hz
+STATE_DIM = ACTION_DIM = 14
+PROBE_STEPS = 40  # training steps (the second half of them) timed to fit the rest into the time given
+
+
+def log(msg: str) -> None:
+    print(f"[sim_success] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0-9,20,30-31' -> [0, ..., 9, 20, 30, 31]."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        seeds.extend(range(int(first), int(last or first) + 1))
+    return seeds
+
+
+def make_sim(placement_spread: float) -> AlohaSim:
+    return AlohaSim(
+        SimConfig(
+            task="transfer_cube",
+            cameras=(CAMERA,),
+            height=FRAME_HEIGHT,
+            width=FRAME_WIDTH,
+            placement_spread=placement_spread,
+        )
+    )
+
+
+def measured_state(sim: AlohaSim) -> np.ndarray:
+    """Per arm six joints (rad) and the gripper as the finger's opening, 0 closed ... 1 open: what the
+    ALOHA profile (config/rmuscle_aloha.yaml) makes of a follower's joint_states."""
+    closed, opened = sim.config.finger_range
+    parts = []
+    for side in SIDES:
+        positions, _ = sim.joint_state(side)
+        parts += [*positions[:6], (positions[7] - closed) / (opened - closed)]
+    return np.asarray(parts, dtype=np.float32)
+
+
+def command(sim: AlohaSim, action: np.ndarray) -> None:
+    """One 14-D action (per arm six joints, then the gripper opening) as the arms' commands."""
+    closed, opened = sim.config.gripper_joint_range
+    for i, side in enumerate(SIDES):
+        row = action[7 * i : 7 * i + 7]
+        sim.command_arm(side, row[:6])
+        sim.command_gripper(side, closed + float(row[6]) * (opened - closed))
+
+
+# ── collect ──────────────────────────────────────────────────────────────────────────────────────────
+
+
+def collect(seeds: list[int], out: Path, placement_spread: float) -> None:
+    from safetensors.numpy import save_file
+
+    sim = make_sim(placement_spread)
+    blobs: list[bytes] = []
+    states, actions, frame_step, kept, failed = [], [], [], [], []
+    start = time.perf_counter()
+    for seed in seeds:
+        sim.reset(seed)
+        demo = TransferCubeDemonstrator(sim)
+        ep_blobs, ep_states, ep_actions, ep_steps = [], [], [], []
+        for step in range(EPISODE_STEPS):
+            if step % FRAME_EVERY == 0:
+                ep_blobs.append(zlib.compress(sim.render(CAMERA).tobytes(), 6))
+                ep_states.append(measured_state(sim))
+                ep_steps.append(step)
+            targets = demo.act(step)
+            ep_actions.append(np.concatenate([targets[side] for side in SIDES]).astype(np.float32))
+            sim.step()
+        if sim.reward < sim.max_reward:  # the demonstrator's failures (~1 in 10) are not demonstrations
+            failed.append(seed)
+            continue
+        base = len(actions) * EPISODE_STEPS
+        kept.append(seed)
+        blobs += ep_blobs
+        states += ep_states
+        actions.append(np.stack(ep_actions))
+        frame_step += [base + s for s in ep_steps]
+    sim.close()
+    if not kept:
+        raise SystemExit(f"no seed of {seeds} gave a successful demonstration")
+    offsets = np.cumsum([0] + [len(b) for b in blobs]).astype(np.int64)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            "frames_zlib": np.frombuffer(b"".join(blobs), dtype=np.uint8).copy(),
+            "frame_offsets": offsets,
+            "state": np.stack(states),
+            "frame_step": np.asarray(frame_step, dtype=np.int64),
+            "actions": np.concatenate(actions),
+        },
+        str(out),
+        metadata={
+            "what": "scripted transfer_cube demonstrations (bench/sim_success.py collect)",
+            "seeds": json.dumps(kept),
+            "failed_seeds": json.dumps(failed),
+            "camera": CAMERA,
+            "frame_shape": json.dumps([FRAME_HEIGHT, FRAME_WIDTH, 3]),
+            "frame_every_steps": str(FRAME_EVERY),
+            "episode_steps": str(EPISODE_STEPS),
+            "prompt": PROMPT,
+            "placement_spread": str(placement_spread),
+        },
+    )
+    log(
+        f"{len(kept)} demonstrations ({len(failed)} failed: {failed}), {len(blobs)} frames, "
+        f"{out.stat().st_size / 2**20:.1f} MiB in {time.perf_counter() - start:.0f} s -> {out}"
+    )
+
+
+def load_demos(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata()
+    shape = tuple(json.loads(meta["frame_shape"]))
+    blob, offsets = tensors["frames_zlib"].tobytes(), tensors["frame_offsets"]
+    frames = [
+        np.frombuffer(bytearray(zlib.decompress(blob[offsets[i] : offsets[i + 1]])), dtype=np.uint8).reshape(
+            shape
+        )
+        for i in range(len(offsets) - 1)
+    ]
+    return {"frames": frames, **{k: tensors[k] for k in ("state", "frame_step", "actions")}, "meta": meta}
+
+
+# ── train ────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def write_norm_stats(state: np.ndarray, actions: np.ndarray, path: Path) -> None:
+    """openpi's norm_stats.json layout, which `load_norm_stats` reads: q01/q99 per dimension."""
+
+    def entry(x: np.ndarray) -> dict[str, list[float]]:
+        return {
+            "mean": x.mean(0).tolist(),
+            "std": x.std(0).tolist(),
+            "q01": np.quantile(x, 0.01, axis=0).tolist(),
+            "q99": np.quantile(x, 0.99, axis=0).tolist(),
+        }
+
+    path.write_text(json.dumps({"norm_stats": {"state": entry(state), "actions": entry(actions)}}, indent=1))
+
+
+def chunk_targets(demos: dict[str, Any], horizon: int) -> np.ndarray:
+    """(frames, horizon, 14): each frame's next `horizon` commanded targets, from its own step on; past the
+    episode's end the last target repeats (the arm holds it)."""
+    actions, steps = demos["actions"], demos["frame_step"]
+    out = np.empty((len(steps), horizon, ACTION_DIM), dtype=np.float32)
+    for i, g in enumerate(steps):
+        end = (g // EPISODE_STEPS + 1) * EPISODE_STEPS
+        idx = np.minimum(np.arange(g, g + horizon), end - 1)
+        out[i] = actions[idx]
+    return out
+
+
+def train(
+    data: Path,
+    out: Path,
+    steps: int,
+    batch: int,
+    draws: int,
+    lr: float,
+    seed: int,
+    minutes: float,
+    state_noise: float,
+    state_dropout: float,
+) -> None:
+    """`steps` at most; fewer if the first PROBE_STEPS say they would take longer than `minutes` (the
+    cosine schedule then spans the steps that fit).
+
+    `state_noise` (std, in normalised units) and `state_dropout` (the probability that a sample's state is
+    replaced by the middle of its range) act on the state in the prompt. Without them the first policy
+    ignored the camera: its chunks were the same for every cube position (the right waist's target at
+    step 49, where the image alone can tell, did not follow the scene), since once the arm moves its
+    joint angles give the cube's place away, and a policy that copies them fails in closed loop."""
+    from bench.probes_rmuscle import flow_matching_loss
+    from rmuscle_ros.models.checkpoint import load_model, save_checkpoint
+    from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+    from rmuscle_ros.runtime.transforms import build_prompt, discretize_state, pad_to_dim, tokenize_prompt
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    demos = load_demos(data)
+    out.mkdir(parents=True, exist_ok=True)
+    norm_path = out / "norm_stats.json"
+    write_norm_stats(demos["state"], demos["actions"], norm_path)
+    # A policy only to preprocess: its images, prompt and tokens are what the deployed policy makes.
+    pre = Policy(
+        PolicyConfig(preset="tiny", norm_stats=str(norm_path), cameras=(CAMERA,), device=device, seed=seed)
+    )
+    cfg = pre.model_cfg
+    n = len(demos["frames"])
+    images = torch.empty(n, 3, cfg.vision.image_size, cfg.vision.image_size, device=device)
+    tokens = torch.empty(n, cfg.max_token_len, dtype=torch.int64)
+    token_mask = torch.empty(n, cfg.max_token_len, dtype=torch.bool)
+    for i, (frame, state) in enumerate(zip(demos["frames"], demos["state"], strict=True)):
+        inputs, _, truncated = pre.preprocess(Observation({CAMERA: frame}, state, PROMPT))
+        assert not truncated, "the prompt must fit the model's token budget"
+        images[i] = inputs.images[0, 0]
+        tokens[i], token_mask[i] = inputs.tokens[0], inputs.token_mask[0]
+    assert bool(inputs.image_masks[0, 0]) and not bool(inputs.image_masks[0, 1:].any())
+    targets = torch.from_numpy(
+        pad_to_dim(pre.stats.actions.normalize(chunk_targets(demos, cfg.horizon)), cfg.action_dim)
+    ).float()
+    states = pre.stats.state.normalize(demos["state"])  # what the prompt's state bins are made from
+    tokenizer = pre.tokenizer
+    del pre
+
+    def prompt(picked: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts of samples `picked`, their states perturbed (as Policy.preprocess builds them)."""
+        x = states[picked] + state_noise * torch.randn(len(picked), STATE_DIM, generator=gen).numpy()
+        x[(torch.rand(len(picked), generator=gen) < state_dropout).numpy()] = 0.0
+        toks = [
+            tokenize_prompt(tokenizer, build_prompt(PROMPT, discretize_state(v)), cfg.max_token_len)
+            for v in x
+        ]
+        return torch.from_numpy(np.stack([t.tokens for t in toks])), torch.from_numpy(
+            np.stack([t.mask for t in toks])
+        )
+
+    log(f"{n} samples from {len(json.loads(demos['meta']['seeds']))} demonstrations, on {device}")
+
+    from rmuscle_ros.models.pi05 import ModelInputs
+
+    model = load_model(cfg, None, seed=seed, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    planned = {"steps": steps}  # the schedule reads it at every step; fitted to `minutes` below
+    warmup = max(PROBE_STEPS, steps // 20)
+
+    def schedule(s: int) -> float:
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / planned["steps"]))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    masks = torch.zeros(batch, cfg.num_cameras, dtype=torch.bool, device=device)
+    masks[:, 0] = True
+    filler = torch.full((batch, cfg.num_cameras - 1, *images.shape[1:]), -1.0, device=device)
+    model.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    step = 0
+    while step < planned["steps"]:
+        if step == PROBE_STEPS // 2:
+            probe_start = time.perf_counter()  # the first steps include the GPU's warm-up
+        if step == PROBE_STEPS:
+            per_step = (time.perf_counter() - probe_start) / (PROBE_STEPS - PROBE_STEPS // 2)
+            left = minutes * 60 - (time.perf_counter() - start)
+            planned["steps"] = min(steps, PROBE_STEPS + int(left / per_step))
+            log(f"{per_step * 1e3:.0f} ms per step: {planned['steps']} steps")
+        pick = torch.randint(n, (batch,), generator=gen)
+        picked_tokens, picked_mask = (
+            prompt(pick.tolist()) if state_noise or state_dropout else (tokens[pick], token_mask[pick])
+        )
+        inputs = ModelInputs(
+            torch.cat([images[pick.to(device)][:, None], filler], 1),
+            masks,
+            picked_tokens.to(device),
+            picked_mask.to(device),
+        )
+        loss = flow_matching_loss(model, inputs, targets[pick].to(device), draws, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 250 == 0 or step == planned["steps"] - 1:
+            elapsed = time.perf_counter() - start
+            log(f"step {step}: loss {statistics.mean(losses[-50:]):.4f} ({elapsed:.0f} s)")
+        step += 1
+    model.eval()
+    save_checkpoint(model.to("cpu"), out / "model.safetensors")
+    steps = planned["steps"]
+    window = max(1, min(100, steps // 10))
+    summary = {
+        "data": str(data),
+        "samples": n,
+        "demonstrations": len(json.loads(demos["meta"]["seeds"])),
+        "placement_spread": float(demos["meta"].get("placement_spread", 1.0)),
+        "steps": steps,
+        "batch": batch,
+        "noise_draws": draws,
+        "lr": lr,
+        "seed": seed,
+        "state_noise": state_noise,
+        "state_dropout": state_dropout,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "seconds": round(time.perf_counter() - start, 1),
+        "first_loss": round(statistics.mean(losses[:window]), 4),
+        "final_loss": round(statistics.mean(losses[-window:]), 4),
+    }
+    (out / "training.json").write_text(json.dumps(summary, indent=1))
+    log(f"trained: {summary}")
+
+
+# ── evaluate ─────────────────────────────────────────────────────────────────────────────────────────
+
+
+def episode(
+    sim: AlohaSim,
+    policy: Any,
+    seed: int,
+    replan: int,
+    shadow: Any | None = None,
+) -> dict[str, Any]:
+    """One closed-loop episode from `seed`. `shadow`: a dense policy called on the same inputs, for the
+    action error of every call."""
+    from rmuscle_ros.runtime.policy import Observation
+
+    sim.reset(seed)
+    noise_gen = torch.Generator().manual_seed(seed)
+    cfg = policy.model_cfg
+    modes: list[str] = []
+    errors: list[float] = []
+    similarity: list[float] = []
+    chunk = None
+    for step in range(EPISODE_STEPS):
+        if step % replan == 0:
+            obs_args = ({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
+            noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
+            chunk = policy.infer(Observation(*obs_args), noise=noise)
+            modes.append(chunk.cache_mode)
+            similarity.append(chunk.cache_similarity)
+            if shadow is not None:
+                ref = shadow.infer(Observation(*obs_args), noise=noise).actions
+                errors.append(float(np.linalg.norm(chunk.actions - ref) / np.linalg.norm(ref)))
+        assert chunk is not None
+        command(sim, chunk.actions[step % replan])
+        try:
+            sim.step()
+        except SimulationDiverged:
+            break  # a failed episode (the policy's commands were violent enough to break the physics)
+    return {
+        "seed": seed,
+        "success": sim.success,
+        "final_reward": sim.reward,
+        "best_reward": sim.best_reward,
+        "diverged": bool(sim.diverged),
+        "modes": modes,
+        "similarity": similarity,
+        "rel_l2": errors,
+    }
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
+
+    torch.set_num_threads(1)  # see bench/probes_rmuscle.py: one thread on a shared 2-core machine
+    folder = Path(args.policy)
+    pcfg = PolicyConfig(
+        preset="tiny",
+        checkpoint=str(folder / "model.safetensors"),
+        norm_stats=str(folder / "norm_stats.json"),
+        backend="fused",
+        cameras=(CAMERA,),
+    )
+    if not 1 <= args.replan <= PRESETS["tiny"].horizon:
+        raise SystemExit(f"--replan: 1 ... {PRESETS['tiny'].horizon} (a chunk's rows), got {args.replan}")
+    seeds, warm = parse_seeds(args.seeds), parse_seeds(args.warmup_seeds)
+    sim = make_sim(args.placement_spread)
+    results: dict[str, Any] = {}
+    start = time.perf_counter()
+    scripted = []
+    for s in seeds:  # the demonstrator on the same scenes: what the policy was taught to do
+        sim.reset(s)
+        TransferCubeDemonstrator(sim).run()
+        scripted.append({"seed": s, "success": sim.success, "final_reward": sim.reward})
+        scripted[-1] |= {"best_reward": sim.best_reward, "diverged": False, "modes": [], "rel_l2": []}
+    results["scripted"] = summarise(scripted, time.perf_counter() - start)
+    dense = Policy(pcfg)
+    start = time.perf_counter()
+    runs = [episode(sim, dense, s, args.replan) for s in seeds]
+    results["dense"] = summarise(runs, time.perf_counter() - start)
+    log(f"dense: {results['dense']['success_rate']:.2f} ({results['dense']['successes']}/{len(seeds)})")
+    for rho_p, rho_n in args.rho:
+        cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n)
+        policy = Policy(pcfg, cache=cache)
+        warm_runs = []
+        for s in warm:  # the library's dense warm-up; failures stay out of it
+            run = episode(sim, policy, s, args.replan)
+            if not run["success"]:
+                policy.discard_episode("the episode failed")
+            policy.reset_episode()
+            warm_runs.append(run)
+        start = time.perf_counter()
+        runs = []
+        for s in seeds:
+            run = episode(sim, policy, s, args.replan, shadow=dense)
+            if not run["success"]:
+                policy.discard_episode("the episode failed")
+            policy.reset_episode()
+            runs.append(run)
+        name = f"rmuscle_{rho_p:g}_{rho_n:g}"
+        results[name] = summarise(runs, time.perf_counter() - start)
+        results[name].update(
+            rho_p=rho_p,
+            rho_n=rho_n,
+            warmup_successes=sum(r["success"] for r in warm_runs),
+            warmup_episodes=len(warm_runs),
+            library_episodes=policy.cache_status()["library_episodes"],  # type: ignore[index]
+        )
+        policy.close()
+        log(f"{name}: {results[name]['success_rate']:.2f}, cached share {results[name]['cached_share']:.2f}")
+    sim.close()
+    return results
+
+
+def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    modes = [m for r in runs for m in r["modes"]]
+    errors = [e for r in runs for e in r["rel_l2"]]
+    cached = [
+        e for r in runs if r["rel_l2"] for e, m in zip(r["rel_l2"], r["modes"], strict=True) if m == "cached"
+    ]
+    summary: dict[str, Any] = {
+        "episodes": len(runs),
+        "successes": sum(r["success"] for r in runs),
+        "success_rate": round(sum(r["success"] for r in runs) / len(runs), 3),
+        "calls": len(modes),
+        "modes": {m: modes.count(m) for m in sorted(set(modes))},
+        "cached_share": round(modes.count("cached") / len(modes), 3) if modes else 0.0,
+        "diverged": sum(r["diverged"] for r in runs),
+        "seconds": round(seconds, 1),
+        "per_episode": [
+            {k: r[k] for k in ("seed", "success", "final_reward", "best_reward", "diverged")}
+            | {"cached_calls": r["modes"].count("cached")}
+            for r in runs
+        ],
+    }
+    if errors:  # every call against the dense policy on the same inputs (0 for the dense ones)
+        summary["rel_l2_median"] = round(statistics.median(errors), 4)
+    if cached:
+        summary["rel_l2_cached_median"] = round(statistics.median(cached), 4)
+        summary["rel_l2_cached_p90"] = round(float(np.quantile(cached, 0.9)), 4)
+    return summary
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# Closed-loop success, dense vs rMuscle — {report['date']}",
+        "",
+        f"Commit `{report['commit']}`, `{report['command']}`.",
+        "",
+        report["setting"],
+        "",
+        "| variant | success | physics diverged | calls: cached / dense / fallback | cached calls' action "
+        "error vs dense, median (p90) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in report["results"].items():
+        m = r["modes"]
+        err = (
+            f"{r['rel_l2_cached_median']} ({r['rel_l2_cached_p90']})" if "rel_l2_cached_median" in r else "–"
+        )
+        calls = f"{m.get('cached', 0)} / {m.get('dense', 0)} / {m.get('fallback', 0)}" if r["calls"] else "–"
+        lines.append(
+            f"| {name} | {r['successes']}/{r['episodes']} ({r['success_rate']:.0%}) | {r['diverged']} | "
+            f"{calls} | {err} |"
+        )
+    lines += [
+        "",
+        "scripted: the demonstrator the policy learnt from, on the same scenes (it reads the cube's pose).",
+        "Action error: relative L2 of a cached call's chunk against the dense policy's on the same "
+        "observation and noise, in robot units.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="stage", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--seeds", default="0-99")
+    c.add_argument("--out", type=Path, default=Path("bench/_dev_sim/demos.safetensors"))
+    c.add_argument("--placement-spread", type=float, default=1.0, help="SimConfig.placement_spread")
+    t = sub.add_parser("train")
+    t.add_argument("--data", type=Path, default=Path("bench/_dev_sim/demos.safetensors"))
+    t.add_argument("--out", type=Path, default=Path("bench/_dev_sim/sim_policy"))
+    t.add_argument("--steps", type=int, default=6000)
+    t.add_argument("--batch", type=int, default=64)
+    t.add_argument("--draws", type=int, default=4)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--minutes", type=float, default=6.0, help="fewer steps if they would take longer")
+    t.add_argument(
+        "--state-noise", type=float, default=0.0, help="std of the prompt state's noise (normalised)"
+    )
+    t.add_argument("--state-dropout", type=float, default=0.0, help="share of samples with a blank state")
+    e = sub.add_parser("evaluate")
+    e.add_argument("--policy", default="bench/_dev_sim/sim_policy")
+    e.add_argument("--seeds", default="1000-1029")
+    e.add_argument("--warmup-seeds", default="2000-2007")
+    e.add_argument("--replan", type=int, default=25, help="steps executed per chunk (the node's default)")
+    e.add_argument(
+        "--rho", type=lambda s: tuple(float(v) for v in s.split(",")), nargs="+", default=[(0.4, 0.5)]
+    )
+    e.add_argument("--commit", default="unknown")
+    e.add_argument("--name", default="sim_success_tiny_cpu")
+    e.add_argument("--results", type=Path, default=Path("bench/results"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = main_parser().parse_args(argv)
+    if args.stage == "collect":
+        collect(parse_seeds(args.seeds), args.out, args.placement_spread)
+    elif args.stage == "train":
+        train(
+            args.data,
+            args.out,
+            args.steps,
+            args.batch,
+            args.draws,
+            args.lr,
+            args.seed,
+            args.minutes,
+            args.state_noise,
+            args.state_dropout,
+        )
+    else:
+        training = json.loads((Path(args.policy) / "training.json").read_text())
+        args.placement_spread = training.get("placement_spread", 1.0)  # the scenes it was trained on
+        results = evaluate(args)
+        report = {
+            "date": dt.date.today().isoformat(),
+            "gpu": "cpu",
+            "commit": args.commit,
+            "command": "python bench/sim_success.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "setting": (
+                f"gym-aloha transfer_cube (MuJoCo), cube placement spread {args.placement_spread:g} of "
+                f"gym-aloha's 20 × 20 cm, top camera {FRAME_HEIGHT}×{FRAME_WIDTH}, a call every "
+                f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; `tiny` trained on "
+                f"{training['demonstrations']} scripted demonstrations ({training['steps']} steps, loss "
+                f"{training['first_loss']} -> {training['final_loss']}); fused engine on the CPU, one thread; "
+                f"rMuscle's library warmed up by dense episodes of seeds {args.warmup_seeds}."
+            ),
+            "training": training,
+            "results": results,
+        }
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+        (args.results / f"{args.name}.md").write_text(to_markdown(report))
+        print(to_markdown(report))
+
+
+if __name__ == "__main__":
+    main()

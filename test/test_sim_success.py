@@ -1,0 +1,67 @@
+"""bench/sim_success.py, the closed-loop success benchmark: its data and the pairing it relies on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "gym_aloha", reason="gym-aloha (the ALOHA scenes) is not installed: make venv installs it"
+)
+
+from bench import sim_success
+from rmuscle_ros.sim.scripted import EPISODE_STEPS
+
+
+def test_a_frames_action_chunk_stays_within_its_episode() -> None:
+    """Each frame's target is its own episode's next `horizon` commands; past the episode's end the last
+    command repeats (the arm holds it), never the next episode's first."""
+    actions = np.repeat(np.arange(2 * EPISODE_STEPS, dtype=np.float32)[:, None], 14, axis=1)
+    demos = {"actions": actions, "frame_step": np.array([0, EPISODE_STEPS - 5, EPISODE_STEPS])}
+    chunks = sim_success.chunk_targets(demos, horizon=10)
+    np.testing.assert_array_equal(chunks[0, :, 0], np.arange(10))
+    last = EPISODE_STEPS - 1
+    np.testing.assert_array_equal(chunks[1, :, 0], [*range(EPISODE_STEPS - 5, EPISODE_STEPS), *[last] * 5])
+    np.testing.assert_array_equal(chunks[2, :, 0], np.arange(EPISODE_STEPS, EPISODE_STEPS + 10))
+
+
+def test_seeds_parse_as_ranges_and_lists() -> None:
+    assert sim_success.parse_seeds("0-3,7,10-11") == [0, 1, 2, 3, 7, 10, 11]
+
+
+@pytest.mark.slow
+def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
+    """The three stages end to end at toy sizes: the demonstrations round-trip through their file, the
+    trained files load into a Policy, a call's action error is measured against a dense policy on the
+    same inputs and noise (0 for a dense call), and the report is written."""
+    data = tmp_path / "demos.safetensors"
+    sim_success.collect([0], data, placement_spread=0.25)
+    demos = sim_success.load_demos(data)
+    frames = EPISODE_STEPS // sim_success.FRAME_EVERY
+    assert len(demos["frames"]) == frames and demos["frames"][0].shape == (168, 224, 3)
+    assert demos["state"].shape == (frames, 14) and demos["actions"].shape == (EPISODE_STEPS, 14)
+    policy = tmp_path / "policy"
+    sim_success.train(data, policy, 2, 2, 1, 1e-4, 0, 1.0, state_noise=0.3, state_dropout=0.0)
+    training = json.loads((policy / "training.json").read_text())
+    assert training["steps"] == 2 and training["placement_spread"] == 0.25
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
+
+    config = PolicyConfig(
+        checkpoint=str(policy / "model.safetensors"),
+        norm_stats=str(policy / "norm_stats.json"),
+        backend="fused",
+        cameras=(sim_success.CAMERA,),
+    )
+    sim = sim_success.make_sim(0.25)
+    run = sim_success.episode(sim, Policy(config), 5, 50, shadow=Policy(config))
+    sim.close()
+    assert run["modes"] and set(run["modes"]) == {"dense"} and run["rel_l2"] == [0.0] * len(run["modes"])
+    results = tmp_path / "results"
+    evaluate = ["evaluate", "--policy", str(policy), "--seeds", "5", "--warmup-seeds", "6", "--replan", "50"]
+    sim_success.main([*evaluate, "--results", str(results), "--name", "one"])
+    report = json.loads((results / "one.json").read_text())
+    assert set(report["results"]) == {"scripted", "dense", "rmuscle_0.4_0.5"}
+    assert report["results"]["scripted"]["successes"] == 1  # the demonstrator on that scene
+    assert "| dense | " in (results / "one.md").read_text()
