@@ -7,29 +7,35 @@ half; this measures the second on a task that can fail: gym-aloha's transfer-cub
   collect   scripted demonstrations (rmuscle_ros.sim.scripted, privileged cube pose) of the seeds asked
             for; the successful ones are kept: the top camera at 10 Hz, 168×224 (what Policy.preprocess
             makes of a 480×640 ALOHA frame before padding), each frame zlib-compressed, the 14-D state
-            at those frames, the 14-D commanded targets at every 50 Hz step, in one safetensors file.
-            ~1.5 s per episode on a 2-core CPU.
+            at those frames, the 14-D commanded targets at every 50 Hz step, in one safetensors file
+            (~0.4 MiB and ~4 s per episode on the 2-core CPU). `--placement-spread` as in SimConfig.
   train     flow matching (π0's objective, bench/probes_rmuscle.py's loss) on those, every parameter
             of `tiny` from its seeded random start, on a GPU. The inputs are made by Policy.preprocess
             itself, so training sees what the deployed policy sees. Writes model.safetensors (LeRobot
             key names, what the node's `checkpoint` parameter loads) and norm_stats.json (openpi
-            layout: q01/q99 of the demonstrations' state and actions).
+            layout: q01/q99 of the demonstrations' state and actions). `--state-noise` perturbs the
+            prompt's state: without it the policy ignored the camera (see `train`).
   evaluate  closed loop on the CPU, with no ROS: per episode the sim is reset to a seed, the policy is
             called every `--replan` steps on the rendered top frame and the measured state, and the
             sim takes the chunk's rows in between. Two policies from the same files, the same seeds
             and the same noise per call: `dense` (fused engine, no cache) and `rmuscle` (fused engine,
             Context + Action Cache at ρp/ρn). rMuscle's library is warmed up first by dense episodes of
-            other seeds; failed episodes are kept out of it (`discard_episode`), as a cell would. During
+            other seeds; failed episodes are kept out of it (`discard_episode`), as a cell would; its
+            window is refilled after every call (the motion window), as the node does. During
             the rMuscle episodes a third, dense policy is called on the same inputs, so every call's
             action error (relative L2, cached vs dense on the same observation) is measured too.
 
 Results go to bench/results/<name>.{md,json}. Commands (the data and the checkpoint in an ignored
 folder, bench/_dev_sim/; the device tool carries them there and back):
 
-    .venv/bin/python bench/sim_success.py collect --seeds 0-79 --out bench/_dev_sim/demos.safetensors
-    python bench/sim_success.py train --data bench/_dev_sim/demos.safetensors --out $OUT/sim_policy  # GPU
-    .venv/bin/python bench/sim_success.py evaluate --policy bench/_dev_sim/sim_policy --seeds 1000-1049 \\
-        --commit $(git rev-parse --short HEAD)
+    .venv/bin/python bench/sim_success.py collect --seeds 0-99 --placement-spread 0.25 \\
+        --out bench/_dev_sim/demos_fixtured.safetensors                                  # ~7 min
+    python bench/sim_success.py train --data bench/_dev_sim/demos_fixtured.safetensors \\
+        --out $OUT/policy_fixtured --minutes 6.3 --lr 5e-4 --state-noise 0.3             # H200, ~6.5 min
+    .venv/bin/python bench/sim_success.py evaluate --policy bench/_dev_sim/policy_fixtured \\
+        --seeds 1000-1049 --warmup-seeds 2000-2007 --rho 0.4,0.5 0.2,0.3 --commit $(git rev-parse --short HEAD)
+
+evaluate takes the placement spread the policy was trained on (training.json).
 """
 
 from __future__ import annotations
@@ -375,11 +381,13 @@ def episode(
     errors: list[float] = []
     similarity: list[float] = []
     chunk = None
+    policy.rebuild_cache(wait=True)  # the node's refill at a reset: the likely first entries (no-op: dense)
     for step in range(EPISODE_STEPS):
         if step % replan == 0:
             obs_args = ({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
             noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
             chunk = policy.infer(Observation(*obs_args), noise=noise)
+            policy.rebuild_cache(wait=True)  # the motion window: the node refills rMuscle's window here
             modes.append(chunk.cache_mode)
             similarity.append(chunk.cache_similarity)
             if shadow is not None:
@@ -435,7 +443,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     results["dense"] = summarise(runs, time.perf_counter() - start)
     log(f"dense: {results['dense']['success_rate']:.2f} ({results['dense']['successes']}/{len(seeds)})")
     for rho_p, rho_n in args.rho:
-        cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n)
+        # The whole window after every call, as config/rmuscle_default.yaml has the node do on a CPU.
+        cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, rebuilds_per_tick=20)
         policy = Policy(pcfg, cache=cache)
         warm_runs = []
         for s in warm:  # the library's dense warm-up; failures stay out of it
