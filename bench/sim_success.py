@@ -411,21 +411,26 @@ def episode(
     }
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    from rmuscle_ros.cache.runtime import RMuscleConfig
-    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
+def policy_config(folder: str) -> Any:
+    """The trained files as the deployed policy loads them: fused engine on the CPU, one thread (see
+    bench/probes_rmuscle.py: one thread on a shared 2-core machine)."""
+    from rmuscle_ros.runtime.policy import PolicyConfig
 
-    torch.set_num_threads(1)  # see bench/probes_rmuscle.py: one thread on a shared 2-core machine
-    folder = Path(args.policy)
-    pcfg = PolicyConfig(
+    torch.set_num_threads(1)
+    return PolicyConfig(
         preset="tiny",
-        checkpoint=str(folder / "model.safetensors"),
-        norm_stats=str(folder / "norm_stats.json"),
+        checkpoint=str(Path(folder) / "model.safetensors"),
+        norm_stats=str(Path(folder) / "norm_stats.json"),
         backend="fused",
         cameras=(CAMERA,),
     )
-    if not 1 <= args.replan <= PRESETS["tiny"].horizon:
-        raise SystemExit(f"--replan: 1 ... {PRESETS['tiny'].horizon} (a chunk's rows), got {args.replan}")
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+    from rmuscle_ros.runtime.policy import Policy
+
+    pcfg = policy_config(args.policy)
     seeds, warm = parse_seeds(args.seeds), parse_seeds(args.warmup_seeds)
     sim = make_sim(args.placement_spread)
     results: dict[str, Any] = {}
@@ -476,6 +481,41 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def repeat_probe(args: argparse.Namespace, pcfg: Any) -> dict[str, Any]:
+    """An exact repeat: per setting, one dense episode of `--seed` recorded into an empty library, then the
+    same scene again served from it. Its first call sees the very observation its reference did, so that
+    call's error against the dense policy is the caches' own approximation, with no retrieval or scene
+    difference in it (the Context Cache's is then 0: no token drifted)."""
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+    from rmuscle_ros.runtime.policy import Policy
+
+    sim = make_sim(args.placement_spread)
+    dense = Policy(pcfg)
+    out: dict[str, Any] = {}
+    for rho_p, rho_n in args.rho:
+        for anchors in args.anchors:
+            cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, anchors=anchors, rebuilds_per_tick=20)
+            policy = Policy(pcfg, cache=cache)
+            first = episode(sim, policy, args.seed, args.replan)
+            policy.reset_episode()
+            again = episode(sim, policy, args.seed, args.replan, shadow=dense)
+            policy.close()
+            errors = again["rel_l2"]
+            out[f"rmuscle_{rho_p:g}_{rho_n:g}_anchors{anchors}"] = {
+                "rho_p": rho_p,
+                "rho_n": rho_n,
+                "anchors": anchors,
+                "reference_success": first["success"],
+                "repeat_success": again["success"],
+                "modes": {m: again["modes"].count(m) for m in sorted(set(again["modes"]))},
+                "first_call_rel_l2": round(errors[0], 4),
+                "rel_l2_median": round(statistics.median(errors), 4),
+            }
+            log(f"{rho_p:g}/{rho_n:g}, {anchors} anchor(s): {out[next(reversed(out))]}")
+    sim.close()
+    return out
+
+
 def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     modes = [m for r in runs for m in r["modes"]]
     errors = [e for r in runs for e in r["rel_l2"]]
@@ -514,8 +554,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         report["setting"],
         "",
         "| variant | success | physics diverged | calls: cached / dense / fallback | cached calls' action "
-        "error vs dense, median (p90) |",
-        "|---|---|---|---|---|",
+        "error vs dense, median (p90) | library episodes (warm-up successes) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         m = r["modes"]
@@ -523,16 +563,47 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{r['rel_l2_cached_median']} ({r['rel_l2_cached_p90']})" if "rel_l2_cached_median" in r else "–"
         )
         calls = f"{m.get('cached', 0)} / {m.get('dense', 0)} / {m.get('fallback', 0)}" if r["calls"] else "–"
+        library = (
+            f"{r['library_episodes']} ({r['warmup_successes']}/{r['warmup_episodes']})"
+            if calls != "–" and "library_episodes" in r
+            else "–"
+        )
         lines.append(
             f"| {name} | {r['successes']}/{r['episodes']} ({r['success_rate']:.0%}) | {r['diverged']} | "
-            f"{calls} | {err} |"
+            f"{calls} | {err} | {library} |"
         )
     lines += [
         "",
-        "scripted: the demonstrator the policy learnt from, on the same scenes (it reads the cube's pose).",
+        "scripted: the demonstrator the policy learnt from, on the same scenes (it reads the cube's pose). "
+        "The library holds the successful dense episodes (warm-up and evaluation); a cached episode is "
+        "not recorded.",
         "Action error: relative L2 of a cached call's chunk against the dense policy's on the same "
         "observation and noise, in robot units.",
     ]
+    return "\n".join(lines) + "\n"
+
+
+def repeat_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# rMuscle on an exact repeat of one scene — {report['date']}",
+        "",
+        f"Commit `{report['commit']}`, `{report['command']}`.",
+        "",
+        report["setting"],
+        "",
+        "Per setting: a dense episode recorded into an empty library, then the same scene (same seed and "
+        "noise) served from it. The repeat's first call sees exactly its reference's observation.",
+        "",
+        "| ρp | ρn | anchors | reference (dense) success | repeat success | calls cached | first call's action "
+        "error vs dense | median over the repeat |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"].values():
+        lines.append(
+            f"| {r['rho_p']:g} | {r['rho_n']:g} | {r['anchors']} | {r['reference_success']} | "
+            f"{r['repeat_success']} | {r['modes'].get('cached', 0)} | {r['first_call_rel_l2']} | "
+            f"{r['rel_l2_median']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -564,6 +635,11 @@ def main_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--rho", type=lambda s: tuple(float(v) for v in s.split(",")), nargs="+", default=[(0.4, 0.5)]
     )
+    e.add_argument("--anchors", type=int, nargs="+", default=[1], help="--repeat-seed: dense anchor steps")
+    e.add_argument(
+        "--repeat-seed", type=int, default=None,
+        help="instead: the exact-repeat probe on this seed (repeat_probe), for each --rho and --anchors",
+    )  # fmt: skip
     e.add_argument("--commit", default="unknown")
     e.add_argument("--name", default="sim_success_tiny_cpu")
     e.add_argument("--results", type=Path, default=Path("bench/results"))
@@ -590,7 +666,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         training = json.loads((Path(args.policy) / "training.json").read_text())
         args.placement_spread = training.get("placement_spread", 1.0)  # the scenes it was trained on
-        results = evaluate(args)
+        if not 1 <= args.replan <= PRESETS["tiny"].horizon:
+            raise SystemExit(f"--replan: 1 ... {PRESETS['tiny'].horizon} (a chunk's rows), got {args.replan}")
+        if args.repeat_seed is None:
+            results = evaluate(args)
+        else:
+            args.seed = args.repeat_seed
+            results = repeat_probe(args, policy_config(args.policy))
         report = {
             "date": dt.date.today().isoformat(),
             "gpu": "cpu",
@@ -601,16 +683,21 @@ def main(argv: list[str] | None = None) -> None:
                 f"gym-aloha's 20 × 20 cm, top camera {FRAME_HEIGHT}×{FRAME_WIDTH}, a call every "
                 f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; `tiny` trained on "
                 f"{training['demonstrations']} scripted demonstrations ({training['steps']} steps, loss "
-                f"{training['first_loss']} -> {training['final_loss']}); fused engine on the CPU, one thread; "
-                f"rMuscle's library warmed up by dense episodes of seeds {args.warmup_seeds}."
+                f"{training['first_loss']} -> {training['final_loss']}); fused engine on the CPU, one thread"
+                + (
+                    f"; rMuscle's library warmed up by dense episodes of seeds {args.warmup_seeds}."
+                    if args.repeat_seed is None
+                    else f"; scene seed {args.repeat_seed}."
+                )
             ),
             "training": training,
             "results": results,
         }
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-        (args.results / f"{args.name}.md").write_text(to_markdown(report))
-        print(to_markdown(report))
+        markdown = to_markdown(report) if args.repeat_seed is None else repeat_markdown(report)
+        (args.results / f"{args.name}.md").write_text(markdown)
+        print(markdown)
 
 
 if __name__ == "__main__":
