@@ -85,16 +85,27 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="bag demo: a node parameter over config/rmuscle_default.yaml, e.g. cache.rho_p=0.2 (repeatable)",
     )
+    p.add_argument(
+        "--sim-param", action="append", default=[], metavar="NAME=VALUE",
+        help="--sim: an aloha_sim parameter, e.g. placement_spread=0.25 or cameras=[top] (repeatable)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if not args.synthetic:
         from rmuscle_ros.node.replay_demo import print_summary, run
 
-        overrides = {}
-        for item in args.param:
-            name, sep, value = item.partition("=")
-            if not sep or not name:
-                p.error(f"--param {item!r}: expected NAME=VALUE")
-            overrides[name] = yaml.safe_load(value)
+        overrides: dict[str, Any] = {}
+        sim_params: dict[str, Any] = {}
+        for flag, items, into in (
+            ("--param", args.param, overrides),
+            ("--sim-param", args.sim_param, sim_params),
+        ):
+            for item in items:
+                name, sep, value = item.partition("=")
+                if not sep or not name:
+                    p.error(f"{flag} {item!r}: expected NAME=VALUE")
+                into[name] = yaml.safe_load(value)
+        if sim_params and not args.sim:
+            p.error("--sim-param: only with --sim")
         from rmuscle_ros.node.bags import parse_remaps
 
         try:
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
                 episodes=args.episodes, bags=args.bags, remap=remap, stream=not args.no_stream, sim=args.sim,
+                sim_params=sim_params,
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))

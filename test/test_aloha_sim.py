@@ -452,29 +452,32 @@ def test_the_sim_demo_runs_a_dense_warm_up_then_a_cached_repeat(tmp_path, capsys
 
     domain = str((int(os.environ.get("ROS_DOMAIN_ID", "0")) + 110) % 233)
     for bad, says in (
-        (["--no-stream"], "needs action_streamer"),
-        (["--bags", str(tmp_path)], "replays no bags"),
+        (["--sim", "--no-stream"], "needs action_streamer"),
+        (["--sim", "--bags", str(tmp_path)], "replays no bags"),
+        (["--sim", "--sim-param", "placement_spread=2"], "placement_spread: must be in [0, 1]"),
+        (["--sim-param", "seed=3"], "--sim-param: only with --sim"),
     ):
         with pytest.raises(SystemExit) as exit_:
-            main(["--sim", *bad, "--domain-id", domain, "--out", str(tmp_path)])
+            main([*bad, "--domain-id", domain, "--out", str(tmp_path)])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
     # One chunk a second leaves the 2-core CPU's motion window room to rebuild the window's entries (see
     # test_node_lifecycle's replay demo test).
     args = ["--sim", "--seconds", "4", "--param", "actions_per_inference=50", "--domain-id", domain]
+    args += ["--sim-param", "seed=7", "--sim-param", "placement_spread=0.25"]  # aloha_sim's own parameters
     assert main([*args, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert (
         "episode 0 (dense warm-up)" in out and "reset before episode 1: episode 1 (episode 0 recorded" in out
     )
     assert "action_streamer (own process, the sim's clock): " in out and "chunks refused: none" in out
-    assert "[demo] aloha_sim episode 1 (transfer_cube, seed 0, " in out
+    assert "[demo] aloha_sim episode 1 (transfer_cube, seed 7, " in out
     chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
     assert {c.cache_mode for c in chunks if c.episode_id == 0} == {ActionChunk.CACHE_DENSE}
     assert ActionChunk.CACHE_CACHED in [c.cache_mode for c in chunks if c.episode_id == 1], out
     summary = json.loads((tmp_path / "summary.json").read_text())
     sim = summary["sim"]
     assert [e["episode"] for e in sim["episodes"]] == [0, 1]
-    assert all(e["seed"] == 0 and e["seconds"] >= 4.0 for e in sim["episodes"])  # one scene, repeated
+    assert all(e["seed"] == 7 and e["seconds"] >= 4.0 for e in sim["episodes"])  # one scene, repeated
     assert sim["arm_commands"] >= 200 and sim["refused"] == 0, sim  # both arms, ~8 s at 50 Hz
     assert 0 < sim["real_time_factor"] <= 1.05
     assert summary["drops"] == {} or sum(summary["drops"].values()) <= 2, summary["drops"]

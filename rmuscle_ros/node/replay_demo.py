@@ -99,6 +99,7 @@ def run(
     remap: Mapping[str, str] | None = None,
     stream: bool = True,
     sim: bool = False,
+    sim_params: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
@@ -106,7 +107,8 @@ def run(
     `seconds` and `episodes` are theirs); `remap`: bag topic -> the node's topic, over the ALOHA defaults
     (/cam_high/... onto the node's first camera topic, and so on). `stream`: run action_streamer beside
     the node. `sim`: instead of bags, a simulated ALOHA (aloha_sim) in closed loop: the streamer's
-    commands move its arms, and each episode is `seconds` of its clock on the same scene."""
+    commands move its arms, and each episode is `seconds` of its clock on the same scene; `sim_params`:
+    aloha_sim parameters over the demo's (e.g. a trained policy's cameras and placement_spread)."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(CONFIG)
@@ -185,7 +187,7 @@ def run(
     peer.create_subscription(CacheStatus, f"/{node.get_name()}/cache_status", statuses.append, 10)
     reset = peer.create_client(Trigger, f"/{node.get_name()}/reset_episode")
     streaming = _Streaming(peer, topic, domain_id, topics, out_dir, stream, streamer_params)
-    cell = _SimCell(peer, domain_id, remap, out_dir) if sim else None
+    cell = _SimCell(peer, domain_id, remap, out_dir, sim_params or {}) if sim else None
     try:
         # First: its process takes seconds to come up on a loaded CPU, and the node's sensor start-up
         # window (sensor_startup_timeout_s) opens at its activation.
@@ -428,8 +430,15 @@ class _SimCell:
     NAME = "aloha_sim"
     CAMERA_RATE_HZ = 10.0
 
-    def __init__(self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path) -> None:
+    def __init__(
+        self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path, params: Mapping[str, Any]
+    ) -> None:
         from rosgraph_msgs.msg import Clock
+
+        from rmuscle_ros.node.aloha_sim import sim_node_config
+
+        settings = {"camera_rate_hz": self.CAMERA_RATE_HZ, "seed_step": 0} | dict(params)
+        sim_node_config(settings)  # a bad one is refused here, naming it, not in the sim's log
 
         self.clock_ns = 0
         self.diagnostics: dict[str, str] = {}
@@ -444,7 +453,8 @@ class _SimCell:
             remaps[ALOHA_ARM_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_group"
             remaps[ALOHA_GRIPPER_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_single"
         command = [sys.executable, "-m", "rmuscle_ros.node.aloha_sim", "--ros-args"]
-        command += ["-p", f"camera_rate_hz:={self.CAMERA_RATE_HZ}", "-p", "seed_step:=0"]
+        for name, value in settings.items():
+            command += ["-p", f"{name}:={json.dumps(value)}"]
         for frm, to in remaps.items():
             command += ["-r", f"{frm}:={to}"]
         env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
