@@ -329,6 +329,17 @@ def flow_matching_loss(
     return F.mse_loss(model.velocity(x_t, t, prefix), noise - actions)
 
 
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, loss: Tensor) -> float:
+    """One update from `loss`: gradients clipped to norm 1, then the optimizer's and the schedule's step.
+    Returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
 def train(
     model: Pi05Model, steps: int, batch: int, draws: int, lr: float, seed: int, device: str = "cpu"
 ) -> dict[str, Any]:
@@ -347,12 +358,7 @@ def train(
     for step in range(steps):
         inputs, actions = training_batch(model.cfg, batch, gen)
         loss = flow_matching_loss(model, inputs.to(device), actions.to(device), draws, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, sched, loss))
         if step % 50 == 0 or step == steps - 1:
             log(f"train step {step}: loss {loss.item():.4f}")
     model.eval()

@@ -241,7 +241,7 @@ def train(
     ignored the camera: its chunks were the same for every cube position (the right waist's target at
     step 49, where the image alone can tell, did not follow the scene), since once the arm moves its
     joint angles give the cube's place away, and a policy that copies them fails in closed loop."""
-    from bench.probes_rmuscle import flow_matching_loss
+    from bench.probes_rmuscle import flow_matching_loss, optimizer_step
     from rmuscle_ros.models.checkpoint import load_model, save_checkpoint
     from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
     from rmuscle_ros.runtime.transforms import build_prompt, discretize_state, pad_to_dim, tokenize_prompt
@@ -325,12 +325,7 @@ def train(
             picked_mask.to(device),
         )
         loss = flow_matching_loss(model, inputs, targets[pick].to(device), draws, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, sched, loss))
         if step % 250 == 0 or step == planned["steps"] - 1:
             elapsed = time.perf_counter() - start
             log(f"step {step}: loss {statistics.mean(losses[-50:]):.4f} ({elapsed:.0f} s)")
@@ -545,14 +540,14 @@ def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     return summary
 
 
+def _header(title: str, report: dict[str, Any]) -> list[str]:
+    return [f"# {title} — {report['date']}", "", f"Commit `{report['commit']}`, `{report['command']}`.", "",
+            report["setting"], ""]  # fmt: skip
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"# Closed-loop success, dense vs rMuscle — {report['date']}",
-        "",
-        f"Commit `{report['commit']}`, `{report['command']}`.",
-        "",
-        report["setting"],
-        "",
+        *_header("Closed-loop success, dense vs rMuscle", report),
         "| variant | success | physics diverged | calls: cached / dense / fallback | cached calls' action "
         "error vs dense, median (p90) | library episodes (warm-up successes) |",
         "|---|---|---|---|---|---|",
@@ -585,12 +580,7 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 def repeat_markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"# rMuscle on an exact repeat of one scene — {report['date']}",
-        "",
-        f"Commit `{report['commit']}`, `{report['command']}`.",
-        "",
-        report["setting"],
-        "",
+        *_header("rMuscle on an exact repeat of one scene", report),
         "Per setting: a dense episode recorded into an empty library, then the same scene (same seed and "
         "noise) served from it. The repeat's first call sees exactly its reference's observation.",
         "",
