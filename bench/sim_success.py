@@ -241,7 +241,7 @@ def train(
     ignored the camera: its chunks were the same for every cube position (the right waist's target at
     step 49, where the image alone can tell, did not follow the scene), since once the arm moves its
     joint angles give the cube's place away, and a policy that copies them fails in closed loop."""
-    from bench.probes_rmuscle import flow_matching_loss, optimizer_step
+    from bench.probes_rmuscle import check_training_prefill, flow_matching_loss, optimizer_step
     from rmuscle_ros.models.checkpoint import load_model, save_checkpoint
     from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
     from rmuscle_ros.runtime.transforms import build_prompt, discretize_state, pad_to_dim, tokenize_prompt
@@ -302,6 +302,10 @@ def train(
     masks = torch.zeros(batch, cfg.num_cameras, dtype=torch.bool, device=device)
     masks[:, 0] = True
     filler = torch.full((batch, cfg.num_cameras - 1, *images.shape[1:]), -1.0, device=device)
+    first = ModelInputs(torch.cat([images[:1, None], filler[:1]], 1), masks[:1], tokens[:1], token_mask[:1])
+    gap = check_training_prefill(model, first.to(device))
+    if gap > 1e-4:  # the loss's prefill must be the model's (as bench/probes_rmuscle.py checks too)
+        raise RuntimeError(f"the training prefill differs from Pi05Model.prefill by {gap}")
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
