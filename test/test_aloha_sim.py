@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,19 @@ def test_cameras_render_the_scene(sim: AlohaSim) -> None:
 # -- the ROS node -----------------------------------------------------------------------------------------
 
 
+def _processes_mentioning(text: str) -> list[str]:
+    """The command lines of this machine's processes that contain `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        if text in cmdline:
+            found.append(cmdline)
+    return found
+
+
 def _ros_or_skip() -> object:
     pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
     return pytest.importorskip(
@@ -241,7 +255,6 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
     the arm; commands for another group or joint are refused and counted while the simulation goes on;
     ~/reset reports the ended episode and starts the next at the start pose."""
     interbotix = _ros_or_skip()
-    import os
     import threading
     import time
 
@@ -344,7 +357,6 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     pytest.importorskip(
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
     )
-    import os
     import threading
     import time
 
@@ -444,7 +456,6 @@ def test_the_sim_demo_runs_a_dense_warm_up_then_a_cached_repeat(tmp_path, capsys
     pytest.importorskip(
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
     )
-    import os
 
     from rmuscle_ros.demo import main
     from rmuscle_ros.msg import ActionChunk
@@ -460,6 +471,8 @@ def test_the_sim_demo_runs_a_dense_warm_up_then_a_cached_repeat(tmp_path, capsys
         with pytest.raises(SystemExit) as exit_:
             main([*bad, "--domain-id", domain, "--out", str(tmp_path)])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+    # A refused demo leaves nothing running (a stray streamer would answer the next demo's services).
+    assert not _processes_mentioning(str(tmp_path))
     # One chunk a second leaves the 2-core CPU's motion window room to rebuild the window's entries (see
     # test_node_lifecycle's replay demo test).
     args = ["--sim", "--seconds", "4", "--param", "actions_per_inference=50", "--domain-id", domain]
@@ -493,7 +506,6 @@ def test_recorded_demonstrations_are_cell_episodes_the_node_replays(tmp_path, ca
     pytest.importorskip(
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
     )
-    import os
 
     from rmuscle_ros.demo import main as demo
     from rmuscle_ros.node.bags import bag_info

@@ -133,6 +133,8 @@ def run(
         raise ValueError(
             "sim: the simulated cell needs action_streamer to move its arms, and replays no bags"
         )
+    # Before any process starts: a bad one is refused by name, and nothing is left running.
+    sim_settings = _SimCell.settings(sim_params or {}) if sim else {}
     if recorded:
         if not bags:
             raise ValueError("bags: at least one episode to replay")
@@ -187,8 +189,10 @@ def run(
     peer.create_subscription(CacheStatus, f"/{node.get_name()}/cache_status", statuses.append, 10)
     reset = peer.create_client(Trigger, f"/{node.get_name()}/reset_episode")
     streaming = _Streaming(peer, topic, domain_id, topics, out_dir, stream, streamer_params)
-    cell = _SimCell(peer, domain_id, remap, out_dir, sim_params or {}) if sim else None
-    try:
+    cell: _SimCell | None = None
+    try:  # from the streamer's start on, whatever fails stops the processes started so far
+        if sim:
+            cell = _SimCell(peer, domain_id, remap, out_dir, sim_settings)
         # First: its process takes seconds to come up on a loaded CPU, and the node's sensor start-up
         # window (sensor_startup_timeout_s) opens at its activation.
         streaming.start()
@@ -430,15 +434,21 @@ class _SimCell:
     NAME = "aloha_sim"
     CAMERA_RATE_HZ = 10.0
 
-    def __init__(
-        self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path, params: Mapping[str, Any]
-    ) -> None:
-        from rosgraph_msgs.msg import Clock
-
+    @classmethod
+    def settings(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The sim's parameters: the demo's, then `params` over them, checked as the sim node checks them
+        (ParameterError, a ValueError, naming a bad one)."""
         from rmuscle_ros.node.aloha_sim import sim_node_config
 
-        settings = {"camera_rate_hz": self.CAMERA_RATE_HZ, "seed_step": 0} | dict(params)
-        sim_node_config(settings)  # a bad one is refused here, naming it, not in the sim's log
+        settings = {"camera_rate_hz": cls.CAMERA_RATE_HZ, "seed_step": 0} | dict(params)
+        sim_node_config(settings)
+        return settings
+
+    def __init__(
+        self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path, settings: Mapping[str, Any]
+    ) -> None:
+        """`settings`: from `settings()`."""
+        from rosgraph_msgs.msg import Clock
 
         self.clock_ns = 0
         self.diagnostics: dict[str, str] = {}
