@@ -378,19 +378,17 @@ def episode(
     cfg = policy.model_cfg
     modes: list[str] = []
     errors: list[float] = []
-    similarity: list[float] = []
     chunk = None
     policy.rebuild_cache(wait=True)  # the node's refill at a reset: the likely first entries (no-op: dense)
     for step in range(EPISODE_STEPS):
         if step % replan == 0:
-            obs_args = ({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
+            obs = Observation({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
             noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
-            chunk = policy.infer(Observation(*obs_args), noise=noise)
+            chunk = policy.infer(obs, noise=noise)
             policy.rebuild_cache(wait=True)  # the motion window: the node refills rMuscle's window here
             modes.append(chunk.cache_mode)
-            similarity.append(chunk.cache_similarity)
             if shadow is not None:
-                ref = shadow.infer(Observation(*obs_args), noise=noise).actions
+                ref = shadow.infer(obs, noise=noise).actions
                 errors.append(float(np.linalg.norm(chunk.actions - ref) / np.linalg.norm(ref)))
         assert chunk is not None
         command(sim, chunk.actions[step % replan])
@@ -405,9 +403,20 @@ def episode(
         "best_reward": sim.best_reward,
         "diverged": bool(sim.diverged),
         "modes": modes,
-        "similarity": similarity,
         "rel_l2": errors,
     }
+
+
+def cell_episode(
+    sim: AlohaSim, policy: Any, seed: int, replan: int, shadow: Any | None = None
+) -> dict[str, Any]:
+    """`episode`, then what a cell does at its end: a failed one is kept out of the library, and the next
+    one begins (`reset_episode` records a successful dense one)."""
+    run = episode(sim, policy, seed, replan, shadow)
+    if not run["success"]:
+        policy.discard_episode("the episode failed")
+    policy.reset_episode()
+    return run
 
 
 def policy_config(folder: str) -> Any:
@@ -438,8 +447,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     for s in seeds:  # the demonstrator on the same scenes: what the policy was taught to do
         sim.reset(s)
         TransferCubeDemonstrator(sim).run()
-        scripted.append({"seed": s, "success": sim.success, "final_reward": sim.reward})
-        scripted[-1] |= {"best_reward": sim.best_reward, "diverged": False, "modes": [], "rel_l2": []}
+        scripted.append(
+            {"seed": s, "success": sim.success, "final_reward": sim.reward, "best_reward": sim.best_reward}
+            | {"diverged": False, "modes": [], "rel_l2": []}
+        )
     results["scripted"] = summarise(scripted, time.perf_counter() - start)
     dense = Policy(pcfg)
     start = time.perf_counter()
@@ -450,21 +461,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         # The whole window after every call, as config/rmuscle_default.yaml has the node do on a CPU.
         cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, rebuilds_per_tick=20)
         policy = Policy(pcfg, cache=cache)
-        warm_runs = []
-        for s in warm:  # the library's dense warm-up; failures stay out of it
-            run = episode(sim, policy, s, args.replan)
-            if not run["success"]:
-                policy.discard_episode("the episode failed")
-            policy.reset_episode()
-            warm_runs.append(run)
+        warm_runs = [cell_episode(sim, policy, s, args.replan) for s in warm]  # the library's warm-up
         start = time.perf_counter()
-        runs = []
-        for s in seeds:
-            run = episode(sim, policy, s, args.replan, shadow=dense)
-            if not run["success"]:
-                policy.discard_episode("the episode failed")
-            policy.reset_episode()
-            runs.append(run)
+        runs = [cell_episode(sim, policy, s, args.replan, shadow=dense) for s in seeds]
         name = f"rmuscle_{rho_p:g}_{rho_n:g}"
         results[name] = summarise(runs, time.perf_counter() - start)
         results[name].update(
