@@ -173,6 +173,7 @@ def test_each_arm_gets_its_joints_and_gripper_from_the_row_due_now(cell) -> None
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     assert c.state() == State.PRIMARY_STATE_ACTIVE
     chunk = rows()
+    time.sleep(0.15)  # an observation after the activation (one before it is refused: the next test)
     sent = c.now_ns() - 100_000_000  # the call took 100 ms: rows 0..4 are past
     c.publish_chunk(chunk, sent)
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 20 and len(c.gripper["right"]) >= 20)
@@ -315,6 +316,28 @@ def test_deactivate_stops_the_commands_at_once(cell) -> None:
     assert len(c.arm["left"]) == n
     c.publish_chunk(rows(), c.now_ns(), chunk_id=5)
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
+
+
+def test_after_a_reactivation_a_chunk_planned_before_it_is_refused(cell) -> None:
+    """A cell deactivates the streamer while it resets the scene and sends the arms home. A chunk planned
+    before that (a call in flight at the reset) must not move the arms back toward the old scene."""
+    c = cell(max_step=0.0)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+    assert c.transition(Transition.TRANSITION_DEACTIVATE)
+    planned = c.now_ns()  # the observation of a call in flight
+    time.sleep(0.05)
+    assert c.transition(Transition.TRANSITION_ACTIVATE)
+    n = len(c.arm["left"])
+    c.publish_chunk(rows(1.0), planned, chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"] == {"before_start": 1})
+    c.keep_joints_coming(timeout=0.2)
+    assert len(c.arm["left"]) == n  # nothing of it was sent
+    assert any("chunk 1 refused: before_start: stamped" in m.msg for m in c.logs)
+    c.publish_chunk(rows(2.0), c.now_ns(), chunk_id=2)  # planned after the activation: it runs
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
+    assert row_of(list(c.arm["left"][-1].cmd), rows(2.0), list(range(6))) >= 0
 
 
 @pytest.mark.parametrize(

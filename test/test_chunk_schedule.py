@@ -98,6 +98,26 @@ def test_reset_forgets_chunks_and_the_last_command() -> None:
     assert s.command(T0 + 20 * MS, np.full(2, 1.0)) is None and s.chunk_in_hand is None
 
 
+def test_after_start_chunks_planned_before_it_are_refused_and_later_ones_run() -> None:
+    s = schedule()
+    offer(s, T0, rows(50), now_ns=T0)
+    s.start(T0 + 100 * MS)  # an activation: what was in hand is forgotten
+    assert s.chunk_in_hand is None and s.command(T0 + 100 * MS, AT_REST) is None
+    with pytest.raises(ChunkRefused, match="stamped 40 ms before commands started") as e:
+        offer(s, T0 + 60 * MS, rows(50, base=1.0), now_ns=T0 + 120 * MS)
+    assert e.value.reason is RefusalReason.BEFORE_START
+    assert s.command(T0 + 120 * MS, AT_REST) is None
+    offer(s, T0 + 100 * MS, rows(50, base=2.0), now_ns=T0 + 140 * MS)  # stamped at the start: taken
+    assert s.command(T0 + 140 * MS, AT_REST).action.tolist() == rows(50, base=2.0)[2].tolist()
+
+
+def test_a_start_before_the_clock_runs_takes_every_chunk() -> None:
+    s = schedule()
+    s.start(0)  # use_sim_time, no /clock yet
+    offer(s, T0, rows(50), now_ns=T0)
+    assert s.command(T0, AT_REST).row == 0
+
+
 @pytest.mark.parametrize(
     ("edit", "reason", "detail"),
     [

@@ -11,9 +11,12 @@ joint moves more than `max_step` per period, starting from the arm's measured po
 Lifecycle: configure validates the parameters (FAILURE names the bad one) and checks that the Interbotix
 messages are importable; activate subscribes to the chunks and the arms' joint states and starts the
 control timer; deactivate stops sending at once and forgets the chunks (the next activation starts from
-the arm again). A refused chunk (bad shape, other joints, another period, non-finite values, stale, expired,
-stamped ahead of this clock) is logged with its reason and counted on /diagnostics; the chunk in execution
-goes on.
+the arm again, and refuses chunks stamped before it). Between episodes a cell deactivates it while the
+scene is reset and the arms go home, and activates it again after: otherwise the chunk in hand, planned
+for the episode that ended, goes on driving the arms for up to a chunk's length. A refused chunk (bad
+shape, other joints, another period, non-finite values, stale, expired, stamped ahead of this clock or
+before the activation) is logged with its reason and counted on /diagnostics; the chunk in execution goes
+on.
 
 The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
 node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag).
@@ -240,6 +243,9 @@ class ActionStreamerNode(LifecycleNode):
             # On the wall clock: a replayed bag's /clock stops between bags, the diagnostics should not.
             self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME)),
         ]
+        assert self._schedule is not None
+        # Chunks planned before now are refused: the arms may have been moved since (an episode reset).
+        self._schedule.start(self.get_clock().now().nanoseconds)
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:

@@ -7,6 +7,10 @@ chunk that has started. A newer chunk takes over from its first due row; one sta
 this clock waits for its time while the previous one goes on. When the newest chunk has run out, nothing
 is commanded: a position-controlled arm holds its last command.
 
+Commands start (`start`) at the streamer's activation: a chunk stamped before then is refused, since its
+observation may show an arm and a scene that have changed while nothing was commanded (an episode reset,
+the arms sent home), and following it would move the arms back toward that past.
+
 No command moves any joint by more than `max_step` from the previous command. The first command (after
 activation, a reset, or a hold) is measured from the arm's own joint positions, so a chunk that starts far
 from where the arm is brings it there at that pace instead of in one jump.
@@ -32,6 +36,7 @@ class RefusalReason(enum.Enum):
     STALE = "stale"  # stamped before the chunk in execution
     EXPIRED = "expired"  # its last row was due before it arrived
     FUTURE = "future"  # stamped further ahead of this clock than max_future_s
+    BEFORE_START = "before_start"  # stamped before commands started (the streamer's activation)
 
 
 class ChunkRefused(ValueError):
@@ -90,11 +95,18 @@ class ChunkSchedule:
         self.cfg = cfg
         self._chunks: list[Chunk] = []  # by start, at most the running one and one waiting for its time
         self._last: np.ndarray | None = None  # the previous command, while commands flow
+        self._started_ns = 0  # chunks stamped before this are refused
 
     def reset(self) -> None:
         """Forget the chunks and the last command (deactivation): the next command starts from the arm."""
         self._chunks.clear()
         self._last = None
+
+    def start(self, now_ns: int) -> None:
+        """Commands start at `now_ns` (an activation): forget what was in hand, and refuse chunks stamped
+        before it. 0: a clock not running yet, every chunk is taken (none can predate this one's start)."""
+        self.reset()
+        self._started_ns = now_ns
 
     def offer(
         self,
@@ -138,6 +150,12 @@ class ChunkSchedule:
             raise ChunkRefused(
                 RefusalReason.FUTURE,
                 f"stamped {ahead / 1e6:.0f} ms ahead of this clock (max_future_s {cfg.max_future_s:g} s)",
+            )
+        if stamp_ns < self._started_ns:
+            raise ChunkRefused(
+                RefusalReason.BEFORE_START,
+                f"stamped {(self._started_ns - stamp_ns) / 1e6:.0f} ms before commands started (activation): "
+                "planned from an observation the arms and scene may have changed since",
             )
         end_ns = stamp_ns + horizon * cfg.period_ns
         if end_ns <= now_ns:
