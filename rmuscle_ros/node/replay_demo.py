@@ -210,13 +210,21 @@ def run(
         configure_s = time.perf_counter() - start
         resets = []
         for k in range(episodes):
+            if cell is not None:
+                # What a cell does between episodes: the streamer stops (the arms hold), the scene is reset and
+                # the arms are back at their start, the node starts its next episode, the streamer starts
+                # again. Left running, it would go on with the ended episode's last chunk for up to a
+                # chunk's length, dragging the arms from their start back toward where they were.
+                streaming.pause()
+                starts[k] = cell.reset()
+                if k > 0:
+                    resets.append(call_service(reset, Trigger.Request()).message)
+                streaming.resume()
+                cell.run_for(seconds)  # on the sim's clock
+                continue
             if k > 0:
                 resets.append(call_service(reset, Trigger.Request()).message)
                 write(k)
-            if cell is not None:  # the arms start over on the same scene; the episode runs on the sim's clock
-                starts[k] = cell.reset()
-                cell.run_for(seconds)
-                continue
             # Every node on the bag's clock hears it from the first message: the node, and the streamer.
             clocks = 1 + (streaming.process is not None)
             _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks)
@@ -296,6 +304,8 @@ def run(
         "sim": simulated,
         "bag": "" if sim else ", ".join(str(b) for b in bags if b.exists()),
         "recorded_bags": recorded,
+        # Each episode's start on the node's clock (ns): where the chunks' stamps (the recording) begin an episode.
+        "episode_starts_ns": [int(t) for t in starts],
         "recorded": str(record),
         "plot": str(out_dir / "demo.png"),
         "summary": str(out_dir / "summary.json"),
@@ -401,6 +411,16 @@ class _Streaming:
             self.close()
             self.process = None
             self.skipped = f"{e} (its log: {self.log})"
+
+    def pause(self) -> None:
+        """Deactivate: it stops sending at once and forgets its chunks."""
+        if self.process is not None:
+            self._transition(Transition.TRANSITION_DEACTIVATE)
+
+    def resume(self) -> None:
+        """Activate again: it takes chunks planned from then on (one planned before is refused)."""
+        if self.process is not None:
+            self._transition(Transition.TRANSITION_ACTIVATE)
 
     def stop(self) -> dict[str, Any]:
         if self.process is None:
