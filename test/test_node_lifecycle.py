@@ -49,7 +49,7 @@ from rmuscle_ros.node.bags import (  # noqa: E402
     write_aloha_episode,
     write_messages,
 )
-from rmuscle_ros.node.observation import ObservationUnavailable  # noqa: E402
+from rmuscle_ros.node.observation import ObservationUnavailable, stamp_ns  # noqa: E402
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
 from rmuscle_ros.node.replay_demo import START_NS, call_service  # noqa: E402
 from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
@@ -383,6 +383,24 @@ def test_the_first_chunk_follows_the_last_sensor_to_come_up(harness) -> None:
     assert h.feed_until(lambda: len(h.chunks) >= 1, timeout=10.0), f"drops {h.drops()}"
     assert time.monotonic() - waited < 2.0, "the first chunk waited for the next tick"
     assert h.drops() == {} and h.node.stats()["waiting_for"] == ""
+
+
+def test_after_a_reset_the_first_chunk_comes_from_messages_after_it(harness) -> None:
+    # A camera's newest frame may still show the scene before the reset (the arms elsewhere, the part
+    # already moved): the new episode waits for messages that come after its reset, as after an activation.
+    h = harness(sensor_startup_timeout_s=30.0)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    old = h.publish_observation()
+    time.sleep(0.05)
+    assert h.call(h.reset, Trigger.Request()).message.startswith("episode 1")
+    time.sleep(0.5)  # ~5 ticks with only the old messages buffered
+    early = [(stamp_ns(c.header) - old) / 1e6 for c in h.chunks if c.episode_id == 1]
+    assert not early and h.drops() == {}, (early, h.drops())
+    fresh = h.publish_observation()
+    assert h.wait_for(lambda: any(c.episode_id == 1 for c in h.chunks), timeout=10.0), f"drops {h.drops()}"
+    first = next(c for c in h.chunks if c.episode_id == 1)
+    assert stamp_ns(first.header) == fresh > old and h.drops() == {}
 
 
 def test_a_first_frame_stored_while_the_tick_reads_the_buffer_still_wakes_the_retry(harness) -> None:

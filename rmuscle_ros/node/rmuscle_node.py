@@ -147,7 +147,7 @@ class RMuscleNode(LifecycleNode):
         self._infer_timer: Any = None  # the first of _timers: it wakes the worker for each observation
         self._buffer: ObservationBuffer | None = None
         self._worker: threading.Thread | None = None
-        self._activated_at = 0.0  # time.monotonic() at the latest activation
+        self._activated_at = 0.0  # time.monotonic() at the latest activation or episode reset
         self._wake = threading.Event()  # the worker has something to do: one of the three below
         self._tick = threading.Event()  # the inference timer fired: an observation is due
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
@@ -470,6 +470,12 @@ class RMuscleNode(LifecycleNode):
                 self.chunk_id = 0
                 episode = self.episode_id
                 self.cache_status = status if status is not None else self.cache_status
+            if self._buffer is not None:
+                # The new episode sees only messages that come after its reset: a camera's newest frame may
+                # still show the scene before it for a frame period. Waiting for them is the start-up wait's
+                # (no drop), as after an activation.
+                self._buffer.clear()
+                self._activated_at = time.monotonic()
         if failed:
             note = f"recording episode {episode - 1} failed: {failed}"
             self._error("cache_reset", note)
@@ -571,25 +577,27 @@ class RMuscleNode(LifecycleNode):
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
         if cfg is None or buffer is None or policy is None:
             return
-        now_ns = self.get_clock().now().nanoseconds
-        starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
-        if starting:  # set before the buffer is read: a first message from then on wakes a retry
-            self._start_wait.set()
-        try:
-            obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
-        except ObservationUnavailable as e:
-            # A wait, not a drop: retried when a sensor's first message comes.
-            if starting and e.reason in STARTUP_REASONS:
-                self._wait_for_sensor(e.detail)
+        # The buffer is read under the policy lock, as an episode reset clears it: an observation read
+        # before a reset never becomes the next episode's first call.
+        with self._policy_lock:
+            now_ns = self.get_clock().now().nanoseconds
+            starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
+            if starting:  # set before the buffer is read: a first message from then on wakes a retry
+                self._start_wait.set()
+            try:
+                obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
+            except ObservationUnavailable as e:
+                # A wait, not a drop: retried when a sensor's first message comes.
+                if starting and e.reason in STARTUP_REASONS:
+                    self._wait_for_sensor(e.detail)
+                    return
+                self._start_wait.clear()
+                if not retry:
+                    self._wait_for_sensor("")
+                    self._drop(e.reason, e.detail)
                 return
             self._start_wait.clear()
-            if not retry:
-                self._wait_for_sensor("")
-                self._drop(e.reason, e.detail)
-            return
-        self._start_wait.clear()
-        self._wait_for_sensor("")
-        with self._policy_lock:
+            self._wait_for_sensor("")
             try:
                 chunk = policy.infer(obs)
             except NonFiniteActions as e:  # never published: a robot must not get NaN or Inf targets
