@@ -514,6 +514,75 @@ def repeat_probe(args: argparse.Namespace, pcfg: Any) -> dict[str, Any]:
     return out
 
 
+def through_node(args: argparse.Namespace) -> dict[str, Any]:
+    """The same trained files through the deployed stack: rmuscle_node, action_streamer and aloha_sim,
+    each on DDS, on the sim's clock (`replay_demo.run`, what `demo --sim` runs), one process per node
+    but the policy's. Per variant one run of all the scenes, each episode `EPISODE_STEPS` of sim time;
+    failed episodes are kept out of the library (`discard_failed`). rMuscle's library is warmed up by a
+    run on the warm-up seeds first and kept on disk for the evaluation run, as a cell's is. No dense
+    shadow here: the action error is the synchronous loop's to measure."""
+    import tempfile
+
+    from rmuscle_ros.node.replay_demo import run
+
+    seeds, warm = parse_seeds(args.seeds), parse_seeds(args.warmup_seeds)
+    for name, group in (("--seeds", seeds), ("--warmup-seeds", warm)):
+        if group != list(range(group[0], group[0] + len(group))):
+            raise SystemExit(f"{name}: one range of consecutive seeds (aloha_sim steps through them)")
+    folder = Path(args.policy)
+    base = {
+        "model.checkpoint": str(folder / "model.safetensors"),
+        "model.norm_stats": str(folder / "norm_stats.json"),
+        "camera_topics": ["images/base"],  # the top camera, in π0.5's base slot as in training
+        "prompt": PROMPT,
+    }
+
+    def cell(first: int, count: int, out: Path, overrides: dict[str, Any]) -> list[dict[str, Any]]:
+        sim = {
+            "cameras": [CAMERA], "height": FRAME_HEIGHT, "width": FRAME_WIDTH,
+            "placement_spread": args.placement_spread, "camera_rate_hz": args.camera_rate_hz,
+            # The sim's episode 0 is the wait for the nodes; the demo's first reset starts episode 1.
+            "seed": first - 1, "seed_step": 1,
+        }  # fmt: skip
+        summary = run(out, seconds=EPISODE_STEPS * 0.02, overrides=base | overrides, episodes=count,
+                      sim=True, sim_params=sim, domain_id=args.domain_id, discard_failed=True)  # fmt: skip
+        modes = {e["episode"]: e["modes"] for e in summary["episodes"]}
+        runs = []
+        for k, e in enumerate(summary["sim"]["episodes"]):
+            calls = modes.get(k, {})
+            runs.append(
+                {"seed": e["seed"], "success": e["success"], "final_reward": e["reward"],
+                 "best_reward": e["best_reward"], "diverged": bool(e["diverged"]),
+                 "modes": [m for m, n in sorted(calls.items()) for _ in range(n)], "rel_l2": []}
+            )  # fmt: skip
+        log(f"{out.name}: {sum(r['success'] for r in runs)}/{len(runs)}, drops {summary['drops']}")
+        library[out.name] = (summary["cache_status"] or {}).get("library_episodes", 0)
+        return runs
+
+    results: dict[str, Any] = {}
+    library: dict[str, int] = {}  # per run, the library's episodes at its end
+    with tempfile.TemporaryDirectory(prefix="sim_success_node_") as tmp:
+        start = time.perf_counter()
+        runs = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
+        results["dense"] = summarise(runs, time.perf_counter() - start)
+        for rho_p, rho_n in args.rho:
+            name = f"rmuscle_{rho_p:g}_{rho_n:g}"
+            cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
+                     "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
+            warm_runs = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
+            start = time.perf_counter()
+            runs = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
+            results[name] = summarise(runs, time.perf_counter() - start)
+            results[name].update(
+                rho_p=rho_p,
+                rho_n=rho_n,
+                warmup_successes=sum(r["success"] for r in warm_runs),
+                warmup_episodes=len(warm_runs),
+                library_episodes=library[name],
+            )
+    return results
+
+
 def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     modes = [m for r in runs for m in r["modes"]]
     errors = [e for r in runs for e in r["rel_l2"]]
@@ -570,6 +639,8 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['successes']}/{r['episodes']} ({r['success_rate']:.0%}) | {r['diverged']} | "
             f"{calls} | {err} | {library} |"
         )
+    if "scripted" not in report["results"]:  # through the node: no demonstrator, no shadow
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "scripted: the demonstrator the policy learnt from, on the same scenes (it reads the cube's pose). "
@@ -633,6 +704,12 @@ def main_parser() -> argparse.ArgumentParser:
         "--repeat-seed", type=int, default=None,
         help="instead: the exact-repeat probe on this seed (repeat_probe), for each --rho and --anchors",
     )  # fmt: skip
+    e.add_argument(
+        "--node", action="store_true",
+        help="instead: through rmuscle_node, action_streamer and aloha_sim on DDS (through_node)",
+    )  # fmt: skip
+    e.add_argument("--camera-rate-hz", type=float, default=50.0, help="--node: aloha_sim's camera rate")
+    e.add_argument("--domain-id", type=int, default=93, help="--node: the DDS domain")
     e.add_argument("--commit", default="unknown")
     e.add_argument("--name", default="sim_success_tiny_cpu")
     e.add_argument("--results", type=Path, default=Path("bench/results"))
@@ -661,7 +738,9 @@ def main(argv: list[str] | None = None) -> None:
         args.placement_spread = training.get("placement_spread", 1.0)  # the scenes it was trained on
         if not 1 <= args.replan <= PRESETS["tiny"].horizon:
             raise SystemExit(f"--replan: 1 ... {PRESETS['tiny'].horizon} (a chunk's rows), got {args.replan}")
-        if args.repeat_seed is None:
+        if args.node:
+            results = through_node(args)
+        elif args.repeat_seed is None:
             results = evaluate(args)
         else:
             args.seed = args.repeat_seed
@@ -681,6 +760,16 @@ def main(argv: list[str] | None = None) -> None:
                     f"; rMuscle's library warmed up by dense episodes of seeds {args.warmup_seeds}."
                     if args.repeat_seed is None
                     else f"; scene seed {args.repeat_seed}."
+                )
+                + (
+                    " **Through the node**: rmuscle_node (CPU profile, the node's own noise), "
+                    "action_streamer (max_step 0.1 rad) and aloha_sim in their own processes on DDS, on the "
+                    f"sim's clock; camera at {args.camera_rate_hz:g} Hz; the node's timer calls every "
+                    "25 control periods (its first call falls where its timer does, not on the episode's "
+                    "first step). The node's first episode also holds the calls made before the sim's "
+                    "first reset (0-2). No dense shadow: no action error here."
+                    if args.node
+                    else ""
                 )
             ),
             "training": training,

@@ -100,6 +100,7 @@ def run(
     stream: bool = True,
     sim: bool = False,
     sim_params: Mapping[str, Any] | None = None,
+    discard_failed: bool = False,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
@@ -108,7 +109,9 @@ def run(
     (/cam_high/... onto the node's first camera topic, and so on). `stream`: run action_streamer beside
     the node. `sim`: instead of bags, a simulated ALOHA (aloha_sim) in closed loop: the streamer's
     commands move its arms, and each episode is `seconds` of its clock on the same scene; `sim_params`:
-    aloha_sim parameters over the demo's (e.g. a trained policy's cameras and placement_spread)."""
+    aloha_sim parameters over the demo's (e.g. a trained policy's cameras and placement_spread);
+    `discard_failed`: each simulated episode that did not succeed is kept out of the cache's library
+    (`discard_episode`), as a cell with a success detector does (bench/sim_success.py's node stage)."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(CONFIG)
@@ -218,6 +221,8 @@ def run(
                 streaming.pause()
                 starts[k] = cell.reset()
                 if k > 0:
+                    if discard_failed and not cell.results[-1]["success"]:
+                        node.discard_episode()
                     resets.append(call_service(reset, Trigger.Request()).message)
                 streaming.resume()
                 cell.run_for(seconds)  # on the sim's clock
@@ -237,6 +242,8 @@ def run(
         node.trigger_deactivate()
         streamed = streaming.stop()
         simulated = cell.stop() if cell is not None else None  # after the streamer's last command
+        if simulated is not None and discard_failed and not simulated["episodes"][-1]["success"]:
+            node.discard_episode()  # before cleanup records the last episode
         node.trigger_cleanup()
     finally:
         streaming.close()
