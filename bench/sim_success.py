@@ -2,7 +2,8 @@
 
 The product's claim is "faster, with unchanged success rates". The speed benchmarks measure the first
 half; this measures the second on a task that can fail: gym-aloha's transfer-cube, simulated in MuJoCo
-(rmuscle_ros.sim), with a `tiny` π0.5 trained here from scripted demonstrations. Three stages:
+(rmuscle_ros.sim), with a `tiny` (or `small`, `--preset`) π0.5 trained here from scripted demonstrations.
+Three stages:
 
   collect   scripted demonstrations (rmuscle_ros.sim.scripted, privileged cube pose) of the seeds asked
             for; the successful ones are kept: the top camera at 10 Hz, 168×224 (what Policy.preprocess
@@ -10,7 +11,7 @@ half; this measures the second on a task that can fail: gym-aloha's transfer-cub
             at those frames, the 14-D commanded targets at every 50 Hz step, in one safetensors file
             (~0.4 MiB and ~4 s per episode on the 2-core CPU). `--placement-spread` as in SimConfig.
   train     flow matching (π0's objective, bench/probes_rmuscle.py's loss) on those, every parameter
-            of `tiny` from its seeded random start, on a GPU. The inputs are made by Policy.preprocess
+            of the preset from its seeded random start, on a GPU. The inputs are made by Policy.preprocess
             itself, so training sees what the deployed policy sees. Writes model.safetensors (LeRobot
             key names, what the node's `checkpoint` parameter loads) and norm_stats.json (openpi
             layout: q01/q99 of the demonstrations' state and actions). `--state-noise` perturbs the
@@ -24,6 +25,8 @@ half; this measures the second on a task that can fail: gym-aloha's transfer-cub
             window is refilled after every call (the motion window), as the node does. During
             the rMuscle episodes a third, dense policy is called on the same inputs, so every call's
             action error (relative L2, cached vs dense on the same observation) is measured too.
+            `--node`: instead, the same files through the deployed stack (rmuscle_node, action_streamer
+            and aloha_sim on DDS: `through_node`), dense and per ρ; no action error there.
 
 Results go to bench/results/<name>.{md,json}. Commands (the data and the checkpoint in an ignored
 folder, bench/_dev_sim/; the device tool carries them there and back):
@@ -35,7 +38,7 @@ folder, bench/_dev_sim/; the device tool carries them there and back):
     .venv/bin/python bench/sim_success.py evaluate --policy bench/_dev_sim/policy_fixtured \\
         --seeds 1000-1049 --warmup-seeds 2000-2007 --rho 0.4,0.5 0.2,0.3 --commit $(git rev-parse --short HEAD)
 
-evaluate takes the placement spread the policy was trained on (training.json).
+evaluate takes the preset and the placement spread the policy was trained on (training.json).
 """
 
 from __future__ import annotations
@@ -232,8 +235,9 @@ def train(
     minutes: float,
     state_noise: float,
     state_dropout: float,
+    preset: str = "tiny",
 ) -> None:
-    """`steps` at most; fewer if the first PROBE_STEPS say they would take longer than `minutes` (the
+    """`preset` from its seeded random start; `steps` at most; fewer if the first PROBE_STEPS say they would take longer than `minutes` (the
     cosine schedule then spans the steps that fit).
 
     `state_noise` (std, in normalised units) and `state_dropout` (the probability that a sample's state is
@@ -253,7 +257,7 @@ def train(
     write_norm_stats(demos["state"], demos["actions"], norm_path)
     # A policy only to preprocess: its images, prompt and tokens are what the deployed policy makes.
     pre = Policy(
-        PolicyConfig(preset="tiny", norm_stats=str(norm_path), cameras=(CAMERA,), device=device, seed=seed)
+        PolicyConfig(preset=preset, norm_stats=str(norm_path), cameras=(CAMERA,), device=device, seed=seed)
     )
     cfg = pre.model_cfg
     n = len(demos["frames"])
@@ -340,6 +344,7 @@ def train(
     window = max(1, min(100, steps // 10))
     summary = {
         "data": str(data),
+        "preset": preset,
         "samples": n,
         "demonstrations": len(json.loads(demos["meta"]["seeds"])),
         "placement_spread": float(demos["meta"].get("placement_spread", 1.0)),
@@ -425,8 +430,9 @@ def policy_config(folder: str) -> Any:
     from rmuscle_ros.runtime.policy import PolicyConfig
 
     torch.set_num_threads(1)
+    training = json.loads((Path(folder) / "training.json").read_text())
     return PolicyConfig(
-        preset="tiny",
+        preset=training.get("preset", "tiny"),
         checkpoint=str(Path(folder) / "model.safetensors"),
         norm_stats=str(Path(folder) / "norm_stats.json"),
         backend="fused",
@@ -535,6 +541,7 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         "model.norm_stats": str(folder / "norm_stats.json"),
         "camera_topics": ["images/base"],  # the top camera, in π0.5's base slot as in training
         "prompt": PROMPT,
+        "model.preset": json.loads((folder / "training.json").read_text()).get("preset", "tiny"),
     }
 
     def cell(first: int, count: int, out: Path, overrides: dict[str, Any]) -> list[dict[str, Any]]:
@@ -691,6 +698,7 @@ def main_parser() -> argparse.ArgumentParser:
         "--state-noise", type=float, default=0.0, help="std of the prompt state's noise (normalised)"
     )
     t.add_argument("--state-dropout", type=float, default=0.0, help="share of samples with a blank state")
+    t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="the model's size")
     e = sub.add_parser("evaluate")
     e.add_argument("--policy", default="bench/_dev_sim/sim_policy")
     e.add_argument("--seeds", default="1000-1029")
@@ -732,6 +740,7 @@ def main(argv: list[str] | None = None) -> None:
             args.minutes,
             args.state_noise,
             args.state_dropout,
+            args.preset,
         )
     else:
         training = json.loads((Path(args.policy) / "training.json").read_text())
@@ -753,7 +762,8 @@ def main(argv: list[str] | None = None) -> None:
             "setting": (
                 f"gym-aloha transfer_cube (MuJoCo), cube placement spread {args.placement_spread:g} of "
                 f"gym-aloha's 20 × 20 cm, top camera {FRAME_HEIGHT}×{FRAME_WIDTH}, a call every "
-                f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; `tiny` trained on "
+                f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; "
+                f"`{training.get('preset', 'tiny')}` trained on "
                 f"{training['demonstrations']} scripted demonstrations ({training['steps']} steps, loss "
                 f"{training['first_loss']} -> {training['final_loss']}); fused engine on the CPU, one thread"
                 + (

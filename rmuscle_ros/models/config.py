@@ -173,6 +173,15 @@ PRESETS: dict[str, Pi05Config] = {
         expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=16),
         vocab_size=TINY_VOCAB_SIZE,
     ),
+    # Between the two, for fidelity experiments a trained `tiny` cannot answer (its expert FFN has 128
+    # neurons a layer, π0.5's 4,096): 4 layers each, 1,024 expert neurons a layer; trains in minutes on
+    # one GPU and runs a closed-loop episode in seconds on a CPU (bench/sim_success.py).
+    "small": Pi05Config(
+        vision=VisionConfig(width=128, depth=4, mlp_dim=512, num_heads=4),
+        vlm=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
+        expert=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
+        vocab_size=TINY_VOCAB_SIZE,
+    ),
 }
 
 
