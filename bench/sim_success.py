@@ -470,15 +470,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         warm_runs = [cell_episode(sim, policy, s, args.replan) for s in warm]  # the library's warm-up
         start = time.perf_counter()
         runs = [cell_episode(sim, policy, s, args.replan, shadow=dense) for s in seeds]
+        library = policy.cache_status()["library_episodes"]  # type: ignore[index]
         name = f"rmuscle_{rho_p:g}_{rho_n:g}"
-        results[name] = summarise(runs, time.perf_counter() - start)
-        results[name].update(
-            rho_p=rho_p,
-            rho_n=rho_n,
-            warmup_successes=sum(r["success"] for r in warm_runs),
-            warmup_episodes=len(warm_runs),
-            library_episodes=policy.cache_status()["library_episodes"],  # type: ignore[index]
-        )
+        results[name] = cached_summary(runs, time.perf_counter() - start, rho_p, rho_n, warm_runs, library)
         policy.close()
         log(f"{name}: {results[name]['success_rate']:.2f}, cached share {results[name]['cached_share']:.2f}")
     sim.close()
@@ -579,15 +573,28 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
             warm_runs = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
             start = time.perf_counter()
             runs = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
-            results[name] = summarise(runs, time.perf_counter() - start)
-            results[name].update(
-                rho_p=rho_p,
-                rho_n=rho_n,
-                warmup_successes=sum(r["success"] for r in warm_runs),
-                warmup_episodes=len(warm_runs),
-                library_episodes=library[name],
+            results[name] = cached_summary(
+                runs, time.perf_counter() - start, rho_p, rho_n, warm_runs, library[name]
             )
     return results
+
+
+def cached_summary(
+    runs: list[dict[str, Any]],
+    seconds: float,
+    rho_p: float,
+    rho_n: float,
+    warm_runs: list[dict[str, Any]],
+    library_episodes: int,
+) -> dict[str, Any]:
+    """`summarise` of an rMuscle variant, with its ρ and how its library was warmed up."""
+    return summarise(runs, seconds) | {
+        "rho_p": rho_p,
+        "rho_n": rho_n,
+        "warmup_successes": sum(r["success"] for r in warm_runs),
+        "warmup_episodes": len(warm_runs),
+        "library_episodes": library_episodes,
+    }
 
 
 def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
