@@ -228,8 +228,10 @@ def run(
                 cell.run_for(seconds)  # on the sim's clock
                 continue
             if k > 0:
-                resets.append(call_service(reset, Trigger.Request()).message)
+                # The bag first (seconds on a loaded CPU): the reset clears the node's buffered messages, and
+                # its start-up wait for the new episode's first ones lasts sensor_startup_timeout_s.
                 write(k)
+                resets.append(call_service(reset, Trigger.Request()).message)
             # Every node on the bag's clock hears it from the first message: the node, and the streamer.
             clocks = 1 + (streaming.process is not None)
             _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks)
