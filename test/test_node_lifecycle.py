@@ -681,9 +681,6 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
         "3",
         "--param",
         "actions_per_inference=50",
-        # Shorter than writing a bag takes here: the next one is written before the reset, not after it.
-        "--param",
-        "sensor_startup_timeout_s=2.0",
         "--out",
         str(tmp_path),
     ]
