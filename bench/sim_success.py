@@ -237,8 +237,8 @@ def train(
     state_dropout: float,
     preset: str = "tiny",
 ) -> None:
-    """`preset` from its seeded random start; `steps` at most; fewer if the first PROBE_STEPS say they would take longer than `minutes` (the
-    cosine schedule then spans the steps that fit).
+    """`preset` from its seeded random start; `steps` at most; fewer if the first PROBE_STEPS say they
+    would take longer than `minutes` (the cosine schedule then spans the steps that fit).
 
     `state_noise` (std, in normalised units) and `state_dropout` (the probability that a sample's state is
     replaced by the middle of its range) act on the state in the prompt. Without them the first policy
@@ -424,15 +424,14 @@ def cell_episode(
     return run
 
 
-def policy_config(folder: str) -> Any:
+def policy_config(folder: str, preset: str) -> Any:
     """The trained files as the deployed policy loads them: fused engine on the CPU, one thread (see
     bench/probes_rmuscle.py: one thread on a shared 2-core machine)."""
     from rmuscle_ros.runtime.policy import PolicyConfig
 
     torch.set_num_threads(1)
-    training = json.loads((Path(folder) / "training.json").read_text())
     return PolicyConfig(
-        preset=training.get("preset", "tiny"),
+        preset=preset,
         checkpoint=str(Path(folder) / "model.safetensors"),
         norm_stats=str(Path(folder) / "norm_stats.json"),
         backend="fused",
@@ -444,7 +443,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from rmuscle_ros.cache.runtime import RMuscleConfig
     from rmuscle_ros.runtime.policy import Policy
 
-    pcfg = policy_config(args.policy)
+    pcfg = policy_config(args.policy, args.preset)
     seeds, warm = parse_seeds(args.seeds), parse_seeds(args.warmup_seeds)
     sim = make_sim(args.placement_spread)
     results: dict[str, Any] = {}
@@ -535,10 +534,14 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         "model.norm_stats": str(folder / "norm_stats.json"),
         "camera_topics": ["images/base"],  # the top camera, in π0.5's base slot as in training
         "prompt": PROMPT,
-        "model.preset": json.loads((folder / "training.json").read_text()).get("preset", "tiny"),
+        "model.preset": args.preset,
+        "actions_per_inference": args.replan,
     }
 
-    def cell(first: int, count: int, out: Path, overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    def cell(
+        first: int, count: int, out: Path, overrides: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The episodes' results, and the library's episodes at the run's end."""
         sim = {
             "cameras": [CAMERA], "height": FRAME_HEIGHT, "width": FRAME_WIDTH,
             "placement_spread": args.placement_spread, "camera_rate_hz": args.camera_rate_hz,
@@ -557,24 +560,22 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
                  "modes": [m for m, n in sorted(calls.items()) for _ in range(n)], "rel_l2": []}
             )  # fmt: skip
         log(f"{out.name}: {sum(r['success'] for r in runs)}/{len(runs)}, drops {summary['drops']}")
-        library[out.name] = (summary["cache_status"] or {}).get("library_episodes", 0)
-        return runs
+        return runs, (summary["cache_status"] or {}).get("library_episodes", 0)
 
     results: dict[str, Any] = {}
-    library: dict[str, int] = {}  # per run, the library's episodes at its end
     with tempfile.TemporaryDirectory(prefix="sim_success_node_") as tmp:
         start = time.perf_counter()
-        runs = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
+        runs, _ = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
         results["dense"] = summarise(runs, time.perf_counter() - start)
         for rho_p, rho_n in args.rho:
             name = f"rmuscle_{rho_p:g}_{rho_n:g}"
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
                      "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
-            warm_runs = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
+            warm_runs, _ = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
             start = time.perf_counter()
-            runs = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
+            runs, library = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
             results[name] = cached_summary(
-                runs, time.perf_counter() - start, rho_p, rho_n, warm_runs, library[name]
+                runs, time.perf_counter() - start, rho_p, rho_n, warm_runs, library
             )
     return results
 
@@ -751,16 +752,19 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         training = json.loads((Path(args.policy) / "training.json").read_text())
-        args.placement_spread = training.get("placement_spread", 1.0)  # the scenes it was trained on
-        if not 1 <= args.replan <= PRESETS["tiny"].horizon:
-            raise SystemExit(f"--replan: 1 ... {PRESETS['tiny'].horizon} (a chunk's rows), got {args.replan}")
+        # The model and the scenes it was trained on.
+        args.preset = training.get("preset", "tiny")
+        args.placement_spread = training.get("placement_spread", 1.0)
+        horizon = PRESETS[args.preset].horizon
+        if not 1 <= args.replan <= horizon:
+            raise SystemExit(f"--replan: 1 ... {horizon} (a chunk's rows), got {args.replan}")
         if args.node:
             results = through_node(args)
         elif args.repeat_seed is None:
             results = evaluate(args)
         else:
             args.seed = args.repeat_seed
-            results = repeat_probe(args, policy_config(args.policy))
+            results = repeat_probe(args, policy_config(args.policy, args.preset))
         report = {
             "date": dt.date.today().isoformat(),
             "gpu": "cpu",
@@ -770,7 +774,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"gym-aloha transfer_cube (MuJoCo), cube placement spread {args.placement_spread:g} of "
                 f"gym-aloha's 20 × 20 cm, top camera {FRAME_HEIGHT}×{FRAME_WIDTH}, a call every "
                 f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; "
-                f"`{training.get('preset', 'tiny')}` trained on "
+                f"`{args.preset}` trained on "
                 f"{training['demonstrations']} scripted demonstrations ({training['steps']} steps, loss "
                 f"{training['first_loss']} -> {training['final_loss']}); fused engine on the CPU, one thread"
                 + (
@@ -782,7 +786,7 @@ def main(argv: list[str] | None = None) -> None:
                     " **Through the node**: rmuscle_node (CPU profile, the node's own noise), "
                     "action_streamer (max_step 0.1 rad) and aloha_sim in their own processes on DDS, on the "
                     f"sim's clock; camera at {args.camera_rate_hz:g} Hz; the node's timer calls every "
-                    "25 control periods (its first call falls where its timer does, not on the episode's "
+                    f"{args.replan} control periods (its first call falls where its timer does, not on the episode's "
                     "first step). The node's first episode also holds the calls made before the sim's "
                     "first reset (0-2). No dense shadow: no action error here."
                     if args.node
