@@ -462,20 +462,35 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     runs = [episode(sim, dense, s, args.replan) for s in seeds]
     results["dense"] = summarise(runs, time.perf_counter() - start)
     log(f"dense: {results['dense']['success_rate']:.2f} ({results['dense']['successes']}/{len(seeds)})")
-    for rho_p, rho_n in args.rho:
+    for rho_p, rho_n, schedule, name in variants(args):
         # The whole window after every call, as config/rmuscle_default.yaml has the node do on a CPU.
-        cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, rebuilds_per_tick=20)
+        cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, neuron_schedule=schedule, rebuilds_per_tick=20)
         policy = Policy(pcfg, cache=cache)
         warm_runs = [cell_episode(sim, policy, s, args.replan) for s in warm]  # the library's warm-up
         start = time.perf_counter()
         runs = [cell_episode(sim, policy, s, args.replan, shadow=dense) for s in seeds]
         library = policy.cache_status()["library_episodes"]  # type: ignore[index]
-        name = f"rmuscle_{rho_p:g}_{rho_n:g}"
-        results[name] = cached_summary(runs, time.perf_counter() - start, rho_p, rho_n, warm_runs, library)
+        results[name] = cached_summary(
+            runs, time.perf_counter() - start, (rho_p, rho_n, schedule), warm_runs, library
+        )
         policy.close()
         log(f"{name}: {results[name]['success_rate']:.2f}, cached share {results[name]['cached_share']:.2f}")
     sim.close()
     return results
+
+
+def variants(args: argparse.Namespace) -> list[tuple[float, float, str, str]]:
+    """(ρp, ρn, neuron schedule, result name) of every rMuscle variant asked for."""
+    return [
+        (
+            rho_p,
+            rho_n,
+            schedule,
+            f"rmuscle_{rho_p:g}_{rho_n:g}" + ("" if schedule == "uniform" else f"_{schedule}"),
+        )
+        for rho_p, rho_n in args.rho
+        for schedule in args.neuron_schedule
+    ]
 
 
 def repeat_probe(args: argparse.Namespace, pcfg: Any) -> dict[str, Any]:
@@ -489,18 +504,21 @@ def repeat_probe(args: argparse.Namespace, pcfg: Any) -> dict[str, Any]:
     sim = make_sim(args.placement_spread)
     dense = Policy(pcfg)
     out: dict[str, Any] = {}
-    for rho_p, rho_n in args.rho:
+    for rho_p, rho_n, schedule, name in variants(args):
         for anchors in args.anchors:
-            cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, anchors=anchors, rebuilds_per_tick=20)
+            cache = RMuscleConfig(
+                rho_p=rho_p, rho_n=rho_n, anchors=anchors, neuron_schedule=schedule, rebuilds_per_tick=20
+            )
             policy = Policy(pcfg, cache=cache)
             first = episode(sim, policy, args.seed, args.replan)
             policy.reset_episode()
             again = episode(sim, policy, args.seed, args.replan, shadow=dense)
             policy.close()
             errors = again["rel_l2"]
-            out[f"rmuscle_{rho_p:g}_{rho_n:g}_anchors{anchors}"] = {
+            out[f"{name}_anchors{anchors}"] = {
                 "rho_p": rho_p,
                 "rho_n": rho_n,
+                "neuron_schedule": schedule,
                 "anchors": anchors,
                 "reference_success": first["success"],
                 "repeat_success": again["success"],
@@ -567,15 +585,15 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         runs, _ = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
         results["dense"] = summarise(runs, time.perf_counter() - start)
-        for rho_p, rho_n in args.rho:
-            name = f"rmuscle_{rho_p:g}_{rho_n:g}"
+        for rho_p, rho_n, schedule, name in variants(args):
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
+                     "cache.neuron_schedule": schedule,
                      "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
             warm_runs, _ = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
             start = time.perf_counter()
             runs, library = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
             results[name] = cached_summary(
-                runs, time.perf_counter() - start, rho_p, rho_n, warm_runs, library
+                runs, time.perf_counter() - start, (rho_p, rho_n, schedule), warm_runs, library
             )
     return results
 
@@ -583,15 +601,16 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
 def cached_summary(
     runs: list[dict[str, Any]],
     seconds: float,
-    rho_p: float,
-    rho_n: float,
+    setting: tuple[float, float, str],
     warm_runs: list[dict[str, Any]],
     library_episodes: int,
 ) -> dict[str, Any]:
-    """`summarise` of an rMuscle variant, with its ρ and how its library was warmed up."""
+    """`summarise` of an rMuscle variant, with its setting (ρp, ρn, neuron schedule) and how its library was
+    warmed up."""
     return summarise(runs, seconds) | {
-        "rho_p": rho_p,
-        "rho_n": rho_n,
+        "rho_p": setting[0],
+        "rho_n": setting[1],
+        "neuron_schedule": setting[2],
         "warmup_successes": sum(r["success"] for r in warm_runs),
         "warmup_episodes": len(warm_runs),
         "library_episodes": library_episodes,
@@ -679,7 +698,7 @@ def repeat_markdown(report: dict[str, Any]) -> str:
     ]
     for r in report["results"].values():
         lines.append(
-            f"| {r['rho_p']:g} | {r['rho_n']:g} | {r['anchors']} | {r['reference_success']} | "
+            f"| {r['rho_p']:g} | {r['rho_n']:g}{'' if r.get('neuron_schedule', 'uniform') == 'uniform' else ' ' + r['neuron_schedule']} | {r['anchors']} | {r['reference_success']} | "
             f"{r['repeat_success']} | {r['modes'].get('cached', 0)} | {r['first_call_rel_l2']} | "
             f"{r['rel_l2_median']} |"
         )
@@ -716,6 +735,10 @@ def main_parser() -> argparse.ArgumentParser:
         "--rho", type=lambda s: tuple(float(v) for v in s.split(",")), nargs="+", default=[(0.4, 0.5)]
     )
     e.add_argument("--anchors", type=int, nargs="+", default=[1], help="--repeat-seed: dense anchor steps")
+    e.add_argument(
+        "--neuron-schedule", nargs="+", default=["uniform"], choices=["uniform", "ramp"],
+        help="how ρn spreads over the denoising steps (RMuscleConfig.neuron_schedule); each with each --rho",
+    )  # fmt: skip
     e.add_argument(
         "--repeat-seed", type=int, default=None,
         help="instead: the exact-repeat probe on this seed (repeat_probe), for each --rho and --anchors",

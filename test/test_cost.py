@@ -42,4 +42,7 @@ def test_rmuscle_cost_is_dense_at_rho_one_and_saves_what_the_caches_skip() -> No
     assert cached["prefill"].bytes - dense["prefill"].bytes == 17 * 2 * 768 * g.width * 2
     # Action Cache: 9 cached steps × 18 layers read half of the expert MLP weights.
     assert dense["denoise"].bytes - cached["denoise"].bytes == 9 * 18 * 3 * e.width * 2048 * 2
+    # The ramp schedule reads the same weights per call: 0, 512, ..., 4096 neurons over the 9 steps.
+    ramp = rmuscle_cost(cfg, 50, 0.4, 0.5, neuron_schedule="ramp")
+    assert ramp["denoise"] == cached["denoise"]
     assert cached["vision"] == dense["vision"]

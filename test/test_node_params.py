@@ -46,6 +46,10 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"cache.similarity_threshold": -0.1}, r"^cache\.similarity_threshold"),
         ({"cache.rho_n": 0.0}, r"^cache\.rho_n: must be in \(0, 1\]"),
         ({"cache.anchors": 0}, r"^cache\.anchors: must be >= 1"),
+        (
+            {"cache.neuron_schedule": "cosine"},
+            r"^cache\.neuron_schedule: must be one of \('uniform', 'ramp'\)",
+        ),
         ({"cache.top_k": 0}, r"^cache\.top_k"),
         ({"cache.lookahead": -1}, r"^cache\.lookahead"),
         ({"cache.max_library_mb": 0}, r"^cache\.max_library_mb: must be >= 1"),

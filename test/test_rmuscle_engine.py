@@ -255,3 +255,77 @@ def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
         engine.load_window_entry(3)
     with pytest.raises(ValueError, match="each of the window's entries"):
         engine.load_inputs(inputs, noise, [True])
+
+
+def test_step_schedules_keep_rho_n_of_the_neurons_on_average() -> None:
+    """Per denoising step, how many expert neurons the Action Cache updates. Uniform: ρn in every step after
+    the anchor (the published method). Ramp: a linear rise to every neuron in the last step, ρn on average
+    (the same weights read per call), in whole 128-neuron blocks at full width; steps may keep none (the
+    anchor's FFN output is reused) or all (the step runs dense)."""
+    from rmuscle_ros.engine.fused import keep_neuron_count, step_neuron_counts
+
+    assert step_neuron_counts(0.5, 4096, 10, 1, "uniform") == (4096,) + (2048,) * 9
+    assert step_neuron_counts(0.4, 128, 10, 2, "uniform") == (128, 128) + (keep_neuron_count(0.4, 128),) * 8
+    ramp = step_neuron_counts(0.5, 4096, 10, 1, "ramp")
+    assert ramp == (4096, 0, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096)
+    for f in (128, 1024, 4096, 24576):  # tiny, small, pi05, pi05-7b
+        for rho in (0.3, 0.4, 0.5, 0.6, 0.8, 1.0):
+            counts = step_neuron_counts(rho, f, 10, 1, "ramp")
+            later = counts[1:]
+            assert counts[0] == f and list(later) == sorted(later) and later[0] >= 0 and later[-1] <= f
+            assert abs(sum(later) / (9 * f) - rho) <= (1 / 32 if f >= 1024 else 1 / f), (f, rho, counts)
+            if f >= 1024:
+                assert all(c % 128 == 0 for c in counts)
+    assert step_neuron_counts(0.3, 4096, 10, 1, "ramp")[-1] == 2432  # 0.6 of F, nearest block: 19
+    assert step_neuron_counts(0.75, 4096, 10, 1, "ramp")[1] == 2048  # 0.5 → 1
+    assert step_neuron_counts(1.0, 4096, 10, 1, "ramp") == (4096,) * 10
+    assert step_neuron_counts(0.5, 4096, 2, 1, "ramp") == (4096, 2048)  # one later step: ρn itself
+    with pytest.raises(ValueError, match="neuron_schedule"):
+        CacheShapes(neuron_schedule="cosine")
+    assert not CacheShapes(rho_n=1.0, neuron_schedule="ramp").action_cache(tiny_model().cfg)
+
+
+def test_a_ramp_records_each_steps_own_count_of_neurons(model) -> None:
+    """A step that keeps c neurons records the c largest contribution scores of that step, sorted: the
+    same c a uniform schedule keeping c records for it (the scores do not depend on the schedule)."""
+    cfg = model.cfg
+    f = cfg.expert.mlp_dim
+    inputs, noise = random_inputs(cfg, valid_tokens=15, pad_to=20)
+    ramp = create_engine("fused", model, "cpu", cache=CacheShapes(neuron_schedule="ramp"))
+    counts = ramp.step_neurons
+    assert counts == (f, 0, 16, 32, 48, 64, 80, 96, 112, 128)  # tiny: 128 neurons, to the nearest one
+    assert ramp.keep_neurons == 112 and ramp.action_cache
+    _run(ramp, inputs, noise, "dense", "record")
+    for s, c in enumerate(counts):
+        if 0 < c < f:
+            row = ramp.recorded_masks[s, :, :c]
+            assert (row[..., 1:] > row[..., :-1]).all() and int(row.min()) >= 0 and int(row.max()) < f
+    for rho, step in ((0.5, 5), (0.25, 3)):  # uniform keeps 64 and 32: the ramp's steps 5 and 3
+        uniform = create_engine("fused", model, "cpu", cache=CacheShapes(rho_n=rho))
+        _run(uniform, inputs, noise, "dense", "record")
+        c = counts[step]
+        assert uniform.keep_neurons == c
+        assert torch.equal(ramp.recorded_masks[step, :, :c], uniform.recorded_masks[step])
+
+
+def test_a_ramp_that_keeps_every_neuron_is_dense_bit_for_bit(model) -> None:
+    """Through the Action Cache's code path: steps that keep all neurons run the dense FFN, so a schedule of
+    only those gives the dense actions exactly; a served ramp call is close to dense, not equal."""
+    cfg = model.cfg
+    f = cfg.expert.mlp_dim
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(neuron_schedule="ramp"))
+    inputs, noise = random_inputs(cfg, valid_tokens=12, pad_to=20)
+    dense = _run(engine, inputs, noise, "dense", "dense")
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket)
+    engine.run_stage("prefill", bucket)
+    every = ActionCache(engine.neurons, anchors=1, counts=(f,) * cfg.num_steps)
+    out = torch.empty(cfg.horizon, cfg.action_dim)
+    engine.fused.denoise(engine.noise, engine.layout[bucket], engine.kv, out, action=every)
+    assert torch.equal(out, dense)
+
+    entry, masks = _reference(engine, *random_inputs(cfg, valid_tokens=12, pad_to=20, seed=3))
+    engine.load_reference(entry, masks)
+    cached = _run(engine, inputs, noise, "cached", "cached")
+    assert torch.isfinite(cached).all() and not torch.equal(cached, dense)
+    assert rel_l2(cached, dense) < 0.5

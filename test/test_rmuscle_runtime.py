@@ -381,6 +381,24 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
         Policy(PolicyConfig(backend="fused", seed=1), RMuscleConfig(library_path=lib))
 
 
+def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path) -> None:
+    """neuron_schedule "ramp" records and serves like the uniform one; its masks rank other counts per
+    step, so a library recorded under one schedule is refused under the other, naming the shapes."""
+    lib = str(tmp_path / "lib")
+    ramp = RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD, neuron_schedule="ramp")
+    policy = Policy(CFG, ramp)
+    run(policy, episode(4))
+    assert policy.reset_episode() == 0
+    chunks = run(policy, episode(4, offset=0.05, light=0.97, noise=2.0))
+    assert [c.cache_mode for c in chunks[1:]] == ["cached"] * 3
+    assert all(np.isfinite(c.actions).all() for c in chunks)
+    policy.close()
+    with pytest.raises(LibraryMismatch, match=r"other shapes.*mask_steps"):
+        Policy(CFG, RMuscleConfig(library_path=lib))
+    with pytest.raises(ValueError, match="neuron_schedule"):
+        RMuscleConfig(neuron_schedule="linear")
+
+
 def test_a_corrupt_episode_is_reported_left_out_and_kept(tmp_path) -> None:
     lib = tmp_path / "lib"
     first = Policy(CFG, RMuscleConfig(library_path=str(lib)))

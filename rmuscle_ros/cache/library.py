@@ -96,7 +96,7 @@ class LibraryKey:
     """What a library must match: the model's weights fingerprint and the shapes it stores."""
 
     weights: str  # rmuscle_ros.models.checkpoint.weights_fingerprint(model)
-    shapes: Mapping[str, int]  # e.g. cameras, descriptor_dim, image_size, max_tokens
+    shapes: Mapping[str, int | list[int]]  # e.g. cameras, descriptor_dim, image_size, max_tokens
 
     def to_json(self) -> dict:
         return {"weights": self.weights, "shapes": dict(self.shapes)}

@@ -59,8 +59,12 @@ class RMuscleConfig:
     """rMuscle settings of a deployment (validated)."""
 
     rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per prefill layer
-    rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated after the anchor step
+    rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated after the anchor step, on average
     anchors: int = 1  # dense denoising steps per call
+    # How ρn spreads over the denoising steps after the anchor: "uniform" (the published method: ρn in
+    # each) or "ramp" (from 2ρn − 1 up to every neuron, linearly: the same weights read per call, far less
+    # error; engine.fused.step_neuron_counts).
+    neuron_schedule: str = "uniform"
     top_k: int = 4  # candidate episodes kept by retrieval
     lookahead: int = 4  # positions past the aligned one that are kept ready
     threshold: float = 0.8  # best similarity below this: dense for the rest of the episode
@@ -92,7 +96,7 @@ class RMuscleConfig:
     rebuild_slices: int = 4
 
     def __post_init__(self) -> None:
-        self.shapes()  # validates rho_p, rho_n, anchors, rebuild_slices
+        self.shapes()  # validates rho_p, rho_n, anchors, neuron_schedule, rebuild_slices
         RetrievalConfig(self.top_k, self.lookahead, self.threshold)  # validates those three
         for name in ("max_library_mb", "max_episodes", "rebuilds_per_tick"):
             if getattr(self, name) < 1:
@@ -105,6 +109,7 @@ class RMuscleConfig:
             self.rho_p,
             self.rho_n,
             self.anchors,
+            self.neuron_schedule,
             window=self.window_size,
             match=self.match_on_gpu,
             rebuild_slices=self.rebuild_slices,
@@ -198,6 +203,10 @@ def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
             "steps": cfg.num_steps,
             "expert_depth": cfg.expert.depth,
             "mask_neurons": engine.keep_neurons,
+            # masks recorded for another step schedule rank other counts; uniform libraries keep their key
+            **(
+                {"mask_steps": list(engine.step_neurons)} if engine.cache.neuron_schedule != "uniform" else {}
+            ),
         },
     )
 

@@ -80,12 +80,19 @@ def total(costs: dict[str, StageCost]) -> StageCost:
 
 
 def rmuscle_cost(
-    cfg: Pi05Config, prompt_tokens: int, rho_p: float, rho_n: float, anchors: int = 1, weight_bytes: int = 2
+    cfg: Pi05Config,
+    prompt_tokens: int,
+    rho_p: float,
+    rho_n: float,
+    anchors: int = 1,
+    weight_bytes: int = 2,
+    neuron_schedule: str = "uniform",
 ) -> dict[str, StageCost]:
     """Cost of one rMuscle call: the Context Cache recomputes the prefix FFNs for ceil(ρp·visual) + prompt
     rows and reads the reference entry (FFN inputs and outputs of the visual tokens); the Action Cache
-    reads and multiplies ceil(ρn·F) (rounded up to 128s, `keep_neuron_count`) of the expert's F neurons in every step after the anchors."""
-    from rmuscle_ros.engine.fused import keep_neuron_count, rho_count  # call_cost callers stay torch-free
+    reads and multiplies, in each step after the anchors, the neurons the schedule keeps there
+    (`step_neuron_counts`: ceil(ρn·F) rounded up to 128s in every step when uniform) of the expert's F."""
+    from rmuscle_ros.engine.fused import rho_count, step_neuron_counts  # call_cost callers stay torch-free
 
     base = call_cost(cfg, prompt_tokens, weight_bytes)
     g, e = cfg.vlm, cfg.expert
@@ -98,10 +105,10 @@ def rmuscle_cost(
             prefill.flops - ffn_layers * 2 * (n - recomputed) * g.width * 3 * g.mlp_dim,
             prefill.bytes + ffn_layers * 2 * n_img * g.width * weight_bytes,
         )
-    skipped = e.mlp_dim - keep_neuron_count(rho_n, e.mlp_dim)
-    cached = (cfg.num_steps - anchors) * e.depth
+    counts = step_neuron_counts(rho_n, e.mlp_dim, cfg.num_steps, anchors, neuron_schedule)
+    skipped = e.depth * sum(e.mlp_dim - c for c in counts)  # neuron-layer-steps not read
     denoise = StageCost(
-        base["denoise"].flops - cached * 2 * cfg.horizon * 3 * e.width * skipped,
-        base["denoise"].bytes - cached * 3 * e.width * skipped * weight_bytes,
+        base["denoise"].flops - 2 * cfg.horizon * 3 * e.width * skipped,
+        base["denoise"].bytes - 3 * e.width * skipped * weight_bytes,
     )
     return {"vision": base["vision"], "prefill": prefill, "denoise": denoise}

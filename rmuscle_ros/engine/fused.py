@@ -131,11 +131,15 @@ class ContextCache:
 
 @dataclass
 class ActionCache:
-    """Action Cache arguments of a denoise: steps < anchors run dense (the last one is the anchor); later
-    steps use neurons[s, i], the selected expert neurons of (step s, layer i), sorted, int32."""
+    """Action Cache arguments of a denoise: steps < anchors run dense (the last one is the anchor); a later
+    step s updates counts[s] neurons, neurons[s, i, :counts[s]] of layer i (sorted, int32), and adds their
+    change onto the anchor's FFN output. counts[s] = F (every neuron) runs step s dense; 0 adds nothing
+    (the step reuses the anchor's FFN output). counts None: every later step updates S (the tensor's
+    width), the uniform schedule."""
 
     neurons: Tensor  # (steps, depth, S) int32
     anchors: int = 1
+    counts: tuple[int, ...] | None = None  # per denoising step (`step_neuron_counts`)
 
 
 def rho_count(rho: float, n: int) -> int:
@@ -156,6 +160,39 @@ def keep_neuron_count(rho_n: float, mlp_dim: int) -> int:
     if mlp_dim % NEURON_BLOCK == 0 and mlp_dim >= 8 * NEURON_BLOCK:
         n = min(mlp_dim, round_up(n, NEURON_BLOCK))
     return n
+
+
+NEURON_SCHEDULES = ("uniform", "ramp")
+
+
+def step_neuron_counts(
+    rho_n: float, mlp_dim: int, steps: int, anchors: int, schedule: str
+) -> tuple[int, ...]:
+    """How many expert neurons each denoising step updates; the anchor steps (the first `anchors`) run
+    dense (mlp_dim). Both schedules update ρn of the neurons on average over the later steps:
+
+    - "uniform": every later step keeps `keep_neuron_count(ρn, F)` (DESIGN.md §4, the published method);
+    - "ramp": the kept share grows linearly over the later steps, from 2ρn − b to b = min(1, 2ρn) (0 → 1 at
+      ρn = 0.5). A neuron left out keeps its anchor-step value, and by the last steps the expert's
+      activations have moved furthest from the anchor's, so that is where updating them pays: on a trained
+      `small` at ρn = 0.5 the ramp cut the chunk's error against dense from 0.11 to 0.012 (bench/HISTORY.md,
+      "The Action Cache's step schedule"). Counts are rounded to the nearest whole 128-neuron block where F
+      is a multiple of 128 of at least 8 blocks (as `keep_neuron_count`), to the nearest neuron otherwise;
+      a step may keep all (it runs dense) or none (it reuses the anchor's FFN output)."""
+    if schedule not in NEURON_SCHEDULES:
+        raise ValueError(f"neuron_schedule must be one of {NEURON_SCHEDULES}, got {schedule!r}")
+    if not 0.0 < rho_n <= 1.0:
+        raise ValueError(f"rho_n must be in (0, 1], got {rho_n}")
+    later = steps - anchors
+    if schedule == "uniform" or later == 1:
+        return (mlp_dim,) * anchors + (keep_neuron_count(rho_n, mlp_dim),) * later
+    top = min(1.0, 2 * rho_n)
+    low = 2 * rho_n - top
+    unit = NEURON_BLOCK if mlp_dim % NEURON_BLOCK == 0 and mlp_dim >= 8 * NEURON_BLOCK else 1
+    shares = [low + (top - low) * j / (later - 1) for j in range(later)]
+    return (mlp_dim,) * anchors + tuple(
+        min(mlp_dim, math.floor(f * mlp_dim / unit + 0.5) * unit) for f in shares
+    )
 
 
 def gather_splits(selected: int) -> int:
@@ -573,13 +610,15 @@ class FusedPi05:
         *,
         action: ActionCache | None = None,
         record_masks: Tensor | None = None,
+        record_counts: Sequence[int] | None = None,
         kv_ready: Sequence[torch.cuda.Event] | None = None,
     ) -> Tensor:
         """10 Euler steps of the action expert attending the prefix K/V. noise, out (horizon, action_dim) f32.
 
         action: run the expert FFNs with the Action Cache. record_masks (steps, depth, S) int32: run dense
-        and write, for every step after the first, the S neurons with the largest contribution score
-        (|a_s − a_0| summed over the chunk, times ‖W_down[:, j]‖), sorted.
+        and write, for every step s after the first, the record_counts[s] neurons (default S; none for a
+        step that keeps 0 or all of them) with the largest contribution score (|a_s − a_0| summed over the
+        chunk, times ‖W_down[:, j]‖), sorted, into record_masks[s, :, :count].
         kv_ready: the prefill's per-layer events (`prefill`), when the prefill is still running on another
         stream: the first step's layer i waits only for layer i's K/V, so the first step runs alongside the
         prefill instead of after it. Every later step comes after the first, hence after every event."""
@@ -604,9 +643,13 @@ class FusedPi05:
             if record_masks is not None:  # every (step, layer)'s scores, ranked all at once after the loop
                 scores = torch.zeros(cfg.num_steps, depth, e.mlp_dim, device=self.device)
             if action is not None:
-                sel = action.neurons.shape[-1]
-                delta = torch.empty(ha, sel, device=self.device, dtype=self.dtype)
-                sel_splits = gather_splits(sel)  # about as many programs as the dense down-projection
+                counts = action.counts or (e.mlp_dim,) * anchors + (action.neurons.shape[-1],) * (
+                    cfg.num_steps - anchors
+                )
+                # per kept count: the selected neurons' activations, and the down-projection's split
+                delta = {c: torch.empty(ha, c, device=self.device, dtype=self.dtype)
+                         for c in set(counts[anchors:]) if 0 < c < e.mlp_dim}  # fmt: skip
+                sel_splits = {c: gather_splits(c) for c in delta}  # about as many programs as dense
         last = len(self.expert_layers) - 1
         x_t = out.copy_(noise)
         res = torch.empty(ha, e.width, device=self.device)  # float32 residual stream of the action tokens
@@ -624,7 +667,8 @@ class FusedPi05:
             if s == 0 and serial_first_step:
                 launch.enter_context(ops.programmatic_launch(False))
             with launch:
-                cached = action is not None and s >= anchors
+                # a step keeping every neuron runs dense: the same result, with the dense kernels
+                cached = action is not None and s >= anchors and counts[s] < e.mlp_dim
                 for i, layer in enumerate(self.expert_layers):
                     if s == 0 and kv_ready is not None:
                         torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
@@ -634,9 +678,11 @@ class FusedPi05:
                     # The FFN's gate/up weights (or the Action Cache's rows of them) start streaming into L2
                     # during the attention: the FFN's own kernel would start them too late to hide them. (The
                     # down-projection's too measured no faster: bench/results/dev_prefetch_ahead_h200_94aca68.)
-                    if cached:
+                    if cached and counts[s] == 0:
+                        ahead = None  # no FFN weights read in this step
+                    elif cached:
                         gate_up = ((layer.gate_up_w, 0), (layer.gate_up_w, e.mlp_dim))
-                        ahead = Prefetch(rows=action.neurons[s, i], tables=gate_up)
+                        ahead = Prefetch(rows=action.neurons[s, i, : counts[s]], tables=gate_up)
                     else:
                         ahead = Prefetch(whole=layer.gate_up_w)
                     attn = ops.attention(q, k, v, key_bias, e.num_heads, prefetch=ahead)
@@ -661,10 +707,13 @@ class FusedPi05:
                         ops.linear_geglu(h, layer.gate_up_w, act_anchor[i])
                         y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
                         ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
+                    elif cached and counts[s] == 0:  # the anchor's FFN output as it is
+                        ops.add_norm(res, None, h, y_base=y_anchor[i], **norm)
                     elif cached:  # only the selected neurons, added onto the anchor
-                        idx = action.neurons[s, i]
-                        ops.linear_geglu(h, layer.gate_up_w, delta, neurons=idx, anchor=act_anchor[i])
-                        y = ops.linear(delta, self.down_t[i], sel_splits, neurons=idx)
+                        c = counts[s]
+                        idx = action.neurons[s, i, :c]
+                        ops.linear_geglu(h, layer.gate_up_w, delta[c], neurons=idx, anchor=act_anchor[i])
+                        y = ops.linear(delta[c], self.down_t[i], sel_splits[c], neurons=idx)
                         ops.add_norm(res, y, h, y_base=y_anchor[i], **norm)
                     else:
                         ops.linear_geglu(h, layer.gate_up_w, act)
@@ -677,15 +726,22 @@ class FusedPi05:
                 else:
                     ops.action_step(x_t, h=h, **step_args)
         if record_masks is not None:
-            self._top_neurons(scores[anchors:], record_masks[anchors:])
+            counts = record_counts or (record_masks.shape[-1],) * cfg.num_steps
+            first = anchors
+            for s in range(anchors + 1, cfg.num_steps + 1):  # consecutive steps of one count ranked together
+                if s == cfg.num_steps or counts[s] != counts[first]:
+                    c = counts[first]
+                    if 0 < c < e.mlp_dim:
+                        record_masks[first:s, :, :c].copy_(self._top_neurons(scores[first:s], c))
+                    first = s
         return x_t
 
-    def _top_neurons(self, scores: Tensor, out: Tensor) -> None:
-        """out (steps, depth, S) int32: per step and layer, the S neurons with the largest contribution score
-        (scores × ‖W_down[:, j]‖; cache.sparse_ffn), sorted: one top-k and one sort over all of them, not
-        one of each per layer-step (162 at pi05), which made a recorded call twice as slow (README)."""
-        ranked = torch.topk(scores * self.down_norms, out.shape[-1], sorted=False).indices
-        out.copy_(ranked.sort().values)
+    def _top_neurons(self, scores: Tensor, count: int) -> Tensor:
+        """(steps, depth, count) int64: per step and layer, the `count` neurons with the largest contribution
+        score (scores × ‖W_down[:, j]‖; cache.sparse_ffn), sorted: one top-k and one sort over all of them,
+        not one of each per layer-step (162 at pi05), which made a recorded call twice as slow (README)."""
+        ranked = torch.topk(scores * self.down_norms, count, sorted=False).indices
+        return ranked.sort().values
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: Tensor, bucket: int) -> Tensor:

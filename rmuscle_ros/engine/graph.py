@@ -56,6 +56,7 @@ from torch import Tensor
 from rmuscle_ros.engine import ops as torch_ops
 from rmuscle_ros.engine.fused import (
     KV_ALIGN,
+    NEURON_SCHEDULES,
     ActionCache,
     CallLayout,
     ContextCache,
@@ -64,10 +65,10 @@ from rmuscle_ros.engine.fused import (
     KVBuffers,
     PrefillState,
     call_layout_into,
-    keep_neuron_count,
     pack_prompt_into,
     rho_count,
     round_up,
+    step_neuron_counts,
 )
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -112,8 +113,9 @@ class CacheShapes:
     """What fixes the cached graphs' shapes: keep fractions and the number of dense anchor steps."""
 
     rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per layer
-    rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated per step
+    rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated per step, on average
     anchors: int = 1  # dense denoising steps before the Action Cache takes over
+    neuron_schedule: str = "uniform"  # how ρn spreads over the steps (`step_neuron_counts`)
     window: int = 0  # reference entries the engine holds, stacked (ReferenceWindow; 0: none)
     match: bool = False  # also capture the match and tail graphs (matching on the GPU; needs a window)
     # A rebuild in this many graphs, each a bounded wait for a live call queued behind it: vision, then
@@ -127,6 +129,10 @@ class CacheShapes:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         if self.anchors < 1:
             raise ValueError(f"anchors must be >= 1, got {self.anchors}")
+        if self.neuron_schedule not in NEURON_SCHEDULES:
+            raise ValueError(
+                f"neuron_schedule must be one of {NEURON_SCHEDULES}, got {self.neuron_schedule!r}"
+            )
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
         if self.match and not self.window:
@@ -137,8 +143,20 @@ class CacheShapes:
     def keep_tokens(self, cfg: Pi05Config) -> int:
         return rho_count(self.rho_p, cfg.image_tokens)
 
+    def step_neurons(self, cfg: Pi05Config) -> tuple[int, ...]:
+        """Expert neurons each denoising step updates (F: the step runs dense)."""
+        return step_neuron_counts(
+            self.rho_n, cfg.expert.mlp_dim, cfg.num_steps, self.anchors, self.neuron_schedule
+        )
+
     def keep_neurons(self, cfg: Pi05Config) -> int:
-        return keep_neuron_count(self.rho_n, cfg.expert.mlp_dim)
+        """The masks' width: the most neurons a step gathers (F when no step does)."""
+        f = cfg.expert.mlp_dim
+        return max((c for c in self.step_neurons(cfg) if 0 < c < f), default=f)
+
+    def action_cache(self, cfg: Pi05Config) -> bool:
+        """Whether any step runs with the Action Cache (keeps fewer than all neurons)."""
+        return min(self.step_neurons(cfg)) < cfg.expert.mlp_dim
 
 
 def rebuild_slices(slices: int, depth: int) -> list[tuple[bool, range]]:
@@ -357,6 +375,8 @@ class GraphEngine:
         if cache is not None:
             self.cache_bytes = self.fused.prepare_action_cache()
             self.keep_tokens, self.keep_neurons = cache.keep_tokens(cfg), cache.keep_neurons(cfg)
+            self.step_neurons = cache.step_neurons(cfg)
+            self.action_cache = cache.action_cache(cfg)
             mask_shape = (cfg.num_steps, cfg.expert.depth, self.keep_neurons)
             # The entries the cached prefill reads, stacked: the window's (the first `cache.window`), then
             # one more, `ctx_ref`, that `load_reference` copies a standalone entry into. `ref_slot`, on the
@@ -442,10 +462,10 @@ class GraphEngine:
         self.fused.prefill(lane.visual, lane.tokens[bucket], lane.layout[bucket], lane.kv, **kw)
 
     def _run_denoise(self, lane: _Lane, bucket: int, variant: str, **kw: Any) -> None:
-        if variant == "cached" and self.keep_neurons < self.cfg.expert.mlp_dim:
-            kw["action"] = ActionCache(self.neurons, self.cache.anchors)
+        if variant == "cached" and self.action_cache:
+            kw["action"] = ActionCache(self.neurons, self.cache.anchors, self.step_neurons)
         elif variant == "record":
-            kw["record_masks"] = self.recorded_masks
+            kw["record_masks"], kw["record_counts"] = self.recorded_masks, self.step_neurons
         self.fused.denoise(lane.noise, lane.layout[bucket], lane.kv, lane.actions, **kw)
 
     def _run_tail(self, lane: _Lane, bucket: int, variant: str) -> None:
@@ -470,7 +490,7 @@ class GraphEngine:
         w = self.window
         # the cached prefill reads the picked entry where it lies, through ref_slot
         self.fused.ops.window_match(self.live.descriptor, w.keys, w.usable, self.ref_slot, self.match_out)
-        if self.keep_neurons < self.cfg.expert.mlp_dim:
+        if self.action_cache:
             torch.index_select(w.neurons, 0, self.ref_slot, out=self.neurons[None])
         self.match_host.copy_(self.match_out, non_blocking=True)
         self.descriptor_host.copy_(self.live.descriptor, non_blocking=True)
@@ -709,7 +729,7 @@ class GraphEngine:
         if self.keep_tokens < self.cfg.image_tokens:
             self.ctx_ref.copy_(ref)
             self.ref_slot.fill_(self.cache.window)
-        if self.keep_neurons < self.cfg.expert.mlp_dim:
+        if self.action_cache:
             self.neurons.copy_(neurons, non_blocking=True)
 
     def load_window_entry(self, index: int) -> None:
@@ -721,7 +741,7 @@ class GraphEngine:
             raise IndexError(f"window entry {index} of {len(self.window)}")
         if self.keep_tokens < self.cfg.image_tokens:
             self.ref_slot.fill_(index)
-        if self.keep_neurons < self.cfg.expert.mlp_dim:
+        if self.action_cache:
             self.neurons.copy_(self.window.neurons[index])
 
     @torch.no_grad()
