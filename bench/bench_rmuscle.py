@@ -126,7 +126,9 @@ class Bench:
     episode, timings. Cached calls are `RMuscle.infer`, exactly as the node runs them; dense calls replay
     the engine's three stage graphs."""
 
-    def __init__(self, model: Pi05Model, rho_p: float, rho_n: float, args, device) -> None:
+    def __init__(
+        self, model: Pi05Model, rho_p: float, rho_n: float, args, device, schedule: str = "uniform"
+    ) -> None:
         backend = "graph" if device.type == "cuda" else "fused"
         pdl = {} if args.pdl else {"pdl": False}
         # Built to match either way (both kinds of graphs captured); calls match as the runtime's default
@@ -134,6 +136,7 @@ class Bench:
         self.rm_cfg = RMuscleConfig(
             rho_p=rho_p,
             rho_n=rho_n,
+            neuron_schedule=schedule,
             rebuilds_per_tick=20,
             concurrent_rebuilds=args.concurrent_rebuilds or args.concurrent_rebuild_graphs,
             match_on_gpu=True,
@@ -458,6 +461,14 @@ class Bench:
         }
 
 
+def parse_rho(text: str) -> tuple[float, float, str]:
+    """'0.4,0.5' or '0.4,0.5,ramp' -> (ρp, ρn, neuron schedule)."""
+    parts = text.split(",")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--rho: ρp,ρn or ρp,ρn,schedule, got {text!r}")
+    return float(parts[0]), float(parts[1]), parts[2] if len(parts) == 3 else "uniform"
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -465,7 +476,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=50)
     p.add_argument("--calls", type=int, default=8, help="calls per episode")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--rho", action="append", default=None, help="ρp,ρn pairs (default: a table)")
+    p.add_argument("--rho", action="append", default=None,
+                   help="ρp,ρn pairs (default: a table), or ρp,ρn,schedule (RMuscleConfig.neuron_schedule)")  # fmt: skip
     p.add_argument("--commit", default="unknown")
     p.add_argument("--name", default=None)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -496,8 +508,9 @@ def main() -> None:
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     cfg = get_preset(args.preset)
-    rhos = [tuple(map(float, r.split(","))) for r in args.rho] if args.rho else [
-        (0.4, 0.5), (1.0, 1.0), (0.2, 0.3), (0.6, 0.7), (0.4, 1.0), (1.0, 0.5)
+    rhos = [parse_rho(r) for r in args.rho] if args.rho else [
+        (0.4, 0.5, "uniform"), (1.0, 1.0, "uniform"), (0.2, 0.3, "uniform"), (0.6, 0.7, "uniform"),
+        (0.4, 1.0, "uniform"), (1.0, 0.5, "uniform")
     ]  # fmt: skip
     cuda = device.type == "cuda"
     ceilings = measure_ceilings(device) if cuda else {"bf16_tflops": float("nan"), "copy_tb_s": float("nan")}
@@ -510,20 +523,20 @@ def main() -> None:
     results: dict[str, dict] = {"eager": {"median_ms": round(eager_ms, 3)}}
     log(f"eager {eager_ms:.1f} ms")
     model.float()
-    for rho_p, rho_n in rhos:
-        bench = Bench(model, rho_p, rho_n, args, device)
+    for rho_p, rho_n, schedule in rhos:
+        bench = Bench(model, rho_p, rho_n, args, device, schedule)
         bench.record_reference()
         quality = bench.live_episode()
         timing = bench.timings()
         if args.trace and args.device == "cuda":
             timing["gpu_timeline"] = bench.idle_gaps()
-        if args.library_episodes and (rho_p, rho_n) == rhos[0]:
+        if args.library_episodes and (rho_p, rho_n, schedule) == rhos[0]:
             timing["library_scaling"] = [bench.library_scaling(n) for n in args.library_episodes]
-        key = f"rmuscle_p{rho_p:g}_n{rho_n:g}"
+        key = f"rmuscle_p{rho_p:g}_n{rho_n:g}" + ("" if schedule == "uniform" else f"_{schedule}")
         results.setdefault("graph", {"median_ms": timing["dense_ms"], "stages_ms": {
             k.split("_")[0]: v for k, v in timing["stages_ms"].items() if k.endswith("dense")}})  # fmt: skip
         results[key] = {
-            "rho_p": rho_p, "rho_n": rho_n, "median_ms": timing["rmuscle_ms"], "dense_same_run_ms": timing["dense_ms"],
+            "rho_p": rho_p, "rho_n": rho_n, "neuron_schedule": schedule, "median_ms": timing["rmuscle_ms"], "dense_same_run_ms": timing["dense_ms"],
             "speedup": timing["speedup"], **quality, **{k: v for k, v in timing.items() if k not in ("rmuscle_ms", "dense_ms", "speedup")},
             "window_entry_mb": round(bench.scratch.nbytes / 2**20, 1),
             "engine_cache_mb": round(bench.engine.cache_bytes / 2**20, 1),
@@ -606,7 +619,7 @@ def to_markdown(r: dict) -> str:
             continue
         st = v["stages_ms"]
         lines.append(
-            f"| {name} | {v['rho_p']} | {v['rho_n']} | {v['median_ms']} | {v['dense_same_run_ms']} | "
+            f"| {name} | {v['rho_p']} | {v['rho_n']}{'' if v.get('neuron_schedule', 'uniform') == 'uniform' else ' ' + v['neuron_schedule']} | {v['median_ms']} | {v['dense_same_run_ms']} | "
             f"**{v['speedup']}×** | {st['prefill_cached']} (dense {st['prefill_dense']}) | "
             f"{st['denoise_cached']} (dense {st['denoise_dense']}) | "
             f"{v['action_rel_l2_median']:.3g} / {v['action_rel_l2_max']:.3g} | {v['similarity_min']:.3f} |"

@@ -476,6 +476,47 @@ def test_rmuscle_graphs_are_exact_at_rho_one_and_replay_the_cached_computation()
                 assert torch.equal(_rmuscle_call(engine, live_inputs, noise, "cached"), cached)
 
 
+def test_a_ramp_schedule_on_the_gpu_computes_what_the_cpu_definition_does() -> None:
+    """neuron_schedule "ramp" in the graph engine (Triton's gathered kernels at 128, 256, ... 896 of 1,024
+    neurons, a step that keeps none, a step that keeps all): each step records its own count of masks, the
+    graph replays the direct launches, and given the same masks the cached actions are those of the CPU
+    engine's float32 definition up to bf16 rounding, far closer than the cache's own error against dense."""
+    from rmuscle_ros.engine.fused import ContextRef
+    from rmuscle_ros.engine.graph import CacheShapes
+
+    model = _streaming_model(7)
+    cfg = model.cfg
+    shapes = CacheShapes(1.0, 0.5, neuron_schedule="ramp")  # the Action Cache alone
+    ref_inputs, noise = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=5)
+    live_inputs, _ = _inputs(cfg, valid_tokens=30, pad_to=40, missing_camera=False, seed=6)
+    engine = create_engine("graph", model, CUDA, buckets=[64], cache=shapes)
+    assert engine.step_neurons == (1024, 0, 128, 256, 384, 512, 640, 768, 896, 1024)
+    engine.warmup()
+    recorded = []
+    for use_graphs in (True, False):
+        _rmuscle_call(engine, ref_inputs, noise, "record", use_graphs)
+        recorded.append(engine.recorded_masks.clone())
+    masks = recorded[0]
+    assert torch.equal(masks, recorded[1])
+    for s, c in enumerate(engine.step_neurons):
+        if 0 < c < cfg.expert.mlp_dim:
+            row = masks[s, :, :c]
+            assert (row[..., 1:] > row[..., :-1]).all() and int(row.min()) >= 0
+    dense = _rmuscle_call(engine, live_inputs, noise, "dense")
+    engine.load_reference(ContextRef.allocate(cfg, CUDA, torch.bfloat16), masks)
+    cached = _rmuscle_call(engine, live_inputs, noise, "cached")
+    assert torch.equal(cached, _rmuscle_call(engine, live_inputs, noise, "cached", use_graphs=False))
+    cpu = create_engine("fused", _streaming_model(7).cpu(), "cpu", buckets=[64], cache=shapes)  # float32
+    cpu.load_reference(ContextRef.allocate(cfg, torch.device("cpu"), torch.float32), masks.cpu())
+    cpu_live = (live_inputs.to(torch.device("cpu")), noise.cpu())
+    cpu_cached = _rmuscle_call(cpu, *cpu_live, "cached")
+    cpu_dense = _rmuscle_call(cpu, *cpu_live, "dense")
+    cache_error = rel(cpu_cached, cpu_dense)
+    assert cache_error > 1e-3, "the ramp leaves neurons out: not the dense result"
+    assert rel(cached.cpu(), cpu_cached) < min(3e-2, cache_error / 3)
+    assert rel(dense.cpu(), cpu_dense) < 3e-2
+
+
 def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_rho_one(tmp_path) -> None:
     """The policy-level runtime on the graph backend: live calls on the high-priority stream, rebuilds on
     the low-priority one; a recorded warm-up makes the repeat cached, its first call too once the reset's
