@@ -175,8 +175,8 @@ def step_neuron_counts(
     - "ramp": the kept share grows linearly over the later steps, from 2ρn − b to b = min(1, 2ρn) (0 → 1 at
       ρn = 0.5). A neuron left out keeps its anchor-step value, and by the last steps the expert's
       activations have moved furthest from the anchor's, so that is where updating them pays: on a trained
-      `small` at ρn = 0.5 the ramp cut the chunk's error against dense from 0.11 to 0.012 (bench/HISTORY.md,
-      "The Action Cache's step schedule"). Counts are rounded to the nearest whole 128-neuron block where F
+      `small` at ρn = 0.5 the ramp cut the chunk's error against dense from 0.033 to 0.009
+      (bench/probe_step_schedule.py; bench/HISTORY.md, "The Action Cache's step schedule"). Counts are rounded to the nearest whole 128-neuron block where F
       is a multiple of 128 of at least 8 blocks (as `keep_neuron_count`), to the nearest neuron otherwise;
       a step may keep all (it runs dense) or none (it reuses the anchor's FFN output)."""
     if schedule not in NEURON_SCHEDULES:
