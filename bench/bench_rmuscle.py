@@ -509,8 +509,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     cfg = get_preset(args.preset)
     rhos = [parse_rho(r) for r in args.rho] if args.rho else [
-        (0.4, 0.5, "uniform"), (1.0, 1.0, "uniform"), (0.2, 0.3, "uniform"), (0.6, 0.7, "uniform"),
-        (0.4, 1.0, "uniform"), (1.0, 0.5, "uniform")
+        (0.4, 0.5, "ramp"), (0.4, 0.5, "uniform"), (1.0, 1.0, "uniform"), (0.2, 0.5, "ramp"),
+        (0.2, 1.0, "uniform"), (0.4, 1.0, "uniform"), (1.0, 0.5, "ramp")
     ]  # fmt: skip
     cuda = device.type == "cuda"
     ceilings = measure_ceilings(device) if cuda else {"bf16_tflops": float("nan"), "copy_tb_s": float("nan")}
@@ -548,8 +548,9 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    main_key = "rmuscle_p0.4_n0.5"
-    if main_key in results:
+    # The bar's setting (ρ 0.4 / 0.5), with the first schedule asked for: the runtime's default first.
+    main_key = next((k for k in results if k.startswith("rmuscle_p0.4_n0.5")), None)
+    if main_key is not None:
         results["rmuscle"] = dict(results[main_key])
     peak, bw = ceilings["bf16_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12
     dense_cost = call_cost(cfg, args.prompt_tokens)
@@ -628,7 +629,7 @@ def to_markdown(r: dict) -> str:
         v = res["rmuscle"]
         lines += [
             "",
-            f"At ρp = 0.4, ρn = 0.5: loading the matched entry {v['load_reference_ms']} ms; rebuilding one "
+            f"At ρp = 0.4, ρn = 0.5 ({v['neuron_schedule']}): loading the matched entry {v['load_reference_ms']} ms; rebuilding one "
             f"entry {v['rebuild_entry_ms']} ms (rebuild lane; its parts alone {v['rebuild_part_ms']} ms); window entry {v['window_entry_mb']} MB; the "
             f"cached graphs' buffers and K-major weights {v['engine_cache_mb']} MB. A dense call of a dense "
             f"episode, recorded for the library (through the runtime; median of the reference episode's calls "

@@ -382,8 +382,10 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
 
 
 def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path) -> None:
-    """neuron_schedule "ramp" records and serves like the uniform one; its masks rank other counts per
-    step, so a library recorded under one schedule is refused under the other, naming the shapes."""
+    """neuron_schedule "ramp" (the default) records and serves like the uniform one; its masks rank other
+    counts per step, so a library recorded under one schedule is refused under the other, naming the
+    shapes."""
+    assert RMuscleConfig().neuron_schedule == "ramp"
     lib = str(tmp_path / "lib")
     ramp = RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD, neuron_schedule="ramp")
     policy = Policy(CFG, ramp)
@@ -394,7 +396,7 @@ def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path)
     assert all(np.isfinite(c.actions).all() for c in chunks)
     policy.close()
     with pytest.raises(LibraryMismatch, match=r"other shapes.*mask_steps"):
-        Policy(CFG, RMuscleConfig(library_path=lib))
+        Policy(CFG, RMuscleConfig(library_path=lib, neuron_schedule="uniform"))
     with pytest.raises(ValueError, match="neuron_schedule"):
         RMuscleConfig(neuron_schedule="linear")
 

@@ -50,7 +50,7 @@ class CacheParams:
     rho_p: float = 0.4  # fraction of visual tokens whose prefill FFN is recomputed
     rho_n: float = 0.5  # fraction of expert MLP neurons updated after the anchor step
     anchors: int = 1  # dense denoising steps per call
-    neuron_schedule: str = "uniform"  # how rho_n spreads over the steps: "uniform" or "ramp"
+    neuron_schedule: str = "ramp"  # how rho_n spreads over the steps: "ramp" or "uniform" (RMuscleConfig)
     top_k: int = 4  # candidate library episodes kept by retrieval
     lookahead: int = 4  # positions past the aligned one kept ready in the window
     similarity_threshold: float = 0.8  # below it: dense for the rest of the episode
