@@ -176,9 +176,11 @@ def step_neuron_counts(
       ρn = 0.5). A neuron left out keeps its anchor-step value, and by the last steps the expert's
       activations have moved furthest from the anchor's, so that is where updating them pays: on a trained
       `small` at ρn = 0.5 the ramp cut the chunk's error against dense from 0.033 to 0.009
-      (bench/probe_step_schedule.py; bench/HISTORY.md, "The Action Cache's step schedule"). Counts are rounded to the nearest whole 128-neuron block where F
-      is a multiple of 128 of at least 8 blocks (as `keep_neuron_count`), to the nearest neuron otherwise;
-      a step may keep all (it runs dense) or none (it reuses the anchor's FFN output)."""
+      (bench/probe_step_schedule.py; bench/HISTORY.md, "The Action Cache's step schedule").
+
+    Counts are rounded to the nearest whole 128-neuron block where F is a multiple of 128 of at least 8
+    blocks (as `keep_neuron_count`), to the nearest neuron otherwise. A step may keep all neurons (it runs
+    dense) or none (it reuses the anchor's FFN output)."""
     if schedule not in NEURON_SCHEDULES:
         raise ValueError(f"neuron_schedule must be one of {NEURON_SCHEDULES}, got {schedule!r}")
     if not 0.0 < rho_n <= 1.0:
@@ -727,21 +729,31 @@ class FusedPi05:
                     ops.action_step(x_t, h=h, **step_args)
         if record_masks is not None:
             counts = record_counts or (record_masks.shape[-1],) * cfg.num_steps
-            first = anchors
-            for s in range(anchors + 1, cfg.num_steps + 1):  # consecutive steps of one count ranked together
-                if s == cfg.num_steps or counts[s] != counts[first]:
-                    c = counts[first]
-                    if 0 < c < e.mlp_dim:
-                        record_masks[first:s, :, :c].copy_(self._top_neurons(scores[first:s], c))
-                    first = s
+            self._top_neurons(scores, counts, anchors, record_masks)
         return x_t
 
-    def _top_neurons(self, scores: Tensor, count: int) -> Tensor:
-        """(steps, depth, count) int64: per step and layer, the `count` neurons with the largest contribution
-        score (scores × ‖W_down[:, j]‖; cache.sparse_ffn), sorted: one top-k and one sort over all of them,
-        not one of each per layer-step (162 at pi05), which made a recorded call twice as slow (README)."""
-        ranked = torch.topk(scores * self.down_norms, count, sorted=False).indices
-        return ranked.sort().values
+    def _top_neurons(self, scores: Tensor, counts: Sequence[int], anchors: int, out: Tensor) -> None:
+        """out[s, i, :counts[s]] (int32) = the counts[s] neurons of (step s, layer i) with the largest
+        contribution score (scores × ‖W_down[:, j]‖; cache.sparse_ffn), sorted, for every step from `anchors`
+        on that keeps some but not all; the rest of out is left as it is, or holds F past a step's count.
+        A fixed number of kernels for all (step, layer)s, not a top-k and a sort for each (162 at pi05),
+        which made a recorded call twice as slow (README)."""
+        f = self.cfg.expert.mlp_dim
+        steps = [s for s in range(anchors, len(counts)) if 0 < counts[s] < f]
+        if not steps:
+            return
+        first, last = steps[0], steps[-1] + 1
+        weighted = scores[first:last] * self.down_norms
+        if all(counts[s] == counts[first] for s in range(first, last)):  # one count (uniform): one top-k
+            ranked = torch.topk(weighted, counts[first], sorted=False).indices
+            out[first:last, :, : counts[first]].copy_(ranked.sort().values)
+            return
+        # Counts per step: every step's neurons ranked best first; past a step's count an index F, which
+        # sorts last, so one sort by index leaves each step's own neurons first.
+        ranked = torch.sort(weighted, dim=-1, descending=True, stable=True).indices[..., : out.shape[-1]]
+        for s in range(first, last):
+            ranked[s - first, :, counts[s] if 0 < counts[s] < f else 0 :] = f
+        out[first:last].copy_(ranked.sort().values)
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: Tensor, bucket: int) -> Tensor:
