@@ -28,14 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import sim_success
 from bench.bench_pi05 import record_header, save_results
-from rmuscle_ros.engine.fused import (
-    ActionCache,
-    CallLayout,
-    KVBuffers,
-    call_layout,
-    pack_prompt,
-    step_neuron_counts,
-)
+from rmuscle_ros.engine.fused import ActionCache, CallLayout, KVBuffers, step_neuron_counts
 from rmuscle_ros.runtime.policy import Observation, Policy
 
 
@@ -88,17 +81,8 @@ class Probe:
 
     def prefix(self, obs: Observation) -> tuple[CallLayout, KVBuffers]:
         """Vision and the dense prefill of one observation: its layout and K/V."""
-        cfg, fz = self.cfg, self.fused
         inputs, _, _ = self.policy.preprocess(obs)
-        bucket = self.engine._bucket(inputs.token_mask[0].cpu().numpy())
-        tokens, token_mask = pack_prompt(inputs.tokens[0], inputs.token_mask[0], bucket)
-        cams = inputs.image_masks[0].repeat_interleave(cfg.vision.tokens_per_image)
-        layout = call_layout(torch.cat([cams, token_mask]).numpy(), cfg.horizon)
-        kv = KVBuffers.allocate(cfg, layout.key_bias.shape[0], fz.device, fz.dtype)
-        visual = torch.empty(cfg.image_tokens, cfg.vlm.width, dtype=fz.dtype)
-        fz.encode_images(inputs.images[0].clone(), visual)
-        fz.prefill(visual, tokens, layout, kv)
-        return layout, kv
+        return self.fused.run_prefix(inputs, self.engine._bucket(inputs.token_mask[0].cpu().numpy()))
 
     def denoise(self, noise: torch.Tensor, prefix: tuple[CallLayout, KVBuffers], **kw) -> np.ndarray:
         out = torch.empty(self.cfg.horizon, self.cfg.action_dim)

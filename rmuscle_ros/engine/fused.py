@@ -762,6 +762,15 @@ class FusedPi05:
         inputs: batch 1; noise (1, horizon, action_dim). Returns (horizon, action_dim) float32.
         """
         cfg = self.cfg
+        layout, kv = self.run_prefix(inputs, bucket)
+        out = torch.empty(cfg.horizon, cfg.action_dim, device=self.device)
+        return self.denoise(noise[0].to(self.device).float(), layout, kv, out)
+
+    @torch.no_grad()
+    def run_prefix(self, inputs: ModelInputs, bucket: int) -> tuple[CallLayout, KVBuffers]:
+        """Vision and the dense prefill of one observation (batch 1) in fresh buffers: the call's layout
+        and K/V, what `denoise` reads (`run`; probes that denoise one prefix several ways)."""
+        cfg = self.cfg
         tokens, token_mask = pack_prompt(inputs.tokens[0], inputs.token_mask[0], bucket)
         pad_mask = torch.cat(
             [inputs.image_masks[0].repeat_interleave(cfg.vision.tokens_per_image), token_mask]
@@ -771,8 +780,7 @@ class FusedPi05:
         visual = torch.empty(cfg.image_tokens, cfg.vlm.width, device=self.device, dtype=self.dtype)
         self.encode_images(inputs.images[0].to(self.device), visual)
         self.prefill(visual, tokens.to(self.device), layout, kv)
-        out = torch.empty(cfg.horizon, cfg.action_dim, device=self.device)
-        return self.denoise(noise[0].to(self.device).float(), layout, kv, out)
+        return layout, kv
 
 
 def _as_f32(module: torch.nn.Module) -> torch.nn.Module:
