@@ -42,7 +42,7 @@ from rmuscle_ros.cache.retrieval import Retriever
 from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, rmuscle_cost, total
-from rmuscle_ros.engine.fused import ContextRef
+from rmuscle_ros.engine.fused import NEURON_SCHEDULES, ContextRef
 from rmuscle_ros.engine.graph import GraphEngine
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -464,9 +464,10 @@ class Bench:
 def parse_rho(text: str) -> tuple[float, float, str]:
     """'0.4,0.5' or '0.4,0.5,ramp' -> (ρp, ρn, neuron schedule)."""
     parts = text.split(",")
-    if len(parts) not in (2, 3):
-        raise SystemExit(f"--rho: ρp,ρn or ρp,ρn,schedule, got {text!r}")
-    return float(parts[0]), float(parts[1]), parts[2] if len(parts) == 3 else "uniform"
+    schedule = parts[2] if len(parts) == 3 else "uniform"
+    if len(parts) not in (2, 3) or schedule not in NEURON_SCHEDULES:  # said before minutes of set-up
+        raise SystemExit(f"--rho: ρp,ρn or ρp,ρn,schedule (one of {NEURON_SCHEDULES}), got {text!r}")
+    return float(parts[0]), float(parts[1]), schedule
 
 
 @torch.no_grad()

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rmuscle_ros.engine.fused import NEURON_SCHEDULES
 from rmuscle_ros.models.config import PRESETS
 from rmuscle_ros.sim.aloha import SIDES, AlohaSim, SimConfig, SimulationDiverged
 from rmuscle_ros.sim.scripted import EPISODE_STEPS, TransferCubeDemonstrator
@@ -736,7 +737,7 @@ def main_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--anchors", type=int, nargs="+", default=[1], help="--repeat-seed: dense anchor steps")
     e.add_argument(
-        "--neuron-schedule", nargs="+", default=["uniform"], choices=["uniform", "ramp"],
+        "--neuron-schedule", nargs="+", default=["uniform"], choices=NEURON_SCHEDULES,
         help="how ρn spreads over the denoising steps (RMuscleConfig.neuron_schedule); each with each --rho",
     )  # fmt: skip
     e.add_argument(
