@@ -384,6 +384,7 @@ def episode(
     cfg = policy.model_cfg
     modes: list[str] = []
     errors: list[float] = []
+    audits: list[float | None] = []  # per call: the audit's error, None where none ran
     chunk = None
     policy.rebuild_cache(wait=True)  # the node's refill at a reset: the likely first entries (no-op: dense)
     for step in range(EPISODE_STEPS):
@@ -391,7 +392,10 @@ def episode(
             obs = Observation({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
             noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
             chunk = policy.infer(obs, noise=noise)
-            policy.rebuild_cache(wait=True)  # the motion window: the node refills rMuscle's window here
+            # The motion window, as the node runs it: the audit if one is due, then the window's refill.
+            audit = policy.audit_cache()
+            audits.append(None if audit is None else audit.error)
+            policy.rebuild_cache(wait=True)
             modes.append(chunk.cache_mode)
             if shadow is not None:
                 ref = shadow.infer(obs, noise=noise).actions
@@ -410,6 +414,7 @@ def episode(
         "diverged": bool(sim.diverged),
         "modes": modes,
         "rel_l2": errors,
+        "audits": audits,
     }
 
 
@@ -455,7 +460,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         TransferCubeDemonstrator(sim).run()
         scripted.append(
             {"seed": s, "success": sim.success, "final_reward": sim.reward, "best_reward": sim.best_reward}
-            | {"diverged": False, "modes": [], "rel_l2": []}
+            | {"diverged": False, "modes": [], "rel_l2": [], "audits": []}
         )
     results["scripted"] = summarise(scripted, time.perf_counter() - start)
     dense = Policy(pcfg)
@@ -465,7 +470,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     log(f"dense: {results['dense']['success_rate']:.2f} ({results['dense']['successes']}/{len(seeds)})")
     for rho_p, rho_n, schedule, name in variants(args):
         # The whole window after every call, as config/rmuscle_default.yaml has the node do on a CPU.
-        cache = RMuscleConfig(rho_p=rho_p, rho_n=rho_n, neuron_schedule=schedule, rebuilds_per_tick=20)
+        cache = RMuscleConfig(
+            rho_p=rho_p,
+            rho_n=rho_n,
+            neuron_schedule=schedule,
+            rebuilds_per_tick=20,
+            audit_every=args.audit_every,
+            audit_max_error=args.audit_max_error,
+        )
         policy = Policy(pcfg, cache=cache)
         warm_runs = [cell_episode(sim, policy, s, args.replan) for s in warm]  # the library's warm-up
         start = time.perf_counter()
@@ -482,12 +494,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def variants(args: argparse.Namespace) -> list[tuple[float, float, str, str]]:
     """(ρp, ρn, neuron schedule, result name) of every rMuscle variant asked for."""
+    audited = f"_audit{args.audit_max_error:g}" if args.audit_every and args.audit_max_error else ""
     return [
         (
             rho_p,
             rho_n,
             schedule,
-            f"rmuscle_{rho_p:g}_{rho_n:g}" + ("" if schedule == "uniform" else f"_{schedule}"),
+            f"rmuscle_{rho_p:g}_{rho_n:g}" + ("" if schedule == "uniform" else f"_{schedule}") + audited,
         )
         for rho_p, rho_n in args.rho
         for schedule in args.neuron_schedule
@@ -636,9 +649,21 @@ def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "per_episode": [
             {k: r[k] for k in ("seed", "success", "final_reward", "best_reward", "diverged")}
             | {"cached_calls": r["modes"].count("cached")}
+            # per call: the shadow's error (0 for a dense call) and the audit's (None: not audited)
+            | ({"rel_l2": [round(e, 5) for e in r["rel_l2"]]} if r["rel_l2"] else {})
+            | (
+                {"audits": [None if a is None else round(a, 5) for a in r["audits"]]}
+                if any(a is not None for a in r.get("audits", []))
+                else {}
+            )
             for r in runs
         ],
     }
+    audited = [a for r in runs for a in r.get("audits", []) if a is not None]
+    if audited:
+        summary["audits"] = len(audited)
+        summary["audit_error_median"] = round(statistics.median(audited), 4)
+        summary["episodes_fallen_back"] = sum(1 for r in runs if "fallback" in r["modes"])
     if errors:  # every call against the dense policy on the same inputs (0 for the dense ones)
         summary["rel_l2_median"] = round(statistics.median(errors), 4)
     if cached:
@@ -656,8 +681,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         *_header("Closed-loop success, dense vs rMuscle", report),
         "| variant | success | physics diverged | calls: cached / dense / fallback | cached calls' action "
-        "error vs dense, median (p90) | library episodes (warm-up successes) |",
-        "|---|---|---|---|---|---|",
+        "error vs dense, median (p90) | audits (median error), episodes fallen back | library episodes "
+        "(warm-up successes) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         m = r["modes"]
@@ -670,9 +696,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             if calls != "–" and "library_episodes" in r
             else "–"
         )
+        audits = (
+            f"{r['audits']} ({r['audit_error_median']}), {r['episodes_fallen_back']}"
+            if "audits" in r
+            else "–"
+        )
         lines.append(
             f"| {name} | {r['successes']}/{r['episodes']} ({r['success_rate']:.0%}) | {r['diverged']} | "
-            f"{calls} | {err} | {library} |"
+            f"{calls} | {err} | {audits} | {library} |"
         )
     if "scripted" not in report["results"]:  # through the node: no demonstrator, no shadow
         return "\n".join(lines) + "\n"
@@ -747,6 +778,14 @@ def main_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--node", action="store_true",
         help="instead: through rmuscle_node, action_streamer and aloha_sim on DDS (through_node)",
+    )  # fmt: skip
+    e.add_argument(
+        "--audit-every", type=int, default=0,
+        help="RMuscleConfig.audit_every: audit one cached call in this many, in the motion window (0: none)",
+    )  # fmt: skip
+    e.add_argument(
+        "--audit-max-error", type=float, default=0.0,
+        help="RMuscleConfig.audit_max_error: an audited error above it sends the episode dense (0: never)",
     )  # fmt: skip
     e.add_argument("--camera-rate-hz", type=float, default=50.0, help="--node: aloha_sim's camera rate")
     e.add_argument("--domain-id", type=int, default=93, help="--node: the DDS domain")

@@ -36,7 +36,7 @@ def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
     """The three stages end to end at toy sizes: the demonstrations round-trip through their file, the
     trained files load into a Policy, a repeated scene is served from the cache (its window refilled
     between calls, as the node does), each call's action error is measured against a dense policy on the
-    same inputs and noise (0 for a dense call), and the report is written."""
+    same inputs and noise (0 for a dense call) and by the audits, and the report is written."""
     data = tmp_path / "demos.safetensors"
     sim_success.collect([0], data, placement_spread=0.25)
     demos = sim_success.load_demos(data)
@@ -59,7 +59,7 @@ def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
 
     sim = sim_success.make_sim(0.25)
     dense = Policy(config)
-    cached = Policy(config, cache=RMuscleConfig(rebuilds_per_tick=20))
+    cached = Policy(config, cache=RMuscleConfig(rebuilds_per_tick=20, audit_every=1))
     first = sim_success.episode(sim, cached, 5, 50, shadow=dense)
     cached.reset_episode()  # records it: the repeat of the scene is served from it
     repeat = sim_success.episode(sim, cached, 5, 50, shadow=dense)
@@ -68,6 +68,9 @@ def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
     assert first["rel_l2"] == [0.0] * len(first["modes"])  # paired with the same inputs and noise
     assert "cached" in repeat["modes"], repeat["modes"]  # the window was refilled between the calls
     assert all(0.0 < e < 1.0 for e, m in zip(repeat["rel_l2"], repeat["modes"], strict=True) if m == "cached")
+    # every cached call audited in its motion window: the audit measures what the dense shadow does
+    for e, a, m in zip(repeat["rel_l2"], repeat["audits"], repeat["modes"], strict=True):
+        assert a is None if m != "cached" else a == pytest.approx(e, rel=1e-5)
     results = tmp_path / "results"
     evaluate = ["evaluate", "--policy", str(policy), "--seeds", "5", "--warmup-seeds", "6", "--replan", "50"]
     sim_success.main([*evaluate, "--results", str(results), "--name", "one"])

@@ -8,7 +8,10 @@ Per call (`RMuscle.infer`):
      episode resets), else "dense" (empty library, or the entry not rebuilt yet);
   4. a dense call of a dense episode is recorded (descriptor, 224² uint8 images, prompt tokens, the
      Action Cache masks of its own denoising run); at `reset_episode` an episode with no cached call is
-     added to the library.
+     added to the library;
+  5. one cached call in `audit_every` is audited (`RMuscle.audit`, called by the node in the motion
+     window after it): the same call again dense, on the inputs and noise still in the live buffers, and
+     the cached chunk's error against it. Above `audit_max_error` the episode falls back to dense.
 Muscle memory is per task (`set_task`: the instruction as the prompt carries it, or the job named by
 `RMuscleConfig.task`): retrieval serves a call only from episodes recorded under its task, since the
 descriptor sees the scene, not the instruction, and a bench set up the same way may be doing another job.
@@ -35,7 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import statistics
 import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -52,6 +60,7 @@ from rmuscle_ros.models.pi05 import ModelInputs
 log = logging.getLogger(__name__)
 
 MODES = ("dense", "cached", "fallback")  # ActionChunk.msg CACHE_DENSE=0, CACHE_CACHED=1, CACHE_FALLBACK=2
+AUDITS_KEPT = 100  # the latest audits' errors, for the median and maximum reported in `status`
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,18 @@ class RMuscleConfig:
     # Parts an entry's rebuild is split into (vision, then the prefill's layers in groups): the most a live
     # call can wait for is one part, not a whole entry (pi05 on an H200: ~2 ms instead of ~8).
     rebuild_slices: int = 4
+    # Audit one cached call in `audit_every` (0: none; a call the node had no time to audit passes the turn
+    # to the next cached one): in the motion window after it, the same call runs again dense, on the inputs
+    # and noise it had, and the cached chunk's relative L2 error against that dense chunk (in the units the
+    # caller measures: robot units through Policy) is reported (CacheStatus, /diagnostics). It is the one
+    # measure of the caches' error a cell has on its own weights and scenes. It costs one dense prefill +
+    # denoise in a motion window.
+    audit_every: int = 10
+    # An audited error above this (0: none trips) sends the rest of the episode dense, as a similarity
+    # below `threshold` does. On the simulated cell's trained policies, calls at 0.4 / 0.5 (ramp) erred by a
+    # median of 0.015-0.020 and a p90 of 0.05-0.08; uniform 0.5 erred by 0.04-0.18 and lost most successes
+    # (README, "Auditing the cache").
+    audit_max_error: float = 0.0
 
     def __post_init__(self) -> None:
         self.shapes()  # validates rho_p, rho_n, anchors, neuron_schedule, rebuild_slices
@@ -105,6 +126,19 @@ class RMuscleConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.task, str):
             raise ValueError(f"task must be a string (the job's name, or empty), got {self.task!r}")
+        if (
+            isinstance(self.audit_every, bool)
+            or not isinstance(self.audit_every, int)
+            or self.audit_every < 0
+        ):
+            raise ValueError(f"audit_every must be an int >= 0 (0: no audits), got {self.audit_every!r}")
+        bound = self.audit_max_error
+        if (
+            isinstance(bound, bool)
+            or not isinstance(bound, (int, float))
+            or not (math.isfinite(bound) and bound >= 0)
+        ):
+            raise ValueError(f"audit_max_error must be a finite number >= 0 (0: never trips), got {bound!r}")
 
     def shapes(self) -> CacheShapes:
         return CacheShapes(
@@ -131,6 +165,33 @@ class CallInfo:
     episode: int | None = None  # matched library episode (cached calls)
     position: int | None = None  # matched call within it
     reason: str = ""  # why a call was not cached
+
+
+@dataclass(frozen=True)
+class Audit:
+    """One cached call checked against the same call run dense (`RMuscle.audit`)."""
+
+    error: float  # the cached chunk's relative L2 error against the dense one (inf: not finite)
+    tripped: bool  # the error was above `audit_max_error`: the rest of the episode runs dense
+    episode: int | None  # the library episode and call the audited call was served from
+    position: int | None
+    seconds: float  # wall time of the audit (the dense prefill + denoise and the comparison)
+
+
+def relative_l2(cached: torch.Tensor, dense: torch.Tensor) -> float:
+    """||cached - dense|| / ||dense||, in float32 over every element (the model's units)."""
+    a, b = cached.float(), dense.float()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-12))
+
+
+@dataclass
+class _AuditDue:
+    """A cached call to audit: its prompt bucket, its chunk, and what it was served from."""
+
+    bucket: int
+    actions: torch.Tensor
+    episode: int | None
+    position: int | None
 
 
 @dataclass
@@ -275,6 +336,14 @@ class RMuscle:
         # events, read once the call's result has been synchronised. None on a CPU.
         self.last_gpu_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.last = CallInfo("dense", 0.0, reason="no call yet")
+        self._fallback_reason = ""  # why this episode fell back, when an audit sent it there
+        # Audits (`audit`): the call due for one, cached calls until the next, and what they found.
+        self._bucket = 0  # the latest call's prompt bucket
+        self._audit_due: _AuditDue | None = None
+        self._until_audit = 0  # cached calls to pass before the next audit (0: the next one)
+        self.audits = self.audits_missed = self.audit_trips = 0
+        self.audit_errors: deque[float] = deque(maxlen=AUDITS_KEPT)
+        self.last_audit: Audit | None = None
 
     # ── library and retrieval ────────────────────────────────────────────────────────────────────────────
 
@@ -337,6 +406,7 @@ class RMuscle:
         if self.calls:
             self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
         self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
+        self._fallback_reason = ""
         self._wanted = self._episode_starts([])
         log.debug("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
 
@@ -360,7 +430,7 @@ class RMuscle:
 
     # Settings that shape neither the engine's graphs nor how the library is opened: they may change
     # between calls.
-    LIVE_SETTINGS = ("threshold", "record", "rebuilds_per_tick", "task")
+    LIVE_SETTINGS = ("threshold", "record", "rebuilds_per_tick", "task", "audit_every", "audit_max_error")
 
     def reconfigure(self, **changes: object) -> None:
         """Change settings among LIVE_SETTINGS from the next call on (validated first: a bad value raises
@@ -369,6 +439,8 @@ class RMuscle:
         if fixed:
             raise ValueError(f"{fixed[0]} is fixed when the engine is built; it cannot change between calls")
         cfg = replace(self.cfg, **changes)  # RMuscleConfig validates
+        if cfg.audit_every != self.cfg.audit_every:
+            self._until_audit = 0
         self.cfg = cfg
         self.retriever.cfg = RetrievalConfig(cfg.top_k, cfg.lookahead, cfg.threshold)
 
@@ -382,6 +454,8 @@ class RMuscle:
             return self.finish_episode()
         finally:  # a library that cannot be written must not carry this episode's state into the next
             self.retriever.reset()
+            self._fallback_reason = ""
+            self._audit_due = None  # its trip would land on the next episode
             self.episode_id += 1
             self.calls = self.cached_calls = 0
             self._wanted = self._episode_starts(served_from)
@@ -413,6 +487,8 @@ class RMuscle:
         self.calls = self.cached_calls = 0
         self._wanted = []
         self.retriever.reset()
+        self._fallback_reason = ""
+        self._audit_due = None
         self.last = CallInfo("dense", 0.0, reason="no call yet")
 
     def exclude_episode(self, reason: str) -> None:
@@ -477,6 +553,9 @@ class RMuscle:
         once it is due: a live call waits for at most one part. With
         `concurrent_rebuilds` the rebuilds launch kernel by kernel and the call does not wait for them
         (see RMuscleConfig). The result is ordered back onto the caller's stream."""
+        if self._audit_due is not None:  # not audited in its motion window: the next cached call is
+            self._audit_due = None
+            self.audits_missed += 1
         stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
         self.last_gpu_span = None
         if stream is None:
@@ -538,7 +617,7 @@ class RMuscle:
             if any(usable):
                 return self._infer_matched_on_gpu(inputs, noise, usable)
         e = self.engine
-        bucket = e.begin_load(inputs, noise)
+        bucket = self._bucket = e.begin_load(inputs, noise)
         e.run_stage("vision", bucket)
         ready = self._descriptor_to_host()
         self._queue_similarities()
@@ -576,7 +655,7 @@ class RMuscle:
         # `_episode_starts`) waits for the pick before queuing the cached stages: a scene that is not a
         # repeat then costs no cached run for nothing. Later calls queue them at once.
         first = self.calls == 0
-        bucket = e.begin_load(inputs, noise)
+        bucket = self._bucket = e.begin_load(inputs, noise)
         e.run_stage("match", bucket, variant="cached")
         matched = torch.cuda.Event() if e.device.type == "cuda" else None
         if matched is not None:
@@ -656,7 +735,8 @@ class RMuscle:
 
     def _dense_info(self, similarity: float) -> CallInfo:
         if self.retriever.fallback:
-            return CallInfo("fallback", similarity, reason=f"similarity below {self.cfg.threshold}")
+            reason = self._fallback_reason or f"similarity below {self.cfg.threshold}"
+            return CallInfo("fallback", similarity, reason=reason)
         if not self.library.entries:
             return CallInfo("dense", similarity, reason="empty library")
         if not self.retriever.episodes:
@@ -682,7 +762,69 @@ class RMuscle:
             self._push_usable()  # for the next call, while this one's GPU work runs
         self.calls += 1
         self.last = info
-        return self.engine.actions.clone()[None], info
+        actions = self.engine.actions.clone()[None]
+        if info.mode == "cached" and self.cfg.audit_every:
+            if self._until_audit == 0:
+                self._audit_due = _AuditDue(self._bucket, actions, info.episode, info.position)
+            else:
+                self._until_audit -= 1
+        return actions, info
+
+    # ── audits ───────────────────────────────────────────────────────────────────────────────────────────
+
+    @property
+    def audit_due(self) -> bool:
+        """Whether the latest call is a cached one due for an audit (`audit`) before the next call."""
+        return self._audit_due is not None
+
+    @torch.no_grad()
+    def audit(self, measure: Callable[[torch.Tensor, torch.Tensor], float] = relative_l2) -> Audit | None:
+        """Audit the latest call if it is due for one (else None): its prefill and denoise run again dense,
+        on the inputs, vision output and noise the live buffers still hold (nothing runs on them between a
+        call and the next), and `measure(cached, dense)` (both (1, horizon, action_dim) on the engine's
+        device) gives the cached chunk's error. The dense chunk is exactly what a dense call would have
+        produced (the same stages, the same inputs). An error above `audit_max_error` (if set), or one
+        that is not finite, sends the rest of the episode dense (mode "fallback", sticky until the reset).
+        Run where a rebuild would run, in the motion window: on the live stream, after the rebuilds queued
+        before it (unless `concurrent_rebuilds`), waited for."""
+        due, self._audit_due = self._audit_due, None
+        if due is None:
+            return None
+        start = time.perf_counter()
+        e = self.engine
+        stream = e.live_stream if e.device.type == "cuda" else None
+        if stream is None:
+            e.run_stage("tail", due.bucket)
+        else:
+            caller = torch.cuda.current_stream(e.device)
+            stream.wait_stream(caller)
+            if not self.cfg.concurrent_rebuilds:
+                stream.wait_stream(e.rebuild_stream)
+            with torch.cuda.stream(stream):
+                e.run_stage("tail", due.bucket)
+            caller.wait_stream(stream)
+        error = float(measure(due.actions, e.actions[None]))
+        bound = self.cfg.audit_max_error
+        tripped = not math.isfinite(error) or (bound > 0 and error > bound)
+        error = error if math.isfinite(error) else math.inf  # a NaN would vanish from the maximum
+        if tripped and not self.retriever.fallback:
+            self.retriever.fallback = True  # sticky until the episode resets, as a similarity fallback
+            self._fallback_reason = (
+                f"an audit found a cached chunk {error:.4f} from dense (audit_max_error {bound})"
+            )
+            self.audit_trips += 1
+            log.warning(
+                "rMuscle: episode %d runs dense from now on: %s (served from library episode %s, call %s)",
+                self.episode_id,
+                self._fallback_reason,
+                due.episode,
+                due.position,
+            )
+        self.audits += 1
+        self._until_audit = self.cfg.audit_every - 1
+        self.audit_errors.append(error)
+        self.last_audit = Audit(error, tripped, due.episode, due.position, time.perf_counter() - start)
+        return self.last_audit
 
     def _record(self, inputs: ModelInputs, descriptor: np.ndarray) -> None:
         rec = self._recording
@@ -810,6 +952,13 @@ class RMuscle:
             "library_path": str(self.library.root) if self.cfg.library_path else "",
             "library_problems": list(self.library.problems),
             "match_reruns": self.match_reruns,
+            "audits": self.audits,
+            "audits_missed": self.audits_missed,
+            "audit_trips": self.audit_trips,
+            # nan until the first audit (CacheStatus carries nan too: "not measured", not "no error")
+            "audit_error_last": self.last_audit.error if self.last_audit is not None else math.nan,
+            "audit_error_median": statistics.median(self.audit_errors) if self.audit_errors else math.nan,
+            "audit_error_max": max(self.audit_errors) if self.audit_errors else math.nan,
         }
 
     def close(self) -> int | None:

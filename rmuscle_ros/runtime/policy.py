@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
+from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig
 from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
 from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
 from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
@@ -292,6 +292,20 @@ class Policy:
         """One part of the window's refill (an entry is rebuilt in `rebuild_slices` parts): (whether a part
         was queued, whether it completed an entry); `wait`: once it ran. (False, False) without a cache."""
         return self.rmuscle.rebuild_slice(wait) if self.rmuscle is not None else (False, False)
+
+    def cache_audit_due(self) -> bool:
+        """Whether the latest chunk was a cached one due for an audit (`audit_cache`) before the next call."""
+        return self.rmuscle is not None and self.rmuscle.audit_due
+
+    def audit_cache(self) -> Audit | None:
+        """Audit the latest call if it is due for one (RMuscle.audit): the same call again dense, and the
+        cached chunk's relative L2 error against it in robot units (the chunks as published). None if no
+        audit was due."""
+        return self.rmuscle.audit(self._robot_error) if self.rmuscle is not None else None
+
+    def _robot_error(self, cached: torch.Tensor, dense: torch.Tensor) -> float:
+        a, b = self.postprocess(cached), self.postprocess(dense)
+        return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-12))
 
     def reconfigure_cache(self, **changes: object) -> None:
         """Change rMuscle settings that may change between calls (RMuscle.LIVE_SETTINGS)."""
