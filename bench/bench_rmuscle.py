@@ -140,6 +140,7 @@ class Bench:
             rebuilds_per_tick=20,
             concurrent_rebuilds=args.concurrent_rebuilds or args.concurrent_rebuild_graphs,
             match_on_gpu=True,
+            audit_every=0,  # audits are timed on their own (`timings`)
         )
         self.default_match = RMuscleConfig().match_on_gpu
         self.engine: GraphEngine = create_engine(
@@ -392,6 +393,19 @@ class Bench:
             stages[f"{stage}_{variant}"] = round(device_ms(run, it, dev), 3)
         load = device_ms(lambda: e.load_window_entry(slot.index), it, dev)  # as the runtime loads it
         log(f"stages {stages}")
+        # An audit (RMuscle.audit, which the node runs in the motion window after a cached call due for
+        # one): the call's prefill and denoise again, dense, and the comparison. Wall clock, each right
+        # after a cached call.
+        self.runtime.cfg = dataclasses.replace(self.runtime.cfg, audit_every=1)
+        audit_ms = []
+        for _ in range(max(3, it // 3)):
+            self.runtime_call(obs)
+            sync()
+            start = time.perf_counter()
+            if self.runtime.audit() is None:
+                raise RuntimeError(f"a cached call was not due for an audit ({self.runtime.last})")
+            audit_ms.append((time.perf_counter() - start) * 1e3)
+        self.runtime.cfg = dataclasses.replace(self.runtime.cfg, audit_every=0)
         out = {
             "dense_ms": round(dense_wall, 3),
             "rmuscle_ms": round(walls[self.default_match], 3),  # as the runtime runs by default
@@ -405,6 +419,7 @@ class Bench:
             "rebuild_entry_ms": round(self.rebuild_ms, 3),
             "recorded_call_ms": round(self.recorded_call_ms, 3),
             "rebuild_part_ms": self.rebuild_part_ms,
+            "audit_ms": round(statistics.median(audit_ms), 3),
         }
         if not self.args.interference:
             return out
@@ -634,7 +649,8 @@ def to_markdown(r: dict) -> str:
             f"entry {v['rebuild_entry_ms']} ms (rebuild lane; its parts alone {v['rebuild_part_ms']} ms); window entry {v['window_entry_mb']} MB; the "
             f"cached graphs' buffers and K-major weights {v['engine_cache_mb']} MB. A dense call of a dense "
             f"episode, recorded for the library (through the runtime; median of the reference episode's calls "
-            f"after its first): {v.get('recorded_call_ms', 'not measured')} ms."
+            f"after its first): {v.get('recorded_call_ms', 'not measured')} ms. An audit of a cached call (its "
+            f"prefill and denoise again, dense, and the comparison; wall clock): {v.get('audit_ms', 'not measured')} ms."
             + (
                 f" A live call alone {v['live_call_alone_ms']} ms, with two rebuilds queued on the low-priority "
                 f"stream {v['live_call_during_rebuild_ms']} ms, with one {v['live_call_one_rebuild_queued_ms']} ms, "

@@ -572,6 +572,56 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         policy.close()
 
 
+def test_an_audit_on_the_gpu_measures_what_a_dense_policy_gives_and_can_send_the_episode_dense() -> None:
+    """Audits on the graph backend: the dense re-run of a cached call (on the live stream, after the
+    rebuilds queued before it) gives the dense policy's chunk, so each audit's error is the cached chunk's
+    error against it; an audit above the bound sends the rest of the episode dense, bit for bit."""
+    import numpy as np
+
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+    from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+
+    cfg = PolicyConfig(backend="graph", device="cuda")
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    observations = []
+    for i in range(10):
+        img = np.clip(base + 2.0 * rng.standard_normal(base.shape), 0, 255).astype(np.uint8)
+        observations.append(
+            Observation({c: img for c in cfg.cameras}, np.full(14, i / 5, np.float32), "stack")
+        )
+    warm, live = observations[:5], observations[5:]
+
+    def noise(i: int) -> torch.Tensor:
+        return torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
+
+    dense = Policy(cfg)
+    dense.warmup()
+    want = [dense.infer(obs, noise(i)).actions for i, obs in enumerate(live)]
+    for bound in (0.0, 1e-6):
+        policy = Policy(cfg, RMuscleConfig(rebuilds_per_tick=20, audit_every=1, audit_max_error=bound))
+        policy.warmup()
+        for i, obs in enumerate(warm):
+            policy.infer(obs, noise(i))
+        assert policy.reset_episode() == 0
+        policy.rebuild_cache(wait=False)  # left queued: the first audit must wait for it
+        chunks, audits = [], []
+        for i, obs in enumerate(live):
+            chunks.append(policy.infer(obs, noise(i)))
+            audits.append(policy.audit_cache())
+            policy.rebuild_cache(wait=False)
+        modes = [c.cache_mode for c in chunks]
+        if bound == 0.0:
+            assert modes == ["cached"] * 5 and all(not a.tripped for a in audits)
+            for chunk, audit, w in zip(chunks, audits, want, strict=True):
+                expected = np.linalg.norm(chunk.actions - w) / np.linalg.norm(w)
+                assert 0.0 < audit.error == pytest.approx(expected, rel=1e-5)
+        else:
+            assert modes == ["cached"] + ["fallback"] * 4 and audits[0].tripped and audits[1:] == [None] * 4
+            assert all(np.array_equal(c.actions, w) for c, w in zip(chunks[1:], want[1:], strict=True))
+        policy.close()
+
+
 def test_a_gpu_policy_records_the_images_it_resampled_on_the_gpu(tmp_path) -> None:
     """With the engine on the GPU the policy resamples the images there, and a recorded episode keeps
     them: each call's library images are that call's model input as uint8, exactly (they reach the host

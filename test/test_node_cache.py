@@ -322,6 +322,55 @@ def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observati
     assert node.stats()["errors"] == {}
 
 
+def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(harness) -> None:
+    """The motion window audits cached calls (cache.audit_every): each runs again dense, and the cached
+    chunk's error against it goes to ~/cache_status and /diagnostics. Above cache.audit_max_error the rest
+    of the episode runs dense (mode fallback) and /diagnostics warns; the next episode is served cached
+    again. The bound is a live parameter: at 0 the audits only report."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+    from rclpy.parameter import Parameter
+
+    h = harness(**CACHE, **{"cache.audit_every": 1, "cache.audit_max_error": 1e-6})
+    statuses = _statuses(h)
+    _start(h)
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
+    assert h.call(h.reset, Trigger.Request()).success
+
+    def fell_back() -> bool:
+        return any(c.cache_mode == ActionChunk.CACHE_FALLBACK for c in _episode(h, 1))
+
+    assert h.feed_until(fell_back), [c.cache_mode for c in _episode(h, 1)]
+    modes = [c.cache_mode for c in _episode(h, 1)]
+    first = modes.index(ActionChunk.CACHE_FALLBACK)
+    assert ActionChunk.CACHE_CACHED in modes[:first], "an audit of a cached call sent it dense"
+    assert h.feed_until(lambda: len(_episode(h, 1)) >= first + 3)
+    assert {c.cache_mode for c in _episode(h, 1)[first:]} == {ActionChunk.CACHE_FALLBACK}, "sticky"
+
+    def reported() -> bool:
+        return any(s.episode_id == 1 and s.audit_trips == 1 and s.audit_error_last > 1e-6 for s in statuses)
+
+    assert h.wait_for(reported, timeout=10.0), [(s.episode_id, s.audits, s.audit_trips) for s in statuses]
+    status = next(s for s in reversed(statuses) if s.audit_trips == 1)
+    assert status.mode == CacheStatus.CACHE_FALLBACK and status.audits >= 1
+    assert status.audit_error_median > 1e-6 and status.audit_error_max >= status.audit_error_last
+    assert all(np.isnan(s.audit_error_last) for s in statuses if s.audits == 0), "NaN: not measured yet"
+    diagnostics = h.node._diagnostics().status[0]
+    assert diagnostics.level == DiagnosticStatus.WARN, diagnostics
+    assert "1 episode(s) sent dense by an audit" in diagnostics.message
+    values = {kv.key: kv.value for kv in diagnostics.values}
+    assert values["cache.audit_trips"] == "1" and int(values["cache.audits"]) >= 1
+
+    # Report only, from the next call on: the next episode is served cached, its audits counted.
+    assert h.node.set_parameters([Parameter("cache.audit_max_error", value=0.0)])[0].successful
+    audits = h.node.policy.cache_status()["audits"]
+    assert h.call(h.reset, Trigger.Request()).success
+    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 2)) >= 3)
+    assert h.wait_for(lambda: h.node.policy.cache_status()["audits"] > audits)
+    assert ActionChunk.CACHE_FALLBACK not in {c.cache_mode for c in _episode(h, 2)}
+    assert h.node.policy.cache_status()["audit_trips"] == 1
+    assert h.node.stats()["errors"] == {}
+
+
 def test_cleanup_records_the_episode_in_progress_and_the_library_persists(harness, engine, tmp_path) -> None:
     library = tmp_path / "library"
     h = harness(**engine, **{"cache.library_path": str(library)})

@@ -714,6 +714,10 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     summary = json.loads((tmp_path / "summary.json").read_text())
     # A reset clears the node's buffered messages; each bag's first frames end that wait (no drop).
     assert "missing_camera" not in summary["drops"], summary["drops"]
+    # One cached call in 10 audited (the profile's cache.audit_every): the first repeat's first, at least.
+    assert "[demo] audits of cached calls: " in out
+    audits = summary["cache_status"]
+    assert audits["audits"] >= 1 and 0 < audits["audit_error_median"] <= audits["audit_error_max"], audits
     streamed = summary["streaming"]
     assert streamed["skipped"] == "" and streamed["streamer"]["chunks_accepted"] == len(chunks)
     assert streamed["interval_p50_ms"] == pytest.approx(20.0, abs=2.0)

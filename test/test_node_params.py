@@ -56,6 +56,8 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"cache.max_episodes": 0}, r"^cache\.max_episodes: must be >= 1"),
         ({"cache.rebuilds_per_tick": 0}, r"^cache\.rebuilds_per_tick: must be >= 1"),
         ({"cache.rebuild_slices": 0}, r"^cache\.rebuild_slices: must be >= 1"),
+        ({"cache.audit_every": -1}, r"^cache\.audit_every: must be an int >= 0 \(0: no audits\)"),
+        ({"cache.audit_max_error": -0.5}, r"^cache\.audit_max_error: must be a finite number >= 0"),
         ({"cache.status_period_s": 0.0}, r"^cache\.status_period_s: must be > 0"),
         ({"cache.record": 1}, r"^cache\.record: expected bool"),
         (

@@ -53,6 +53,12 @@ CACHE_STATUS_FIELDS = {
     "library_path": "string",
     "task": "string",
     "task_episodes": "uint32",
+    "audits": "uint32",
+    "audits_missed": "uint32",
+    "audit_error_last": "float",
+    "audit_error_median": "float",
+    "audit_error_max": "float",
+    "audit_trips": "uint32",
 }
 
 
@@ -159,9 +165,12 @@ def test_cache_status_round_trips_between_nodes(executor):
     msg.library_bytes = 5 * 2**32  # beyond uint32
     msg.library_path = "/var/lib/rmuscle/library"
     msg.task, msg.task_episodes = "fold the towel", 4
+    msg.audits, msg.audits_missed, msg.audit_trips = 12, 1, 2
+    msg.audit_error_last, msg.audit_error_median, msg.audit_error_max = 0.25, 0.125, 0.5
 
     got = _round_trip(executor, CacheStatus, msg)
 
     assert got == msg
+    assert (got.audits, got.audit_error_max, got.audit_trips) == (12, 0.5, 2)
     assert got.mode == CacheStatus.CACHE_FALLBACK
     assert got.library_bytes == 5 * 2**32

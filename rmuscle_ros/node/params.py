@@ -63,6 +63,8 @@ class CacheParams:
     concurrent_rebuilds: bool = False  # rebuilds alongside live calls, kernel by kernel (RMuscleConfig)
     match_on_gpu: bool = True  # pick and load the window entry on the GPU, no host round trip
     rebuild_slices: int = 4  # parts of an entry's rebuild: the most a live call can wait for is one
+    audit_every: int = 10  # one cached call in this many run again dense in its motion window (0: none)
+    audit_max_error: float = 0.0  # an audited error above it: dense for the rest of the episode (0: never)
     status_period_s: float = 1.0  # ~/cache_status period while active
 
     def __post_init__(self) -> None:

@@ -307,6 +307,12 @@ def run(
             "library_bytes": last.library_bytes,
             "task": last.task,
             "task_episodes": last.task_episodes,
+            "audits": last.audits,
+            "audits_missed": last.audits_missed,
+            # None before the first audit (the message carries NaN, which JSON has no word for)
+            "audit_error_median": last.audit_error_median if last.audits else None,
+            "audit_error_max": last.audit_error_max if last.audits else None,
+            "audit_trips": last.audit_trips,
         },
         "configure_activate_s": configure_s,
         "streaming": streamed,
@@ -721,6 +727,16 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"mode {status['mode']}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
             f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB ({status['task_episodes']} of task "
             f"{status['task']!r}), window {status['window_entries']} entries"
+        )
+        audits = (
+            f"error against the same call run dense: median {status['audit_error_median']:.4f}, max "
+            f"{status['audit_error_max']:.4f}"
+            if status["audits"]
+            else "none ran"
+        )
+        print(
+            f"[demo] audits of cached calls: {status['audits']} ({audits}); {status['audits_missed']} missed; "
+            f"{status['audit_trips']} episode(s) sent dense by one"
         )
     streamed = summary["streaming"]
     if streamed["skipped"]:

@@ -64,6 +64,8 @@ LIVE_PARAMETERS = {
     "cache.record": "record",
     "cache.rebuilds_per_tick": "rebuilds_per_tick",
     "cache.task": "task",
+    "cache.audit_every": "audit_every",
+    "cache.audit_max_error": "audit_max_error",
 }
 
 
@@ -188,6 +190,7 @@ class RMuscleNode(LifecycleNode):
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
         # (when, wall seconds) of the latest rebuild parts: what the motion windows' estimate reads
         self._rebuild_s: deque[tuple[float, float]] = deque(maxlen=8)
+        self._audit_s: deque[tuple[float, float]] = deque(maxlen=8)  # the same, of the latest audits
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -625,6 +628,7 @@ class RMuscleNode(LifecycleNode):
         self._publish_chunk(cfg, chunk, episode, chunk_id)
         self._log_if_slow(call, recent)
         if cfg.cache.enabled:
+            self._audit_cache(cfg, policy, episode)
             self._rebuild_cache(policy)
 
     def _log_if_slow(self, call: dict[str, Any], recent: list[float]) -> None:
@@ -637,6 +641,32 @@ class RMuscleNode(LifecycleNode):
             self.get_logger().warning(
                 f"slow call: {describe_call(call)}; the latest {len(recent)} calls' p50 {p50:.1f} ms",
                 throttle_duration_sec=5.0,
+            )
+
+    def _audit_cache(self, cfg: NodeConfig, policy: Any, episode: int) -> None:
+        """The motion window's first job when the chunk just published came from a cached call due for an
+        audit (`cache.audit_every`): the same call again dense, and the cached chunk's error against it
+        (Policy.audit_cache). It goes before the rebuilds because the next call overwrites the inputs it
+        runs on. It is skipped when the next observation is due, or when the latest audits' times say
+        it would end after that (as for a rebuild part); the next cached call is then audited instead, and
+        the cache status counts it missed. An error above `cache.audit_max_error` sends the rest of the
+        episode dense, and the node says so."""
+        with self._policy_lock:
+            if not policy.cache_audit_due() or self._next_call_too_close(durations=self._audit_s):
+                return
+            start = time.monotonic()
+            try:
+                audit = policy.audit_cache()
+            except Exception as e:  # an audit that fails costs its measurement, not the node
+                self._error("cache_audit", f"{type(e).__name__}: {e}")
+                return
+            now = time.monotonic()
+            self._audit_s.append((now, now - start))
+        if audit is not None and audit.tripped:
+            self.get_logger().warning(
+                f"episode {episode}: an audit found a cached chunk {audit.error:.4f} from the same call run "
+                f"dense (cache.audit_max_error {cfg.cache.audit_max_error}; served from library "
+                f"episode {audit.episode}, call {audit.position}): dense for the rest of the episode"
             )
 
     def _rebuild_cache(self, policy: Any, estimate: bool = True) -> None:
@@ -685,19 +715,22 @@ class RMuscleNode(LifecycleNode):
         with self._stats_lock:
             self.cache_status = status
 
-    def _next_call_too_close(self, estimate: bool = True) -> bool:
+    def _next_call_too_close(
+        self, estimate: bool = True, durations: deque[tuple[float, float]] | None = None
+    ) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
-        or, with `estimate`, will be before another part is built (the longest of the latest parts' build
-        times, of the last PART_MEMORY_S seconds; with none that recent, one part is started, and its
-        time steers the next windows). Build times are wall-clock and the timer runs on the node's clock:
-        the same in real time and in a 1× bag replay while it plays."""
+        or, with `estimate`, will be before another job is done (the longest of the latest `durations`,
+        rebuild parts' by default, of the last PART_MEMORY_S seconds; with none that recent, one is
+        started, and its time steers the next windows). Those times are wall-clock and the timer runs on
+        the node's clock: the same in real time and in a 1× bag replay while it plays."""
         if self._tick.is_set() or self._stop.is_set():
             return True
         if not estimate:
             return False
         left = self._time_to_next_call_s()
         now = time.monotonic()
-        recent = [seconds for when, seconds in self._rebuild_s if now - when < PART_MEMORY_S]
+        jobs = self._rebuild_s if durations is None else durations
+        recent = [seconds for when, seconds in jobs if now - when < PART_MEMORY_S]
         return left is not None and bool(recent) and left < max(recent)
 
     def _time_to_next_call_s(self) -> float | None:
@@ -816,7 +849,10 @@ class RMuscleNode(LifecycleNode):
         warn = (
             s["drops"]
             or s["errors"]
-            or (cache is not None and (cache["library_problems"] or cache["library_disk_low"]))
+            or (
+                cache is not None
+                and (cache["library_problems"] or cache["library_disk_low"] or cache["audit_trips"])
+            )
         )
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
@@ -852,12 +888,19 @@ class RMuscleNode(LifecycleNode):
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
                                                         "task_episodes", "window_entries", "library_bytes",
                                                         "rebuilds", "rebuilds_deferred",
-                                                        "episodes_discarded")}  # fmt: skip
+                                                        "episodes_discarded", "audits", "audits_missed",
+                                                        "audit_error_median", "audit_error_max",
+                                                        "audit_trips")}  # fmt: skip
             values["cache.library_problems"] = len(cache["library_problems"])
             free = cache["library_disk_free_bytes"]
             values["cache.library_disk_free_mib"] = round(free / 2**20, 1) if free is not None else "unknown"
             if cache["library_disk_low"]:
                 status.message += ", library disk nearly full: the next recording may fail"
+            if cache["audit_trips"]:
+                status.message += (
+                    f", {cache['audit_trips']} episode(s) sent dense by an audit (cached chunks further from "
+                    "dense than cache.audit_max_error)"
+                )
         values |= {f"errors.{k}": v for k, v in s["errors"].items()}
         status.values = [
             KeyValue(key=k, value=f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in values.items()
@@ -895,6 +938,12 @@ class RMuscleNode(LifecycleNode):
         msg.library_path = str(status["library_path"])
         msg.task = str(status["task"])
         msg.task_episodes = int(status["task_episodes"])
+        msg.audits = int(status["audits"])
+        msg.audits_missed = int(status["audits_missed"])
+        msg.audit_error_last = float(status["audit_error_last"])
+        msg.audit_error_median = float(status["audit_error_median"])
+        msg.audit_error_max = float(status["audit_error_max"])
+        msg.audit_trips = int(status["audit_trips"])
         return msg
 
 
