@@ -113,9 +113,10 @@ class RMuscleConfig:
     # denoise in a motion window.
     audit_every: int = 10
     # An audited error above this (0: none trips) sends the rest of the episode dense, as a similarity
-    # below `threshold` does. On the simulated cell's trained policies, calls at 0.4 / 0.5 (ramp) erred by a
-    # median of 0.015-0.020 and a p90 of 0.05-0.08; uniform 0.5 erred by 0.04-0.18 and lost most successes
-    # (README, "Auditing the cache").
+    # below `threshold` does. Report only by default: on the simulated cell's trained policies a bound of
+    # 0.1 caught the settings that failed grossly but restored no dense successes, and cost the ramp on
+    # `small` 3 of its 33 (the error peaks at the same moments of every episode, failed or not; README,
+    # "Auditing the cache"). A guard against gross faults, not a way to choose ρ.
     audit_max_error: float = 0.0
 
     def __post_init__(self) -> None:
