@@ -475,7 +475,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             rho_n=rho_n,
             neuron_schedule=schedule,
             rebuilds_per_tick=20,
-            audit_every=args.audit_every,
+            audit_every=args.audit_every or 0,
             audit_max_error=args.audit_max_error,
         )
         policy = Policy(pcfg, cache=cache)
@@ -494,7 +494,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def variants(args: argparse.Namespace) -> list[tuple[float, float, str, str]]:
     """(ρp, ρn, neuron schedule, result name) of every rMuscle variant asked for."""
-    audited = f"_audit{args.audit_max_error:g}" if args.audit_every and args.audit_max_error else ""
+    audited = f"_audit{args.audit_max_error:g}" if args.audit_every != 0 and args.audit_max_error else ""
     return [
         (
             rho_p,
@@ -572,8 +572,8 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
 
     def cell(
         first: int, count: int, out: Path, overrides: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], int]:
-        """The episodes' results, and the library's episodes at the run's end."""
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The episodes' results, and the node's last cache status (empty without the cache)."""
         sim = {
             "cameras": [CAMERA], "height": FRAME_HEIGHT, "width": FRAME_WIDTH,
             "placement_spread": args.placement_spread, "camera_rate_hz": args.camera_rate_hz,
@@ -592,7 +592,7 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
                  "modes": [m for m, n in sorted(calls.items()) for _ in range(n)], "rel_l2": []}
             )  # fmt: skip
         log(f"{out.name}: {sum(r['success'] for r in runs)}/{len(runs)}, drops {summary['drops']}")
-        return runs, (summary["cache_status"] or {}).get("library_episodes", 0)
+        return runs, summary["cache_status"] or {}
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sim_success_node_") as tmp:
@@ -601,14 +601,25 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         results["dense"] = summarise(runs, time.perf_counter() - start)
         for rho_p, rho_n, schedule, name in variants(args):
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
-                     "cache.neuron_schedule": schedule,
+                     "cache.neuron_schedule": schedule, "cache.audit_max_error": args.audit_max_error,
                      "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
+            if args.audit_every is not None:
+                cache["cache.audit_every"] = args.audit_every
             warm_runs, _ = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
             start = time.perf_counter()
-            runs, library = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
+            runs, status = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
             results[name] = cached_summary(
-                runs, time.perf_counter() - start, (rho_p, rho_n, schedule), warm_runs, library
-            )
+                runs, time.perf_counter() - start, (rho_p, rho_n, schedule), warm_runs,
+                status.get("library_episodes", 0),
+            )  # fmt: skip
+            if status.get("audits"):  # the node's audits over the evaluation run (its cache status)
+                results[name] |= {
+                    "audits": status["audits"],
+                    "audits_missed": status["audits_missed"],
+                    "audit_error_median": round(status["audit_error_median"], 4),
+                    "audit_error_max": round(status["audit_error_max"], 4),
+                    "episodes_fallen_back": sum(1 for r in runs if "fallback" in r["modes"]),
+                }
     return results
 
 
@@ -780,8 +791,9 @@ def main_parser() -> argparse.ArgumentParser:
         help="instead: through rmuscle_node, action_streamer and aloha_sim on DDS (through_node)",
     )  # fmt: skip
     e.add_argument(
-        "--audit-every", type=int, default=0,
-        help="RMuscleConfig.audit_every: audit one cached call in this many, in the motion window (0: none)",
+        "--audit-every", type=int, default=None,
+        help="RMuscleConfig.audit_every: audit one cached call in this many, in the motion window (0: none; "
+        "default: none in the synchronous loop, the node's profile's with --node)",
     )  # fmt: skip
     e.add_argument(
         "--audit-max-error", type=float, default=0.0,
@@ -851,7 +863,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"sim's clock; camera at {args.camera_rate_hz:g} Hz; the node's timer calls every "
                     f"{args.replan} control periods (its first call falls where its timer does, not on the episode's "
                     "first step). The node's first episode also holds the calls made before the sim's "
-                    "first reset (0-2). No dense shadow: no action error here."
+                    "first reset (0-2). No dense shadow: the action error here is the node's own audits' (one cached call in "
+                    "cache.audit_every run again dense; the median and maximum of the run's latest 100)."
                     if args.node
                     else ""
                 )
