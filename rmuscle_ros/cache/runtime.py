@@ -73,8 +73,9 @@ class RMuscleConfig:
     # How ρn spreads over the denoising steps after the anchor: "ramp" (a share rising linearly, 0 → all at
     # ρn = 0.5, ρn on average) or "uniform" (ρn in each, the published method). The same weights are read per
     # call; in closed loop on the simulated cell at 0.4 / 0.5 the trained `small` succeeded on 33 of 50
-    # scenes with the ramp and 14 uniform (dense 27), the trained `tiny` on 9 and 0 (dense 20): README,
-    # "Choosing ρ" (engine.fused.step_neuron_counts).
+    # scenes with the ramp and 14 uniform (dense 27), the trained `tiny` on 9 and 0 (dense 20); through the
+    # node `small` with the ramp on 25 and 26 (dense 34 and 33, two runs): README, "Choosing ρ"
+    # (engine.fused.step_neuron_counts).
     neuron_schedule: str = "ramp"
     top_k: int = 4  # candidate episodes kept by retrieval
     lookahead: int = 4  # positions past the aligned one that are kept ready
