@@ -494,7 +494,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def variants(args: argparse.Namespace) -> list[tuple[float, float, str, str]]:
     """(ρp, ρn, neuron schedule, result name) of every rMuscle variant asked for."""
-    audited = f"_audit{args.audit_max_error:g}" if args.audit_every != 0 and args.audit_max_error else ""
+    # audits run (--audit-every unset: none in the synchronous loop, the profile's through the node) and trip
+    audits_run = args.audit_every != 0 if args.node else bool(args.audit_every)
+    audited = f"_audit{args.audit_max_error:g}" if audits_run and args.audit_max_error else ""
     return [
         (
             rho_p,
