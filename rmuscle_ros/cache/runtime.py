@@ -181,7 +181,8 @@ class Audit:
 
 
 def relative_l2(cached: torch.Tensor, dense: torch.Tensor) -> float:
-    """||cached - dense|| / ||dense||, in float32 over every element (the model's units)."""
+    """||cached - dense|| / ||dense||, in float32 over every element, in the units given (the audits' measure:
+    the model's units by default, robot units through Policy)."""
     a, b = cached.float(), dense.float()
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-12))
 

@@ -654,14 +654,13 @@ class RMuscleNode(LifecycleNode):
         with self._policy_lock:
             if not policy.cache_audit_due() or self._next_call_too_close(durations=self._audit_s):
                 return
-            start = time.monotonic()
             try:
                 audit = policy.audit_cache()
             except Exception as e:  # an audit that fails costs its measurement, not the node
                 self._error("cache_audit", f"{type(e).__name__}: {e}")
                 return
-            now = time.monotonic()
-            self._audit_s.append((now, now - start))
+            if audit is not None:
+                self._audit_s.append((time.monotonic(), audit.seconds))
         if audit is not None and audit.tripped:
             self.get_logger().warning(
                 f"episode {episode}: an audit found a cached chunk {audit.error:.4f} from the same call run "

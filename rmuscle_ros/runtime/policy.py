@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig
+from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig, relative_l2
 from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
 from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
 from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
@@ -304,8 +304,9 @@ class Policy:
         return self.rmuscle.audit(self._robot_error) if self.rmuscle is not None else None
 
     def _robot_error(self, cached: torch.Tensor, dense: torch.Tensor) -> float:
-        a, b = self.postprocess(cached), self.postprocess(dense)
-        return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-12))
+        return relative_l2(
+            torch.from_numpy(self.postprocess(cached)), torch.from_numpy(self.postprocess(dense))
+        )
 
     def reconfigure_cache(self, **changes: object) -> None:
         """Change rMuscle settings that may change between calls (RMuscle.LIVE_SETTINGS)."""
