@@ -396,7 +396,7 @@ class Bench:
         # An audit (RMuscle.audit, which the node runs in the motion window after a cached call due for
         # one): the call's prefill and denoise again, dense, and the comparison. Wall clock, each right
         # after a cached call.
-        self.runtime.cfg = dataclasses.replace(self.runtime.cfg, audit_every=1)
+        self.runtime.reconfigure(audit_every=1)  # a live setting, as `ros2 param set` changes it
         audit_ms = []
         for _ in range(max(3, it // 3)):
             self.runtime_call(obs)
@@ -405,7 +405,7 @@ class Bench:
             if self.runtime.audit() is None:
                 raise RuntimeError(f"a cached call was not due for an audit ({self.runtime.last})")
             audit_ms.append((time.perf_counter() - start) * 1e3)
-        self.runtime.cfg = dataclasses.replace(self.runtime.cfg, audit_every=0)
+        self.runtime.reconfigure(audit_every=0)
         out = {
             "dense_ms": round(dense_wall, 3),
             "rmuscle_ms": round(walls[self.default_match], 3),  # as the runtime runs by default

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import sim_success
 from bench.bench_pi05 import record_header, save_results
+from rmuscle_ros.cache.runtime import relative_l2
 from rmuscle_ros.engine.fused import ActionCache, CallLayout, KVBuffers, step_neuron_counts
 from rmuscle_ros.runtime.policy import Observation, Policy
 
@@ -119,7 +120,7 @@ def main() -> None:
         for name, counts in plans.items():
             probe.denoise(noise_ref, ref, record_masks=masks, record_counts=counts)
             cached = probe.denoise(noise_live, live, action=ActionCache(masks, 1, counts))
-            errors[name].append(float(np.linalg.norm(cached - dense) / np.linalg.norm(dense)))
+            errors[name].append(relative_l2(torch.from_numpy(cached), torch.from_numpy(dense)))
         print(
             f"call {len(errors[name])}: " + ", ".join(f"{n} {e[-1]:.4f}" for n, e in errors.items()),
             flush=True,

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rmuscle_ros.cache.runtime import relative_l2  # the audits' measure, so the shadow's is the same
 from rmuscle_ros.engine.fused import NEURON_SCHEDULES
 from rmuscle_ros.models.config import PRESETS
 from rmuscle_ros.sim.aloha import SIDES, AlohaSim, SimConfig, SimulationDiverged
@@ -399,7 +400,7 @@ def episode(
             modes.append(chunk.cache_mode)
             if shadow is not None:
                 ref = shadow.infer(obs, noise=noise).actions
-                errors.append(float(np.linalg.norm(chunk.actions - ref) / np.linalg.norm(ref)))
+                errors.append(relative_l2(torch.from_numpy(chunk.actions), torch.from_numpy(ref)))
         assert chunk is not None
         command(sim, chunk.actions[step % replan])
         try:
