@@ -375,9 +375,13 @@ def episode(
     seed: int,
     replan: int,
     shadow: Any | None = None,
+    latency: int = 0,
 ) -> dict[str, Any]:
     """One closed-loop episode from `seed`. `shadow`: a dense policy called on the same inputs, for the
-    action error of every call."""
+    action error of every call. `latency`: control periods between a call's observation and its chunk
+    taking over, as a call's latency costs through the node (action_streamer): meanwhile the previous
+    chunk goes on past its `replan` rows (the arms hold before the episode's first chunk), and the new
+    one starts at its row `latency`."""
     from rmuscle_ros.runtime.policy import Observation
 
     sim.reset(seed)
@@ -386,13 +390,15 @@ def episode(
     modes: list[str] = []
     errors: list[float] = []
     audits: list[float | None] = []  # per call: the audit's error, None where none ran
-    chunk = None
+    pending: tuple[np.ndarray, int] | None = None  # the latest chunk's rows and its observation's step
+    current: tuple[np.ndarray, int] | None = None  # the chunk the arms execute, likewise
     policy.rebuild_cache(wait=True)  # the node's refill at a reset: the likely first entries (no-op: dense)
     for step in range(EPISODE_STEPS):
         if step % replan == 0:
             obs = Observation({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
             noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
             chunk = policy.infer(obs, noise=noise)
+            pending = (chunk.actions, step)
             # The motion window, as the node runs it: the audit if one is due, then the window's refill.
             audit = policy.audit_cache()
             audits.append(None if audit is None else audit.error)
@@ -401,8 +407,10 @@ def episode(
             if shadow is not None:
                 ref = shadow.infer(obs, noise=noise).actions
                 errors.append(relative_l2(torch.from_numpy(chunk.actions), torch.from_numpy(ref)))
-        assert chunk is not None
-        command(sim, chunk.actions[step % replan])
+        if pending is not None and step >= pending[1] + latency:
+            current, pending = pending, None
+        if current is not None:
+            command(sim, current[0][step - current[1]])
         try:
             sim.step()
         except SimulationDiverged:
@@ -420,11 +428,11 @@ def episode(
 
 
 def cell_episode(
-    sim: AlohaSim, policy: Any, seed: int, replan: int, shadow: Any | None = None
+    sim: AlohaSim, policy: Any, seed: int, replan: int, shadow: Any | None = None, latency: int = 0
 ) -> dict[str, Any]:
     """`episode`, then what a cell does at its end: a failed one is kept out of the library, and the next
     one begins (`reset_episode` records a successful dense one)."""
-    run = episode(sim, policy, seed, replan, shadow)
+    run = episode(sim, policy, seed, replan, shadow, latency)
     if not run["success"]:
         policy.discard_episode("the episode failed")
     policy.reset_episode()
@@ -466,7 +474,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     results["scripted"] = summarise(scripted, time.perf_counter() - start)
     dense = Policy(pcfg)
     start = time.perf_counter()
-    runs = [episode(sim, dense, s, args.replan) for s in seeds]
+    runs = [episode(sim, dense, s, args.replan, latency=args.latency_steps) for s in seeds]
     results["dense"] = summarise(runs, time.perf_counter() - start)
     log(f"dense: {results['dense']['success_rate']:.2f} ({results['dense']['successes']}/{len(seeds)})")
     for rho_p, rho_n, schedule, name in variants(args):
@@ -480,9 +488,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             audit_max_error=args.audit_max_error,
         )
         policy = Policy(pcfg, cache=cache)
-        warm_runs = [cell_episode(sim, policy, s, args.replan) for s in warm]  # the library's warm-up
+        lat = args.latency_steps
+        warm_runs = [
+            cell_episode(sim, policy, s, args.replan, latency=lat) for s in warm
+        ]  # the library's warm-up
         start = time.perf_counter()
-        runs = [cell_episode(sim, policy, s, args.replan, shadow=dense) for s in seeds]
+        runs = [cell_episode(sim, policy, s, args.replan, shadow=dense, latency=lat) for s in seeds]
         library = policy.cache_status()["library_episodes"]  # type: ignore[index]
         results[name] = cached_summary(
             runs, time.perf_counter() - start, (rho_p, rho_n, schedule), warm_runs, library
@@ -575,8 +586,10 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
 
     def cell(
         first: int, count: int, out: Path, overrides: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The episodes' results, and the node's last cache status (empty without the cache)."""
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+        """The episodes' results, the node's last cache status (empty without the cache), and the run's
+        timing: the node's call latency (wall clock, p50 per cache mode) and the sim's real-time factor,
+        which together say how many of a chunk's rows its call's latency cost on the sim's clock."""
         sim = {
             "cameras": [CAMERA], "height": FRAME_HEIGHT, "width": FRAME_WIDTH,
             "placement_spread": args.placement_spread, "camera_rate_hz": args.camera_rate_hz,
@@ -595,26 +608,39 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
                  "modes": [m for m, n in sorted(calls.items()) for _ in range(n)], "rel_l2": []}
             )  # fmt: skip
         log(f"{out.name}: {sum(r['success'] for r in runs)}/{len(runs)}, drops {summary['drops']}")
-        return runs, summary["cache_status"] or {}
+        timing = {
+            "latency_p50_ms": round(summary["latency_p50_ms"], 1),
+            "latency_p50_by_mode_ms": {m: round(v, 1) for m, v in summary["latency_p50_by_mode_ms"].items()},
+            "real_time_factor": round(summary["sim"]["real_time_factor"], 3),
+            # the row at which the latest 100 chunks took over (action_streamer): latency in control periods
+            "takeover_row_p50": summary["streaming"]["streamer"].get("takeover_row.p50"),
+            "takeover_row_max": summary["streaming"]["streamer"].get("takeover_row.max"),
+            # commands the sim took per arm and second of its clock (the streamer sends 50 a second while a
+            # chunk is due): fewer where the streamer fell behind the sim's clock
+            "sim_arm_commands_per_s": round(
+                summary["sim"]["arm_commands"] / 2 / (len(runs) * EPISODE_STEPS * 0.02), 1
+            ),
+        }
+        return runs, summary["cache_status"] or {}, timing
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sim_success_node_") as tmp:
         start = time.perf_counter()
-        runs, _ = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
-        results["dense"] = summarise(runs, time.perf_counter() - start)
+        runs, _, timing = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
+        results["dense"] = summarise(runs, time.perf_counter() - start) | timing
         for rho_p, rho_n, schedule, name in variants(args):
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
                      "cache.neuron_schedule": schedule, "cache.audit_max_error": args.audit_max_error,
                      "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
             if args.audit_every is not None:
                 cache["cache.audit_every"] = args.audit_every
-            warm_runs, _ = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
+            warm_runs, _, _ = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
             start = time.perf_counter()
-            runs, status = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
+            runs, status, timing = cell(seeds[0], len(seeds), Path(tmp) / name, cache)
             results[name] = cached_summary(
                 runs, time.perf_counter() - start, (rho_p, rho_n, schedule), warm_runs,
                 status.get("library_episodes", 0),
-            )  # fmt: skip
+            ) | timing  # fmt: skip
             if status.get("audits"):  # the node's audits over the evaluation run (its cache status)
                 results[name] |= {
                     "audits": status["audits"],
@@ -720,6 +746,18 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{calls} | {err} | {audits} | {library} |"
         )
     if "scripted" not in report["results"]:  # through the node: no demonstrator, no shadow
+        timed = [(n, r) for n, r in report["results"].items() if "real_time_factor" in r]
+        if timed:
+            lines += [
+                "",
+                "Timing (the node's call latency is wall clock; the sim's clock ran at the real-time factor):",
+            ]
+            for name, r in timed:
+                by_mode = ", ".join(f"{m} {v} ms" for m, v in r["latency_p50_by_mode_ms"].items())
+                lines.append(f"- {name}: latency p50 {r['latency_p50_ms']} ms ({by_mode}), real-time factor "
+                             f"{r['real_time_factor']}; the latest 100 chunks took over at row "
+                             f"{r['takeover_row_p50']} (median; max {r['takeover_row_max']}); the sim took "
+                             f"{r['sim_arm_commands_per_s']} commands per arm and second of its clock")  # fmt: skip
         return "\n".join(lines) + "\n"
     lines += [
         "",
@@ -777,6 +815,11 @@ def main_parser() -> argparse.ArgumentParser:
     e.add_argument("--seeds", default="1000-1029")
     e.add_argument("--warmup-seeds", default="2000-2007")
     e.add_argument("--replan", type=int, default=25, help="steps executed per chunk (the node's default)")
+    e.add_argument(
+        "--latency-steps", type=int, default=0,
+        help="synchronous loop: control periods from a call's observation to its chunk taking over (the "
+        "previous chunk goes on meanwhile), as a call's latency costs through the node",
+    )  # fmt: skip
     e.add_argument(
         "--rho", type=lambda s: tuple(float(v) for v in s.split(",")), nargs="+", default=[(0.4, 0.5)]
     )
@@ -836,6 +879,13 @@ def main(argv: list[str] | None = None) -> None:
         horizon = PRESETS[args.preset].horizon
         if not 1 <= args.replan <= horizon:
             raise SystemExit(f"--replan: 1 ... {horizon} (a chunk's rows), got {args.replan}")
+        if not 0 <= args.latency_steps <= horizon - args.replan:
+            raise SystemExit(
+                f"--latency-steps: 0 ... {horizon - args.replan} (a chunk's rows beyond --replan), got "
+                f"{args.latency_steps}"
+            )
+        if args.latency_steps and (args.node or args.repeat_seed is not None):
+            raise SystemExit("--latency-steps: the synchronous loop's (through the node latency is real)")
         if args.node:
             results = through_node(args)
         elif args.repeat_seed is None:
@@ -852,7 +902,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"gym-aloha transfer_cube (MuJoCo), cube placement spread {args.placement_spread:g} of "
                 f"gym-aloha's 20 × 20 cm, top camera {FRAME_HEIGHT}×{FRAME_WIDTH}, a call every "
                 f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; "
-                f"`{args.preset}` trained on "
+                + (
+                    f"each chunk takes over {args.latency_steps} steps after its observation (the previous "
+                    "one going on meanwhile: a call's latency as through the node); "
+                    if args.latency_steps
+                    else ""
+                )
+                + f"`{args.preset}` trained on "
                 f"{training['demonstrations']} scripted demonstrations ({training['steps']} steps, loss "
                 f"{training['first_loss']} -> {training['final_loss']}); fused engine on the CPU, one thread"
                 + (

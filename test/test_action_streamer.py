@@ -208,6 +208,24 @@ def test_a_newer_chunk_takes_over_and_streaming_holds_when_chunks_run_out(cell) 
     assert c.node.stats()["last"][:2] == (0, 1)
 
 
+def test_diagnostics_say_which_row_each_chunk_took_over_at(cell) -> None:
+    """The rows a chunk's call latency cost: a chunk stamped 10 periods ago takes over at about its row 10,
+    fresh ones near row 0; /diagnostics reports the median and the maximum of the latest takeovers."""
+    c = cell(max_step=0.0)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.keep_joints_coming(timeout=0.3)  # a stamp 10 periods back must not predate the activation
+    c.publish_chunk(rows(), c.now_ns() - 10 * 20_000_000)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+    late = c.node.stats()
+    assert 10 <= late["takeover_row.p50"] == late["takeover_row.max"] <= 14, late
+    for chunk_id in (1, 2):
+        n = len(c.arm["left"])
+        c.publish_chunk(rows(base=0.1 * chunk_id), c.now_ns(), chunk_id=chunk_id)
+        assert c.keep_joints_coming(until=lambda n=n: len(c.arm["left"]) >= n + 3)
+    fresh = c.node.stats()
+    assert fresh["takeover_row.max"] == late["takeover_row.max"] and fresh["takeover_row.p50"] <= 4, fresh
+
+
 def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
     c = cell(max_step=0.05)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -78,3 +79,57 @@ def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
     assert set(report["results"]) == {"scripted", "dense", "rmuscle_0.4_0.5"}
     assert report["results"]["scripted"]["successes"] == 1  # the demonstrator on that scene
     assert "| dense | " in (results / "one.md").read_text()
+
+
+class _CountingPolicy:
+    """A stand-in for the policy, to see which chunk row the loop executes when: call c's row r is
+    c * 1000 + r in every action dimension."""
+
+    model_cfg = SimpleNamespace(horizon=50, action_dim=14)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def infer(self, obs: object, noise: object) -> object:
+        rows = self.calls * 1000 + np.arange(50, dtype=np.float32)
+        self.calls += 1
+        return type("Chunk", (), {"actions": np.repeat(rows[:, None], 14, axis=1), "cache_mode": "dense"})
+
+    def rebuild_cache(self, wait: bool = False) -> None:
+        pass
+
+    def audit_cache(self) -> None:
+        return None
+
+
+def test_latency_steps_let_the_previous_chunk_run_on(monkeypatch) -> None:
+    """`--latency-steps`: a chunk takes over `latency` steps after its observation, at its row `latency`;
+    until then the previous chunk goes on past its `replan` rows, and before the episode's first chunk
+    nothing is commanded (the arms hold). Without latency, call c's rows 0 .. replan-1 in turn."""
+    executed: dict[int, float] = {}
+    step = {"n": 0}
+
+    def record(sim: object, action: np.ndarray) -> None:
+        executed[step["n"]] = float(action[0])
+
+    sim = sim_success.make_sim(0.25)
+    original_step = sim.step
+
+    def counting_step() -> None:
+        original_step()
+        step["n"] += 1
+
+    monkeypatch.setattr(sim_success, "command", record)
+    monkeypatch.setattr(sim, "step", counting_step)
+    try:
+        sim_success.episode(sim, _CountingPolicy(), 0, 25, latency=4)
+        assert 0 not in executed and 3 not in executed  # before the first chunk: held
+        assert executed[4] == 4 and executed[24] == 24  # call 0 from its row 4
+        assert executed[25] == 25 and executed[28] == 28  # call 0 goes on while call 1 is under way
+        assert executed[29] == 1004 and executed[50] == 1025  # call 1 from its row 4
+        executed.clear()
+        step["n"] = 0
+        sim_success.episode(sim, _CountingPolicy(), 0, 25)
+        assert executed[0] == 0 and executed[24] == 24 and executed[25] == 1000 and executed[49] == 1024
+    finally:
+        sim.close()

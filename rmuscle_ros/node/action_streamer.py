@@ -16,7 +16,9 @@ scene is reset and the arms go home, and activates it again after: otherwise the
 for the episode that ended, goes on driving the arms for up to a chunk's length. A refused chunk (bad
 shape, other joints, another period, non-finite values, stale, expired, stamped ahead of this clock or
 before the activation) is logged with its reason and counted on /diagnostics; the chunk in execution goes
-on.
+on. /diagnostics also says at which row the latest chunks took over (`takeover_row.p50` / `.max`, of the
+latest TAKEOVERS_KEPT): the rows their calls' latency cost, in control periods, which is what a slower
+policy costs the arms.
 
 The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
 node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag).
@@ -28,7 +30,7 @@ import importlib
 import math
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,7 @@ from rmuscle_ros.node.spin import spin_node
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
+TAKEOVERS_KEPT = 100  # the takeover rows /diagnostics summarises: the latest chunks'
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class ActionStreamerNode(LifecycleNode):
         self._last_refusal = ""
         self._last_refusal_logged = -math.inf
         self._last_command: Any = None  # chunk_schedule.Command
+        self._takeover_rows: deque[int] = deque(maxlen=TAKEOVERS_KEPT)  # each chunk's first executed row
         # The newest chunk that came before this node had a time (use_sim_time, no /clock yet): offered at
         # the first tick, which comes with the clock, instead of refused as stamped ~55 years ahead.
         self._before_clock: Any = None
@@ -353,6 +357,9 @@ class ActionStreamerNode(LifecycleNode):
             in_hand = schedule.chunk_in_hand is not None
             self._counts["held" if measured is not None or not in_hand else "waiting_for_joints"] += 1
             return
+        last = self._last_command
+        if last is None or command.chunk is not last.chunk:
+            self._takeover_rows.append(command.row)
         group, single = messages
         action = command.action
         for pub, indices in self._arm_pubs:
@@ -366,7 +373,11 @@ class ActionStreamerNode(LifecycleNode):
     # -- diagnostics -------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         last = self._last_command
+        rows = sorted(self._takeover_rows)
         return {
+            # the row at which each of the latest chunks took over: its call's latency in control periods
+            "takeover_row.p50": rows[len(rows) // 2] if rows else 0,
+            "takeover_row.max": rows[-1] if rows else 0,
             "commands": self._counts["commands"],
             "limited": self._counts["limited"],
             "held": self._counts["held"],
@@ -387,7 +398,9 @@ class ActionStreamerNode(LifecycleNode):
         status.message = f"{s['commands']} commands ({where})"
         if s["refused"]:
             status.message += f"; last refused: {s['last_refusal']}"
-        values = {k: s[k] for k in ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted")}
+        keys = ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted", "takeover_row.p50",
+                "takeover_row.max")  # fmt: skip
+        values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)
         status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
