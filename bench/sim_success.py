@@ -612,6 +612,9 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
             "latency_p50_ms": round(summary["latency_p50_ms"], 1),
             "latency_p50_by_mode_ms": {m: round(v, 1) for m, v in summary["latency_p50_by_mode_ms"].items()},
             "real_time_factor": round(summary["sim"]["real_time_factor"], 3),
+            # wall ms from the node's ticks to their calls' start (its latest 200): work in flight delays them
+            "tick_wait_p50_ms": round(summary["tick_wait_p50_ms"], 1),
+            "tick_wait_max_ms": round(summary["tick_wait_max_ms"], 1),
             # the row at which the latest 100 chunks took over (action_streamer): latency in control periods
             "takeover_row_p50": summary["streaming"]["streamer"].get("takeover_row.p50"),
             "takeover_row_max": summary["streaming"]["streamer"].get("takeover_row.max"),
@@ -757,7 +760,9 @@ def to_markdown(report: dict[str, Any]) -> str:
                 lines.append(f"- {name}: latency p50 {r['latency_p50_ms']} ms ({by_mode}), real-time factor "
                              f"{r['real_time_factor']}; the latest 100 chunks took over at row "
                              f"{r['takeover_row_p50']} (median; max {r['takeover_row_max']}); the sim took "
-                             f"{r['sim_arm_commands_per_s']} commands per arm and second of its clock")  # fmt: skip
+                             f"{r['sim_arm_commands_per_s']} commands per arm and second of its clock; "
+                             f"calls began {r['tick_wait_p50_ms']} ms after their tick (median; max "
+                             f"{r['tick_wait_max_ms']})")  # fmt: skip
         return "\n".join(lines) + "\n"
     lines += [
         "",

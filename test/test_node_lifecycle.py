@@ -343,7 +343,10 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
                     # the whole call, its preprocessing part, and (no cache: every call dense) by mode
                     latency, pre = float(values["latency_p50_ms"]), float(values["preprocess_p50_ms"])
                     gc_pauses = {"gc_pause_max_ms", "gc_full_collections"} <= set(values)
-                    return 0 < pre < latency and float(values["latency_p50_ms.dense"]) > 0 and gc_pauses
+                    # how long calls waited after their tick for the worker (nothing else to do here)
+                    waited = 0 <= float(values["tick_wait_p50_ms"]) <= float(values["tick_wait_max_ms"])
+                    dense = float(values["latency_p50_ms.dense"]) > 0
+                    return 0 < pre < latency and dense and gc_pauses and waited
         return False
 
     assert h.wait_for(reported, timeout=10.0), "diagnostics never reported chunks, latency and the drop"

@@ -288,6 +288,9 @@ def run(
         "latency_p99_ms": float(np.percentile(latencies, 99)) if latencies else 0.0,
         "latency_max_ms": max(latencies, default=0.0),
         "slowest": stats["slowest_calls"],  # the node's, with where each call's time went
+        # from a tick to its call reading the observation (the node's latest 200): motion-window work in flight
+        "tick_wait_p50_ms": stats["tick_wait_p50_ms"],
+        "tick_wait_max_ms": stats["tick_wait_max_ms"],
         "latency_p50_by_mode_ms": by_mode,
         "drops": stats["drops"],
         "errors": stats["errors"],
@@ -704,6 +707,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"[demo] slow call: {describe_call(call)}")
     by_mode = ", ".join(f"{m} {v:.1f} ms" for m, v in summary["latency_p50_by_mode_ms"].items())
     print(f"[demo] latency p50 by cache mode: {by_mode or 'no chunks'}")
+    print(
+        f"[demo] calls began {summary['tick_wait_p50_ms']:.1f} ms after their tick (median; max "
+        f"{summary['tick_wait_max_ms']:.1f} ms: a rebuild part or audit in flight, or a reset)"
+    )
     print(f"[demo] drops by reason: {drops}")
     print(
         f"[demo] garbage collection while active: longest pause {summary['gc_pause_max_ms']:.1f} ms, "

@@ -152,6 +152,8 @@ class RMuscleNode(LifecycleNode):
         self._activated_at = 0.0  # time.monotonic() at the latest activation or episode reset
         self._wake = threading.Event()  # the worker has something to do: one of the three below
         self._tick = threading.Event()  # the inference timer fired: an observation is due
+        # when it last fired (monotonic): what the call's wait for the worker is measured from
+        self._tick_at: float | None = None
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
         # first message arrives, so the first chunk follows the last sensor to come up, not a period later.
@@ -178,6 +180,8 @@ class RMuscleNode(LifecycleNode):
             self._preprocess_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._latencies_by_mode: dict[str, deque[float]] = {}
             self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            # wall ms from each tick to its observation being read: the job in flight when it fired
+            self._tick_waits_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
             self._last_drop = ""  # the latest drop's reason and detail
@@ -530,6 +534,7 @@ class RMuscleNode(LifecycleNode):
     # ── inference worker ─────────────────────────────────────────────────────────────────────────────────
 
     def _on_tick(self) -> None:
+        self._tick_at = time.monotonic()
         self._tick.set()
         self._wake.set()
 
@@ -584,6 +589,10 @@ class RMuscleNode(LifecycleNode):
         # before a reset never becomes the next episode's first call.
         with self._policy_lock:
             now_ns = self.get_clock().now().nanoseconds
+            tick_at = self._tick_at
+            if not retry and tick_at is not None:  # what held the call back: motion-window work, a reset
+                with self._stats_lock:
+                    self._tick_waits_ms.append((time.monotonic() - tick_at) * 1e3)
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
             if starting:  # set before the buffer is read: a first message from then on wakes a retry
                 self._start_wait.set()
@@ -801,6 +810,7 @@ class RMuscleNode(LifecycleNode):
         with self._stats_lock:
             lat = list(self.latencies_ms)
             pre = list(self._preprocess_ms)
+            waits = list(self._tick_waits_ms)
             by_mode = {mode: statistics.median(v) for mode, v in self._latencies_by_mode.items() if v}
             times = list(self._chunk_times)
             drops = dict(self.drops)
@@ -823,6 +833,9 @@ class RMuscleNode(LifecycleNode):
             "latency_p50_ms_by_mode": by_mode,  # dense / cached / fallback, over the latest calls of each
             "preprocess_p50_ms": pre_p50,
             "preprocess_p99_ms": pre_p99,
+            # from a tick to its observation being read: a rebuild part or audit in flight delays the call
+            "tick_wait_p50_ms": statistics.median(waits) if waits else 0.0,
+            "tick_wait_max_ms": max(waits, default=0.0),
             "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
             "gc_full_collections": self._gc.full_collections,
             # since activation, slowest first: ms, mode, episode, chunk, preprocess_ms, gpu_ms (None off a GPU)
@@ -870,6 +883,8 @@ class RMuscleNode(LifecycleNode):
             "latency_p99_ms",
             "preprocess_p50_ms",
             "preprocess_p99_ms",
+            "tick_wait_p50_ms",
+            "tick_wait_max_ms",
             "gc_pause_max_ms",
             "gc_full_collections",
             "chunks",
