@@ -25,8 +25,13 @@ Three stages:
             window is refilled after every call (the motion window), as the node does. During
             the rMuscle episodes a third, dense policy is called on the same inputs, so every call's
             action error (relative L2, cached vs dense on the same observation) is measured too.
+            `--latency-steps N`: each chunk takes over N steps after its observation, the previous one
+            going on meanwhile, as a call's latency costs through the node (whose streamer reports the
+            row its chunks took over at).
             `--node`: instead, the same files through the deployed stack (rmuscle_node, action_streamer
-            and aloha_sim on DDS: `through_node`), dense and per ρ; no action error there.
+            and aloha_sim on DDS: `through_node`), dense and per ρ; no action error there, but the run's
+            timing (latency, takeover rows, the calls' wait after their tick). `--keep DIR` keeps each
+            run's recorded chunks and logs; `--dense-only` runs no rMuscle variant.
 
 Results go to bench/results/<name>.{md,json}. Commands (the data and the checkpoint in an ignored
 folder, bench/_dev_sim/; the device tool carries them there and back):
@@ -588,8 +593,9 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         first: int, count: int, out: Path, overrides: dict[str, Any]
     ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """The episodes' results, the node's last cache status (empty without the cache), and the run's
-        timing: the node's call latency (wall clock, p50 per cache mode) and the sim's real-time factor,
-        which together say how many of a chunk's rows its call's latency cost on the sim's clock."""
+        timing: the node's call latency (wall clock, p50 per cache mode), the rows of each chunk that
+        latency cost on the sim's clock (the streamer's takeover rows), the commands the sim took, and how
+        long calls waited for the node's worker after their tick."""
         sim = {
             "cameras": [CAMERA], "height": FRAME_HEIGHT, "width": FRAME_WIDTH,
             "placement_spread": args.placement_spread, "camera_rate_hz": args.camera_rate_hz,
@@ -611,7 +617,6 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         timing = {
             "latency_p50_ms": round(summary["latency_p50_ms"], 1),
             "latency_p50_by_mode_ms": {m: round(v, 1) for m, v in summary["latency_p50_by_mode_ms"].items()},
-            "real_time_factor": round(summary["sim"]["real_time_factor"], 3),
             # wall ms from the node's ticks to their calls' start (its latest 200): work in flight delays them
             "tick_wait_p50_ms": round(summary["tick_wait_p50_ms"], 1),
             "tick_wait_max_ms": round(summary["tick_wait_max_ms"], 1),
@@ -627,11 +632,12 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         return runs, summary["cache_status"] or {}, timing
 
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="sim_success_node_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sim_success_node_") as scratch:
+        tmp = str(args.keep) if args.keep is not None else scratch
         start = time.perf_counter()
         runs, _, timing = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
         results["dense"] = summarise(runs, time.perf_counter() - start) | timing
-        for rho_p, rho_n, schedule, name in variants(args):
+        for rho_p, rho_n, schedule, name in [] if args.dense_only else variants(args):
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
                      "cache.neuron_schedule": schedule, "cache.audit_max_error": args.audit_max_error,
                      "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
@@ -749,16 +755,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{calls} | {err} | {audits} | {library} |"
         )
     if "scripted" not in report["results"]:  # through the node: no demonstrator, no shadow
-        timed = [(n, r) for n, r in report["results"].items() if "real_time_factor" in r]
+        timed = [(n, r) for n, r in report["results"].items() if "takeover_row_p50" in r]
         if timed:
             lines += [
                 "",
-                "Timing (the node's call latency is wall clock; the sim's clock ran at the real-time factor):",
+                "Timing (the node's call latency is wall clock, the takeover rows on the sim's clock):",
             ]
             for name, r in timed:
                 by_mode = ", ".join(f"{m} {v} ms" for m, v in r["latency_p50_by_mode_ms"].items())
-                lines.append(f"- {name}: latency p50 {r['latency_p50_ms']} ms ({by_mode}), real-time factor "
-                             f"{r['real_time_factor']}; the latest 100 chunks took over at row "
+                lines.append(f"- {name}: latency p50 {r['latency_p50_ms']} ms ({by_mode}); the latest 100 chunks took over at row "
                              f"{r['takeover_row_p50']} (median; max {r['takeover_row_max']}); the sim took "
                              f"{r['sim_arm_commands_per_s']} commands per arm and second of its clock; "
                              f"calls began {r['tick_wait_p50_ms']} ms after their tick (median; max "
@@ -852,6 +857,11 @@ def main_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     e.add_argument("--camera-rate-hz", type=float, default=50.0, help="--node: aloha_sim's camera rate")
     e.add_argument("--domain-id", type=int, default=93, help="--node: the DDS domain")
+    e.add_argument("--dense-only", action="store_true", help="--node: the dense run only, no rMuscle variant")
+    e.add_argument(
+        "--keep", type=Path, default=None,
+        help="--node: keep each run's output here (recorded chunks, logs, the library) instead of discarding it",
+    )  # fmt: skip
     e.add_argument("--commit", default="unknown")
     e.add_argument("--name", default="sim_success_tiny_cpu")
     e.add_argument("--results", type=Path, default=Path("bench/results"))
@@ -889,6 +899,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"--latency-steps: 0 ... {horizon - args.replan} (a chunk's rows beyond --replan), got "
                 f"{args.latency_steps}"
             )
+        if args.dense_only and not args.node:
+            raise SystemExit("--dense-only: through the node (--node)")
         if args.latency_steps and (args.node or args.repeat_seed is not None):
             raise SystemExit("--latency-steps: the synchronous loop's (through the node latency is real)")
         if args.node:
