@@ -494,9 +494,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         )
         policy = Policy(pcfg, cache=cache)
         lat = args.latency_steps
-        warm_runs = [
-            cell_episode(sim, policy, s, args.replan, latency=lat) for s in warm
-        ]  # the library's warm-up
+        # the library's warm-up
+        warm_runs = [cell_episode(sim, policy, s, args.replan, latency=lat) for s in warm]
         start = time.perf_counter()
         runs = [cell_episode(sim, policy, s, args.replan, shadow=dense, latency=lat) for s in seeds]
         library = policy.cache_status()["library_episodes"]  # type: ignore[index]
