@@ -106,21 +106,13 @@ def test_latency_steps_let_the_previous_chunk_run_on(monkeypatch) -> None:
     """`--latency-steps`: a chunk takes over `latency` steps after its observation, at its row `latency`;
     until then the previous chunk goes on past its `replan` rows, and before the episode's first chunk
     nothing is commanded (the arms hold). Without latency, call c's rows 0 .. replan-1 in turn."""
-    executed: dict[int, float] = {}
-    step = {"n": 0}
+    executed: dict[int, float] = {}  # the sim's step (AlohaSim.steps) -> the row commanded at it
 
     def record(sim: object, action: np.ndarray) -> None:
-        executed[step["n"]] = float(action[0])
+        executed[sim.steps] = float(action[0])  # type: ignore[attr-defined]
 
     sim = sim_success.make_sim(0.25)
-    original_step = sim.step
-
-    def counting_step() -> None:
-        original_step()
-        step["n"] += 1
-
     monkeypatch.setattr(sim_success, "command", record)
-    monkeypatch.setattr(sim, "step", counting_step)
     try:
         sim_success.episode(sim, _CountingPolicy(), 0, 25, latency=4)
         assert 0 not in executed and 3 not in executed  # before the first chunk: held
@@ -128,7 +120,6 @@ def test_latency_steps_let_the_previous_chunk_run_on(monkeypatch) -> None:
         assert executed[25] == 25 and executed[28] == 28  # call 0 goes on while call 1 is under way
         assert executed[29] == 1004 and executed[50] == 1025  # call 1 from its row 4
         executed.clear()
-        step["n"] = 0
         sim_success.episode(sim, _CountingPolicy(), 0, 25)
         assert executed[0] == 0 and executed[24] == 24 and executed[25] == 1000 and executed[49] == 1024
     finally:

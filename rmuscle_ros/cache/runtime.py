@@ -73,8 +73,9 @@ class RMuscleConfig:
     # How ρn spreads over the denoising steps after the anchor: "ramp" (a share rising linearly, 0 → all at
     # ρn = 0.5, ρn on average) or "uniform" (ρn in each, the published method). The same weights are read per
     # call; in closed loop on the simulated cell at 0.4 / 0.5 the trained `small` succeeded on 33 of 50
-    # scenes with the ramp and 14 uniform (dense 27), the trained `tiny` on 9 and 0 (dense 20); through the
-    # node `small` with the ramp on 25 and 26 (dense 34 and 33, two runs): README, "Choosing ρ"
+    # scenes with the ramp and 14 uniform (dense 27), the trained `tiny` on 9 and 0 (dense 20). Through the
+    # node on a 2-core CPU `small` lost successes with the ramp (25, 26 against 34, 33) and as many with the
+    # exact cache (26, 27 against 35, 36): the load, not the schedule. README, "Choosing ρ"
     # (engine.fused.step_neuron_counts).
     neuron_schedule: str = "ramp"
     top_k: int = 4  # candidate episodes kept by retrieval
