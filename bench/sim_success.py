@@ -27,7 +27,10 @@ Three stages:
             action error (relative L2, cached vs dense on the same observation) is measured too.
             `--latency-steps N`: each chunk takes over N steps after its observation, the previous one
             going on meanwhile, as a call's latency costs through the node (whose streamer reports the
-            row its chunks took over at).
+            row its chunks took over at). With `--node`, the streamer's fixed execution delay
+            (`takeover_delay_s`, N control periods): every chunk then takes over at row N whatever its
+            call's latency (a later one on arrival, counted), so dense and cached calls that differ in
+            speed hand the arms the same rows.
             `--node`: instead, the same files through the deployed stack (rmuscle_node, action_streamer
             and aloha_sim on DDS: `through_node`), dense and per ρ; no action error there, but the run's
             timing (latency, takeover rows, the calls' wait after their tick). `--keep DIR` keeps each
@@ -601,8 +604,11 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
             # The sim's episode 0 is the wait for the nodes; the demo's first reset starts episode 1.
             "seed": first - 1, "seed_step": 1,
         }  # fmt: skip
+        # With --latency-steps every chunk takes over at that row (a fixed execution delay), not on arrival.
+        streamer = {"takeover_delay_s": args.latency_steps * 0.02} if args.latency_steps else {}
         summary = run(out, seconds=EPISODE_STEPS * 0.02, overrides=base | overrides, episodes=count,
-                      sim=True, sim_params=sim, domain_id=args.domain_id, discard_failed=True)  # fmt: skip
+                      sim=True, sim_params=sim, domain_id=args.domain_id, discard_failed=True,
+                      streamer_overrides=streamer)  # fmt: skip
         modes = {e["episode"]: e["modes"] for e in summary["episodes"]}
         runs = []
         for k, e in enumerate(summary["sim"]["episodes"]):
@@ -628,6 +634,8 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
                 summary["sim"]["arm_commands"] / 2 / (len(runs) * EPISODE_STEPS * 0.02), 1
             ),
         }
+        if args.latency_steps:  # chunks whose call took longer than the delay (they took over on arrival)
+            timing["chunks_late"] = summary["streaming"]["streamer"].get("chunks_late")
         return runs, summary["cache_status"] or {}, timing
 
     results: dict[str, Any] = {}
@@ -766,7 +774,9 @@ def to_markdown(report: dict[str, Any]) -> str:
                              f"{r['takeover_row_p50']} (median; max {r['takeover_row_max']}); the sim took "
                              f"{r['sim_arm_commands_per_s']} commands per arm and second of its clock; "
                              f"calls began {r['tick_wait_p50_ms']} ms after their tick (median; max "
-                             f"{r['tick_wait_max_ms']})")  # fmt: skip
+                             f"{r['tick_wait_max_ms']})"
+                             + (f"; {r['chunks_late']} chunks came after the fixed delay"
+                                if r.get("chunks_late") is not None else ""))  # fmt: skip
         return "\n".join(lines) + "\n"
     lines += [
         "",
@@ -826,8 +836,9 @@ def main_parser() -> argparse.ArgumentParser:
     e.add_argument("--replan", type=int, default=25, help="steps executed per chunk (the node's default)")
     e.add_argument(
         "--latency-steps", type=int, default=0,
-        help="synchronous loop: control periods from a call's observation to its chunk taking over (the "
-        "previous chunk goes on meanwhile), as a call's latency costs through the node",
+        help="control periods from a call's observation to its chunk taking over (the previous chunk goes "
+        "on meanwhile): the synchronous loop's model of a call's latency; with --node, the streamer's fixed "
+        "takeover_delay_s (a call slower than it takes over on arrival)",
     )  # fmt: skip
     e.add_argument(
         "--rho", type=lambda s: tuple(float(v) for v in s.split(",")), nargs="+", default=[(0.4, 0.5)]
@@ -900,8 +911,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.dense_only and not args.node:
             raise SystemExit("--dense-only: through the node (--node)")
-        if args.latency_steps and (args.node or args.repeat_seed is not None):
-            raise SystemExit("--latency-steps: the synchronous loop's (through the node latency is real)")
+        if args.latency_steps and args.repeat_seed is not None:
+            raise SystemExit("--latency-steps: not with --repeat-seed")
         if args.node:
             results = through_node(args)
         elif args.repeat_seed is None:
@@ -920,7 +931,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.replan} steps (50 Hz), {EPISODE_STEPS} steps per episode; "
                 + (
                     f"each chunk takes over {args.latency_steps} steps after its observation (the previous "
-                    "one going on meanwhile: a call's latency as through the node); "
+                    + (
+                        "one going on meanwhile: the streamer's fixed takeover_delay_s; a chunk whose call "
+                        "took longer takes over on arrival); "
+                        if args.node
+                        else "one going on meanwhile: a call's latency as through the node); "
+                    )
                     if args.latency_steps
                     else ""
                 )

@@ -226,6 +226,24 @@ def test_diagnostics_say_which_row_each_chunk_took_over_at(cell) -> None:
     assert fresh["takeover_row.max"] == late["takeover_row.max"] and fresh["takeover_row.p50"] <= 4, fresh
 
 
+def test_with_a_takeover_delay_fresh_chunks_take_over_at_its_row_and_late_ones_are_counted(cell) -> None:
+    """takeover_delay_s 0.2 s (10 periods): a chunk that arrives at once still takes over at about its row
+    10; one whose call took 15 periods takes over on arrival and counts in `chunks_late`."""
+    c = cell(max_step=0.0, takeover_delay_s=0.2)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.keep_joints_coming(timeout=0.4)  # a stamp 15 periods back must not predate the activation
+    c.publish_chunk(rows(), c.now_ns())
+    # 20 commands: rows 10 to 30, so that a stamp 15 periods back is still after this chunk's
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 20)
+    first = c.node.stats()
+    assert 10 <= first["takeover_row.p50"] <= 13 and first["chunks_late"] == 0, first
+    n = len(c.arm["left"])
+    c.publish_chunk(rows(base=0.1), c.now_ns() - 15 * 20_000_000, chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
+    late = c.node.stats()
+    assert late["takeover_row.max"] >= 15 and late["chunks_late"] == 1, late
+
+
 def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
     c = cell(max_step=0.05)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)

@@ -58,6 +58,34 @@ def test_a_chunk_stamped_a_little_ahead_waits_while_the_previous_one_goes_on() -
     assert s.command(T0 + 130 * MS, AT_REST).chunk.chunk_id == 1
 
 
+def test_with_a_takeover_delay_every_chunk_takes_over_at_the_same_row_whatever_its_latency() -> None:
+    """A fixed execution delay (takeover_delay_s 0.2 s, 10 rows): a fast call's chunk waits while the
+    previous one goes on, so a fast and a slow call hand the arms the same rows; a call slower than the
+    delay takes over on arrival."""
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, takeover_delay_s=0.2))
+    offer(s, T0, rows(50), now_ns=T0 + 30 * MS)  # the first chunk waits for its delay too
+    assert s.command(T0 + 180 * MS, AT_REST) is None
+    assert s.command(T0 + 200 * MS, AT_REST).row == 10
+    offer(s, T0 + 500 * MS, rows(50, base=1.0), now_ns=T0 + 540 * MS, chunk_id=1)  # arrived after 2 rows
+    cmd = s.command(T0 + 680 * MS, AT_REST)
+    assert cmd.chunk.chunk_id == 0 and cmd.row == 34  # the previous chunk goes on until row 10 of this one
+    cmd = s.command(T0 + 700 * MS, AT_REST)
+    assert cmd.chunk.chunk_id == 1 and cmd.row == 10 and cmd.action.tolist() == rows(50, 1.0)[10].tolist()
+    assert s.command(T0 + 1280 * MS, AT_REST).chunk.chunk_id == 1  # its successor's call is slow
+    offer(s, T0 + 1000 * MS, rows(50, base=2.0), now_ns=T0 + 1300 * MS, chunk_id=2)  # 15 rows: late
+    cmd = s.command(T0 + 1300 * MS, AT_REST)
+    assert cmd.chunk.chunk_id == 2 and cmd.row == 15
+
+
+def test_a_takeover_delay_past_a_chunks_rows_refuses_it_and_the_running_one_goes_on() -> None:
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, takeover_delay_s=0.2))
+    offer(s, T0, rows(50), now_ns=T0)
+    with pytest.raises(ChunkRefused, match=r"^expired: its 10 rows end before takeover_delay_s") as e:
+        offer(s, T0 + 100 * MS, rows(10), now_ns=T0 + 110 * MS, chunk_id=1)
+    assert e.value.reason is RefusalReason.EXPIRED
+    assert s.command(T0 + 300 * MS, AT_REST).chunk.chunk_id == 0
+
+
 def test_no_joint_moves_more_than_max_step_per_command_starting_from_the_arm() -> None:
     s = schedule(max_step=0.25)
     far = np.full((50, 2), 1.0)
@@ -169,6 +197,8 @@ def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
         ({"max_step": -0.1}, r"^max_step: must be >= 0"),
         ({"max_future_s": float("nan")}, r"^max_future_s: must be >= 0"),
         ({"max_rows": -1}, r"^max_rows: must be >= 0"),
+        ({"takeover_delay_s": -0.02}, r"^takeover_delay_s: must be >= 0"),
+        ({"takeover_delay_s": float("inf")}, r"^takeover_delay_s: must be >= 0"),
     ],
 )
 def test_invalid_settings_are_named(fields: dict, message: str) -> None:

@@ -18,7 +18,8 @@ shape, other joints, another period, non-finite values, stale, expired, stamped 
 before the activation) is logged with its reason and counted on /diagnostics; the chunk in execution goes
 on. /diagnostics also says at which row the latest chunks took over (`takeover_row.p50` / `.max`, of the
 latest TAKEOVERS_KEPT): the rows their calls' latency cost, in control periods, which is what a slower
-policy costs the arms.
+policy costs the arms. With `takeover_delay_s` every chunk takes over at the same row, its call's
+latency permitting (`chunks_late` counts those that came after it): a fixed execution delay.
 
 The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
 node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag).
@@ -89,6 +90,10 @@ class StreamerConfig:
     # Rows of each chunk executed at most (past them the arms hold until a newer chunk): bounds how long a
     # stalled policy's last plan is followed. 0: every row (a 50-row chunk at 50 Hz: 1 s).
     max_rows: int = 0
+    # A chunk takes over no earlier than this long after its stamp, the previous one going on meanwhile, so
+    # that the arms follow the same rows of each plan however long its call took (below the delay; a
+    # later chunk takes over on arrival and is counted, `chunks_late`). 0: as soon as it arrives.
+    takeover_delay_s: float = 0.0
     max_joint_age_s: float = 0.1  # joint positions older than this do not count as where the arm is
 
     def __post_init__(self) -> None:
@@ -131,7 +136,12 @@ class StreamerConfig:
 
     def schedule(self) -> ScheduleConfig:
         return ScheduleConfig(
-            self.joint_names, self.control_period_s, self.max_step, self.max_future_s, self.max_rows
+            self.joint_names,
+            self.control_period_s,
+            self.max_step,
+            self.max_future_s,
+            self.max_rows,
+            self.takeover_delay_s,
         )
 
     def arm_indices(self) -> list[list[int]]:
@@ -318,7 +328,7 @@ class ActionStreamerNode(LifecycleNode):
             if msg.action_dim == len(cfg.joint_names) and actions.size % len(cfg.joint_names) == 0:
                 # In command units from here on: the rate limit compares them with the measured joints.
                 actions = cfg.to_commands(actions.reshape(-1, len(cfg.joint_names)))
-            schedule.offer(
+            chunk = schedule.offer(
                 stamp_ns=stamp_ns(msg.header),
                 actions=actions,
                 horizon=int(msg.horizon),
@@ -330,6 +340,8 @@ class ActionStreamerNode(LifecycleNode):
                 now_ns=now,
             )
             self._counts["chunks_accepted"] += 1
+            if cfg.takeover_delay_s > 0 and now > chunk.takeover_ns:
+                self._counts["chunks_late"] += 1  # its call took longer than the delay
         except ChunkRefused as e:
             self._refuse(e.reason.value, f"episode {msg.episode_id} chunk {msg.chunk_id} refused: {e}")
         except Exception as e:  # a message this node cannot read at all: counted, never fatal
@@ -383,6 +395,8 @@ class ActionStreamerNode(LifecycleNode):
             "held": self._counts["held"],
             "waiting_for_joints": self._counts["waiting_for_joints"],
             "chunks_accepted": self._counts["chunks_accepted"],
+            # with takeover_delay_s: chunks that arrived after their takeover time and took over on arrival
+            "chunks_late": self._counts["chunks_late"],
             "refused": dict(self._refused),
             "last_refusal": self._last_refusal,
             "last": None if last is None else (last.chunk.episode_id, last.chunk.chunk_id, last.row),
@@ -398,8 +412,8 @@ class ActionStreamerNode(LifecycleNode):
         status.message = f"{s['commands']} commands ({where})"
         if s["refused"]:
             status.message += f"; last refused: {s['last_refusal']}"
-        keys = ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted", "takeover_row.p50",
-                "takeover_row.max")  # fmt: skip
+        keys = ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
+                "takeover_row.p50", "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)

@@ -7,6 +7,11 @@ chunk that has started. A newer chunk takes over from its first due row; one sta
 this clock waits for its time while the previous one goes on. When the newest chunk has run out, nothing
 is commanded: a position-controlled arm holds its last command.
 
+With `takeover_delay_s` > 0 a newer chunk takes over only at `stamp + takeover_delay_s` (from the row due
+then), the previous one going on until then, however early it arrived; one that arrives later takes over
+on arrival. So every chunk takes over at the same row whatever its call's latency (below the delay): the
+arms execute the same plan on a fast machine and a slow one, and a faster policy changes nothing they do.
+
 Commands start (`start`) at the streamer's activation: a chunk stamped before then is refused, since its
 observation may show an arm and a scene that have changed while nothing was commanded (an episode reset,
 the arms sent home), and following it would move the arms back toward that past.
@@ -54,6 +59,9 @@ class ScheduleConfig:
     # Rows of a chunk executed at most, from its first: past them the arm holds until a newer chunk comes
     # (a stalled policy's plan is not followed to its end). 0: every row.
     max_rows: int = 0
+    # A chunk takes over no earlier than this long after its stamp (a fixed execution delay, see the module
+    # docstring). 0: as soon as it arrives.
+    takeover_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.joint_names or len(set(self.joint_names)) != len(self.joint_names):
@@ -66,6 +74,8 @@ class ScheduleConfig:
             raise ValueError(f"max_future_s: must be >= 0, got {self.max_future_s!r}")
         if self.max_rows < 0:
             raise ValueError(f"max_rows: must be >= 0 (0: every row), got {self.max_rows}")
+        if not (self.takeover_delay_s >= 0 and math.isfinite(self.takeover_delay_s)):
+            raise ValueError(f"takeover_delay_s: must be >= 0 (0: on arrival), got {self.takeover_delay_s!r}")
 
     @property
     def period_ns(self) -> int:
@@ -78,6 +88,7 @@ class Chunk:
     actions: np.ndarray  # (horizon, joints), float64
     episode_id: int
     chunk_id: int
+    takeover_ns: int  # from when it may take over from the chunk before: start_ns + takeover_delay_s
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,12 @@ class ChunkSchedule:
             raise ChunkRefused(
                 RefusalReason.EXPIRED, f"its last action was due {(now_ns - end_ns) / 1e6:.0f} ms ago"
             )
+        takeover_ns = stamp_ns + round(cfg.takeover_delay_s * 1e9)
+        if takeover_ns >= end_ns:
+            raise ChunkRefused(
+                RefusalReason.EXPIRED,
+                f"its {horizon} rows end before takeover_delay_s ({cfg.takeover_delay_s:g} s) has passed",
+            )
         newest = self._chunks[-1] if self._chunks else None
         if newest is not None and stamp_ns <= newest.start_ns:
             raise ChunkRefused(
@@ -169,14 +186,14 @@ class ChunkSchedule:
                 f"stamped {(newest.start_ns - stamp_ns) / 1e6:.0f} ms before the chunk in hand "
                 f"(episode {newest.episode_id}, chunk {newest.chunk_id})",
             )
-        chunk = Chunk(stamp_ns, rows.copy(), episode_id, chunk_id)
+        chunk = Chunk(stamp_ns, rows.copy(), episode_id, chunk_id, takeover_ns)
         self._chunks.append(chunk)
         self._drop_superseded(now_ns)
         return chunk
 
     def _drop_superseded(self, now_ns: int) -> None:
-        """Keep the newest chunk that has started and any that wait for their time."""
-        started = [i for i, c in enumerate(self._chunks) if c.start_ns <= now_ns]
+        """Keep the newest chunk that has taken over and any that wait for their time."""
+        started = [i for i, c in enumerate(self._chunks) if c.takeover_ns <= now_ns]
         if started:
             del self._chunks[: started[-1]]
 
@@ -187,7 +204,7 @@ class ChunkSchedule:
         the previous command when commands start, so the first one is also limited by max_step.
         """
         self._drop_superseded(now_ns)
-        running = self._chunks[0] if self._chunks and self._chunks[0].start_ns <= now_ns else None
+        running = self._chunks[0] if self._chunks and self._chunks[0].takeover_ns <= now_ns else None
         row = -1 if running is None else (now_ns - running.start_ns) // self.cfg.period_ns
         rows = len(running.actions) if running is not None else 0
         if self.cfg.max_rows:

@@ -101,6 +101,7 @@ def run(
     sim: bool = False,
     sim_params: Mapping[str, Any] | None = None,
     discard_failed: bool = False,
+    streamer_overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
@@ -111,7 +112,8 @@ def run(
     commands move its arms, and each episode is `seconds` of its clock on the same scene; `sim_params`:
     aloha_sim parameters over the demo's (e.g. a trained policy's cameras and placement_spread);
     `discard_failed`: each simulated episode that did not succeed is kept out of the cache's library
-    (`discard_episode`), as a cell with a success detector does (bench/sim_success.py's node stage)."""
+    (`discard_episode`), as a cell with a success detector does (bench/sim_success.py's node stage).
+    `streamer_overrides`: action_streamer parameters over the demo's (e.g. `takeover_delay_s`)."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(CONFIG)
@@ -123,6 +125,7 @@ def run(
         streamer_params = {
             "gripper_command_range": aloha["action_streamer"]["ros__parameters"]["gripper_command_range"]
         }
+    streamer_params |= dict(streamer_overrides or {})
     params |= dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
