@@ -26,7 +26,7 @@ from test_node_lifecycle import ENGINES, Harness, _configure_fails_saying, harne
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.msg import ActionChunk, CacheStatus
-from rmuscle_ros.node.rmuscle_node import PART_MEMORY_S
+from rmuscle_ros.node.job_times import JOB_MEMORY_S
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
 # One chunk every 300 ms (15 actions): the motion window rebuilds nothing while calls take longer than the
@@ -244,7 +244,7 @@ def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harne
     # window after a call would start nothing, the reset's starts parts until the observation is due (in
     # a bag replay between two bags, the clock stands still).
     node._infer_timer = node.create_timer(0.01, lambda: None)
-    node._rebuild_s.append((time.monotonic(), 60.0))
+    node._rebuild_s.times.append((time.monotonic(), 60.0))
     node._refill_for_next_episode()
     assert node.stats()["cache"]["rebuilds"] > 0
     chunk = policy.infer(obs)
@@ -301,18 +301,18 @@ def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observati
     # The inference timer fires in ~10 s: an entry is started only if the longest of the latest builds
     # would end before that.
     node._infer_timer = node.create_timer(10.0, lambda: None)
-    node._rebuild_s.append((time.monotonic(), 60.0))  # as if a part had just taken a minute
+    node._rebuild_s.times.append((time.monotonic(), 60.0))  # as if a part had just taken a minute
     node._rebuild_cache(policy)
     stats = node.stats()["cache"]
     assert (stats["rebuilds"], stats["rebuilds_deferred"]) == (3, 3 * missing - 3)
-    node._rebuild_s.clear()
-    node._rebuild_s.append((time.monotonic(), 0.5))
+    node._rebuild_s.times.clear()
+    node._rebuild_s.times.append((time.monotonic(), 0.5))
     node._rebuild_cache(policy)
     assert node.stats()["cache"]["rebuilds"] == min(6, missing)
-    # A minute-long part that is older than PART_MEMORY_S no longer stops a window: it could not be
+    # A minute-long part that is older than JOB_MEMORY_S no longer stops a window: it could not be
     # replaced otherwise, since a window that starts no part measures none.
-    node._rebuild_s.clear()
-    node._rebuild_s.append((time.monotonic() - PART_MEMORY_S - 1.0, 60.0))
+    node._rebuild_s.times.clear()
+    node._rebuild_s.times.append((time.monotonic() - JOB_MEMORY_S - 1.0, 60.0))
     node._rebuild_cache(policy)
     assert node.stats()["cache"]["rebuilds"] == min(9, missing)
     node.destroy_timer(node._infer_timer)

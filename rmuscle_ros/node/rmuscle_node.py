@@ -37,16 +37,13 @@ from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from rmuscle_ros.cache.runtime import MODES
+from rmuscle_ros.node.job_times import JobTimes
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults, state_sources
 from rmuscle_ros.node.spin import spin_node
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
-# A rebuild part's time steers the motion windows for this long. A first part after a reset once took
-# 520 ms on the H200 (~2 ms after), and as the longest remembered part it stopped every later window
-# from starting one, so no newer time could replace it (tiny, 0.3 s period, test_node_cache).
-PART_MEMORY_S = 10.0
 # A call this much slower than the window's median is logged with its breakdown (at most every 5 s).
 SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
@@ -192,9 +189,9 @@ class RMuscleNode(LifecycleNode):
             self._discarded = -1  # the latest of them
             self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
-        # (when, wall seconds) of the latest rebuild parts: what the motion windows' estimate reads
-        self._rebuild_s: deque[tuple[float, float]] = deque(maxlen=8)
-        self._audit_s: deque[tuple[float, float]] = deque(maxlen=8)  # the same, of the latest audits
+        # The latest rebuild parts' and audits' wall times: what the motion windows' estimate reads
+        self._rebuild_s = JobTimes()
+        self._audit_s = JobTimes()
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -669,7 +666,7 @@ class RMuscleNode(LifecycleNode):
                 self._error("cache_audit", f"{type(e).__name__}: {e}")
                 return
             if audit is not None:
-                self._audit_s.append((time.monotonic(), audit.seconds))
+                self._audit_s.record(time.monotonic(), audit.seconds, overran=self._tick.is_set())
         if audit is not None and audit.tripped:
             self.get_logger().warning(
                 f"episode {episode}: an audit found a cached chunk {audit.error:.4f} from the same call run "
@@ -707,7 +704,7 @@ class RMuscleNode(LifecycleNode):
                     queued, finished = policy.rebuild_cache_slice(wait=True)
                     if queued:
                         now = time.monotonic()
-                        self._rebuild_s.append((now, now - start))
+                        self._rebuild_s.record(now, now - start, overran=self._tick.is_set())
                 except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
                     self._error("cache_rebuild", f"{type(e).__name__}: {e}")
                     break
@@ -723,23 +720,17 @@ class RMuscleNode(LifecycleNode):
         with self._stats_lock:
             self.cache_status = status
 
-    def _next_call_too_close(
-        self, estimate: bool = True, durations: deque[tuple[float, float]] | None = None
-    ) -> bool:
+    def _next_call_too_close(self, estimate: bool = True, durations: JobTimes | None = None) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
-        or, with `estimate`, will be before another job is done (the longest of the latest `durations`,
-        rebuild parts' by default, of the last PART_MEMORY_S seconds; with none that recent, one is
-        started, and its time steers the next windows). Those times are wall-clock and the timer runs on
-        the node's clock: the same in real time and in a 1× bag replay while it plays."""
+        or, with `estimate`, will be before another job is done (`durations`, rebuild parts' by default:
+        the longest of their recent times, see job_times.py). Those times are wall-clock and the timer
+        runs on the node's clock: the same in real time and in a 1× bag replay while it plays."""
         if self._tick.is_set() or self._stop.is_set():
             return True
         if not estimate:
             return False
-        left = self._time_to_next_call_s()
-        now = time.monotonic()
         jobs = self._rebuild_s if durations is None else durations
-        recent = [seconds for when, seconds in jobs if now - when < PART_MEMORY_S]
-        return left is not None and bool(recent) and left < max(recent)
+        return jobs.too_long(time.monotonic(), self._time_to_next_call_s())
 
     def _time_to_next_call_s(self) -> float | None:
         """Seconds until the inference timer next fires (on the node's clock), None without one."""
@@ -819,7 +810,10 @@ class RMuscleNode(LifecycleNode):
             cache = dict(self.cache_status) if self.cache_status is not None else None
             if cache is not None:
                 cache |= {"rebuilds": self.rebuilds, "rebuilds_deferred": self.rebuilds_deferred,
-                          "episodes_discarded": self.episodes_discarded}  # fmt: skip
+                          "episodes_discarded": self.episodes_discarded,
+                          # motion-window jobs (rebuild parts, audits) that delayed a call: still running
+                          # when its observation fell due
+                          "window_overruns": self._rebuild_s.overruns + self._audit_s.overruns}  # fmt: skip
             errors = dict(self.errors)
             waiting_for = self.waiting_for
             failing, last_drop = self._failing_ticks, self._last_drop
@@ -901,7 +895,7 @@ class RMuscleNode(LifecycleNode):
             status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
                                                         "task_episodes", "window_entries", "library_bytes",
-                                                        "rebuilds", "rebuilds_deferred",
+                                                        "rebuilds", "rebuilds_deferred", "window_overruns",
                                                         "episodes_discarded", "audits", "audits_missed",
                                                         "audit_error_median", "audit_error_max",
                                                         "audit_trips")}  # fmt: skip

@@ -1,0 +1,72 @@
+"""How long the node's motion-window jobs take, so that it starts none that would delay the next call.
+
+After publishing a chunk, the node's worker fills the time until the next observation (the arm's motion
+window) with jobs: an audit of the cached call just served, then rebuild parts of the cache's window. Each
+kind of job keeps its latest times here; a job is not started when the time left is shorter than the
+longest of them (`too_long`).
+
+Old times are forgotten after `memory_s`: a window that starts no job measures none, so one outlier (a
+first rebuild part after a reset took 520 ms on the H200, ~2 ms after) would otherwise stop every later
+window. With no recent time a job is started blind. A blind start that overran (the next observation fell
+due while it ran: a live call waited for it) doubles the memory, up to `max_memory_s`; a job that ends in
+time sets it back. So on a machine where a job never fits (an audit on a CPU whose calls fill the period),
+blind starts become rare (after 10, 20, 40 … s, then one every `max_memory_s`) instead of delaying a call
+every `memory_s`; a machine whose outlier was a one-off finds out at the next blind start.
+
+Times are wall-clock seconds from `time.monotonic()`; no rclpy here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+JOB_MEMORY_S = 10.0  # a job's time steers the motion windows for this long, doubled after a blind overrun
+JOB_MEMORY_MAX_S = 300.0  # at most one blind start this often for a job that never fits
+JOB_TIMES_KEPT = 8
+
+
+class JobTimes:
+    """One kind of job's latest times and its memory. Not thread-safe: the node's worker uses it alone."""
+
+    def __init__(
+        self,
+        memory_s: float = JOB_MEMORY_S,
+        max_memory_s: float = JOB_MEMORY_MAX_S,
+        kept: int = JOB_TIMES_KEPT,
+    ) -> None:
+        if not 0 < memory_s <= max_memory_s:
+            raise ValueError(f"memory_s: must be in (0, max_memory_s], got {memory_s!r}, {max_memory_s!r}")
+        self.base_memory_s = memory_s
+        self.memory_s = memory_s
+        self.max_memory_s = max_memory_s
+        self.times: deque[tuple[float, float]] = deque(maxlen=kept)  # (when it ended, seconds it took)
+        self.overruns = 0  # jobs still running when the next observation fell due: each delayed a call
+        self.blind_overruns = 0  # those of them started blind
+        self._blind = False  # the latest `too_long` found no recent time
+
+    def recent(self, now: float) -> list[float]:
+        return [seconds for when, seconds in self.times if now - when < self.memory_s]
+
+    def too_long(self, now: float, left_s: float | None) -> bool:
+        """Whether a job would not end in the `left_s` seconds left before the next observation (None:
+        no timer, nothing to delay). Remembers whether the answer was a guess, for `record`."""
+        recent = self.recent(now)
+        self._blind = not recent
+        return left_s is not None and bool(recent) and left_s < max(recent)
+
+    def record(self, now: float, seconds: float, overran: bool) -> None:
+        """A job started after `too_long` said it fits has ended at `now` after `seconds`; `overran`:
+        the next observation fell due while it ran."""
+        self.times.append((now, seconds))
+        self.overruns += overran
+        if overran and self._blind:
+            self.blind_overruns += 1
+            self.memory_s = min(2 * self.memory_s, self.max_memory_s)
+        elif not overran:
+            self.memory_s = self.base_memory_s
+        self._blind = False
+
+    def clear(self) -> None:
+        self.times.clear()
+        self.memory_s = self.base_memory_s
+        self._blind = False

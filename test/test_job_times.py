@@ -1,0 +1,71 @@
+"""The motion window's estimate of its jobs (job_times.py): a job is not started when its recent times say
+it would delay the next call; an old outlier is forgotten; a job that never fits is retried blind ever
+more rarely instead of delaying a call every JOB_MEMORY_S."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from rmuscle_ros.node.job_times import JOB_MEMORY_MAX_S, JOB_MEMORY_S, JobTimes
+
+
+def test_a_job_longer_than_the_time_left_is_not_started() -> None:
+    jobs = JobTimes()
+    jobs.times.append((100.0, 0.3))
+    jobs.times.append((101.0, 0.05))
+    assert jobs.too_long(now=102.0, left_s=0.2), "the longest recent time decides"
+    assert not jobs.too_long(now=102.0, left_s=0.4)
+    assert not jobs.too_long(now=102.0, left_s=None), "no timer: nothing to delay"
+
+
+def test_an_old_outlier_is_forgotten_so_that_a_new_time_can_replace_it() -> None:
+    """A first rebuild part after a reset took 520 ms on the H200 (~2 ms after): remembered for ever, it
+    would stop every later window, which would then measure nothing newer."""
+    jobs = JobTimes()
+    jobs.times.append((0.0, 0.52))
+    assert jobs.too_long(now=1.0, left_s=0.48)
+    assert not jobs.too_long(now=JOB_MEMORY_S + 0.1, left_s=0.48), "started blind"
+    jobs.record(now=JOB_MEMORY_S + 0.2, seconds=0.002, overran=False)
+    assert not jobs.too_long(now=JOB_MEMORY_S + 1.0, left_s=0.48)
+    assert jobs.memory_s == JOB_MEMORY_S and jobs.overruns == 0
+
+
+def test_a_job_that_never_fits_is_retried_blind_ever_more_rarely() -> None:
+    """An audit on a CPU whose calls fill the period: every blind start delays a call. The memory doubles
+    after each such overrun (10, 20, 40 ... s, at most JOB_MEMORY_MAX_S), so over ten minutes the job
+    delays a handful of calls instead of one every 10 s; one that then fits sets the memory back."""
+    jobs = JobTimes()
+    now, starts = 0.0, []
+    while now < 600.0:
+        now += 0.5  # a motion window every 0.5 s with 0.05 s left
+        if not jobs.too_long(now, left_s=0.05):
+            starts.append(now)
+            now += 0.45
+            jobs.record(now, 0.45, overran=True)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) <= 7, starts
+    assert gaps == sorted(gaps) and gaps[0] >= JOB_MEMORY_S and max(gaps) <= JOB_MEMORY_MAX_S + 1.0, gaps
+    assert jobs.overruns == jobs.blind_overruns == len(starts)
+    assert not jobs.too_long(now + JOB_MEMORY_MAX_S + 1.0, left_s=1.0)
+    jobs.record(now + JOB_MEMORY_MAX_S + 1.5, 0.45, overran=False)
+    assert jobs.memory_s == JOB_MEMORY_S
+
+
+def test_an_estimated_job_that_overran_does_not_stretch_the_memory() -> None:
+    """Only a blind start doubles it: an estimated one that overran left its own long time, which the
+    estimate reads for JOB_MEMORY_S."""
+    jobs = JobTimes()
+    jobs.times.append((0.0, 0.1))
+    assert not jobs.too_long(now=1.0, left_s=0.2)
+    jobs.record(now=1.5, seconds=0.5, overran=True)
+    assert jobs.memory_s == JOB_MEMORY_S and (jobs.overruns, jobs.blind_overruns) == (1, 0)
+    assert jobs.too_long(now=2.0, left_s=0.2)
+
+
+def test_bad_memories_are_refused() -> None:
+    with pytest.raises(ValueError, match="memory_s"):
+        JobTimes(memory_s=0.0)
+    with pytest.raises(ValueError, match="memory_s"):
+        JobTimes(memory_s=20.0, max_memory_s=10.0)
