@@ -64,6 +64,15 @@ def test_an_estimated_job_that_overran_does_not_stretch_the_memory() -> None:
     assert jobs.too_long(now=2.0, left_s=0.2)
 
 
+def test_a_job_started_regardless_that_overran_does_not_stretch_the_memory() -> None:
+    """The node's window at an episode reset starts parts without the estimate, until the observation is
+    due: its last part overruns by design. It counts as an overrun, and the memory stays."""
+    jobs = JobTimes()
+    assert not jobs.too_long(now=0.0, left_s=0.1)  # a window with nothing to do: no job, no record
+    jobs.record(now=5.0, seconds=0.2, overran=True, estimated=False)
+    assert jobs.memory_s == JOB_MEMORY_S and (jobs.overruns, jobs.blind_overruns) == (1, 0)
+
+
 def test_bad_memories_are_refused() -> None:
     with pytest.raises(ValueError, match="memory_s"):
         JobTimes(memory_s=0.0)

@@ -42,31 +42,26 @@ class JobTimes:
         self.times: deque[tuple[float, float]] = deque(maxlen=kept)  # (when it ended, seconds it took)
         self.overruns = 0  # jobs still running when the next observation fell due: each delayed a call
         self.blind_overruns = 0  # those of them started blind
-        self._blind = False  # the latest `too_long` found no recent time
 
     def recent(self, now: float) -> list[float]:
         return [seconds for when, seconds in self.times if now - when < self.memory_s]
 
     def too_long(self, now: float, left_s: float | None) -> bool:
         """Whether a job would not end in the `left_s` seconds left before the next observation (None:
-        no timer, nothing to delay). Remembers whether the answer was a guess, for `record`."""
+        no timer, nothing to delay). With no recent time it is started: blind."""
         recent = self.recent(now)
-        self._blind = not recent
         return left_s is not None and bool(recent) and left_s < max(recent)
 
-    def record(self, now: float, seconds: float, overran: bool) -> None:
-        """A job started after `too_long` said it fits has ended at `now` after `seconds`; `overran`:
-        the next observation fell due while it ran."""
+    def record(self, now: float, seconds: float, overran: bool, estimated: bool = True) -> None:
+        """A job ended at `now` after `seconds`; `overran`: the next observation fell due while it ran.
+        `estimated`: it was started because `too_long` said it fits (False: started regardless, as the
+        node's window at an episode reset is, which runs until the observation is due; its overruns
+        count but do not stretch the memory)."""
+        blind = estimated and not self.recent(now - seconds)  # no recent time when it started
         self.times.append((now, seconds))
         self.overruns += overran
-        if overran and self._blind:
+        if overran and blind:
             self.blind_overruns += 1
             self.memory_s = min(2 * self.memory_s, self.max_memory_s)
         elif not overran:
             self.memory_s = self.base_memory_s
-        self._blind = False
-
-    def clear(self) -> None:
-        self.times.clear()
-        self.memory_s = self.base_memory_s
-        self._blind = False

@@ -704,7 +704,7 @@ class RMuscleNode(LifecycleNode):
                     queued, finished = policy.rebuild_cache_slice(wait=True)
                     if queued:
                         now = time.monotonic()
-                        self._rebuild_s.record(now, now - start, overran=self._tick.is_set())
+                        self._rebuild_s.record(now, now - start, self._tick.is_set(), estimated=estimate)
                 except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
                     self._error("cache_rebuild", f"{type(e).__name__}: {e}")
                     break
