@@ -36,7 +36,7 @@ def test_a_job_that_never_fits_is_retried_blind_ever_more_rarely() -> None:
     """An audit on a CPU whose calls fill the period: every blind start delays a call. The memory doubles
     after each such overrun (10, 20, 40 ... s, at most JOB_MEMORY_MAX_S), so over ten minutes the job
     delays a handful of calls instead of one every 10 s; one that then fits sets the memory back."""
-    jobs = JobTimes()
+    jobs = JobTimes(backoff=True)
     now, starts = 0.0, []
     while now < 600.0:
         now += 0.5  # a motion window every 0.5 s with 0.05 s left
@@ -56,7 +56,7 @@ def test_a_job_that_never_fits_is_retried_blind_ever_more_rarely() -> None:
 def test_an_estimated_job_that_overran_does_not_stretch_the_memory() -> None:
     """Only a blind start doubles it: an estimated one that overran left its own long time, which the
     estimate reads for JOB_MEMORY_S."""
-    jobs = JobTimes()
+    jobs = JobTimes(backoff=True)
     jobs.times.append((0.0, 0.1))
     assert not jobs.too_long(now=1.0, left_s=0.2)
     jobs.record(now=1.5, seconds=0.5, overran=True)
@@ -67,10 +67,20 @@ def test_an_estimated_job_that_overran_does_not_stretch_the_memory() -> None:
 def test_a_job_started_regardless_that_overran_does_not_stretch_the_memory() -> None:
     """The node's window at an episode reset starts parts without the estimate, until the observation is
     due: its last part overruns by design. It counts as an overrun, and the memory stays."""
-    jobs = JobTimes()
+    jobs = JobTimes(backoff=True)
     assert not jobs.too_long(now=0.0, left_s=0.1)  # a window with nothing to do: no job, no record
     jobs.record(now=5.0, seconds=0.2, overran=True, estimated=False)
     assert jobs.memory_s == JOB_MEMORY_S and (jobs.overruns, jobs.blind_overruns) == (1, 0)
+
+
+def test_without_backoff_a_blind_overrun_is_counted_and_the_memory_stays() -> None:
+    """Rebuild parts: a window's first parts on a GPU can each take hundreds of ms once; the memory stays
+    JOB_MEMORY_S, so each is retried after it."""
+    jobs = JobTimes()
+    assert not jobs.too_long(now=0.0, left_s=0.05)
+    jobs.record(now=0.5, seconds=0.5, overran=True)
+    assert jobs.memory_s == JOB_MEMORY_S and (jobs.overruns, jobs.blind_overruns) == (1, 1)
+    assert jobs.too_long(now=1.0, left_s=0.05) and not jobs.too_long(now=0.5 + JOB_MEMORY_S, left_s=0.05)
 
 
 def test_bad_memories_are_refused() -> None:

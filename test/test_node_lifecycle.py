@@ -12,6 +12,7 @@ import io
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -269,6 +270,7 @@ def test_the_gripper_slot_reads_the_finger_and_maps_its_range(harness) -> None:
 def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
     h = harness(**engine)
     callbacks = len(gc.callbacks)
+    switch_interval = sys.getswitchinterval()
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
     assert h.transition(Transition.TRANSITION_CONFIGURE)
     assert h.state() == State.PRIMARY_STATE_INACTIVE
@@ -306,6 +308,8 @@ def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
 
     assert h.transition(Transition.TRANSITION_DEACTIVATE)
     assert h.state() == State.PRIMARY_STATE_INACTIVE
+    # Each tick shortens Python's thread switch interval until the worker runs: the process's own is back.
+    assert sys.getswitchinterval() == switch_interval
     settled = len(h.chunks)
     h.feed_until(lambda: False, timeout=0.5)
     assert len(h.chunks) == settled, "an inactive node published"

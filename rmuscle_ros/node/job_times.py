@@ -7,11 +7,15 @@ longest of them (`too_long`).
 
 Old times are forgotten after `memory_s`: a window that starts no job measures none, so one outlier (a
 first rebuild part after a reset took 520 ms on the H200, ~2 ms after) would otherwise stop every later
-window. With no recent time a job is started blind. A blind start that overran (the next observation fell
-due while it ran: a live call waited for it) doubles the memory, up to `max_memory_s`; a job that ends in
-time sets it back. So on a machine where a job never fits (an audit on a CPU whose calls fill the period),
-blind starts become rare (after 10, 20, 40 … s, then one every `max_memory_s`) instead of delaying a call
-every `memory_s`; a machine whose outlier was a one-off finds out at the next blind start.
+window. With no recent time a job is started blind.
+
+With `backoff` (the node's audits), a blind start that overran (the next observation fell due while it
+ran: a live call waited for it) doubles the memory, up to `max_memory_s`; a job that ends in time sets it
+back. So on a machine where the job never fits (an audit on a CPU whose calls fill the period), blind
+starts become rare (after 10, 20, 40 … s, then one every `max_memory_s`) instead of delaying a call every
+`memory_s`. Rebuild parts keep a fixed memory: with the back-off on them too, the node's GPU test of a
+served repeat found no entry rebuilt in time (its blind parts had overrun the harness's short window),
+and a part in flight costs a live call less than an audit.
 
 Times are wall-clock seconds from `time.monotonic()`; no rclpy here.
 """
@@ -30,12 +34,14 @@ class JobTimes:
 
     def __init__(
         self,
+        backoff: bool = False,
         memory_s: float = JOB_MEMORY_S,
         max_memory_s: float = JOB_MEMORY_MAX_S,
         kept: int = JOB_TIMES_KEPT,
     ) -> None:
         if not 0 < memory_s <= max_memory_s:
             raise ValueError(f"memory_s: must be in (0, max_memory_s], got {memory_s!r}, {max_memory_s!r}")
+        self.backoff = backoff
         self.base_memory_s = memory_s
         self.memory_s = memory_s
         self.max_memory_s = max_memory_s
@@ -62,6 +68,7 @@ class JobTimes:
         self.overruns += overran
         if overran and blind:
             self.blind_overruns += 1
-            self.memory_s = min(2 * self.memory_s, self.max_memory_s)
+            if self.backoff:
+                self.memory_s = min(2 * self.memory_s, self.max_memory_s)
         elif not overran:
             self.memory_s = self.base_memory_s

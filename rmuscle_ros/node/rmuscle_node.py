@@ -46,6 +46,11 @@ LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
 # A call this much slower than the window's median is logged with its breakdown (at most every 5 s).
 SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
+# From a tick until the worker runs, Python's thread switch interval (default 5 ms): the worker waits that
+# long for the GIL while the executor's thread runs callbacks (camera frames). On the H200 node demo calls
+# began 3.8-4.6 ms after their tick with the default and 0.8-0.9 ms with 0.5 ms set for the whole process,
+# which made the calls themselves ~1.4 ms slower; so it is short only from the tick to the worker's start.
+WAKE_SWITCH_INTERVAL_S = 0.0005
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
 STARTUP_REASONS = (DropReason.MISSING_CAMERA, DropReason.MISSING_JOINTS)
 # Parameters a configured node applies from its next call on (`ros2 param set`). The others are read at
@@ -151,6 +156,7 @@ class RMuscleNode(LifecycleNode):
         self._tick = threading.Event()  # the inference timer fired: an observation is due
         # when it last fired (monotonic): what the call's wait for the worker is measured from
         self._tick_at: float | None = None
+        self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
         # first message arrives, so the first chunk follows the last sensor to come up, not a period later.
@@ -191,7 +197,7 @@ class RMuscleNode(LifecycleNode):
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
         # The latest rebuild parts' and audits' wall times: what the motion windows' estimate reads
         self._rebuild_s = JobTimes()
-        self._audit_s = JobTimes()
+        self._audit_s = JobTimes(backoff=True)  # an audit that never fits is retried ever more rarely
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -414,6 +420,7 @@ class RMuscleNode(LifecycleNode):
         self._wake.clear()
         self._tick.clear()
         self._refill.clear()
+        sys.setswitchinterval(self._switch_interval_s)  # a tick may have come after the worker's last wake
 
     def _release(self) -> None:
         """Undo on_configure: publishers, services, the cache (recording the episode in progress), the
@@ -533,6 +540,7 @@ class RMuscleNode(LifecycleNode):
     def _on_tick(self) -> None:
         self._tick_at = time.monotonic()
         self._tick.set()
+        sys.setswitchinterval(WAKE_SWITCH_INTERVAL_S)  # the worker gets the GIL soon (see the constant)
         self._wake.set()
 
     def _stored(self, first: bool) -> None:
@@ -545,6 +553,7 @@ class RMuscleNode(LifecycleNode):
         while True:
             self._wake.wait()
             self._wake.clear()
+            sys.setswitchinterval(self._switch_interval_s)
             if self._stop.is_set():
                 return
             try:
