@@ -75,8 +75,8 @@ class RMuscleConfig:
     # call; in closed loop on the simulated cell at 0.4 / 0.5 the trained `small` succeeded on 33 of 50
     # scenes with the ramp and 14 uniform (dense 27), the trained `tiny` on 9 and 0 (dense 20). Through the
     # node on a 2-core CPU `small` lost successes with the ramp (25, 26 against 34, 33) and as many with the
-    # exact cache (26, 27 against 35, 36): the load, not the schedule. README, "Choosing ρ"
-    # (engine.fused.step_neuron_counts).
+    # exact cache (26, 27 against 35, 36), not through the schedule; later runs lost none (ramp 36 against
+    # 31). README, "Choosing ρ" (engine.fused.step_neuron_counts).
     neuron_schedule: str = "ramp"
     top_k: int = 4  # candidate episodes kept by retrieval
     lookahead: int = 4  # positions past the aligned one that are kept ready

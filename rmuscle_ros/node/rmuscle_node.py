@@ -49,7 +49,8 @@ SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
 # From a tick until the worker runs, Python's thread switch interval (default 5 ms): the worker waits that
 # long for the GIL while the executor's thread runs callbacks (camera frames). On the H200 node demo calls
 # began 3.8-4.6 ms after their tick with the default and 0.8-0.9 ms with 0.5 ms set for the whole process,
-# which made the calls themselves ~1.4 ms slower; so it is short only from the tick to the worker's start.
+# which made the calls themselves 0.8-1.6 ms slower; so it is short only from the tick to the worker's
+# start (0.8 ms after the tick, calls as fast as before: bench/results/node_switch_interval_h200_13c0184).
 WAKE_SWITCH_INTERVAL_S = 0.0005
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
 STARTUP_REASONS = (DropReason.MISSING_CAMERA, DropReason.MISSING_JOINTS)
