@@ -286,6 +286,7 @@ def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observati
     assert queued == [(True, False)], "one part, then the window stopped"
     stats = node.stats()["cache"]
     assert (stats["rebuilds"], stats["rebuilds_deferred"], stats["window_entries"]) == (0, missing, 0)
+    assert stats["window_overruns"] == 1, "the part the observation fell due during delayed the call"
     node._rebuild_cache(policy)  # still due: this motion window builds nothing
     assert len(queued) == 1 and node.stats()["cache"]["rebuilds_deferred"] == 2 * missing
 

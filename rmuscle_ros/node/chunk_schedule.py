@@ -104,7 +104,7 @@ class ChunkSchedule:
 
     def __init__(self, cfg: ScheduleConfig) -> None:
         self.cfg = cfg
-        self._chunks: list[Chunk] = []  # by start, at most the running one and one waiting for its time
+        self._chunks: list[Chunk] = []  # by start: the running one and any waiting for their time
         self._last: np.ndarray | None = None  # the previous command, while commands flow
         self._started_ns = 0  # chunks stamped before this are refused
 

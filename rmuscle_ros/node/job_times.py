@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 
-JOB_MEMORY_S = 10.0  # a job's time steers the motion windows for this long, doubled after a blind overrun
+# A job's time steers the motion windows this long (with backoff: doubled after a blind overrun).
+JOB_MEMORY_S = 10.0
 JOB_MEMORY_MAX_S = 300.0  # at most one blind start this often for a job that never fits
 JOB_TIMES_KEPT = 8
 
