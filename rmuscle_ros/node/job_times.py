@@ -48,7 +48,6 @@ class JobTimes:
         self.max_memory_s = max_memory_s
         self.times: deque[tuple[float, float]] = deque(maxlen=kept)  # (when it ended, seconds it took)
         self.overruns = 0  # jobs still running when the next observation fell due: each delayed a call
-        self.blind_overruns = 0  # those of them started blind
 
     def recent(self, now: float) -> list[float]:
         return [seconds for when, seconds in self.times if now - when < self.memory_s]
@@ -67,9 +66,7 @@ class JobTimes:
         blind = estimated and not self.recent(now - seconds)  # no recent time when it started
         self.times.append((now, seconds))
         self.overruns += overran
-        if overran and blind:
-            self.blind_overruns += 1
-            if self.backoff:
-                self.memory_s = min(2 * self.memory_s, self.max_memory_s)
+        if overran and blind and self.backoff:
+            self.memory_s = min(2 * self.memory_s, self.max_memory_s)
         elif not overran:
             self.memory_s = self.base_memory_s
