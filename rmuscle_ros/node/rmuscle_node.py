@@ -184,7 +184,8 @@ class RMuscleNode(LifecycleNode):
             self._preprocess_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._latencies_by_mode: dict[str, deque[float]] = {}
             self._chunk_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
-            # wall ms from each tick to its observation being read: the job in flight when it fired
+            # wall ms from each tick to its observation being read: the job in flight when it fired,
+            # a reset, the worker's wait for the GIL (WAKE_SWITCH_INTERVAL_S)
             self._tick_waits_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
@@ -837,7 +838,7 @@ class RMuscleNode(LifecycleNode):
             "latency_p50_ms_by_mode": by_mode,  # dense / cached / fallback, over the latest calls of each
             "preprocess_p50_ms": pre_p50,
             "preprocess_p99_ms": pre_p99,
-            # from a tick to its observation being read: a rebuild part or audit in flight delays the call
+            # from a tick to its observation being read: a rebuild part or audit in flight, a reset, the GIL
             "tick_wait_p50_ms": statistics.median(waits) if waits else 0.0,
             "tick_wait_max_ms": max(waits, default=0.0),
             "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
