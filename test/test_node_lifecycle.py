@@ -725,6 +725,10 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert "[demo] audits of cached calls: " in out
     audits = summary["cache_status"]
     assert audits["audits"] >= 1 and 0 < audits["audit_error_median"] <= audits["audit_error_max"], audits
+    # The repeats were served from entries the motion windows rebuilt, and the summary says how many.
+    window = summary["motion_window"]
+    assert window["rebuilds"] >= 2 and window["window_overruns"] >= 0, window
+    assert f"[demo] motion windows: {window['rebuilds']} entries rebuilt" in out
     streamed = summary["streaming"]
     assert streamed["skipped"] == "" and streamed["streamer"]["chunks_accepted"] == len(chunks)
     assert streamed["interval_p50_ms"] == pytest.approx(20.0, abs=2.0)

@@ -299,6 +299,11 @@ def run(
         "errors": stats["errors"],
         "gc_pause_max_ms": stats["gc_pause_max_ms"],
         "gc_full_collections": stats["gc_full_collections"],
+        # The node's motion-window work since activation: entries rebuilt, entries still wanted when a
+        # window ended, and jobs (rebuild parts, audits) still running when an observation fell due.
+        "motion_window": None
+        if stats["cache"] is None
+        else {k: stats["cache"][k] for k in ("rebuilds", "rebuilds_deferred", "window_overruns")},
         "episodes": per_episode,
         "resets": resets,
         "cache_status": None
@@ -747,6 +752,12 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(
             f"[demo] audits of cached calls: {status['audits']} ({audits}); {status['audits_missed']} missed; "
             f"{status['audit_trips']} episode(s) sent dense by one"
+        )
+    window = summary["motion_window"]
+    if window is not None:
+        print(
+            f"[demo] motion windows: {window['rebuilds']} entries rebuilt, {window['rebuilds_deferred']} left for a "
+            f"later window; {window['window_overruns']} job(s) still running when an observation fell due"
         )
     streamed = summary["streaming"]
     if streamed["skipped"]:
