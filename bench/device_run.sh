@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_stacks] [preprocess] [first_rebuild] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -21,6 +21,8 @@
 #   node_tests: the node's GPU tests (test_node_cache, test_node_lifecycle: the graph backend, tiny model), ~3 min;
 #   node_soak: the demo as a shift, a warm-up and 7 repeats of 15 s at full size, ~4 min; the recorded chunks
 #   (latency, cache mode per chunk) come back in $OUT/node_soak_<commit>/action_chunks;
+#   node_soak_ab: shorter shifts (a warm-up and 2 repeats of 15 s), alternated: the node as it is, and with
+#   Python's switch interval kept at its default (bench/ab/no_wake_switch), two of each, ~8 min;
 #   node_stacks: bench/probe_node_stacks.py, the demo at full size with slow preprocessing calls' thread
 #   stacks sampled, ~3 min; preprocess: bench/bench_preprocess.py with 4 threads (the node's on a GPU), ~1 min;
 #   first_rebuild: bench/probe_first_rebuild.py (tiny, graph), the rebuild parts after a reset timed in pieces,
@@ -35,7 +37,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_stacks] [preprocess] [first_rebuild] [overlap_first_step] [export_f32] [export_bf16]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [overlap_first_step] [export_f32] [export_bf16]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -99,7 +101,7 @@ for step in $steps; do
         first_rebuild)  # bench/probe_first_rebuild.py: the rebuild parts after a reset, timed in pieces (tiny)
             timeout 200 python3 bench/probe_first_rebuild.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         policy) timeout 400 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
-        node|node_setup|node_tests|node_soak|node_stacks)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python
+        node|node_setup|node_tests|node_soak|node_soak_ab|node_stacks)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python
             if [[ ! -d .whl/cp312 ]]; then
                 echo "no .whl/cp312: run scripts/ros_wheels_for_python.sh 3.12 .whl/cp312 and carry .whl/cp312"
                 continue
@@ -134,6 +136,18 @@ for step in $steps; do
                         --param model.backend=graph --param cpu_threads=0 \
                         2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_soak_$commit.txt"
                     rm -rf "$out/node_soak_$commit"/aloha_episode* ;;
+                node_soak_ab)  # the wake after a tick, as it is (wake) and without (default), alternated
+                    for run in wake_1 default_1 wake_2 default_2; do
+                        path=.
+                        [[ $run == default_* ]] && path=.:bench/ab/no_wake_switch
+                        echo "--- $run"
+                        PYTHONPATH=$path AMENT_PREFIX_PATH=$prefix timeout 200 python3 -m rmuscle_ros.demo \
+                            --seconds 15 --episodes 3 --out "$out/node_soak_ab_${commit}_$run" \
+                            --param model.preset=pi05 --param model.device=cuda --param model.backend=graph \
+                            --param cpu_threads=0 2>&1 | quiet | grep "^\[demo\]\|Error" \
+                            | tee "$out/node_soak_ab_${commit}_$run.txt" | grep "p50\|tick\|motion\|Error"
+                        rm -rf "$out/node_soak_ab_${commit}_$run"/aloha_episode*
+                    done ;;
             esac ;;
         export_f32|export_bf16)  # bench/check_export.py at full size; onnx wheels carried in .whl/onnx312
             if [[ ! -d .whl/onnx312 ]]; then
@@ -146,6 +160,6 @@ for step in $steps; do
             timeout 560 python3 bench/check_export.py --preset pi05 --dtype "$dtype" --workdir "/tmp/export_$dtype" \
                 --commit "$commit" --out "$out" 2>&1 | quiet | grep -v "^\[torch.onnx\]\|rename_mapping\|program = "
             rm -rf "/tmp/export_$dtype" ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, node_stacks, preprocess, first_rebuild, overlap_first_step, export_f32, export_bf16)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, node_soak_ab, node_stacks, preprocess, first_rebuild, overlap_first_step, export_f32, export_bf16)" ;;
     esac
 done
