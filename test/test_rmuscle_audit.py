@@ -109,6 +109,22 @@ def test_audits_come_every_nth_cached_call_and_a_missed_one_passes_the_turn() ->
     assert policy.audit_cache() is None, "nothing is due once audited"
 
 
+def test_an_audit_still_due_when_the_episode_resets_counts_as_missed() -> None:
+    """A reset can come between a cached call and its audit (the motion window had no time for it): the
+    audit is not run (a trip would send the next episode dense), and the status counts it missed, as
+    the node's /diagnostics say how many cached calls went unaudited."""
+    policy = warmed(RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=1))
+    served(policy, LIVE[:2], audit=False)  # dense, then cached: its audit is due
+    assert policy.cache_audit_due()
+    policy.reset_episode()
+    assert not policy.cache_audit_due() and policy.audit_cache() is None
+    status = policy.cache_status()
+    assert (status["audits"], status["audits_missed"], status["audit_trips"]) == (0, 1, 0)
+    chunks, _ = served(policy, LIVE[:2], audit=True)  # the next episode's cached calls are audited
+    cached = sum(c.cache_mode == "cached" for c in chunks)
+    assert cached and (policy.cache_status()["audits"], policy.cache_status()["audits_missed"]) == (cached, 1)
+
+
 def test_an_audit_whose_error_is_not_finite_trips_even_without_a_bound() -> None:
     policy = warmed(RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=1))
     served(policy, LIVE[:1], audit=False)  # an episode's first call: dense, the window empty

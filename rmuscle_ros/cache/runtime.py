@@ -459,7 +459,9 @@ class RMuscle:
         finally:  # a library that cannot be written must not carry this episode's state into the next
             self.retriever.reset()
             self._fallback_reason = ""
-            self._audit_due = None  # its trip would land on the next episode
+            if self._audit_due is not None:  # not run: its trip would land on the next episode
+                self._audit_due = None
+                self.audits_missed += 1
             self.episode_id += 1
             self.calls = self.cached_calls = 0
             self._wanted = self._episode_starts(served_from)
