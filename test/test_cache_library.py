@@ -73,6 +73,19 @@ def test_other_weights_are_refused(tmp_path: Path) -> None:
         ReferenceLibrary.open(tmp_path, other)
 
 
+def test_other_shapes_are_refused_naming_each_difference(tmp_path: Path) -> None:
+    """A library whose shapes differ from the model's (another camera count, masks of another schedule) is
+    refused, and the message names each differing field with both values, and only those."""
+    ReferenceLibrary.open(tmp_path, KEY).add(episode())
+    other = LibraryKey(weights=KEY.weights, shapes={**KEY.shapes, "cameras": 3, "mask_steps": [0, 4]})
+    with pytest.raises(LibraryMismatch, match="other shapes") as e:
+        ReferenceLibrary.open(tmp_path, other)
+    assert e.value.fields == ("cameras", "mask_steps")
+    assert "cameras: library 2, model 3; mask_steps: library absent, model [0, 4]" in str(e.value)
+    assert "descriptor_dim" not in str(e.value) and "delete it to record a new library" in str(e.value)
+    assert len(ReferenceLibrary.open(tmp_path, KEY).entries) == 1, "the refused library is left as it was"
+
+
 def with_a_corrupt_episode(root: Path) -> tuple[int, int, Path, bytes]:
     """A library of two episodes, the second one's file damaged: (good id, bad id, its file, its bytes)."""
     lib = ReferenceLibrary.open(root, KEY)

@@ -395,8 +395,13 @@ def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path)
     assert [c.cache_mode for c in chunks[1:]] == ["cached"] * 3
     assert all(np.isfinite(c.actions).all() for c in chunks)
     policy.close()
-    with pytest.raises(LibraryMismatch, match=r"other shapes.*mask_steps"):
+    # The message names what differs and the setting that recorded it, so a cell knows what to set back.
+    with pytest.raises(
+        LibraryMismatch, match=r"other shapes .*mask_steps: library \[.*\], model absent"
+    ) as e:
         Policy(CFG, RMuscleConfig(library_path=lib, neuron_schedule="uniform"))
+    assert "recorded under other neuron schedule or rho_n (cache.neuron_schedule" in str(e.value)
+    assert e.value.fields == ("mask_neurons", "mask_steps")
     with pytest.raises(ValueError, match="neuron_schedule"):
         RMuscleConfig(neuron_schedule="linear")
 

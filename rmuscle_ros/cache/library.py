@@ -59,6 +59,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -80,7 +81,25 @@ class LibraryError(RuntimeError):
 
 
 class LibraryMismatch(LibraryError):
-    """A library recorded with other weights or shapes."""
+    """A library recorded with other weights or shapes. `fields` names what differs ("weights", or the
+    shapes' keys such as "mask_steps"), each with both values in `detail`; `recorded_under` says which of
+    the caller's settings those are (`with_settings`), so that a cell knows what to set back."""
+
+    def __init__(self, path: Path, fields: tuple[str, ...], detail: str, recorded_under: str = "") -> None:
+        self.path, self.fields, self.detail, self.recorded_under = path, fields, detail, recorded_under
+        what = "weights" if fields == ("weights",) else "shapes"
+        under = (
+            f"; it was recorded under other {recorded_under}: set them back to serve it, or"
+            if recorded_under
+            else ";"
+        )
+        super().__init__(
+            f"{path}: recorded with other {what} than the loaded model ({detail}){under} point library_path "
+            "elsewhere or delete it to record a new library"
+        )
+
+    def with_settings(self, recorded_under: str) -> LibraryMismatch:
+        return LibraryMismatch(self.path, self.fields, self.detail, recorded_under)
 
 
 class LibraryBusy(LibraryError):
@@ -100,6 +119,26 @@ class LibraryKey:
 
     def to_json(self) -> dict:
         return {"weights": self.weights, "shapes": dict(self.shapes)}
+
+
+def _mismatch(index_path: Path, stored: Any, key: LibraryKey) -> LibraryMismatch:
+    """What differs between a library's key and the model's, each field named with both values."""
+    stored = stored if isinstance(stored, dict) else {}
+    stored_shapes = stored.get("shapes") if isinstance(stored.get("shapes"), dict) else {}
+    if stored.get("weights") != key.weights:
+        fields: tuple[str, ...] = ("weights",)
+        detail = f"library {stored.get('weights')!r}, model {key.weights!r}"
+    else:
+        fields = tuple(
+            k
+            for k in sorted(set(stored_shapes) | set(key.shapes))
+            if stored_shapes.get(k) != key.shapes.get(k)
+        )
+        detail = "; ".join(
+            f"{k}: library {stored_shapes.get(k, 'absent')}, model {key.shapes.get(k, 'absent')}"
+            for k in fields
+        )
+    return LibraryMismatch(index_path, fields, detail)
 
 
 @dataclass
@@ -278,11 +317,7 @@ class ReferenceLibrary:
         if version != LIBRARY_VERSION:
             raise LibraryError(f"{index_path}: library version {version}, this build reads {LIBRARY_VERSION}")
         if stored_key != key.to_json():
-            what = "weights" if stored_key.get("weights") != key.weights else "shapes"
-            raise LibraryMismatch(
-                f"{index_path}: recorded with other {what} ({stored_key}) than the loaded model ({key.to_json()}); "
-                "point library_path elsewhere or delete it to record a new library"
-            )
+            raise _mismatch(index_path, stored_key, key)
         for raw in episodes:
             entry = EpisodeEntry(**raw)
             problem = _file_problem(lib.root, entry)

@@ -50,7 +50,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rmuscle_ros.cache.library import Episode, EpisodeUnreadable, LibraryKey, ReferenceLibrary
+from rmuscle_ros.cache.library import (
+    Episode,
+    EpisodeUnreadable,
+    LibraryKey,
+    LibraryMismatch,
+    ReferenceLibrary,
+)
 from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, unit_rows
 from rmuscle_ros.engine import gpu_event
 from rmuscle_ros.engine.fused import ContextRef
@@ -257,6 +263,25 @@ class _Recording:
         self.pending.append((into, host, copied, dtype))
 
 
+# The settings behind each field of a library's key: what a cell changed when its library is refused.
+MASK_SETTINGS = (
+    "neuron schedule or rho_n (cache.neuron_schedule, cache.rho_n; a library without mask_steps in its key was "
+    "recorded under 'uniform', the default before 'ramp')"
+)
+KEY_SETTINGS = {
+    "weights": "weights (model.checkpoint)",
+    "cameras": "cameras (model.cameras; the node's camera_topics)",
+    "descriptor_dim": "model (model.preset)",
+    "image_size": "model (model.preset)",
+    "max_tokens": "model (model.preset)",
+    "steps": "model (model.preset)",
+    "expert_depth": "model (model.preset)",
+    # the masks' counts follow both: ρn·F under 'uniform'; under 'ramp' each step's share of ρn·F (mask_steps)
+    "mask_neurons": MASK_SETTINGS,
+    "mask_steps": MASK_SETTINGS,
+}
+
+
 def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
     """What a library must match to be used with this engine: weights and every recorded shape."""
     cfg = engine.cfg
@@ -304,12 +329,18 @@ class RMuscle:
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="rmuscle-library-")
             root = Path(self._tmp.name)
-        self.library = ReferenceLibrary.open(
-            root,
-            library_key(weights, engine),
-            max_bytes=cfg.max_library_mb << 20,
-            max_episodes=cfg.max_episodes,
-        )
+        try:
+            self.library = ReferenceLibrary.open(
+                root,
+                library_key(weights, engine),
+                max_bytes=cfg.max_library_mb << 20,
+                max_episodes=cfg.max_episodes,
+            )
+        except LibraryMismatch as e:
+            settings = list(dict.fromkeys(KEY_SETTINGS[f] for f in e.fields if f in KEY_SETTINGS))
+            if not settings:
+                raise
+            raise e.with_settings("; ".join(settings)) from None
         self._episodes: dict[int, Episode] = {}  # full episodes, for rebuilds: the few most recent
         self._descriptors: dict[int, np.ndarray] = {}  # every library episode's descriptors, for retrieval
         self.task = ""  # what the calls run under (`set_task`); retrieval serves only this task's episodes
