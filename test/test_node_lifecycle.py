@@ -479,6 +479,44 @@ def test_non_finite_actions_are_never_published_and_the_node_goes_on(harness) ->
     )
 
 
+def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(harness) -> None:
+    """A hung call (a GPU that stops answering, a deadlock) gives no chunk and no drop: the ticks wait for
+    the worker. /diagnostics says ERROR once a tick has waited stall_after_s, naming what the worker runs,
+    logs it once, and when the call returns the node goes on and counts the stall."""
+    h = harness(stall_after_s=0.5)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+    engine = h.node.policy.engine
+    real, release = engine.sample_actions, threading.Event()
+
+    def hung(inputs: Any, noise: Any) -> Any:
+        release.wait(timeout=60.0)
+        return real(inputs, noise)
+
+    engine.sample_actions = hung
+    try:
+        assert h.feed_until(lambda: h.node.stats()["stalled_s"] >= 0.6), h.node.stats()["stalled_s"]
+        status = h.node._diagnostics().status[0]
+        assert status.level == status.ERROR, status.message
+        assert status.message.startswith("stalled: a tick has waited "), status.message
+        assert "for the inference worker (in a call; stall_after_s 0.5)" in status.message
+        assert float({kv.key: kv.value for kv in status.values}["stalled_s"]) >= 0.6
+        assert h.wait_for(lambda: any("inference stalled" in log.msg for log in h.logs), timeout=5.0)
+        published = len(h.chunks)
+    finally:
+        del engine.sample_actions
+        release.set()
+    assert h.feed_until(lambda: len(h.chunks) > published + 1), (
+        "the node did not go on after the call returned"
+    )
+    assert h.wait_for(lambda: any("took a tick after" in log.msg for log in h.logs), timeout=5.0)
+    stats = h.node.stats()
+    assert stats["stalls"] == 1 and stats["stalled_s"] < 0.5 and stats["drops"] == {}, stats
+    assert sum("inference stalled" in log.msg for log in h.logs) == 1, "logged once per stall"
+    status = h.node._diagnostics().status[0]
+    assert status.level == status.OK and "stalled" not in status.message, status.message
+
+
 def test_a_call_far_slower_than_the_median_is_logged_with_where_its_time_went(harness) -> None:
     h = harness()
     assert h.wait_for(lambda: h.node.get_logger().info("rosout handshake") or any(

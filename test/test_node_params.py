@@ -94,6 +94,8 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"prompt": "  "}, r"^prompt: must not be empty"),
         ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
+        ({"stall_after_s": 0.0}, r"^stall_after_s: must be > 0"),
+        ({"stall_after_s": float("inf")}, r"^stall_after_s: must be > 0"),
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
         ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),

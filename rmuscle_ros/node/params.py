@@ -140,6 +140,10 @@ class NodeConfig:
     # /diagnostics says ERROR once this many ticks in a row gave no chunk (at 2 Hz, 10 is 5 s): the node is
     # active but the arm gets nothing. One chunk brings it back to OK / WARN.
     error_after_drops: int = 10
+    # /diagnostics says ERROR once a tick has waited this long (wall clock) for the inference worker: a call
+    # or motion-window job that does not return (a hung GPU, a deadlock) sends no chunk and no drop either.
+    # Ticks normally wait a few ms, at most one rebuild part or audit; the first tick taken ends it.
+    stall_after_s: float = 2.0
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True
     # PyTorch's CPU threads in this process (torch.set_num_threads), set at configure; 0: automatic, PyTorch's
@@ -301,6 +305,8 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         raise ParameterError("prompt: must not be empty")
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
+    if not (values["stall_after_s"] > 0 and math.isfinite(values["stall_after_s"])):
+        raise ParameterError(f"stall_after_s: must be > 0, got {values['stall_after_s']!r}")
     if values["cpu_threads"] < 0:
         raise ParameterError(f"cpu_threads: must be >= 0 (0: automatic), got {values['cpu_threads']}")
 

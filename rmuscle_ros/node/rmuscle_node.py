@@ -63,6 +63,7 @@ LIVE_PARAMETERS = {
     "max_skew_s": None,
     "sensor_startup_timeout_s": None,
     "error_after_drops": None,
+    "stall_after_s": None,
     "cache.similarity_threshold": "threshold",  # -> RMuscleConfig's name
     "cache.record": "record",
     "cache.rebuilds_per_tick": "rebuilds_per_tick",
@@ -157,6 +158,13 @@ class RMuscleNode(LifecycleNode):
         self._tick = threading.Event()  # the inference timer fired: an observation is due
         # when it last fired (monotonic): what the call's wait for the worker is measured from
         self._tick_at: float | None = None
+        # The oldest tick the worker has not taken yet (monotonic; None: none waits), and what the worker is
+        # doing: a tick waiting past stall_after_s is a stalled worker (/diagnostics ERROR). Set with the
+        # tick under this lock, so that a tick the worker takes never leaves a stale time behind.
+        self._tick_lock = threading.Lock()
+        self._tick_waiting_since: float | None = None
+        self._doing = ""  # what the worker is running ("": waiting for work), for the stall's report
+        self._stall_logged = False  # the current stall was logged (once per stall)
         self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
@@ -187,6 +195,7 @@ class RMuscleNode(LifecycleNode):
             # wall ms from each tick to its observation being read: the job in flight when it fired,
             # a reset, the worker's wait for the GIL (WAKE_SWITCH_INTERVAL_S)
             self._tick_waits_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+            self.stalls = 0  # ticks that waited past stall_after_s for the worker, once taken
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
             self._last_drop = ""  # the latest drop's reason and detail
@@ -420,7 +429,9 @@ class RMuscleNode(LifecycleNode):
             self._worker.join()
             self._worker = None
         self._wake.clear()
-        self._tick.clear()
+        with self._tick_lock:  # a tick after the worker's last wake is not taken: nothing to count
+            self._tick.clear()
+            self._tick_waiting_since = None
         self._refill.clear()
         sys.setswitchinterval(self._switch_interval_s)  # a tick may have come after the worker's last wake
 
@@ -540,10 +551,39 @@ class RMuscleNode(LifecycleNode):
     # ── inference worker ─────────────────────────────────────────────────────────────────────────────────
 
     def _on_tick(self) -> None:
-        self._tick_at = time.monotonic()
-        self._tick.set()
+        now = time.monotonic()
+        with self._tick_lock:
+            self._tick_at = now
+            if self._tick_waiting_since is None:
+                self._tick_waiting_since = now
+            self._tick.set()
         sys.setswitchinterval(WAKE_SWITCH_INTERVAL_S)  # the worker gets the GIL soon (see the constant)
         self._wake.set()
+
+    def _take_tick(self) -> float | None:
+        """The worker takes the due observation's tick: how long the oldest tick waited (s), None if none
+        was due."""
+        with self._tick_lock:
+            since, self._tick_waiting_since = self._tick_waiting_since, None
+            self._tick.clear()
+        if since is None:
+            return None
+        waited = time.monotonic() - since
+        cfg = self.cfg
+        if cfg is not None and waited >= cfg.stall_after_s:
+            with self._stats_lock:
+                self.stalls += 1
+            self.get_logger().warning(
+                f"the inference worker took a tick after {waited:.1f} s (stall_after_s {cfg.stall_after_s:g}); "
+                "it runs again"
+            )
+        self._stall_logged = False
+        return waited
+
+    def stalled_s(self) -> float:
+        """How long the oldest tick not yet taken by the worker has waited (0: none waits)."""
+        since = self._tick_waiting_since
+        return time.monotonic() - since if since is not None else 0.0
 
     def _stored(self, first: bool) -> None:
         """A sensor message was stored; one that brought a camera's first frame or a joint's first position
@@ -553,20 +593,23 @@ class RMuscleNode(LifecycleNode):
 
     def _inference_loop(self) -> None:
         while True:
+            self._doing = ""
             self._wake.wait()
             self._wake.clear()
             sys.setswitchinterval(self._switch_interval_s)
             if self._stop.is_set():
                 return
             try:
-                if self._tick.is_set():
-                    self._tick.clear()
+                if self._take_tick() is not None:
                     self._refill.clear()  # the call's own motion window follows it
+                    self._doing = "a call"
                     self._infer_once()
                 elif self._start_wait.is_set():
+                    self._doing = "a start-up retry"
                     self._infer_once(retry=True)
                 elif self._refill.is_set():
                     self._refill.clear()
+                    self._doing = "the reset's motion window"
                     self._refill_for_next_episode()
             except Exception as e:  # nothing may end the worker: the node would look alive and be silent
                 self._error("worker", f"{type(e).__name__}: {e}")
@@ -645,7 +688,9 @@ class RMuscleNode(LifecycleNode):
         self._publish_chunk(cfg, chunk, episode, chunk_id)
         self._log_if_slow(call, recent)
         if cfg.cache.enabled:
+            self._doing = "an audit"
             self._audit_cache(cfg, policy, episode)
+            self._doing = "a rebuild part"
             self._rebuild_cache(policy)
 
     def _log_if_slow(self, call: dict[str, Any], recent: list[float]) -> None:
@@ -828,6 +873,7 @@ class RMuscleNode(LifecycleNode):
             errors = dict(self.errors)
             waiting_for = self.waiting_for
             failing, last_drop = self._failing_ticks, self._last_drop
+            stalls = self.stalls
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         p50, p99 = _p50_p99(lat)
         pre_p50, pre_p99 = _p50_p99(pre)
@@ -841,6 +887,10 @@ class RMuscleNode(LifecycleNode):
             # from a tick to its observation being read: a rebuild part or audit in flight, a reset, the GIL
             "tick_wait_p50_ms": statistics.median(waits) if waits else 0.0,
             "tick_wait_max_ms": max(waits, default=0.0),
+            # a tick waiting for the worker right now (s; 0: none), and ticks that waited past stall_after_s
+            "stalled_s": self.stalled_s(),
+            "stalling": self._doing,  # what the worker is running meanwhile
+            "stalls": stalls,
             "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
             "gc_full_collections": self._gc.full_collections,
             # since activation, slowest first: ms, mode, episode, chunk, preprocess_ms, gpu_ms (None off a GPU)
@@ -878,6 +928,16 @@ class RMuscleNode(LifecycleNode):
             status.message = (
                 f"no chunk for the last {s['failing_ticks']} ticks ({s['last_drop']}); " + status.message
             )
+        if self.cfg is not None and s["stalled_s"] >= self.cfg.stall_after_s:
+            status.level = DiagnosticStatus.ERROR  # a call or job that does not return: no chunk, no drop
+            stalled = (
+                f"stalled: a tick has waited {s['stalled_s']:.1f} s for the inference worker (in "
+                f"{s['stalling'] or 'nothing'}; stall_after_s {self.cfg.stall_after_s:g})"
+            )
+            status.message = f"{stalled}; " + status.message
+            if not self._stall_logged:
+                self._stall_logged = True
+                self.get_logger().error(f"inference {stalled}: no chunks until it returns")
         if s["waiting_for"]:
             status.message = (
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
@@ -890,6 +950,8 @@ class RMuscleNode(LifecycleNode):
             "preprocess_p99_ms",
             "tick_wait_p50_ms",
             "tick_wait_max_ms",
+            "stalled_s",
+            "stalls",
             "gc_pause_max_ms",
             "gc_full_collections",
             "chunks",
