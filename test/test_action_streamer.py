@@ -337,6 +337,48 @@ def test_a_chunk_before_the_first_clock_is_held_for_it_not_refused(cell) -> None
     assert row_of(c.arm["left"][0].cmd, chunk, list(range(6))) <= 5  # from near its first row
 
 
+def test_a_clock_that_goes_back_starts_a_new_run(cell) -> None:
+    """A bag played again or a simulator restarted while the streamer is active: /clock goes back to the
+    run's start. The new run's chunks are executed (not refused as stamped before the old run's), with
+    joint states of the new run, and /diagnostics counts the jump."""
+    from builtin_interfaces.msg import Time
+    from rosgraph_msgs.msg import Clock
+
+    c = cell(use_sim_time=True)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    clock = c.peer.create_publisher(Clock, "/clock", 10)
+    start_ns = 1_700_000_000 * 10**9
+
+    def run(chunk: np.ndarray, ticks: int, until: Callable[[], bool]) -> None:
+        """The sim's clock from its start, joint states at the chunk's first row, the chunk at 40 ms."""
+        t = start_ns
+        for k in range(ticks):
+            t += 20_000_000
+            stamp = Time(sec=t // 10**9, nanosec=t % 10**9)
+            clock.publish(Clock(clock=stamp))
+            for pub in c.joint_pubs:
+                names = list(ALOHA_JOINT_STATE_NAMES)
+                msg = JointState(name=names, position=[float(chunk[0, 0])] * len(names))
+                msg.header.stamp = stamp
+                pub.publish(msg)
+            if k == 2:
+                c.publish_chunk(chunk, t, chunk_id=k)
+            time.sleep(0.02)
+            if until():
+                return
+
+    first, second = rows(1.0), rows(2.0)
+    run(first, 200, lambda: len(c.arm["left"]) >= 20)
+    assert c.node.stats()["chunks_accepted"] == 1 and c.node.stats()["clock_jumps"] == 0
+    sent = len(c.arm["left"])
+    run(second, 200, lambda: len(c.arm["left"]) >= sent + 10)
+    stats = c.node.stats()
+    assert stats["clock_jumps"] == 1 and stats["refused"] == {}, stats
+    assert stats["chunks_accepted"] == 2 and stats["last"][1] == 2, stats
+    assert row_of(c.arm["left"][-1].cmd, second, list(range(6))) < 20, "the second run's chunk, executed"
+    assert any("the clock went back" in log.msg for log in c.logs)
+
+
 def test_deactivate_stops_the_commands_at_once(cell) -> None:
     c = cell()
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)

@@ -98,14 +98,24 @@ def test_no_joint_moves_more_than_max_step_per_command_starting_from_the_arm() -
     assert s.command(T0 + 120 * MS, np.full(2, -5.0)).action.tolist() == [1.0, 1.0]
 
 
-def test_after_a_hold_commands_start_again_from_the_arm() -> None:
-    s = schedule(max_step=0.25)
-    offer(s, T0, np.full((2, 2), 1.0), now_ns=T0)  # two rows: 40 ms
-    assert s.command(T0, np.full(2, 1.0)).action.tolist() == [1.0, 1.0]
-    assert s.command(T0 + 40 * MS, np.full(2, 1.0)) is None
-    offer(s, T0 + 60 * MS, np.full((50, 2), 0.0), now_ns=T0 + 60 * MS, chunk_id=1)
-    # The arm drifted to 0.6 while it held: the new command steps from there, not from the old 1.0.
-    assert s.command(T0 + 60 * MS, np.full(2, 0.6)).action.tolist() == pytest.approx([0.35, 0.35])
+def test_after_a_hold_commands_step_from_the_command_the_arm_held() -> None:
+    """A hold (the chunks ran out) leaves the arm on its last command; the next command is at most max_step
+    from it, whatever the arm measures. A gripper closed on an object measures open of its command: from
+    the measurement, the next command would open the gripper and loosen the grasp."""
+    s = schedule(max_step=0.1)
+    closed, blocked = 0.62, np.array([1.0, 0.0])  # the object holds the fingers at 1.0
+    offer(s, T0, np.full((2, 2), closed), now_ns=T0)  # two rows: 40 ms
+    assert s.command(T0, blocked).action[0] == pytest.approx(0.9)  # activation: from the measurement
+    assert s.command(T0 + 20 * MS, blocked).action[0] == pytest.approx(0.8)
+    assert s.command(T0 + 40 * MS, blocked) is None  # held at 0.8: the chunk ran out
+    offer(s, T0 + 60 * MS, np.full((50, 2), closed), now_ns=T0 + 60 * MS, chunk_id=1)
+    assert [s.command(T0 + (60 + 20 * k) * MS, blocked).action[0] for k in range(3)] == pytest.approx(
+        [0.7, closed, closed]
+    ), "the gripper kept closing from its held command, never opened toward the measurement"
+    # Deactivated and activated again (an episode reset sends the arms home meanwhile): from the arm.
+    s.start(T0 + 200 * MS)
+    offer(s, T0 + 200 * MS, np.full((50, 2), 0.0), now_ns=T0 + 200 * MS, chunk_id=2)
+    assert s.command(T0 + 200 * MS, np.full(2, 0.6)).action.tolist() == pytest.approx([0.5, 0.5])
 
 
 def test_max_rows_bounds_how_much_of_a_chunk_is_followed() -> None:
@@ -116,6 +126,32 @@ def test_max_rows_bounds_how_much_of_a_chunk_is_followed() -> None:
     assert s.command(T0 + 500 * MS, AT_REST) is None
     offer(s, T0 + 500 * MS, rows(50, base=1.0), now_ns=T0 + 510 * MS, chunk_id=1)  # the next one takes over
     assert s.command(T0 + 520 * MS, np.full(2, 1.0)).row == 1
+
+
+def test_max_rows_that_end_before_a_chunk_arrives_refuse_it_as_expired() -> None:
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_rows=10))
+    with pytest.raises(ChunkRefused, match="due 100 ms ago") as e:
+        offer(s, T0, rows(50), now_ns=T0 + 300 * MS)  # rows 0-9 were due by T0 + 200 ms
+    assert e.value.reason is RefusalReason.EXPIRED
+
+
+def test_a_clock_that_goes_back_is_a_new_run() -> None:
+    """A bag played again or a simulator restarted while the streamer is active: /clock goes back to the
+    run's start. The new run's chunks are taken (not refused as stamped before the old ones), the old
+    run's last chunk never runs again, and commands start again from the arm's position."""
+    s = schedule(max_step=0.25)
+    s.start(T0)
+    for k in range(10):  # the first run: a chunk every 100 ms, to T0 + 0.9 s
+        offer(s, T0 + k * 100 * MS, np.full((50, 2), 1.0), now_ns=T0 + k * 100 * MS + 30 * MS, chunk_id=k)
+        s.command(T0 + k * 100 * MS + 30 * MS, np.full(2, 1.0))
+    assert s.clock(T0 + 930 * MS) == 0, "time going on is not a jump"
+    # The second run: the clock is back at T0, another scene.
+    offer(s, T0 + 100 * MS, np.full((50, 2), 0.0), now_ns=T0 + 130 * MS, chunk_id=100)
+    cmd = s.command(T0 + 130 * MS, np.full(2, 0.5))
+    assert cmd.chunk.chunk_id == 100 and cmd.action.tolist() == pytest.approx([0.25, 0.25]), "from the arm"
+    later = [s.command(T0 + (900 + 20 * k) * MS, AT_REST) for k in range(10)]
+    assert all(c.chunk.chunk_id == 100 for c in later), "the first run's chunks were forgotten"
+    assert s.clock(T0 + 1065 * MS) == 0, "15 ms back (less than a period): jitter, not a new run"
 
 
 def test_reset_forgets_chunks_and_the_last_command() -> None:
@@ -199,6 +235,7 @@ def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
         ({"max_rows": -1}, r"^max_rows: must be >= 0"),
         ({"takeover_delay_s": -0.02}, r"^takeover_delay_s: must be >= 0"),
         ({"takeover_delay_s": float("inf")}, r"^takeover_delay_s: must be >= 0"),
+        ({"max_rows": 10, "takeover_delay_s": 0.2}, r"^takeover_delay_s: 0.2 s reaches past max_rows"),
     ],
 )
 def test_invalid_settings_are_named(fields: dict, message: str) -> None:

@@ -6,7 +6,8 @@
 `<robot>/commands/joint_single` (`JointSingleCommand`). Every control period this node sends each arm the
 row of the newest chunk that is due then (`chunk_schedule`: rows the call's latency made past are
 skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, and no
-joint moves more than `max_step` per period, starting from the arm's measured position).
+joint moves more than `max_step` per period, starting from the arm's measured position at activation and
+from the command the arm holds after a hold).
 
 Lifecycle: configure validates the parameters (FAILURE names the bad one) and checks that the Interbotix
 messages are importable; activate subscribes to the chunks and the arms' joint states and starts the
@@ -22,7 +23,9 @@ policy costs the arms. With `takeover_delay_s` every chunk takes over at the sam
 latency permitting (`chunks_late` counts those that came after it): a fixed execution delay.
 
 The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
-node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag).
+node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag). A clock that
+goes back by more than a period (a bag played again, a simulator restarted) is a new run: the chunks, the
+last command and the joint states are forgotten, and `clock_jumps` on /diagnostics counts it.
 """
 
 from __future__ import annotations
@@ -304,7 +307,8 @@ class ActionStreamerNode(LifecycleNode):
         cfg = self.cfg
         assert cfg is not None
         held = [self._joints.get(n) for n in cfg.joint_names]
-        if any(h is None or now_ns - h[0] > cfg.max_joint_age_s * 1e9 for h in held):
+        # stamped further ahead than that is no reading of now either (a clock that went back)
+        if any(h is None or abs(now_ns - h[0]) > cfg.max_joint_age_s * 1e9 for h in held):
             return None
         positions = np.array([h[1] for h in held if h is not None])
         return positions if np.isfinite(positions).all() else None
@@ -323,6 +327,7 @@ class ActionStreamerNode(LifecycleNode):
             return
         cfg = self.cfg
         assert cfg is not None
+        self._note_clock(now)
         try:
             actions = np.asarray(msg.actions, dtype=np.float64)
             if msg.action_dim == len(cfg.joint_names) and actions.size % len(cfg.joint_names) == 0:
@@ -355,6 +360,21 @@ class ActionStreamerNode(LifecycleNode):
             self._last_refusal_logged = now
             self.get_logger().warning(message)
 
+    def _note_clock(self, now: int) -> None:
+        """A clock that went back (a bag played again, a simulator restarted while this node is active) is a
+        new run: the schedule forgets its chunks and last command (ChunkSchedule.clock), and the joint
+        positions of the old run are forgotten too; commands start again from the arms' positions."""
+        assert self._schedule is not None
+        back = self._schedule.clock(now)
+        if back:
+            self._joints.clear()
+            self._last_command = None
+            self._counts["clock_jumps"] += 1
+            self.get_logger().warning(
+                f"the clock went back {back / 1e9:.3f} s (a bag played again, a simulator restarted): the "
+                "chunks in hand and the joint states are forgotten, commands start again from the arms' positions"
+            )
+
     def _on_tick(self) -> None:
         cfg, schedule, messages = self.cfg, self._schedule, self._messages
         if cfg is None or schedule is None or messages is None:
@@ -363,6 +383,7 @@ class ActionStreamerNode(LifecycleNode):
             early, self._before_clock = self._before_clock, None
             self._on_chunk(early)
         now = self.get_clock().now().nanoseconds
+        self._note_clock(now)
         measured = self._measured(now)
         command = schedule.command(now, measured)
         if command is None:
@@ -397,6 +418,7 @@ class ActionStreamerNode(LifecycleNode):
             "chunks_accepted": self._counts["chunks_accepted"],
             # with takeover_delay_s: chunks that arrived after their takeover time and took over on arrival
             "chunks_late": self._counts["chunks_late"],
+            "clock_jumps": self._counts["clock_jumps"],  # times the clock went back: each a new run
             "refused": dict(self._refused),
             "last_refusal": self._last_refusal,
             "last": None if last is None else (last.chunk.episode_id, last.chunk.chunk_id, last.row),
@@ -413,7 +435,7 @@ class ActionStreamerNode(LifecycleNode):
         if s["refused"]:
             status.message += f"; last refused: {s['last_refusal']}"
         keys = ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
-                "takeover_row.p50", "takeover_row.max")  # fmt: skip
+                "clock_jumps", "takeover_row.p50", "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)

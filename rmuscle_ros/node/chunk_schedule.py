@@ -16,9 +16,18 @@ Commands start (`start`) at the streamer's activation: a chunk stamped before th
 observation may show an arm and a scene that have changed while nothing was commanded (an episode reset,
 the arms sent home), and following it would move the arms back toward that past.
 
-No command moves any joint by more than `max_step` from the previous command. The first command (after
-activation, a reset, or a hold) is measured from the arm's own joint positions, so a chunk that starts far
-from where the arm is brings it there at that pace instead of in one jump.
+No command moves any joint by more than `max_step` from the previous command. The first command after
+activation (or a reset) is measured from the arm's own joint positions, so a chunk that starts far from
+where the arm is brings it there at that pace instead of in one jump. After a hold (the chunks ran out)
+the next command is measured from the last one, which a position-controlled arm holds meanwhile: a
+gripper closed on an object measures open of its command, and starting from the measurement would open
+the command and loosen the grip. So nothing else may command the arms while the streamer is active (an
+episode reset deactivates it first).
+
+A clock that goes back by more than a period (a bag played again, a simulator restarted: /clock back to
+its start) is a new run: the chunks in hand and the last command are forgotten as at an activation
+(`clock`), or every fresh chunk would be refused as stamped before them, and the old run's last chunk
+would run again once the clock reached its stamp.
 
 A chunk that cannot be executed as it says is refused with a `ChunkRefused` naming the reason; the chunk in
 execution, if any, stays in force.
@@ -76,6 +85,11 @@ class ScheduleConfig:
             raise ValueError(f"max_rows: must be >= 0 (0: every row), got {self.max_rows}")
         if not (self.takeover_delay_s >= 0 and math.isfinite(self.takeover_delay_s)):
             raise ValueError(f"takeover_delay_s: must be >= 0 (0: on arrival), got {self.takeover_delay_s!r}")
+        if self.max_rows and self.takeover_delay_s >= self.max_rows * self.control_period_s:
+            raise ValueError(
+                f"takeover_delay_s: {self.takeover_delay_s:g} s reaches past max_rows ({self.max_rows} rows of "
+                f"{self.control_period_s:g} s): every chunk would take over after its last row, and nothing be sent"
+            )
 
     @property
     def period_ns(self) -> int:
@@ -105,8 +119,9 @@ class ChunkSchedule:
     def __init__(self, cfg: ScheduleConfig) -> None:
         self.cfg = cfg
         self._chunks: list[Chunk] = []  # by start: the running one and any waiting for their time
-        self._last: np.ndarray | None = None  # the previous command, while commands flow
+        self._last: np.ndarray | None = None  # the previous command, since commands started
         self._started_ns = 0  # chunks stamped before this are refused
+        self._now_ns: int | None = None  # the latest time this schedule was asked at (`clock`)
 
     def reset(self) -> None:
         """Forget the chunks and the last command (deactivation): the next command starts from the arm."""
@@ -118,6 +133,25 @@ class ChunkSchedule:
         before it. 0: a clock not running yet, every chunk is taken (none can predate this one's start)."""
         self.reset()
         self._started_ns = now_ns
+        self._now_ns = now_ns or None
+
+    def clock(self, now_ns: int) -> int:
+        """Note the time; a clock that went back by more than a period is a new run (see the module
+        docstring): the chunks and the last command are forgotten. Returns how far it went back (ns; 0:
+        it did not).
+        `offer` and `command` call it; a caller that also keeps timed state (joint positions) calls it
+        first, to forget that state too."""
+        if not now_ns:  # use_sim_time before the first /clock: no time yet
+            return 0
+        back = self._now_ns - now_ns if self._now_ns is not None else 0
+        if back > self.cfg.period_ns:
+            # Forget as at an activation; but the new run's start is not known, so no chunk is refused as
+            # stamped before it: the old run's chunks still in flight are stamped ahead of this clock now.
+            self.reset()
+            self._started_ns, self._now_ns = 0, now_ns
+            return back
+        self._now_ns = now_ns if self._now_ns is None else max(self._now_ns, now_ns)
+        return 0
 
     def offer(
         self,
@@ -134,6 +168,7 @@ class ChunkSchedule:
     ) -> Chunk:
         """Take a chunk (an ActionChunk's fields), or raise ChunkRefused saying why it cannot run."""
         cfg = self.cfg
+        self.clock(now_ns)
         names = tuple(joint_names)
         if names and names != cfg.joint_names:
             raise ChunkRefused(
@@ -168,7 +203,8 @@ class ChunkSchedule:
                 f"stamped {(self._started_ns - stamp_ns) / 1e6:.0f} ms before commands started (activation): "
                 "planned from an observation the arms and scene may have changed since",
             )
-        end_ns = stamp_ns + horizon * cfg.period_ns
+        # its last row followed: max_rows of them, if set
+        end_ns = stamp_ns + (min(horizon, cfg.max_rows) if cfg.max_rows else horizon) * cfg.period_ns
         if end_ns <= now_ns:
             raise ChunkRefused(
                 RefusalReason.EXPIRED, f"its last action was due {(now_ns - end_ns) / 1e6:.0f} ms ago"
@@ -203,6 +239,7 @@ class ChunkSchedule:
         `measured`: the arm's joint positions in joint_names order (None while some are unknown); used as
         the previous command when commands start, so the first one is also limited by max_step.
         """
+        self.clock(now_ns)
         self._drop_superseded(now_ns)
         running = self._chunks[0] if self._chunks and self._chunks[0].takeover_ns <= now_ns else None
         row = -1 if running is None else (now_ns - running.start_ns) // self.cfg.period_ns
@@ -210,8 +247,7 @@ class ChunkSchedule:
         if self.cfg.max_rows:
             rows = min(rows, self.cfg.max_rows)
         if running is None or row >= rows:
-            self._last = None  # holding: the next command starts again from the arm's position
-            return None
+            return None  # holding: the arm holds the last command, which the next one steps from
         previous = self._last if self._last is not None else measured
         if previous is None:
             return None
