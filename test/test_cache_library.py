@@ -131,6 +131,71 @@ def test_corrupt_index_is_an_error_and_is_kept_when_a_new_library_is_saved(tmp_p
     assert json.loads((tmp_path / "index.json").read_text())["version"] == 1
 
 
+@pytest.mark.parametrize(
+    ("malformed", "what"),
+    [
+        (lambda episodes: episodes[0].pop("sha256"), "missing 1 required positional argument: 'sha256'"),
+        (lambda episodes: episodes[0].update(extra=1), "unexpected keyword argument 'extra'"),
+        (lambda episodes: episodes.append([1, 2]), "episode entry 1: "),
+    ],
+    ids=["missing field", "unknown field", "not an object"],
+)
+def test_an_index_whose_episode_entries_are_malformed_is_a_library_error(
+    tmp_path: Path, capsys, malformed, what: str
+) -> None:
+    """An index that parses as JSON but whose entries are not the library's (edited by hand, another tool)
+    is a LibraryError naming the index and the entry, which the node reports and the command line prints;
+    never a TypeError from deep inside."""
+    from rmuscle_ros.cache.library import main
+
+    ReferenceLibrary.open(tmp_path, KEY).add(episode())
+    index = json.loads((tmp_path / "index.json").read_text())
+    malformed(index["episodes"])
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match=r"index\.json: unreadable library index") as e:
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert what in str(e.value)
+    for command in ("list", "verify"):
+        assert main([command, str(tmp_path)]) == 2
+        assert "unreadable library index" in capsys.readouterr().err
+    index["episodes"] = {"0": index["episodes"][0]}  # not a list at all
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match="episodes is not a list"):
+        ReferenceLibrary.open(tmp_path, KEY)
+
+
+def test_an_episode_file_that_cannot_be_read_is_left_out_not_fatal(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A bad sector under one episode (EIO on read) costs that episode, as a corrupt one does: open()
+    reports it and serves the others, and `verify` names it and exits 1, without a traceback."""
+    import errno
+
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    good, bad = lib.add(episode(seed=1)), lib.add(episode(seed=2))
+    lib.close()
+    real_sha256 = library_module._sha256
+
+    def bad_sector(path: Path) -> str:
+        if path.name == f"episode_{bad:06d}.safetensors":
+            raise OSError(errno.EIO, "Input/output error")
+        return real_sha256(path)
+
+    monkeypatch.setattr(library_module, "_sha256", bad_sector)
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert list(again.entries) == [good] and list(again.left_out) == [bad]
+    assert again.problems == [
+        f"episode {bad}: episode_{bad:06d}.safetensors could not be read ([Errno 5] Input/output error); left out"
+    ]
+    again.close()
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "could not be read" in out and "1 of 2 episode(s) intact" in out
+
+
 def test_bounded_size_evicts_the_least_recently_used(tmp_path: Path) -> None:
     lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
     first, second = lib.add(episode(seed=1)), lib.add(episode(seed=2))
@@ -227,6 +292,105 @@ def test_an_index_write_that_fails_undoes_the_recording_and_its_evictions(
     monkeypatch.undo()
     lib.close()
     assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [kept]
+
+
+def test_an_interrupt_after_the_index_is_renamed_keeps_the_recording(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C at shutdown can land after the new index is renamed into place, while the folder syncs: the
+    index on disk then names the new episode, so its file stays and the library in memory keeps the new
+    state (the evicted episode is not put back), to be written again at close."""
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=1)
+    lib.add(episode(seed=1), {"task": "t"})
+    real_replace = library_module._replace_durably
+
+    def interrupted(tmp: Path, path: Path) -> None:
+        real_replace(tmp, path)
+        if path.name == "index.json":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(library_module, "_replace_durably", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lib.add(episode(seed=2), {"task": "t"})
+    monkeypatch.undo()
+    assert sorted(lib.entries) == [1] and (tmp_path / "episode_000001.safetensors").exists()
+    lib.close()
+    again = ReferenceLibrary.open(tmp_path, KEY, max_episodes=1)
+    assert sorted(again.entries) == [1] and again.problems == []
+    assert np.array_equal(again.load(1).images, episode(seed=2).images)
+    again.close()
+
+
+def test_add_never_evicts_the_episode_it_is_recording(tmp_path: Path) -> None:
+    """A cell without a real-time clock can use episodes before NTP sets its clock back: their last use then
+    lies in the future of the next recording. Eviction still takes one of them, never the new episode
+    (which add() returns as recorded)."""
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
+    old = [lib.add(episode(seed=s), {"task": "t"}) for s in (1, 2)]
+    for i in old:
+        lib.entries[i].last_used += 3600  # used while the clock was an hour ahead
+    new = lib.add(episode(seed=3), {"task": "t"})
+    assert sorted(lib.entries) == [old[1], new] and (tmp_path / lib.entries[new].file).exists()
+    lib.close()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY, max_episodes=2).entries) == [old[1], new]
+
+
+def test_a_remove_whose_index_write_fails_leaves_the_library_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    """A full disk fails `remove` before its index is written: the episodes are still in the index on disk,
+    so they stay in the library in memory too, each where it was (served, or left out as damaged), and the
+    next write does not drop them from the index while their files stay on disk."""
+    import errno
+
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    served, damaged, other = (lib.add(episode(seed=s), {"task": "t"}) for s in (1, 2, 3))
+    lib.leave_out(damaged, f"episode {damaged}: damaged")
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(library_module, "_write_atomic", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        lib.remove([served, damaged])
+    monkeypatch.undo()
+    assert list(lib.entries) == [served, other] and list(lib.left_out) == [damaged]
+    lib.add(episode(seed=4), {"task": "t"})
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert {served, damaged} <= {*again.entries, *again.left_out}, "the index still names both"
+    again.close()
+
+
+def test_a_file_that_cannot_be_deleted_once_the_index_is_written_is_logged_not_raised(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Once the new index is in place the recording or removal is done: an evicted or removed episode's
+    file that cannot be deleted (a read-only mount, a file held open) is a warning naming it, the other
+    files are still deleted, and the next open reports it as a file the index does not name."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
+    second = [lib.add(episode(seed=s), {"task": "t"}) for s in (1, 2)][1]
+    stuck = {tmp_path / "episode_000000.safetensors", tmp_path / "episode_000002.safetensors"}
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self in stuck:
+            raise PermissionError(13, "Permission denied")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
+    third = lib.add(episode(seed=3), {"task": "t"})  # evicts episode 0, whose file is stuck
+    assert sorted(lib.entries) == [second, third] and (tmp_path / "episode_000000.safetensors").exists()
+    assert "cannot delete episode_000000.safetensors, which the index no longer names" in caplog.text
+    lib.close()
+    caplog.clear()
+    ReferenceLibrary.open(tmp_path, KEY, max_episodes=2).close()
+    assert "episode_000000.safetensors" in caplog.text and "kept and never used" in caplog.text
+    assert main(["remove", str(tmp_path), str(third), str(second)]) == 0  # `third`'s file is stuck
+    assert "cannot delete episode_000002.safetensors" in caplog.text
+    assert not (tmp_path / "episode_000001.safetensors").exists(), "the next file is still deleted"
 
 
 def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog, capsys) -> None:

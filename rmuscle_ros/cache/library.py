@@ -56,7 +56,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,11 +208,37 @@ def _sha256(path: Path) -> str:
 def _file_problem(root: Path, entry: EpisodeEntry) -> str | None:
     """What is wrong with an episode's file (missing, or not what the index recorded), None if nothing."""
     path = root / entry.file
-    if not path.exists():
-        return f"episode {entry.id}: {entry.file} is missing"
-    if path.stat().st_size != entry.bytes or _sha256(path) != entry.sha256:
-        return f"episode {entry.id}: {entry.file} is corrupt (checksum mismatch); left out"
+    try:
+        if not path.exists():
+            return f"episode {entry.id}: {entry.file} is missing"
+        if path.stat().st_size != entry.bytes or _sha256(path) != entry.sha256:
+            return f"episode {entry.id}: {entry.file} is corrupt (checksum mismatch); left out"
+    except OSError as e:  # a bad sector (EIO), a file we may not read: this episode's, not the library's
+        return f"episode {entry.id}: {entry.file} could not be read ({e}); left out"
     return None
+
+
+def _entries(index_path: Path, episodes: Any) -> list[EpisodeEntry]:
+    """The index's episode entries. An index that parses but whose entries are not the library's (not a
+    list of objects, a field missing or unknown) is a LibraryError naming the index and the entry."""
+    if not isinstance(episodes, list):
+        raise LibraryError(f"{index_path}: unreadable library index (episodes is not a list)")
+    entries = []
+    for i, raw in enumerate(episodes):
+        try:
+            entries.append(EpisodeEntry(**raw))
+        except TypeError as e:  # not a mapping, or a missing or unexpected field: e names it
+            raise LibraryError(f"{index_path}: unreadable library index (episode entry {i}: {e})") from None
+    return entries
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file is at `path` (device, inode), None if none: a rename onto `path` makes it another."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -318,8 +344,8 @@ class ReferenceLibrary:
             raise LibraryError(f"{index_path}: library version {version}, this build reads {LIBRARY_VERSION}")
         if stored_key != key.to_json():
             raise _mismatch(index_path, stored_key, key)
-        for raw in episodes:
-            entry = EpisodeEntry(**raw)
+        entries = _entries(index_path, episodes)
+        for entry in entries:
             problem = _file_problem(lib.root, entry)
             if problem is None:
                 lib.entries[entry.id] = entry
@@ -328,7 +354,7 @@ class ReferenceLibrary:
                 lib.left_out[entry.id] = entry
         for problem in lib.problems:
             log.warning("reference library %s: %s", lib.root, problem)
-        lib._next_id = max([e["id"] for e in episodes], default=-1) + 1
+        lib._next_id = max([e.id for e in entries], default=-1) + 1
         lib._tidy()
         lib._mark_open()
         return lib
@@ -423,6 +449,30 @@ class ReferenceLibrary:
         _write_atomic(index_path, json.dumps(index, indent=1).encode())
         self._unsaved_use = False
 
+    def _commit_index(self, undo: Callable[[], None]) -> None:
+        """save_index for a change already made in memory; if it fails before the new index is renamed into
+        place, `undo` puts the library in memory back to the index on disk. One that fails after the rename
+        (an interrupt during the folder's sync) leaves the change: the index on disk already holds it."""
+        index_path = self.root / INDEX
+        before = _identity(index_path)
+        try:
+            self.save_index()
+        except BaseException:
+            # Not renamed: the index on disk is the previous one (or none, one moved aside as corrupt).
+            if _identity(index_path) in (before, None):
+                undo()
+            raise
+
+    def _delete_files(self, entries: Sequence[EpisodeEntry]) -> None:
+        """Delete the files of episodes the committed index no longer names. One that cannot be deleted is
+        logged, not raised: the change is done, and the next open reports the file as one it does not name."""
+        for entry in entries:
+            try:
+                (self.root / entry.file).unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("reference library %s: cannot delete %s, which the index no longer names (%s)",
+                            self.root, entry.file, e)  # fmt: skip
+
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
     def add(self, episode: Episode, meta: Mapping[str, str] | None = None) -> int:
@@ -445,16 +495,15 @@ class ReferenceLibrary:
         self.entries[episode_id] = EpisodeEntry(
             episode_id, name, _sha256(path), episode.calls, path.stat().st_size, now, now, dict(meta or {})
         )
-        evicted = self._evict()
-        try:
-            self.save_index()
-        except BaseException:  # the index on disk is the previous one: so is the library, here too
+        evicted = self._evict(keep=episode_id)
+
+        def undo() -> None:  # the index on disk is the previous one: so is the library, here too
             self.entries.pop(episode_id)
             self.entries.update((entry.id, entry) for entry in evicted)
             path.unlink(missing_ok=True)
-            raise
-        for entry in evicted:  # delete files only once the index no longer names them
-            (self.root / entry.file).unlink(missing_ok=True)
+
+        self._commit_index(undo)
+        self._delete_files(evicted)  # only once the index no longer names them
         return episode_id
 
     def load(self, episode_id: int) -> Episode:
@@ -507,10 +556,16 @@ class ReferenceLibrary:
         if unknown:
             held = sorted([*self.entries, *self.left_out])
             raise KeyError(f"no episode {unknown} in {self.root} (it holds {held})")
+        before = dict(self.entries), dict(self.left_out)
         removed = [self.entries.pop(i, None) or self.left_out.pop(i) for i in dict.fromkeys(episode_ids)]
-        self.save_index()
-        for entry in removed:  # once the index no longer names them
-            (self.root / entry.file).unlink(missing_ok=True)
+
+        def undo() -> None:  # the index on disk still names them: so must the library here, as it was
+            for current, was in zip((self.entries, self.left_out), before, strict=True):
+                current.clear()  # in place: the runtime holds `entries`
+                current.update(was)
+
+        self._commit_index(undo)
+        self._delete_files(removed)  # once the index no longer names them
 
     @property
     def total_bytes(self) -> int:
@@ -534,10 +589,12 @@ class ReferenceLibrary:
         largest = max((e.bytes for e in self.entries.values()), default=0)
         return free is not None and largest > 0 and free < largest + (1 << 20)  # + the index, with room
 
-    def _evict(self) -> list[EpisodeEntry]:
+    def _evict(self, keep: int) -> list[EpisodeEntry]:
         """Past a bound, take out the least recently used episode of the task holding the most episodes
         (ties: the task whose oldest use is oldest); episodes without a task first, as nothing serves them.
-        Until then, one task's new recordings evict only its own episodes once it holds the largest share."""
+        Until then, one task's new recordings evict only its own episodes once it holds the largest share.
+        `keep` (the episode being added) is never taken, though others' last use may lie in its future (an
+        index written while the clock was ahead)."""
         evicted = []
         while len(self.entries) > 1 and (
             len(self.entries) > self.max_episodes or self.total_bytes > self.max_bytes
@@ -546,7 +603,9 @@ class ReferenceLibrary:
             for entry in self.entries.values():
                 by_task.setdefault(entry.meta.get("task"), []).append(entry)
             for held in by_task.values():
-                held.sort(key=lambda e: (e.last_used, e.id))
+                held.sort(key=lambda e: (e.id == keep, e.last_used, e.id))
+            # A task gives up only episodes it held before; its share counts the one being added.
+            by_task = {t: held for t, held in by_task.items() if held[0].id != keep}
             task = (
                 None
                 if None in by_task
@@ -597,7 +656,7 @@ def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:
     try:
         index = json.loads(index_path.read_text())
         key = LibraryKey(index["key"]["weights"], index["key"]["shapes"])
-        return key, list(index["episodes"])
+        return key, [asdict(e) for e in _entries(index_path, index["episodes"])]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LibraryError(f"{index_path}: unreadable library index ({e})") from None
 
@@ -795,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lib.close()
         print(f"removed episode(s) {ids}; {len(lib.entries)} left")
         return 0
-    except (LibraryError, KeyError) as e:
+    except (LibraryError, KeyError, OSError) as e:  # OSError: a disk error, a full disk
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
 
