@@ -300,7 +300,8 @@ def test_a_bad_chunk_is_refused_with_its_reason_and_the_running_one_goes_on(cell
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 5)
     assert all(row_of(list(m.cmd), good, list(range(6))) >= 0 for m in c.arm["left"][n:])
     assert any(
-        "chunk 1 refused: non_finite: non-finite actions for ['left_forearm_roll']" in m.msg for m in c.logs
+        "chunk 1 refused: non_finite: non-finite actions (as float32) for ['left_forearm_roll']" in m.msg
+        for m in c.logs
     )
     assert c.state() == State.PRIMARY_STATE_ACTIVE
 

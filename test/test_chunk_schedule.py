@@ -193,7 +193,8 @@ def test_a_start_before_the_clock_runs_takes_every_chunk() -> None:
             RefusalReason.PERIOD,
             r"control_period_s 0.033 s, this streamer runs at 0.02 s",
         ),
-        ({"nan": True}, RefusalReason.NON_FINITE, r"non-finite actions for \['b'\]"),
+        ({"nan": True}, RefusalReason.NON_FINITE, r"non-finite actions \(as float32\) for \['b'\]"),
+        ({"huge": True}, RefusalReason.NON_FINITE, r"non-finite actions \(as float32\) for \['a'\]"),
         ({"stamp_ns": T0 + 460 * MS}, RefusalReason.FUTURE, r"stamped 60 ms ahead"),
         ({"stamp_ns": T0 - 1100 * MS}, RefusalReason.EXPIRED, r"due 500 ms ago"),
         (
@@ -211,6 +212,8 @@ def test_a_refused_chunk_says_why_and_the_running_one_goes_on(
     bad = rows(50, base=3.0)
     if edit.pop("nan", False):
         bad[10, 1] = np.nan
+    if edit.pop("huge", False):  # finite here, but an infinity once sent as float32
+        bad[3, 0] = 1e39
     stamp = edit.pop("stamp_ns", T0 + 200 * MS)
     with pytest.raises(ChunkRefused, match=detail) as e:
         offer(s, stamp, bad, now_ns=T0 + 400 * MS, **edit)

@@ -188,9 +188,11 @@ class ChunkSchedule:
                 f"control_period_s {control_period_s:g} s, this streamer runs at {cfg.control_period_s:g} s",
             )
         rows = flat.reshape(horizon, action_dim)
-        if not np.isfinite(rows).all():
-            bad = sorted({cfg.joint_names[j] for j in np.argwhere(~np.isfinite(rows))[:, 1]})
-            raise ChunkRefused(RefusalReason.NON_FINITE, f"non-finite actions for {bad}")
+        # Commands cross the wire as float32: a value beyond its range would arrive as an infinity.
+        sendable = np.isfinite(rows) & (np.abs(rows) <= np.finfo(np.float32).max)
+        if not sendable.all():
+            bad = sorted({cfg.joint_names[j] for j in np.argwhere(~sendable)[:, 1]})
+            raise ChunkRefused(RefusalReason.NON_FINITE, f"non-finite actions (as float32) for {bad}")
         ahead = stamp_ns - now_ns
         if ahead > cfg.max_future_s * 1e9:
             raise ChunkRefused(
