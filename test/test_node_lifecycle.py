@@ -12,6 +12,7 @@ import io
 import itertools
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -515,6 +516,75 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     assert sum("inference stalled" in log.msg for log in h.logs) == 1, "logged once per stall"
     status = h.node._diagnostics().status[0]
     assert status.level == status.OK and "stalled" not in status.message, status.message
+
+
+# rmuscle_node's own main (spin_node) in a process of its own, fed observations until it has published 6
+# chunks of its first episode, then stopped by a signal, as ros2 launch or a terminal's Ctrl-C stops it.
+_STOPPED_BY_A_SIGNAL = """
+import os, signal, sys, threading, time
+import rclpy
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import Image, JointState
+from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
+from rmuscle_ros.node.rmuscle_node import RMuscleNode
+from rmuscle_ros.node.spin import spin_node
+
+library, signum = sys.argv[1], getattr(signal, sys.argv[2])
+
+def feed(node, peer):
+    cameras = [peer.create_publisher(Image, t, qos_profile_sensor_data)
+               for t in ("images/base", "images/left_wrist", "images/right_wrist")]
+    arms = [peer.create_publisher(JointState, t, qos_profile_sensor_data)
+            for t in ("joint_states/left", "joint_states/right")]
+    while node.chunk_id < 6:
+        stamp = peer.get_clock().now().to_msg()
+        for pub in cameras:
+            msg = Image(height=48, width=64, encoding="rgb8", step=192, data=bytes(48 * 192))
+            msg.header.stamp = stamp
+            pub.publish(msg)
+        for pub in arms:
+            msg = JointState(name=list(ALOHA_JOINT_STATE_NAMES), position=[0.1] * len(ALOHA_JOINT_STATE_NAMES))
+            msg.header.stamp = stamp
+            pub.publish(msg)
+        time.sleep(0.03)
+    os.kill(os.getpid(), signum)
+
+def make():
+    node = RMuscleNode()
+    assert node.trigger_configure().name == "SUCCESS", node.last_error
+    node.trigger_activate()
+    threading.Thread(target=feed, args=(node, rclpy.create_node("cell")), daemon=True).start()
+    return node
+
+params = ("warmup:=false", "cache.enabled:=true", "model.backend:=fused", f"cache.library_path:={library}",
+          "actions_per_inference:=5", "max_image_age_s:=1.0", "max_joint_age_s:=1.0", "max_skew_s:=0.5",
+          "prompt:=pick")
+sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for a in ("-p", p)]]))
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_name: str) -> None:
+    """Ctrl-C, or ros2 launch's SIGINT/SIGTERM, while the node is active mid-episode: the node ends as its
+    shutdown transition would, and the episode in progress is in the library (destroying the node alone
+    ran none of that, and the recording was lost; found in review)."""
+    library = tmp_path / "library"
+    script = tmp_path / "node.py"
+    script.write_text(_STOPPED_BY_A_SIGNAL)
+    env = os.environ | {"ROS_DOMAIN_ID": str(int(os.environ.get("ROS_DOMAIN_ID", "42")) + 60)}
+    run = subprocess.run(
+        [sys.executable, str(script), str(library), signal_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "episode in progress recorded as library episode 0" in run.stderr, run.stderr[-2000:]
+    index = json.loads((library / "index.json").read_text())
+    assert [e["id"] for e in index["episodes"]] == [0] and index["episodes"][0]["calls"] >= 6, index[
+        "episodes"
+    ]
 
 
 def test_a_call_far_slower_than_the_median_is_logged_with_where_its_time_went(harness) -> None:

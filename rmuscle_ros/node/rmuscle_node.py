@@ -436,19 +436,9 @@ class RMuscleNode(LifecycleNode):
         sys.setswitchinterval(self._switch_interval_s)  # a tick may have come after the worker's last wake
 
     def _release(self) -> None:
-        """Undo on_configure: publishers, services, the cache (recording the episode in progress), the
-        model and its (GPU) memory."""
-        for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub, self._status_pub):
-            if pub is not None:
-                self.destroy_lifecycle_publisher(pub)
-        for srv in (self._reset_srv, self._discard_srv):
-            if srv is not None:
-                self.destroy_service(srv)
-        for sub in (self._reset_sub, self._discard_sub):
-            if sub is not None:
-                self.destroy_subscription(sub)
-        self._chunk_pub = self._trajectory_pub = self._diag_pub = self._status_pub = None
-        self._reset_srv = self._reset_sub = self._discard_srv = self._discard_sub = None
+        """Undo on_configure: the cache (recording the episode in progress), publishers, services, the
+        model and its (GPU) memory. The recording goes first: at Ctrl-C the ROS context may be gone
+        already (spin_node), and no ROS handle may stand between the cell and its recorded episode."""
         if self.policy is not None:
             with self._policy_lock:
                 try:
@@ -460,6 +450,17 @@ class RMuscleNode(LifecycleNode):
                         self.get_logger().info(
                             f"cleanup: episode in progress recorded as library episode {recorded}"
                         )
+        for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub, self._status_pub):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        for srv in (self._reset_srv, self._discard_srv):
+            if srv is not None:
+                self.destroy_service(srv)
+        for sub in (self._reset_sub, self._discard_sub):
+            if sub is not None:
+                self.destroy_subscription(sub)
+        self._chunk_pub = self._trajectory_pub = self._diag_pub = self._status_pub = None
+        self._reset_srv = self._reset_sub = self._discard_srv = self._discard_sub = None
         device = self.cfg.model.device if self.cfg is not None else "cpu"
         self.policy, self.cfg, self._buffer = None, None, None
         gc.unfreeze()  # configure's objects (the model among them) may be collected again

@@ -21,6 +21,15 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        # Ctrl-C or SIGTERM (ros2 launch stopping) ends a lifecycle node as its shutdown transition would:
+        # destroy_node alone runs none of it, and rmuscle_node would lose the episode in progress, which
+        # its shutdown records into the library. Run again after a shutdown transition, it does nothing.
+        shutdown = getattr(node, "on_shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown(None)
+            except Exception as e:  # the process is ending: say why the node's own shutdown failed
+                print(f"{node.get_name()}: shutdown failed: {type(e).__name__}: {e}", file=sys.stderr)
         executor.shutdown()
         node.destroy_node()
         if rclpy.ok():
