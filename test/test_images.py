@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import array
 import io
+import struct
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -262,6 +264,45 @@ def test_truncated_png_is_an_error() -> None:
     msg = SimpleNamespace(format="png", data=data[: len(data) // 2])
     with pytest.raises(ImageConversionError, match=r"corrupt or truncated PNG data"):
         compressed_to_rgb(msg)
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png(width: int, height: int, *extra: bytes) -> bytes:
+    """A PNG stream of `width` x `height` black RGB pixels, with `extra` chunks before its data."""
+    header = _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    squeeze, row = zlib.compressobj(), b"\x00" + bytes(3 * width)
+    rows = b"".join(squeeze.compress(row) for _ in range(height)) + squeeze.flush()  # never all in memory
+    return _PNG_SIGNATURE + header + b"".join(extra) + _png_chunk(b"IDAT", rows) + _png_chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _PNG_SIGNATURE + _png_chunk(b"IHDR", b"\x00\x00\x00\x04") + _png(4, 4)[33:],
+        _png(4, 4, _png_chunk(b"zTXt", b"Comment\x00\x00" + zlib.compress(bytes(4 << 20)))),
+    ],
+    ids=["truncated header", "text chunk past its limit"],
+)
+def test_malformed_png_chunks_are_an_error(data: bytes) -> None:
+    """Pillow raises ValueError on these (found by fuzzing in review): an ImageConversionError, which the
+    node counts as a bad_image drop, and not an error from deep inside the worker."""
+    assert compressed_to_rgb(SimpleNamespace(format="png", data=_png(4, 4))).shape == (4, 4, 3)
+    with pytest.raises(ImageConversionError, match="corrupt or truncated PNG data"):
+        compressed_to_rgb(SimpleNamespace(format="png", data=data))
+
+
+def test_a_compressed_frame_declaring_too_many_pixels_is_refused_undecoded() -> None:
+    """A few KB of PNG can declare a 13000 x 13000 image: refused from its header, not decoded."""
+    data = _png(13000, 13000)
+    assert len(data) < 1 << 20
+    with pytest.raises(ImageConversionError, match=r"declares 13000x13000 pixels, more than a camera frame"):
+        compressed_to_rgb(SimpleNamespace(format="png", data=data))
 
 
 def test_png_data_labelled_jpeg_is_an_error() -> None:

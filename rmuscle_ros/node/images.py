@@ -135,6 +135,11 @@ def _compression_of(fmt: str) -> str:
     return words[0].lower() if words else ""
 
 
+# A compressed frame declaring more pixels than this is refused before it is decoded: a few KB of PNG can
+# declare a 13000x13000 image (484 MiB, seconds to decode, under the node's policy lock). 8K UHD is 33 Mpx.
+MAX_COMPRESSED_PIXELS = 8192 * 8192
+
+
 def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
     """`sensor_msgs/CompressedImage` (JPEG or PNG) -> (H, W, 3) uint8 RGB array (new memory).
 
@@ -154,6 +159,12 @@ def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
         raise ImageConversionError(f"empty {pil_format} image data")
     try:
         with PILImage.open(io.BytesIO(flat), formats=[pil_format]) as image:
+            width, height = image.size  # declared in the header, before anything is decoded
+            if width * height > MAX_COMPRESSED_PIXELS:
+                raise ImageConversionError(
+                    f"{pil_format} image declares {width}x{height} pixels, more than a camera frame "
+                    f"({MAX_COMPRESSED_PIXELS} at most): not decoded"
+                )
             image.load()  # decodes now, so truncated or corrupt data fails here
             if image.mode not in _EIGHT_BIT_MODES:
                 raise ImageConversionError(
@@ -168,9 +179,10 @@ def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
             f"corrupt or mislabelled image: {flat.size} bytes are not a {pil_format} stream "
             f"(format {msg.format!r})"
         ) from None
-    except (OSError, SyntaxError, PILImage.DecompressionBombError) as exc:
-        # Pillow reports truncated data as OSError ("image file is truncated") and some corrupt
-        # headers as SyntaxError
+    except (OSError, SyntaxError, ValueError, PILImage.DecompressionBombError) as exc:
+        # Pillow reports truncated data as OSError ("image file is truncated"), some corrupt headers as
+        # SyntaxError, and some malformed PNG chunks (a truncated IHDR, a text chunk past its limit) as
+        # ValueError
         raise ImageConversionError(
             f"corrupt or truncated {pil_format} data ({flat.size} bytes): {exc}"
         ) from exc
