@@ -255,6 +255,25 @@ def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
     assert c.node.stats()["limited"] == 5
 
 
+def test_a_joint_state_whose_names_and_positions_do_not_pair_up_is_not_taken_as_the_arm(cell) -> None:
+    """Other counts of names and positions: which is which joint's position is unknown, so the streamer
+    does not start its commands from it (counted as bad_joint_states) and waits for a well-formed one."""
+    c = cell(max_step=0.05)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(np.full((HORIZON, 14), 0.4), c.now_ns())
+    names = list(ALOHA_JOINT_STATE_NAMES)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and c.node.stats()["bad_joint_states"] < 20:
+        for pub in c.joint_pubs:
+            msg = JointState(name=names, position=[0.1] * (len(names) - 1))
+            msg.header.stamp = c.peer.get_clock().now().to_msg()
+            pub.publish(msg)
+        time.sleep(0.01)
+    assert c.node.stats()["bad_joint_states"] >= 20 and not c.arm["left"], "commands from a malformed state"
+    assert c.keep_joints_coming(value=0.1, until=lambda: len(c.arm["left"]) >= 2)
+    assert c.arm["left"][0].cmd[0] == pytest.approx(0.15, abs=1e-6)  # from the well-formed 0.1
+
+
 def test_the_gripper_command_maps_the_policys_opening_onto_the_joints_range(cell) -> None:
     # An ALOHA policy's gripper action is its opening, 0 closed ... 1 open; the follower's gripper joint
     # takes a position between its closed and open commands (gripper_command_range).

@@ -101,6 +101,28 @@ def test_a_state_map_reads_another_joint_for_a_slot_and_scales_it() -> None:
     assert b.observation(t, "task", SLOTS[:1]).state.tolist() == pytest.approx([0.3, 0.5])
 
 
+def test_a_joint_state_whose_names_and_positions_do_not_pair_up_is_not_used() -> None:
+    """Other counts of names and positions, or a name twice: which position is which joint's is unknown.
+    Nothing of it is stored (zip would give b c's value and keep c's old one), the observation is a
+    bad_state drop naming the arm and the fault, and the arm's next well-formed message ends it."""
+    b, t = full(10**12), 10**12
+    b.put_joint_state(
+        SimpleNamespace(header=header(t + 6 * MS), name=["a", "b", "c"], position=[1.0, 3.0]), ""
+    )
+    with pytest.raises(
+        ObservationUnavailable, match=r"does not add up, not used \(a joint state: 3 names and 2 positions"
+    ):
+        b.observation(t + 20 * MS, "task", SLOTS)
+    b.put_joint_state(
+        SimpleNamespace(header=header(t + 7 * MS), name=["a", "a", "b"], position=[9.0, 1.0, 2.0]), ""
+    )
+    with pytest.raises(ObservationUnavailable, match=r"names repeated: \['a'\]") as e:
+        b.observation(t + 20 * MS, "task", SLOTS)
+    assert e.value.reason is DropReason.BAD_STATE
+    b.put_joint_state(joints(t + 8 * MS, value=0.25))
+    assert b.observation(t + 20 * MS, "task", SLOTS).state.tolist() == [0.25, 0.25, 0.25]
+
+
 def test_missing_joints_show_the_names_that_did_arrive() -> None:
     # A prefix left out (or doubled) shows at once: the configured names beside the received ones.
     b, t = buffer(), 10**12

@@ -298,8 +298,13 @@ class ActionStreamerNode(LifecycleNode):
 
     # -- callbacks ---------------------------------------------------------------------------------------
     def _on_joints(self, msg: JointState, prefix: str) -> None:
+        names, positions = list(msg.name), list(msg.position)
+        if len(names) != len(positions) or len(set(names)) != len(names):
+            # which position is which joint's is not known: not taken as where the arm is (counted)
+            self._counts["bad_joint_states"] += 1
+            return
         t = stamp_ns(msg.header)
-        for name, position in zip(msg.name, msg.position, strict=False):
+        for name, position in zip(names, positions, strict=True):
             self._joints[prefix + name] = (t, float(position))
 
     def _measured(self, now_ns: int) -> np.ndarray | None:
@@ -419,6 +424,8 @@ class ActionStreamerNode(LifecycleNode):
             # with takeover_delay_s: chunks that arrived after their takeover time and took over on arrival
             "chunks_late": self._counts["chunks_late"],
             "clock_jumps": self._counts["clock_jumps"],  # times the clock went back: each a new run
+            # joint states whose names and positions did not pair up (other counts, a name twice): not used
+            "bad_joint_states": self._counts["bad_joint_states"],
             "refused": dict(self._refused),
             "last_refusal": self._last_refusal,
             "last": None if last is None else (last.chunk.episode_id, last.chunk.chunk_id, last.row),
@@ -435,7 +442,7 @@ class ActionStreamerNode(LifecycleNode):
         if s["refused"]:
             status.message += f"; last refused: {s['last_refusal']}"
         keys = ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
-                "clock_jumps", "takeover_row.p50", "takeover_row.max")  # fmt: skip
+                "clock_jumps", "bad_joint_states", "takeover_row.p50", "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)

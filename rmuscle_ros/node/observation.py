@@ -27,7 +27,7 @@ class DropReason(enum.Enum):
     SKEW = "skew"  # the messages' stamps are further apart than max_skew_s
     FUTURE_STAMP = "future_stamp"  # a stamp ahead of the node clock (clock jump or a bad publisher)
     BAD_IMAGE = "bad_image"  # encoding, size or truncated data
-    BAD_STATE = "bad_state"  # NaN/Inf joint positions
+    BAD_STATE = "bad_state"  # NaN/Inf joint positions, or names and positions that do not pair up
     INFERENCE_ERROR = "inference_error"  # the policy raised; the node keeps running
     BAD_ACTIONS = "bad_actions"  # the model produced NaN/Inf actions: never published
 
@@ -69,6 +69,9 @@ class ObservationBuffer:
         self._topics = tuple(camera_topics) if camera_topics is not None else None
         self._images: list[Any | None] = [None] * num_cameras
         self._joints: dict[str, tuple[int, float]] = {}  # joint name -> (stamp ns, position)
+        # Per joint-state prefix (an arm's topic), what was wrong with its latest message, which was not
+        # stored: names and positions that do not pair up. Cleared by the arm's next well-formed message.
+        self._joint_faults: dict[str, str] = {}
         self._joint_names = tuple(joint_names)
         sources, offset, scale = state_map or (
             joint_names,
@@ -93,11 +96,23 @@ class ObservationBuffer:
 
     def put_joint_state(self, msg: Any, prefix: str = "") -> bool:
         """Store each named position as `prefix + name` (the arm's topic decides the prefix: an Interbotix
-        ALOHA names both arms' joints alike)."""
+        ALOHA names both arms' joints alike). A message whose names and positions do not pair up (other
+        counts, a name twice) is not stored: which position belongs to which joint is not known, and the
+        next observation is a bad_state drop saying so, until the arm sends a well-formed one."""
         t = stamp_ns(msg.header)
+        names, positions = list(msg.name), list(msg.position)
+        fault = ""
+        if len(names) != len(positions):
+            fault = f"{len(names)} names and {len(positions)} positions"
+        elif len(set(names)) != len(names):
+            fault = f"names repeated: {sorted({n for n in names if names.count(n) > 1})}"
         with self._lock:
+            if fault:
+                self._joint_faults[prefix] = fault
+                return False
+            self._joint_faults.pop(prefix, None)
             held = len(self._joints)
-            for name, position in zip(msg.name, msg.position, strict=False):
+            for name, position in zip(names, positions, strict=True):
                 self._joints[prefix + name] = (t, float(position))
             return len(self._joints) > held
 
@@ -105,12 +120,14 @@ class ObservationBuffer:
         with self._lock:
             self._images = [None] * len(self._images)
             self._joints.clear()
+            self._joint_faults.clear()
 
     def observation(self, now_ns: int, prompt: str, slot_names: Sequence[str]) -> Observation:
         """The observation at `now_ns`, or ObservationUnavailable with the reason. Stamp = newest image."""
         with self._lock:
             images = list(self._images)
             joints = dict(self._joints)
+            faults = dict(self._joint_faults)
         lim = self.limits
         stamps: list[int] = []
         rgb: dict[str, np.ndarray] = {}
@@ -130,6 +147,13 @@ class ObservationBuffer:
                 rgb[slot_names[slot]] = self._decode(msg)
             except ImageConversionError as e:
                 raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{slot_names[slot]}: {e}") from None
+        if faults:
+            said = "; ".join(
+                f"{prefix or 'a joint state'}: {fault}" for prefix, fault in sorted(faults.items())
+            )
+            raise ObservationUnavailable(
+                DropReason.BAD_STATE, f"a joint state that does not add up, not used ({said})"
+            )
         missing = [n for n in self._sources if n not in joints]
         if missing:
             # The names that did arrive show a naming mismatch (a prefix missing or doubled) at a glance.
