@@ -480,6 +480,46 @@ def test_non_finite_actions_are_never_published_and_the_node_goes_on(harness) ->
     )
 
 
+def test_a_topic_name_ros_refuses_fails_configure_naming_it_and_can_be_fixed(harness) -> None:
+    """A camera or joint-state topic with a space: configure fails naming the parameter and the topic,
+    before the model loads (before, rclpy's exception made configure or activate an ERROR that left the
+    node unconfigured with its model loaded, refusing the fix as "read at configure"; found in review)."""
+    from rclpy.parameter import Parameter
+
+    good_cameras, good_joints = list(CAMERAS), list(JOINT_TOPICS)
+    h = harness(camera_topics=[*good_cameras[:2], "images/right wrist"])
+    for name, bad in (("camera_topics", "images/right wrist"), ("joint_state_topics", "joint states/right")):
+        assert not h.transition(Transition.TRANSITION_CONFIGURE), name
+        assert h.state() == State.PRIMARY_STATE_UNCONFIGURED and h.node.policy is None
+        assert f"configure: invalid parameter {name}: {bad!r} is no topic name" in h.node.last_error
+        fixed = good_cameras if name == "camera_topics" else good_joints
+        assert h.node.set_parameters([Parameter(name, value=fixed)])[0].successful
+        if name == "camera_topics":
+            h.node.set_parameters(
+                [Parameter("joint_state_topics", value=[good_joints[0], "joint states/right"])]
+            )
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+
+
+def test_an_activate_that_raises_fails_cleanly_and_the_next_one_runs(harness) -> None:
+    """Whatever raises while activating (a timer, a subscription rclpy refuses) is a FAILURE naming it,
+    with what was made undone: the node stays configured, and the next activate runs."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    real = h.node.create_timer
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no timer today")
+
+    h.node.create_timer = refused
+    assert not h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.state() == State.PRIMARY_STATE_INACTIVE and h.node._subs == [] and h.node._worker is None
+    assert h.node.last_error == "activate: RuntimeError: no timer today"
+    h.node.create_timer = real
+    assert h.transition(Transition.TRANSITION_ACTIVATE) and h.feed_until(lambda: len(h.chunks) >= 1)
+
+
 def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(harness) -> None:
     """A hung call (a GPU that stops answering, a deadlock) gives no chunk and no drop: the ticks wait for
     the worker. /diagnostics says ERROR once a tick has waited stall_after_s, naming what the worker runs,

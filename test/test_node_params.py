@@ -95,6 +95,8 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
         ({"stall_after_s": 0.0}, r"^stall_after_s: must be > 0"),
+        ({"max_skew_s": 1e300}, r"^max_skew_s: must be > 0 and at most 3600 s"),
+        ({"sensor_startup_timeout_s": 1e300}, r"^sensor_startup_timeout_s: must be >= 0 and at most 3600 s"),
         ({"stall_after_s": float("inf")}, r"^stall_after_s: must be > 0"),
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),

@@ -268,6 +268,9 @@ def flat_config(config_class: type[_C], params: Mapping[str, Any]) -> _C:
     return config_class(**{name: check_type(name, params.get(name, d), d) for name, d in defaults.items()})
 
 
+MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
+
+
 def node_config(params: Mapping[str, Any]) -> NodeConfig:
     """Validate `params` (dotted names, as declared) and build the NodeConfig."""
     defaults = parameter_defaults()
@@ -279,14 +282,16 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     }
 
     def positive(name: str) -> None:
-        if not (values[name] > 0 and math.isfinite(values[name])):
-            raise ParameterError(f"{name}: must be > 0, got {values[name]!r}")
+        # at most an hour: a time limit, never meant to be infinite (a huge one overflowed in nanoseconds)
+        if not 0 < values[name] <= MAX_SECONDS:
+            raise ParameterError(f"{name}: must be > 0 and at most {MAX_SECONDS:g} s, got {values[name]!r}")
 
     for name in ("control_period_s", "max_image_age_s", "max_joint_age_s", "max_skew_s"):
         positive(name)
-    if not (values["sensor_startup_timeout_s"] >= 0 and math.isfinite(values["sensor_startup_timeout_s"])):
+    if not 0 <= values["sensor_startup_timeout_s"] <= MAX_SECONDS:
         raise ParameterError(
-            f"sensor_startup_timeout_s: must be >= 0, got {values['sensor_startup_timeout_s']!r}"
+            f"sensor_startup_timeout_s: must be >= 0 and at most {MAX_SECONDS:g} s, got "
+            f"{values['sensor_startup_timeout_s']!r}"
         )
     for name in ("camera_topics", "joint_state_topics", "joint_names", "action_joint_names"):
         if (
@@ -305,8 +310,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         raise ParameterError("prompt: must not be empty")
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
-    if not (values["stall_after_s"] > 0 and math.isfinite(values["stall_after_s"])):
-        raise ParameterError(f"stall_after_s: must be > 0, got {values['stall_after_s']!r}")
+    positive("stall_after_s")
     if values["cpu_threads"] < 0:
         raise ParameterError(f"cpu_threads: must be >= 0 (0: automatic), got {values['cpu_threads']}")
 

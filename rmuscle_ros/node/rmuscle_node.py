@@ -232,8 +232,16 @@ class RMuscleNode(LifecycleNode):
             cfg = node_config({name: self.get_parameter(name).value for name in parameter_defaults()})
         except ParameterError as e:
             return self._fail(f"configure: invalid parameter {e}")
+        for name in ("camera_topics", "joint_state_topics"):  # what ROS will not take, before the model loads
+            for topic in getattr(cfg, name):
+                try:
+                    self.resolve_topic_name(topic)
+                except Exception as e:  # rclpy's message does not say which name
+                    return self._fail(
+                        f"configure: invalid parameter {name}: {topic!r} is no topic name ROS takes ({e})"
+                    )
         from rmuscle_ros.cache.library import LibraryError
-        from rmuscle_ros.msg import ActionChunk, CacheStatus
+        from rmuscle_ros.msg import ActionChunk
         from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring
 
         self._set_cpu_threads(cfg.cpu_threads, cfg.model.device)
@@ -269,6 +277,23 @@ class RMuscleNode(LifecycleNode):
         self.cfg, self.policy, self._modes = cfg, policy, modes
         with self._stats_lock:
             self.cache_status = status
+        try:
+            self._set_up(cfg)
+        except Exception as e:  # a name rclpy refuses (a topic with a space), ...: a clean FAILURE, not ERROR
+            self._release()  # the model and what was made; the node is unconfigured, and can be fixed
+            return self._fail(f"configure: {type(e).__name__}: {e}")
+        # A full garbage collection walks every object the process holds, and every thread waits for it.
+        # With torch, the model and ROS loaded, one took 130-270 ms on a 2-core CPU (gc.callbacks in the
+        # demo). What configure loaded lives until cleanup: collect once, then freeze it (gc.freeze) so
+        # that later collections walk only what was allocated since. Undone in _release.
+        gc.collect()
+        gc.freeze()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _set_up(self, cfg: NodeConfig) -> None:
+        """Configure's publishers, services and observation buffer, once the policy is loaded."""
+        from rmuscle_ros.msg import ActionChunk, CacheStatus
+
         self._chunk_pub = self.create_lifecycle_publisher(ActionChunk, "~/action_chunk", 10)
         if cfg.publish_joint_trajectory:
             self._trajectory_pub = self.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
@@ -290,13 +315,6 @@ class RMuscleNode(LifecycleNode):
             len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics, state_sources(cfg)
         )
         self._warm_up_timer_paths()
-        # A full garbage collection walks every object the process holds, and every thread waits for it.
-        # With torch, the model and ROS loaded, one took 130-270 ms on a 2-core CPU (gc.callbacks in the
-        # demo). What configure loaded lives until cleanup: collect once, then freeze it (gc.freeze) so
-        # that later collections walk only what was allocated since. Undone in _release.
-        gc.collect()
-        gc.freeze()
-        return TransitionCallbackReturn.SUCCESS
 
     def _warm_up_timer_paths(self) -> None:
         """Run once, at configure, what the executor's timers will first run while active. Their first run
@@ -327,6 +345,7 @@ class RMuscleNode(LifecycleNode):
                 f"again (live: {', '.join(LIVE_PARAMETERS)})",
             )
         cache = {LIVE_PARAMETERS[k]: v for k, v in changed.items() if LIVE_PARAMETERS[k] is not None}
+        limits = _limits(cfg)  # before anything changes: what can fail fails here
         with self._policy_lock:
             if cache and self.policy is not None and cfg.cache.enabled:
                 try:
@@ -335,7 +354,7 @@ class RMuscleNode(LifecycleNode):
                     return SetParametersResult(successful=False, reason=str(e))
             self.cfg = cfg  # the worker reads it at each call
             if self._buffer is not None:
-                self._buffer.limits = _limits(cfg)
+                self._buffer.limits = limits
         self.get_logger().info(
             "parameters now in effect: " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
         )
@@ -355,6 +374,15 @@ class RMuscleNode(LifecycleNode):
         return TransitionCallbackReturn.FAILURE
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            self._start_activity()
+        except Exception as e:  # a topic name rclpy refuses, ...: a clean FAILURE, the node stays configured
+            self._stop_activity()
+            return self._fail(f"activate: {type(e).__name__}: {e}")
+        return super().on_activate(state)
+
+    def _start_activity(self) -> None:
+        """Activate's subscriptions, timers and worker thread."""
         cfg, buffer = self.cfg, self._buffer
         assert cfg is not None and buffer is not None
         image_type = CompressedImage if cfg.compressed_images else Image
@@ -394,7 +422,6 @@ class RMuscleNode(LifecycleNode):
         self._worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
         self._worker.start()
         self.get_logger().info(f"activate: one chunk every {period * 1e3:.0f} ms")
-        return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_activity()
