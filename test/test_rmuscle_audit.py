@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_rmuscle_runtime import CFG, FULL_REBUILD, episode
+from test_rmuscle_runtime import CFG, FULL_REBUILD, episode, with_task
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Policy
@@ -123,6 +123,26 @@ def test_an_audit_still_due_when_the_episode_resets_counts_as_missed() -> None:
     chunks, _ = served(policy, LIVE[:2], audit=True)  # the next episode's cached calls are audited
     cached = sum(c.cache_mode == "cached" for c in chunks)
     assert cached and (policy.cache_status()["audits"], policy.cache_status()["audits_missed"]) == (cached, 1)
+
+
+def test_an_audit_trip_holds_for_the_rest_of_the_episode_across_a_task_change() -> None:
+    """A trip sends the rest of the episode dense, and a prompt that changes within the episode (a planner's
+    next subtask, whose task the library also holds) does not serve it cached again (it did before; found
+    in review). The next episode is served again."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=1, audit_max_error=1e-6))
+    served(policy, episode(4), audit=False)
+    assert policy.reset_episode() == 0
+    served(policy, with_task(episode(4), "sort the screws"), audit=False)
+    assert policy.reset_episode() == 1
+    live = episode(6, offset=0.05, noise=2.0)
+    chunks, audits = served(policy, live[:3], audit=True)
+    assert [c.cache_mode for c in chunks] == ["dense", "cached", "fallback"] and audits[1].tripped
+    later, _ = served(policy, with_task(live[3:], "sort the screws"), audit=False)
+    assert [c.cache_mode for c in later] == ["fallback"] * 3
+    assert "an audit found a cached chunk" in policy.rmuscle.last.reason
+    policy.reset_episode()
+    again, _ = served(policy, with_task(live[:3], "sort the screws"), audit=False)
+    assert "cached" in [c.cache_mode for c in again], "the next episode is served again"
 
 
 def test_an_audit_whose_error_is_not_finite_trips_even_without_a_bound() -> None:

@@ -257,6 +257,24 @@ def with_task(observations: list[Observation], task: str) -> list[Observation]:
     return [dataclasses.replace(o, prompt=task) for o in observations]
 
 
+def test_an_episode_with_calls_run_while_recording_was_off_is_not_recorded() -> None:
+    """`record` may change live: an episode that ran some calls with it off would be recorded without
+    them, its positions no longer following its calls (found in review). It is not recorded, and the
+    status says why; the next episode, recorded throughout, is."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    for i, obs in enumerate(episode(6)):
+        if i in (2, 4):
+            policy.reconfigure_cache(record=i == 4)
+        policy.infer(obs)
+    assert policy.reset_episode() is None
+    assert (
+        policy.cache_status()["last_episode_excluded"]
+        == "recording (cache.record) was off for 2 of its calls"
+    )
+    run(policy, episode(3))
+    assert policy.reset_episode() == 0 and policy.rmuscle.library.entries[0].calls == 3
+
+
 def test_muscle_memory_is_per_task(tmp_path, caplog) -> None:
     """The descriptor sees the scene, not the instruction, and a bench set up the same way may be doing
     another job. A call is served only from episodes recorded under its task (the prompt's instruction,

@@ -360,6 +360,9 @@ class RMuscle:
         self._recording = _Recording()
         self._episode_cached = False
         self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
+        # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
+        # without them, its positions would not follow its calls, so it is not recorded at all.
+        self._unrecorded_calls = 0
         self.last_excluded = ""  # why the latest finished episode was kept out of the library, if it was
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
@@ -433,15 +436,18 @@ class RMuscle:
         `RMuscleConfig.task` when that names the job). Retrieval serves only episodes recorded under the
         same task, and an episode is recorded under its own. A change
         after the episode's first call keeps that episode out of the library (its calls ran under two
-        tasks) and starts retrieval over on the new task's episodes; entries of the old task in the window
-        are no longer served."""
+        tasks) and starts retrieval's alignments over on the new task's episodes; entries of the old task
+        in the window are no longer served. A fallback stays for the rest of the episode, whatever the task
+        (an audit's trip promises that; before, found in review, a task change served the episode cached
+        again)."""
         if task == self.task:
             return
         previous, self.task = self.task, task
         if self.calls:
             self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
+        fallback = self.retriever.fallback
         self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
-        self._fallback_reason = ""
+        self.retriever.fallback = fallback
         self._wanted = self._episode_starts([])
         log.debug("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
 
@@ -521,6 +527,7 @@ class RMuscle:
         self._recording = _Recording()
         self._episode_cached = False
         self._episode_excluded = ""
+        self._unrecorded_calls = 0
         self.calls = self.cached_calls = 0
         self._wanted = []
         self.retriever.reset()
@@ -542,6 +549,9 @@ class RMuscle:
         rec, self._recording = self._recording, _Recording()
         rec.take_pending()
         excluded, self._episode_excluded = self._episode_excluded, ""
+        unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
+        if self.cfg.record and unrecorded and not excluded:
+            excluded = f"recording (cache.record) was off for {unrecorded} of its calls"
         self.last_excluded = excluded
         if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
             self._episode_cached = False
@@ -766,7 +776,9 @@ class RMuscle:
     def _dense_stages(self, bucket: int) -> bool:
         """Queue a dense call's prefill and denoise (vision has run): recording ones if this episode
         qualifies for the library. Returns whether they record."""
-        record = self.cfg.record and not self._episode_cached and not self._episode_excluded
+        qualifies = not self._episode_cached and not self._episode_excluded
+        record = self.cfg.record and qualifies
+        self._unrecorded_calls += qualifies and not record
         self.engine.run_stage("tail", bucket, variant="record" if record else "dense")
         return record
 
