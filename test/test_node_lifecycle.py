@@ -502,6 +502,34 @@ def test_a_topic_name_ros_refuses_fails_configure_naming_it_and_can_be_fixed(har
     assert h.feed_until(lambda: len(h.chunks) >= 1)
 
 
+def test_a_prompt_too_long_for_the_model_is_refused_and_never_runs(harness) -> None:
+    """Past the model's token length the prompt's tail, the state and "Action:", would be cut off: the
+    actions would not depend on where the arms are. Such a prompt fails configure and is refused live,
+    naming the token counts; a call whose prompt was cut off all the same publishes nothing (a
+    prompt_truncated drop). Before (found in review) the prompt was cut off silently."""
+    import dataclasses
+
+    from rclpy.parameter import Parameter
+
+    long = "pick up the cube " * 60
+    h = harness(prompt=long)
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.node.last_error.startswith(
+        "configure: invalid parameter prompt: "
+    ) and "the model takes 200" in (h.node.last_error), h.node.last_error
+    assert h.node.set_parameters([Parameter("prompt", value="pick")])[0].successful
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    refused = h.node.set_parameters([Parameter("prompt", value=long)])[0]
+    assert not refused.successful and "the state and 'Action:' at its end would be cut off" in refused.reason
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+    policy, real = h.node.policy, h.node.policy.infer
+    policy.infer = lambda obs: dataclasses.replace(real(obs), prompt_truncated=True)
+    assert h.feed_until(lambda: h.drops().get("prompt_truncated", 0) >= 2), h.drops()
+    settled = len(h.chunks)
+    time.sleep(0.3)
+    assert len(h.chunks) <= settled + 1, "a chunk of a cut-off prompt was published"
+
+
 def test_an_activate_that_raises_fails_cleanly_and_the_next_one_runs(harness) -> None:
     """Whatever raises while activating (a timer, a subscription rclpy refuses) is a FAILURE naming it,
     with what was made undone: the node stays configured, and the next activate runs."""

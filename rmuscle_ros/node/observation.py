@@ -30,6 +30,7 @@ class DropReason(enum.Enum):
     BAD_STATE = "bad_state"  # NaN/Inf joint positions, or names and positions that do not pair up
     INFERENCE_ERROR = "inference_error"  # the policy raised; the node keeps running
     BAD_ACTIONS = "bad_actions"  # the model produced NaN/Inf actions: never published
+    PROMPT_TRUNCATED = "prompt_truncated"  # the prompt with the state was longer than the model takes
 
 
 class ObservationUnavailable(Exception):

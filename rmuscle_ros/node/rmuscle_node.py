@@ -73,6 +73,18 @@ LIVE_PARAMETERS = {
 }
 
 
+def _prompt_too_long(policy: Any, prompt: str) -> str:
+    """Why `prompt` cannot run ("" if it can): past the model's token length its tail, the state and
+    "Action:", would be cut off, and the actions would not depend on where the arms are."""
+    tokens, most = policy.prompt_tokens(prompt)
+    if tokens <= most:
+        return ""
+    return (
+        f"prompt: {tokens} tokens with the state, the model takes {most}: the state and 'Action:' at its end "
+        "would be cut off; shorten the instruction"
+    )
+
+
 def _limits(cfg: NodeConfig) -> Limits:
     """The observation's age and skew limits, in ns."""
     return Limits(int(cfg.max_image_age_s * 1e9), int(cfg.max_joint_age_s * 1e9), int(cfg.max_skew_s * 1e9))
@@ -251,6 +263,10 @@ class RMuscleNode(LifecycleNode):
             start = time.perf_counter()
             policy = Policy(cfg.model, cache=cfg.cache.to_runtime() if cfg.cache.enabled else None)
             loaded = time.perf_counter() - start
+            too_long = _prompt_too_long(policy, cfg.prompt)
+            if too_long:
+                self._close_quietly(policy)
+                return self._fail(f"configure: invalid parameter {too_long}")
             warm = policy.warmup(cfg.prompt) if cfg.warmup else {}
             status = policy.cache_status()
         except LibraryError as e:  # LibraryMismatch too: other weights/shapes, corrupt index, version
@@ -346,6 +362,11 @@ class RMuscleNode(LifecycleNode):
             )
         cache = {LIVE_PARAMETERS[k]: v for k, v in changed.items() if LIVE_PARAMETERS[k] is not None}
         limits = _limits(cfg)  # before anything changes: what can fail fails here
+        too_long = (
+            "prompt" in changed and self.policy is not None and _prompt_too_long(self.policy, cfg.prompt)
+        )
+        if too_long:
+            return SetParametersResult(successful=False, reason=too_long)
         with self._policy_lock:
             if cache and self.policy is not None and cfg.cache.enabled:
                 try:
@@ -696,6 +717,13 @@ class RMuscleNode(LifecycleNode):
                 return
             except Exception as e:  # the hot path logs, counts and keeps the node alive
                 self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
+                return
+            if chunk.prompt_truncated:  # the model never saw the state: not for a robot (prompt_too_long)
+                self._drop(
+                    DropReason.PROMPT_TRUNCATED,
+                    f"the prompt took {chunk.prompt_tokens} tokens with this state, more than the model takes: "
+                    "the state was cut off",
+                )
                 return
             with self._stats_lock:
                 episode, chunk_id = self.episode_id, self.chunk_id

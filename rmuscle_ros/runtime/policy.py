@@ -223,6 +223,19 @@ class Policy:
         )
         return inputs, tok.num_tokens, tok.truncated
 
+    def prompt_tokens(self, task: str) -> tuple[int, int]:
+        """(tokens the prompt of `task` takes with the state, tokens the model takes). The state's bins take
+        1-2 tokens each: the longest of a few states is counted. Past the model's length the prompt's tail
+        (the state and "Action:") would be cut off, as the reference does (`tokenize_prompt`)."""
+        dim = self.cfg.state_dim
+        count = max(
+            tokenize_prompt(
+                self.tokenizer, build_prompt(task, np.full(dim, b)), self.model_cfg.max_token_len
+            ).num_tokens
+            for b in (-1, 0, 128, 255)
+        )
+        return count, self.model_cfg.max_token_len
+
     def postprocess(self, actions: torch.Tensor) -> np.ndarray:
         """(1, horizon, padded action dim) normalised -> (horizon, action_dim) robot units, float32."""
         raw = actions[0, :, : self.cfg.action_dim].float().cpu().numpy()
