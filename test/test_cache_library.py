@@ -730,3 +730,35 @@ def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "1 episode(s)" in out and "episode 1: 5 calls" in out
+
+
+def test_a_remove_while_a_node_opens_the_library_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """The open marker is taken before the index is read: a `remove` run while a node is still reading
+    and verifying the library (seconds, for gigabytes of episodes) finds it busy. Before (found in review)
+    it removed the episode, and the node's index in memory put it back into the index at its next write."""
+    import subprocess
+    import sys
+
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    first, second = lib.add(episode(seed=1)), lib.add(episode(seed=2))
+    lib.close()
+    verify, during = library_module._file_problem, {}
+
+    def verifying(root: Path, entry) -> str | None:  # the node checks its files; the operator runs `remove`
+        if entry.id == second and "rc" not in during:
+            during["rc"] = subprocess.run(
+                [sys.executable, "-m", "rmuscle_ros.cache.library", "remove", str(root), str(first)],
+                capture_output=True, text=True,
+            ).returncode  # fmt: skip
+        return verify(root, entry)
+
+    monkeypatch.setattr(library_module, "_file_problem", verifying)
+    node = ReferenceLibrary.open(tmp_path, KEY)
+    monkeypatch.undo()
+    assert during["rc"] == 2, "remove was not refused while the library was being opened"
+    node.add(episode(seed=3))
+    node.close()
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert again.problems == [] and sorted(again.entries) == [first, second, 2]

@@ -319,20 +319,26 @@ class ReferenceLibrary:
     @classmethod
     def open(cls, root: Path, key: LibraryKey, **bounds: int) -> ReferenceLibrary:
         """Load the index at `root` (empty library if there is none) and verify every episode file.
-        LibraryBusy if another live process has it open (a marker left by a process that is gone is not)."""
-        who = holder(root)
-        if who is not None and who != _this_process():
-            raise LibraryBusy(
-                f"{root}: the library is open in process {who} (another node?): two writers would drop each "
-                f"other's episodes from its index; give each node its own library_path, or stop that process "
-                f"(if it is gone, e.g. on another host, delete {Path(root) / OPEN_MARKER})"
-            )
+        LibraryBusy if another live process has it open (a marker left by a process that is gone is not).
+        The marker is taken first, before the index is read: a `remove` or a second node that comes while
+        this one reads and verifies (seconds, for gigabytes of episodes) finds the library busy (before,
+        found in review, it did not, and this one's index in memory put a removed episode back)."""
         lib = cls(root, key, **bounds)
+        lib._mark_open()
+        try:
+            lib._load()
+        except BaseException:
+            lib._unmark()
+            raise
+        return lib
+
+    def _load(self) -> None:
+        """Read the index at the root and verify every episode file (`open`)."""
+        lib, key = self, self.key
         index_path = lib.root / INDEX
         if not index_path.exists():
             lib._tidy()
-            lib._mark_open()
-            return lib
+            return
         try:
             index = json.loads(index_path.read_text())
             version, stored_key, episodes = index["version"], index["key"], index["episodes"]
@@ -356,8 +362,6 @@ class ReferenceLibrary:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e.id for e in entries], default=-1) + 1
         lib._tidy()
-        lib._mark_open()
-        return lib
 
     def _tidy(self) -> None:
         """What writes that never finished left behind: their partial files are deleted, and episode files
@@ -399,17 +403,50 @@ class ReferenceLibrary:
             )
 
     def _mark_open(self) -> None:
-        """Write the open marker. A folder that cannot be written costs the marker, not the library: the
-        node runs on and fails only where it records (its reset reports it)."""
+        """Take the open marker, or LibraryBusy if a live process holds it. It is created exclusively
+        (O_EXCL), so of two processes opening at once one gets it and the other is refused; a marker whose
+        process is gone is replaced. A folder that cannot be written costs the marker, not the library:
+        the node runs on and fails only where it records (its reset reports it)."""
+        marker, me = self.root / OPEN_MARKER, _this_process()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.root / OPEN_MARKER, _this_process().encode())
+            for _ in range(3):
+                try:
+                    fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    who = holder(self.root)
+                    if who == me:  # this process has it open already (see `close`)
+                        return
+                    if who is not None:
+                        raise LibraryBusy(
+                            f"{self.root}: the library is open in process {who} (another node?): two writers "
+                            "would drop each other's episodes from its index; give each node its own "
+                            f"library_path, or stop that process (if it is gone, e.g. on another host, delete "
+                            f"{marker})"
+                        ) from None
+                    _remove_stale_marker(marker)  # its process is gone: take it over
+                    continue
+                with os.fdopen(fd, "w") as out:
+                    out.write(me)
+                    out.flush()
+                    os.fsync(out.fileno())
+                return
+            raise LibraryBusy(f"{self.root}: its open marker {marker} kept changing; try again")
         except OSError as e:
             log.warning(
                 "reference library %s: cannot mark it open (%s); the command line will not see that it is",
                 self.root,
                 e,
             )
+
+    def _unmark(self) -> None:
+        """Remove the open marker if it is still this process's."""
+        marker = self.root / OPEN_MARKER
+        try:
+            if marker.read_text() == _this_process():
+                marker.unlink()
+        except OSError:  # none (never written, or removed by hand)
+            pass
 
     def close(self) -> None:
         """Give up the library: the episodes' last use is written to the index if it changed since the last
@@ -420,12 +457,7 @@ class ReferenceLibrary:
                 self.save_index()
             except OSError as e:
                 log.warning("reference library %s: its episodes' last use was not saved (%s)", self.root, e)
-        marker = self.root / OPEN_MARKER
-        try:
-            if marker.read_text() == _this_process():
-                marker.unlink()
-        except OSError:  # none (never written, or removed by hand)
-            pass
+        self._unmark()
 
     def save_index(self) -> None:
         """Atomically replace index.json with the current entries (episode files are already on disk). The
@@ -628,6 +660,16 @@ class ReferenceLibrary:
 
 def _this_process() -> str:
     return f"{socket.gethostname()} {os.getpid()}"
+
+
+def _remove_stale_marker(marker: Path) -> None:
+    """Delete a marker whose process is gone, unless another process replaced it since it was read."""
+    try:
+        stale = marker.read_text()
+        if holder(marker.parent) is None and marker.read_text() == stale:
+            marker.unlink()
+    except OSError:  # gone already: another opener took it over first
+        pass
 
 
 def holder(root: Path) -> str | None:
