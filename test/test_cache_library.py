@@ -762,3 +762,42 @@ def test_a_remove_while_a_node_opens_the_library_is_refused(tmp_path: Path, monk
     node.close()
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert again.problems == [] and sorted(again.entries) == [first, second, 2]
+
+
+def test_of_processes_opening_one_library_at_once_exactly_one_holds_it(tmp_path: Path) -> None:
+    """The marker appears with its content at once (hard-linked from a file written first), so openers
+    racing each other never see it empty and take it for stale: one holds the library, the others are
+    refused while it lives (before, found in review, an opener could find the marker created but not yet
+    written, delete it as stale, and two processes wrote one index)."""
+    import subprocess
+    import sys
+    import time
+
+    ReferenceLibrary.open(tmp_path, KEY).close()
+    opener = (
+        "import sys, time\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_cache_library import KEY\n"
+        "from rmuscle_ros.cache.library import LibraryBusy, ReferenceLibrary\n"
+        "start = float(sys.argv[3])\n"
+        "time.sleep(max(0.0, start - time.time()))\n"
+        "try:\n"
+        "    ReferenceLibrary.open(sys.argv[1], KEY)\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(1.0)\n"
+        "except LibraryBusy:\n"
+        "    print('busy', flush=True)\n"
+    )
+
+    for _ in range(3):
+        start = time.time() + 2.0  # every process imports first, then all open at this instant
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", opener, str(tmp_path), str(Path(__file__).parent), str(start)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(4)
+        ]
+        said = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert said == ["busy", "busy", "busy", "held"], said

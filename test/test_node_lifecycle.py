@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -545,6 +546,20 @@ def test_an_activate_that_raises_fails_cleanly_and_the_next_one_runs(harness) ->
     assert h.state() == State.PRIMARY_STATE_INACTIVE and h.node._subs == [] and h.node._worker is None
     assert h.node.last_error == "activate: RuntimeError: no timer today"
     h.node.create_timer = real
+
+    class Unstartable(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    node_module = sys.modules[type(h.node).__module__]
+    real_threading = node_module.threading
+    node_module.threading = SimpleNamespace(Thread=Unstartable, Event=threading.Event, Lock=threading.Lock)
+    try:  # a worker that never started is not joined: the failure is clean too (found in review)
+        assert not h.transition(Transition.TRANSITION_ACTIVATE)
+    finally:
+        node_module.threading = real_threading
+    assert h.state() == State.PRIMARY_STATE_INACTIVE and h.node._worker is None
+    assert h.node.last_error == "activate: RuntimeError: can't start new thread"
     assert h.transition(Transition.TRANSITION_ACTIVATE) and h.feed_until(lambda: len(h.chunks) >= 1)
 
 

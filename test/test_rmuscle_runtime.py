@@ -257,6 +257,22 @@ def with_task(observations: list[Observation], task: str) -> list[Observation]:
     return [dataclasses.replace(o, prompt=task) for o in observations]
 
 
+def test_a_policy_that_cannot_be_built_leaves_its_library_unheld(tmp_path) -> None:
+    """A bad norm_stats (or tokenizer) fails the policy before its library is opened: no marker is left
+    for a process that lives on (a node whose configure failed), so `remove` and the next configure are
+    not refused (before, found in review, the library stayed held until the process ended)."""
+    from rmuscle_ros.cache.library import holder
+
+    lib = tmp_path / "lib"
+    with pytest.raises(ValueError, match="norm stats file"):
+        Policy(
+            PolicyConfig(backend="fused", norm_stats=str(tmp_path / "absent.json")),
+            RMuscleConfig(library_path=str(lib)),
+        )
+    assert holder(lib) is None
+    Policy(CFG, RMuscleConfig(library_path=str(lib))).close()
+
+
 def test_an_episode_with_calls_run_while_recording_was_off_is_not_recorded() -> None:
     """`record` may change live: an episode that ran some calls with it off would be recorded without
     them, its positions no longer following its calls (found in review). It is not recorded, and the

@@ -46,6 +46,7 @@ On a cell (read-only while the node runs; `remove` once it is cleaned up or stop
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -403,35 +404,37 @@ class ReferenceLibrary:
             )
 
     def _mark_open(self) -> None:
-        """Take the open marker, or LibraryBusy if a live process holds it. It is created exclusively
-        (O_EXCL), so of two processes opening at once one gets it and the other is refused; a marker whose
-        process is gone is replaced. A folder that cannot be written costs the marker, not the library:
-        the node runs on and fails only where it records (its reset reports it)."""
+        """Take the open marker, or LibraryBusy if a live process holds it. The marker appears with its
+        content at once (written to a file of this process's own, then hard-linked to the marker's name,
+        which fails if the name exists), so of two processes opening at once one gets it and the other is
+        refused, never sees it empty; a marker whose process is gone is taken over. A folder that cannot be
+        written costs the marker, not the library: the node runs on and fails only where it records (its
+        reset reports it)."""
         marker, me = self.root / OPEN_MARKER, _this_process()
+        mine = self.root / f".{OPEN_MARKER.lstrip('.')}{TMP_INFIX}{os.getpid()}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            for _ in range(3):
-                try:
-                    fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                except FileExistsError:
-                    who = holder(self.root)
-                    if who == me:  # this process has it open already (see `close`)
+            _write_atomic(mine, me.encode())
+            try:
+                for _ in range(3):
+                    try:
+                        os.link(mine, marker)
                         return
-                    if who is not None:
-                        raise LibraryBusy(
-                            f"{self.root}: the library is open in process {who} (another node?): two writers "
-                            "would drop each other's episodes from its index; give each node its own "
-                            f"library_path, or stop that process (if it is gone, e.g. on another host, delete "
-                            f"{marker})"
-                        ) from None
-                    _remove_stale_marker(marker)  # its process is gone: take it over
-                    continue
-                with os.fdopen(fd, "w") as out:
-                    out.write(me)
-                    out.flush()
-                    os.fsync(out.fileno())
-                return
-            raise LibraryBusy(f"{self.root}: its open marker {marker} kept changing; try again")
+                    except FileExistsError:
+                        who = holder(self.root)
+                        if who == me:  # this process has it open already (see `close`)
+                            return
+                        if who is not None:
+                            raise LibraryBusy(
+                                f"{self.root}: the library is open in process {who} (another node?): two "
+                                "writers would drop each other's episodes from its index; give each node its "
+                                "own library_path, or stop that process (if it is gone, e.g. on another host, "
+                                f"delete {marker})"
+                            ) from None
+                        _remove_stale_marker(marker)  # its process is gone: take it over
+                raise LibraryBusy(f"{self.root}: its open marker {marker} kept changing; try again")
+            finally:
+                mine.unlink(missing_ok=True)
         except OSError as e:
             log.warning(
                 "reference library %s: cannot mark it open (%s); the command line will not see that it is",
@@ -663,13 +666,22 @@ def _this_process() -> str:
 
 
 def _remove_stale_marker(marker: Path) -> None:
-    """Delete a marker whose process is gone, unless another process replaced it since it was read."""
+    """Take away a marker whose process is gone. It is first moved to a name of this process's own (one
+    process wins the move), and put back if it turns out to be another's fresh marker after all."""
+    taken = marker.with_name(f"{marker.name}.stale{TMP_INFIX}{os.getpid()}")
     try:
-        stale = marker.read_text()
-        if holder(marker.parent) is None and marker.read_text() == stale:
-            marker.unlink()
+        os.rename(marker, taken)
     except OSError:  # gone already: another opener took it over first
-        pass
+        return
+    try:
+        host, pid = taken.read_text().split()
+        alive = holder_of(host, pid)
+    except (OSError, ValueError):  # garbled: nobody's
+        alive = False
+    if alive:
+        with contextlib.suppress(OSError):  # a live process's marker: back, unless a new one is there
+            os.link(taken, marker)
+    taken.unlink(missing_ok=True)
 
 
 def holder(root: Path) -> str | None:
@@ -680,15 +692,21 @@ def holder(root: Path) -> str | None:
         host, pid = (Path(root) / OPEN_MARKER).read_text().split()
     except (OSError, ValueError):  # no marker (or no folder, or a path through a file), or a garbled one
         return None
+    return f"{host} {pid}" if holder_of(host, pid) else None
+
+
+def holder_of(host: str, pid: str) -> bool:
+    """Whether the process `pid` on `host` may be alive: one on this host is checked, one on another host
+    cannot be and counts as alive."""
     if host != socket.gethostname():
-        return f"{host} {pid}"
+        return True
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
-        return None
+        return False
     except PermissionError:  # alive, another user's
         pass
-    return f"{host} {pid}"
+    return True
 
 
 def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:

@@ -174,6 +174,8 @@ def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
             rgb = image if image.mode == "RGB" else image.convert("RGB")
             # np.asarray goes through a read-only bytes object; copy once into memory we own
             return np.array(rgb, dtype=np.uint8, copy=True)
+    except ImageConversionError:  # this function's own (size, mode): as it is, not as corrupt data
+        raise
     except PILImage.UnidentifiedImageError:
         raise ImageConversionError(
             f"corrupt or mislabelled image: {flat.size} bytes are not a {pil_format} stream "

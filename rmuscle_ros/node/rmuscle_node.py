@@ -440,8 +440,9 @@ class RMuscleNode(LifecycleNode):
         self._start_wait.clear()
         with self._stats_lock:
             self.waiting_for = ""
-        self._worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
-        self._worker.start()
+        worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
+        worker.start()  # kept only once started: a thread that never started cannot be joined
+        self._worker = worker
         self.get_logger().info(f"activate: one chunk every {period * 1e3:.0f} ms")
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -453,8 +454,10 @@ class RMuscleNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop_activity()  # shutdown may come from any state: undo activate, then configure
-        self._release()
+        try:
+            self._stop_activity()  # shutdown may come from any state: undo activate, then configure
+        finally:  # whatever stopping raised, the episode in progress is recorded and the model freed
+            self._release()
         return TransitionCallbackReturn.SUCCESS
 
     def _stop_activity(self) -> None:

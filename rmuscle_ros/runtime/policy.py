@@ -140,17 +140,8 @@ class Policy:
             raise ValueError(
                 f"cache: rMuscle needs backend 'graph' (GPU) or 'fused' (CPU), not {cfg.backend!r}"
             )
-        model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
-        options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
-        if cfg.backend in EXPORTED:
-            options["cache_dir"] = cfg.engine_cache_dir
-        if cfg.backend == "graph" and cfg.engine_cache_dir:
-            options["kernel_cache_dir"] = str(Path(cfg.engine_cache_dir) / "triton")
-        if cache is not None:
-            options["cache"] = cache.shapes()
-        self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
-        self.rmuscle = RMuscle(self.engine, cache, weights_fingerprint(model)) if cache is not None else None
-        del model  # the engines hold what they need (folded copies for graph/fused)
+        # What can be refused without the model goes first: nothing to undo yet (a library opened by RMuscle
+        # below holds its marker until closed; found in review: a bad norm_stats after it left it open).
         self.stats: NormStats = (
             load_norm_stats(cfg.norm_stats)
             if cfg.norm_stats
@@ -166,14 +157,30 @@ class Policy:
             raise ValueError(
                 f"tokenizer: vocabulary {self.tokenizer.vocab_size} exceeds the model's {self.model_cfg.vocab_size}"
             )
+        model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
+        options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
+        if cfg.backend in EXPORTED:
+            options["cache_dir"] = cfg.engine_cache_dir
+        if cfg.backend == "graph" and cfg.engine_cache_dir:
+            options["kernel_cache_dir"] = str(Path(cfg.engine_cache_dir) / "triton")
+        if cache is not None:
+            options["cache"] = cache.shapes()
+        self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
+        self.rmuscle = RMuscle(self.engine, cache, weights_fingerprint(model)) if cache is not None else None
+        del model  # the engines hold what they need (folded copies for graph/fused)
         self._noise = torch.Generator().manual_seed(cfg.seed)
         # The images of the latest preprocess. With the engine on a GPU they are made there: the frames go
         # up as uint8 through pinned buffers (a DMA the host does not wait on) and are resampled on the GPU,
         # which takes the host's ~2-3 ms of PyTorch work per call off the call (bench/bench_preprocess.py).
         s, slots = self.model_cfg.vision.image_size, self.model_cfg.num_cameras
         on_gpu = self.device.type == "cuda"
-        self._images = torch.empty(1, slots, 3, s, s, device=self.device if on_gpu else "cpu")
-        self._uploads = ImageUploads(self.device) if on_gpu else None
+        try:
+            self._images = torch.empty(1, slots, 3, s, s, device=self.device if on_gpu else "cpu")
+            self._uploads = ImageUploads(self.device) if on_gpu else None
+        except BaseException:  # out of memory, ...: the library goes back to whoever opens it next
+            if self.rmuscle is not None:
+                self.rmuscle.close()
+            raise
 
     def warmup(self, prompt: str = "warm up") -> dict[str, float]:
         """Backend warm-up (graph capture) plus one full inference on a synthetic observation (seconds)."""
