@@ -1005,6 +1005,121 @@ def test_the_player_skips_types_not_installed_and_waits_only_for_the_remapped_to
     assert player.published == recorded + 5, "the cameras, the joints and /chatter; not the gripper's"
 
 
+def test_a_moved_bag_moves_every_stamp_and_plays_its_own_clock_not_the_recorded_one(
+    harness, tmp_path
+) -> None:
+    """`--start-ns` on a cell's recording: stamps move in messages of this package's types (ActionChunk)
+    and further inside a message (a Time field; each transform of a /tf message), and a /clock recorded in
+    the bag is not replayed beside the player's own, shifted one. Before (found in review) those stamps
+    stayed on the recorded day and the recorded /clock made sim time jump back and forth."""
+    from builtin_interfaces.msg import Time as TimeMsg
+    from rosbags.rosbag2 import Writer
+    from rosgraph_msgs.msg import Clock
+
+    from rmuscle_ros.node.bags import STORAGE
+
+    store = typestore(with_interfaces=True)
+    Time, Header = store.types["builtin_interfaces/msg/Time"], store.types["std_msgs/msg/Header"]
+    ClockT, Chunk = store.types["rosgraph_msgs/msg/Clock"], store.types["rmuscle_ros/msg/ActionChunk"]
+    recorded, moved_to = 1_700_000_000 * 10**9, 1_800_000_000 * 10**9
+    bag = tmp_path / "cell"
+    with Writer(bag, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        clock = writer.add_connection("/clock", ClockT.__msgtype__, typestore=store)
+        when = writer.add_connection("/stamp", Time.__msgtype__, typestore=store)
+        chunks = writer.add_connection("/chunks", Chunk.__msgtype__, typestore=store)
+        for k in range(5):
+            t = recorded + k * 10**8
+            at = Time(sec=t // 10**9, nanosec=t % 10**9)
+            writer.write(clock, t, bytes(store.serialize_cdr(ClockT(clock=at), ClockT.__msgtype__)))
+            writer.write(when, t, bytes(store.serialize_cdr(at, Time.__msgtype__)))
+            chunk = Chunk(header=Header(stamp=at, frame_id=""), episode_id=0, chunk_id=k, joint_names=[],
+                          horizon=1, action_dim=1, control_period_s=0.02, actions=np.zeros(1, np.float32),
+                          inference_latency_s=0.0, cache_mode=0, cache_similarity=0.0)  # fmt: skip
+            writer.write(chunks, t, bytes(store.serialize_cdr(chunk, Chunk.__msgtype__)))
+    h = harness()
+    got: dict[str, list] = {"/clock": [], "/stamp": [], "/chunks": []}
+    for topic, kind in (("/clock", Clock), ("/stamp", TimeMsg), ("/chunks", ActionChunk)):
+        h.peer.create_subscription(kind, topic, got[topic].append, 50)
+    player = BagPlayer(h.peer, bag, 10, remap={})
+    player.play(wait_for_subscribers_s=5.0, start_ns=moved_to)
+    assert h.wait_for(lambda: len(got["/stamp"]) == 5 and len(got["/chunks"]) == 5, timeout=5.0), got
+    assert player.skipped == {"/clock": "rosgraph_msgs/msg/Clock"}
+    seconds = {topic: sorted({m.sec if topic == "/stamp" else (m.clock.sec if topic == "/clock" else
+                                                               m.header.stamp.sec) for m in msgs})
+               for topic, msgs in got.items()}  # fmt: skip
+    assert all(sec // 10**8 == 18 for secs in seconds.values() for sec in secs), seconds
+
+
+def test_bags_the_player_cannot_play_are_refused_saying_why(harness, tmp_path) -> None:
+    """A ROS 1 bag (not CDR: published as it is it reaches nobody), a bag of types none installed here,
+    and, for the demo's --bags, a camera topic registered but without messages, are refused naming the
+    bag; a Humble sqlite3 bag, which embeds no message definitions, is read (found in review)."""
+    import sqlite3
+
+    from rosbags.highlevel import AnyReader
+    from rosbags.rosbag1 import Writer as Ros1Writer
+    from rosbags.rosbag2 import Writer
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    from rmuscle_ros.node.bags import STORAGE, bag_info
+    from rmuscle_ros.node.params import parameter_defaults
+    from rmuscle_ros.node.replay_demo import _check_bag
+
+    noetic = get_typestore(Stores.ROS1_NOETIC)
+    ros1 = tmp_path / "noetic.bag"
+    with Ros1Writer(ros1) as writer:
+        connection = writer.add_connection("/chatter", "std_msgs/msg/String", typestore=noetic)
+        writer.write(
+            connection,
+            10**18,
+            noetic.serialize_ros1(noetic.types["std_msgs/msg/String"](data="hi"), "std_msgs/msg/String"),
+        )
+    with pytest.raises(ValueError, match=r"noetic\.bag: a ROS 1 bag; convert it to rosbag2 first"):
+        bag_info(ros1)
+
+    humble = tmp_path / "humble"
+    write_aloha_episode(humble, seconds=0.2, storage="sqlite3")
+    database = sqlite3.connect(next(humble.glob("*.db3")))
+    database.execute("DELETE FROM message_definitions")
+    database.commit()
+    database.close()
+    assert bag_info(humble).topics[ALOHA_JOINT_TOPICS[0]][1] > 0
+
+    store = typestore()
+    store.register(get_types_from_msg("float64 position", "cell_driver/msg/GripperCommand"))
+    alien = tmp_path / "alien"
+    with Writer(alien, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        connection = writer.add_connection("/gripper/cmd", "cell_driver/msg/GripperCommand", typestore=store)
+        grip = store.types["cell_driver/msg/GripperCommand"](position=0.1)
+        writer.write(connection, 10**18, bytes(store.serialize_cdr(grip, grip.__msgtype__)))
+    with pytest.raises(
+        ValueError, match=r"alien: nothing to play: no topic's message type is installed here"
+    ):
+        BagPlayer(harness().peer, alien, 10).play()
+
+    died = tmp_path / "died"
+    write_aloha_episode(tmp_path / "full", seconds=0.2)
+    with (
+        AnyReader([tmp_path / "full"]) as reader,
+        Writer(died, version=9, storage_plugin=STORAGE["mcap"]) as writer,
+    ):
+        out = {
+            c.topic: writer.add_connection(c.topic, c.msgtype, typestore=typestore())
+            for c in reader.connections
+        }
+        for c, t, raw in reader.messages():
+            if c.topic != ALOHA_CAMERA_TOPICS[0]:  # the high camera died: its topic seen, nothing recorded
+                writer.write(out[c.topic], t, bytes(raw))
+    params = parameter_defaults()
+    remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], params["camera_topics"], strict=True)) | dict(
+        zip(ALOHA_JOINT_TOPICS, params["joint_state_topics"], strict=True)
+    )
+    with pytest.raises(
+        ValueError, match=r"died: nothing would reach the node's topic\(s\) \['images/base'\]"
+    ):
+        _check_bag(died, remap, params)
+
+
 def test_the_player_moves_a_messages_header_stamp_and_nothing_else() -> None:
     """`--start-ns` replays a bag as if recorded later (or earlier): each header stamp moves by the offset,
     byte for byte the rest of the message stays; a stamp never set (zero) stays zero."""

@@ -19,6 +19,7 @@ is not the node's process):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import struct
 import sys
@@ -143,12 +144,14 @@ def bag_info(path: Path) -> BagInfo:
     """What a bag holds, read from its metadata (no message is read). ValueError naming the bag if it
     cannot be opened or holds no message."""
     try:
-        with AnyReader([path]) as reader:
+        with _reader(path) as reader:
             topics: dict[str, tuple[str, int]] = {}
             for c in reader.connections:
                 count = topics.get(c.topic, (c.msgtype, 0))[1]
                 topics[c.topic] = (c.msgtype, count + c.msgcount)
             start, end = reader.start_time, reader.end_time
+    except BagRefused:
+        raise
     except Exception as e:  # rosbags raises its own types for every kind of unreadable bag
         raise ValueError(f"bag {path}: cannot be read ({type(e).__name__}: {e})") from None
     if not topics or sum(n for _, n in topics.values()) == 0:
@@ -156,9 +159,67 @@ def bag_info(path: Path) -> BagInfo:
     return BagInfo(start, end, topics)
 
 
-def _starts_with_header(msgtype: str) -> bool:
-    fields = typestore().fielddefs.get(msgtype, (None, []))[1]
-    return bool(fields) and fields[0][1][1] == "std_msgs/msg/Header"
+class BagRefused(ValueError):
+    """A bag this player will not play, with the reason."""
+
+
+def _reader(path: Path) -> AnyReader:
+    """A rosbag2 reader whose types come from the bag, or for a bag that embeds none (recorded before
+    ROS 2 Iron, e.g. a Humble cell's sqlite3 bags) from Jazzy's and this package's. A ROS 1 bag is
+    refused: its messages are not CDR, and published as they are they would reach nobody."""
+    reader = AnyReader([path], default_typestore=typestore(with_interfaces=True))
+    if not reader.is2:
+        raise BagRefused(f"bag {path}: a ROS 1 bag; convert it to rosbag2 first (rosbags-convert)")
+    return reader
+
+
+HEADER, TIME = "std_msgs/msg/Header", "builtin_interfaces/msg/Time"
+
+
+def _stamps_in(msgtype: str, fielddefs: Mapping[str, Any]) -> str:
+    """Where a message type's stamps are: "header" (it begins with a std_msgs/Header, whose stamp is
+    patched in the raw bytes), "nested" (a Header or Time further in, e.g. each transform of a /tf
+    message: deserialised, shifted and serialised again), or "" (none)."""
+
+    def holds_time(name: str, seen: frozenset[str]) -> bool:
+        if name in (HEADER, TIME):
+            return True
+        if name in seen or name not in fielddefs:
+            return False
+        return any(_field_type(f) and holds_time(_field_type(f), seen | {name}) for f in fielddefs[name][1])
+
+    fields = fielddefs.get(msgtype, (None, []))[1]
+    if fields and _field_type(fields[0]) == HEADER:
+        return "header"
+    return "nested" if holds_time(msgtype, frozenset()) else ""
+
+
+def _field_type(field: Any) -> str:
+    """The message type a rosbags field definition names, itself or as its sequence's element ("" if a
+    primitive)."""
+    _, (_kind, detail) = field
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, tuple) and detail and isinstance(detail[0], tuple):  # (element, size)
+        _element_kind, element = detail[0]
+        return element if isinstance(element, str) and "/" in element else ""
+    return ""
+
+
+def _shift_times(msg: Any, offset_ns: int) -> None:
+    """Move every builtin_interfaces/Time inside a deserialised message by `offset_ns` (zero stamps, never
+    set, stay zero), in place."""
+    if getattr(msg, "__msgtype__", "") == TIME:
+        if msg.sec or msg.nanosec:
+            msg.sec, msg.nanosec = divmod(msg.sec * 10**9 + msg.nanosec + offset_ns, 10**9)
+        return
+    if not dataclasses.is_dataclass(msg):
+        return
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if dataclasses.is_dataclass(item):
+                _shift_times(item, offset_ns)
 
 
 def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
@@ -213,12 +274,16 @@ class BagPlayer:
         A cell's recordings hold more than cameras and joints: topics whose message type is not installed
         here (a driver's own, e.g. a gripper command) are skipped (`skipped`), and with a remap only the
         remapped topics are waited for, since nobody may subscribe to the rest (/tf, diagnostics, ...)."""
-        with AnyReader([self.path]) as reader:
+        with _reader(self.path) as reader:
             offset = 0 if start_ns is None else start_ns - reader.start_time
-            shifted = {c.topic for c in reader.connections if offset and _starts_with_header(c.msgtype)}
+            fielddefs = reader.typestore.fielddefs
+            stamps = {c.topic: _stamps_in(c.msgtype, fielddefs) if offset else "" for c in reader.connections}
             pubs: dict[str, Any] = {}
             for c in reader.connections:
                 if c.topic in pubs or c.topic in self.skipped:
+                    continue
+                if c.topic == "/clock":  # this player publishes the clock itself, shifted with the stamps
+                    self.skipped[c.topic] = c.msgtype
                     continue
                 try:
                     message_class = _message_class(c.msgtype)
@@ -227,6 +292,11 @@ class BagPlayer:
                     continue
                 pubs[c.topic] = self.node.create_publisher(
                     message_class, self.remap.get(c.topic, c.topic), self._qos
+                )
+            if not pubs:
+                raise BagRefused(
+                    f"bag {self.path}: nothing to play: no topic's message type is installed here "
+                    f"({', '.join(f'{t} {m}' for t, m in sorted(self.skipped.items()))})"
                 )
             deadline = time.monotonic() + wait_for_subscribers_s
             awaited = [pub for topic, pub in pubs.items() if not self.remap or topic in self.remap]
@@ -248,8 +318,13 @@ class BagPlayer:
                 clock = self._clock_type()
                 clock.clock.sec, clock.clock.nanosec = divmod(t + offset, 10**9)
                 self._clock_pub.publish(clock)
-                if connection.topic in shifted:
+                where = stamps[connection.topic]
+                if where == "header":
                     raw = shift_header_stamp(raw, offset)
+                elif where == "nested":
+                    msg = reader.typestore.deserialize_cdr(raw, connection.msgtype)
+                    _shift_times(msg, offset)
+                    raw = reader.typestore.serialize_cdr(msg, connection.msgtype)
                 pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
                 self.published += 1
             for pub in pubs.values():
@@ -316,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if not args.bag.exists():
         p.error(f"bag {args.bag}: no such file or folder")
+    try:
+        bag_info(
+            args.bag
+        )  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
+    except ValueError as e:
+        p.error(str(e))
     if args.rate <= 0:
         p.error(f"--rate must be > 0, got {args.rate:g}")
     import rclpy
@@ -333,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"published {player.published} messages from {args.bag}")
         for topic, msgtype in sorted(player.skipped.items()):
-            print(f"skipped {topic}: its type {msgtype} is not installed here")
+            why = "the player publishes its own /clock" if topic == "/clock" else "not installed here"
+            print(f"skipped {topic} ({msgtype}): {why}")
     finally:
         node.destroy_node()
         rclpy.shutdown()

@@ -587,7 +587,8 @@ def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -
     if not bag.exists():
         raise ValueError(f"bag {bag}: no such file or folder")
     info = bag_info(bag)
-    published = {_absolute(remap.get(topic, topic)) for topic in info.topics}
+    # a topic registered but never published (a camera that died before the recording) reaches nothing
+    published = {_absolute(remap.get(topic, topic)) for topic, (_, count) in info.topics.items() if count}
     wanted = [*params["camera_topics"], *params["joint_state_topics"]]
     missing = [topic for topic in wanted if _absolute(topic) not in published]
     if missing:
