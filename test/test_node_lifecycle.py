@@ -1227,6 +1227,7 @@ def test_the_bag_player_command_refuses_bad_arguments_by_name(
         ([str(tmp_path / "missing")], "no such file or folder"),
         ([str(tmp_path), "--remap", "/a/b"], "expected FROM:=TO"),
         ([str(tmp_path), "--rate", "0"], "--rate must be > 0"),
+        ([str(tmp_path)], f"bag {tmp_path}: cannot be read"),  # a folder that is no bag
     ):
         with pytest.raises(SystemExit) as exit_:
             main(["play", *args])

@@ -391,14 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if not args.bag.exists():
         p.error(f"bag {args.bag}: no such file or folder")
-    try:
-        bag_info(
-            args.bag
-        )  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
-    except ValueError as e:
-        p.error(str(e))
     if args.rate <= 0:
         p.error(f"--rate must be > 0, got {args.rate:g}")
+    try:  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
+        bag_info(args.bag)
+    except ValueError as e:
+        p.error(str(e))
     import rclpy
     from rclpy.qos import qos_profile_sensor_data
 
