@@ -177,9 +177,9 @@ HEADER, TIME = "std_msgs/msg/Header", "builtin_interfaces/msg/Time"
 
 
 def _stamps_in(msgtype: str, fielddefs: Mapping[str, Any]) -> str:
-    """Where a message type's stamps are: "header" (it begins with a std_msgs/Header, whose stamp is
-    patched in the raw bytes), "nested" (a Header or Time further in, e.g. each transform of a /tf
-    message: deserialised, shifted and serialised again), or "" (none)."""
+    """Where a message type's stamps are: "header" (only in the std_msgs/Header it begins with, whose stamp
+    is patched in the raw bytes), "nested" (a Header or Time further in, e.g. each transform of a /tf
+    message, each pose of a path: deserialised, shifted and serialised again), or "" (none)."""
 
     def holds_time(name: str, seen: frozenset[str]) -> bool:
         if name in (HEADER, TIME):
@@ -189,7 +189,8 @@ def _stamps_in(msgtype: str, fielddefs: Mapping[str, Any]) -> str:
         return any(_field_type(f) and holds_time(_field_type(f), seen | {name}) for f in fielddefs[name][1])
 
     fields = fielddefs.get(msgtype, (None, []))[1]
-    if fields and _field_type(fields[0]) == HEADER:
+    later = any(_field_type(f) and holds_time(_field_type(f), frozenset({msgtype})) for f in fields[1:])
+    if fields and _field_type(fields[0]) == HEADER and not later:  # e.g. an image: its bytes stay as they are
         return "header"
     return "nested" if holds_time(msgtype, frozenset()) else ""
 
