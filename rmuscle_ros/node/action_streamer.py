@@ -47,7 +47,7 @@ from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import JointState
 
 from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
-from rmuscle_ros.node.observation import stamp_ns
+from rmuscle_ros.node.observation import joint_state_fault, stamp_ns
 from rmuscle_ros.node.params import (
     ALOHA_JOINTS,
     ParameterError,
@@ -299,7 +299,7 @@ class ActionStreamerNode(LifecycleNode):
     # -- callbacks ---------------------------------------------------------------------------------------
     def _on_joints(self, msg: JointState, prefix: str) -> None:
         names, positions = list(msg.name), list(msg.position)
-        if len(names) != len(positions) or len(set(names)) != len(names):
+        if joint_state_fault(names, positions):
             # which position is which joint's is not known: not taken as where the arm is (counted)
             self._counts["bad_joint_states"] += 1
             return

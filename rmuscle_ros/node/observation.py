@@ -33,6 +33,16 @@ class DropReason(enum.Enum):
     PROMPT_TRUNCATED = "prompt_truncated"  # the prompt with the state was longer than the model takes
 
 
+def joint_state_fault(names: list[str], positions: list[float]) -> str:
+    """Why a JointState's names and positions do not pair up ("" if they do): other counts, or a name
+    twice. Which position is which joint's is then unknown, and the message is not used."""
+    if len(names) != len(positions):
+        return f"{len(names)} names and {len(positions)} positions"
+    if len(set(names)) != len(names):
+        return f"names repeated: {sorted({n for n in names if names.count(n) > 1})}"
+    return ""
+
+
 class ObservationUnavailable(Exception):
     def __init__(self, reason: DropReason, detail: str) -> None:
         super().__init__(f"{reason.value}: {detail}")
@@ -102,11 +112,7 @@ class ObservationBuffer:
         next observation is a bad_state drop saying so, until the arm sends a well-formed one."""
         t = stamp_ns(msg.header)
         names, positions = list(msg.name), list(msg.position)
-        fault = ""
-        if len(names) != len(positions):
-            fault = f"{len(names)} names and {len(positions)} positions"
-        elif len(set(names)) != len(names):
-            fault = f"names repeated: {sorted({n for n in names if names.count(n) > 1})}"
+        fault = joint_state_fault(names, positions)
         with self._lock:
             if fault:
                 self._joint_faults[prefix] = fault
