@@ -395,14 +395,24 @@ def test_a_file_that_cannot_be_deleted_once_the_index_is_written_is_logged_not_r
 
 def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog, capsys) -> None:
     """A writer killed mid-write (or a power cut) leaves temporary files: the next open deletes them and
-    says so. An episode file the index does not name (its index write failed) is named and kept, and no
-    new episode is written over it. Files that are not the library's are left alone."""
+    says so (an open marker's draft only once its process is gone: a live one may be taking the marker).
+    An episode file the index does not name (its index write failed) is named and kept, and no new episode
+    is written over it. Files that are not the library's are left alone."""
+    import subprocess
+    import sys
+
     lib = ReferenceLibrary.open(tmp_path, KEY)
     lib.add(episode(seed=1), {"task": "t"})
     lib.close()
     (tmp_path / ".episode_000001.safetensors.tmp-99999").write_bytes(b"\0" * (1 << 20))
     (tmp_path / ".index.json.tmp-99999").write_text("{")
     (tmp_path / ".notes.tmp-1").write_text("the operator's")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (tmp_path / f".open.tmp-{int(gone.stdout)}").write_text("a marker draft of a process that died")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / f".open.tmp-{live.pid}").write_text("a live process's draft: it may be taking the marker")
     unnamed = tmp_path / "episode_000004.safetensors"
     unnamed.write_bytes(b"a whole episode whose index write failed")
     from rmuscle_ros.cache.library import main
@@ -414,9 +424,15 @@ def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: 
     assert ".notes.tmp-1" not in out
     caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
     again = ReferenceLibrary.open(tmp_path, KEY)
-    assert "removed 2 partial file(s) of writes that never finished (1.0 MiB)" in caplog.text
+    assert "removed 3 partial file(s) of writes that never finished (1.0 MiB)" in caplog.text
     assert "episode_000004.safetensors" in caplog.text and "kept and never used" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".notes.tmp-1", ".open"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        ".notes.tmp-1",
+        ".open",
+        f".open.tmp-{live.pid}",
+    ]
+    live.kill()
+    live.wait()
     assert sorted(again.entries) == [0] and again.problems == []
     assert again.add(episode(seed=2), {"task": "t"}) == 5, "the unnamed file's id is not reused"
     assert unnamed.read_bytes() == b"a whole episode whose index write failed"

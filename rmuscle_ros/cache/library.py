@@ -293,10 +293,22 @@ def _unnamed(root: Path, indexed: set[int]) -> dict[int, str]:
     }
 
 
+def _marker_draft(root: Path, suffix: str) -> Path:
+    """A file of one process's own beside the open marker (`_mark_open`, `_remove_stale_marker`), named
+    by its pid (last, after a '-')."""
+    return root / f"{OPEN_MARKER}{TMP_INFIX}{suffix}"
+
+
 def _leftovers(root: Path) -> list[Path]:
-    """Temporary files of writes that never finished (a process killed mid-write, a power cut)."""
+    """Temporary files of writes that never finished (a process killed mid-write, a power cut). The open
+    marker's drafts count only once their process is gone: a live one may be taking the marker."""
     ours = (f".{INDEX}{TMP_INFIX}*", f".{OPEN_MARKER}{TMP_INFIX}*", f".episode_*.safetensors{TMP_INFIX}*")
-    return sorted(p for pattern in ours for p in root.glob(pattern) if p.is_file())
+    found = [p for pattern in ours for p in root.glob(pattern) if p.is_file()]
+    for draft in root.glob(_marker_draft(root, "*").name):
+        pid = draft.name.rsplit("-", 1)[-1]
+        if draft.is_file() and pid.isdigit() and not holder_of(socket.gethostname(), pid):
+            found.append(draft)
+    return sorted(found)
 
 
 class ReferenceLibrary:
@@ -411,10 +423,15 @@ class ReferenceLibrary:
         written costs the marker, not the library: the node runs on and fails only where it records (its
         reset reports it)."""
         marker, me = self.root / OPEN_MARKER, _this_process()
-        mine = self.root / f".{OPEN_MARKER.lstrip('.')}{TMP_INFIX}{os.getpid()}"
+        mine = _marker_draft(self.root, str(os.getpid()))
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            _write_atomic(mine, me.encode())
+            # Written in place, not through _write_atomic: its temporary name is one a live holder's open
+            # deletes as a leftover (`_leftovers`), which would leave this opener without a marker.
+            with open(mine, "w") as out:
+                out.write(me)
+                out.flush()
+                os.fsync(out.fileno())
             try:
                 for _ in range(3):
                     try:
@@ -668,7 +685,7 @@ def _this_process() -> str:
 def _remove_stale_marker(marker: Path) -> None:
     """Take away a marker whose process is gone. It is first moved to a name of this process's own (one
     process wins the move), and put back if it turns out to be another's fresh marker after all."""
-    taken = marker.with_name(f"{marker.name}.stale{TMP_INFIX}{os.getpid()}")
+    taken = _marker_draft(marker.parent, f"stale-{os.getpid()}")
     try:
         os.rename(marker, taken)
     except OSError:  # gone already: another opener took it over first
