@@ -54,7 +54,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    cfg = PolicyConfig(preset=args.preset, device=args.device, backend=args.backend)
+    cfg = PolicyConfig(preset=args.preset, device=args.device, backend=args.backend, random_weights=True)
     # On a GPU the policy resamples the images there. A second policy, alternated call by call with the
     # first, times the path before that (the images resampled on the host into pinned memory, then copied
     # up): its buffers swapped by reaching into it, which only a benchmark should do.

@@ -117,7 +117,7 @@ for step in $steps; do
                 node_setup) echo "ROS 2 installed: AMENT_PREFIX_PATH=$prefix" ;;
                 node)
                     AMENT_PREFIX_PATH=$prefix timeout 300 python3 -m rmuscle_ros.demo --seconds 10 --out "$out/node_demo_$commit" \
-                        --param model.preset=pi05 --param model.device=cuda --param model.backend=graph --param cpu_threads=0 \
+                        --param model.preset=pi05 --param model.random_weights=true --param model.device=cuda --param model.backend=graph --param cpu_threads=0 \
                         2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_demo_$commit.txt"
                     rm -rf "$out/node_demo_$commit"/aloha_episode* ;;
                 node_tests)  # the node's tests on the graph backend on this GPU (tiny model), over DDS
@@ -126,13 +126,13 @@ for step in $steps; do
                     grep -E "^(FAILED|ERROR)|^E  |[0-9]+ (passed|failed)" "$out/node_tests_$commit.log" | head -30 ;;
                 node_stacks)  # bench/probe_node_stacks.py: slow preprocessing, with every thread's stack
                     AMENT_PREFIX_PATH=$prefix timeout 420 python3 bench/probe_node_stacks.py --seconds 15 --episodes 6 \
-                        --param model.preset=pi05 --param model.device=cuda --param model.backend=graph \
+                        --param model.preset=pi05 --param model.random_weights=true --param model.device=cuda --param model.backend=graph \
                         --param cpu_threads=0 --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
                         --commit "$commit" --out "$out" 2>&1 | quiet | grep "^#\|^- call\|preprocessing calls\|Error"
                     rm -rf "$out/probe_node_stacks_${commit}_run"/aloha_episode* ;;
                 node_soak)  # a shift: the warm-up and 7 repeats of 15 s, the node at full size on the GPU
                     AMENT_PREFIX_PATH=$prefix timeout 420 python3 -m rmuscle_ros.demo --seconds 15 --episodes 8 \
-                        --out "$out/node_soak_$commit" --param model.preset=pi05 --param model.device=cuda \
+                        --out "$out/node_soak_$commit" --param model.preset=pi05 --param model.random_weights=true --param model.device=cuda \
                         --param model.backend=graph --param cpu_threads=0 \
                         2>&1 | quiet | grep "^\[demo\]\|Error" | tee "$out/node_soak_$commit.txt"
                     rm -rf "$out/node_soak_$commit"/aloha_episode* ;;
@@ -143,7 +143,7 @@ for step in $steps; do
                         echo "--- $run"
                         PYTHONPATH=$path AMENT_PREFIX_PATH=$prefix timeout 200 python3 -m rmuscle_ros.demo \
                             --seconds 15 --episodes 3 --out "$out/node_soak_ab_${commit}_$run" \
-                            --param model.preset=pi05 --param model.device=cuda --param model.backend=graph \
+                            --param model.preset=pi05 --param model.random_weights=true --param model.device=cuda --param model.backend=graph \
                             --param cpu_threads=0 2>&1 | quiet | grep "^\[demo\]\|Error" \
                             | tee "$out/node_soak_ab_${commit}_$run.txt" | grep "p50\|tick\|motion\|Error"
                         rm -rf "$out/node_soak_ab_${commit}_$run"/aloha_episode*

@@ -74,7 +74,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     library = tempfile.mkdtemp(prefix="rmuscle_probe_")
-    cfg = PolicyConfig(preset=args.preset, device=args.device, backend=args.backend)
+    cfg = PolicyConfig(preset=args.preset, device=args.device, backend=args.backend, random_weights=True)
     policy = Policy(cfg, cache=RMuscleConfig(library_path=library, rebuilds_per_tick=20))
     policy.warmup()
     rmuscle = policy.rmuscle

@@ -9,7 +9,7 @@ than `--slow-ms` keeps its samples; the report says, per slow call, what the oth
 (the innermost frames of the samples, counted). A thread holding the interpreter lock shows up there;
 the sampler needs the lock too, so a thread holding it for long leaves gaps between samples.
 
-    python bench/probe_node_stacks.py --seconds 15 --episodes 4 --param model.preset=pi05 \
+    python bench/probe_node_stacks.py --seconds 15 --episodes 4 --param model.preset=pi05 --param model.random_weights=true \
         --param model.device=cuda --param model.backend=graph --param cpu_threads=0 --commit $(git rev-parse --short HEAD)
 
 A probe, not a benchmark: the sampler perturbs what it measures (it takes the lock every sample).

@@ -101,11 +101,38 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
         ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),
+        ({"model.preset": "pi05"}, r"^model\.checkpoint: preset 'pi05' needs a trained checkpoint"),
+        (
+            {"model.preset": "pi05", "model.checkpoint": "m", "model.norm_stats": "n.json"},
+            r"^model\.tokenizer: preset 'pi05' needs",
+        ),
+        ({"model.random_weights": True, "model.checkpoint": "m"}, r"^model\.random_weights: set, but so is"),
+        (
+            {"model.aloha_adapt_to_pi": True, "joint_names": ["a"]},
+            r"^model\.aloha_adapt_to_pi: needs ALOHA's 14-D",
+        ),
+        ({"model.delta_actions": [0]}, r"^model\.delta_actions: unknown parameter"),
+        (
+            {"delta_joint_actions": True, "action_joint_names": ["left_shoulder", "left_waist"]},
+            r"^delta_joint_actions: action joint 0 \('left_shoulder'\) is an offset from its state, but "
+            r"joint_names holds 'left_waist' there",
+        ),
     ],
 )
 def test_invalid_parameters_are_named(params: dict, message: str) -> None:
     with pytest.raises(ParameterError, match=message):
         node_config(params)
+
+
+def test_delta_joint_actions_are_every_arm_joint_but_the_grippers() -> None:
+    """openpi's ALOHA mask (6 joints offset, gripper absolute, per arm), from the node's joint names."""
+    cfg = node_config({"delta_joint_actions": True, "model.aloha_adapt_to_pi": True})
+    assert cfg.model.delta_actions == (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12)
+    assert cfg.model.aloha_adapt_to_pi
+    assert node_config({}).model.delta_actions == ()
+    assert node_config({"delta_joint_actions": True, "gripper_joint": ""}).model.delta_actions == tuple(
+        range(14)
+    )
 
 
 def test_cache_parameters_cover_the_runtime_config() -> None:

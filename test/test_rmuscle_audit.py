@@ -8,6 +8,7 @@ that is served; above `audit_max_error` the episode runs dense until it resets.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,7 +17,8 @@ import torch
 from test_rmuscle_runtime import CFG, FULL_REBUILD, episode, with_task
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
-from rmuscle_ros.runtime.policy import Policy
+from rmuscle_ros.runtime.action_space import ALOHA_DELTA_ACTIONS
+from rmuscle_ros.runtime.policy import Policy, PolicyConfig
 
 
 def noise(i: int) -> torch.Tensor:
@@ -35,9 +37,9 @@ def served(policy: Policy, observations, audit: bool) -> tuple[list, list]:
     return chunks, audits
 
 
-def warmed(cache: RMuscleConfig) -> Policy:
+def warmed(cache: RMuscleConfig, cfg: PolicyConfig = CFG) -> Policy:
     """A policy whose library holds one dense episode of the task."""
-    policy = Policy(CFG, cache)
+    policy = Policy(cfg, cache)
     served(policy, episode(5), audit=False)
     assert policy.reset_episode() == 0
     return policy
@@ -46,13 +48,19 @@ def warmed(cache: RMuscleConfig) -> Policy:
 LIVE = episode(5, offset=0.05, light=0.97, noise=2.0)
 
 
-def test_an_audit_measures_the_cached_chunk_against_the_same_call_run_dense() -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [CFG, dataclasses.replace(CFG, aloha_adapt_to_pi=True, delta_actions=ALOHA_DELTA_ACTIONS)],
+    ids=["absolute", "openpi_aloha"],
+)
+def test_an_audit_measures_the_cached_chunk_against_the_same_call_run_dense(cfg: PolicyConfig) -> None:
     """Each audit's error is the cached chunk's relative L2 error, in robot units, against what a dense
-    policy gives on the same observation and noise; auditing changes no chunk that is served."""
-    dense = Policy(CFG)
+    policy gives on the same observation and noise; auditing changes no chunk that is served. With delta
+    actions, between the chunks as published (the state added back)."""
+    dense = Policy(cfg)
     want = [dense.infer(obs, noise(i)).actions for i, obs in enumerate(LIVE)]
-    audited = warmed(RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=1))
-    plain = warmed(RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=0))
+    audited = warmed(RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=1), cfg)
+    plain = warmed(RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=0), cfg)
     chunks, audits = served(audited, LIVE, audit=True)
     unaudited, _ = served(plain, LIVE, audit=False)
     assert [c.cache_mode for c in chunks] == ["dense"] + ["cached"] * 4

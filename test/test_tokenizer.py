@@ -15,40 +15,6 @@ from rmuscle_ros.models.tokenizer import (
     load_tokenizer,
 )
 
-_CORPUS = [
-    "Task: pick up the red cube, State: 12 128 255 0 7;\nAction: ",
-    "Task: insert the peg into the socket, State: 64 65 66 200 1;\nAction: ",
-    "Task: fold the towel, State: 3 99 180 42 17;\nAction: ",
-    "Task: transfer the cube to the other arm, State: 250 251 252 253 254;\nAction: ",
-    "the quick brown fox jumps over the lazy dog 0123456789",
-] * 20
-
-
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 100-piece SentencePiece model laid out like PaliGemma's.
-
-    Same special ids (pad 0, eos 1, bos 2, unk 3), and like Gemma it keeps text as is (identity
-    normalisation, whitespace kept, "\n" a piece of its own) so the prompt's newline survives.
-    """
-    sentencepiece = pytest.importorskip("sentencepiece")
-    prefix = tmp_path_factory.mktemp("spm") / "tokenizer"
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(_CORPUS),
-        model_prefix=str(prefix),
-        vocab_size=100,
-        model_type="bpe",
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        user_defined_symbols=["\n"],
-        minloglevel=2,
-    )
-    return Path(f"{prefix}.model")
-
 
 def test_byte_tokenizer_ids_and_vocab() -> None:
     tokenizer = ByteTokenizer()

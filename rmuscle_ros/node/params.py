@@ -129,6 +129,10 @@ class NodeConfig:
     gripper_state_range: tuple[float, float] = (0.0, 1.0)  # [closed, open]; [0, 1]: the position as it is
     joint_names: tuple[str, ...] = ALOHA_JOINTS  # state order fed to the policy
     action_joint_names: tuple[str, ...] = ALOHA_JOINTS  # meaning of each action dimension
+    # The checkpoint predicts every action joint but the grippers (prefix + gripper_joint) as an offset from
+    # that joint's state, added back before publishing: openpi's ALOHA configs (use_delta_joint_actions,
+    # with model.aloha_adapt_to_pi), LeRobot's use_relative_actions. Sets model.delta_actions.
+    delta_joint_actions: bool = False
     control_period_s: float = 0.02  # the arm consumes one action per period (ALOHA: 50 Hz)
     actions_per_inference: int = 25  # actions executed before the next chunk is requested
     max_image_age_s: float = 0.25  # an observation older than this is stale (no chunk)
@@ -152,6 +156,24 @@ class NodeConfig:
     # the CPU demo's calls faster than 2 (README, Running the node).
     cpu_threads: int = 0
     cache: CacheParams = field(default_factory=CacheParams)
+
+
+def delta_actions(values: Mapping[str, Any]) -> tuple[int, ...]:
+    """The action dimensions delta_joint_actions makes offsets: every action joint but the grippers, each
+    of which must be the state's joint at the same index (the offset is added to it)."""
+    grippers = {prefix + values["gripper_joint"] for prefix in values["joint_name_prefixes"]}
+    dims = []
+    for i, name in enumerate(values["action_joint_names"]):
+        if values["gripper_joint"] and name in grippers:
+            continue
+        state = values["joint_names"]
+        if i >= len(state) or state[i] != name:
+            raise ParameterError(
+                f"delta_joint_actions: action joint {i} ({name!r}) is an offset from its state, but joint_names "
+                f"holds {state[i] if i < len(state) else 'nothing'!r} there; list both in the same order"
+            )
+        dims.append(i)
+    return tuple(dims)
 
 
 def state_sources(cfg: NodeConfig) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
@@ -189,6 +211,7 @@ DERIVED = {
     "model.cameras": "camera_topics",
     "model.state_dim": "joint_names",
     "model.action_dim": "action_joint_names",
+    "model.delta_actions": "delta_joint_actions",
 }
 
 
@@ -321,6 +344,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     model_fields["cameras"] = PI05_CAMERA_SLOTS[: len(values["camera_topics"])]
     model_fields["state_dim"] = len(values["joint_names"])
     model_fields["action_dim"] = len(values["action_joint_names"])
+    model_fields["delta_actions"] = delta_actions(values) if values["delta_joint_actions"] else ()
     if len(values["camera_topics"]) > len(PI05_CAMERA_SLOTS):
         raise ParameterError(
             f"camera_topics: π0.5 has {len(PI05_CAMERA_SLOTS)} image slots, got {len(values['camera_topics'])}"

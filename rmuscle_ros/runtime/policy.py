@@ -2,10 +2,12 @@
 
     Observation (camera images, joint state, task prompt)
       -> resize-with-pad to 224², map to [-1, 1]; missing camera -> masked slot
-      -> quantile-normalise the state, discretise it into the prompt, tokenise
+      -> the state in the checkpoint's convention (action_space: openpi's ALOHA adaptation), quantile-
+         normalise it, discretise it into the prompt, tokenise
       -> engine.sample_actions (eager, fused or graph backend), or rMuscle when a cache is configured
          (retrieval, Context/Action Cache, recording of dense episodes; cache.runtime)
-      -> drop the padded action dims, un-normalise -> ActionChunk in robot units
+      -> drop the padded action dims, un-normalise, add the state to delta actions, undo the ALOHA
+         adaptation -> ActionChunk in robot units
 
 Nothing here imports rclpy: the ROS node (next layer up) only converts messages to an Observation.
 """
@@ -23,9 +25,10 @@ import torch
 from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig, relative_l2
 from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
 from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
-from rmuscle_ros.models.config import PRESETS, Pi05Config, get_preset
+from rmuscle_ros.models.config import PALIGEMMA_VOCAB_SIZE, PRESETS, Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs
 from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
+from rmuscle_ros.runtime.action_space import ActionSpace
 from rmuscle_ros.runtime.normalize import NormStats, identity_stats, load_norm_stats
 from rmuscle_ros.runtime.transforms import (
     ImageUploads,
@@ -59,9 +62,13 @@ class PolicyConfig:
     """What a deployment chooses: model, weights, hardware, and the robot's dimensions."""
 
     preset: str = "tiny"
-    checkpoint: str | None = None  # LeRobot/openpi model.safetensors; None = seeded random weights
+    # LeRobot/openpi model.safetensors. None: seeded random weights, which a π0.5-size preset runs only
+    # with random_weights set (benchmarks): a cell whose checkpoint setting came out empty must not move
+    # its arms on them. The test presets (tiny, small) have no published weights and run random without it.
+    checkpoint: str | None = None
     norm_stats: str | None = None  # LeRobot normalizer .safetensors or openpi norm_stats.json
     tokenizer: str | None = None  # SentencePiece tokenizer.model; None = built-in byte tokenizer
+    random_weights: bool = False  # a π0.5-size preset without checkpoint, stats or tokenizer (benchmarks)
     device: str = "cpu"
     backend: str = "eager"
     dtype: str = "float32"  # eager backend only; the graph backend is bf16
@@ -72,6 +79,11 @@ class PolicyConfig:
     cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
     state_dim: int = 14  # ALOHA: 2 × (6 joints + gripper)
     action_dim: int = 14
+    # The state and action conventions the checkpoint was trained under (runtime.action_space): openpi's
+    # pi05_aloha configs set both (adapt_to_pi; use_delta_joint_actions: delta_actions = the 12 arm joints,
+    # action_space.ALOHA_DELTA_ACTIONS); LeRobot's pi05 neither, unless trained with use_relative_actions.
+    aloha_adapt_to_pi: bool = False
+    delta_actions: tuple[int, ...] = ()  # action dims predicted as offsets from the state's same dim
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +106,32 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= model.action_dim:
                 raise ValueError(f"{name}: must be an int in 1..{model.action_dim}, got {value!r}")
+        self.action_space  # noqa: B018 (validates aloha_adapt_to_pi and delta_actions)
+        if model.vocab_size == PALIGEMMA_VOCAB_SIZE:
+            self._check_deployable()
+        elif self.random_weights and self.checkpoint:
+            raise ValueError("random_weights: set, but so is checkpoint; choose one")
+
+    def _check_deployable(self) -> None:
+        """A π0.5-size preset runs a trained checkpoint with its own stats and tokenizer, or, with
+        random_weights, none of them: a setting left empty by mistake is refused, not replaced by a
+        stand-in the checkpoint was not trained with."""
+        given = {"checkpoint": self.checkpoint, "norm_stats": self.norm_stats, "tokenizer": self.tokenizer}
+        if self.random_weights:
+            if self.checkpoint:
+                raise ValueError("random_weights: set, but so is checkpoint; choose one")
+            return
+        missing = [name for name, value in given.items() if not value]
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: preset {self.preset!r} needs a trained checkpoint with its norm_stats and "
+                f"tokenizer (the PaliGemma SentencePiece model); {', '.join(missing)} not given. "
+                "Seeded random weights (benchmarks) need random_weights set"
+            )
+
+    @property
+    def action_space(self) -> ActionSpace:
+        return ActionSpace(self.state_dim, self.action_dim, self.aloha_adapt_to_pi, self.delta_actions)
 
     @property
     def model(self) -> Pi05Config:
@@ -142,20 +180,21 @@ class Policy:
             )
         # What can be refused without the model goes first: nothing to undo yet (a library opened by RMuscle
         # below holds its marker until closed; found in review: a bad norm_stats after it left it open).
+        self.space = cfg.action_space
         self.stats: NormStats = (
-            load_norm_stats(cfg.norm_stats)
+            load_norm_stats(cfg.norm_stats).first(cfg.state_dim, cfg.action_dim)
             if cfg.norm_stats
             else identity_stats(cfg.state_dim, cfg.action_dim)
         )
-        if self.stats.state.dim != cfg.state_dim or self.stats.actions.dim != cfg.action_dim:
-            raise ValueError(
-                f"norm_stats: state/action dims {self.stats.state.dim}/{self.stats.actions.dim} do not match "
-                f"state_dim/action_dim {cfg.state_dim}/{cfg.action_dim}"
-            )
         self.tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer)
-        if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+        vocab, model_vocab = self.tokenizer.vocab_size, self.model_cfg.vocab_size
+        if vocab > model_vocab:
+            raise ValueError(f"tokenizer: vocabulary {vocab} exceeds the model's {model_vocab}")
+        if model_vocab == PALIGEMMA_VOCAB_SIZE and not cfg.random_weights and vocab != model_vocab:
+            # Another SentencePiece model's ids would all mean other words to the checkpoint.
             raise ValueError(
-                f"tokenizer: vocabulary {self.tokenizer.vocab_size} exceeds the model's {self.model_cfg.vocab_size}"
+                f"tokenizer: {cfg.tokenizer} has {vocab} pieces; a π0.5 checkpoint reads PaliGemma's "
+                f"{model_vocab} (its tokenizer.model)"
             )
         model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
         options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
@@ -169,6 +208,7 @@ class Policy:
         self.rmuscle = RMuscle(self.engine, cache, weights_fingerprint(model)) if cache is not None else None
         del model  # the engines hold what they need (folded copies for graph/fused)
         self._noise = torch.Generator().manual_seed(cfg.seed)
+        self._model_state: np.ndarray | None = None  # the latest call's (infer)
         # The images of the latest preprocess. With the engine on a GPU they are made there: the frames go
         # up as uint8 through pinned buffers (a DMA the host does not wait on) and are resampled on the GPU,
         # which takes the host's ~2-3 ms of PyTorch work per call off the call (bench/bench_preprocess.py).
@@ -197,6 +237,11 @@ class Policy:
         """-> model inputs (batch 1), prompt token count, whether the prompt was truncated.
 
         The images are the policy's own buffer, overwritten by the next preprocess: clone them to keep them."""
+        inputs, num_tokens, truncated, _ = self._prepare(obs)
+        return inputs, num_tokens, truncated
+
+    def _prepare(self, obs: Observation) -> tuple[ModelInputs, int, bool, np.ndarray]:
+        """preprocess, and the state in the checkpoint's convention (what postprocess adds delta actions to)."""
         unknown = set(obs.images) - set(self.cfg.cameras)
         if unknown:
             raise ValueError(f"unknown camera(s) {sorted(unknown)}; configured: {list(self.cfg.cameras)}")
@@ -221,14 +266,15 @@ class Policy:
             raise ValueError(f"state must have shape ({self.cfg.state_dim},), got {state.shape}")
         if not np.isfinite(state).all():
             raise ValueError(f"state contains NaN or Inf: {state.tolist()}")
-        prompt = build_prompt(obs.prompt, discretize_state(self.stats.state.normalize(state)))
+        model_state = self.space.state_to_model(state)
+        prompt = build_prompt(obs.prompt, discretize_state(self.stats.state.normalize(model_state)))
         tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len)
         # The images where the engine runs, the rest as host tensors: each engine places them (the graph
         # engine packs the prompt on the host, so a device copy here would only be read back).
         inputs = ModelInputs(
             images, masks, torch.from_numpy(tok.tokens)[None], torch.from_numpy(tok.mask)[None]
         )
-        return inputs, tok.num_tokens, tok.truncated
+        return inputs, tok.num_tokens, tok.truncated, model_state
 
     def prompt_tokens(self, task: str) -> tuple[int, int]:
         """(tokens the prompt of `task` takes with the state, tokens the model takes). The state's bins take
@@ -243,15 +289,23 @@ class Policy:
         )
         return count, self.model_cfg.max_token_len
 
-    def postprocess(self, actions: torch.Tensor) -> np.ndarray:
-        """(1, horizon, padded action dim) normalised -> (horizon, action_dim) robot units, float32."""
+    def postprocess(self, actions: torch.Tensor, model_state: np.ndarray | None = None) -> np.ndarray:
+        """(1, horizon, padded action dim) normalised -> (horizon, action_dim) robot units, float32.
+        model_state: the call's state in the checkpoint's convention (ActionSpace.state_to_model), which
+        delta actions are offsets from; needed unless the action space is the identity."""
         raw = actions[0, :, : self.cfg.action_dim].float().cpu().numpy()
-        return self.stats.actions.unnormalize(raw).astype(np.float32)
+        unnormalized = self.stats.actions.unnormalize(raw)
+        if self.space.identity:
+            return unnormalized.astype(np.float32)
+        if model_state is None:
+            raise ValueError("postprocess: this checkpoint's actions need the call's state (model_state)")
+        return self.space.actions_to_robot(unnormalized, model_state)
 
     @torch.no_grad()
     def infer(self, obs: Observation, noise: torch.Tensor | None = None) -> ActionChunk:
         start = time.perf_counter()
-        inputs, num_tokens, truncated = self.preprocess(obs)
+        inputs, num_tokens, truncated, model_state = self._prepare(obs)
+        self._model_state = model_state  # for an audit of this call (_robot_error)
         if noise is None:
             noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
         t_model = time.perf_counter()
@@ -264,7 +318,7 @@ class Policy:
             begun = gpu_event(self.device)
             raw, info = self.engine.sample_actions(inputs, noise), CallInfo("dense", 0.0, reason="no cache")
             span = None if begun is None else (begun, gpu_event(self.device))
-        actions = self.postprocess(raw)  # .cpu() synchronises the device
+        actions = self.postprocess(raw, model_state)  # .cpu() synchronises the device
         if not np.isfinite(actions).all():
             self._refuse(actions, info)
         t_end = time.perf_counter()
@@ -325,7 +379,8 @@ class Policy:
 
     def _robot_error(self, cached: torch.Tensor, dense: torch.Tensor) -> float:
         return relative_l2(
-            torch.from_numpy(self.postprocess(cached)), torch.from_numpy(self.postprocess(dense))
+            torch.from_numpy(self.postprocess(cached, self._model_state)),
+            torch.from_numpy(self.postprocess(dense, self._model_state)),
         )
 
     def reconfigure_cache(self, **changes: object) -> None:
