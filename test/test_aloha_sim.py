@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 pytest.importorskip(
     "gym_aloha", reason="gym-aloha (the ALOHA scenes) is not installed: make venv installs it"
 )
 
+from rmuscle_ros.node.params import load_params_file
 from rmuscle_ros.sim.aloha import JOINT_STATE_NAMES, AlohaSim, CommandError, SimConfig, SimulationDiverged
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
@@ -43,8 +43,8 @@ def test_the_sim_speaks_the_real_followers_names_and_gripper_constants() -> None
     from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
 
     assert JOINT_STATE_NAMES == ALOHA_JOINT_STATE_NAMES
-    aloha = yaml.safe_load((CONFIG / "rmuscle_aloha.yaml").read_text())
-    node, streamer = aloha["rmuscle_node"]["ros__parameters"], aloha["action_streamer"]["ros__parameters"]
+    node = load_params_file(CONFIG / "rmuscle_aloha.yaml")
+    streamer = load_params_file(CONFIG / "rmuscle_aloha.yaml", "action_streamer")
     assert node["gripper_state_joint"] == "left_finger"
     assert tuple(node["gripper_state_range"]) == SimConfig().finger_range
     assert tuple(streamer["gripper_command_range"]) == SimConfig().gripper_joint_range
@@ -378,7 +378,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
 
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 60
     env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
-    aloha = yaml.safe_load((CONFIG / "rmuscle_aloha.yaml").read_text())["rmuscle_node"]["ros__parameters"]
+    aloha = load_params_file(CONFIG / "rmuscle_aloha.yaml")
     gripper_state = aloha["gripper_state_range"]
 
     def start(module: str, *args: str, table: str = "") -> object:

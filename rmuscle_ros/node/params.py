@@ -216,7 +216,10 @@ DERIVED = {
 
 
 def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, Any]:
-    """The `ros__parameters` of a ROS params file, flattened to dotted names (what --params-file gives)."""
+    """The `ros__parameters` a ROS params file gives `node_name`, flattened to dotted names (what
+    --params-file gives). Its section may be keyed `/**/name` (in any namespace: the shipped profiles, so
+    that the launch file's `namespace:=` keeps them; keyed `name` alone they match only `/name`, and a
+    namespaced node would start on the defaults), `/name` or `name`."""
 
     def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -224,7 +227,11 @@ def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, A
             out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
         return out
 
-    return flatten(yaml.safe_load(path.read_text())[node_name]["ros__parameters"])
+    document = yaml.safe_load(path.read_text())
+    for key in (f"/**/{node_name}", f"/{node_name}", node_name):
+        if key in document:
+            return flatten(document[key]["ros__parameters"])
+    raise KeyError(f"{path}: no section for {node_name} (keys: {', '.join(map(str, document))})")
 
 
 def parameter_defaults() -> dict[str, Any]:

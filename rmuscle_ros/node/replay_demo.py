@@ -119,12 +119,10 @@ def run(
     params = load_params_file(CONFIG)
     streamer_params: dict[str, Any] = {}
     if sim:  # the simulated arms speak a real ALOHA's gripper units: the node and streamer convert as on one
-        aloha = yaml.safe_load(ALOHA_CONFIG.read_text())
-        node_aloha = aloha["rmuscle_node"]["ros__parameters"]
+        node_aloha = load_params_file(ALOHA_CONFIG)
         params |= {k: node_aloha[k] for k in ("gripper_state_joint", "gripper_state_range")}
-        streamer_params = {
-            "gripper_command_range": aloha["action_streamer"]["ros__parameters"]["gripper_command_range"]
-        }
+        streamer_aloha = load_params_file(ALOHA_CONFIG, "action_streamer")
+        streamer_params = {"gripper_command_range": streamer_aloha["gripper_command_range"]}
     streamer_params |= dict(streamer_overrides or {})
     params |= dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
