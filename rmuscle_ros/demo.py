@@ -48,6 +48,22 @@ def load_demo_config(path: Path) -> tuple[PolicyConfig, dict[str, Any]]:
     }
 
 
+def parse_param(name: str, text: str, defaults: dict[str, Any]) -> Any:
+    """A `--param NAME=VALUE`'s value as the parameter's type: a string parameter takes the text as written
+    (a prompt with '#' or ':' in it: YAML cut it at the '#' or made it a mapping, found in review), an int
+    given for a float parameter is that float; the rest is read as YAML (true, 0.2, [a, b]). Raises
+    ValueError naming the parameter for a value no parameter takes (a mapping, nothing)."""
+    default = defaults.get(name)
+    if isinstance(default, str):
+        return text
+    value = yaml.safe_load(text)
+    if isinstance(value, dict) or value is None:
+        raise ValueError(f"{name}: {text!r} is no parameter value (a number, true/false, a string or a list)")
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--synthetic", action="store_true", help="policy only, synthetic observations, no ROS")
@@ -90,20 +106,31 @@ def main(argv: list[str] | None = None) -> int:
         help="--sim: an aloha_sim parameter, e.g. placement_spread=0.25 or cameras=[top] (repeatable)",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.calls is not None and args.calls < 1:
+        p.error(f"--calls: at least 1, got {args.calls}")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out}: is a file, not a folder")
+    if args.synthetic and (args.param or args.sim_param):
+        p.error("--param / --sim-param: for the node (bag or --sim demo), not --synthetic (use --config)")
     if not args.synthetic:
+        from rmuscle_ros.node.aloha_sim import sim_defaults
+        from rmuscle_ros.node.params import parameter_defaults
         from rmuscle_ros.node.replay_demo import print_summary, run
 
         overrides: dict[str, Any] = {}
         sim_params: dict[str, Any] = {}
-        for flag, items, into in (
-            ("--param", args.param, overrides),
-            ("--sim-param", args.sim_param, sim_params),
+        for flag, items, into, defaults in (
+            ("--param", args.param, overrides, parameter_defaults()),
+            ("--sim-param", args.sim_param, sim_params, sim_defaults()),
         ):
             for item in items:
                 name, sep, value = item.partition("=")
                 if not sep or not name:
                     p.error(f"{flag} {item!r}: expected NAME=VALUE")
-                into[name] = yaml.safe_load(value)
+                try:
+                    into[name] = parse_param(name, value, defaults)
+                except ValueError as e:
+                    p.error(f"{flag} {e}")
         if sim_params and not args.sim:
             p.error("--sim-param: only with --sim")
         from rmuscle_ros.node.bags import parse_remaps
@@ -143,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print_summary(summary)
         return 0 if summary["chunks"] > 0 else 1
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
     cfg, demo = load_demo_config(args.config)
     calls = args.calls or demo["calls"]
 

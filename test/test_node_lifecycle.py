@@ -689,6 +689,12 @@ def test_invalid_parameter_fails_configure_and_says_why(harness) -> None:
     _configure_fails_saying(harness(**{"cache.rho_p": 2.0}), "cache.rho_p")
 
 
+def test_a_misspelt_parameter_fails_configure_naming_it(harness) -> None:
+    """rclpy drops an override the node never declares: a params file's typo would leave the default in
+    force without a word (found in review)."""
+    _configure_fails_saying(harness(**{"max_image_age": 0.05}), "max_image_age: unknown parameter")
+
+
 def test_missing_checkpoint_fails_configure(harness, tmp_path) -> None:
     _configure_fails_saying(
         harness(**{"model.checkpoint": str(tmp_path / "absent.safetensors")}), "absent.safetensors"
@@ -940,7 +946,8 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
     for param, says in (
         ("cache.rho_q=0.5", "not parameters of rmuscle_node: ['cache.rho_q']"),
         ("cache.rho_p", "expected NAME=VALUE"),
-        ("cache.rho_p=3", "write floats with a decimal point"),
+        ("cache.rho_p=3", "invalid parameter cache.rho_p: must be in (0, 1], got 3.0"),  # an int for a float
+        ("cache.rho_p=", "--param cache.rho_p: '' is no parameter value"),
         ("cache.rho_p=3.0", "invalid parameter cache.rho_p: must be in (0, 1], got 3.0"),
     ):
         with pytest.raises(SystemExit) as exit_:
@@ -950,12 +957,20 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
     for option, says in (
         (["--episodes", "0"], "episodes: at least 1"),
         (["--seconds", "0"], "seconds: an episode"),
+        (["--seconds", "inf"], "seconds: an episode must last more than 0 s and at most 3600"),
+        (["--calls", "0"], "--calls: at least 1, got 0"),
+        (["--synthetic", "--param", "prompt=x"], "--param / --sim-param: for the node"),
+        (["--synthetic", "--config", str(tmp_path / "absent.yaml")], "no such file"),
         (["--domain-id", "233"], "domain id: 0 to 232, got 233"),
     ):
         with pytest.raises(SystemExit) as exit_:
             main([*option, "--out", str(tmp_path)])
         assert exit_.value.code == 2
         assert says in capsys.readouterr().err, option
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "a_file")])
+    assert exit_.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_the_player_skips_types_not_installed_and_waits_only_for_the_remapped_topics(

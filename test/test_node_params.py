@@ -92,7 +92,7 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ),
         ({"gripper_state_joint": "left_finger", "gripper_joint": ""}, r"^gripper_joint: names no gripper"),
         ({"prompt": "  "}, r"^prompt: must not be empty"),
-        ({"cpu_threads": -1}, r"^cpu_threads: must be >= 0 \(0: automatic\)"),
+        ({"cpu_threads": -1}, r"^cpu_threads: must be in 0\.\.\d+ \(0: automatic"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
         ({"stall_after_s": 0.0}, r"^stall_after_s: must be > 0"),
         ({"max_skew_s": 1e300}, r"^max_skew_s: must be > 0 and at most 3600 s"),
@@ -229,3 +229,29 @@ def test_a_namespaced_node_takes_its_profile(profile: str) -> None:
             node.destroy_node()
     finally:
         rclpy.shutdown(context=context)
+
+
+def test_demo_params_are_read_as_their_parameters_type() -> None:
+    """`--param prompt=...` is taken as written (YAML cut a prompt at '#' and made 'a: b' a mapping); an
+    int for a float parameter is that float; a value no parameter takes is refused by name."""
+    from rmuscle_ros.demo import parse_param
+
+    defaults = parameter_defaults()
+    assert parse_param("prompt", "fold the towel #2", defaults) == "fold the towel #2"
+    assert parse_param("prompt", "pick: grasp the handle", defaults) == "pick: grasp the handle"
+    assert parse_param("cache.task", "no", defaults) == "no"
+    assert parse_param("cache.rho_p", "1", defaults) == 1.0 and isinstance(
+        parse_param("cache.rho_p", "1", defaults), float
+    )
+    assert parse_param("cache.enabled", "true", defaults) is True
+    assert parse_param("camera_topics", "[a, b]", defaults) == ["a", "b"]
+    for text in ("", "{a: 1}"):
+        with pytest.raises(ValueError, match=r"^cache\.rho_p: .* is no parameter value"):
+            parse_param("cache.rho_p", text, defaults)
+
+
+def test_time_limits_and_threads_are_bounded() -> None:
+    with pytest.raises(ParameterError, match=r"^cache\.status_period_s: must be > 0 and at most 3600 s"):
+        node_config({"cache.status_period_s": 1e300})
+    with pytest.raises(ParameterError, match=r"^cpu_threads: must be in 0\.\.\d+ \(0: automatic"):
+        node_config({"cpu_threads": 2**31})

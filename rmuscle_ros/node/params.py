@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +33,8 @@ ALOHA_JOINTS = tuple(
 class ParameterError(ValueError):
     """An invalid node parameter; the message starts with the parameter's name."""
 
+
+MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
 
 # CacheParams field -> RMuscleConfig field, where the ROS name says more than the runtime's.
 _RUNTIME_NAMES = {"similarity_threshold": "threshold"}
@@ -68,8 +71,11 @@ class CacheParams:
     status_period_s: float = 1.0  # ~/cache_status period while active
 
     def __post_init__(self) -> None:
-        if not (self.status_period_s > 0 and math.isfinite(self.status_period_s)):
-            raise ParameterError(f"cache.status_period_s: must be > 0, got {self.status_period_s!r}")
+        # at most an hour, as the node's other periods (1e300 overflowed the timer at activation)
+        if not 0 < self.status_period_s <= MAX_SECONDS:
+            raise ParameterError(
+                f"cache.status_period_s: must be > 0 and at most {MAX_SECONDS:g} s, got {self.status_period_s!r}"
+            )
         # A negative cosine similarity as the bar for "the same task" would accept any scene.
         if not 0.0 <= self.similarity_threshold <= 1.0:
             raise ParameterError(
@@ -298,9 +304,6 @@ def flat_config(config_class: type[_C], params: Mapping[str, Any]) -> _C:
     return config_class(**{name: check_type(name, params.get(name, d), d) for name, d in defaults.items()})
 
 
-MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
-
-
 def node_config(params: Mapping[str, Any]) -> NodeConfig:
     """Validate `params` (dotted names, as declared) and build the NodeConfig."""
     defaults = parameter_defaults()
@@ -341,8 +344,11 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     positive("stall_after_s")
-    if values["cpu_threads"] < 0:
-        raise ParameterError(f"cpu_threads: must be >= 0 (0: automatic), got {values['cpu_threads']}")
+    cores = os.cpu_count() or 1
+    if not 0 <= values["cpu_threads"] <= cores:  # 2**31 overflowed inside PyTorch at configure
+        raise ParameterError(
+            f"cpu_threads: must be in 0..{cores} (0: automatic; this machine's cores), got {values['cpu_threads']}"
+        )
 
     model_fields = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     for optional in ("checkpoint", "norm_stats", "tokenizer", "engine_cache_dir"):

@@ -47,6 +47,7 @@ from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState
 from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import SingleThreadedExecutor
+from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from std_srvs.srv import Trigger
 
@@ -63,7 +64,7 @@ from rmuscle_ros.node.bags import (
     write_aloha_episode,
     write_messages,
 )
-from rmuscle_ros.node.params import load_params_file, parameter_defaults
+from rmuscle_ros.node.params import MAX_SECONDS, load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
@@ -146,8 +147,10 @@ def run(
         infos = [_check_bag(b, remap, topics) for b in bags]
     if episodes < 1:
         raise ValueError(f"episodes: at least 1 (the warm-up), got {episodes}")
-    if not recorded and seconds <= 0:
-        raise ValueError(f"seconds: an episode must last more than 0 s, got {seconds:g}")
+    if not recorded and not 0 < seconds <= MAX_SECONDS:  # inf, nan: a clear error, not an overflow
+        raise ValueError(
+            f"seconds: an episode must last more than 0 s and at most {MAX_SECONDS:g}, got {seconds:g}"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
         starts = [infos[0].start_ns]
@@ -210,7 +213,10 @@ def run(
         node.trigger_configure()
         if node.cfg is None:
             raise ValueError(f"the node refused its parameters: {node.last_error}")
-        node.trigger_activate()
+        if (
+            node.trigger_activate() != TransitionCallbackReturn.SUCCESS
+        ):  # before, the bag played on regardless
+            raise ValueError(f"the node did not activate: {node.last_error or 'see its log'}")
         configure_s = time.perf_counter() - start
         resets = []
         for k in range(episodes):
@@ -723,8 +729,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"[demo] garbage collection while active: longest pause {summary['gc_pause_max_ms']:.1f} ms, "
         f"{summary['gc_full_collections']} full collection(s)"
     )
-    for i, e in enumerate(summary["episodes"]):
-        what = e.get("bag") or ("dense warm-up" if i == 0 else "repeat of the task")
+    for e in summary["episodes"]:
+        what = e.get("bag") or ("dense warm-up" if e["episode"] == 0 else "repeat of the task")
         modes = ", ".join(f"{m} {e['modes'].get(m, 0)}" for m in MODE_COLOURS)
         print(
             f"[demo] episode {e['episode']} ({what}): {e['chunks']} chunks: {modes}; hit rate {e['hit_rate']:.2f}; "

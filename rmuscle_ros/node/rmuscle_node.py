@@ -73,6 +73,12 @@ LIVE_PARAMETERS = {
 }
 
 
+def _declared(node: Any, name: str) -> bool:
+    """Whether a parameter override names a parameter the node has: its own, rclpy's (use_sim_time, ...),
+    or a publisher's QoS override (qos_overrides.*, declared when the publisher is made, at configure)."""
+    return node.has_parameter(name) or name.startswith("qos_overrides.")
+
+
 def _prompt_too_long(policy: Any, prompt: str) -> str:
     """Why `prompt` cannot run ("" if it can): past the model's token length its tail, the state and
     "Action:", would be cut off, and the actions would not depend on where the arms are."""
@@ -240,8 +246,15 @@ class RMuscleNode(LifecycleNode):
         self.get_logger().info(f"configure: PyTorch uses {wanted} CPU thread(s)")
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # A name the params file or -p gives that the node does not declare (a misspelt key) is otherwise
+        # dropped by rclpy, and the node would run on that parameter's default (found in review).
+        unknown = {
+            name: p.value for name, p in self._parameter_overrides.items() if not _declared(self, name)
+        }
         try:
-            cfg = node_config({name: self.get_parameter(name).value for name in parameter_defaults()})
+            cfg = node_config(
+                {name: self.get_parameter(name).value for name in parameter_defaults()} | unknown
+            )
         except ParameterError as e:
             return self._fail(f"configure: invalid parameter {e}")
         for name in ("camera_topics", "joint_state_topics"):  # what ROS will not take, before the model loads
@@ -256,9 +269,9 @@ class RMuscleNode(LifecycleNode):
         from rmuscle_ros.msg import ActionChunk
         from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring
 
-        self._set_cpu_threads(cfg.cpu_threads, cfg.model.device)
         policy = None
         try:
+            self._set_cpu_threads(cfg.cpu_threads, cfg.model.device)
             modes = _mode_codes(ActionChunk)
             start = time.perf_counter()
             policy = Policy(cfg.model, cache=cfg.cache.to_runtime() if cfg.cache.enabled else None)
