@@ -135,6 +135,36 @@ def test_images_to_model_padded_batches_cameras_bit_for_bit() -> None:
     assert (out == 7.0).all()
 
 
+def _textured_image() -> np.ndarray:
+    """A camera-like frame: gradients, fine stripes (cloth, cables) and sensor noise."""
+    y, x = np.mgrid[0:480, 0:640]
+    image = np.stack([(x * 0.4) % 256, (y * 0.5) % 256, ((x + y) * 0.2) % 256], -1)
+    image = image + 40 * np.sin(x / 1.5)[..., None] + np.random.default_rng(0).normal(0, 8, image.shape)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def test_antialias_resizes_as_pil_does_for_openpi_checkpoints() -> None:
+    """openpi shrinks its images with PIL's bilinear filter, which smooths; PyTorch's plain bilinear (as
+    LeRobot) does not, and on fine texture the two differ by much of the range. With antialias every
+    pixel is within 1 of 255 of PIL's, padding and placement the same."""
+    from PIL import Image
+
+    for image in (_textured_image(), _random_image(480, 640, seed=3)):
+        pil = np.zeros((224, 224, 3), np.uint8)
+        pil[28:196] = np.asarray(Image.fromarray(image).resize((224, 168), resample=Image.BILINEAR))
+        ours = resize_with_pad(image, antialias=True).astype(int)
+        assert np.abs(ours - pil).max() <= 1
+        assert np.abs(resize_with_pad(image).astype(int) - pil).max() > 20, "plain bilinear differs"
+        assert torch.equal(
+            image_to_model_padded(image, antialias=True),
+            image_to_model(resize_with_pad(image, antialias=True)),
+        )
+    images = {0: _textured_image(), 1: _random_image(480, 640, seed=3), 2: _random_image(300, 101, seed=4)}
+    out = torch.empty(3, 3, 224, 224)
+    images_to_model_padded(images, out, antialias=True)
+    assert all(torch.equal(out[i], image_to_model_padded(images[i], antialias=True)) for i in images)
+
+
 def test_images_to_model_padded_off_the_cpu_needs_uploads() -> None:
     """Into a tensor that is not on the CPU the frames must be uploaded first: without an ImageUploads the
     call says so; an ImageUploads is for a CUDA device only."""
@@ -154,16 +184,19 @@ GPU = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("height", "width"), [(480, 640), (300, 101), (120, 160), (224, 224), (225, 225), (640, 480)]
 )
-def test_images_to_model_padded_on_the_gpu_is_the_cpu_path_bit_for_bit(height: int, width: int) -> None:
+@pytest.mark.parametrize("antialias", [False, True])
+def test_images_to_model_padded_on_the_gpu_is_the_cpu_path_bit_for_bit(
+    height: int, width: int, antialias: bool
+) -> None:
     """The policy's path with the engine on a GPU (frames uploaded as uint8, resampled there) gives the
     CPU path's tensors exactly, for consecutive and scattered slots; a slot without an image is left as
     it was."""
     images = {slot: _random_image(height, width, seed=10 * slot + height) for slot in range(3)}
     images[4] = _random_image(height, width, seed=99)  # a scattered slot: written on its own
     cpu = torch.full((5, 3, 224, 224), 7.0)
-    images_to_model_padded(images, cpu)
+    images_to_model_padded(images, cpu, antialias=antialias)
     out = torch.full((5, 3, 224, 224), 7.0, device="cuda")
-    images_to_model_padded(images, out, ImageUploads(torch.device("cuda")))
+    images_to_model_padded(images, out, ImageUploads(torch.device("cuda")), antialias)
     gpu = out.cpu()
     assert (gpu[3] == 7.0).all(), "a slot without an image is left as it was"
     assert torch.equal(gpu, cpu), f"{(gpu != cpu).float().mean().item():.2e} of the values differ"

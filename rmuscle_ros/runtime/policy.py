@@ -77,6 +77,10 @@ class PolicyConfig:
     # set); None = Triton's default, ~/.triton/cache
     engine_cache_dir: str | None = None
     cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
+    # Shrink the images as the checkpoint's training did: openpi resizes with PIL's bilinear filter, which
+    # smooths while shrinking (True: within 1 of 255 of PIL's pixels); LeRobot with PyTorch's plain
+    # bilinear (False). On textures the two differ by up to half the range.
+    image_antialias: bool = False
     state_dim: int = 14  # ALOHA: 2 × (6 joints + gripper)
     action_dim: int = 14
     # The state and action conventions the checkpoint was trained under (runtime.action_space): openpi's
@@ -256,7 +260,8 @@ class Policy:
         if not present:
             raise ValueError("observation has no camera image")
         images = self._images
-        images_to_model_padded(present, images[0], self._uploads)  # the cameras of one size as one batch
+        # the cameras of one size as one batch
+        images_to_model_padded(present, images[0], self._uploads, self.cfg.image_antialias)
         for slot in range(self.model_cfg.num_cameras):
             if slot not in present:
                 images[0, slot].fill_(-1.0)  # missing slot = black, masked out

@@ -35,7 +35,7 @@ def check_rgb_u8(image: np.ndarray, name: str = "image") -> None:
 def _fitted_size(height: int, width: int, size: int) -> tuple[int, int]:
     """(new_h, new_w) of the aspect-preserving fit into size x size.
 
-    Same arithmetic as openpi/LeRobot, truncation included: for some input sizes (e.g. 225) the long
+    Same arithmetic as openpi and LeRobot, truncation included: for some input sizes (e.g. 225) the long
     side comes out as size - 1 and gets one padded row/column, and we keep that for parity.
     """
     ratio = max(width / size, height / size)
@@ -43,7 +43,7 @@ def _fitted_size(height: int, width: int, size: int) -> tuple[int, int]:
     return max(1, int(height / ratio)), max(1, int(width / ratio))
 
 
-def _resized(image: np.ndarray, size: int) -> tuple[torch.Tensor, int, int] | None:
+def _resized(image: np.ndarray, size: int, antialias: bool = False) -> tuple[torch.Tensor, int, int] | None:
     """The resampled pixels of `resize_with_pad`, rounded: (3, new_h, new_w) float32 holding integers in
     [0, 255], and the (top, left) corner they go to. None if the image is already size x size."""
     check_rgb_u8(image)
@@ -56,22 +56,26 @@ def _resized(image: np.ndarray, size: int) -> tuple[torch.Tensor, int, int] | No
     # interpolate works on (N, C, H, W) float; uint8 is resampled in float32 then rounded back, as the
     # reference PyTorch implementations do.
     chw = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
-    resized = F.interpolate(chw, size=(new_h, new_w), mode="bilinear", align_corners=False)
+    resized = F.interpolate(
+        chw, size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=antialias
+    )
     return resized[0].round().clamp(0, 255), (size - new_h) // 2, (size - new_w) // 2
 
 
-def resize_with_pad(image: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> np.ndarray:
+def resize_with_pad(image: np.ndarray, size: int = MODEL_IMAGE_SIZE, antialias: bool = False) -> np.ndarray:
     """Fit an RGB image into size x size: aspect-preserving bilinear resize, then centered zero padding.
 
     Args:
         image: (H, W, 3) uint8, any H, W >= 1.
         size: output side in pixels.
+        antialias: smooth while shrinking, as PIL's bilinear filter does (openpi resizes with PIL, LeRobot
+            with PyTorch's plain bilinear: the default). Within 1 of 255 of PIL's pixels.
 
     Returns:
         (size, size, 3) uint8. An input that is already (size, size, 3) is returned as is (same object,
         not resampled). Padding is 0 (black); top/left get (size - new) // 2, bottom/right the rest.
     """
-    fitted = _resized(image, size)
+    fitted = _resized(image, size, antialias)
     if fitted is None:
         return image
     pixels, top, left = fitted
@@ -82,12 +86,15 @@ def resize_with_pad(image: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> np.ndarr
 
 
 def image_to_model_padded(
-    image: np.ndarray, size: int = MODEL_IMAGE_SIZE, out: torch.Tensor | None = None
+    image: np.ndarray,
+    size: int = MODEL_IMAGE_SIZE,
+    out: torch.Tensor | None = None,
+    antialias: bool = False,
 ) -> torch.Tensor:
-    """image_to_model(resize_with_pad(image, size)) bit for bit, without the uint8 (size, size, 3)
-    intermediate: the rounded pixels are scaled where they land, the padding is -1.0 (black). Writes
+    """image_to_model(resize_with_pad(image, size, antialias)) bit for bit, without the uint8 (size, size,
+    3) intermediate: the rounded pixels are scaled where they land, the padding is -1.0 (black). Writes
     into out (3, size, size) float32 if given (bench/bench_preprocess.py times both paths)."""
-    fitted = _resized(image, size)
+    fitted = _resized(image, size, antialias)
     if fitted is None:
         model = image_to_model(image, size)
         return model if out is None else out.copy_(model)
@@ -100,7 +107,10 @@ def image_to_model_padded(
 
 
 def images_to_model_padded(
-    images: dict[int, np.ndarray], out: torch.Tensor, uploads: ImageUploads | None = None
+    images: dict[int, np.ndarray],
+    out: torch.Tensor,
+    uploads: ImageUploads | None = None,
+    antialias: bool = False,
 ) -> None:
     """image_to_model_padded for several images at once: image `images[i]` into `out[i]` ((slots, 3, size,
     size) float32; slots not in `images` are left as they are). A bad image raises ValueError before
@@ -112,7 +122,7 @@ def images_to_model_padded(
 
     With `out` on a GPU, `uploads` (required) copies the uint8 images there and the same operations run
     on the GPU, queued on the current stream: the host only copies the frames. The result is the CPU
-    path's, bit for bit (test/test_transforms.py, on a GPU)."""
+    path's, bit for bit (test/test_transforms.py, on a GPU). `antialias`: as resize_with_pad's."""
     size = out.shape[-1]
     groups: dict[tuple[int, int], list[int]] = {}
     for slot, image in images.items():
@@ -122,18 +132,25 @@ def images_to_model_padded(
         if uploads is None:
             raise ValueError(f"images_to_model_padded into {out.device} needs uploads (an ImageUploads)")
         for slots in groups.values():
-            _fill_padded(uploads.upload([images[slot] for slot in slots]), out, slots, uploads.full_scale)
+            _fill_padded(
+                uploads.upload([images[slot] for slot in slots]), out, slots, uploads.full_scale, antialias
+            )
         return
     for (height, width), slots in groups.items():
         if len(slots) == 1 or (height, width) == (size, size):
             for slot in slots:
-                image_to_model_padded(images[slot], size, out=out[slot])
+                image_to_model_padded(images[slot], size, out=out[slot], antialias=antialias)
             continue
-        _fill_padded(torch.from_numpy(np.stack([images[slot] for slot in slots])), out, slots)
+        batch = torch.from_numpy(np.stack([images[slot] for slot in slots]))
+        _fill_padded(batch, out, slots, antialias=antialias)
 
 
 def _fill_padded(
-    batch: torch.Tensor, out: torch.Tensor, slots: list[int], full_scale: float | torch.Tensor = 255.0
+    batch: torch.Tensor,
+    out: torch.Tensor,
+    slots: list[int],
+    full_scale: float | torch.Tensor = 255.0,
+    antialias: bool = False,
 ) -> None:
     """(n, H, W, 3) uint8 images, on out's device -> out[slots], with the operations of _resized and
     image_to_model_padded (image_to_model's for images already size x size), in place on the batch.
@@ -146,7 +163,9 @@ def _fill_padded(
             out[slot] = pixels[j].div_(full_scale).mul_(2.0).sub_(1.0)
         return
     new_h, new_w = _fitted_size(height, width, size)
-    pixels = F.interpolate(pixels, size=(new_h, new_w), mode="bilinear", align_corners=False)
+    pixels = F.interpolate(
+        pixels, size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=antialias
+    )
     pixels.round_().clamp_(0, 255).div_(full_scale).mul_(2.0).sub_(1.0)
     top, left = (size - new_h) // 2, (size - new_w) // 2
     rows, cols = slice(top, top + new_h), slice(left, left + new_w)
