@@ -124,6 +124,29 @@ def test_load_lerobot_safetensors(tmp_path: Path) -> None:
     assert stats.actions.q01.dtype == np.float32
 
 
+@pytest.mark.parametrize("mode", ["QUANTILES", "MEAN_STD", "QUANTILE10"])
+def test_lerobot_stats_trained_with_another_mode_are_refused(tmp_path: Path, mode: str) -> None:
+    """The normalizer file holds every statistic; the pipeline's JSON says which one the policy was trained
+    with. Only π0.5's quantiles are supported: another mode is refused naming it (found in review)."""
+    path = _write_lerobot(tmp_path / "policy_preprocessor_step_3_normalizer_processor.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"type": "pi05"}))  # other JSON beside it: ignored
+    steps = [
+        {"registry_name": "rename_observations_processor", "config": {}},
+        {"registry_name": "normalizer_processor", "state_file": path.name,
+         "config": {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": mode}}},
+    ]  # fmt: skip
+    (tmp_path / "policy_preprocessor.json").write_text(
+        json.dumps({"name": "policy_preprocessor", "steps": steps})
+    )
+    if mode == "QUANTILES":
+        assert load_norm_stats(path).actions.dim == 3
+        return
+    with pytest.raises(
+        ValueError, match=f"policy_preprocessor.json normalises ACTION with {mode}; only QUANTILES"
+    ):
+        load_norm_stats(path)
+
+
 @pytest.mark.parametrize("key", ["observation.state.q01", "action.q99"])
 def test_lerobot_missing_key_is_named(tmp_path: Path, key: str) -> None:
     path = _write_lerobot(tmp_path / "stats.safetensors", drop=key)

@@ -233,7 +233,29 @@ def _load_lerobot_stats(file: Path) -> NormStats:
             file, prefix, tensors[f"{prefix}.q01"], tensors[f"{prefix}.q99"], convention="lerobot"
         )
 
+    _check_lerobot_norm_modes(file)
     return NormStats(state=feature(LEROBOT_STATE_FEATURE), actions=feature(LEROBOT_ACTION_FEATURE))
+
+
+def _check_lerobot_norm_modes(file: Path) -> None:
+    """A LeRobot normalizer file holds every statistic (mean, std, min, max, quantiles) whatever the policy
+    was trained with; the pipeline's JSON beside it (policy_preprocessor.json) names the mode per feature
+    type. π0.5's is QUANTILES for state and actions; a checkpoint trained with another (MEAN_STD, MIN_MAX,
+    QUANTILE10) would be fed out-of-range inputs here, so it is refused naming the mode. Without such a
+    JSON (the file alone) nothing is checked."""
+    for pipeline in sorted(file.parent.glob("*.json")):
+        try:
+            steps = json.loads(pipeline.read_text()).get("steps", [])
+            norm_map = next(s["config"]["norm_map"] for s in steps if s.get("state_file") == file.name)
+        except (OSError, ValueError, AttributeError, KeyError, TypeError, StopIteration):
+            continue  # another JSON (config.json, ...), or a step without a mode
+        for kind in ("STATE", "ACTION"):
+            mode = norm_map.get(kind, "QUANTILES") if isinstance(norm_map, dict) else "QUANTILES"
+            if mode != "QUANTILES":
+                raise ValueError(
+                    f"norm stats file {file}: {pipeline.name} normalises {kind} with {mode}; only QUANTILES "
+                    "(π0.5's, q01/q99 onto [-1, 1]) is supported"
+                )
 
 
 def _load_openpi_stats(file: Path) -> NormStats:
