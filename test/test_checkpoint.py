@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import pickle
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,3 +133,185 @@ def test_corrupt_file_gives_a_clear_error(saved, tmp_path: Path, damage: str) ->
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not found"):
         _actions(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_files_are_converted(saved, tmp_path: Path, dtype: torch.dtype) -> None:
+    path, _ = saved
+    half = _rewrite(
+        path, tmp_path / "half.safetensors", lambda t: t.update({k: v.to(dtype) for k, v in t.items()})
+    )
+    model = load_model(get_preset("tiny"), half)
+    stored = load_file(str(half))["model.action_out_proj.weight"]
+    assert model.action_out_proj.weight.dtype == torch.float32
+    assert torch.equal(model.action_out_proj.weight, stored.float())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name"), [(torch.int8, "I8"), (torch.bool, "BOOL"), (torch.float8_e4m3fn, "F8_E4M3")]
+)
+def test_other_dtypes_are_refused(saved, tmp_path: Path, dtype: torch.dtype, name: str) -> None:
+    """An int8 copy used to come out all zeros (copy_ casts), FP8 to fail inside PyTorch."""
+    path, _ = saved
+    key = "model.action_out_proj.weight"
+    bad = _rewrite(path, tmp_path / "dtype.safetensors", lambda t: t.__setitem__(key, t[key].to(dtype)))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"tensor of a dtype .*: 'action_out_proj\.weight' is {name}; accepted: F32, BF16, F16",
+    ):
+        _actions(bad)
+
+
+def _pi0_layout(t: dict) -> None:
+    """Turn π0.5 tensors into π0's: plain RMSNorm weights in the expert, state_proj, a 2W-input time MLP."""
+    width = t["model.action_in_proj.weight"].shape[0]
+    for k in [
+        k for k in t if re.search(r"gemma_expert\.model\.(layers\.\d+\.\w+_layernorm|norm)\.dense\.", k)
+    ]:
+        if t.pop(k).ndim == 2:
+            t[k.replace(".dense.weight", ".weight")] = torch.zeros(width)
+    for k in [k for k in t if k.startswith("model.time_mlp_")]:
+        t[k.replace("model.time_mlp_", "model.action_time_mlp_")] = t.pop(k)
+    t["model.action_time_mlp_in.weight"] = torch.zeros(width, 2 * width)
+    t["model.state_proj.weight"], t["model.state_proj.bias"] = torch.zeros(width, 32), torch.zeros(width)
+
+
+def test_pi0_checkpoint_is_named_with_every_mismatch(saved, tmp_path: Path) -> None:
+    """A π0 file used to stop at its first missing tensor, before the check that carries the π0 hint."""
+    path, _ = saved
+    bad = _rewrite(path, tmp_path / "pi0.safetensors", _pi0_layout)
+    with pytest.raises(CheckpointError) as err:
+        _actions(bad)
+    message = str(err.value)
+    assert "pi0.safetensors" in message and "a π0 checkpoint?" in message
+    assert "'state_proj." in message and "input_layernorm.weight'" in message
+    # 2 layers x 2 norms + final norm, weight and bias each; the time MLP; state_proj + 5 plain norms.
+    assert re.search(r"missing tensor '[^;]*, … \(10 in all\)", message)
+    assert re.search(r"mis-shaped tensor 'action_time_mlp_in\.weight' has shape \[64, 128\][^;]*;", message)
+    assert re.search(r"unexpected tensor '[^;]*, … \(7 in all\)", message)
+
+
+def test_all_kinds_of_mismatch_are_reported_together(saved, tmp_path: Path) -> None:
+    path, _ = saved
+
+    def damage(t: dict) -> None:
+        t.pop("model.action_out_proj.bias")
+        t["model.action_in_proj.weight"] = torch.zeros(64, 14)
+        t["model.extra.weight"] = torch.zeros(2)
+
+    bad = _rewrite(path, tmp_path / "mixed.safetensors", damage)
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensor 'action_out_proj\.bias'; mis-shaped tensor 'action_in_proj\.weight' has "
+        r"shape \[64, 14\].*; unexpected tensor 'extra\.weight'; refusing",
+    ) as err:
+        _actions(bad)
+    assert "π0" not in str(err.value)
+
+
+def test_checkpoint_directory_holding_model_safetensors(saved, tmp_path: Path) -> None:
+    path, expected = saved
+    directory = tmp_path / "pretrained_model"
+    directory.mkdir()
+    shutil.copy(path, directory / "model.safetensors")
+    assert torch.equal(_actions(directory), expected)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty is a directory without a model\.safetensors"):
+        _actions(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "pickle"])
+def test_pickle_file_is_refused_unread(saved, tmp_path: Path, kind: str, monkeypatch) -> None:
+    path = tmp_path / "pytorch_model.bin"
+    if kind == "torch.save":  # a zip archive holding a pickle
+        torch.save({"w": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(pickle.dumps({"w": [0.0, 0.0]}, protocol=4))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    with pytest.raises(CheckpointError, match="a pickle checkpoint is refused; convert it to safetensors"):
+        _actions(path)
+
+
+def test_git_lfs_pointer_is_named(tmp_path: Path) -> None:
+    pointer = tmp_path / "model.safetensors"
+    pointer.write_bytes(
+        b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 14467030080\n"
+    )
+    with pytest.raises(CheckpointError, match=r"git-lfs pointer.*`git lfs pull`"):
+        _actions(pointer)
+
+
+def test_tensor_stored_with_and_without_the_prefix_is_refused(saved, tmp_path: Path) -> None:
+    """Stripping `model.` used to keep one of the two copies silently."""
+    path, _ = saved
+    key = "model.action_out_proj.weight"
+    bad = _rewrite(
+        path,
+        tmp_path / "dup.safetensors",
+        lambda t: t.__setitem__(key.removeprefix("model."), torch.zeros_like(t[key])),
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor stored twice: 'action_out_proj\.weight' and 'model\.action_out_proj",
+    ):
+        _actions(bad)
+
+
+def _beside(saved_path: Path, directory: Path, config: dict) -> Path:
+    directory.mkdir()
+    shutil.copy(saved_path, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory / "model.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "value", "ours"),
+    [
+        ({"type": "pi05", "chunk_size": 10, "num_inference_steps": 10}, "chunk_size", 10, "horizon = 50"),
+        (
+            {"type": "pi05", "chunk_size": 50, "num_inference_steps": 5},
+            "num_inference_steps",
+            5,
+            "num_steps = 10",
+        ),
+        ({"type": "pi05", "tokenizer_max_length": 48}, "tokenizer_max_length", 48, "max_token_len = 200"),
+        (
+            {"action_dim": 32, "action_horizon": 10, "paligemma_variant": "gemma_2b"},
+            "action_horizon",
+            10,
+            "horizon",
+        ),
+    ],
+)
+def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
+    saved, tmp_path: Path, config: dict, field: str, value: int, ours: str
+) -> None:
+    """These change no tensor's shape: a chunk_size-10 fine-tune used to run silently at horizon 50."""
+    path, _ = saved
+    ckpt = _beside(path, tmp_path / "pretrained_model", config)
+    with pytest.raises(
+        CheckpointError, match=rf"config\.json: .*{field} {value}, the model preset fixes {ours}"
+    ):
+        _actions(ckpt)
+    with pytest.raises(CheckpointError, match=field):  # the directory form reads the same config.json
+        _actions(ckpt.parent)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"type": "pi05", "chunk_size": 50, "num_inference_steps": 10, "tokenizer_max_length": 200},
+        {"type": "pi05"},  # fields it does not hold are not checked
+        {"type": "pi0", "chunk_size": 10},  # another policy's config.json is not read
+        {"dims": {"horizon": 10}},  # not a policy config at all
+    ],
+)
+def test_matching_or_unrelated_config_json_loads(saved, tmp_path: Path, config: dict) -> None:
+    path, expected = saved
+    assert torch.equal(_actions(_beside(path, tmp_path / "ckpt", config)), expected)

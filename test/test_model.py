@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import random_inputs, tiny_model
 
-from rmuscle_ros.models.config import GemmaConfig, Pi05Config, get_preset
+from rmuscle_ros.models.config import GemmaConfig, Pi05Config, VisionConfig, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 
@@ -42,6 +42,41 @@ def test_presets_share_the_structure() -> None:
 def test_invalid_configs_are_rejected(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(get_preset("tiny"), **change)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"horizon": 50.5}, "model.horizon must be a positive integer"),
+        ({"num_cameras": 2.5}, "model.num_cameras must be a positive integer"),
+        ({"num_steps": True}, "model.num_steps must be a positive integer"),
+        ({"max_token_len": 200.0}, "model.max_token_len must be a positive integer"),
+        ({"time_min_period": 10.0}, "time_min_period .* must be below time_max_period"),
+        ({"time_max_period": float("nan")}, "time_max_period must be a positive finite number"),
+        ({"vision": {"width": 64}}, "model.vision must be a VisionConfig"),
+        ({"expert": VisionConfig()}, "model.expert must be a GemmaConfig"),
+    ],
+)
+def test_config_fields_have_their_types(change: dict, message: str) -> None:
+    """Found in review: float dims and a dict vision were accepted, to fail later inside the model build."""
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(get_preset("tiny"), **change)
+
+
+def test_nested_configs_refuse_float_dims_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"vision\.depth must be a positive integer, got 2\.5"):
+        VisionConfig(width=64, depth=2.5, mlp_dim=128, num_heads=2)
+    with pytest.raises(ValueError, match=r"gemma\.head_dim must be a positive integer, got 16\.0"):
+        GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=16.0)
+    tiny = get_preset("tiny").to_dict()
+    yaml_floats = {**tiny, "vlm": {**tiny["vlm"], "depth": 2.0}, "expert": {**tiny["expert"], "depth": 2.0}}
+    with pytest.raises(ValueError, match=r"model\.vlm: gemma\.depth must be a positive integer, got 2\.0"):
+        Pi05Config.from_dict(yaml_floats)
+    with pytest.raises(ValueError, match=r"model\.vision must be a mapping"):
+        Pi05Config.from_dict({**tiny, "vision": 64})
+    with pytest.raises(ValueError, match=r"unknown model\.expert config keys: \['heads'\]"):
+        Pi05Config.from_dict({**tiny, "expert": {**tiny["expert"], "heads": 8}})
+    assert Pi05Config.from_dict(tiny) == get_preset("tiny")
 
 
 def test_unknown_preset() -> None:

@@ -1,11 +1,16 @@
 """Load π0.5 weights from a LeRobot / openpi PyTorch `model.safetensors` (never pickle).
 
 Accepted layouts (see ../shared/reference/pi05_architecture.md §2):
-- keys with or without LeRobot's `model.` prefix;
+- a `model.safetensors` file, or the directory holding one (LeRobot's `pretrained_model/`);
+- keys with or without LeRobot's `model.` prefix (a file holding one tensor under both is refused);
 - the token embedding stored as `…language_model.embed_tokens.weight`, or only as the tied
   `…paligemma.lm_head.weight` copy (openpi's converter deduplicates tied tensors);
-- `…lm_head.weight` tensors, which inference never uses, are accepted and ignored.
-Anything else unexpected, missing or mis-shaped is a `CheckpointError` naming the first offending key.
+- `…lm_head.weight` tensors, which inference never uses, are accepted and ignored;
+- F32, BF16 or F16 tensors (converted to the model's dtype); any other dtype is refused.
+Missing, mis-shaped and unexpected tensors are reported together in one `CheckpointError` (counts and the
+first few keys of each), with a hint when the file looks like a π0 checkpoint. A `config.json` beside
+the file (LeRobot's or openpi's converter's) that records another chunk size, step count or prompt length
+than the preset is refused (`check_recorded_config`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +41,22 @@ TIED_EMBEDDING_KEY = "paligemma_with_expert.paligemma.lm_head.weight"
 IGNORED_KEYS = frozenset({TIED_EMBEDDING_KEY, "paligemma_with_expert.gemma_expert.lm_head.weight"})
 # Older openpi PyTorch exports name the pi05 time MLP like pi0's.
 LEGACY_ALIASES = {"time_mlp_in.": "action_time_mlp_in.", "time_mlp_out.": "action_time_mlp_out."}
+# Stored dtypes copied into the model as values; int8/bool/FP8 would be cast (an int8 copy came out all
+# zeros) or fail deep inside PyTorch, and quantised files need their scales, which this loader does not read.
+ACCEPTED_DTYPES = ("F32", "BF16", "F16")
+LISTED = 3  # keys named per kind of mismatch in one error
+# `config.json` fields beside a checkpoint that fix what our presets fix: (its field, Pi05Config field).
+# LeRobot's names are PI05Config's (lerobot/policies/pi05/configuration_pi05.py, policy type "pi05");
+# openpi's PyTorch converter writes {action_dim, action_horizon, paligemma_variant, …} and no "type".
+LEROBOT_POLICY_TYPE = "pi05"
+LEROBOT_FIXED_FIELDS = (
+    ("chunk_size", "horizon"),
+    ("num_inference_steps", "num_steps"),
+    ("tokenizer_max_length", "max_token_len"),
+)
+OPENPI_FIXED_FIELDS = (("action_horizon", "horizon"), ("max_token_len", "max_token_len"))
+# π0 stores plain RMSNorm weights in the expert where π0.5 has adaRMS `…_layernorm.dense`, and a state_proj.
+PI0_EXPERT_NORM = re.compile(r"gemma_expert\.model\.(layers\.\d+\.\w+_layernorm|norm)\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -49,21 +71,72 @@ def checkpoint_key(ours: str) -> str:
     return ours
 
 
+def _checkpoint_file(path: Path) -> Path:
+    """The safetensors file `path` names: itself, or `model.safetensors` inside a checkpoint directory."""
+    if path.is_dir():
+        inner = path / "model.safetensors"
+        if inner.is_file():
+            return inner
+        raise CheckpointError(f"{path} is a directory without a model.safetensors; give the file's path")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    return path
+
+
+def _not_safetensors(path: Path) -> str | None:
+    """What a file safetensors cannot open is instead, judged from its first bytes (never unpickled).
+
+    Asked only after safetensors refused the file: a valid file's 8-byte header length may well begin
+    with 0x80 or "PK".
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(32)
+    except OSError:
+        return None
+    if head.startswith(b"version https://git-lfs"):
+        return "is a git-lfs pointer, not the weights; run `git lfs pull` in its repository"
+    if head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or a bare pickle
+        return (
+            "is a pickle file (torch.save's .bin / .pt), not safetensors: a pickle checkpoint is refused; "
+            "convert it to safetensors"
+        )
+    return None
+
+
+def _listed(what: str, items: list[str]) -> str:
+    """`what` and the first few `items`, with their count when there are several: one error, every kind."""
+    named = ", ".join(items[:LISTED]) + (", …" if len(items) > LISTED else "")
+    return f"{what} {named}" + (f" ({len(items)} in all)" if len(items) > 1 else "")
+
+
 class _Reader:
     """Read-only view of a safetensors file with the LeRobot prefix stripped."""
 
     def __init__(self, path: Path) -> None:
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint not found: {path}")
         try:
             self._file = safe_open(str(path), framework="pt")
             raw_keys = list(self._file.keys())
         except (SafetensorError, OSError, ValueError) as e:
+            other = _not_safetensors(path)
+            if other is not None:
+                raise CheckpointError(f"{path} {other}") from e
             raise CheckpointError(
                 f"{path} is not a readable safetensors file (corrupt or truncated?): {e}"
             ) from e
         self.path = path
-        self._names = {k.removeprefix(LEROBOT_PREFIX): k for k in raw_keys}
+        self._names: dict[str, str] = {}
+        duplicates: list[str] = []
+        for raw in sorted(raw_keys):
+            name = raw.removeprefix(LEROBOT_PREFIX)
+            if name in self._names:
+                duplicates.append(f"{self._names[name]!r} and {raw!r}")
+            self._names[name] = raw
+        if duplicates:
+            raise CheckpointError(
+                f"{path}: {_listed('tensor stored twice:', duplicates)}; with and without LeRobot's "
+                f"{LEROBOT_PREFIX!r} prefix, which copy is meant is unknown"
+            )
 
     @property
     def names(self) -> set[str]:
@@ -74,6 +147,10 @@ class _Reader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._file.get_slice(self._names[key]).get_shape())
+
+    def dtype(self, key: str) -> str:
+        """The stored dtype as safetensors names it: "F32", "BF16", "I8", "F8_E4M3", …"""
+        return self._file.get_slice(self._names[key]).get_dtype()
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
@@ -95,35 +172,102 @@ def _resolve(reader: _Reader, ours: str) -> str | None:
     return None
 
 
+def _architecture_hint(unexpected: list[str]) -> str:
+    evidence = [k for k in unexpected if "state_proj" in k][:1] + [
+        k for k in unexpected if PI0_EXPERT_NORM.search(k)
+    ][:1]
+    if not evidence:
+        return ""
+    return (
+        f" (it holds {' and '.join(map(repr, evidence))}: a π0 checkpoint? π0.5 has no state_proj, and its "
+        "expert norms are adaRMS `…_layernorm.dense`)"
+    )
+
+
+def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
+    """Refuse a checkpoint whose `config.json` records another horizon, step count or prompt length.
+
+    These change no tensor's shape, so the weights alone cannot tell: a fine-tune trained with `chunk_size`
+    10 or `num_inference_steps` 5 would run silently at the preset's 50 / 10. Read from a `config.json` in
+    the checkpoint file's directory: LeRobot's (`"type": "pi05"`: chunk_size, num_inference_steps,
+    tokenizer_max_length) or openpi's converter's (no "type"; action_horizon, max_token_len). Only the
+    fields it holds are checked; no `config.json`, another policy type or a missing field means no check.
+    """
+    config_file = checkpoint.parent / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        recorded = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{config_file} (beside {checkpoint.name}) cannot be read as JSON: {e}") from e
+    if not isinstance(recorded, dict):
+        return
+    if recorded.get("type") == LEROBOT_POLICY_TYPE:
+        fields = LEROBOT_FIXED_FIELDS
+    elif "type" not in recorded and "action_horizon" in recorded:
+        fields = OPENPI_FIXED_FIELDS
+    else:
+        return
+    for theirs, ours in fields:
+        if theirs in recorded and recorded[theirs] != getattr(cfg, ours):
+            raise CheckpointError(
+                f"{config_file}: the policy was trained with {theirs} {recorded[theirs]!r}, the model preset "
+                f"fixes {ours} = {getattr(cfg, ours)!r}; pick a preset that matches this checkpoint"
+            )
+
+
 def load_state(model: Pi05Model, path: str | os.PathLike[str]) -> None:
-    """Copy every parameter of `model` from the checkpoint at `path`, converting dtype, checking shapes."""
-    reader = _Reader(Path(path))
+    """Copy every parameter of `model` from the checkpoint at `path`, converting dtype, checking shapes.
+
+    `path` is a `model.safetensors` or the directory holding it. Nothing is copied unless the whole file
+    fits: every mismatch is reported at once, then dtypes are checked, then values (NaN/Inf).
+    """
+    file = _checkpoint_file(Path(path))
+    check_recorded_config(file, model.cfg)
+    reader = _Reader(file)
     params = dict(model.named_parameters())
     plan: dict[str, str] = {}
+    missing: list[str] = []
+    misshaped: list[str] = []
     for name, param in params.items():
         key = _resolve(reader, name)
         if key is None:
-            raise CheckpointError(f"{path}: missing tensor {checkpoint_key(name)!r} (for {name})")
+            missing.append(repr(checkpoint_key(name)))
+            continue
         if reader.shape(key) != tuple(param.shape):
-            raise CheckpointError(
-                f"{path}: tensor {key!r} has shape {list(reader.shape(key))}, the model expects "
-                f"{list(param.shape)}; is the model config (preset/dims) right for this checkpoint?"
+            misshaped.append(
+                f"{key!r} has shape {list(reader.shape(key))}, the model expects {list(param.shape)}"
             )
         plan[name] = key
     unexpected = sorted(reader.names - set(plan.values()) - IGNORED_KEYS)
-    if unexpected:
-        hint = (
-            " (a π0 checkpoint? π0.5 has no state_proj)" if any("state_proj" in k for k in unexpected) else ""
-        )
+    if missing or misshaped or unexpected:
+        parts = []
+        if missing:
+            parts.append(_listed("missing tensor", missing))
+        if misshaped:
+            parts.append(
+                f"{_listed('mis-shaped tensor', misshaped)} "
+                "(is the model config, preset/dims, right for this checkpoint?)"
+            )
+        if unexpected:
+            parts.append(_listed("unexpected tensor", [repr(k) for k in unexpected]))
         raise CheckpointError(
-            f"{path}: {len(unexpected)} unexpected tensor(s), first {unexpected[0]!r}{hint}; "
-            "refusing to load a checkpoint of another architecture"
+            f"{file} does not fit the model{_architecture_hint(unexpected)}: {'; '.join(parts)}; "
+            "refusing a checkpoint of another architecture or size"
+        )
+    bad_dtypes = [
+        f"{key!r} is {reader.dtype(key)}" for key in plan.values() if reader.dtype(key) not in ACCEPTED_DTYPES
+    ]
+    if bad_dtypes:
+        raise CheckpointError(
+            f"{file}: {_listed('tensor of a dtype the loader does not convert:', bad_dtypes)}; "
+            f"accepted: {', '.join(ACCEPTED_DTYPES)} (a quantised checkpoint needs its dequantised export)"
         )
     with torch.no_grad():
         for name, key in plan.items():
             tensor = reader.tensor(key)
             if not torch.isfinite(tensor).all():
-                raise CheckpointError(f"{path}: tensor {key!r} contains NaN or Inf")
+                raise CheckpointError(f"{file}: tensor {key!r} contains NaN or Inf")
             params[name].copy_(tensor)
 
 

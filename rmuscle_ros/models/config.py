@@ -7,16 +7,29 @@ SigLIP So400m/14 vision tower, Gemma 2B prefix ("VLM"), Gemma 300M action expert
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 PALIGEMMA_VOCAB_SIZE = 257_152
 
 
-def _require_positive(owner: str, **values: int | float) -> None:
+def _require_int(owner: str, **values: int) -> None:
+    """Shape fields: a float (a YAML `3.0`) or bool would only fail later, deep inside the model build."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _require_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(f"{owner}.{name} must be a positive finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,7 @@ class VisionConfig:
     layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        _require_positive(
+        _require_int(
             "vision",
             width=self.width,
             depth=self.depth,
@@ -40,8 +53,8 @@ class VisionConfig:
             num_heads=self.num_heads,
             patch_size=self.patch_size,
             image_size=self.image_size,
-            layer_norm_eps=self.layer_norm_eps,
         )
+        _require_positive("vision", layer_norm_eps=self.layer_norm_eps)
         if self.width % self.num_heads:
             raise ValueError(f"vision.width {self.width} is not divisible by num_heads {self.num_heads}")
         if self.image_size % self.patch_size:
@@ -72,7 +85,7 @@ class GemmaConfig:
     rope_theta: float = 10_000.0
 
     def __post_init__(self) -> None:
-        _require_positive(
+        _require_int(
             "gemma",
             width=self.width,
             depth=self.depth,
@@ -80,9 +93,8 @@ class GemmaConfig:
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
         )
+        _require_positive("gemma", rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"gemma.num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
@@ -113,7 +125,13 @@ class Pi05Config:
     time_max_period: float = 4.0
 
     def __post_init__(self) -> None:
-        _require_positive(
+        for name, kind in (("vision", VisionConfig), ("vlm", GemmaConfig), ("expert", GemmaConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(
+                    f"model.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__} "
+                    "(from_dict builds it from a dict)"
+                )
+        _require_int(
             "model",
             vocab_size=self.vocab_size,
             action_dim=self.action_dim,
@@ -121,9 +139,13 @@ class Pi05Config:
             num_steps=self.num_steps,
             max_token_len=self.max_token_len,
             num_cameras=self.num_cameras,
-            time_min_period=self.time_min_period,
-            time_max_period=self.time_max_period,
         )
+        _require_positive("model", time_min_period=self.time_min_period, time_max_period=self.time_max_period)
+        if self.time_min_period >= self.time_max_period:
+            raise ValueError(
+                f"model.time_min_period ({self.time_min_period}) must be below time_max_period "
+                f"({self.time_max_period}): the sin/cos time embedding spans min..max"
+            )
         # Joint attention concatenates prefix and suffix heads, so the two stacks must agree.
         for attr in ("depth", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self.vlm, attr) != getattr(self.expert, attr):
@@ -150,13 +172,26 @@ class Pi05Config:
         unknown = set(d) - {f.name for f in dataclasses.fields(Pi05Config)}
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
-        vision = VisionConfig(**d.pop("vision", {}))
-        vlm = GemmaConfig(**d.pop("vlm")) if "vlm" in d else GEMMA_2B
-        expert = GemmaConfig(**d.pop("expert")) if "expert" in d else GEMMA_300M
+        vision = _sub_config(VisionConfig, "vision", d.pop("vision", {}))
+        vlm = _sub_config(GemmaConfig, "vlm", d.pop("vlm")) if "vlm" in d else GEMMA_2B
+        expert = _sub_config(GemmaConfig, "expert", d.pop("expert")) if "expert" in d else GEMMA_300M
         return Pi05Config(vision=vision, vlm=vlm, expert=expert, **d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _sub_config(kind: type, name: str, d: Any) -> Any:
+    """Build the nested `kind` for field `name` of a dict config, naming the field on any error."""
+    if not isinstance(d, dict):
+        raise ValueError(f"model.{name} must be a mapping of {kind.__name__} fields, got {d!r}")
+    unknown = set(d) - {f.name for f in dataclasses.fields(kind)}
+    if unknown:
+        raise ValueError(f"unknown model.{name} config keys: {sorted(unknown)}")
+    try:
+        return kind(**d)
+    except (TypeError, ValueError) as e:  # a missing required field is a TypeError
+        raise ValueError(f"model.{name}: {e}") from e
 
 
 TINY_VOCAB_SIZE = 320  # the built-in byte tokenizer's vocabulary (rmuscle_ros.models.tokenizer)
