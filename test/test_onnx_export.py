@@ -7,10 +7,13 @@ caches) and the clear errors a machine without TensorRT gives.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from rmuscle_ros.engine.onnx_runtime import OnnxRuntimeEngine
 from rmuscle_ros.engine.tensorrt import PlanCache, PlanKey, import_tensorrt, profile_shapes
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.config import get_preset
-from rmuscle_ros.models.pi05 import Pi05Model
+from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
 onnx = pytest.importorskip(
@@ -80,6 +83,105 @@ def test_each_stage_graph_matches_its_module(ort_engine) -> None:
     onnx_export.sample_actions_by_stage(both, inputs, noise, 2)
     assert set(seen) == set(onnx_export.STAGES)
     assert seen["prefill"]["keys"].shape == (2, 1, 1, model.cfg.image_tokens + 9, 16)
+
+
+def test_a_padded_prompt_runs_at_its_bucket_with_the_padded_prompts_actions(ort_engine, monkeypatch) -> None:
+    """The policy pads every prompt to max_token_len (200); the engine runs it cut after its last valid
+    token, rounded up to the graph engine's 32-token bucket (90 -> 96), and gives the actions of the
+    untrimmed graphs and of eager float32 on the padded prompt."""
+    model = tiny_model()
+    inputs, noise = random_inputs(model.cfg, valid_tokens=90, pad_to=200, seed=6)
+    untrimmed = onnx_export.sample_actions_by_stage(ort_engine._run, inputs, noise, model.cfg.num_steps)
+    seen = []
+    run = ort_engine._run
+
+    def spy(stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if stage == "prefill":
+            seen.append(tuple(feeds["tokens"].shape))
+        return run(stage, feeds)
+
+    monkeypatch.setattr(ort_engine, "_run", spy)
+    got = ort_engine.sample_actions(inputs, noise)
+    assert seen == [(1, 96)]
+    assert rel_l2(got, untrimmed) < 1e-5
+    assert rel_l2(got, model.sample_actions(inputs, noise)) < 1e-5
+
+
+def test_trim_prompt_cuts_after_the_last_valid_token_at_a_bucket() -> None:
+    cfg = get_preset("pi05")
+    buckets = onnx_export.prompt_buckets(cfg)
+    assert buckets == [32, 64, 96, 128, 160, 192, 200]
+
+    def width(mask: list[bool], length: int) -> int:
+        token_mask = torch.zeros(1, length, dtype=torch.bool)
+        token_mask[0, : len(mask)] = torch.tensor(mask)
+        inputs = ModelInputs(torch.zeros(1), torch.ones(1, 1), torch.arange(length)[None], token_mask)
+        trimmed = onnx_export.trim_prompt(inputs, buckets)
+        assert torch.equal(trimmed.tokens, inputs.tokens[:, : trimmed.tokens.shape[1]])
+        return trimmed.token_mask.shape[1]
+
+    assert width([True] * 40, 200) == 64
+    assert width([True] * 3 + [False] * 30 + [True], 200) == 64  # interior padding is kept
+    assert width([True] * 32, 200) == 32 and width([True] * 193, 200) == 200
+    assert width([True] * 3, 5) == 5  # never longer than given
+    assert width([], 200) == 32
+    with pytest.raises(ValueError, match=r"last valid token is number 201, past the longest \(200\)"):
+        width([True] * 201, 210)
+
+
+@pytest.fixture
+def block_imports(monkeypatch: pytest.MonkeyPatch):
+    """block_imports(*names): those packages cannot be imported (as if not installed) until the test ends."""
+
+    def block(*names: str) -> None:
+        class Blocker:
+            def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+                if name.split(".")[0] in names:
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+
+        monkeypatch.setattr(sys, "meta_path", [Blocker(), *sys.meta_path])
+        for name in names:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+
+    return block
+
+
+def test_without_its_packages_the_onnxruntime_backend_says_what_is_missing_at_construction(
+    ort_engine, export_cache: Path, tmp_path: Path, block_imports
+) -> None:
+    """onnxruntime is always needed; onnx and onnxscript only to export, so not with a matching export
+    in the cache. Each is named with how to install it (pyproject.toml: `onnx` extra, onnxruntime in dev)."""
+    block_imports("onnx", "onnxscript")
+    OnnxRuntimeEngine(tiny_model(), device=torch.device("cpu"), cache_dir=export_cache)  # export cached
+    with pytest.raises(
+        RuntimeError,
+        match=r"backend 'onnxruntime' needs onnx, onnxscript, not installed here: pip install 'rmuscle_ros\[onnx\]'$",
+    ):
+        OnnxRuntimeEngine(tiny_model(), device=torch.device("cpu"), cache_dir=tmp_path)
+    block_imports("onnxruntime")
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs onnxruntime, onnx, onnxscript, not installed here: pip install onnxruntime .*dev",
+    ):
+        OnnxRuntimeEngine(tiny_model(), device=torch.device("cpu"), cache_dir=tmp_path)
+
+
+def test_the_export_key_is_computed_without_importing_onnx(block_imports, monkeypatch) -> None:
+    """The tensorrt backend computes it first, even when every plan is cached and nothing is exported."""
+    cfg = get_preset("tiny")
+    key = onnx_export.export_key(cfg, "w", "bfloat16")
+    block_imports("onnx")
+    assert onnx_export.export_key(cfg, "w", "bfloat16") == key
+    assert "onnx" not in sys.modules and key.onnx == importlib.metadata.version("onnx")
+
+    def version(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    absent = onnx_export.export_key(cfg, "w", "bfloat16")
+    assert absent.onnx == "not installed" and absent.digest() != key.digest()
+    with pytest.raises(RuntimeError, match=r"the ONNX export needs onnx, not installed here"):
+        onnx_export.export_model(tiny_model(), Path("/nonexistent"), weights="w")
 
 
 def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -34,7 +36,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from rmuscle_ros.engine.eager import DTYPES
+from rmuscle_ros.engine.graph import default_buckets
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, PrefixCache, euler_times
 
@@ -69,6 +72,48 @@ OUTPUTS = {
 
 class ExportError(RuntimeError):
     """An export directory that cannot be used: missing, from another model, or damaged."""
+
+
+# ───────────────────────────────────────────── optional packages ────────────────────────────────────────────
+
+# How to get each optional package the exported backends use (pyproject.toml: the `onnx` extra has onnx and
+# onnxscript, what torch.onnx's exporter writes and translates with; onnxruntime is only in `dev`).
+INSTALL = {
+    "onnx": "pip install 'rmuscle_ros[onnx]'",
+    "onnxscript": "pip install 'rmuscle_ros[onnx]'",
+    "onnxruntime": "pip install onnxruntime (it is in rmuscle_ros's dev extra)",
+    "tensorrt": "TensorRT's Python bindings come with JetPack on a Jetson Thor; in a container, build "
+    "docker/Dockerfile.thor (the development and H200 machines cannot install TensorRT: use backend "
+    "'graph' there)",
+}
+EXPORT_PACKAGES = ("onnx", "onnxscript")
+
+
+def missing_packages(names: Sequence[str]) -> list[str]:
+    """Those of `names` that cannot be imported here, found without importing them."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a broken install, or a module without a spec
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def missing_packages_error(what: str, missing: Sequence[str]) -> RuntimeError:
+    """The error for `what` (e.g. "backend 'onnxruntime'") needing `missing`: each package and how to get it."""
+    hints = dict.fromkeys(INSTALL[name] for name in missing)  # one line for onnx and onnxscript together
+    return RuntimeError(f"{what} needs {', '.join(missing)}, not installed here: {'; '.join(hints)}")
+
+
+def package_version(name: str) -> str:
+    """The installed distribution's version, read without importing it; "not installed" if absent."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 # ───────────────────────────────────────────── the three stages ─────────────────────────────────────────────
@@ -253,13 +298,44 @@ def batch_item(inputs: ModelInputs, i: int) -> ModelInputs:
     )
 
 
-def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
-    import onnx
+# The graph engine's prompt bucket (engine.graph, its default bucket_step): the exported engines run a
+# prompt at the smallest bucket holding its last valid token, not at the 200 slots the policy pads it to.
+PROMPT_BUCKET_STEP = 32
 
+
+def prompt_buckets(cfg: Pi05Config) -> list[int]:
+    """The prompt lengths the exported engines run at: the graph engine's buckets, capped at max_token_len."""
+    return sorted({min(b, cfg.max_token_len) for b in default_buckets(cfg.max_token_len, PROMPT_BUCKET_STEP)})
+
+
+def trim_prompt(inputs: ModelInputs, buckets: Sequence[int]) -> ModelInputs:
+    """A batch-1 observation with its prompt cut after the last valid token, rounded up to the smallest of
+    `buckets` (never longer than it was): tokens and token_mask (1, L) -> (1, width), views, no copy.
+
+    The actions do not change: padding after the last valid token is masked out of every key and moves no
+    position (positions count valid tokens), so it only ever computes its own rows, which nothing reads.
+    Interior padding is kept. Reads the mask on the host (a GPU mask is read back first).
+    """
+    if inputs.tokens.shape[0] != 1:
+        raise ValueError(f"trim_prompt takes one observation, got batch {inputs.tokens.shape[0]}")
+    valid = inputs.token_mask[0].nonzero()
+    last = int(valid[-1]) + 1 if valid.numel() else 0
+    if last > buckets[-1]:
+        raise ValueError(f"the prompt's last valid token is number {last}, past the longest ({buckets[-1]})")
+    width = min(next(b for b in buckets if b >= last), inputs.tokens.shape[1])
+    return ModelInputs(
+        inputs.images, inputs.image_masks, inputs.tokens[:, :width], inputs.token_mask[:, :width]
+    )
+
+
+def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
+    """The key of an export, computed without exporting or importing onnx: the tensorrt backend finds its
+    cached plans from it. Without onnx installed the key says "not installed", so it matches no export
+    made with onnx, and making one fails naming the package (export_model)."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return ExportKey(
-        FORMAT_VERSION, weights, cfg.to_dict(), dtype, OPSET, torch.__version__, onnx.__version__
+        FORMAT_VERSION, weights, cfg.to_dict(), dtype, OPSET, torch.__version__, package_version("onnx")
     )
 
 
@@ -318,6 +394,9 @@ def export_model(
     the manifest. `prompt_len` is only the example's length; the graphs take any length up to
     `max_token_len`. Returns the directory.
     """
+    missing = missing_packages(EXPORT_PACKAGES)
+    if missing:
+        raise missing_packages_error("the ONNX export", missing)
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(

@@ -3,7 +3,8 @@
 It is how an export is checked on a machine without TensorRT: the `tensorrt` backend runs the same three
 graphs through the same composition (`onnx_export.sample_actions_by_stage`), so this backend agreeing
 with `eager` float32 checks the export and the composition; only the TensorRT build itself is left.
-ONNX Runtime's CPU kernels do not cover bfloat16, so this backend exports and runs float32.
+ONNX Runtime's CPU kernels do not cover bfloat16, so this backend exports and runs float32. A prompt runs
+at its bucket (`onnx_export.trim_prompt`), as in the `tensorrt` backend.
 """
 
 from __future__ import annotations
@@ -62,18 +63,19 @@ class OnnxRuntimeEngine:
         threads (0 = its default); force_export: export again even if a matching export exists."""
         if device.type != "cpu":
             raise ValueError(f"backend 'onnxruntime' runs on the CPU, got device {device}")
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError as err:
-            raise RuntimeError(
-                "backend 'onnxruntime' needs the onnxruntime and onnxscript packages: "
-                "pip install 'rmuscle_ros[onnx]'"
-            ) from err
         self.device = device
         self.cfg = model.cfg
         self.weights = weights_fingerprint(model)
-        self.model = model.float().eval()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        # onnx and onnxscript make the export; a matching one already in the cache needs neither.
+        missing = onnx_export.missing_packages(("onnxruntime",))
+        key = onnx_export.export_key(self.cfg, self.weights, "float32")
+        if force_export or not (self.cache_dir / "onnx" / key.digest() / onnx_export.MANIFEST).is_file():
+            missing += onnx_export.missing_packages(onnx_export.EXPORT_PACKAGES)
+        if missing:
+            raise onnx_export.missing_packages_error("backend 'onnxruntime'", missing)
+        self.model = model.float().eval()
+        self.buckets = onnx_export.prompt_buckets(self.cfg)
         self.threads = threads
         self.force_export = force_export
         self.export_dir: Path | None = None
@@ -106,7 +108,10 @@ class OnnxRuntimeEngine:
         assert self._run is not None
         chunks = [
             onnx_export.sample_actions_by_stage(
-                self._run, batch_item(inputs, i), noise[i : i + 1].float().cpu(), self.cfg.num_steps
+                self._run,
+                onnx_export.trim_prompt(batch_item(inputs, i), self.buckets),
+                noise[i : i + 1].float().cpu(),
+                self.cfg.num_steps,
             )
             for i in range(noise.shape[0])
         ]

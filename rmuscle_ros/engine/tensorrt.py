@@ -8,10 +8,13 @@ tests), and the engine cache's keys and files. What has not run anywhere: `build
 `docker/Dockerfile.thor`, `python -m rmuscle_ros.engine.tensorrt --preset pi05 --checkpoint ...` builds
 the engines and checks the result against eager bfloat16.
 
-How a call runs: the three engines on one CUDA stream, vision, prefill, then the denoise step engine
-`num_steps` times, ping-ponging its state between two buffers, with one synchronisation at the end.
-The prompt length is dynamic: one optimisation profile covers 1..`max_token_len` tokens, tuned for
-`opt_prompt_len`. Every buffer is allocated once at the longest prompt.
+How a call runs: the observation is copied into input buffers of the engine's own, the three engines run
+on one CUDA stream, vision, prefill, then the denoise step engine `num_steps` times, ping-ponging its
+state between two buffers, with one synchronisation at the end. The prompt runs at its 32-token bucket
+(`onnx_export.trim_prompt`), not at the 200 slots the policy pads it to; one optimisation profile covers
+1..`max_token_len` tokens, tuned for `opt_prompt_len`. Every buffer is allocated once at the longest
+prompt, each tensor TensorRT is given starting on a 256-byte boundary (`setTensorAddress`'s contract), and
+every shape and address TensorRT refuses is an error naming the tensor.
 
 The ONNX graphs are exported in bfloat16 and built as strongly typed networks, so TensorRT keeps the
 exported types (bfloat16 weights and activations, float32 attention softmax and norms, as `eager`
@@ -29,6 +32,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,13 +42,22 @@ from typing import Any
 import torch
 
 from rmuscle_ros.engine import onnx_export
-from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir
+from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir, missing_packages
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = 1
+# setTensorAddress: "The pointer must have at least 256-byte alignment" (TensorRT 10, NvInferRuntime.h).
+ALIGN = 256
+# The prompt length the engines are tuned for (the profile's opt; min 1 and max max_token_len stay). A
+# prompt runs at its 32-token bucket, so opt is a bucket: 64 holds prompts of 33 to 64 tokens, which is
+# where the 50-token prompt our benchmarks use falls, and where we expect an ALOHA prompt (task, 14
+# discretised joint values at 1-2 PaliGemma tokens each, "Action:") to fall. That count is an estimate:
+# PaliGemma's tokenizer is not on our machines. On a cell, `Policy.prompt_tokens(task)` counts it; pass
+# its bucket as `opt_prompt_len` if it is another.
+OPT_PROMPT_LEN = 64
 
 
 def import_tensorrt() -> Any:
@@ -173,6 +186,15 @@ def build_plan(
 # ─────────────────────────────────────────────── running ────────────────────────────────────────────────────
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised contiguous tensor starting on an ALIGN-byte boundary. CUDA's caching allocator
+    returns 512-byte aligned blocks already; this does not depend on it (the CPU's allocator gives 64)."""
+    numel = math.prod(shape)
+    raw = torch.empty(numel + ALIGN // dtype.itemsize, dtype=dtype, device=device)
+    skip = (-raw.data_ptr() % ALIGN) // dtype.itemsize
+    return raw[skip : skip + numel].view(shape)
+
+
 def torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
     table = {
         trt.DataType.FLOAT: torch.float32,
@@ -205,20 +227,42 @@ class _StageEngine:
         self.dtypes = {n: torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in names}
 
     def enqueue(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], stream: int) -> None:
+        """Bind every input (shape and address) and output (address), then enqueue on `stream`. TensorRT
+        answers a shape outside the profile or a misaligned address with False (and keeps the previous
+        binding): each is an error here, naming the tensor."""
         for name, tensor in feeds.items():
-            if tensor.dtype != self.dtypes[name]:
-                raise TypeError(f"{self.stage}.{name}: {tensor.dtype}, the engine takes {self.dtypes[name]}")
-            self.context.set_input_shape(name, tuple(tensor.shape))
-            self.context.set_tensor_address(name, tensor.data_ptr())
+            self._check(name, tensor)
+            shape = tuple(tensor.shape)
+            if not self.context.set_input_shape(name, shape):
+                raise RuntimeError(
+                    f"{self.stage}.{name}: TensorRT refused the input shape {shape} "
+                    "(outside the engine's optimisation profile?)"
+                )
+            self._bind(name, tensor)
         for name, tensor in outputs.items():
+            self._check(name, tensor)
             shape = tuple(self.context.get_tensor_shape(name))
             if shape != tuple(tensor.shape):
                 raise RuntimeError(
                     f"{self.stage}.{name}: engine output {shape}, buffer {tuple(tensor.shape)}"
                 )
-            self.context.set_tensor_address(name, tensor.data_ptr())
+            self._bind(name, tensor)
         if not self.context.execute_async_v3(stream):
             raise RuntimeError(f"TensorRT failed to enqueue the {self.stage} engine")
+
+    def _check(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype != self.dtypes[name]:
+            raise TypeError(f"{self.stage}.{name}: {tensor.dtype}, the engine takes {self.dtypes[name]}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{self.stage}.{name}: not contiguous; TensorRT reads dense row-major memory")
+
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        address = tensor.data_ptr()
+        if not self.context.set_tensor_address(name, address):
+            raise RuntimeError(
+                f"{self.stage}.{name}: TensorRT refused the address {address:#x} ({address % ALIGN} bytes "
+                f"past a {ALIGN}-byte boundary; it needs {ALIGN}-byte alignment)"
+            )
 
 
 class TensorRTEngine:
@@ -230,22 +274,35 @@ class TensorRTEngine:
         *,
         device: torch.device,
         cache_dir: str | os.PathLike[str] | None = None,
-        opt_prompt_len: int = 64,
+        opt_prompt_len: int = OPT_PROMPT_LEN,
         workspace_gib: float = 4.0,
         force_rebuild: bool = False,
     ) -> None:
         """cache_dir: exports (`onnx/`) and plans (`tensorrt/`); opt_prompt_len: the prompt length the
-        engines are tuned for; force_rebuild: export and build again even if the caches match."""
+        engines are tuned for; force_rebuild: export and build again even if the caches match.
+
+        Raises RuntimeError naming what is missing: TensorRT, or onnx / onnxscript when an export is
+        needed (some plan is not cached, or force_rebuild)."""
+        missing = missing_packages(("tensorrt",))
+        if missing:  # and, to say it at once, what the export would need
+            missing += missing_packages(onnx_export.EXPORT_PACKAGES)
+            raise onnx_export.missing_packages_error("backend 'tensorrt'", missing)
         self.trt = import_tensorrt()
         self.device = device
         self.cfg = model.cfg
         self.weights = weights_fingerprint(model)
-        self.model = model.to(device=device, dtype=torch.bfloat16).eval()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         profile_shapes(self.cfg, "prefill", opt_prompt_len)  # validates it
         self.opt_prompt_len = opt_prompt_len
         self.workspace_bytes = int(workspace_gib * (1 << 30))
         self.force_rebuild = force_rebuild
+        missing = missing_packages(onnx_export.EXPORT_PACKAGES)
+        if missing and (force_rebuild or not all(p.is_file() for p in self._plan_paths().values())):
+            raise onnx_export.missing_packages_error(
+                "backend 'tensorrt' (some engine is not cached, so it exports the model)", missing
+            )
+        self.model = model.to(device=device, dtype=torch.bfloat16).eval()
+        self.buckets = onnx_export.prompt_buckets(self.cfg)
         self._stages: dict[str, _StageEngine] = {}
 
     def _plan_key(self, export_digest: str, stage: str) -> PlanKey:
@@ -261,21 +318,34 @@ class TensorRTEngine:
             self.workspace_bytes,
         )
 
+    def _plan_keys(self) -> dict[str, PlanKey]:
+        """Each stage's plan key; it follows from the export's key, which needs no export."""
+        digest = onnx_export.export_key(self.cfg, self.weights, "bfloat16").digest()
+        return {stage: self._plan_key(digest, stage) for stage in onnx_export.STAGES}
+
+    def _plan_paths(self) -> dict[str, Path]:
+        cache = PlanCache(self.cache_dir / "tensorrt")
+        return {stage: cache.path(key) for stage, key in self._plan_keys().items()}
+
     def warmup(self) -> dict[str, float]:
         """Load the three engines (exporting and building whatever is not cached), allocate the buffers,
         run one call. Seconds each.
 
         The plans' keys follow from the export's key, which needs no export: with every plan cached, the
-        export is neither made nor read (on a Thor, 6.5 GB). Once: the PyTorch weights are released
-        afterwards (the engines carry their own).
+        export is neither made nor read (on a Thor, 6.5 GB).
+
+        All or nothing: the engines are built and loaded into locals and run once before the engine takes
+        them, and only then are the PyTorch weights released (the engines carry their own). A failure
+        (a build, a load, the first call) leaves the engine as it was, weights kept, and the next warmup
+        tries again, reusing the plans already stored. The price: the weights stay in memory during the
+        builds (6.6 GB in bfloat16 at full size).
         """
         if self._stages:
             return {}
         trt = self.trt
         timings: dict[str, float] = {}
-        digest = onnx_export.export_key(self.cfg, self.weights, "bfloat16").digest()
         cache = PlanCache(self.cache_dir / "tensorrt")
-        keys = {stage: self._plan_key(digest, stage) for stage in onnx_export.STAGES}
+        keys = self._plan_keys()
         plans = {s: None if self.force_rebuild else cache.load(k) for s, k in keys.items()}
         export_dir: Path | None = None
         if any(plan is None for plan in plans.values()):
@@ -284,69 +354,107 @@ class TensorRTEngine:
                 self.model, self.cache_dir / "onnx", weights=self.weights, force=self.force_rebuild
             )
             timings["export"] = time.perf_counter() - start
-        # The engines do not need the PyTorch weights; keeping them would double the GPU memory.
-        self.model = None  # type: ignore[assignment]
-        torch.cuda.empty_cache()
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        stages: dict[str, _StageEngine] = {}
         for stage, key in keys.items():
             start = time.perf_counter()
             plan = plans[stage]
             if plan is None:
-                assert export_dir is not None and export_dir.name == digest
+                assert export_dir is not None and export_dir.name == key.export
                 shapes = profile_shapes(self.cfg, stage, self.opt_prompt_len)
                 plan = build_plan(trt, export_dir / f"{stage}.onnx", shapes, self.workspace_bytes)
                 cache.store(key, plan, time.perf_counter() - start)
                 log.info("built the %s engine in %.0f s", stage, time.perf_counter() - start)
-            self._stages[stage] = _StageEngine(trt, runtime, plan, stage)
+            stages[stage] = _StageEngine(trt, runtime, plan, stage)
             timings[f"engine_{stage}"] = time.perf_counter() - start
-        self._allocate()
+        self._allocate(stages)
+        self._stages = stages
         start = time.perf_counter()
-        blank = onnx_export.example_inputs(self.cfg, self.opt_prompt_len, self.device)
-        self.sample_actions(blank, torch.zeros(1, self.cfg.horizon, self.cfg.action_dim, device=self.device))
+        try:
+            blank = onnx_export.example_inputs(self.cfg, self.opt_prompt_len, self.device)
+            noise = torch.zeros(1, self.cfg.horizon, self.cfg.action_dim, device=self.device)
+            self.sample_actions(blank, noise)
+            torch.cuda.current_stream(self.device).synchronize()  # an asynchronous failure surfaces here
+        except BaseException:
+            self._stages = {}
+            raise
         timings["first_call"] = time.perf_counter() - start
+        self.model = None  # type: ignore[assignment]
+        torch.cuda.empty_cache()
         return timings
 
-    def _allocate(self) -> None:
-        """Every buffer once, at the longest prompt; a call views the prefix of the length it needs."""
+    def _allocate(self, stages: dict[str, _StageEngine]) -> None:
+        """Every buffer once, at the longest prompt, each on an ALIGN-byte boundary; a call views the
+        prefix of the length it needs, which starts where its buffer does."""
         cfg, dev = self.cfg, self.device
         vlm = cfg.vlm
         longest = cfg.image_tokens + cfg.max_token_len
-        dt = self._stages["prefill"].dtypes
-        self._visual = torch.empty(
-            1, cfg.image_tokens, vlm.width, dtype=self._stages["vision"].dtypes["visual"], device=dev
-        )
+        vision, prefill, denoise = (stages[s].dtypes for s in onnx_export.STAGES)
+        c, s = cfg.num_cameras, cfg.vision.image_size
+        # The observation is copied in (from the host, or from wherever batch item i sits in a batch).
+        self._images = aligned_empty((1, c, 3, s, s), vision["images"], dev)
+        self._image_masks = aligned_empty((1, c), prefill["image_masks"], dev)
+        self._tokens = aligned_empty((1, cfg.max_token_len), prefill["tokens"], dev)
+        self._token_mask = aligned_empty((1, cfg.max_token_len), prefill["token_mask"], dev)
+        self._visual = aligned_empty((1, cfg.image_tokens, vlm.width), vision["visual"], dev)
         kv_numel = vlm.depth * vlm.num_kv_heads * longest * vlm.head_dim
-        self._keys = torch.empty(kv_numel, dtype=dt["keys"], device=dev)
-        self._values = torch.empty(kv_numel, dtype=dt["values"], device=dev)
-        self._pad = torch.empty(longest, dtype=torch.bool, device=dev)
-        self._x = [torch.empty(1, cfg.horizon, cfg.action_dim, device=dev) for _ in range(2)]
-        self._steps = torch.arange(cfg.num_steps, dtype=torch.int64, device=dev)[:, None]  # (steps, 1)
+        self._keys = aligned_empty((kv_numel,), prefill["keys"], dev)
+        self._values = aligned_empty((kv_numel,), prefill["values"], dev)
+        self._pad = aligned_empty((longest,), prefill["pad_mask"], dev)
+        self._x = [aligned_empty((1, cfg.horizon, cfg.action_dim), denoise["x"], dev) for _ in range(2)]
+        # Step k's index is row k of a (steps, ALIGN bytes) table, bound as its first element (1,): a row
+        # per step puts each on its own boundary (a (steps, 1) table's rows are 8 bytes apart).
+        step = denoise["step"]
+        self._steps = aligned_empty((cfg.num_steps, ALIGN // step.itemsize), step, dev)
+        self._steps.copy_(torch.arange(cfg.num_steps, dtype=step)[:, None].expand_as(self._steps))
         self._stream = torch.cuda.Stream(device=dev)
 
+    def _load(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        """Copy one observation (batch 1, prompt trimmed) into the input buffers, on the current stream.
+        Returns the prefill's inputs by name: views of the buffers at the prompt's length."""
+        for name, buffer, given in (
+            ("images", self._images, inputs.images),
+            ("image_masks", self._image_masks, inputs.image_masks),
+        ):
+            if given.shape != buffer.shape:
+                raise ValueError(f"{name} must be {tuple(buffer.shape)}, got {tuple(given.shape)}")
+        width = inputs.tokens.shape[1]
+        if inputs.tokens.shape != (1, width) or inputs.token_mask.shape != (1, width):
+            raise ValueError(
+                f"tokens and token_mask must be (1, L), got {tuple(inputs.tokens.shape)} and "
+                f"{tuple(inputs.token_mask.shape)}"
+            )
+        tokens, token_mask = self._tokens[:, :width], self._token_mask[:, :width]
+        self._images.copy_(inputs.images)
+        self._image_masks.copy_(inputs.image_masks)
+        tokens.copy_(inputs.tokens)
+        token_mask.copy_(inputs.token_mask)
+        return {
+            "visual": self._visual,
+            "image_masks": self._image_masks,
+            "tokens": tokens,
+            "token_mask": token_mask,
+        }
+
     def _call(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
+        """One observation (batch 1, prompt trimmed), noise (1, horizon, action_dim) -> its actions."""
         cfg, vlm = self.cfg, self.cfg.vlm
+        prefill_inputs = self._load(inputs)
         lp = cfg.image_tokens + inputs.tokens.shape[1]
         kv_shape = (vlm.depth, 1, vlm.num_kv_heads, lp, vlm.head_dim)
-        keys = self._keys[: kv_shape[0] * vlm.num_kv_heads * lp * vlm.head_dim].view(kv_shape)
+        keys = self._keys[: math.prod(kv_shape)].view(kv_shape)
         values = self._values[: keys.numel()].view(kv_shape)
         pad = self._pad[:lp].view(1, lp)
         stream = self._stream.cuda_stream
-        self._stages["vision"].enqueue({"images": inputs.images}, {"visual": self._visual}, stream)
+        self._stages["vision"].enqueue({"images": self._images}, {"visual": self._visual}, stream)
         self._stages["prefill"].enqueue(
-            {
-                "visual": self._visual,
-                "image_masks": inputs.image_masks,
-                "tokens": inputs.tokens,
-                "token_mask": inputs.token_mask,
-            },
-            {"keys": keys, "values": values, "pad_mask": pad},
-            stream,
+            prefill_inputs, {"keys": keys, "values": values, "pad_mask": pad}, stream
         )
         self._x[0].copy_(noise)
         for step in range(cfg.num_steps):
             src, dst = self._x[step % 2], self._x[(step + 1) % 2]
             self._stages["denoise"].enqueue(
-                {"x": src, "step": self._steps[step], "keys": keys, "values": values, "pad_mask": pad},
+                {"x": src, "step": self._steps[step, :1], "keys": keys, "values": values, "pad_mask": pad},
                 {"x_next": dst},
                 stream,
             )
@@ -354,15 +462,26 @@ class TensorRTEngine:
 
     @torch.no_grad()
     def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
+        """inputs (B observations, on any device), noise (B, horizon, action_dim) -> actions, float32.
+        Each observation runs alone, its prompt at its bucket (`onnx_export.trim_prompt`)."""
         if not self._stages:
             self.warmup()
-        inputs = inputs.to(self.device)
         noise = noise.to(self.device, torch.float32)
+        if noise.shape[1:] != (self.cfg.horizon, self.cfg.action_dim):
+            raise ValueError(
+                f"noise must be (B, {self.cfg.horizon}, {self.cfg.action_dim}), got {tuple(noise.shape)}"
+            )
+        # Trimmed where the prompt is (the policy's is on the host), then moved as before: the copies into
+        # the engine's buffers below are then device to device, queued on its stream without a host wait.
+        items = [
+            onnx_export.trim_prompt(batch_item(inputs, i), self.buckets).to(self.device)
+            for i in range(noise.shape[0])
+        ]
         chunks = []
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            for i in range(noise.shape[0]):
-                chunks.append(self._call(batch_item(inputs, i), noise[i : i + 1]))
+            for i, item in enumerate(items):
+                chunks.append(self._call(item, noise[i : i + 1]))
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return torch.cat(chunks)
 
@@ -378,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="pi05")
     p.add_argument("--checkpoint", help="model.safetensors (LeRobot/openpi); random weights when absent")
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
-    p.add_argument("--opt-prompt-len", type=int, default=64)
+    p.add_argument("--opt-prompt-len", type=int, default=OPT_PROMPT_LEN)
     p.add_argument("--force-rebuild", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -1,0 +1,346 @@
+"""The `tensorrt` backend's runtime (engine/tensorrt.py) on the CPU, through a stand-in for TensorRT.
+
+TensorRT cannot be installed here, so `stand_in_tensorrt` builds a module object in its place. These tests
+check what TensorRTEngine does around TensorRT (which addresses and shapes it binds, what it does when
+TensorRT refuses one, warmup after a failed build, the prompt length it runs at, the errors when packages
+are missing), not TensorRT's parser, builder or numerics, which have not run anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import importlib.machinery
+import json
+import math
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import random_inputs, rel_l2, tiny_model
+
+from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.engine.tensorrt import ALIGN, OPT_PROMPT_LEN, TensorRTEngine, aligned_empty
+from rmuscle_ros.models.pi05 import Pi05Model
+
+FLOAT_TENSORS = {"images", "visual", "keys", "values", "x", "x_next"}
+INT_TENSORS = {"tokens", "step"}
+
+
+def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
+    """A stand-in for TensorRT 10's Python module, as far as TensorRTEngine uses it.
+
+    Builder: the "parser" only notes which stage a file is (its name), and a "plan" is JSON: the stage and
+    the optimisation profile; `fail` names stages whose build returns None, as build_serialized_network
+    does on failure. Runtime: an execution context keeps TensorRT's documented rules that the engine's
+    code depends on: set_input_shape returns False for a shape outside the profile (static inputs are not
+    checked), set_tensor_address returns False for an address not on a 256-byte boundary. Either refusal
+    keeps the previous binding (our assumption: the header documents only the False), and
+    execute_async_v3 returns False while a tensor has no address.
+    Execution: it reads the inputs from the bound addresses and writes the outputs to them, computed by
+    the stage's PyTorch module of `reference` (float32), so results are the export's stages, not
+    TensorRT's. `log` records each execution: (stage, input shapes, step index for denoise).
+    """
+    cfg, run = reference.cfg, onnx_export.torch_runner(onnx_export.stage_modules(reference))
+    trt = types.ModuleType("tensorrt")
+    trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
+    trt.__version__ = "10.13.0-stand-in"
+    trt.fail, trt.built, trt.log, trt.addresses = set(), [], [], []
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, severity: int) -> None:
+            pass
+
+    trt.Logger = Logger
+    trt.DataType = enum.Enum("DataType", "FLOAT HALF BF16 INT32 INT64 BOOL")
+    trt.TensorIOMode = enum.Enum("TensorIOMode", "INPUT OUTPUT")
+    trt.NetworkDefinitionCreationFlag = enum.IntEnum("NetworkDefinitionCreationFlag", "STRONGLY_TYPED")
+    trt.MemoryPoolType = enum.Enum("MemoryPoolType", "WORKSPACE")
+    torch_of = {
+        trt.DataType.FLOAT: torch.float32,
+        trt.DataType.INT64: torch.int64,
+        trt.DataType.BOOL: torch.bool,
+    }
+
+    def dtype(name: str) -> Any:
+        if name in FLOAT_TENSORS:
+            return trt.DataType.FLOAT
+        return trt.DataType.INT64 if name in INT_TENSORS else trt.DataType.BOOL
+
+    class OnnxParser:
+        num_errors = 0
+
+        def __init__(self, network: types.SimpleNamespace, logger: Logger) -> None:
+            self.network = network
+
+        def parse_from_file(self, path: str) -> bool:
+            self.network.stage = Path(path).name.removesuffix(".onnx")
+            return True
+
+    class Builder:
+        def __init__(self, logger: Logger) -> None:
+            pass
+
+        def create_network(self, flags: int) -> types.SimpleNamespace:
+            return types.SimpleNamespace(stage=None)
+
+        def create_builder_config(self) -> types.SimpleNamespace:
+            config = types.SimpleNamespace(profile={}, set_memory_pool_limit=lambda pool, size: None)
+            config.add_optimization_profile = lambda profile: config.profile.update(profile.shapes)
+            return config
+
+        def create_optimization_profile(self) -> types.SimpleNamespace:
+            profile = types.SimpleNamespace(shapes={})
+            profile.set_shape = lambda name, lo, opt, hi: profile.shapes.update({name: [lo, opt, hi]})
+            return profile
+
+        def build_serialized_network(self, network: types.SimpleNamespace, config: Any) -> bytes | None:
+            trt.built.append(network.stage)
+            if network.stage in trt.fail:
+                return None
+            return json.dumps({"stage": network.stage, "profile": config.profile}).encode()
+
+    class Runtime:
+        def __init__(self, logger: Logger) -> None:
+            pass
+
+        def deserialize_cuda_engine(self, plan: bytes) -> Engine:
+            return Engine(**json.loads(plan))
+
+    class Engine:
+        def __init__(self, stage: str, profile: dict[str, list[list[int]]]) -> None:
+            self.stage, self.profile = stage, profile
+            self.inputs, self.outputs = onnx_export.INPUTS[stage], onnx_export.OUTPUTS[stage]
+            self.num_io_tensors = len(self.inputs) + len(self.outputs)
+
+        def get_tensor_name(self, i: int) -> str:
+            return (*self.inputs, *self.outputs)[i]
+
+        def get_tensor_mode(self, name: str) -> Any:
+            return trt.TensorIOMode.INPUT if name in self.inputs else trt.TensorIOMode.OUTPUT
+
+        def get_tensor_dtype(self, name: str) -> Any:
+            return dtype(name)
+
+        def create_execution_context(self) -> Context:
+            return Context(self)
+
+    class Context:
+        def __init__(self, engine: Engine) -> None:
+            self.engine, self.shapes, self.bound = engine, {}, {}
+
+        def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+            if name in self.engine.profile:
+                lo, _, hi = self.engine.profile[name]
+                if len(shape) != len(lo) or not all(
+                    a <= s <= b for a, s, b in zip(lo, shape, hi, strict=True)
+                ):
+                    return False
+            self.shapes[name] = tuple(shape)
+            return True
+
+        def set_tensor_address(self, name: str, address: int) -> bool:
+            if address % 256:
+                return False
+            self.bound[name] = address
+            trt.addresses.append(address)
+            return True
+
+        def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+            if name == "visual":
+                return (1, cfg.image_tokens, cfg.vlm.width)
+            if name == "x_next":
+                return self.shapes["x"]
+            lp = cfg.image_tokens + self.shapes["tokens"][1]
+            return (
+                (1, lp)
+                if name == "pad_mask"
+                else (cfg.vlm.depth, 1, cfg.vlm.num_kv_heads, lp, cfg.vlm.head_dim)
+            )
+
+        def execute_async_v3(self, stream: int) -> bool:
+            stage = self.engine.stage
+            if set(self.bound) != {*self.engine.inputs, *self.engine.outputs}:
+                return False
+            feeds = {n: memory(self.bound[n], self.shapes[n], dtype(n)) for n in self.engine.inputs}
+            outputs = run(stage, {n: t.clone() for n, t in feeds.items()})
+            for name, value in outputs.items():
+                memory(self.bound[name], self.get_tensor_shape(name), dtype(name)).copy_(value)
+            trt.log.append((stage, self.shapes.copy(), int(feeds["step"]) if stage == "denoise" else None))
+            return True
+
+    def memory(address: int, shape: tuple[int, ...], trt_dtype: Any) -> torch.Tensor:
+        """The tensor at `address`, as TensorRT would read it (dense, row-major)."""
+        dt = torch_of[trt_dtype]
+        buffer = (ctypes.c_char * (math.prod(shape) * dt.itemsize)).from_address(address)
+        return torch.frombuffer(buffer, dtype=dt).view(shape)
+
+    trt.OnnxParser, trt.Builder, trt.Runtime = OnnxParser, Builder, Runtime
+    return trt
+
+
+class _Stream:
+    """torch.cuda's stream API on the CPU: every operation here is already done when it returns."""
+
+    cuda_stream = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: _Stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def trt(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """The stand-in installed as `tensorrt`, torch.cuda's device queries and streams answered on the CPU,
+    and `ensure_export` giving the export's directory without exporting (the stand-in reads file names)."""
+    fake = stand_in_tensorrt(tiny_model())
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Thor (stand-in)")
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    fake.exports = 0
+
+    def ensure_export(model: Pi05Model, cache_dir: Path, *, weights: str, force: bool = False) -> Path:
+        assert model is not None, "the export needs the model's weights"
+        fake.exports += 1
+        key = onnx_export.export_key(model.cfg, weights, onnx_export.dtype_name(model))
+        (Path(cache_dir) / key.digest()).mkdir(parents=True, exist_ok=True)
+        return Path(cache_dir) / key.digest()
+
+    monkeypatch.setattr(onnx_export, "ensure_export", ensure_export)
+    return fake
+
+
+def engine_on_cpu(cache_dir: Path) -> TensorRTEngine:
+    return TensorRTEngine(tiny_model(), device=torch.device("cpu"), cache_dir=cache_dir)
+
+
+def test_each_denoising_step_and_batch_item_is_bound_on_a_256_byte_boundary(trt, tmp_path: Path) -> None:
+    """TensorRT refuses a tensor address off a 256-byte boundary and keeps the previous one. Each step
+    index has a row of its own in the step table, and a batch's second observation (1600 bytes into the
+    tokens) is copied into the engine's buffers, so the ten steps see 0..9 and both items their own
+    prompt: the chunks are the eager model's."""
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    model = tiny_model()
+    inputs, noise = random_inputs(model.cfg, batch=2, valid_tokens=150, pad_to=200, seed=5)
+    inputs.image_masks[1, 2] = False
+    trt.log.clear()
+    got = engine.sample_actions(inputs, noise)
+    assert rel_l2(got, model.sample_actions(inputs, noise)) < 1e-5
+    steps = [step for stage, _, step in trt.log if stage == "denoise"]
+    assert steps == list(range(model.cfg.num_steps)) * 2
+    assert trt.addresses and all(a % ALIGN == 0 for a in trt.addresses)
+
+
+def test_a_shape_or_address_tensorrt_refuses_is_an_error_naming_the_tensor(trt, tmp_path: Path) -> None:
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    prefill = engine._stages["prefill"]
+    too_long = aligned_empty((1, 201), torch.int64, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"prefill\.tokens: TensorRT refused the input shape \(1, 201\)"):
+        prefill.enqueue({"tokens": too_long}, {}, 0)
+    off_boundary = aligned_empty((1, 64), torch.int64, torch.device("cpu"))[:, 1:33]
+    with pytest.raises(
+        RuntimeError,
+        match=r"prefill\.tokens: TensorRT refused the address 0x[0-9a-f]+ \(8 bytes past a 256-byte",
+    ):
+        prefill.enqueue({"tokens": off_boundary}, {}, 0)
+
+
+def test_a_failed_build_leaves_the_engine_as_it_was_and_the_next_warmup_retries(trt, tmp_path: Path) -> None:
+    engine = engine_on_cpu(tmp_path)
+    trt.fail = {"prefill"}
+    with pytest.raises(RuntimeError, match=r"failed to build an engine from .*prefill\.onnx"):
+        engine.warmup()
+    assert engine._stages == {} and engine.model is not None
+    trt.fail = set()
+    timings = engine.warmup()
+    assert {"engine_vision", "engine_prefill", "engine_denoise", "first_call"} <= set(timings)
+    assert trt.built == [
+        "vision",
+        "prefill",
+        "prefill",
+        "denoise",
+    ]  # vision's plan was kept from the first try
+    assert engine.model is None  # released once everything ran
+    inputs, noise = random_inputs(engine.cfg, valid_tokens=12, pad_to=16, seed=2)
+    assert rel_l2(engine.sample_actions(inputs, noise), tiny_model().sample_actions(inputs, noise)) < 1e-5
+
+
+def test_a_padded_prompt_runs_at_its_bucket_and_gives_the_padded_calls_actions(trt, tmp_path: Path) -> None:
+    """The policy pads every prompt to 200 slots; the engine runs it at the bucket holding its last valid
+    token (40 -> 64), and the actions are the eager model's on the padded prompt."""
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    plan = json.loads(next((tmp_path / "tensorrt").glob("prefill-*.plan")).read_bytes())
+    assert plan["profile"]["tokens"] == [[1, 1], [1, OPT_PROMPT_LEN], [1, 200]]
+    model = tiny_model()
+    inputs, noise = random_inputs(model.cfg, valid_tokens=40, pad_to=200, seed=3)
+    trt.log.clear()
+    got = engine.sample_actions(inputs, noise)
+    assert [shapes["tokens"] for stage, shapes, _ in trt.log if stage == "prefill"] == [(1, 64)]
+    assert rel_l2(got, model.sample_actions(inputs, noise)) < 1e-5
+
+
+@pytest.fixture
+def block_imports(monkeypatch: pytest.MonkeyPatch):
+    """block_imports(*names): those packages cannot be imported (as if not installed) until the test ends."""
+
+    def block(*names: str) -> None:
+        class Blocker:
+            def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+                if name.split(".")[0] in names:
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+
+        monkeypatch.setattr(sys, "meta_path", [Blocker(), *sys.meta_path])
+        for name in names:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+
+    return block
+
+
+def test_without_tensorrt_or_the_exporter_the_backend_says_what_is_missing_at_construction(
+    trt, tmp_path: Path, block_imports
+) -> None:
+    """TensorRT missing: named with where it comes from, with the exporter's packages if they are missing
+    too. The exporter missing: an error at construction when some plan must be built, none when every
+    plan is cached (the export is then neither made nor read)."""
+    block_imports("onnxscript")
+    with pytest.raises(
+        RuntimeError,
+        match=r"backend 'tensorrt' .*needs onnxscript, not installed here: pip install 'rmuscle_ros\[onnx\]'",
+    ):
+        engine_on_cpu(tmp_path)
+    block_imports("tensorrt")
+    with pytest.raises(
+        RuntimeError,
+        match=r"backend 'tensorrt' needs tensorrt, onnxscript, not installed here: .*JetPack.*rmuscle_ros\[onnx\]",
+    ):
+        engine_on_cpu(tmp_path)
+
+
+def test_with_every_plan_cached_the_engine_needs_neither_onnx_nor_onnxscript(
+    trt, tmp_path: Path, block_imports
+) -> None:
+    engine_on_cpu(tmp_path).warmup()
+    assert trt.exports == 1
+    block_imports("onnx", "onnxscript")
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    assert trt.exports == 1  # the cached plans were found by the export's key, computed without onnx
+    inputs, noise = random_inputs(engine.cfg, seed=4)
+    assert rel_l2(engine.sample_actions(inputs, noise), tiny_model().sample_actions(inputs, noise)) < 1e-5
