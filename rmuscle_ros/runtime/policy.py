@@ -111,20 +111,16 @@ class PolicyConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= model.action_dim:
                 raise ValueError(f"{name}: must be an int in 1..{model.action_dim}, got {value!r}")
         self.action_space  # noqa: B018 (validates aloha_adapt_to_pi and delta_actions)
-        if model.vocab_size == PALIGEMMA_VOCAB_SIZE:
-            self._check_deployable()
-        elif self.random_weights and self.checkpoint:
+        if self.random_weights and self.checkpoint:
             raise ValueError("random_weights: set, but so is checkpoint; choose one")
+        if model.vocab_size == PALIGEMMA_VOCAB_SIZE and not self.random_weights:
+            self._check_deployable()
 
     def _check_deployable(self) -> None:
-        """A π0.5-size preset runs a trained checkpoint with its own stats and tokenizer, or, with
-        random_weights, none of them: a setting left empty by mistake is refused, not replaced by a
+        """A π0.5-size preset runs a trained checkpoint with its own stats and tokenizer (or, with
+        random_weights, none of them): a setting left empty by mistake is refused, not replaced by a
         stand-in the checkpoint was not trained with."""
         given = {"checkpoint": self.checkpoint, "norm_stats": self.norm_stats, "tokenizer": self.tokenizer}
-        if self.random_weights:
-            if self.checkpoint:
-                raise ValueError("random_weights: set, but so is checkpoint; choose one")
-            return
         missing = [name for name, value in given.items() if not value]
         if missing:
             raise ValueError(
