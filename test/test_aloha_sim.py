@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import json
 import math
 import os
@@ -154,6 +156,8 @@ def test_config_is_validated_naming_the_setting() -> None:
         ({"height": 8}, "height"),
         ({"finger_range": (0.05, 0.05)}, "finger_range"),
         ({"gripper_joint_range": (0.0, math.nan)}, "gripper_joint_range"),
+        ({"finger_range": (0.04, 0.05, 0.06)}, "finger_range"),  # not a bare unpacking error
+        ({"gripper_joint_range": (1.0,)}, "gripper_joint_range"),
         ({"placement_spread": 1.5}, "placement_spread"),
         ({"placement_spread": math.nan}, "placement_spread"),
     ):
@@ -249,9 +253,33 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
         ({"placement_spread": -0.1}, "placement_spread"),
         ({"camera_rate_hz": "fast"}, "camera_rate_hz"),
         ({"speed": 2.0}, "speed: unknown parameter"),
+        ({"finger_range": [0.04, 0.05, 0.06]}, "finger_range"),
+        ({"gripper_joint_range": [1.0]}, "gripper_joint_range"),
+        # Frames go out at steps: more than one per 20 ms control period would be 50 Hz all the same.
+        ({"camera_rate_hz": 200.0}, r"camera_rate_hz: must be in \(0, 50\] Hz"),
+        ({"camera_rate_hz": math.inf}, "camera_rate_hz"),
+        ({"real_time_factor": 1e-9}, "real_time_factor: must be 0 .unpaced. or at least 0.01"),
     ):
         with pytest.raises(ParameterError, match=match):
             sim_node_config(params)
+    assert sim_node_config({"camera_rate_hz": 50.0, "real_time_factor": 0.0}).camera_rate_hz == 50.0
+
+
+def test_the_camera_schedule_does_not_drift_over_hours() -> None:
+    """Frame k goes out at the first step at or after k / rate s from the first step's. A float schedule
+    advanced frame by frame drifted by a step after 1-2 h (50 Hz skipped a frame, 25 Hz sent two in a row)."""
+    _ros_or_skip()
+    from fractions import Fraction
+
+    from rmuscle_ros.node.aloha_sim import FrameSchedule
+
+    steps = 3 * 3600 * 50  # three hours of 20 ms steps
+    for rate, gaps in ((50.0, {1}), (25.0, {2}), (10.0, {5}), (30.0, {1, 2}), (29.97, {1, 2})):
+        schedule = FrameSchedule(0.02, rate)
+        due = [step for step in range(1, steps + 1) if schedule.due(step)]
+        assert due[0] == 1 and {b - a for a, b in itertools.pairwise(due)} == gaps, rate
+        # No frame lost or added: one per frame time from the first step to the last
+        assert len(due) == math.floor((steps - 1) * Fraction(str(rate)) / 50) + 1, rate
 
 
 def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> None:
@@ -349,6 +377,275 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         node.destroy_node()
         peer.destroy_node()
         rclpy.shutdown(context=context)
+
+
+@contextlib.contextmanager
+def _sim_node(domain_offset: int, **params: object) -> Iterator[tuple[object, object]]:
+    """An aloha_sim node and a peer node spun in this process, on a DDS domain of their own."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from rmuscle_ros.node.aloha_sim import AlohaSimNode
+
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")) + domain_offset)
+    node = peer = None
+    executor = SingleThreadedExecutor(context=context)
+    try:
+        overrides = [Parameter(name, value=value) for name, value in params.items()]
+        node = AlohaSimNode(context=context, parameter_overrides=overrides)
+        peer = rclpy.create_node("cell_user", context=context)
+        executor.add_node(node)
+        executor.add_node(peer)
+        threading.Thread(target=executor.spin, daemon=True).start()
+        yield node, peer
+    finally:
+        executor.shutdown()
+        for n in (node, peer):
+            if n is not None:
+                n.destroy_node()
+        rclpy.shutdown(context=context)
+
+
+def _failing_render(monkeypatch: pytest.MonkeyPatch, at_call: int) -> None:
+    """AlohaSim.render raises at its `at_call`-th call from now on (as a lost EGL context would)."""
+    render, calls = AlohaSim.render, [0]
+
+    def failing(self: AlohaSim, camera: str) -> np.ndarray:
+        calls[0] += 1
+        if calls[0] >= at_call:
+            raise RuntimeError("EGL context lost")
+        return render(self, camera)
+
+    monkeypatch.setattr(AlohaSim, "render", failing)
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_a_sim_node_that_cannot_render_stops_at_start_up(monkeypatch) -> None:
+    """The node renders one frame per camera before it is up, on its simulation thread: no OpenGL for
+    MuJoCo is found at start-up, not at the first published frame."""
+    _ros_or_skip()
+    _failing_render(monkeypatch, at_call=1)
+    with (
+        pytest.raises(RuntimeError, match=r"cameras: cannot render \['top'\].*EGL context lost"),
+        _sim_node(62, cameras=["top"]),
+    ):
+        pass
+    assert not [t for t in threading.enumerate() if t.name == "aloha_sim" and t.is_alive()]
+
+
+def test_a_dead_simulation_thread_is_reported_and_resets_and_commands_are_refused_at_once(
+    monkeypatch,
+) -> None:
+    """The simulation thread dies (an exception other than divergence): /diagnostics says why (ERROR),
+    ~/reset answers at once with the reason instead of waiting 10 s, and commands are no longer queued."""
+    interbotix = _ros_or_skip()
+    import time
+
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+    from std_srvs.srv import Trigger
+
+    from rmuscle_ros.node.replay_demo import call_service
+
+    # The start-up frame and the first step's render; the second step's frame (0.1 s) fails.
+    _failing_render(monkeypatch, at_call=3)
+    with _sim_node(62, cameras=["top"], camera_rate_hz=10.0, real_time_factor=0.0) as (node, peer):
+        diagnostics: list = []
+        peer.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 10)
+        reset = peer.create_client(Trigger, "/aloha_sim/reset")
+        _wait_for(lambda: not node._thread.is_alive())
+        assert node.failure == "simulation stopped: RuntimeError: EGL context lost"
+        for _ in range(100):
+            node._on_arm("left", interbotix.JointGroupCommand(name="arm", cmd=[0.0] * 6))
+            node._on_gripper("left", interbotix.JointSingleCommand(name="gripper", cmd=1.0))
+        assert not node._pending
+        started = time.monotonic()
+        response = call_service(reset, Trigger.Request(), 5.0)
+        assert time.monotonic() - started < 2.0
+        assert not response.success and response.message == node.failure
+        _wait_for(lambda: diagnostics and node.failure in diagnostics[-1].status[0].message)
+        status = diagnostics[-1].status[0]
+        assert status.level == DiagnosticStatus.ERROR
+        assert {kv.key: kv.value for kv in status.values}["failure"] == node.failure
+        assert node.context.ok()  # in a process of its own (the executable) it would end: see below
+
+
+def test_the_sim_executable_exits_non_zero_when_its_simulation_dies(tmp_path) -> None:
+    """`aloha_sim` as a process: a renderer that cannot be made ends it at start-up, and a simulation thread
+    that dies later ends it too, with status 1 and the reason, not a process with a stopped clock."""
+    _ros_or_skip()
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from rmuscle_ros.sim.aloha import AlohaSim
+from rmuscle_ros.node import aloha_sim
+render, calls, at_call = AlohaSim.render, [0], int(sys.argv.pop(1))
+def failing(self, camera):
+    calls[0] += 1
+    if calls[0] >= at_call:
+        raise RuntimeError("EGL context lost")
+    return render(self, camera)
+AlohaSim.render = failing
+sys.exit(aloha_sim.main(sys.argv))
+"""
+    env = os.environ | {"ROS_DOMAIN_ID": str(int(os.environ.get("ROS_DOMAIN_ID", "42")) + 63)}
+    ros_args = ["--ros-args", "-p", "cameras:=[top]", "-p", "camera_rate_hz:=10.0"]
+    for at_call, says in ((1, "cameras: cannot render ['top']"), (3, "simulation stopped: RuntimeError")):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(at_call), *ros_args],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1 and says in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_slowly_paced_sim_node_stops_without_waiting_for_its_step() -> None:
+    """At the slowest real-time factor a step takes 2 s of wall clock; shutting down does not wait for it."""
+    _ros_or_skip()
+    import time
+
+    with _sim_node(62, cameras=["top"], camera_rate_hz=1.0, real_time_factor=0.01) as (node, _):
+        _wait_for(lambda: node._steps >= 1)
+        started = time.monotonic()
+        node.destroy_node()
+        assert time.monotonic() - started < 1.0 and not node._thread.is_alive()
+
+
+# -- record_demos -----------------------------------------------------------------------------------------
+
+
+def _short_recordings(monkeypatch: pytest.MonkeyPatch) -> object:
+    """record_demos with 10-step episodes and blank 48×64 frames: its files, quickly, without OpenGL."""
+    from rmuscle_ros.node import record_demos
+
+    monkeypatch.setattr(record_demos, "EPISODE_STEPS", 10)
+    monkeypatch.setattr(AlohaSim, "render", lambda self, camera: np.zeros((48, 64, 3), np.uint8))
+    return record_demos
+
+
+def _fail_at(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, at: int, error: BaseException) -> dict:
+    """owner.name raises `error` at its `at`-th call from now on (state["at"] = 0: no more)."""
+    original, state = getattr(owner, name), {"calls": 0, "at": at}
+
+    def failing(self, *args, **kwargs):
+        state["calls"] += 1
+        if state["calls"] == state["at"]:
+            raise error
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return state
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_an_interrupted_recording_keeps_whole_episodes_and_the_same_command_resumes(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Ctrl-C in episode 1: episode 0 is whole, episode 1 leaves nothing; the same command again keeps
+    episode 0 untouched and records the rest. Other settings, or a folder that is no complete episode, are
+    refused before anything is recorded."""
+    from rmuscle_ros.node.bags import bag_info
+
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+    args = ["--out", str(out), "--episodes", "3", "--camera-rate", "10"]
+    interrupt = _fail_at(monkeypatch, AlohaSim, "step", 15, KeyboardInterrupt())  # episode 1's 5th step
+    assert record_demos.main(args) == 130
+    err = capsys.readouterr().err
+    assert f"{out / 'episode_1'} (seed 1): interrupted; 1 complete episode(s) kept" in err, err
+    assert [p.name for p in out.iterdir()] == ["episode_0"]
+    episode_0 = out / "episode_0"
+    assert {p.name for p in episode_0.iterdir()} == {"episode.json", "episode_0.mcap", "metadata.yaml"}
+    assert bag_info(episode_0).topics["/follower_left/joint_states"][1] == 10
+    recorded = _snapshot(episode_0)
+
+    interrupt["at"] = 0
+    assert record_demos.main(args) == 0
+    printed = capsys.readouterr().out
+    assert (
+        f"{episode_0}: recorded earlier (seed 0, " in printed and "0 of 3 demonstrations succeeded" in printed
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["episode_0", "episode_1", "episode_2"]
+    assert _snapshot(episode_0) == recorded
+    assert json.loads((out / "episode_2" / "episode.json").read_text())["seed"] == 2
+
+    everything = _snapshot(out)
+    assert record_demos.main([*args[:-1], "5"]) == 2  # another camera rate
+    assert "recorded with other settings (camera_rate_hz 10.0, not 5.0)" in capsys.readouterr().err
+    (out / "episode_3").mkdir()  # e.g. an unfinished episode of an older version
+    (out / "episode_3" / "episode_3.mcap").write_bytes(b"truncated")
+    assert record_demos.main(["--out", str(out), "--episodes", "4", "--camera-rate", "10"]) == 2
+    assert "episode_3: exists without an episode.json" in capsys.readouterr().err
+    assert {k: v for k, v in _snapshot(out).items() if not k.startswith("episode_3")} == everything
+    assert (out / "episode_3" / "episode_3.mcap").read_bytes() == b"truncated"
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "error", "says"),
+    [
+        ("Writer", "write", OSError(errno.ENOSPC, "No space left on device"), "OSError: [Errno 28] No space"),
+        (
+            "AlohaSim",
+            "step",
+            SimulationDiverged("the physics diverged at 0.08 s"),
+            "SimulationDiverged: the physics",
+        ),
+        ("AlohaSim", "step", CommandError("arm command: non-finite"), "CommandError: arm command"),
+    ],
+)
+def test_a_failed_episode_is_removed_and_named_with_a_non_zero_exit(
+    tmp_path, monkeypatch, capsys, owner, name, error, says
+) -> None:
+    """A full disk, diverged physics or a refused command (a ValueError, yet no usage error) end the
+    command with status 1 naming the episode; its partial folder is gone and episode 0 is kept."""
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+    at = 10 + 5 if name == "step" else 60 + 30  # in episode 1: 10 steps, ~6 messages a step
+    _fail_at(monkeypatch, AlohaSim if owner == "AlohaSim" else record_demos.Writer, name, at, error)
+    assert record_demos.main(["--out", str(out), "--episodes", "2", "--camera-rate", "10"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out / 'episode_1'} (seed 1) failed: {says}" in err and "1 complete episode(s) kept" in err, err
+    assert [p.name for p in out.iterdir()] == ["episode_0"]
+
+
+def test_an_unfinished_recording_that_cannot_be_removed_is_named_then_removed_by_the_next_run(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+    args = ["--out", str(out), "--episodes", "1", "--camera-rate", "10"]
+    failure = _fail_at(monkeypatch, AlohaSim, "step", 5, OSError(errno.EIO, "Input/output error"))
+
+    def rmtree(path: Path) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr(record_demos.shutil, "rmtree", rmtree)
+        assert record_demos.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"the unfinished recording is left in {out / 'episode_0.partial'}" in err, err
+    assert [p.name for p in out.iterdir()] == ["episode_0.partial"]
+    failure["at"] = 0
+    assert record_demos.main(args) == 0
+    assert "episode_0.partial: an unfinished recording of an earlier run, removed" in capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == ["episode_0"]
 
 
 @pytest.mark.slow

@@ -19,23 +19,33 @@ run in closed loop, with the launch file's remappings, as they would on the cell
   the ended episode's result as JSON (reward, best reward, success). `/diagnostics` once a second (wall
   clock): episode, simulated time, reward, the real-time factor achieved, commands taken and refused.
 
-The simulation runs on a thread of its own; the executor's thread only queues commands and resets.
+The simulation runs on a thread of its own; the executor's thread only queues commands and resets. That
+thread renders one frame per camera before the node is up, so a renderer that cannot be made (no OpenGL
+for MUJOCO_GL's backend) stops the node at start-up. If it dies later (an exception other than the
+physics diverging, e.g. a lost EGL context), the node says why on its log and `/diagnostics` (level
+ERROR), answers `~/reset` at once with that reason and takes no more commands; the `aloha_sim` executable
+then exits with status 1, so that a launch file or supervisor sees a cell that is gone.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
+import rclpy
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.clock import Clock, ClockType
+from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from rosgraph_msgs.msg import Clock as ClockMsg
@@ -52,6 +62,7 @@ from rmuscle_ros.node.bags import (
 from rmuscle_ros.node.params import ParameterError, flat_config, flat_defaults
 from rmuscle_ros.node.spin import spin_node
 from rmuscle_ros.sim.aloha import (
+    CONTROL_PERIOD_S,
     DEFAULT_CAMERAS,
     JOINT_STATE_NAMES,
     SIDES,
@@ -67,6 +78,9 @@ ARM_GROUP = "arm"  # the Interbotix group of an ALOHA follower's six arm joints
 GRIPPER_JOINT = "gripper"
 REFUSAL_LOG_PERIOD_S = 1.0
 RESET_TIMEOUT_S = 10.0
+STARTUP_TIMEOUT_S = 60.0  # the simulation thread's first frames (making the renderer: ~0.2 s here)
+# Slower than this, a step takes over 2 s of wall clock: no use for a cell, and a typo for 0 (unpaced).
+MIN_REAL_TIME_FACTOR = 0.01
 
 
 @dataclass(frozen=True)
@@ -92,11 +106,18 @@ class SimNodeConfig:
             raise ParameterError(
                 f"cameras: at most {len(CAMERA_TOPICS)} (one per ALOHA camera topic), got {list(self.cameras)}"
             )
-        if not (0 < self.camera_rate_hz <= 1000 and math.isfinite(self.camera_rate_hz)):
-            raise ParameterError(f"camera_rate_hz: must be in (0, 1000], got {self.camera_rate_hz!r}")
-        if not (0 <= self.real_time_factor < math.inf):
+        # At most one frame per control period: frames are rendered at steps, so a higher rate would be
+        # published at 1 / period_s all the same.
+        max_rate = 1.0 / CONTROL_PERIOD_S
+        if not (0 < self.camera_rate_hz <= max_rate):
             raise ParameterError(
-                f"real_time_factor: must be >= 0 (0: unpaced), got {self.real_time_factor!r}"
+                f"camera_rate_hz: must be in (0, {max_rate:g}] Hz (one frame per control period of "
+                f"{CONTROL_PERIOD_S:g} s at most), got {self.camera_rate_hz!r}"
+            )
+        if not (self.real_time_factor == 0 or MIN_REAL_TIME_FACTOR <= self.real_time_factor < math.inf):
+            raise ParameterError(
+                f"real_time_factor: must be 0 (unpaced) or at least {MIN_REAL_TIME_FACTOR:g}, got "
+                f"{self.real_time_factor!r}"
             )
         if not (0 < self.start_time_s < 2**31 and math.isfinite(self.start_time_s)):
             raise ParameterError(
@@ -134,8 +155,31 @@ def sim_node_config(params: dict[str, Any]) -> SimNodeConfig:
     return flat_config(SimNodeConfig, params)
 
 
+class FrameSchedule:
+    """Which control steps publish the cameras' frames: the first step does, and frame k is due k /
+    camera_rate_hz s of simulated time after it, going out at the first step at or after that time.
+
+    Exact rational arithmetic: a float schedule, advanced frame by frame, drifted by a step after an hour
+    or two (a 50 Hz camera skipped a frame, a 25 Hz one sent two on consecutive steps)."""
+
+    def __init__(self, period_s: float, camera_rate_hz: float) -> None:
+        rate = Fraction(camera_rate_hz).limit_denominator(10**6)
+        per_step = rate * Fraction(period_s).limit_denominator(10**6)  # at most 1 (SimNodeConfig)
+        self._num, self._den = per_step.numerator, per_step.denominator
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (1, 2, ...) publishes a frame: a frame time in (step - 2, step - 1] periods
+        after the first step (floor(-x) is -1 for the first step: it always does)."""
+        n = step - 1
+        return (n * self._num) // self._den > ((n - 1) * self._num) // self._den
+
+
 class AlohaSimNode(Node):
-    def __init__(self, node_name: str = "aloha_sim", **kwargs: Any) -> None:
+    def __init__(
+        self, node_name: str = "aloha_sim", *, shutdown_on_failure: bool = False, **kwargs: Any
+    ) -> None:
+        """`shutdown_on_failure`: when the simulation thread dies, shut this node's context down too (ending
+        its spin: what the executable does, to exit non-zero). Otherwise the node stays up, reporting it."""
         super().__init__(node_name, **kwargs)
         for name, default in sim_defaults().items():
             self.declare_parameter(name, default)
@@ -157,6 +201,10 @@ class AlohaSimNode(Node):
         self._rtf_window: deque[tuple[float, float]] = deque(maxlen=64)  # (wall s, simulated s)
         self._steps = 0  # since the start: the clock
         self._stop = threading.Event()
+        self._shutdown_on_failure = shutdown_on_failure
+        self.failure = ""  # why the simulation thread died ("" while it runs)
+        self._started = threading.Event()  # the thread rendered its first frames, or could not
+        self._startup_error: Exception | None = None
 
         self._clock_pub = self.create_publisher(ClockMsg, "/clock", 10)
         self._image_pubs = [
@@ -186,6 +234,16 @@ class AlohaSimNode(Node):
         self.sim.reset(self._seed())
         self._thread = threading.Thread(target=self._run, name="aloha_sim", daemon=True)
         self._thread.start()
+        # The renderer is made on the thread that renders (its OpenGL context is that thread's): wait for
+        # its first frames, so that a cell that cannot render never comes up.
+        if not self._started.wait(STARTUP_TIMEOUT_S) or self._startup_error is not None:
+            error = self._startup_error
+            self.destroy_node()
+            reason = f"{type(error).__name__}: {error}" if error else f"none within {STARTUP_TIMEOUT_S:g} s"
+            raise RuntimeError(
+                f"cameras: cannot render {list(self.cfg.cameras)} with MuJoCo "
+                f"(MUJOCO_GL={os.environ.get('MUJOCO_GL', '')!r}): {reason}"
+            ) from error
         self.get_logger().info(
             f"{self.cfg.task}, episode 0 (seed {self.sim.seed}); {len(self.cfg.cameras)} cameras at "
             f"{self.cfg.camera_rate_hz:g} Hz, real-time factor {self.cfg.real_time_factor:g}"
@@ -196,25 +254,35 @@ class AlohaSimNode(Node):
 
     # -- the executor's thread: commands and resets are queued for the simulation's thread ---------------
     def _on_arm(self, side: str, msg: Any) -> None:
+        if self.failure:  # nothing takes them any more: queued, they would grow without bound
+            return
         if msg.name != ARM_GROUP:
             self._refuse(f"{side} arm: group {msg.name!r} is not this arm's ({ARM_GROUP!r})")
             return
         self._pending.append((side, "arm", list(msg.cmd)))
 
     def _on_gripper(self, side: str, msg: Any) -> None:
+        if self.failure:
+            return
         if msg.name != GRIPPER_JOINT:
             self._refuse(f"{side} arm: joint {msg.name!r} is not its gripper ({GRIPPER_JOINT!r})")
             return
         self._pending.append((side, "gripper", float(msg.cmd)))
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        response.success = False
+        if self.failure or not self._thread.is_alive():
+            response.message = self.failure or "the simulation is not running"
+            return response
         self._reset_done.clear()
         self._reset_request.set()
-        if not self._reset_done.wait(RESET_TIMEOUT_S):
-            response.success, response.message = (
-                False,
-                f"the simulation did not reset within {RESET_TIMEOUT_S:g} s",
-            )
+        deadline = time.monotonic() + RESET_TIMEOUT_S
+        # In slices: a thread that dies meanwhile never answers, and the caller is told why at once.
+        while not self._reset_done.wait(0.05):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                break
+        if self.failure or not self._reset_done.is_set():
+            response.message = self.failure or f"the simulation did not reset within {RESET_TIMEOUT_S:g} s"
             return response
         response.success, response.message = True, json.dumps(self._result)
         return response
@@ -230,19 +298,42 @@ class AlohaSimNode(Node):
     # -- the simulation's thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            try:
+                for camera in self.cfg.cameras:  # makes the renderer, on this thread
+                    self.sim.render(camera)
+            except Exception as e:
+                self._startup_error = e
+                return
+            finally:
+                self._started.set()
             self._loop()
-            self.sim.close()  # its OpenGL context belongs to this thread
-        except Exception as e:  # the simulation died: say so loudly, the node stays up to report it
-            if self._stop.is_set() or not self.context.ok():
-                return  # shutting down (Ctrl-C, SIGTERM): its publishers went first
-            self._counts["crashed"] += 1
-            self._last_refusal = f"simulation stopped: {e!r}"
-            self.get_logger().error(self._last_refusal)
+        except Exception as e:
+            self._fail(e)
+        finally:
+            try:
+                self.sim.close()  # its OpenGL context belongs to this thread
+            except Exception as e:  # a context already lost: nothing more to free
+                self.get_logger().debug(f"closing the renderer: {e!r}")
+
+    def _fail(self, error: Exception) -> None:
+        """The simulation thread died: say so loudly, stop taking commands and resets, and (the executable)
+        end the process."""
+        if self._stop.is_set() or not self.context.ok():
+            return  # shutting down (Ctrl-C, SIGTERM): its publishers went first
+        self.failure = f"simulation stopped: {type(error).__name__}: {error}"
+        self._counts["crashed"] += 1
+        self._last_refusal = self.failure
+        self._pending.clear()
+        self._reset_done.set()  # a ~/reset waiting on this thread answers now, with the failure
+        self.get_logger().error(f"{self.failure}\n{''.join(traceback.format_exception(error)).rstrip()}")
+        self._publish_diagnostics()
+        if self._shutdown_on_failure:
+            self._diag_pub.wait_for_all_acked(Duration(seconds=2))  # the reason reaches its subscribers
+            rclpy.shutdown(context=self.context)
 
     def _loop(self) -> None:
         period = self.sim.period_s
-        frame_period = 1.0 / self.cfg.camera_rate_hz
-        next_frame = 0.0  # simulated seconds since the start
+        frames = FrameSchedule(period, self.cfg.camera_rate_hz)
         last_step = time.perf_counter()
         while not self._stop.is_set():
             if self._reset_request.is_set():
@@ -286,8 +377,7 @@ class AlohaSimNode(Node):
                 msg = JointState(name=list(JOINT_STATE_NAMES), position=position, velocity=velocity)
                 msg.header.stamp = stamp
                 pub.publish(msg)
-            if now_s + 1e-9 >= next_frame:
-                next_frame += frame_period * max(1, math.ceil((now_s + 1e-9 - next_frame) / frame_period))
+            if frames.due(self._steps):
                 for camera, pub in zip(self.cfg.cameras, self._image_pubs, strict=True):
                     pub.publish(self._image(camera, stamp))
             self._rtf_window.append((time.perf_counter(), now_s))
@@ -297,8 +387,8 @@ class AlohaSimNode(Node):
                 # so the other nodes still get a period of wall clock to answer each step.
                 due = last_step + period / self.cfg.real_time_factor
                 now = time.perf_counter()
-                if now < due:
-                    time.sleep(due - now)
+                if now < due and self._stop.wait(due - now):  # a shutdown does not wait for the step
+                    return
                 last_step = max(due, now)
 
     def _stamp(self, since_start_s: float) -> Time:
@@ -347,15 +437,18 @@ class AlohaSimNode(Node):
         status = DiagnosticStatus(name=f"{self.get_name()}: simulation", hardware_id=self.cfg.task)
         status.level = (
             DiagnosticStatus.ERROR
-            if self._counts["crashed"] or self.sim.diverged
+            if self.failure or self.sim.diverged
             else (DiagnosticStatus.WARN if self._counts["refused"] else DiagnosticStatus.OK)
         )
         status.message = (
             f"episode {r['episode']} at {r['seconds']:.2f} s, reward {r['reward']}/{r['max_reward']}"
         )
-        if self._last_refusal:
+        if self.failure:
+            status.message = f"{self.failure}; {status.message}"
+        elif self._last_refusal:
             status.message += f"; last: {self._last_refusal}"
         values = r | {
+            "failure": self.failure,  # why the simulation thread died ("" while it runs)
             "real_time_factor": round(self.real_time_factor(), 3),
             "arm_commands": self._counts["arm_commands"],
             "gripper_commands": self._counts["gripper_commands"],
@@ -374,8 +467,19 @@ class AlohaSimNode(Node):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`aloha_sim` executable: the simulated cell on a single-threaded executor."""
-    return spin_node(AlohaSimNode, argv)
+    """`aloha_sim` executable: the simulated cell on a single-threaded executor. Exits 1 when the simulation
+    thread died (its reason on stderr and, before the exit, on /diagnostics), 0 on Ctrl-C or SIGTERM."""
+    made: list[AlohaSimNode] = []
+
+    def make() -> AlohaSimNode:
+        made.append(AlohaSimNode(shutdown_on_failure=True))
+        return made[-1]
+
+    spin_node(make, argv)
+    if made and made[0].failure:
+        print(f"aloha_sim: {made[0].failure}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ its topics and in its units:
   demonstrator (rmuscle_ros/sim/scripted.py), in command units.
 Beside the bag, `episode.json` holds the task, seed and gym-aloha's reward (best and final, success).
 
+An episode is recorded under `episode_<k>.partial/` and moved to `episode_<k>` once complete (bag closed,
+episode.json written): an `episode_<k>` folder is always a whole episode. An episode that fails (Ctrl-C,
+a full disk, the physics diverging) is removed and named, and the command exits non-zero; run the same
+command again and it keeps the complete episodes (checking their episode.json against its settings) and
+records the rest. Nothing recorded is ever overwritten.
+
 The bags replay into rmuscle_node with `python -m rmuscle_ros.demo --bags ...` (JPEG frames: with
 `--param compressed_images=true` and each camera's `/compressed` topic remapped onto the node's). The
 simulation runs as fast as it can; the stamps are the simulation's time from `--start-ns`. No ROS
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +49,15 @@ from rmuscle_ros.node.bags import (
     STORAGE,
     typestore,
 )
-from rmuscle_ros.sim.aloha import JOINT_STATE_NAMES, SIDES, AlohaSim, SimConfig
+from rmuscle_ros.sim.aloha import (
+    CONTROL_PERIOD_S,
+    JOINT_STATE_NAMES,
+    SIDES,
+    AlohaSim,
+    CommandError,
+    SimConfig,
+    SimulationDiverged,
+)
 from rmuscle_ros.sim.scripted import EPISODE_STEPS, TransferCubeDemonstrator
 
 START_NS = 1_700_000_000 * 10**9
@@ -53,6 +68,24 @@ INTERBOTIX_TYPES = {
 }
 IMAGE_FORMATS = ("jpeg", "raw")
 JPEG_QUALITY = 90
+TASK = "transfer_cube"
+
+
+def check_settings(camera_rate_hz: float, image_format: str) -> None:
+    """ValueError naming the setting if the recording cannot be made with these."""
+    if image_format not in IMAGE_FORMATS:
+        raise ValueError(f"image format: one of {list(IMAGE_FORMATS)}, got {image_format!r}")
+    max_rate = 1.0 / CONTROL_PERIOD_S
+    if not 0 < camera_rate_hz <= max_rate:
+        raise ValueError(
+            f"camera rate: in (0, {max_rate:g}] Hz (one frame per control period at most), got {camera_rate_hz:g}"
+        )
+
+
+def partial_path(path: Path) -> Path:
+    """Where the episode bound for `path` is recorded until it is complete (the bag is its `path.name`
+    subfolder, so that the bag's own file names are the episode's)."""
+    return path.with_name(f"{path.name}.partial")
 
 
 def record_episode(
@@ -63,21 +96,53 @@ def record_episode(
     start_ns: int = START_NS,
 ) -> dict[str, Any]:
     """Run one scripted transfer-cube demonstration from `seed` and write it to the bag folder `path`
-    (which must not exist). Returns the episode's result (also written to `path`/episode.json)."""
-    if image_format not in IMAGE_FORMATS:
-        raise ValueError(f"image format: one of {list(IMAGE_FORMATS)}, got {image_format!r}")
-    if not 0 < camera_rate_hz <= 50:
-        raise ValueError(
-            f"camera rate: in (0, 50] Hz (one frame per control period at most), got {camera_rate_hz:g}"
-        )
-    if path.exists():
+    (which must not exist). Returns the episode's result (also written to `path`/episode.json).
+
+    `path` appears only once the episode is complete: it is recorded under `partial_path(path)` (one
+    left by an earlier run that was killed outright is removed first) and renamed at the end. Whatever
+    ends it early (an exception, Ctrl-C) removes the partial folder before it propagates; if the folder
+    cannot be removed, the exception's notes say where it is."""
+    check_settings(camera_rate_hz, image_format)
+    if path.exists() or path.is_symlink():
         raise ValueError(f"{path}: exists; a recording never overwrites one")
+    partial = partial_path(path)
+    if partial.exists() or partial.is_symlink():
+        _remove(partial)
+    bag = partial / path.name
+    try:
+        result = _record(bag, seed, camera_rate_hz, image_format, start_ns)
+        (bag / "episode.json").write_text(json.dumps(result, indent=1))
+        if path.exists() or path.is_symlink():  # made meanwhile: a rename would replace an empty folder
+            raise ValueError(f"{path}: exists; a recording never overwrites one")
+        bag.rename(path)  # one filesystem: atomic
+        partial.rmdir()
+    except BaseException as e:
+        try:
+            _remove(partial)
+        except OSError as removal:
+            e.add_note(
+                f"the unfinished recording is left in {partial} (it could not be removed: {removal}); "
+                "the same command removes it, or remove it by hand"
+            )
+        raise
+    return result
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _record(path: Path, seed: int, camera_rate_hz: float, image_format: str, start_ns: int) -> dict[str, Any]:
+    """The episode as a bag in `path` (made here; its parent may not exist yet); returns its result."""
     store = typestore()
     for name, definition in INTERBOTIX_TYPES.items():
         store.register(get_types_from_msg(definition, name))
     types = store.types
     image_type = "sensor_msgs/msg/Image" if image_format == "raw" else "sensor_msgs/msg/CompressedImage"
-    sim = AlohaSim(SimConfig(task="transfer_cube"))
+    sim = AlohaSim(SimConfig(task=TASK))
     try:
         sim.reset(seed)
         demo = TransferCubeDemonstrator(sim)
@@ -147,7 +212,6 @@ def record_episode(
             "messages": counts,
             "start_ns": start_ns,
         }
-        (path / "episode.json").write_text(json.dumps(result, indent=1))
         return result
     finally:
         sim.close()
@@ -185,7 +249,39 @@ def _jpeg(types: Any, header: Any, camera: str, frame: Any) -> Any:
     )
 
 
+def episode_start_ns(k: int) -> int:
+    """Episode k's first stamp: one clock across the episodes, 1 s between them."""
+    return START_NS + k * (EPISODE_STEPS + 50) * 20_000_000
+
+
+def recorded_episode(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The result of the complete episode in `path`, if its episode.json records `settings` (SETTINGS'
+    values, as this command would record them); a ValueError saying why it is not that episode otherwise."""
+    advice = "a recording never overwrites one: move it away or record into another --out"
+    try:
+        result = json.loads((path / "episode.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path}: exists without an episode.json, not a complete recording; {advice}"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: its episode.json cannot be read ({e}); {advice}") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{path}: its episode.json holds no episode's result; {advice}")
+    other = [
+        f"{name} {result.get(name)!r}, not {value!r}"
+        for name, value in settings.items()
+        if result.get(name) != value
+    ]
+    if other:
+        raise ValueError(f"{path}: recorded with other settings ({'; '.join(other)}); {advice}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 when every episode is recorded (now or by an earlier run of the same command), 1
+    when one failed (named on stderr; the complete ones are kept), 2 for bad arguments or an `--out`
+    holding other recordings, 130 on Ctrl-C."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for the episodes (episode_<k> bags)")
     p.add_argument("--episodes", type=int, default=10)
@@ -195,17 +291,51 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.episodes < 1 or args.seed < 0:
         p.error("--episodes must be >= 1 and --seed >= 0")
-    args.out.mkdir(parents=True, exist_ok=True)
-    successes = 0
+    try:
+        check_settings(args.camera_rate, args.image_format)
+    except ValueError as e:
+        p.error(str(e))
+    # Every episode is checked before any is recorded: an --out holding other recordings is refused whole.
+    earlier: dict[int, dict[str, Any]] = {}
     for k in range(args.episodes):
         path = args.out / f"episode_{k}"
+        if path.exists() or path.is_symlink():
+            settings = {
+                "task": TASK, "seed": args.seed + k, "image_format": args.image_format,
+                "camera_rate_hz": args.camera_rate, "start_ns": episode_start_ns(k),
+            }  # fmt: skip
+            try:
+                earlier[k] = recorded_episode(path, settings)
+            except ValueError as e:
+                print(f"[record] {e}", file=sys.stderr)
+                return 2
+    successes = sum(bool(r.get("success")) for r in earlier.values())
+    complete = len(earlier)
+    for k in range(args.episodes):
+        path, seed = args.out / f"episode_{k}", args.seed + k
+        if k in earlier:
+            print(f"[record] {path}: recorded earlier (seed {seed}, success {earlier[k]['success']}), kept")
+            continue
+        if partial_path(path).exists():
+            print(f"[record] {partial_path(path)}: an unfinished recording of an earlier run, removed")
+        # Said whichever way the episode fails: what is kept, and how to go on.
+        kept = f"{complete} complete episode(s) kept in {args.out}; the same command records the rest"
         try:
-            result = record_episode(
-                path, args.seed + k, args.camera_rate, args.image_format,
-                start_ns=START_NS + k * (EPISODE_STEPS + 50) * 20_000_000,  # one clock: 1 s between episodes
-            )  # fmt: skip
-        except ValueError as e:
-            p.error(str(e))
+            args.out.mkdir(parents=True, exist_ok=True)
+            result = record_episode(path, seed, args.camera_rate, args.image_format, episode_start_ns(k))
+        except KeyboardInterrupt as e:
+            print(f"[record] {path} (seed {seed}): interrupted{_notes(e)}; {kept}", file=sys.stderr)
+            return 130
+        except (OSError, SimulationDiverged, CommandError) as e:
+            print(
+                f"[record] {path} (seed {seed}) failed: {type(e).__name__}: {e}{_notes(e)}; {kept}",
+                file=sys.stderr,
+            )
+            return 1
+        except Exception as e:  # a bug: its traceback, naming the episode
+            e.add_note(f"[record] while recording {path} (seed {seed}); {kept}")
+            raise
+        complete += 1
         successes += result["success"]
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         print(
@@ -214,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"[record] {successes} of {args.episodes} demonstrations succeeded")
     return 0
+
+
+def _notes(e: BaseException) -> str:
+    return "".join(f"; {note}" for note in getattr(e, "__notes__", []))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ JOINT_STATE_NAMES = (*ARM_JOINTS, "gripper", "left_finger", "right_finger")
 # MuJoCo cameras of gym-aloha's scene in π0.5 slot order (base, left wrist, right wrist); "angle",
 # "front_close", "left_pillar" and "right_pillar" also exist.
 DEFAULT_CAMERAS = ("top", "left_wrist", "right_wrist")
+# gym-aloha's control period (its constants.DT; AlohaSim checks it): settings that depend on the step,
+# such as a camera rate, are validated against it without importing gym-aloha.
+CONTROL_PERIOD_S = 0.02
 # The middle (x, y in m) of each object's placement range in gym_aloha.utils' samplers: the cube; the peg,
 # then the socket.
 PLACEMENT_MIDDLES = {"transfer_cube": [(0.1, 0.5)], "insertion": [(0.15, 0.5), (-0.15, 0.5)]}
@@ -63,7 +66,11 @@ class SimConfig:
         if not 0.0 <= self.placement_spread <= 1.0:
             raise ValueError(f"placement_spread: must be in [0, 1], got {self.placement_spread!r}")
         for name in ("finger_range", "gripper_joint_range"):
-            closed, opened = getattr(self, name)
+            value = getattr(self, name)
+            try:  # a list of three, or of one, is refused here by name, not by a bare unpacking error
+                closed, opened = (float(v) for v in value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}: needs two values [closed, open], got {value!r}") from None
             if not (math.isfinite(closed) and math.isfinite(opened) and closed != opened):
                 raise ValueError(
                     f"{name}: needs two distinct finite values [closed, open], got {[closed, opened]}"
@@ -103,6 +110,11 @@ class AlohaSim:
         self.physics = dm_mujoco.Physics.from_xml_path(str(constants.ASSETS_DIR / scene))
         self.task = tasks.TransferCubeTask() if self.config.task == "transfer_cube" else tasks.InsertionTask()
         self.period_s = float(constants.DT)
+        if not math.isclose(self.period_s, CONTROL_PERIOD_S):
+            raise RuntimeError(
+                f"gym-aloha's control period is {self.period_s} s, not the {CONTROL_PERIOD_S} s this package "
+                "validates its settings against (rmuscle_ros/sim/aloha.py CONTROL_PERIOD_S)"
+            )
         self._substeps = round(self.period_s / self.physics.timestep())
         model = self.physics.model.ptr
         known = {model.camera(i).name for i in range(model.ncam)}
