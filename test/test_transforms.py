@@ -190,7 +190,8 @@ def test_images_to_model_padded_on_the_gpu_is_the_cpu_path_bit_for_bit(
 ) -> None:
     """The policy's path with the engine on a GPU (frames uploaded as uint8, resampled there) gives the
     CPU path's tensors exactly, for consecutive and scattered slots; a slot without an image is left as
-    it was."""
+    it was. Antialiased, PyTorch's CUDA and CPU kernels sum the filter taps in another order: on the H200
+    5.7e-5 of the values came out one level (of 255) apart, so that path is held to one level."""
     images = {slot: _random_image(height, width, seed=10 * slot + height) for slot in range(3)}
     images[4] = _random_image(height, width, seed=99)  # a scattered slot: written on its own
     cpu = torch.full((5, 3, 224, 224), 7.0)
@@ -199,6 +200,11 @@ def test_images_to_model_padded_on_the_gpu_is_the_cpu_path_bit_for_bit(
     images_to_model_padded(images, out, ImageUploads(torch.device("cuda")), antialias)
     gpu = out.cpu()
     assert (gpu[3] == 7.0).all(), "a slot without an image is left as it was"
+    if antialias:
+        level = 2.0 / 255.0  # one of 255 in the model's [-1, 1]
+        assert (gpu - cpu).abs().max().item() <= level * 1.001
+        assert (gpu != cpu).float().mean().item() < 1e-3
+        return
     assert torch.equal(gpu, cpu), f"{(gpu != cpu).float().mean().item():.2e} of the values differ"
 
 

@@ -122,7 +122,8 @@ def images_to_model_padded(
 
     With `out` on a GPU, `uploads` (required) copies the uint8 images there and the same operations run
     on the GPU, queued on the current stream: the host only copies the frames. The result is the CPU
-    path's, bit for bit (test/test_transforms.py, on a GPU). `antialias`: as resize_with_pad's."""
+    path's, bit for bit (test/test_transforms.py, on a GPU); antialiased, within one level of 255 (the
+    CUDA kernel sums its taps in another order). `antialias`: as resize_with_pad's."""
     size = out.shape[-1]
     groups: dict[tuple[int, int], list[int]] = {}
     for slot, image in images.items():
