@@ -51,7 +51,7 @@ def load_demo_config(path: Path) -> tuple[PolicyConfig, dict[str, Any]]:
 def parse_param(name: str, text: str, defaults: dict[str, Any]) -> Any:
     """A `--param NAME=VALUE`'s value as the parameter's type: a string parameter takes the text as written
     (a prompt with '#' or ':' in it: YAML cut it at the '#' or made it a mapping, found in review), an int
-    given for a float parameter is that float; the rest is read as YAML (true, 0.2, [a, b]). Raises
+    given for a float parameter (or in a list of floats) is that float; the rest is read as YAML (true, 0.2, [a, b]). Raises
     ValueError naming the parameter for a value no parameter takes (a mapping, nothing)."""
     default = defaults.get(name)
     if isinstance(default, str):
@@ -59,8 +59,15 @@ def parse_param(name: str, text: str, defaults: dict[str, Any]) -> Any:
     value = yaml.safe_load(text)
     if isinstance(value, dict) or value is None:
         raise ValueError(f"{name}: {text!r} is no parameter value (a number, true/false, a string or a list)")
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if isinstance(default, float) and number(value):
         return float(value)
+    floats = isinstance(default, list) and bool(default) and isinstance(default[0], float)
+    if floats and isinstance(value, list) and all(map(number, value)):
+        return [float(v) for v in value]  # gripper_state_range=[0, 1]
     return value
 
 

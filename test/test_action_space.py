@@ -145,17 +145,21 @@ def test_identity_space_changes_nothing() -> None:
 
 
 def test_stats_wider_than_the_robot_are_cut_to_it(tmp_path: Path) -> None:
-    """Older openpi norm_stats.json files hold all 32 model dimensions; openpi uses the leading ones."""
+    """Older openpi norm_stats.json files hold all 32 model dimensions; openpi uses the leading ones. Any
+    other count is refused: a joint list missing a joint would put each range on its neighbour."""
     wide = Policy(PolicyConfig(cameras=CAMERAS, norm_stats=str(write_openpi_stats(tmp_path / "w.json", 32))))
     exact = Policy(PolicyConfig(cameras=CAMERAS, norm_stats=str(write_openpi_stats(tmp_path / "e.json"))))
     assert wide.stats.state.dim == wide.stats.actions.dim == 14
     np.testing.assert_array_equal(wide.stats.actions.q99, exact.stats.actions.q99)
-    with pytest.raises(
-        ValueError, match=r"norm_stats: cover 14 state / 14 action dimensions, fewer than .* 16 / 16"
-    ):
-        Policy(
-            PolicyConfig(cameras=CAMERAS, norm_stats=str(tmp_path / "e.json"), state_dim=16, action_dim=16)
-        )
+    for dims in (16, 13):
+        with pytest.raises(
+            ValueError, match=rf"norm_stats: cover 14 state / 14 action dimensions, .* {dims} / {dims}"
+        ):
+            Policy(
+                PolicyConfig(
+                    cameras=CAMERAS, norm_stats=str(tmp_path / "e.json"), state_dim=dims, action_dim=dims
+                )
+            )
 
 
 @pytest.mark.parametrize(

@@ -691,8 +691,15 @@ def test_invalid_parameter_fails_configure_and_says_why(harness) -> None:
 
 def test_a_misspelt_parameter_fails_configure_naming_it(harness) -> None:
     """rclpy drops an override the node never declares: a params file's typo would leave the default in
-    force without a word (found in review)."""
+    force without a word (found in review). Names that look like the node's are refused; others, meant
+    for other nodes, are logged and left (a second review found them refused)."""
     _configure_fails_saying(harness(**{"max_image_age": 0.05}), "max_image_age: unknown parameter")
+    _configure_fails_saying(
+        harness(**{"cache.simlarity_threshold": 0.9}), "cache.simlarity_threshold: unknown"
+    )
+    # Other nodes' parameters (a `/**:` section, a global -p: robot_description and the like) pass.
+    shared = harness(**{"robot_name": "aloha", "use_sim_time": False})
+    assert shared.transition(Transition.TRANSITION_CONFIGURE), shared.node.last_error
 
 
 def test_missing_checkpoint_fails_configure(harness, tmp_path) -> None:

@@ -113,6 +113,13 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ),
         ({"model.delta_actions": [0]}, r"^model\.delta_actions: unknown parameter"),
         (
+            {
+                "model.aloha_adapt_to_pi": True,
+                "joint_names": [ALOHA_JOINTS[6], *ALOHA_JOINTS[:6], *ALOHA_JOINTS[7:]],
+            },
+            r"^joint_names: model\.aloha_adapt_to_pi needs ALOHA's order, .* entry 0 is 'left_gripper', not a waist",
+        ),
+        (
             {"delta_joint_actions": True, "action_joint_names": ["left_shoulder", "left_waist"]},
             r"^delta_joint_actions: action joint 0 \('left_shoulder'\) is an offset from its state, but "
             r"joint_names holds 'left_waist' there",
@@ -245,6 +252,7 @@ def test_demo_params_are_read_as_their_parameters_type() -> None:
     )
     assert parse_param("cache.enabled", "true", defaults) is True
     assert parse_param("camera_topics", "[a, b]", defaults) == ["a", "b"]
+    assert parse_param("gripper_state_range", "[0, 1]", defaults) == [0.0, 1.0]
     for text in ("", "{a: 1}"):
         with pytest.raises(ValueError, match=r"^cache\.rho_p: .* is no parameter value"):
             parse_param("cache.rho_p", text, defaults)

@@ -413,6 +413,16 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
     assert chunks[-1].cache_mode == "cached"
     with pytest.raises(LibraryMismatch, match="other weights"):
         Policy(PolicyConfig(backend="fused", seed=1), RMuscleConfig(library_path=lib))
+    # Recorded under other preprocessing, its images or state tokens are not what the live calls see
+    # (found in review: a library from before image_antialias / aloha_adapt_to_pi was switched on served).
+    for setting, names in (
+        ("image_antialias", "image resizing"),
+        ("aloha_adapt_to_pi", "the state's convention"),
+    ):
+        changed = dataclasses.replace(CFG, **{setting: True})
+        with pytest.raises(LibraryMismatch, match=rf"{setting}: library absent, model True") as e:
+            Policy(changed, RMuscleConfig(library_path=lib))
+        assert names in str(e.value)
 
 
 def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path) -> None:

@@ -43,7 +43,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -279,11 +279,15 @@ KEY_SETTINGS = {
     # the masks' counts follow both: ρn·F under 'uniform'; under 'ramp' each step's share of ρn·F (mask_steps)
     "mask_neurons": MASK_SETTINGS,
     "mask_steps": MASK_SETTINGS,
+    "image_antialias": "image resizing (model.image_antialias)",
+    "aloha_adapt_to_pi": "the state's convention in the prompt (model.aloha_adapt_to_pi)",
 }
 
 
-def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
-    """What a library must match to be used with this engine: weights and every recorded shape."""
+def library_key(weights: str, engine: GraphEngine, inputs: Mapping[str, bool] | None = None) -> LibraryKey:
+    """What a library must match to be used with this engine: weights, every recorded shape, and `inputs`:
+    the preprocessing settings that change what is recorded (the images' resize, the state's convention in
+    the prompt), each only where it is on, so that libraries recorded before they existed keep their key."""
     cfg = engine.cfg
     return LibraryKey(
         weights,
@@ -299,6 +303,7 @@ def library_key(weights: str, engine: GraphEngine) -> LibraryKey:
             **(
                 {"mask_steps": list(engine.step_neurons)} if engine.cache.neuron_schedule != "uniform" else {}
             ),
+            **{name: True for name, on in (inputs or {}).items() if on},
         },
     )
 
@@ -319,7 +324,10 @@ def images_from_u8(u8: np.ndarray) -> torch.Tensor:
 class RMuscle:
     """Library, retrieval, window and recording around a GraphEngine built with cache shapes."""
 
-    def __init__(self, engine: GraphEngine, cfg: RMuscleConfig, weights: str) -> None:
+    def __init__(
+        self, engine: GraphEngine, cfg: RMuscleConfig, weights: str, inputs: Mapping[str, bool] | None = None
+    ) -> None:
+        """`inputs`: the preprocessing settings in the library's key (library_key)."""
         if engine.cache is None or engine.cache != cfg.shapes():
             raise ValueError(f"the engine must be built with cache={cfg.shapes()}, got {engine.cache}")
         self.engine, self.cfg = engine, cfg
@@ -332,7 +340,7 @@ class RMuscle:
         try:
             self.library = ReferenceLibrary.open(
                 root,
-                library_key(weights, engine),
+                library_key(weights, engine, inputs),
                 max_bytes=cfg.max_library_mb << 20,
                 max_episodes=cfg.max_episodes,
             )

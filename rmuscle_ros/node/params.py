@@ -23,11 +23,8 @@ from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, Policy
 if TYPE_CHECKING:
     from pathlib import Path
 
-ALOHA_JOINTS = tuple(
-    f"{side}_{joint}"
-    for side in ("left", "right")
-    for joint in ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
-)
+ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
+ALOHA_JOINTS = tuple(f"{side}_{joint}" for side in ("left", "right") for joint in ALOHA_ARM_JOINTS)
 
 
 class ParameterError(ValueError):
@@ -180,6 +177,24 @@ def delta_actions(values: Mapping[str, Any]) -> tuple[int, ...]:
             )
         dims.append(i)
     return tuple(dims)
+
+
+def check_aloha_order(values: Mapping[str, Any]) -> None:
+    """model.aloha_adapt_to_pi converts by index, as openpi does (the shoulder and elbow of each arm flipped,
+    slots 6 and 13 converted as grippers): joint_names and action_joint_names must list each arm's joints
+    in ALOHA's order, or the conversions would fall on other joints. ParameterError naming the first that
+    does not."""
+    gripper = values["gripper_joint"] or "gripper"
+    order = [*ALOHA_ARM_JOINTS[:-1], gripper] * 2
+    for name in ("joint_names", "action_joint_names"):
+        names = values[name]
+        for i, (joint, suffix) in enumerate(zip(names, order, strict=False)):
+            if not joint.endswith(suffix):
+                raise ParameterError(
+                    f"{name}: model.aloha_adapt_to_pi needs ALOHA's order, each arm {', '.join(order[:7])} "
+                    f"(openpi flips the shoulder and elbow and converts the gripper by index); entry {i} is "
+                    f"{joint!r}, not a {suffix}"
+                )
 
 
 def state_sources(cfg: NodeConfig) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
@@ -368,6 +383,8 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         field_name = str(e).split(":")[0]
         parameter = DERIVED.get(f"model.{field_name}", f"model.{field_name}")
         raise ParameterError(f"{parameter}:{str(e).split(':', 1)[1]}") from None
+    if model.aloha_adapt_to_pi:  # 14-D, checked by PolicyConfig: now the order
+        check_aloha_order(values)
     horizon = model.model.horizon
     if not 1 <= values["actions_per_inference"] <= horizon:
         raise ParameterError(f"actions_per_inference: must be in 1..{horizon} (the chunk length)")

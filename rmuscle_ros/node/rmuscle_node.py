@@ -18,6 +18,7 @@ while the arm executes the chunk.
 from __future__ import annotations
 
 import array
+import difflib
 import gc
 import statistics
 import sys
@@ -73,10 +74,26 @@ LIVE_PARAMETERS = {
 }
 
 
-def _declared(node: Any, name: str) -> bool:
-    """Whether a parameter override names a parameter the node has: its own, rclpy's (use_sim_time, ...),
-    or a publisher's QoS override (qos_overrides.*, declared when the publisher is made, at configure)."""
-    return node.has_parameter(name) or name.startswith("qos_overrides.")
+def _undeclared_overrides(node: Any) -> tuple[dict[str, Any], list[str]]:
+    """The parameter overrides (params file, -p) naming no parameter the node has: (those that look meant
+    for this node, refused at configure: a misspelt key would otherwise leave its default in force, since
+    rclpy drops them; the others, logged: a `/**:` section or a global -p also carries other nodes'
+    parameters, robot_description and the like). Meant for this node: under model. or cache., or close
+    to one of its names (max_image_age for max_image_age_s). Declared elsewhere, not refused: rclpy's own
+    (use_sim_time, ...) and publishers' QoS overrides (qos_overrides.*, declared at configure)."""
+    declared = list(parameter_defaults())
+    ours: dict[str, Any] = {}
+    others: list[str] = []
+    for name, parameter in node._parameter_overrides.items():  # rclpy keeps them there; no public getter
+        if node.has_parameter(name) or name.startswith("qos_overrides."):
+            continue
+        if name.startswith(("model.", "cache.")) or difflib.get_close_matches(
+            name, declared, n=1, cutoff=0.8
+        ):
+            ours[name] = parameter.value
+        else:
+            others.append(name)
+    return ours, sorted(others)
 
 
 def _prompt_too_long(policy: Any, prompt: str) -> str:
@@ -248,9 +265,9 @@ class RMuscleNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         # A name the params file or -p gives that the node does not declare (a misspelt key) is otherwise
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
-        unknown = {
-            name: p.value for name, p in self._parameter_overrides.items() if not _declared(self, name)
-        }
+        unknown, others = _undeclared_overrides(self)
+        if others:
+            self.get_logger().info(f"configure: parameters given that are not this node's, ignored: {others}")
         try:
             cfg = node_config(
                 {name: self.get_parameter(name).value for name in parameter_defaults()} | unknown

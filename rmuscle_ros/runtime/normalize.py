@@ -8,8 +8,8 @@ convention is recorded with the stats and both are reproduced exactly:
 - lerobot: y = 2 * (x - q01) / d - 1, d = q99 - q01, with d = 1e-8 only where d == 0
 
 Stats cover the robot's real dimensions (e.g. 14 for ALOHA); the padded model dimensions beyond them
-pass through unchanged. A file covering more (older openpi files hold all 32) is cut to the robot's
-(`NormStats.first`), as openpi does. Files are read as safetensors or JSON only, never pickle.
+pass through unchanged. An openpi file covering all 32 padded dimensions (older openpi files) is cut to
+the robot's (`NormStats.for_robot`), as openpi does. Files are read as safetensors or JSON only, never pickle.
 """
 
 from __future__ import annotations
@@ -131,14 +131,17 @@ class NormStats:
                 f"state uses the {self.state.convention} convention but actions use {self.actions.convention}"
             )
 
-    def first(self, state_dim: int, action_dim: int) -> NormStats:
-        """The stats of the robot's first state_dim / action_dim dimensions. Stats may cover more: openpi
-        files written before it normalised ahead of padding hold all 32 model dimensions, and openpi uses
-        their leading entries. Fewer than the robot has is a ValueError naming both counts."""
-        if self.state.dim < state_dim or self.actions.dim < action_dim:
+    def for_robot(self, state_dim: int, action_dim: int, model_dim: int) -> NormStats:
+        """The stats of the robot's state_dim / action_dim dimensions. They must cover exactly those, except
+        openpi files covering all `model_dim` (32) padded dimensions, as openpi wrote them before it
+        normalised ahead of padding; openpi uses their leading entries. Any other count is a ValueError
+        naming both: stats of another robot, or joint lists missing a joint, would put each joint's range
+        on its neighbour."""
+        padded = self.state.convention == "openpi" and self.state.dim == self.actions.dim == model_dim
+        if (self.state.dim, self.actions.dim) != (state_dim, action_dim) and not padded:
             raise ValueError(
-                f"norm_stats: cover {self.state.dim} state / {self.actions.dim} action dimensions, fewer than "
-                f"the robot's state_dim / action_dim {state_dim} / {action_dim}"
+                f"norm_stats: cover {self.state.dim} state / {self.actions.dim} action dimensions, the robot "
+                f"has state_dim / action_dim {state_dim} / {action_dim}"
             )
 
         def head(stats: QuantileStats, dim: int) -> QuantileStats:

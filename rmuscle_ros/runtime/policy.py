@@ -182,7 +182,9 @@ class Policy:
         # below holds its marker until closed; found in review: a bad norm_stats after it left it open).
         self.space = cfg.action_space
         self.stats: NormStats = (
-            load_norm_stats(cfg.norm_stats).first(cfg.state_dim, cfg.action_dim)
+            load_norm_stats(cfg.norm_stats).for_robot(
+                cfg.state_dim, cfg.action_dim, self.model_cfg.action_dim
+            )
             if cfg.norm_stats
             else identity_stats(cfg.state_dim, cfg.action_dim)
         )
@@ -205,7 +207,11 @@ class Policy:
         if cache is not None:
             options["cache"] = cache.shapes()
         self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
-        self.rmuscle = RMuscle(self.engine, cache, weights_fingerprint(model)) if cache is not None else None
+        # A library recorded under other preprocessing holds other images or state tokens: refused, named.
+        inputs = {"image_antialias": cfg.image_antialias, "aloha_adapt_to_pi": cfg.aloha_adapt_to_pi}
+        self.rmuscle = (
+            RMuscle(self.engine, cache, weights_fingerprint(model), inputs) if cache is not None else None
+        )
         del model  # the engines hold what they need (folded copies for graph/fused)
         self._noise = torch.Generator().manual_seed(cfg.seed)
         self._model_state: np.ndarray | None = None  # the latest call's (infer)
