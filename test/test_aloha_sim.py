@@ -497,13 +497,22 @@ def failing(self, camera):
         raise RuntimeError("EGL context lost")
     return render(self, camera)
 AlohaSim.render = failing
+if sys.argv.pop(1) == "no_acks":  # an RMW without wait_for_all_acked: reporting the failure fails too
+    from rclpy.publisher import Publisher
+    def unsupported(self, timeout):
+        raise RuntimeError("rmw_publisher_wait_for_all_acked: operation not supported")
+    Publisher.wait_for_all_acked = unsupported
 sys.exit(aloha_sim.main(sys.argv))
 """
     env = os.environ | {"ROS_DOMAIN_ID": str(int(os.environ.get("ROS_DOMAIN_ID", "42")) + 63)}
     ros_args = ["--ros-args", "-p", "cameras:=[top]", "-p", "camera_rate_hz:=10.0"]
-    for at_call, says in ((1, "cameras: cannot render ['top']"), (3, "simulation stopped: RuntimeError")):
+    for at_call, acks, says in (
+        (1, "acks", "cameras: cannot render ['top']"),
+        (3, "acks", "simulation stopped: RuntimeError"),
+        (3, "no_acks", "simulation stopped: RuntimeError"),  # still ends (a second review: it hung)
+    ):
         done = subprocess.run(
-            [sys.executable, "-c", script, str(at_call), *ros_args],
+            [sys.executable, "-c", script, str(at_call), acks, *ros_args],
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode == 1 and says in done.stderr, (done.returncode, done.stderr[-2000:])

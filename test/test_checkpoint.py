@@ -238,6 +238,24 @@ def test_pickle_file_is_refused_unread(saved, tmp_path: Path, kind: str, monkeyp
         _actions(path)
 
 
+def test_a_truncated_safetensors_file_is_not_called_a_pickle(saved, tmp_path: Path) -> None:
+    """A download cut off half way whose header length happens to begin with byte 0x80 (1 file in 256)
+    is a truncated safetensors file, not a pickle (a second review found it named as one)."""
+    path, _ = saved
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    padded = length + (0x80 - length % 256) % 256  # header length whose low byte is 0x80: pad its JSON
+    header = data[8 : 8 + length] + b" " * (padded - length)
+    cut = tmp_path / "model.safetensors"
+    cut.write_bytes(
+        (padded.to_bytes(8, "little") + header + data[8 + length :])[: (8 + padded + len(data)) // 2]
+    )
+    assert cut.read_bytes()[0] == 0x80
+    with pytest.raises(CheckpointError, match="corrupt or truncated") as e:
+        load_model(get_preset("tiny"), str(cut))
+    assert "pickle" not in str(e.value)
+
+
 def test_git_lfs_pointer_is_named(tmp_path: Path) -> None:
     pointer = tmp_path / "model.safetensors"
     pointer.write_bytes(
@@ -274,13 +292,7 @@ def _beside(saved_path: Path, directory: Path, config: dict) -> Path:
     ("config", "field", "value", "ours"),
     [
         ({"type": "pi05", "chunk_size": 10, "num_inference_steps": 10}, "chunk_size", 10, "horizon = 50"),
-        (
-            {"type": "pi05", "chunk_size": 50, "num_inference_steps": 5},
-            "num_inference_steps",
-            5,
-            "num_steps = 10",
-        ),
-        ({"type": "pi05", "tokenizer_max_length": 48}, "tokenizer_max_length", 48, "max_token_len = 200"),
+        ({"type": "pi05", "tokenizer_max_length": 256}, "tokenizer_max_length", 256, "max_token_len = 200"),
         (
             {"action_dim": 32, "action_horizon": 10, "paligemma_variant": "gemma_2b"},
             "action_horizon",
@@ -292,11 +304,13 @@ def _beside(saved_path: Path, directory: Path, config: dict) -> Path:
 def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
     saved, tmp_path: Path, config: dict, field: str, value: int, ours: str
 ) -> None:
-    """These change no tensor's shape: a chunk_size-10 fine-tune used to run silently at horizon 50."""
+    """These change no tensor's shape: a chunk_size-10 fine-tune used to run silently at horizon 50; a
+    prompt trained longer than the preset's would be cut."""
     path, _ = saved
     ckpt = _beside(path, tmp_path / "pretrained_model", config)
     with pytest.raises(
-        CheckpointError, match=rf"config\.json: .*{field} {value}, the model preset fixes {ours}"
+        CheckpointError,
+        match=rf"config\.json: .*{field} {value}, the model preset fixes {ours}.*; no preset here runs this checkpoint",
     ):
         _actions(ckpt)
     with pytest.raises(CheckpointError, match=field):  # the directory form reads the same config.json
@@ -308,6 +322,9 @@ def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
     [
         {"type": "pi05", "chunk_size": 50, "num_inference_steps": 10, "tokenizer_max_length": 200},
         {"type": "pi05"},  # fields it does not hold are not checked
+        # another step count is an inference choice, a shorter trained prompt is padded and masked here:
+        # neither changes what the model computes as trained (a second review found both refused)
+        {"type": "pi05", "num_inference_steps": 5, "tokenizer_max_length": 48},
         {"type": "pi0", "chunk_size": 10},  # another policy's config.json is not read
         {"dims": {"horizon": 10}},  # not a policy config at all
     ],

@@ -329,9 +329,9 @@ def trim_prompt(inputs: ModelInputs, buckets: Sequence[int]) -> ModelInputs:
 
 
 def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
-    """The key of an export, computed without exporting or importing onnx: the tensorrt backend finds its
-    cached plans from it. Without onnx installed the key says "not installed", so it matches no export
-    made with onnx, and making one fails naming the package (export_model)."""
+    """The key of an export, computed without exporting or importing onnx (its version is read from its
+    installed metadata): the tensorrt backend finds its cached plans from it. Without onnx installed the
+    key says "not installed" and matches no export made with onnx, so both backends require onnx."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return ExportKey(

@@ -67,11 +67,8 @@ class OnnxRuntimeEngine:
         self.cfg = model.cfg
         self.weights = weights_fingerprint(model)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        # onnx and onnxscript make the export; a matching one already in the cache needs neither.
-        missing = onnx_export.missing_packages(("onnxruntime",))
-        key = onnx_export.export_key(self.cfg, self.weights, "float32")
-        if force_export or not (self.cache_dir / "onnx" / key.digest() / onnx_export.MANIFEST).is_file():
-            missing += onnx_export.missing_packages(onnx_export.EXPORT_PACKAGES)
+        # onnx and onnxscript make the export, and the key that finds a cached one holds onnx's version.
+        missing = onnx_export.missing_packages(("onnxruntime", *onnx_export.EXPORT_PACKAGES))
         if missing:
             raise onnx_export.missing_packages_error("backend 'onnxruntime'", missing)
         self.model = model.float().eval()

@@ -281,11 +281,13 @@ class TensorRTEngine:
         """cache_dir: exports (`onnx/`) and plans (`tensorrt/`); opt_prompt_len: the prompt length the
         engines are tuned for; force_rebuild: export and build again even if the caches match.
 
-        Raises RuntimeError naming what is missing: TensorRT, or onnx / onnxscript when an export is
-        needed (some plan is not cached, or force_rebuild)."""
-        missing = missing_packages(("tensorrt",))
-        if missing:  # and, to say it at once, what the export would need
-            missing += missing_packages(onnx_export.EXPORT_PACKAGES)
+        Raises RuntimeError naming what is missing of TensorRT, onnx and onnxscript (the export's key,
+        which finds the cached plans, holds onnx's version)."""
+        # onnx and onnxscript even with every plan cached: the plans are found by the export's key, which
+        # holds onnx's version (read from its installed metadata; a second review found the key changed,
+        # and every cached plan missed, once onnx was uninstalled).
+        missing = missing_packages(("tensorrt", *onnx_export.EXPORT_PACKAGES))
+        if missing:
             raise onnx_export.missing_packages_error("backend 'tensorrt'", missing)
         self.trt = import_tensorrt()
         self.device = device
@@ -296,11 +298,6 @@ class TensorRTEngine:
         self.opt_prompt_len = opt_prompt_len
         self.workspace_bytes = int(workspace_gib * (1 << 30))
         self.force_rebuild = force_rebuild
-        missing = missing_packages(onnx_export.EXPORT_PACKAGES)
-        if missing and (force_rebuild or not all(p.is_file() for p in self._plan_paths().values())):
-            raise onnx_export.missing_packages_error(
-                "backend 'tensorrt' (some engine is not cached, so it exports the model)", missing
-            )
         self.model = model.to(device=device, dtype=torch.bfloat16).eval()
         self.buckets = onnx_export.prompt_buckets(self.cfg)
         self._stages: dict[str, _StageEngine] = {}
@@ -322,10 +319,6 @@ class TensorRTEngine:
         """Each stage's plan key; it follows from the export's key, which needs no export."""
         digest = onnx_export.export_key(self.cfg, self.weights, "bfloat16").digest()
         return {stage: self._plan_key(digest, stage) for stage in onnx_export.STAGES}
-
-    def _plan_paths(self) -> dict[str, Path]:
-        cache = PlanCache(self.cache_dir / "tensorrt")
-        return {stage: cache.path(key) for stage, key in self._plan_keys().items()}
 
     def warmup(self) -> dict[str, float]:
         """Load the three engines (exporting and building whatever is not cached), allocate the buffers,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -36,6 +37,8 @@ KEY_PREFIXES: tuple[tuple[str, str], ...] = (
     ("llm.", "paligemma_with_expert.paligemma.model.language_model."),
     ("expert.", "paligemma_with_expert.gemma_expert.model."),
 )
+log = logging.getLogger(__name__)
+
 LEROBOT_PREFIX = "model."
 TIED_EMBEDDING_KEY = "paligemma_with_expert.paligemma.lm_head.weight"
 IGNORED_KEYS = frozenset({TIED_EMBEDDING_KEY, "paligemma_with_expert.gemma_expert.lm_head.weight"})
@@ -45,16 +48,19 @@ LEGACY_ALIASES = {"time_mlp_in.": "action_time_mlp_in.", "time_mlp_out.": "actio
 # zeros) or fail deep inside PyTorch, and quantised files need their scales, which this loader does not read.
 ACCEPTED_DTYPES = ("F32", "BF16", "F16")
 LISTED = 3  # keys named per kind of mismatch in one error
-# `config.json` fields beside a checkpoint that fix what our presets fix: (its field, Pi05Config field).
+# `config.json` fields beside a checkpoint against what our presets fix: (its field, Pi05Config field, rule).
+# "equal": the model was trained on it (the horizon: the action tokens attend to each other, so another
+# count changes every action); "at_most": prompts it was trained with must fit (a shorter trained length
+# is padded and masked here: the same actions); "note": an inference choice, logged (the step count).
 # LeRobot's names are PI05Config's (lerobot/policies/pi05/configuration_pi05.py, policy type "pi05");
 # openpi's PyTorch converter writes {action_dim, action_horizon, paligemma_variant, …} and no "type".
 LEROBOT_POLICY_TYPE = "pi05"
 LEROBOT_FIXED_FIELDS = (
-    ("chunk_size", "horizon"),
-    ("num_inference_steps", "num_steps"),
-    ("tokenizer_max_length", "max_token_len"),
+    ("chunk_size", "horizon", "equal"),
+    ("num_inference_steps", "num_steps", "note"),
+    ("tokenizer_max_length", "max_token_len", "at_most"),
 )
-OPENPI_FIXED_FIELDS = (("action_horizon", "horizon"), ("max_token_len", "max_token_len"))
+OPENPI_FIXED_FIELDS = (("action_horizon", "horizon", "equal"), ("max_token_len", "max_token_len", "at_most"))
 # π0 stores plain RMSNorm weights in the expert where π0.5 has adaRMS `…_layernorm.dense`, and a state_proj.
 PI0_EXPERT_NORM = re.compile(r"gemma_expert\.model\.(layers\.\d+\.\w+_layernorm|norm)\.weight$")
 
@@ -96,7 +102,12 @@ def _not_safetensors(path: Path) -> str | None:
         return None
     if head.startswith(b"version https://git-lfs"):
         return "is a git-lfs pointer, not the weights; run `git lfs pull` in its repository"
-    if head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or a bare pickle
+    if len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 1 << 30:
+        return None  # a safetensors header (its length, then JSON): truncated or corrupt, not a pickle
+    if head.startswith(b"PK\x03\x04") or (
+        head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    ):
+        # torch.save's zip archive, or a bare pickle (its PROTO opcode and protocol 2 to 5)
         return (
             "is a pickle file (torch.save's .bin / .pt), not safetensors: a pickle checkpoint is refused; "
             "convert it to safetensors"
@@ -185,13 +196,14 @@ def _architecture_hint(unexpected: list[str]) -> str:
 
 
 def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
-    """Refuse a checkpoint whose `config.json` records another horizon, step count or prompt length.
+    """Refuse a checkpoint whose `config.json` records another horizon, or a longer prompt, than the preset
+    runs; log another step count (FIXED_FIELDS' rules).
 
     These change no tensor's shape, so the weights alone cannot tell: a fine-tune trained with `chunk_size`
-    10 or `num_inference_steps` 5 would run silently at the preset's 50 / 10. Read from a `config.json` in
-    the checkpoint file's directory: LeRobot's (`"type": "pi05"`: chunk_size, num_inference_steps,
-    tokenizer_max_length) or openpi's converter's (no "type"; action_horizon, max_token_len). Only the
-    fields it holds are checked; no `config.json`, another policy type or a missing field means no check.
+    10 would run silently at the preset's 50. Read from a `config.json` in the checkpoint file's directory:
+    LeRobot's (`"type": "pi05"`: chunk_size, num_inference_steps, tokenizer_max_length) or openpi's
+    converter's (no "type"; action_horizon, max_token_len). Only the fields it holds are checked; no
+    `config.json`, another policy type or a missing field means no check.
     """
     config_file = checkpoint.parent / "config.json"
     if not config_file.is_file():
@@ -208,12 +220,17 @@ def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
         fields = OPENPI_FIXED_FIELDS
     else:
         return
-    for theirs, ours in fields:
-        if theirs in recorded and recorded[theirs] != getattr(cfg, ours):
-            raise CheckpointError(
-                f"{config_file}: the policy was trained with {theirs} {recorded[theirs]!r}, the model preset "
-                f"fixes {ours} = {getattr(cfg, ours)!r}; pick a preset that matches this checkpoint"
-            )
+    for theirs, ours, rule in fields:
+        if theirs not in recorded or recorded[theirs] == getattr(cfg, ours):
+            continue
+        value, fixed = recorded[theirs], getattr(cfg, ours)
+        if rule == "note" or (rule == "at_most" and isinstance(value, int) and value <= fixed):
+            log.info("%s: recorded %s %r; this model runs %s = %r", config_file, theirs, value, ours, fixed)
+            continue
+        raise CheckpointError(
+            f"{config_file}: the policy was trained with {theirs} {value!r}, the model preset fixes {ours} = "
+            f"{fixed!r}; no preset here runs this checkpoint as it was trained"
+        )
 
 
 def load_state(model: Pi05Model, path: str | os.PathLike[str]) -> None:

@@ -326,10 +326,15 @@ class AlohaSimNode(Node):
         self._pending.clear()
         self._reset_done.set()  # a ~/reset waiting on this thread answers now, with the failure
         self.get_logger().error(f"{self.failure}\n{''.join(traceback.format_exception(error)).rstrip()}")
-        self._publish_diagnostics()
-        if self._shutdown_on_failure:
-            self._diag_pub.wait_for_all_acked(Duration(seconds=2))  # the reason reaches its subscribers
-            rclpy.shutdown(context=self.context)
+        try:  # telling it is best effort: whatever fails here, the executable still ends (a second review)
+            self._publish_diagnostics()
+            if self._shutdown_on_failure:
+                self._diag_pub.wait_for_all_acked(Duration(seconds=2))  # the reason reaches its subscribers
+        except Exception as e:  # an RMW without wait_for_all_acked, a sim whose state cannot be read, ...
+            self.get_logger().error(f"could not report the failure on /diagnostics: {type(e).__name__}: {e}")
+        finally:
+            if self._shutdown_on_failure:
+                rclpy.shutdown(context=self.context)
 
     def _loop(self) -> None:
         period = self.sim.period_s
