@@ -259,6 +259,7 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
         ({"camera_rate_hz": 200.0}, r"camera_rate_hz: must be in \(0, 50\] Hz"),
         ({"camera_rate_hz": math.inf}, "camera_rate_hz"),
         ({"real_time_factor": 1e-9}, "real_time_factor: must be 0 .unpaced. or at least 0.01"),
+        ({"episode_s": -1.0}, r"episode_s: must be in \[0, 3600\] s"),
     ):
         with pytest.raises(ParameterError, match=match):
             sim_node_config(params)
@@ -516,6 +517,28 @@ sys.exit(aloha_sim.main(sys.argv))
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode == 1 and says in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+def test_an_episode_is_judged_at_episode_s_however_late_its_reset() -> None:
+    """A benchmark's scenes all last episode_s: the sim steps on until ~/reset (the arms hold), but the
+    result is the one at episode_s (found in review: sim_success --node's last scene ran ~1 s longer)."""
+    _ros_or_skip()
+    import json
+
+    from std_srvs.srv import Trigger
+
+    from rmuscle_ros.node.replay_demo import call_service
+
+    with _sim_node(64, cameras=["top"], camera_rate_hz=1.0, real_time_factor=0.0, episode_s=0.2) as (
+        node,
+        peer,
+    ):
+        reset = peer.create_client(Trigger, "/aloha_sim/reset")
+        _wait_for(lambda: node.sim.time_s >= 0.5)
+        ended = json.loads(call_service(reset, Trigger.Request()).message)
+        assert ended["seconds"] == 0.2 and ended["episode"] == 0
+        _wait_for(lambda: node.episode == 1 and node._at_limit is not None)  # judged afresh, at its own 0.2 s
+        assert node._at_limit["episode"] == 1 and node._at_limit["seconds"] == 0.2
 
 
 def test_a_slowly_paced_sim_node_stops_without_waiting_for_its_step() -> None:

@@ -99,6 +99,10 @@ class SimNodeConfig:
     shadows: bool = False
     placement_spread: float = 1.0  # 1: gym-aloha's placements; 0.25: a fixtured cell's (±2.5 cm)
     real_time_factor: float = 1.0  # 0: unpaced
+    # An episode's result (reward, best reward, success) is taken at this much simulated time, the sim
+    # stepping on until ~/reset as a cell does; 0: at the reset. A benchmark's episodes then all last the
+    # same, however late each reset comes (sim_success --node's last scene ran ~1 s longer, found in review).
+    episode_s: float = 0.0
     start_time_s: float = 1_700_000_000.0  # the clock at the first step (it never goes back, resets included)
 
     def __post_init__(self) -> None:
@@ -119,6 +123,8 @@ class SimNodeConfig:
                 f"real_time_factor: must be 0 (unpaced) or at least {MIN_REAL_TIME_FACTOR:g}, got "
                 f"{self.real_time_factor!r}"
             )
+        if not 0 <= self.episode_s <= 3600:
+            raise ParameterError(f"episode_s: must be in [0, 3600] s (0: no limit), got {self.episode_s!r}")
         if not (0 < self.start_time_s < 2**31 and math.isfinite(self.start_time_s)):
             raise ParameterError(
                 f"start_time_s: must be a positive time in seconds, got {self.start_time_s!r}"
@@ -195,6 +201,7 @@ class AlohaSimNode(Node):
         self._reset_request: threading.Event = threading.Event()
         self._reset_done: threading.Event = threading.Event()
         self._result: dict[str, Any] = {}
+        self._at_limit: dict[str, Any] | None = None  # the episode's result at episode_s, once reached
         self._counts: Counter[str] = Counter()
         self._last_refusal = ""
         self._last_refusal_logged = -math.inf
@@ -343,7 +350,8 @@ class AlohaSimNode(Node):
         while not self._stop.is_set():
             if self._reset_request.is_set():
                 self._reset_request.clear()
-                self._result = self.result()
+                self._result = self._at_limit or self.result()
+                self._at_limit = None
                 self.episode += 1
                 self.sim.reset(self._seed())
                 self._pending.clear()  # commands for the ended episode's arms
@@ -370,6 +378,9 @@ class AlohaSimNode(Node):
                     self._last_refusal = f"{e}; the arms hold still until ~/reset"
                     self.get_logger().error(self._last_refusal)
             self._steps += 1
+            limit = self.cfg.episode_s
+            if limit and self._at_limit is None and self.sim.time_s >= limit - 1e-9:
+                self._at_limit = self.result()
             if self.sim.best_reward > before:
                 self.get_logger().info(
                     f"episode {self.episode}: reward {self.sim.best_reward}/{self.sim.max_reward} at {self.sim.time_s:.2f} s"
