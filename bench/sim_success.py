@@ -647,9 +647,12 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         runs, _, timing = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
         results["dense"] = summarise(runs, time.perf_counter() - start) | timing
         for rho_p, rho_n, schedule, name in [] if args.dense_only else variants(args):
+            library = Path(tmp) / f"library_{name}"
+            if library.exists():  # a --keep folder reused: its library would carry a run's recordings over
+                raise SystemExit(f"sim_success: {library} exists (an earlier --keep run); use another --keep")
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
                      "cache.neuron_schedule": schedule, "cache.audit_max_error": args.audit_max_error,
-                     "cache.library_path": str(Path(tmp) / f"library_{name}")}  # fmt: skip
+                     "cache.library_path": str(library)}  # fmt: skip
             if args.audit_every is not None:
                 cache["cache.audit_every"] = args.audit_every
             warm_runs, _, _ = cell(warm[0], len(warm), Path(tmp) / f"{name}_warmup", cache)
