@@ -643,13 +643,15 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sim_success_node_") as scratch:
         tmp = str(args.keep) if args.keep is not None else scratch
+        # A --keep folder reused would carry an earlier run's library (its recordings) over: refused first.
+        kept = [] if args.dense_only else [Path(tmp) / f"library_{v[-1]}" for v in variants(args)]
+        if any(library.exists() for library in kept):
+            raise SystemExit(f"sim_success: {tmp} holds an earlier run's library; give another --keep folder")
         start = time.perf_counter()
         runs, _, timing = cell(seeds[0], len(seeds), Path(tmp) / "dense", {"cache.enabled": False})
         results["dense"] = summarise(runs, time.perf_counter() - start) | timing
         for rho_p, rho_n, schedule, name in [] if args.dense_only else variants(args):
             library = Path(tmp) / f"library_{name}"
-            if library.exists():  # a --keep folder reused: its library would carry a run's recordings over
-                raise SystemExit(f"sim_success: {library} exists (an earlier --keep run); use another --keep")
             cache = {"cache.enabled": True, "cache.rho_p": rho_p, "cache.rho_n": rho_n,
                      "cache.neuron_schedule": schedule, "cache.audit_max_error": args.audit_max_error,
                      "cache.library_path": str(library)}  # fmt: skip
