@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,3 +108,20 @@ def spm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         minloglevel=2,
     )
     return Path(f"{prefix}.model")
+
+
+@pytest.fixture
+def block_imports(monkeypatch: pytest.MonkeyPatch):
+    """block_imports(*names): those packages cannot be imported (as if not installed) until the test ends."""
+
+    def block(*names: str) -> None:
+        class Blocker:
+            def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+                if name.split(".")[0] in names:
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+
+        monkeypatch.setattr(sys, "meta_path", [Blocker(), *sys.meta_path])
+        for name in names:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+
+    return block

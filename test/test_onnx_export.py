@@ -13,7 +13,6 @@ import logging
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -127,23 +126,6 @@ def test_trim_prompt_cuts_after_the_last_valid_token_at_a_bucket() -> None:
     assert width([], 200) == 32
     with pytest.raises(ValueError, match=r"last valid token is number 201, past the longest \(200\)"):
         width([True] * 201, 210)
-
-
-@pytest.fixture
-def block_imports(monkeypatch: pytest.MonkeyPatch):
-    """block_imports(*names): those packages cannot be imported (as if not installed) until the test ends."""
-
-    def block(*names: str) -> None:
-        class Blocker:
-            def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-                if name.split(".")[0] in names:
-                    raise ModuleNotFoundError(f"No module named {name!r}")
-
-        monkeypatch.setattr(sys, "meta_path", [Blocker(), *sys.meta_path])
-        for name in names:
-            monkeypatch.delitem(sys.modules, name, raising=False)
-
-    return block
 
 
 def test_without_its_packages_the_onnxruntime_backend_says_what_is_missing_at_construction(

@@ -296,23 +296,6 @@ def test_a_padded_prompt_runs_at_its_bucket_and_gives_the_padded_calls_actions(t
     assert rel_l2(got, model.sample_actions(inputs, noise)) < 1e-5
 
 
-@pytest.fixture
-def block_imports(monkeypatch: pytest.MonkeyPatch):
-    """block_imports(*names): those packages cannot be imported (as if not installed) until the test ends."""
-
-    def block(*names: str) -> None:
-        class Blocker:
-            def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-                if name.split(".")[0] in names:
-                    raise ModuleNotFoundError(f"No module named {name!r}")
-
-        monkeypatch.setattr(sys, "meta_path", [Blocker(), *sys.meta_path])
-        for name in names:
-            monkeypatch.delitem(sys.modules, name, raising=False)
-
-    return block
-
-
 def test_without_tensorrt_or_the_exporter_the_backend_says_what_is_missing_at_construction(
     trt, tmp_path: Path, block_imports
 ) -> None:
