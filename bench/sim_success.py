@@ -589,6 +589,9 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
         "prompt": PROMPT,
         "model.preset": args.preset,
         "actions_per_inference": args.replan,
+        # each episode's calls draw the same noise in every variant, call for call (before, one stream per
+        # run: after the first call count that differed, dense and cached drew different noise)
+        "noise_seed": 0,
     }
 
     def cell(

@@ -702,6 +702,22 @@ def test_a_misspelt_parameter_fails_configure_naming_it(harness) -> None:
     assert shared.transition(Transition.TRANSITION_CONFIGURE), shared.node.last_error
 
 
+def test_with_a_noise_seed_each_episode_draws_its_own_noise_the_same_in_every_run(harness) -> None:
+    """noise_seed: an episode's calls draw from (noise_seed, episode id), so a benchmark's dense and cached
+    runs of the same scenes get the same noise call for call; without it, one stream for the node's life."""
+    h = harness(noise_seed=3)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    policy = h.node.policy
+    assert policy._noise.initial_seed() == 3 * 1_000_003 + h.node.episode_id
+    first = h.node.reset_episode()
+    assert policy._noise.initial_seed() == 3 * 1_000_003 + first
+    plain = harness()
+    assert plain.transition(Transition.TRANSITION_CONFIGURE), plain.node.last_error
+    seed = plain.node.policy._noise.initial_seed()
+    plain.node.reset_episode()
+    assert plain.node.policy._noise.initial_seed() == seed, "one stream, not reseeded"
+
+
 def test_missing_checkpoint_fails_configure(harness, tmp_path) -> None:
     _configure_fails_saying(
         harness(**{"model.checkpoint": str(tmp_path / "absent.safetensors")}), "absent.safetensors"

@@ -93,6 +93,7 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"gripper_state_joint": "left_finger", "gripper_joint": ""}, r"^gripper_joint: names no gripper"),
         ({"prompt": "  "}, r"^prompt: must not be empty"),
         ({"cpu_threads": -1}, r"^cpu_threads: must be in 0\.\.\d+ \(0: automatic"),
+        ({"noise_seed": -2}, r"^noise_seed: must be >= 0, or -1 for one stream"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
         ({"stall_after_s": 0.0}, r"^stall_after_s: must be > 0"),
         ({"max_skew_s": 1e300}, r"^max_skew_s: must be > 0 and at most 3600 s"),

@@ -158,6 +158,10 @@ class NodeConfig:
     # (runtime.policy.host_threads). The executor and DDS need cores too: on a 2-core machine 1 thread ran
     # the CPU demo's calls faster than 2 (README, Running the node).
     cpu_threads: int = 0
+    # >= 0: each episode's calls draw their noise from a generator seeded by (noise_seed, episode id), so
+    # two runs of the same scenes get the same noise call for call (benchmarks comparing dense and cached:
+    # bench/sim_success.py --node); -1: one stream, seeded by model.seed, for the node's life.
+    noise_seed: int = -1
     cache: CacheParams = field(default_factory=CacheParams)
 
 
@@ -359,6 +363,8 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     positive("stall_after_s")
+    if values["noise_seed"] < -1:
+        raise ParameterError(f"noise_seed: must be >= 0, or -1 for one stream, got {values['noise_seed']}")
     cores = os.cpu_count() or 1
     if not 0 <= values["cpu_threads"] <= cores:  # 2**31 overflowed inside PyTorch at configure
         raise ParameterError(

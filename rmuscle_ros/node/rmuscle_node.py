@@ -323,6 +323,8 @@ class RMuscleNode(LifecycleNode):
         self.cfg, self.policy, self._modes = cfg, policy, modes
         with self._stats_lock:
             self.cache_status = status
+            episode = self.episode_id
+        self._seed_noise(episode)  # after the warm-up's draws
         try:
             self._set_up(cfg)
         except Exception as e:  # a name rclpy refuses (a topic with a space), ...: a clean FAILURE, not ERROR
@@ -554,6 +556,11 @@ class RMuscleNode(LifecycleNode):
 
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
+    def _seed_noise(self, episode: int) -> None:
+        """With noise_seed >= 0, the episode's calls draw their noise from (noise_seed, episode)."""
+        if self.cfg is not None and self.policy is not None and self.cfg.noise_seed >= 0:
+            self.policy.reseed_noise(self.cfg.noise_seed * 1_000_003 + episode)
+
     def reset_episode(self) -> int:
         """Start the next episode; the cache records the finished one into its library if it ran dense.
         Returns the new episode id."""
@@ -576,6 +583,7 @@ class RMuscleNode(LifecycleNode):
                 self.chunk_id = 0
                 episode = self.episode_id
                 self.cache_status = status if status is not None else self.cache_status
+            self._seed_noise(episode)
             if self._buffer is not None:
                 # The new episode sees only messages that come after its reset: a camera's newest frame may
                 # still show the scene before it for a frame period. Waiting for them is the start-up wait's

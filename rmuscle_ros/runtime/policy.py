@@ -228,6 +228,11 @@ class Policy:
                 self.rmuscle.close()
             raise
 
+    def reseed_noise(self, seed: int) -> None:
+        """Draw the next calls' flow-matching noise from a generator seeded with `seed` (infer without
+        `noise`): a benchmark that reseeds per episode gives two runs the same noise call for call."""
+        self._noise = torch.Generator().manual_seed(seed)
+
     def warmup(self, prompt: str = "warm up") -> dict[str, float]:
         """Backend warm-up (graph capture) plus one full inference on a synthetic observation (seconds)."""
         start = time.perf_counter()
