@@ -74,6 +74,57 @@ def test_fused_engine_rejects_mis_shaped_inputs_by_name(tiny) -> None:
             type(inputs)(small, inputs.image_masks, inputs.tokens, inputs.token_mask), noise
         )
     assert torch.equal(engine.sample_actions(inputs, noise), expected)
+    # Found in review: each of these ran, or failed after vision had already run on the new images.
+    images_before = engine.live.images.clone()
+    two = type(inputs)(
+        inputs.images.expand(2, -1, -1, -1, -1), inputs.image_masks, inputs.tokens, inputs.token_mask
+    )
+    for bad, says in (
+        (two, r"one observation per call, got batches \{'images': 2"),  # extra rows were dropped
+        (
+            type(inputs)(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask[:, :8]),
+            "token_mask",
+        ),
+        (
+            type(inputs)(inputs.images, inputs.image_masks, inputs.tokens.float(), inputs.token_mask),
+            "integer ids",
+        ),
+        (
+            type(inputs)(inputs.images, inputs.image_masks, inputs.tokens - 10_000, inputs.token_mask),
+            "ids must be",
+        ),
+    ):
+        with pytest.raises(ValueError, match=says):
+            engine.sample_actions(bad, noise)
+    with pytest.raises(ValueError, match="a live call needs its noise"):  # it reused the last call's noise
+        engine.sample_actions(inputs, None)
+    assert torch.equal(engine.live.images, images_before), "a refused call changes nothing"
+    assert torch.equal(engine.sample_actions(inputs, noise), expected)
+
+
+def test_a_prompt_longer_than_the_model_takes_is_refused_though_a_bucket_holds_it(tiny) -> None:
+    """The top bucket is max_token_len rounded up to 16: 201-208 tokens of 200 fitted it and ran past the
+    RoPE tables (an IndexError on the CPU; on a GPU a device-side assert, fatal to the process)."""
+    engine = create_engine("fused", tiny, "cpu")
+    top = tiny.cfg.max_token_len
+    assert engine.buckets[-1] > top
+    inputs, noise = random_inputs(tiny.cfg, valid_tokens=top + 1, pad_to=engine.buckets[-1])
+    with pytest.raises(ValueError, match=f"prompt has {top + 1} tokens, more than the model's {top}"):
+        engine.sample_actions(inputs, noise)
+
+
+def test_eager_engine_refuses_noise_of_another_horizon(tiny) -> None:
+    """It returned as many rows as the noise had (10 of 50) where the other engines refuse it."""
+    inputs, noise = random_inputs(tiny.cfg)
+    with pytest.raises(ValueError, match=r"noise must be \(1, 50, 32\)"):
+        create_engine("eager", tiny, "cpu").sample_actions(inputs, noise[:, :10])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_a_cuda_device_without_a_gpu_is_named(tiny, backend: str) -> None:
+    with pytest.raises(RuntimeError, match="no CUDA GPU here"):
+        create_engine(backend, tiny, "cuda")
 
 
 def test_fused_engine_prompt_layout_follows_each_call(tiny) -> None:

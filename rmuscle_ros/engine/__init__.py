@@ -54,6 +54,8 @@ def create_engine(name: str, model: Pi05Model, device: str | torch.device, **opt
             f"backend {name!r} needs a CUDA GPU (device {device}, CUDA available: {torch.cuda.is_available()}); "
             "use backend 'eager' on the CPU"
         )
+    if device.type == "cuda" and not torch.cuda.is_available():  # any backend: say so, not torch's assert
+        raise RuntimeError(f"device {device}: no CUDA GPU here (PyTorch sees none); use device 'cpu'")
     return getattr(importlib.import_module(module), cls)(model, device=device, **options)
 
 

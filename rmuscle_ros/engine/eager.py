@@ -23,4 +23,8 @@ class EagerEngine:
 
     @torch.no_grad()
     def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
+        cfg = self.model.cfg
+        want = (inputs.tokens.shape[0], cfg.horizon, cfg.action_dim)
+        if tuple(noise.shape) != want:  # another horizon ran and returned that many rows (found in review)
+            raise ValueError(f"noise must be {want} (batch, horizon, action_dim), got {tuple(noise.shape)}")
         return self.model.sample_actions(inputs.to(self.device), noise.to(self.device))

@@ -603,10 +603,19 @@ class GraphEngine:
         time is mostly the host's state (a thread that has just waited for the GPU runs every step several
         times slower); queuing the images' copy before reading the prompt measured no different on the
         H200 (interleaved, whole call 13.88 vs 13.89 ms), so the prompt is checked first."""
-        if inputs.tokens.shape[0] != 1 or (noise is not None and noise.shape[0] != 1):
+        batches = {name: t.shape[0] for name, t in vars(inputs).items()} | (
+            {"noise": noise.shape[0]} if noise is not None else {}
+        )
+        if set(batches.values()) != {1}:  # found in review: extra image rows were dropped without a word
+            raise ValueError(f"the graph engine runs one observation per call, got batches {batches}")
+        if lane is self.live and noise is None:  # it would reuse the previous call's noise (found in review)
+            raise ValueError("noise: a live call needs its noise, (1, horizon, action_dim)")
+        if inputs.tokens.shape != inputs.token_mask.shape:
             raise ValueError(
-                f"the graph engine runs one observation per call, got batch {inputs.tokens.shape[0]}"
+                f"tokens {tuple(inputs.tokens.shape)} and token_mask {tuple(inputs.token_mask.shape)} differ"
             )
+        if inputs.tokens.dtype.is_floating_point or inputs.tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be integer ids, got {inputs.tokens.dtype}")
         if noise is not None and noise.shape[1:] != lane.noise.shape:
             raise ValueError(
                 f"noise must be (1, {', '.join(map(str, lane.noise.shape))}), got {tuple(noise.shape)}"
@@ -624,6 +633,12 @@ class GraphEngine:
         # The prompt decides the bucket, so it is read now (a prompt on the GPU is read back here, before
         # this call launches anything: bench_pi05's graph-device-inputs).
         token_row, mask_row = _host_array(inputs.tokens[0]), _host_array(inputs.token_mask[0])
+        valid = token_row[mask_row.astype(bool)]
+        if valid.size and not (valid.min() >= 0 and valid.max() < self.cfg.vocab_size):
+            # on a GPU an id past the embedding is a device-side assert, which ends the process's CUDA
+            raise ValueError(
+                f"tokens: ids must be in 0..{self.cfg.vocab_size - 1}, got {valid.min()}..{valid.max()}"
+            )
         bucket = self._bucket(mask_row)
         lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
         if usable is not None:
@@ -635,6 +650,10 @@ class GraphEngine:
         """The smallest prompt bucket holding the prompt's valid tokens; ValueError if none does."""
         n = int(np.count_nonzero(mask_row))
         bucket = next((b for b in self.buckets if b >= n), None)
+        # max_token_len too: the RoPE tables hold that many prompt rows, and the top bucket (rounded up
+        # to 16) may hold more (201-208 of 200 ran past them; found in review)
+        if n > self.cfg.max_token_len:
+            raise ValueError(f"prompt has {n} tokens, more than the model's {self.cfg.max_token_len}")
         if bucket is None:
             raise ValueError(f"prompt has {n} tokens, more than the largest bucket {self.buckets[-1]}")
         return bucket
