@@ -522,16 +522,34 @@ def test_a_restricted_search_matches_only_the_episodes_it_is_given() -> None:
 
 def test_alignment_only_looks_ahead() -> None:
     r = Retriever(RetrievalConfig(top_k=1, lookahead=4, threshold=-1.0), {0: walk(0)})
-    assert r.query(walk(0)[10])[0].position == 10
-    assert r.query(walk(0)[2])[0].position == 10  # never aligns backwards
-    assert r.query(walk(0)[20])[0].position == 14  # at most `lookahead` ahead per call
+    assert r.query(walk(0)[3])[0].position == 3
+    assert r.query(walk(0)[1])[0].position == 3  # never aligns backwards
+    assert r.query(walk(0)[20])[0].position == 7  # at most `lookahead` ahead per call
+
+
+def test_an_episodes_first_call_is_matched_at_the_references_start() -> None:
+    """The first call after a reset searches positions 0 to lookahead, as the window's start entries hold
+    (DESIGN §4). Searched whole (before, found in review), a task that ends where it began matched its first
+    call to the reference's end, and alignment, which only moves forward, stayed there."""
+    there = walk(0, calls=15)
+    out_and_back = np.concatenate([there, there[::-1]])  # home, the work, home again
+    r = Retriever(RetrievalConfig(top_k=1, lookahead=4, threshold=0.8), {0: out_and_back})
+    start = out_and_back[-1] + 1e-4  # home: as like the reference's last call as its first
+    assert r.query(start)[0].position == 0
+    assert r.query(out_and_back[3])[0].position == 3, "and it follows the episode from there"
 
 
 def test_equal_matches_rank_by_episode_id_and_every_episode_stays_aligned() -> None:
     r = Retriever(RetrievalConfig(top_k=2, lookahead=2, threshold=0.5), {7: walk(0), 3: walk(0), 5: walk(4)})
-    matches = r.query(walk(0)[6])
-    assert [(m.episode, m.position) for m in matches] == [(3, 6), (7, 6)]  # a tie: the lower id first
+    matches = r.query(walk(0)[2])
+    assert [(m.episode, m.position) for m in matches] == [(3, 2), (7, 2)]  # a tie: the lower id first
     assert set(r.positions) == {3, 5, 7}  # the episode outside the top k is aligned too
+
+
+def test_a_descriptor_that_is_not_finite_falls_back() -> None:
+    """A NaN similarity is no match (found in review: argmax picked it and NaN < threshold is False)."""
+    r = Retriever(RetrievalConfig(threshold=0.8), {0: walk(0)})
+    assert r.query(np.full((2, 8), np.nan, np.float32)) == [] and r.fallback
 
 
 def test_fallback_is_sticky_until_reset() -> None:
@@ -550,8 +568,8 @@ def _reference_query(library: dict, aligned: dict, descriptor: np.ndarray, cfg: 
     best = []
     for eid, d in library.items():
         rows = d.reshape(len(d), -1) / np.linalg.norm(d.reshape(len(d), -1), axis=1, keepdims=True)
-        lo = aligned.get(eid, 0)
-        hi = len(d) if eid not in aligned else min(lo + cfg.lookahead + 1, len(d))
+        lo = aligned.get(eid, 0)  # an episode's first call: its start
+        hi = min(lo + cfg.lookahead + 1, len(d))
         sims = rows[lo:hi] @ q
         best.append((float(sims.max()), eid, lo + int(sims.argmax())))
     return sorted(best, key=lambda b: (-b[0], b[1])), {eid: pos for _, eid, pos in best}

@@ -423,6 +423,11 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
         with pytest.raises(LibraryMismatch, match=rf"{setting}: library absent, model True") as e:
             Policy(changed, RMuscleConfig(library_path=lib))
         assert names in str(e.value)
+    # Masks are recorded for the steps after the anchors only: another anchors count would read zero masks
+    # as neuron 0 (found in review; 1, the default, keeps the key libraries had before).
+    with pytest.raises(LibraryMismatch, match=r"anchors: library absent, model 2") as e:
+        Policy(CFG, RMuscleConfig(library_path=lib, anchors=2))
+    assert "dense anchor steps (cache.anchors)" in str(e.value)
 
 
 def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path) -> None:

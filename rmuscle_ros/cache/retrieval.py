@@ -1,8 +1,8 @@
 """Retrieval and alignment against the reference library (DESIGN.md §4).
 
 At each call: cosine similarity between the current retrieval descriptor and every recorded call; per
-episode the best match within its aligned position and the next `lookahead` (the whole episode on the
-first call after a reset); the `top_k` episodes by that similarity are the candidates. If the best one
+episode the best match within its aligned position and the next `lookahead` (positions 0 to
+`lookahead` on the first call after a reset); the `top_k` episodes by that similarity are the candidates. If the best one
 is below `threshold`, the episode runs dense from then on: the fallback is sticky until `reset()`.
 `restrict` limits the search to some episodes (rMuscle: those of the current task) without rebuilding.
 """
@@ -148,9 +148,9 @@ class Retriever:
         """descriptor (cameras, dim) -> up to top_k matches, best first; [] means run dense. None: use the
         similarities started by `queue` for this call's descriptor.
 
-        On the call's critical path with matching on the host (between vision and the cached stages). An
-        aligned query reads each episode's lookahead rows only; an episode's first call and a fallback call
-        read the whole library (then the runtime queues the dense stages first)."""
+        On the call's critical path with matching on the host (between vision and the cached stages). A
+        query reads each episode's lookahead rows only; a fallback call reads the whole library (then the
+        runtime queues the dense stages first)."""
         if not self._allowed.any():
             if self._queued:  # similarities were queued for this call: collect them all the same
                 self._similarities(None, self._whole)
@@ -159,19 +159,21 @@ class Retriever:
         if self.fallback:  # still report how far the scene is from the repertoire
             self.last_similarity = float(self._similarities(descriptor, self._whole)[self._allowed].max())
             return []
-        if self._aligned is None:
-            rows = self._whole
-        else:  # the aligned position and the next `lookahead`, within the episode
-            ahead = self._aligned[:, None] + np.arange(self.cfg.lookahead + 1)
-            rows = np.where(ahead < self._lengths[:, None], self._starts[:, None] + ahead, len(self._rows))
+        # The aligned position and the next `lookahead`, within the episode. An episode's first call
+        # searches its start, 0 to lookahead (DESIGN §4; the window's start entries, which the GPU's match
+        # picks from): searched whole, a task that ends where it began matched its first call to the
+        # reference's end, and alignment, which only moves forward, stayed there (found in review).
+        aligned = self._aligned if self._aligned is not None else np.zeros(len(self._lengths), np.int64)
+        ahead = aligned[:, None] + np.arange(self.cfg.lookahead + 1)
+        rows = np.where(ahead < self._lengths[:, None], self._starts[:, None] + ahead, len(self._rows))
         sims = self._similarities(descriptor, rows)
         sims[~self._allowed] = -np.inf  # episodes outside the search never win
         best = sims.argmax(axis=1)  # the first of equal maxima, as before
         best_sims = sims[np.arange(len(best)), best]
-        positions = best if self._aligned is None else self._aligned + best
+        positions = aligned + best
         order = np.lexsort((self._ids, -best_sims))  # by similarity, ties by episode id
         self.last_similarity = float(best_sims[order[0]])
-        if self.last_similarity < self.cfg.threshold:
+        if not self.last_similarity >= self.cfg.threshold:  # NaN too (a NaN descriptor): dense
             self.fallback = True  # sticky: the scene left the repertoire for this episode
             return []
         self._aligned = positions  # every episode stays aligned

@@ -279,6 +279,7 @@ KEY_SETTINGS = {
     # the masks' counts follow both: ρn·F under 'uniform'; under 'ramp' each step's share of ρn·F (mask_steps)
     "mask_neurons": MASK_SETTINGS,
     "mask_steps": MASK_SETTINGS,
+    "anchors": "dense anchor steps (cache.anchors)",
     "image_antialias": "image resizing (model.image_antialias)",
     "aloha_adapt_to_pi": "the state's convention in the prompt (model.aloha_adapt_to_pi)",
 }
@@ -303,6 +304,9 @@ def library_key(weights: str, engine: GraphEngine, inputs: Mapping[str, bool] | 
             **(
                 {"mask_steps": list(engine.step_neurons)} if engine.cache.neuron_schedule != "uniform" else {}
             ),
+            # masks are recorded for the steps after the anchors only (the others stay zero): another
+            # anchors would read zero masks as neuron 0 (found in review); 1, the default, keeps old keys
+            **({"anchors": engine.cache.anchors} if engine.cache.anchors != 1 else {}),
             **{name: True for name, on in (inputs or {}).items() if on},
         },
     )
@@ -680,8 +684,9 @@ class RMuscle:
         whole_library = self.retriever.fallback or not self.retriever.positions
         if whole_library or all(slot.key is None for slot in self.window):
             # Nothing can serve this call cached (an empty window), or finding out would scan the whole
-            # library (an episode that fell back; an episode's first call, not aligned yet: 2.1 ms at 64
-            # episodes on a 2-core CPU's host path, bench/bench_retrieval.py). The dense stages go first,
+            # library (an episode that fell back: 2.1 ms at 64 episodes on a 2-core CPU's host path,
+            # bench/bench_retrieval.py), or it is an episode's first call, not aligned yet (it searches
+            # the episodes' starts only, but runs dense on the host path as before). The dense stages go first,
             # and retrieval (the similarity reported, the alignment, the entries wanted next) finishes on
             # the host while they run. (Matched on the GPU, an episode's first call is served cached when
             # a motion window since the reset rebuilt the likely episodes' starts: `_episode_starts`.)
