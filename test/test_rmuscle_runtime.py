@@ -110,6 +110,32 @@ def test_non_finite_actions_are_refused_naming_where_and_keep_the_episode_out_of
     policy.close()
 
 
+def test_a_cached_call_with_non_finite_actions_sends_the_episode_dense() -> None:
+    """Its references may hold the fault: the rest of the episode runs dense (found in review: later calls
+    were served from the same references), and the next episode is served again."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(4))
+    policy.reset_episode()
+    live = episode(4, offset=0.05, light=0.97, noise=2.0)
+    assert run(policy, live[:2])[-1].cache_mode == "cached"
+    infer = policy.rmuscle.infer
+
+    def faulty(inputs, noise):
+        actions, info = infer(inputs, noise)
+        actions[0, 0, 0] = float("inf")
+        return actions, info
+
+    policy.rmuscle.infer = faulty
+    with pytest.raises(NonFiniteActions, match=r"cached call.*runs dense from now on"):
+        policy.infer(live[2])
+    del policy.rmuscle.infer
+    assert [c.cache_mode for c in run(policy, live[3:])] == ["fallback"]
+    assert policy.rmuscle.last.reason == "a cached call produced non-finite actions"
+    policy.reset_episode()
+    assert run(policy, episode(2, offset=0.05))[-1].cache_mode == "cached"
+    policy.close()
+
+
 def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_path) -> None:
     """The node's motion window queues one part at a time (it can stop between any two): an entry is
     usable once its last part ran, and one that is no longer wanted midway is dropped (here the call

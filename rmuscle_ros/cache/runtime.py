@@ -386,7 +386,7 @@ class RMuscle:
         # events, read once the call's result has been synchronised. None on a CPU.
         self.last_gpu_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.last = CallInfo("dense", 0.0, reason="no call yet")
-        self._fallback_reason = ""  # why this episode fell back, when an audit sent it there
+        self._fallback_reason = ""  # why this episode fell back, when not its similarity (fall_back)
         # Audits (`audit`): the call due for one, cached calls until the next, and what they found.
         self._bucket = 0  # the latest call's prompt bucket
         self._audit_due: _AuditDue | None = None
@@ -546,6 +546,16 @@ class RMuscle:
         self._fallback_reason = ""
         self._audit_due = None
         self.last = CallInfo("dense", 0.0, reason="no call yet")
+
+    def fall_back(self, reason: str) -> bool:
+        """Dense for the rest of the episode (sticky until the reset, as a similarity fallback); returns
+        whether it was not already. E.g. an audit's trip, or a cached call with non-finite actions."""
+        if self.retriever.fallback:
+            return False
+        self.retriever.fallback = True
+        self._fallback_reason = reason
+        log.warning("rMuscle: episode %d runs dense from now on: %s", self.episode_id, reason)
+        return True
 
     def exclude_episode(self, reason: str) -> None:
         """Keep the current episode out of the library (its calls so far are dropped, later ones are not
@@ -869,19 +879,11 @@ class RMuscle:
         bound = self.cfg.audit_max_error
         tripped = not math.isfinite(error) or (bound > 0 and error > bound)
         error = error if math.isfinite(error) else math.inf  # a NaN would vanish from the maximum
-        if tripped and not self.retriever.fallback:
-            self.retriever.fallback = True  # sticky until the episode resets, as a similarity fallback
-            self._fallback_reason = (
-                f"an audit found a cached chunk {error:.4f} from dense (audit_max_error {bound})"
-            )
+        if tripped and self.fall_back(
+            f"an audit found a cached chunk {error:.4f} from dense (audit_max_error {bound}; served from "
+            f"library episode {due.episode}, call {due.position})"
+        ):
             self.audit_trips += 1
-            log.warning(
-                "rMuscle: episode %d runs dense from now on: %s (served from library episode %s, call %s)",
-                self.episode_id,
-                self._fallback_reason,
-                due.episode,
-                due.position,
-            )
         self.audits += 1
         self._until_audit = self.cfg.audit_every - 1
         self.audit_errors.append(error)

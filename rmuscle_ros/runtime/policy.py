@@ -358,6 +358,9 @@ class Policy:
         if self.rmuscle is not None:
             self.rmuscle.exclude_episode("a call produced non-finite actions")
             excluded = "; this episode will not be recorded into the library"
+            if info.mode == "cached":  # its references may hold the fault: not served from again (review)
+                self.rmuscle.fall_back("a cached call produced non-finite actions")
+                excluded += " and runs dense from now on"
         raise NonFiniteActions(
             f"the model produced non-finite actions ({int(bad.sum())} of {bad.size} values, the first at step "
             f"{step}, action {joint}; {info.mode} call){excluded}"
