@@ -2,8 +2,9 @@
 
 At each call: cosine similarity between the current retrieval descriptor and every recorded call; per
 episode the best match within its aligned position and the next `lookahead` (positions 0 to
-`lookahead` on the first call after a reset); the `top_k` episodes by that similarity are the candidates. If the best one
-is below `threshold`, the episode runs dense from then on: the fallback is sticky until `reset()`.
+`lookahead` on the first call after a reset); the `top_k` episodes by that similarity are the
+candidates. If the best one is below `threshold`, the episode runs dense from then on: the fallback is
+sticky until `reset()`.
 `restrict` limits the search to some episodes (rMuscle: those of the current task) without rebuilding.
 """
 

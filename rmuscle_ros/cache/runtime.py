@@ -691,8 +691,8 @@ class RMuscle:
         ready = self._descriptor_to_host()
         self._queue_similarities()
         e.finish_load()  # the prompt is packed on the host while vision runs
-        whole_library = self.retriever.fallback or not self.retriever.positions
-        if whole_library or all(slot.key is None for slot in self.window):
+        unaligned = self.retriever.fallback or not self.retriever.positions
+        if unaligned or all(slot.key is None for slot in self.window):
             # Nothing can serve this call cached (an empty window), or finding out would scan the whole
             # library (an episode that fell back: 2.1 ms at 64 episodes on a 2-core CPU's host path,
             # bench/bench_retrieval.py), or it is an episode's first call, not aligned yet (it searches
