@@ -606,7 +606,8 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
             "placement_spread": args.placement_spread, "camera_rate_hz": args.camera_rate_hz,
             # The sim's episode 0 is the wait for the nodes; the demo's first reset starts episode 1.
             "seed": first - 1, "seed_step": 1,
-            # every scene judged at EPISODE_STEPS, however late its reset: the last one's came ~1 s later
+            # every scene judged at EPISODE_STEPS (the demo's default, its `seconds`), however late its
+            # reset: the last one's came ~1 s later
             "episode_s": EPISODE_STEPS * 0.02,
         }  # fmt: skip
         # With --latency-steps every chunk takes over at that row (a fixed execution delay), not on arrival.
