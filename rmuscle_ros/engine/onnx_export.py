@@ -82,8 +82,8 @@ INSTALL = {
     "onnx": "pip install 'rmuscle_ros[onnx]'",
     "onnxscript": "pip install 'rmuscle_ros[onnx]'",
     "onnxruntime": "pip install onnxruntime (it is in rmuscle_ros's dev extra)",
-    "tensorrt": "TensorRT's Python bindings come with JetPack on a Jetson Thor; in a container, build "
-    "docker/Dockerfile.thor (the development and H200 machines cannot install TensorRT: use backend "
+    "tensorrt": "TensorRT's Python bindings (on a Jetson Thor they come with JetPack; in a container, build "
+    "docker/Dockerfile.thor; the development and H200 machines cannot install TensorRT: use backend "
     "'graph' there)",
 }
 EXPORT_PACKAGES = ("onnx", "onnxscript")

@@ -64,12 +64,8 @@ def import_tensorrt() -> Any:
     """The `tensorrt` module, or a RuntimeError that says where it comes from."""
     try:
         import tensorrt
-    except ImportError as err:
-        raise RuntimeError(
-            "backend 'tensorrt' needs TensorRT's Python bindings (`import tensorrt` failed): on a Jetson Thor "
-            "they come with JetPack; in a container, build docker/Dockerfile.thor. The development and H200 "
-            "machines cannot install TensorRT: use backend 'graph' there."
-        ) from err
+    except ImportError as err:  # the same words as the engine's check at construction
+        raise onnx_export.missing_packages_error("backend 'tensorrt'", ["tensorrt"]) from err
     return tensorrt
 
 
