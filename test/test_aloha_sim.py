@@ -272,7 +272,7 @@ def test_the_camera_schedule_does_not_drift_over_hours() -> None:
     _ros_or_skip()
     from fractions import Fraction
 
-    from rmuscle_ros.node.aloha_sim import FrameSchedule
+    from rmuscle_ros.sim.aloha import FrameSchedule
 
     steps = 3 * 3600 * 50  # three hours of 20 ms steps
     for rate, gaps in ((50.0, {1}), (25.0, {2}), (10.0, {5}), (30.0, {1, 2}), (29.97, {1, 2})):

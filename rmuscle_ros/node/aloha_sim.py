@@ -38,7 +38,6 @@ import time
 import traceback
 from collections import Counter, deque
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import rclpy
@@ -68,6 +67,7 @@ from rmuscle_ros.sim.aloha import (
     SIDES,
     AlohaSim,
     CommandError,
+    FrameSchedule,
     SimConfig,
     SimulationDiverged,
 )
@@ -159,25 +159,6 @@ def sim_defaults() -> dict[str, Any]:
 
 def sim_node_config(params: dict[str, Any]) -> SimNodeConfig:
     return flat_config(SimNodeConfig, params)
-
-
-class FrameSchedule:
-    """Which control steps publish the cameras' frames: the first step does, and frame k is due k /
-    camera_rate_hz s of simulated time after it, going out at the first step at or after that time.
-
-    Exact rational arithmetic: a float schedule, advanced frame by frame, drifted by a step after an hour
-    or two (a 50 Hz camera skipped a frame, a 25 Hz one sent two on consecutive steps)."""
-
-    def __init__(self, period_s: float, camera_rate_hz: float) -> None:
-        rate = Fraction(camera_rate_hz).limit_denominator(10**6)
-        per_step = rate * Fraction(period_s).limit_denominator(10**6)  # at most 1 (SimNodeConfig)
-        self._num, self._den = per_step.numerator, per_step.denominator
-
-    def due(self, step: int) -> bool:
-        """Whether step `step` (1, 2, ...) publishes a frame: a frame time in (step - 2, step - 1] periods
-        after the first step (floor(-x) is -1 for the first step: it always does)."""
-        n = step - 1
-        return (n * self._num) // self._den > ((n - 1) * self._num) // self._den
 
 
 class AlohaSimNode(Node):

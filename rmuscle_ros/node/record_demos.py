@@ -55,6 +55,7 @@ from rmuscle_ros.sim.aloha import (
     SIDES,
     AlohaSim,
     CommandError,
+    FrameSchedule,
     SimConfig,
     SimulationDiverged,
 )
@@ -147,7 +148,7 @@ def _record(path: Path, seed: int, camera_rate_hz: float, image_format: str, sta
         sim.reset(seed)
         demo = TransferCubeDemonstrator(sim)
         period_ns = round(sim.period_s * 1e9)
-        frame_ns = round(1e9 / camera_rate_hz)
+        frames = FrameSchedule(sim.period_s, camera_rate_hz)  # the steps the sim node publishes frames at
         closed, opened = sim.config.gripper_joint_range
         counts: dict[str, int] = {}
         with Writer(path, version=9, storage_plugin=STORAGE["mcap"]) as writer:
@@ -159,7 +160,6 @@ def _record(path: Path, seed: int, camera_rate_hz: float, image_format: str, sta
                 writer.write(connections[topic], t, store.serialize_cdr(msg, msgtype))
                 counts[topic] = counts.get(topic, 0) + 1
 
-            next_frame = start_ns
             for step in range(EPISODE_STEPS):
                 t = start_ns + step * period_ns
                 header = _header(types, t)
@@ -170,8 +170,7 @@ def _record(path: Path, seed: int, camera_rate_hz: float, image_format: str, sta
                         velocity=_f64(velocity), effort=_f64([]),
                     )  # fmt: skip
                     write(ALOHA_JOINT_STATE_TOPIC.format(side=side), "sensor_msgs/msg/JointState", msg, t)
-                if t >= next_frame:
-                    next_frame += frame_ns
+                if frames.due(step + 1):
                     for camera, topic in zip(sim.config.cameras, ALOHA_CAMERA_TOPICS, strict=False):
                         frame = sim.render(camera)
                         if image_format == "raw":

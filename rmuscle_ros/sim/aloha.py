@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,25 @@ CONTROL_PERIOD_S = 0.02
 # The middle (x, y in m) of each object's placement range in gym_aloha.utils' samplers: the cube; the peg,
 # then the socket.
 PLACEMENT_MIDDLES = {"transfer_cube": [(0.1, 0.5)], "insertion": [(0.15, 0.5), (-0.15, 0.5)]}
+
+
+class FrameSchedule:
+    """Which control steps publish the cameras' frames: the first step does, and frame k is due k /
+    camera_rate_hz s of simulated time after it, going out at the first step at or after that time.
+
+    Exact rational arithmetic: a float schedule, advanced frame by frame, drifted by a step after an hour
+    or two (a 50 Hz camera skipped a frame, a 25 Hz one sent two on consecutive steps)."""
+
+    def __init__(self, period_s: float, camera_rate_hz: float) -> None:
+        rate = Fraction(camera_rate_hz).limit_denominator(10**6)
+        per_step = rate * Fraction(period_s).limit_denominator(10**6)  # at most 1 (SimNodeConfig)
+        self._num, self._den = per_step.numerator, per_step.denominator
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (1, 2, ...) publishes a frame: a frame time in (step - 2, step - 1] periods
+        after the first step (floor(-x) is -1 for the first step: it always does)."""
+        n = step - 1
+        return (n * self._num) // self._den > ((n - 1) * self._num) // self._den
 
 
 @dataclass(frozen=True)
