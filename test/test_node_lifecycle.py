@@ -481,6 +481,40 @@ def test_non_finite_actions_are_never_published_and_the_node_goes_on(harness) ->
     )
 
 
+def test_a_profile_loaded_one_parameter_at_a_time_is_taken_by_an_unconfigured_node(harness) -> None:
+    """`ros2 param load` sets a file's parameters one at a time, each checked against the others. Before
+    (noted in review), the ALOHA profile's `model.preset: pi05` was refused because its checkpoint was
+    not set yet, and the node would have configured the default tiny model. Now a value that is valid
+    by itself is taken with a warning when only the others disagree; configure checks the whole set; a
+    value wrong by itself is still refused, even while such a combination is pending."""
+    from pathlib import Path
+
+    from rmuscle_ros.node.params import load_params_file, node_config, parameter_defaults
+
+    profile = load_params_file(Path(__file__).parents[1] / "config" / "rmuscle_aloha.yaml")
+    h = harness()
+    pending = h.node.set_parameters([Parameter("joint_name_prefixes", value=["left_", "right_", "third_"])])
+    assert pending[0].successful, pending[0].reason
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.node.last_error.startswith("configure: invalid parameter joint_name_prefixes: needs one entry")
+    bad = h.node.set_parameters([Parameter("cache.rho_p", value=5.0)])[0]
+    assert not bad.successful and bad.reason.startswith("cache.rho_p"), bad.reason
+    bad = h.node.set_parameters([Parameter("max_skew_s", value=-1.0)])[0]
+    assert not bad.successful and bad.reason.startswith("max_skew_s: must be > 0"), bad.reason
+
+    for name, value in profile.items():  # in the file's order, as ros2 param load sends them
+        result = h.node.set_parameters([Parameter(name, value=value)])[0]
+        assert result.successful, f"{name}: {result.reason}"
+    now = {name: h.node.get_parameter(name).value for name in parameter_defaults()}
+    assert node_config(now).model == node_config(parameter_defaults() | profile).model
+    assert node_config(now).joint_name_prefixes == ("left_", "right_")
+    # the profile's model files are not on this machine: configure refuses them, naming the file
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
+    assert "/opt/rmuscle/models/pi05_aloha/" in h.node.last_error, h.node.last_error
+    assert "does not exist" in h.node.last_error, h.node.last_error
+
+
 def test_a_topic_name_ros_refuses_fails_configure_naming_it_and_can_be_fixed(harness) -> None:
     """A camera or joint-state topic with a space: configure fails naming the parameter and the topic,
     before the model loads (before, rclpy's exception made configure or activate an ERROR that left the

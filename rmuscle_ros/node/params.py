@@ -31,6 +31,18 @@ class ParameterError(ValueError):
     """An invalid node parameter; the message starts with the parameter's name."""
 
 
+class CombinationError(ParameterError):
+    """Parameters each valid alone that do not go together (a π0.5 preset without its checkpoint, more
+    joint-state topics than name prefixes). `ros2 param load` sets a file's parameters one at a time, so an
+    unconfigured node takes a value that only disagrees with the others as they are now; configure checks
+    the whole set."""
+
+
+# PolicyConfig fields whose errors are about the value alone; the others (cameras, dims, the checkpoint
+# a π0.5 preset needs, the ALOHA conventions) depend on other parameters.
+_POLICY_OWN_CHECKS = ("preset", "backend", "dtype", "device")
+
+
 MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
 
 # CacheParams field -> RMuscleConfig field, where the ROS name says more than the runtime's.
@@ -175,7 +187,7 @@ def delta_actions(values: Mapping[str, Any]) -> tuple[int, ...]:
             continue
         state = values["joint_names"]
         if i >= len(state) or state[i] != name:
-            raise ParameterError(
+            raise CombinationError(
                 f"delta_joint_actions: action joint {i} ({name!r}) is an offset from its state, but joint_names "
                 f"holds {state[i] if i < len(state) else 'nothing'!r} there; list both in the same order"
             )
@@ -194,7 +206,7 @@ def check_aloha_order(values: Mapping[str, Any]) -> None:
         names = values[name]
         for i, (joint, suffix) in enumerate(zip(names, order, strict=False)):
             if not joint.endswith(suffix):
-                raise ParameterError(
+                raise CombinationError(
                     f"{name}: model.aloha_adapt_to_pi needs ALOHA's order, each arm {', '.join(order[:7])} "
                     f"(openpi flips the shoulder and elbow and converts the gripper by index); entry {i} is "
                     f"{joint!r}, not a {suffix}"
@@ -353,7 +365,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         ):
             raise ParameterError(f"{name}: needs distinct, non-empty entries, got {list(values[name])}")
     if len(values["joint_name_prefixes"]) != len(values["joint_state_topics"]):
-        raise ParameterError(
+        raise CombinationError(
             f"joint_name_prefixes: needs one entry per joint_state_topics entry ({len(values['joint_state_topics'])}), "
             f"got {list(values['joint_name_prefixes'])}"
         )
@@ -388,16 +400,17 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     except ValueError as e:  # PolicyConfig names its field first; report the parameter that sets it
         field_name = str(e).split(":")[0]
         parameter = DERIVED.get(f"model.{field_name}", f"model.{field_name}")
-        raise ParameterError(f"{parameter}:{str(e).split(':', 1)[1]}") from None
+        error = ParameterError if field_name in _POLICY_OWN_CHECKS else CombinationError
+        raise error(f"{parameter}:{str(e).split(':', 1)[1]}") from None
     if model.aloha_adapt_to_pi:  # 14-D, checked by PolicyConfig: now the order
         check_aloha_order(values)
     horizon = model.model.horizon
     if not 1 <= values["actions_per_inference"] <= horizon:
-        raise ParameterError(f"actions_per_inference: must be in 1..{horizon} (the chunk length)")
+        raise CombinationError(f"actions_per_inference: must be in 1..{horizon} (the chunk length)")
 
     cache = CacheParams(**{k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")})
     if cache.enabled and model.backend not in CACHE_BACKENDS:
-        raise ParameterError(
+        raise CombinationError(
             f"model.backend: cache.enabled needs backend 'fused' (CPU) or 'graph' (CUDA), got {model.backend!r} "
             "(only those two have the Context and Action Caches)"
         )
@@ -405,12 +418,12 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     cfg = NodeConfig(model=model, cache=cache, **top)
     if converts_gripper(cfg):
         if not cfg.gripper_joint:
-            raise ParameterError(
+            raise CombinationError(
                 "gripper_joint: names no gripper, but gripper_state_joint/_range convert one"
             )
         for prefix in cfg.joint_name_prefixes:
             if prefix + cfg.gripper_joint not in cfg.joint_names:
-                raise ParameterError(
+                raise CombinationError(
                     f"gripper_joint: joint_names has no {prefix + cfg.gripper_joint!r} "
                     f"(joint_name_prefixes {prefix!r} + {cfg.gripper_joint!r}) to convert"
                 )

@@ -40,7 +40,14 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from rmuscle_ros.cache.runtime import MODES
 from rmuscle_ros.node.job_times import JobTimes
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
-from rmuscle_ros.node.params import NodeConfig, ParameterError, node_config, parameter_defaults, state_sources
+from rmuscle_ros.node.params import (
+    CombinationError,
+    NodeConfig,
+    ParameterError,
+    node_config,
+    parameter_defaults,
+    state_sources,
+)
 from rmuscle_ros.node.spin import spin_node
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
@@ -376,11 +383,31 @@ class RMuscleNode(LifecycleNode):
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
         """`ros2 param set`: a value is validated with every other parameter (a bad one is refused, naming
         the problem). Unconfigured, it is read at the next configure; configured, LIVE_PARAMETERS apply from
-        the next call, and any other is refused with what to do instead."""
-        current = {name: self.get_parameter(name).value for name in parameter_defaults()}
+        the next call, and any other is refused with what to do instead.
+
+        Unconfigured, a value that is valid by itself but does not go with the others as they are now (a
+        π0.5 preset before its checkpoint) is taken with a warning: `ros2 param load` sets a file's
+        parameters one at a time, each checked against the others, so a profile's coupled parameters would
+        otherwise be refused whichever came first. Configure checks the whole set."""
+        defaults = parameter_defaults()
+        current = {name: self.get_parameter(name).value for name in defaults}
         changed = {p.name: p.value for p in params if p.name in current and p.value != current[p.name]}
         try:
             cfg = node_config(current | changed)
+        except CombinationError as e:
+            if self.cfg is not None:
+                return SetParametersResult(successful=False, reason=str(e))
+            try:
+                node_config(defaults | changed)  # the new values alone, among defaults that go together
+            except CombinationError:
+                pass
+            except ParameterError as own:
+                return SetParametersResult(successful=False, reason=str(own))
+            self.get_logger().warning(
+                f"parameters taken: {', '.join(changed)}; with the others as they are now, configure would "
+                f"refuse them: {e}"
+            )
+            return SetParametersResult(successful=True)
         except ParameterError as e:
             return SetParametersResult(successful=False, reason=str(e))
         if self.cfg is None or not changed:
