@@ -26,9 +26,10 @@ RUN python3 -c "import tensorrt, torch; print('TensorRT', tensorrt.__version__, 
 # Triton 3.6 falls back to its own ptxas when the path does not exist.
 ENV TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas \
     TRITON_PTXAS_THOR_PATH=/usr/local/cuda/bin/ptxas
-# The graph backend keeps its compiled kernels under model.engine_cache_dir/triton: mount a volume there
-# (e.g. -v rmuscle-engines:/var/lib/rmuscle/engines for config/rmuscle_thor.yaml), or every container
-# start compiles them all again.
+# This image has no ROS: the node runs on the Thor's own ROS 2 Jazzy (README, "On a Jetson Thor"). Where
+# this image runs the graph backend (benchmarks, tests), its compiled kernels go under engine_cache_dir/triton:
+# mount a volume there, or every container start compiles them all again. Engines built here are keyed by
+# this image's TensorRT version; a node on the host builds its own.
 
 WORKDIR /opt/rmuscle_ros
 COPY pyproject.toml setup.py README.md package.xml ./

@@ -8,7 +8,8 @@ Parameters come from a profile (both nodes read their own section of the file); 
 onto an Interbotix ALOHA stack. With autostart (default) each node is configured on start and activated
 once configuring succeeds, which is what `ros2 lifecycle set ... configure/activate` would do by hand.
 The streamer sends the follower arms position commands as soon as it is active and a chunk is due; with
-stream_actions:=false it is not started.
+stream_actions:=false it is not started. A params file that is not there, or that has no section for a
+node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import os
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, EmitEvent, RegisterEventHandler
-from launch.conditions import IfCondition
+from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
 from launch.events import matches_action
-from launch.substitutions import AndSubstitution, LaunchConfiguration, PathJoinSubstitution
+from launch.launch_context import LaunchContext
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch.utilities import perform_substitutions
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from lifecycle_msgs.msg import Transition
+
+from rmuscle_ros.node.params import check_params_file
 
 # The policy node's topics (π0.5 slot order) -> the Interbotix ALOHA stack's topics.
 ALOHA_REMAPPINGS = [
@@ -46,13 +50,14 @@ STREAMER_REMAPPINGS = [
 ]
 
 
-def autostarted(node: LifecycleNode, condition: IfCondition) -> list:
-    """Configure `node` on start and activate it once configured, under `condition`."""
+def autostarted(node: LifecycleNode, autostart: bool) -> list:
+    """`node`, configured on start and activated once configured if `autostart`."""
+    if not autostart:
+        return [node]
 
-    def change(transition: int, **kwargs: object) -> EmitEvent:
+    def change(transition: int) -> EmitEvent:
         return EmitEvent(
-            event=ChangeState(lifecycle_node_matcher=matches_action(node), transition_id=transition),
-            **kwargs,
+            event=ChangeState(lifecycle_node_matcher=matches_action(node), transition_id=transition)
         )
 
     activate_when_configured = RegisterEventHandler(
@@ -61,20 +66,28 @@ def autostarted(node: LifecycleNode, condition: IfCondition) -> list:
             start_state="configuring",
             goal_state="inactive",
             entities=[change(Transition.TRANSITION_ACTIVATE)],
-        ),
-        condition=condition,
+        )
     )
-    return [activate_when_configured, node, change(Transition.TRANSITION_CONFIGURE, condition=condition)]
+    return [activate_when_configured, node, change(Transition.TRANSITION_CONFIGURE)]
 
 
-def generate_launch_description() -> LaunchDescription:
-    config_dir = os.path.join(get_package_share_directory("rmuscle_ros"), "config")
-    profile = LaunchConfiguration("profile")
-    params_file = LaunchConfiguration("params_file")
-    autostart = LaunchConfiguration("autostart")
-    stream_actions = LaunchConfiguration("stream_actions")
+def true(context: LaunchContext, name: str) -> bool:
+    """A boolean launch argument, read as launch's IfCondition reads one (true/false, 1/0)."""
+    value = perform_substitutions(context, [LaunchConfiguration(name)]).strip().lower()
+    if value not in ("true", "1", "false", "0"):
+        raise ValueError(f"{name}:={value!r}: expected true or false")
+    return value in ("true", "1")
+
+
+def nodes(context: LaunchContext) -> list:
+    """The nodes, once the params file is known to give each of them its section (else the launch stops
+    here, before anything starts)."""
+    params_file = perform_substitutions(context, [LaunchConfiguration("params_file")])
+    stream_actions, autostart = true(context, "stream_actions"), true(context, "autostart")
+    check_params_file(
+        params_file, ("rmuscle_node", "action_streamer") if stream_actions else ("rmuscle_node",)
+    )
     namespace = LaunchConfiguration("namespace")
-
     policy = LifecycleNode(
         package="rmuscle_ros",
         executable="rmuscle_node",
@@ -84,16 +97,23 @@ def generate_launch_description() -> LaunchDescription:
         parameters=[params_file],
         remappings=ALOHA_REMAPPINGS,
     )
-    streamer = LifecycleNode(
-        package="rmuscle_ros",
-        executable="action_streamer",
-        name="action_streamer",
-        namespace=namespace,
-        output="screen",
-        parameters=[params_file],
-        remappings=STREAMER_REMAPPINGS,
-        condition=IfCondition(stream_actions),
-    )
+    entities = autostarted(policy, autostart)
+    if stream_actions:
+        streamer = LifecycleNode(
+            package="rmuscle_ros",
+            executable="action_streamer",
+            name="action_streamer",
+            namespace=namespace,
+            output="screen",
+            parameters=[params_file],
+            remappings=STREAMER_REMAPPINGS,
+        )
+        entities += autostarted(streamer, autostart)
+    return entities
+
+
+def generate_launch_description() -> LaunchDescription:
+    config_dir = os.path.join(get_package_share_directory("rmuscle_ros"), "config")
     return LaunchDescription(
         [
             DeclareLaunchArgument(
@@ -101,7 +121,7 @@ def generate_launch_description() -> LaunchDescription:
             ),
             DeclareLaunchArgument(
                 "params_file",
-                default_value=PathJoinSubstitution([config_dir, profile]),
+                default_value=PathJoinSubstitution([config_dir, LaunchConfiguration("profile")]),
                 description="parameter file (overrides profile)",
             ),
             DeclareLaunchArgument("namespace", default_value="", description="node namespace"),
@@ -113,7 +133,6 @@ def generate_launch_description() -> LaunchDescription:
                 default_value="true",
                 description="start action_streamer, which sends the chunks to the follower arms",
             ),
-            *autostarted(policy, IfCondition(autostart)),
-            *autostarted(streamer, IfCondition(AndSubstitution(autostart, stream_actions))),
+            OpaqueFunction(function=nodes),
         ]
     )

@@ -62,14 +62,41 @@ def test_the_streamer_is_remapped_onto_the_policys_chunks_and_the_follower_arms(
 
 @pytest.mark.skipif(
     importlib.util.find_spec("launch_ros") is None,
-    reason="launch_ros is not on PyPI; this runs in a ROS install (docker/Thor image)",
+    reason="launch_ros is not on PyPI; this runs in a ROS 2 Jazzy install from apt (a Thor with ROS)",
 )
 def test_launch_description_builds() -> None:
     spec = importlib.util.spec_from_file_location("rmuscle_launch", LAUNCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     description = module.generate_launch_description()
-    assert len(description.entities) >= 11  # 5 arguments, then each node with its two autostart events
+    assert len(description.entities) == 6  # 5 arguments, then the nodes once their params file is checked
+
+
+def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_defaults(tmp_path) -> None:
+    """ROS only warns about a params file that is not there and starts the node on its defaults: the tiny
+    demo model on random weights, whose actions the streamer would send to the arms (found in review, with
+    `profile:=rmuscle_thor`, no .yaml). The launch file checks the file first (check_params_file), and
+    stops before any node starts; a profile without the streamer's section is refused unless
+    stream_actions:=false."""
+    from rmuscle_ros.node.params import check_params_file
+
+    config = LAUNCH.parents[1] / "config"
+    both = ("rmuscle_node", "action_streamer")
+    for profile in ("rmuscle_aloha.yaml", "rmuscle_thor.yaml"):
+        check_params_file(config / profile, both)
+    check_params_file(config / "rmuscle_default.yaml", ("rmuscle_node",))
+    with pytest.raises(ValueError, match="rmuscle_thor is not there"):
+        check_params_file(config / "rmuscle_thor", both)
+    with pytest.raises(ValueError, match="is a folder"):
+        check_params_file(config, both)
+    with pytest.raises(ValueError, match=r"no section for action_streamer .*stream_actions:=false"):
+        check_params_file(config / "rmuscle_default.yaml", both)
+    (tmp_path / "notes.yaml").write_text("just: [a list\n")
+    with pytest.raises(ValueError, match="not a ROS params file"):
+        check_params_file(tmp_path / "notes.yaml", both)
+    # and the launch file calls it, with the streamer's section asked for only when it starts the streamer
+    source = LAUNCH.read_text()
+    assert "check_params_file(" in source and "OpaqueFunction(function=nodes)" in source
 
 
 def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) -> None:

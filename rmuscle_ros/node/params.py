@@ -271,6 +271,35 @@ def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, A
     raise KeyError(f"{path}: no section for {node_name} (keys: {', '.join(map(str, document))})")
 
 
+def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...]) -> None:
+    """ValueError unless `path` is a params file with a section for each of `node_names`. The launch file
+    calls it before it starts anything: ROS only warns about a params file that is not there and starts the
+    node on its defaults (the tiny demo model, random weights), and a node without its section would too;
+    the streamer would then send that model's actions to the arms (found in review)."""
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        what = "a folder" if file.is_dir() else "not there"
+        raise ValueError(
+            f"params file {file} is {what}: give an existing profile (profile:=<file in config/>)"
+        )
+    missing = []
+    for name in node_names:
+        try:
+            load_params_file(file, name)
+        except KeyError:
+            missing.append(name)
+        except (yaml.YAMLError, TypeError, AttributeError) as e:
+            raise ValueError(f"params file {file}: not a ROS params file ({e})") from None
+    if missing:
+        raise ValueError(
+            f"params file {file} has no section for {', '.join(missing)} (a `/**/{missing[0]}: ros__parameters:` "
+            "key): it would start on its defaults. Add the section, or leave that node out "
+            "(stream_actions:=false for action_streamer)"
+        )
+
+
 def parameter_defaults() -> dict[str, Any]:
     """Every parameter the node declares, with its default (dotted names: `model.preset`, `cache.rho_p`)."""
     defaults = _flatten(NodeConfig())
