@@ -1,7 +1,8 @@
 """π0.5 latency benchmark on a GPU: eager vs the graph engine in one process, on the same inputs.
 
 Setting (issue #2): full `pi05` size, 3 cameras, a prompt of ~50 valid tokens (task text + 14-D ALOHA
-state; padding not computed), 10 denoising steps, horizon 50; the graph engines take host inputs as the
+state; the graph engines compute it padded to its prompt bucket, 64 tokens; the roofline floor counts the
+valid tokens only), 10 denoising steps, horizon 50; the graph engines take host inputs as the
 node's policy handed them over until 2026-12-01 (images pinned; it now resamples them on the GPU and hands
 them over there, as in the graph-device-inputs row). Weights are seeded random (no trained
 π0.5 weights on the benchmark machine): timings do not depend on values, accuracy ratios are
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import statistics
 import sys
 import time
@@ -172,10 +174,23 @@ def record_header(gpu: str, commit: str) -> dict[str, str]:
     }
 
 
+def finite_or_none(value: object) -> object:
+    """`value` with every non-finite float (a figure not measured, e.g. the ceilings of a CPU run) replaced
+    by None, so that the record is strict JSON (null, not NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 def save_results(out: Path, stem: str, record: dict, markdown: str) -> None:
-    """bench/results/<stem>.json and .md (the same figures), and the Markdown on stdout."""
+    """bench/results/<stem>.json (strict JSON: null where a figure is not finite) and .md (the same
+    figures), and the Markdown on stdout."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(finite_or_none(record), indent=1, allow_nan=False) + "\n")
     (out / f"{stem}.md").write_text(markdown)
     print(markdown, flush=True)
 
@@ -203,14 +218,25 @@ def eager_stages(
     return {"vision": vision, "prefill": prefill, "denoise": denoise}
 
 
-def summarize(samples: list[float]) -> dict[str, float]:
+# Fewest samples for which p10/p90 are given: with fewer, a 10th percentile is one of the two most extreme
+# samples or an interpolation next to it, not a measured spread.
+MIN_PERCENTILE_SAMPLES = 20
+
+
+def summarize(samples: list[float]) -> dict[str, float | int | None]:
+    """Median, Hz, sample count, min and max of `samples` (ms); p10/p90 (inclusive method: within the
+    samples) only from at least MIN_PERCENTILE_SAMPLES samples, else None."""
     med = statistics.median(samples)
-    q = statistics.quantiles(samples, n=100) if len(samples) > 2 else [med] * 99
+    enough = len(samples) >= MIN_PERCENTILE_SAMPLES
+    q = statistics.quantiles(samples, n=100, method="inclusive") if enough else None
     return {
         "median_ms": round(med, 3),
-        "p10_ms": round(q[9], 3),
-        "p90_ms": round(q[89], 3),
+        "p10_ms": round(q[9], 3) if q else None,
+        "p90_ms": round(q[89], 3) if q else None,
         "hz": round(1e3 / med, 1),
+        "samples": len(samples),
+        "min_ms": round(min(samples), 3),
+        "max_ms": round(max(samples), 3),
     }
 
 
@@ -290,6 +316,7 @@ def main() -> None:
     results["eager"]["stages_ms"] = {
         k: round(statistics.median(cuda_time_ms(f, args.eager_iters)), 3) for k, f in stages_e.items()
     }
+    results["eager"]["stage_samples"] = args.eager_iters
     # The graph engines take the inputs as the node's policy handed them over until 2026-12-01: images in
     # pinned host memory, prompt and noise as host tensors. "graph-device-inputs": the same call with the
     # inputs already on the GPU (the prompt is then read back to pick its bucket); the policy now hands
@@ -300,6 +327,8 @@ def main() -> None:
                 ("graph-device-inputs", graph, True, (inputs, noise))]  # fmt: skip
     if serial is not None:
         variants.insert(1, ("graph-nopdl", serial, True, host))
+    # Stage columns: each stage's own graph replayed alone (CUDA events), and the tail graph (prefill +
+    # denoise, the denoise's first step running alongside the prefill) that a call replays after vision.
     for variant, engine, use_graphs, (x, z) in variants:
         results[variant] = summarize(
             cuda_time_ms(
@@ -314,7 +343,7 @@ def main() -> None:
                 ),
                 3,
             )
-            for s in STAGES
+            for s in (*STAGES, "tail")
         }
     results["graph"]["speedup_vs_eager"] = round(
         results["eager"]["median_ms"] / results["graph"]["median_ms"], 2
@@ -364,6 +393,7 @@ def main() -> None:
             "horizon": cfg.horizon,
             "weights": f"random (seed {args.seed})",
             "iters": args.iters,
+            "eager_iters": args.eager_iters,
         },
         "ceilings": {k: round(v, 1 if "tflops" in k else 2) for k, v in ceilings.items()},
         "cost_per_call": {
@@ -379,31 +409,54 @@ def main() -> None:
     save_results(args.out, stem, record, to_markdown(record))
 
 
+def _ms(value: object) -> str:
+    """A figure for the table, "–" where it was not measured (None) or does not apply (absent)."""
+    return "–" if value is None else str(value)
+
+
 def to_markdown(r: dict) -> str:
     s = r["setting"]
+    bucket = r["results"]["graph"].get("prompt_bucket", "?")
     lines = [
         f"# π0.5 `{s['preset']}` latency — {r['gpu']}, {r['date']}",
         "",
         f"commit `{r['commit']}`, torch {r['torch']}, command `{r['command']}`",
         "",
-        f"Setting: {s['cameras']} cameras, {s['prompt_tokens']} prompt tokens, {s['steps']} steps, horizon "
-        f"{s['horizon']}, weights {s['weights']}, medians of {s['iters']} calls (CUDA events).",
+        f"Setting: {s['cameras']} cameras, {s['prompt_tokens']} valid prompt tokens (the graph engines compute "
+        f"the {bucket}-token bucket), {s['steps']} steps, horizon {s['horizon']}, weights {s['weights']}.",
         "",
-        "| variant | median ms | p10 | p90 | Hz | vision ms | prefill ms | denoise ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "Whole call (median, p10, p90, Hz): `sample_actions` (loading the inputs, vision, then the tail graph: "
+        f"prefill + denoise) timed with CUDA events, n calls per row ({s['iters']} for the graph engines). "
+        f"p10/p90: inclusive percentiles, given only from {MIN_PERCENTILE_SAMPLES} or more samples (– otherwise; "
+        "min and max are in the JSON). Stage columns: each stage run alone, inputs loaded (CUDA events, median "
+        "of as many calls): for the graph engines each stage's own graph (fused-nograph: its fused ops without "
+        "graphs), and the tail a call runs after vision. A call is loading + vision + tail; inside the tail the "
+        "denoise's first step runs alongside the prefill, so the stage columns, each timed alone, do not add "
+        "up to the call.",
+        "",
+        "| variant | n | median ms | p10 | p90 | Hz | vision ms | prefill ms (alone) | denoise ms (alone) | tail ms (prefill + denoise graph) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in r["results"].items():
         st = v.get("stages_ms", {})
         lines.append(
-            f"| {name} | {v['median_ms']} | {v['p10_ms']} | {v['p90_ms']} | {v['hz']} | "
-            f"{st.get('vision', '–')} | {st.get('prefill', '–')} | {st.get('denoise', '–')} |"
+            f"| {name} | {_ms(v.get('samples'))} | {v['median_ms']} | {_ms(v['p10_ms'])} | {_ms(v['p90_ms'])} | "
+            f"{v['hz']} | {_ms(st.get('vision'))} | {_ms(st.get('prefill'))} | {_ms(st.get('denoise'))} | "
+            f"{_ms(st.get('tail'))} |"
         )
     g = r["results"]["graph"]
+    e = r["results"]["eager"]
     f = r["roofline_floor_ms"]
     c = r["cost_per_call"]
     lines += [
         "",
-        f"graph vs eager (bf16): **{g['speedup_vs_eager']}×**; graph = {g['x_roofline_floor']}× the roofline floor.",
+        "Eager rows (PyTorch, no graphs; eager: bf16, eager-fp32: float32) are host-bound (the GPU waits on "
+        "kernel launches) and timed once, before the graph rows and not interleaved with them (eager "
+        f"{_ms(e.get('samples'))} calls, its stages {_ms(e.get('stage_samples'))} calls each; eager-fp32 "
+        f"{_ms(r['results'].get('eager-fp32', {}).get('samples'))} calls): for scale only; they move between runs.",
+        "",
+        f"graph vs eager (bf16): **{g['speedup_vs_eager']}×** (eager for scale only, above); graph = "
+        f"{g['x_roofline_floor']}× the roofline floor.",
         "",
         f"The call's two graphs alone (vision, tail), inputs already loaded: {g['replay_ms']} ms. Loading "
         f"the inputs takes {g['begin_load_host_ms']} ms of host time before vision starts (validation, the "
@@ -420,7 +473,9 @@ def to_markdown(r: dict) -> str:
         + ".",
         "",
         f"Ceilings measured in this run: {r['ceilings']['bf16_tflops']} TFLOP/s bf16 matmul, "
-        f"{r['ceilings']['copy_tb_s']} TB/s device copy.",
+        f"{r['ceilings']['copy_tb_s']} TB/s device copy. Roofline floor (projection from FLOPs and bytes, not "
+        f"measured): the {s['prompt_tokens']} valid prompt tokens only, not the {bucket}-token bucket the graph "
+        "engines compute.",
         "",
         "| stage | GFLOP | GB moved (min) | roofline floor ms |",
         "|---|---|---|---|",

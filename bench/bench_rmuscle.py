@@ -8,9 +8,10 @@ call goes through the runtime (retrieval with alignment, the window refilled aft
 arm's motion window) and is compared with the dense graph on the same inputs and noise.
 
 Reported (Markdown + JSON in --out): per (ρp, ρn), median end-to-end ms of a dense call and a cached
-call through the runtime (wall clock; matched on the host, its default, and on the GPU), per-stage
-replay ms, speedup, action relative L2 error and similarity; the cost of rebuilding an entry, the
-window's memory, the latency of a live call while rebuilds run on the low-priority stream; FLOPs and
+call through the runtime (wall clock; matched as RMuscleConfig.match_on_gpu's default, and the other way),
+per-stage replay ms (each stage's graph alone, and the tail graph a call replays after vision), speedup,
+action relative L2 error and similarity; the cost of rebuilding an entry, the window's memory, each row's
+GPU memory peak, the latency of a live call while rebuilds run on the low-priority stream; FLOPs and
 bytes per call with roofline projections (labelled as such) to an RTX 4090 and a Jetson Thor. With
 `--library-episodes`, what a library's size costs the calls whose retrieval scans it (an episode's first
 call, a fallback call) and a cached call (`Bench.library_scaling`).
@@ -47,8 +48,9 @@ from rmuscle_ros.engine.graph import GraphEngine
 from rmuscle_ros.models.config import get_preset
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
-# Projection targets. Bandwidths from the issue; compute peaks are assumptions (dense bf16 tensor
-# throughput with float32 accumulation), not measurements: change them with --peaks.
+# Projection targets, assumed (not measured): bandwidths from the issue, compute peaks dense bf16 tensor
+# throughput with float32 accumulation. On a GPU the projection adds a row with the ceilings measured in
+# the run.
 TARGETS = {"rtx4090": {"tb_s": 1.0, "tflops": 165.0}, "thor": {"tb_s": 0.273, "tflops": 250.0}}
 
 
@@ -97,7 +99,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def wall_ms(fn, iters: int, warmup: int = 3) -> list[float]:
+WARMUP = 3  # untimed calls before each timing loop
+
+
+def wall_ms(fn, iters: int, warmup: int = WARMUP) -> list[float]:
     for _ in range(warmup):
         fn()
     sync()
@@ -258,6 +263,21 @@ class Bench:
         if info.mode != "cached":
             raise RuntimeError(f"the timed observation is not served cached ({info})")
 
+    def wall_ms_cached(self, call, iters: int) -> list[float]:
+        """`wall_ms(call, iters)` of runtime calls, every one of them (warm-up included) checked to have
+        been served cached: the runtime's cached-call count must rise by the number of calls made, and no
+        call may have run again dense (`match_reruns`). A timing of a loop with a dense call in it fails."""
+        rt = self.runtime
+        calls, cached, reruns = rt.calls, rt.cached_calls, rt.match_reruns
+        samples = wall_ms(call, iters, WARMUP)
+        made = WARMUP + iters
+        if (rt.calls - calls, rt.cached_calls - cached, rt.match_reruns - reruns) != (made, made, 0):
+            raise RuntimeError(
+                f"of {made} timed calls {rt.calls - calls} ran, {rt.cached_calls - cached} cached, "
+                f"{rt.match_reruns - reruns} run again dense: not every call was served cached ({rt.last})"
+            )
+        return samples
+
     def idle_gaps(self, rows: int = 6) -> dict:
         """One dense and one cached call under the profiler: the GPU's span, busy and idle time, and the
         largest idle gaps with the kernel that ended each (what the GPU waited on the host for)."""
@@ -343,8 +363,10 @@ class Bench:
                     samples["fallback"] += wall_ms(fallback, max(1, it // 2))
                     rt.retriever.reset()
                     rt.infer(obs, self.noise)  # aligns again; the window still holds obs's entry
-                    samples["cached"] += wall_ms(lambda: rt.infer(obs, self.noise), max(1, it // 2))
-                    if rt.last.mode != "cached" or rt.last.episode != ref_id:
+                    samples["cached"] += self.wall_ms_cached(
+                        lambda: rt.infer(obs, self.noise), max(1, it // 2)
+                    )
+                    if rt.last.episode != ref_id:
                         raise RuntimeError(
                             f"the timed call was not served from the recorded episode ({rt.last})"
                         )
@@ -368,12 +390,9 @@ class Bench:
             samples["dense"] += wall_ms(lambda: self.dense_call(obs), max(1, it // 2))
             for on_gpu in (False, True):
                 self._prime(obs, on_gpu)
-                reruns = self.runtime.match_reruns
-                samples["gpu" if on_gpu else "host"] += wall_ms(
+                samples["gpu" if on_gpu else "host"] += self.wall_ms_cached(
                     lambda: self.runtime_call(obs), max(1, it // 2)
                 )
-                if self.runtime.last.mode != "cached" or self.runtime.match_reruns != reruns:
-                    raise RuntimeError(f"a timed call was not served cached ({self.runtime.last})")
         self.match_on(self.default_match)
         dense_wall = statistics.median(samples["dense"])
         walls = {False: statistics.median(samples["host"]), True: statistics.median(samples["gpu"])}
@@ -407,6 +426,8 @@ class Bench:
             audit_ms.append((time.perf_counter() - start) * 1e3)
         self.runtime.reconfigure(audit_every=0)
         out = {
+            "timed_calls": len(samples["dense"]),  # per end-to-end figure (dense, each match place)
+            "prompt_bucket": bucket,
             "dense_ms": round(dense_wall, 3),
             "rmuscle_ms": round(walls[self.default_match], 3),  # as the runtime runs by default
             "speedup": round(dense_wall / walls[self.default_match], 3),
@@ -437,6 +458,7 @@ class Bench:
         # refill of the window takes in each mode.
         done: dict[str, list[float]] = {"2": [], "1": []}
         quiet = []
+        served_cached = dict.fromkeys([*busy, "alone"], 0)  # live calls served cached, of `it` each
         longest = max(range(len(e.rebuild_parts)), key=lambda i: self.rebuild_part_ms[i])
         for queued, samples in busy.items():
             log(f"interference: live calls with {queued} rebuild(s) queued")
@@ -452,17 +474,21 @@ class Bench:
                     for k in range(int(queued)):
                         e.rebuild_entry(self.ref_obs[k], self.scratch, use_graphs=graphs)
                 start = time.perf_counter()
-                self.runtime_call(obs)
+                _, info = self.runtime_call(obs)
                 sync()
                 samples.append((time.perf_counter() - start) * 1e3)
+                served_cached[queued] += info.mode == "cached"
                 wait(e.rebuild_stream)
                 if queued in done:
                     done[queued].append((time.perf_counter() - queued_at) * 1e3)
         for _ in range(it):
             start = time.perf_counter()
-            self.runtime_call(obs)
+            _, info = self.runtime_call(obs)
             sync()
             quiet.append((time.perf_counter() - start) * 1e3)
+            served_cached["alone"] += info.mode == "cached"
+        if min(served_cached.values()) < it:
+            log(f"interference: not every live call was served cached ({served_cached} of {it} each)")
         faulthandler.cancel_dump_traceback_later()
         log("interference measured")
         return out | {
@@ -471,6 +497,8 @@ class Bench:
             "live_call_one_rebuild_queued_ms": round(statistics.median(busy["1"]), 3),
             "live_call_one_part_queued_ms": round(statistics.median(busy["part"]), 3),
             "rebuilds_done_ms": {k: round(statistics.median(v), 3) for k, v in done.items()},
+            "live_calls_served_cached": served_cached,  # of `interference_calls` each
+            "interference_calls": it,
             "rebuilds_concurrent": concurrent,
             "rebuild_graphs": graphs,
         }
@@ -533,13 +561,22 @@ def main() -> None:
     log(f"{gpu}, preset {args.preset}, ceilings {ceilings}")
     model = random_model(cfg, device, 0)
     eager_obs = observation(cfg, 0.5, 1.0, 0.01, 1, args.prompt_tokens).to(device)
-    model.to(torch.bfloat16 if cuda else torch.float32)
+    eager_dtype = torch.bfloat16 if cuda else torch.float32
+    model.to(eager_dtype)
     noise = torch.randn(1, cfg.horizon, cfg.action_dim, device=device)
-    eager_ms = device_ms(lambda: model.sample_actions(eager_obs, noise), 5, device)
-    results: dict[str, dict] = {"eager": {"median_ms": round(eager_ms, 3)}}
+    eager_samples = 5
+    eager_ms = device_ms(lambda: model.sample_actions(eager_obs, noise), eager_samples, device)
+    results: dict[str, dict] = {"eager": {
+        "median_ms": round(eager_ms, 3), "samples": eager_samples, "dtype": str(eager_dtype).removeprefix("torch."),
+        "device": gpu, "timer": "CUDA events" if cuda else "wall clock"}}  # fmt: skip
     log(f"eager {eager_ms:.1f} ms")
     model.float()
+    # What each row's engine work allocates on the GPU beyond what is allocated before it (the float32 eager
+    # model, kept loaded to build each row's engine, and anything an earlier row left).
     for rho_p, rho_n, schedule in rhos:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            baseline = torch.cuda.memory_allocated(device)
         bench = Bench(model, rho_p, rho_n, args, device, schedule)
         bench.record_reference()
         quality = bench.live_episode()
@@ -558,7 +595,12 @@ def main() -> None:
             "engine_cache_mb": round(bench.engine.cache_bytes / 2**20, 1),
         }  # fmt: skip
         if cuda:
-            results[key]["gpu_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
+            peak = torch.cuda.max_memory_allocated(device)
+            results[key] |= {
+                "gpu_memory_before_row_gb": round(baseline / 1e9, 2),
+                "gpu_peak_memory_gb_row_incl_eager_model": round(peak / 1e9, 2),
+                "gpu_peak_memory_gb_row_above_row_start": round((peak - baseline) / 1e9, 2),
+            }
         log(f"{key}: {json.dumps(results[key])}")
         del bench
         gc.collect()
@@ -568,18 +610,23 @@ def main() -> None:
     main_key = next((k for k in results if k.startswith("rmuscle_p0.4_n0.5")), None)
     if main_key is not None:
         results["rmuscle"] = dict(results[main_key])
-    peak, bw = ceilings["bf16_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12
+    flops_peak, bw = ceilings["bf16_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12
     dense_cost = call_cost(cfg, args.prompt_tokens)
     cached_cost = rmuscle_cost(cfg, args.prompt_tokens, 0.4, 0.5)
     projection = {}
-    measured = {"h200_measured_ceilings": {"tb_s": bw / 1e12, "tflops": peak / 1e12}} if cuda else {}
+    here = f"{gpu.split()[-1].lower()}_measured_ceilings"  # h200_measured_ceilings on an H200
+    measured = {here: {"tb_s": bw / 1e12, "tflops": flops_peak / 1e12}} if cuda else {}
     for name, tgt in {**measured, **TARGETS}.items():
 
         def f(costs: dict, tgt: dict = tgt) -> float:
             return sum(c.floor_s(tgt["tflops"] * 1e12, tgt["tb_s"] * 1e12) for c in costs.values()) * 1e3
 
+        source = "measured in this run" if name in measured else "assumed"
         projection[name] = {
-            "assumed": {"tb_s": tgt["tb_s"], "tflops": tgt["tflops"]},
+            "ceilings": {"tb_s": tgt["tb_s"], "tflops": tgt["tflops"]},
+            "ceilings_source": source,
+            # "assumed": the key of earlier records, kept for the rows whose ceilings are assumed
+            **({"assumed": {"tb_s": tgt["tb_s"], "tflops": tgt["tflops"]}} if source == "assumed" else {}),
             "dense_floor_ms": round(f(dense_cost), 3),
             "rmuscle_floor_ms": round(f(cached_cost), 3),
             "floor_ratio": round(f(dense_cost) / f(cached_cost), 3),
@@ -595,6 +642,7 @@ def main() -> None:
             "weights": "random (seed 0)",
             "calls_per_episode": args.calls,
             "iters": args.iters,
+            "stage_timer": "CUDA events" if cuda else "wall clock",
         },
         "ceilings": {k: round(v, 2) for k, v in ceilings.items()},
         "cost_per_call": {
@@ -619,28 +667,52 @@ def main() -> None:
 def to_markdown(r: dict) -> str:
     s = r["setting"]
     res = r["results"]
+    rows = {name: v for name, v in res.items() if name.startswith("rmuscle_p")}
+    first = next(iter(rows.values()), {})
+    eager = res["eager"]
+    timer = s.get("stage_timer", "not recorded")
     lines = [
         f"# rMuscle vs dense graph, π0.5 `{s['preset']}` — {r['gpu']}, {r['date']}",
         "",
         f"commit `{r['commit']}`, torch {r['torch']}, command `{r['command']}`",
         "",
-        f"Setting: {s['cameras']} cameras, {s['prompt_tokens']} prompt tokens, {s['steps']} steps, horizon "
-        f"{s['horizon']}, weights {s['weights']}, {s['calls_per_episode']} calls per episode, medians of "
-        f"{s['iters']} calls (wall clock, synchronised). Eager (bf16 on a GPU) for scale: {res['eager']['median_ms']} ms.",
+        f"Setting: {s['cameras']} cameras, {s['prompt_tokens']} valid prompt tokens (the engine computes the "
+        f"{first.get('prompt_bucket', '?')}-token bucket), {s['steps']} steps, horizon {s['horizon']}, weights "
+        f"{s['weights']}, {s['calls_per_episode']} calls per episode.",
         "",
-        "| variant | ρp | ρn | median ms | dense ms (same run) | speedup | prefill ms | denoise ms | action rel L2 (median / max) | similarity (min) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"End to end (median ms: an rMuscle call through `RMuscle.infer`; dense ms: the engine's dense call, "
+        f"vision then the dense tail graph): medians of {first.get('timed_calls', '?')} calls each, wall clock "
+        f"with the device synchronised after each call, the dense and rMuscle loops alternated in two halves; "
+        f"every timed rMuscle call (and its {WARMUP} warm-up calls) checked to be served cached. Stage columns: a "
+        f"stage replayed on its own, inputs loaded ({timer}, median of {s['iters']} replays): the tail graph "
+        f"(prefill + denoise) that a call runs after vision (dense) or the match stage (cached), and the prefill "
+        f"and denoise graphs each alone. A call is vision (or match) + tail; on a GPU the tail's denoise starts "
+        f"its first step alongside the prefill, so prefill + denoise, each timed alone, do not add up to the "
+        f"tail, nor the stages to the call.",
+        "",
+        f"Eager ({eager.get('dtype', '?')} PyTorch on {eager.get('device', '?')}, no graphs; median of "
+        f"{eager.get('samples', '?')} calls, {eager.get('timer', '?')}): {eager['median_ms']} ms, for scale only: "
+        "host-bound, and timed once before the rows, not interleaved with them, so it moves between runs.",
+        "",
+        "| variant | ρp | ρn | median ms | dense ms (same run) | speedup | tail ms (prefill + denoise graph) | prefill ms (alone) | denoise ms (alone) | action rel L2 (median / max) | similarity (min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, v in res.items():
-        if not name.startswith("rmuscle_p"):
-            continue
+    for name, v in rows.items():
         st = v["stages_ms"]
         lines.append(
             f"| {name} | {v['rho_p']} | {v['rho_n']}{'' if v.get('neuron_schedule', 'uniform') == 'uniform' else ' ' + v['neuron_schedule']} | {v['median_ms']} | {v['dense_same_run_ms']} | "
-            f"**{v['speedup']}×** | {st['prefill_cached']} (dense {st['prefill_dense']}) | "
+            f"**{v['speedup']}×** | {st['tail_cached']} (dense {st['tail_dense']}) | "
+            f"{st['prefill_cached']} (dense {st['prefill_dense']}) | "
             f"{st['denoise_cached']} (dense {st['denoise_dense']}) | "
             f"{v['action_rel_l2_median']:.3g} / {v['action_rel_l2_max']:.3g} | {v['similarity_min']:.3f} |"
         )
+    memory = {name: v for name, v in rows.items() if "gpu_peak_memory_gb_row_above_row_start" in v}
+    if memory:
+        lines += ["", "GPU memory per row (`torch.cuda.max_memory_allocated`, its peak reset before the row's engine "
+                  "is built): the row's peak above what was allocated at its start (the float32 eager model, kept "
+                  "loaded to build each row's engine, and anything earlier rows left), and the peak in all: " + "; ".join(
+                      f"{name} {v['gpu_peak_memory_gb_row_above_row_start']} GB above {v['gpu_memory_before_row_gb']} GB, "
+                      f"{v['gpu_peak_memory_gb_row_incl_eager_model']} GB in all" for name, v in memory.items()) + "."]  # fmt: skip
     if "rmuscle" in res:
         v = res["rmuscle"]
         lines += [
@@ -656,7 +728,10 @@ def to_markdown(r: dict) -> str:
                 f"stream {v['live_call_during_rebuild_ms']} ms, with one {v['live_call_one_rebuild_queued_ms']} ms, "
                 f"with one part of one (the node's worst case) {v['live_call_one_part_queued_ms']} ms; from "
                 f"queueing them to the rebuilds' end (the live call included): two "
-                f"{v['rebuilds_done_ms']['2']} ms, one {v['rebuilds_done_ms']['1']} ms."
+                f"{v['rebuilds_done_ms']['2']} ms, one {v['rebuilds_done_ms']['1']} ms. Live calls served "
+                f"cached, of {v.get('interference_calls', '?')} each: "
+                + ", ".join(f"{k} {n}" for k, n in v.get("live_calls_served_cached", {}).items())
+                + "."
                 if "live_call_alone_ms" in v
                 else " Live-call latency during rebuilds: not measured in this run."
             ),
@@ -668,8 +743,9 @@ def to_markdown(r: dict) -> str:
             else ("on the device", v["rmuscle_gpu_match_ms"])
         )
         lines += ["", f"The table's rMuscle calls are matched {where} (RMuscleConfig.match_on_gpu's default); the same "
-                  f"calls matched {other}: {other_ms} ms ({round(v['dense_same_run_ms'] / other_ms, 3)}×). Match stage (vision, "
-                  f"pick, load) {v['stages_ms']['match_cached']} ms, cached prefill + denoise graph {v['stages_ms']['tail_cached']} ms."]  # fmt: skip
+                  f"calls matched {other}: {other_ms} ms ({round(v['dense_same_run_ms'] / other_ms, 3)}×). Replayed alone ({timer}): "
+                  f"match stage (vision, pick, load) {v['stages_ms']['match_cached']} ms, cached tail (prefill + denoise graph) "
+                  f"{v['stages_ms']['tail_cached']} ms."]  # fmt: skip
         if "library_scaling" in v:
             lines += ["", "By library size (all episodes but the recorded one synthetic descriptors, "
                       f"{v['library_scaling'][0]['calls_per_episode']} calls each) and where the similarities are "
@@ -684,12 +760,14 @@ def to_markdown(r: dict) -> str:
             lines += ["", "GPU idle within one call (profiled): " + "; ".join(
                 f"{k} {x['idle_us']:.0f} of {x['span_us']:.0f} µs, largest gap {x['largest_gaps'][0]['us']:.0f} µs "
                 f"at {x['largest_gaps'][0]['at_us']:.0f} µs" for k, x in t.items() if x["largest_gaps"]) + "."]  # fmt: skip
-    lines += ["", "Roofline floors (projection from FLOPs and bytes per call; not measured):", "",
-              "| target | TB/s | TFLOP/s (assumed) | dense floor ms | rMuscle floor ms | ratio |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", f"Roofline floors (projection from FLOPs and bytes per call, not measured; the {s['prompt_tokens']} "
+              f"valid prompt tokens only, not the bucket's padding; rMuscle at ρp = 0.4, ρn = 0.5):", "",
+              "| target | ceilings | TB/s | TFLOP/s | dense floor ms | rMuscle floor ms | ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, v in r["roofline_projection_not_measured"].items():
+        c = v.get("ceilings", v.get("assumed"))
         lines.append(
-            f"| {name} | {v['assumed']['tb_s']:.3g} | {v['assumed']['tflops']:.4g} | {v['dense_floor_ms']} | "
-            f"{v['rmuscle_floor_ms']} | {v['floor_ratio']} |"
+            f"| {name} | {v.get('ceilings_source', 'assumed')} | {c['tb_s']:.3g} | {c['tflops']:.4g} | "
+            f"{v['dense_floor_ms']} | {v['rmuscle_floor_ms']} | {v['floor_ratio']} |"
         )
     lines += ["", "Random weights: the action errors show the approximation's size on this model, not a trained "
               "policy's success rate."]  # fmt: skip
