@@ -126,7 +126,11 @@ def test_corrupt_index_is_an_error_and_is_kept_when_a_new_library_is_saved(tmp_p
     with pytest.raises(LibraryError, match="unreadable library index"):
         ReferenceLibrary.open(tmp_path, KEY)
     fresh = ReferenceLibrary(tmp_path, KEY)
-    fresh.add(episode(seed=3))
+    kept = (tmp_path / "episode_000000.safetensors").read_bytes()
+    with pytest.raises(LibraryError, match="exists already"):  # its id is the unreadable index's episode's
+        fresh.add(episode(seed=3))
+    assert (tmp_path / "episode_000000.safetensors").read_bytes() == kept, "never written over"
+    assert fresh.add(episode(seed=3)) == 1
     assert list(tmp_path.glob("index.json.corrupt-*")), "the unreadable index was not kept"
     assert json.loads((tmp_path / "index.json").read_text())["version"] == 1
 
@@ -262,7 +266,7 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     monkeypatch.setattr(library_module, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         lib.add(episode(seed=2), {"task": "t"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".open", "episode_000000.safetensors", "index.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "episode_000000.safetensors", "index.json"]
     assert (tmp_path / "index.json").read_bytes() == index_before
     monkeypatch.undo()
     assert sorted(lib.entries) == [kept] and lib.add(episode(seed=3), {"task": "t"}) not in (kept,)
@@ -395,9 +399,10 @@ def test_a_file_that_cannot_be_deleted_once_the_index_is_written_is_logged_not_r
 
 def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog, capsys) -> None:
     """A writer killed mid-write (or a power cut) leaves temporary files: the next open deletes them and
-    says so (an open marker's draft only once its process is gone: a live one may be taking the marker).
-    An episode file the index does not name (its index write failed) is named and kept, and no new episode
+    says so, and an earlier version's open marker and its drafts with them (the lock replaced them). An
+    episode file the index does not name (its index write failed) is named and kept, and no new episode
     is written over it. Files that are not the library's are left alone."""
+    import socket
     import subprocess
     import sys
 
@@ -410,9 +415,8 @@ def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: 
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    (tmp_path / f".open.tmp-{int(gone.stdout)}").write_text("a marker draft of a process that died")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (tmp_path / f".open.tmp-{live.pid}").write_text("a live process's draft: it may be taking the marker")
+    (tmp_path / f".open.tmp-{int(gone.stdout)}").write_text("an earlier version's marker draft")
+    (tmp_path / ".open").write_text(f"{socket.gethostname()} {int(gone.stdout)}")  # and its marker
     unnamed = tmp_path / "episode_000004.safetensors"
     unnamed.write_bytes(b"a whole episode whose index write failed")
     from rmuscle_ros.cache.library import main
@@ -426,13 +430,7 @@ def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: 
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert "removed 3 partial file(s) of writes that never finished (1.0 MiB)" in caplog.text
     assert "episode_000004.safetensors" in caplog.text and "kept and never used" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
-        ".notes.tmp-1",
-        ".open",
-        f".open.tmp-{live.pid}",
-    ]
-    live.kill()
-    live.wait()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".lock", ".notes.tmp-1"]
     assert sorted(again.entries) == [0] and again.problems == []
     assert again.add(episode(seed=2), {"task": "t"}) == 5, "the unnamed file's id is not reused"
     assert unnamed.read_bytes() == b"a whole episode whose index write failed"
@@ -707,36 +705,64 @@ def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_fro
     )
 
 
-def test_a_library_another_live_process_has_open_is_refused_and_a_stale_marker_is_not(tmp_path: Path) -> None:
-    """Two writers would each rewrite the index from memory and drop the other's episodes: opening a
-    library that another live process holds is refused, naming it; once that process is gone its marker
-    no longer counts. This process may open its own library again (a node's cleanup and configure)."""
-    import socket
+def hold_in_another_process(root: Path, prelude: str = ""):
+    """A process (a node) that opens the library at `root` and keeps it open until it is killed; returned
+    once it holds it. `prelude`: Python it runs first (e.g. to fill its disk)."""
     import subprocess
     import sys
 
-    from rmuscle_ros.cache.library import OPEN_MARKER, LibraryBusy
+    holder = (
+        "import sys, time\n"
+        f"{prelude}\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_cache_library import KEY\n"
+        "from rmuscle_ros.cache.library import ReferenceLibrary\n"
+        "ReferenceLibrary.open(sys.argv[1], KEY)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", holder, str(root), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_library_another_live_process_has_open_is_refused_and_a_stale_marker_is_not(tmp_path: Path) -> None:
+    """Two writers would each rewrite the index from memory and drop the other's episodes: opening a
+    library whose lock another process holds is refused, naming it; once that process is gone, however it
+    ended (killed here), the kernel has given the lock up. This process may open its own library again
+    (a node's cleanup and configure)."""
+    import socket
+
+    from rmuscle_ros.cache.library import LibraryBusy
 
     mine = ReferenceLibrary.open(tmp_path, KEY)
     mine.add(episode())
-    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0], "the same process: allowed"
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == [0], "the same process: allowed"
+    again.close()
+    assert mine.add(episode(seed=1)) == 1, "still this process's after the other one closed"
     mine.close()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = hold_in_another_process(tmp_path)
     try:
-        (tmp_path / OPEN_MARKER).write_text(f"{socket.gethostname()} {other.pid}")
         with pytest.raises(
             LibraryBusy, match=rf"open in process {socket.gethostname()} {other.pid} \(another node\?\)"
-        ):
+        ) as e:
             ReferenceLibrary.open(tmp_path, KEY)
+        assert "give each node its own library_path" in str(e.value)
     finally:
         other.kill()
         other.wait()
-    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0], "its process is gone"
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0, 1], "its process is gone"
 
 
 def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp_path: Path, capsys) -> None:
-    """An open library holds a marker naming its process: while that process lives, `remove` refuses (its
-    index in memory would put the episodes back); a marker left by a process that is gone is ignored."""
+    """An open library holds its lock: while its process lives, `remove` refuses, naming it (its index in
+    memory would put the episodes back); `holder` tries the lock, so an earlier version's marker left by a
+    process that is gone is ignored."""
     import socket
     import subprocess
     import sys
@@ -752,6 +778,15 @@ def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp
     assert sorted(ReferenceLibrary.open(tmp_path / "other", KEY).entries) == []  # an unrelated library
     lib.close()
     assert holder(tmp_path) is None and not (tmp_path / OPEN_MARKER).exists()
+    other = hold_in_another_process(tmp_path)
+    try:
+        assert holder(tmp_path) == f"{socket.gethostname()} {other.pid}"
+        assert main(["remove", str(tmp_path), "0"]) == 2
+        assert f"is open in process {socket.gethostname()} {other.pid}" in capsys.readouterr().err
+    finally:
+        other.kill()
+        other.wait()
+    assert holder(tmp_path) is None, "the kernel gave its lock up"
 
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
@@ -835,3 +870,273 @@ def test_of_processes_opening_one_library_at_once_exactly_one_holds_it(tmp_path:
         ]
         said = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
         assert said == ["busy", "busy", "busy", "held"], said
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
+
+
+def test_an_episode_larger_than_the_whole_library_is_refused_and_nothing_is_evicted(tmp_path: Path) -> None:
+    """One long episode (no reset for a while) larger than max_bytes on its own: before (found in review)
+    it evicted every other episode, of every task, and the bound was still exceeded. It is refused before
+    anything is written or evicted, saying its size and the bound; the library stays as it was, records on,
+    and the node reports the failed recording (a LibraryError, as a full disk's OSError)."""
+    from rmuscle_ros.cache.library import EpisodeTooLarge
+
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_bytes=200_000, max_episodes=64)
+    held = [lib.add(episode(seed=s), {"task": t}) for t in ("pick", "fold") for s in range(3)]
+    before = _files(tmp_path)
+    with pytest.raises(
+        EpisodeTooLarge, match=r"150 calls takes 0\.[0-9] MiB, more than the whole library"
+    ) as e:
+        lib.add(episode(calls=150, seed=99), {"task": "wipe"})
+    assert "(0.2 MiB, max_library_mb)" in str(e.value) and "Raise max_library_mb" in str(e.value)
+    assert sorted(lib.entries) == held and _files(tmp_path) == before
+    # Its tensors fit but its file, with the header, does not: refused once written, its file deleted.
+    small = episode(seed=7)
+    lib.max_bytes = sum(t.nbytes for t in small.tensors().values()) + 1
+    with pytest.raises(EpisodeTooLarge):
+        lib.add(small, {"task": "wipe"})
+    assert sorted(lib.entries) == held and _files(tmp_path) == before
+    lib.max_bytes = 200_000
+    assert lib.add(episode(seed=8), {"task": "pick"}) not in held and len(lib.entries) == 7
+    lib.close()
+
+
+def test_a_library_opened_on_a_full_disk_still_keeps_a_second_writer_out(tmp_path: Path, monkeypatch) -> None:
+    """A disk full (here: no file may grow) when a node opens its library: before (found in review) the
+    marker was not written, only logged, and a second node opened the library too, both writing the same
+    episode ids. The kernel lock needs no space: the second opener is refused. A lock that cannot be taken
+    at all (its file not created for a full disk) fails the open, naming the lock file and the error."""
+    import errno
+
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import LibraryBusy
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(seed=1), {"task": "a"})
+    lib.close()
+    full = (  # no file of this process may grow: each write fails as on a full disk
+        "import resource, signal\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))"
+    )
+    node = hold_in_another_process(tmp_path, prelude=full)
+    try:
+        with pytest.raises(LibraryBusy, match="the library is open in process"):
+            ReferenceLibrary.open(tmp_path, KEY)
+    finally:
+        node.kill()
+        node.wait()
+
+    real_open = library_module.os.open
+
+    def full_disk(path, flags, *args, **kwargs):
+        if Path(path).name == ".lock" and flags & library_module.os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args, **kwargs)
+
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(library_module.os, "open", full_disk)
+    with pytest.raises(
+        LibraryError, match=r"fresh/\.lock: cannot open the library's lock file \(.*No space left"
+    ):
+        ReferenceLibrary.open(fresh, KEY)
+
+
+def test_an_episode_file_is_never_written_over(tmp_path: Path) -> None:
+    """A second line of defence behind the lock: a writer whose next id's file exists already (another
+    writer's, that got past the lock) is refused, that file intact, its own library as it was; its next
+    recording takes the next id."""
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    first = lib.add(episode(seed=1), {"task": "t"})
+    theirs = tmp_path / "episode_000001.safetensors"
+    theirs.write_bytes(b"another writer's episode")
+    index = (tmp_path / "index.json").read_bytes()
+    with pytest.raises(LibraryError, match=r"episode_000001\.safetensors: an episode file of this id exists"):
+        lib.add(episode(seed=2), {"task": "t"})
+    assert (
+        theirs.read_bytes() == b"another writer's episode" and (tmp_path / "index.json").read_bytes() == index
+    )
+    assert sorted(lib.entries) == [first] and not list(tmp_path.glob(".episode_*"))
+    assert lib.add(episode(seed=2), {"task": "t"}) == 2
+    lib.close()
+
+
+@pytest.mark.parametrize("marker", ["{host} 1", "3f2a9c1b7d4e 27"], ids=["pid reused", "other host"])
+def test_an_earlier_versions_marker_never_blocks_the_library(tmp_path: Path, marker: str) -> None:
+    """A marker left by a power cut (its pid reused by a live process after the reboot) or by a container
+    since recreated (another hostname): before (found in review) either blocked the library until it was
+    deleted by hand. Only a held lock counts; the leftover marker is removed."""
+    import socket
+
+    from rmuscle_ros.cache.library import OPEN_MARKER, holder
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode())
+    lib.close()
+    (tmp_path / OPEN_MARKER).write_text(marker.format(host=socket.gethostname()))
+    assert holder(tmp_path) is None
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == [0] and not (tmp_path / OPEN_MARKER).exists()
+    again.close()
+
+
+def test_a_folder_where_the_lock_cannot_be_created_opens_read_only(tmp_path: Path, monkeypatch) -> None:
+    """A read-only mount: the library still serves its episodes, but recording and removing are refused
+    by name (before, found in review, the open went on without any guard and a recording could be lost)."""
+    import errno
+
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    kept = lib.add(episode(seed=1), {"task": "t"})
+    lib.close()
+    before = _files(tmp_path)
+    real_open = library_module.os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & (library_module.os.O_WRONLY | library_module.os.O_RDWR | library_module.os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(library_module.os, "open", read_only)
+    ro = ReferenceLibrary.open(tmp_path, KEY, max_episodes=1)
+    assert ro.read_only and sorted(ro.entries) == [kept]
+    assert np.array_equal(ro.load(kept).images, episode(seed=1).images)
+    with pytest.raises(
+        LibraryError, match=r"cannot record an episode: the library was opened read-only \(its lock"
+    ):
+        ro.add(episode(seed=2), {"task": "t"})
+    with pytest.raises(LibraryError, match="cannot remove episodes: the library was opened read-only"):
+        ro.remove([kept])
+    ro.close()
+    monkeypatch.undo()
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["../precious.txt", "{victim}", "episode_000001.safetensors"])
+def test_an_index_entry_naming_a_file_not_its_own_is_refused(tmp_path: Path, capsys, name: str) -> None:
+    """An index entry whose file is a path (absolute, `../`) or another episode's: before (found in review)
+    `remove` deleted that file, outside the library. The index is refused, naming the entry, and nothing
+    is deleted."""
+    from rmuscle_ros.cache.library import main
+
+    root, victim = tmp_path / "lib", tmp_path / "precious.txt"
+    victim.write_text("the operator's")
+    lib = ReferenceLibrary.open(root, KEY)
+    lib.add(episode(seed=1))
+    lib.add(episode(seed=2))
+    lib.close()
+    index = json.loads((root / "index.json").read_text())
+    index["episodes"][0]["file"] = name.format(victim=victim)
+    (root / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match=r"episode entry 0: file .* is not episode 0's file"):
+        ReferenceLibrary.open(root, KEY)
+    assert main(["remove", str(root), "0"]) == 2
+    assert "is not episode 0's file" in capsys.readouterr().err
+    assert victim.exists() and (root / "episode_000001.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("malformed", "what"),
+    [
+        (lambda index: index["episodes"][0].update(meta=None), "meta is None, not an object of strings"),
+        (lambda index: index["episodes"][0].update(bytes="5"), "bytes is '5', not an integer >= 0"),
+        (lambda index: index["episodes"][0].update(id="0"), "id is '0', not an integer >= 0"),
+        (lambda index: index["episodes"][0].update(file=7), "file is 7, not a file name"),
+        (lambda index: index["episodes"][0].update(created="today"), "created is 'today', not a time"),
+        (lambda index: index["key"].update(shapes=[1]), "key shapes is [1], not an object"),
+        (lambda index: index["key"]["shapes"].update(cameras={"n": 2}), "key shapes ['cameras']"),
+    ],
+    ids=["meta null", "bytes string", "id string", "file number", "created string", "shapes list", "shape"],
+)
+def test_an_index_field_of_the_wrong_type_is_a_library_error(
+    tmp_path: Path, capsys, malformed, what: str
+) -> None:
+    """Fields present but of another type (an index edited by hand): before (found in review) the command
+    line and open failed with AttributeError / TypeError tracebacks. Each is a LibraryError naming the
+    entry and the field, and the command line exits 2 with its message."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(), {"task": "t"})
+    lib.close()
+    index = json.loads((tmp_path / "index.json").read_text())
+    malformed(index)
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match="unreadable library index") as e:
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert what in str(e.value)
+    for command in (["list"], ["verify"], ["similarity"], ["remove", "0"]):
+        assert main([command[0], str(tmp_path), *command[1:]]) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and what in err, (command, err)
+
+
+@pytest.mark.parametrize("what", ["file", "dangling link"])
+def test_a_library_path_that_is_no_folder_fails_the_open(tmp_path: Path, what: str) -> None:
+    """A library_path that is a file, or a link to a drive not mounted: before (found in review) it opened
+    as an empty library and failed only at the first recording. The open fails, naming what it is."""
+    path = tmp_path / "library"
+    if what == "file":
+        path.write_text("notes")
+        match = r"library: a file, not a folder"
+    else:
+        path.symlink_to(tmp_path / "media" / "lib")
+        match = (
+            r"library: a symbolic link to .*media/lib, which does not exist \(a drive that is not mounted\?\)"
+        )
+    with pytest.raises(LibraryError, match=match):
+        ReferenceLibrary.open(path, KEY)
+    assert not (tmp_path / "media").exists()
+
+
+def test_bounds_lowered_since_recording_apply_at_open(tmp_path: Path, caplog, capsys) -> None:
+    """A library reopened with a lower max_episodes or max_bytes: before (found in review) it served all its
+    episodes until the next recording evicted many at once. A writer that passes bounds evicts at open, as
+    a recording would (least recently used first), and says what and why; the command line's reads and an
+    opener passing no bounds delete nothing."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    ids = [lib.add(episode(seed=s), {"task": "pick"}) for s in range(6)]
+    lib.touch(ids[0])  # served from last: kept
+    size = lib.entries[ids[0]].bytes
+    lib.close()
+    assert main(["list", str(tmp_path)]) == 0 and main(["verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    unbounded = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(unbounded.entries) == ids
+    unbounded.close()
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
+    lowered = ReferenceLibrary.open(tmp_path, KEY, max_episodes=3)
+    assert sorted(lowered.entries) == [ids[0], ids[4], ids[5]]
+    assert "held 6 episode(s)" in caplog.text and "evicted episode(s) [1, 2, 3] at open" in caplog.text
+    assert sorted(e["id"] for e in json.loads((tmp_path / "index.json").read_text())["episodes"]) == [0, 4, 5]
+    assert sorted(p.name for p in tmp_path.glob("episode_*")) == [
+        f"episode_{i:06d}.safetensors" for i in (0, 4, 5)
+    ]
+    lowered.close()
+    smaller = ReferenceLibrary.open(tmp_path, KEY, max_bytes=2 * size)
+    assert sorted(smaller.entries) == [ids[0], ids[5]]
+    smaller.close()
+
+
+def test_the_command_line_refuses_a_library_of_another_version(tmp_path: Path, capsys) -> None:
+    """`list` / `verify` on a library of another format: before (found in review) they reported success. They
+    refuse it with the node's message."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(), {"task": "t"})
+    lib.close()
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["version"] = 2
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError) as e:
+        ReferenceLibrary.open(tmp_path, KEY)
+    for command in ("list", "verify", "similarity"):
+        assert main([command, str(tmp_path)]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {e.value}"
+    assert "library version 2, this build reads 1" in str(e.value)

@@ -413,15 +413,24 @@ def _library_with_a_corrupt_index(library: Path) -> None:
     (library / "index.json").write_text('{"version": 1, "key": ')
 
 
-def _library_another_node_has_open(library: Path) -> None:
-    """A library written by a node that is still running (another process: the test's pytest parent)."""
-    import os
-    import socket
+def _library_another_node_has_open(library: Path) -> Iterator[None]:
+    """A library another process (a node still running) has open: it holds the library's lock."""
+    import subprocess
+    import sys
 
-    from rmuscle_ros.cache.library import OPEN_MARKER
+    from rmuscle_ros.cache.library import LOCK_FILE
 
     _library_of_other_weights(library)
-    (library / OPEN_MARKER).write_text(f"{socket.gethostname()} {os.getppid()}")
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(library / LOCK_FILE)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize(
@@ -436,25 +445,43 @@ def test_configure_refuses_a_library_it_cannot_use(
     harness, tmp_path, make_library: Callable[[Path], None], reason: str
 ) -> None:
     library = tmp_path / "library"
-    make_library(library)
-    before = (library / "index.json").read_bytes()
-    h = harness(**CACHE, **{"cache.library_path": str(library)})
-    _configure_fails_saying(h, reason)
-    assert "cache.library_path" in h.node.last_error and str(library) in h.node.last_error
-    assert h.node.policy is None
-    assert (library / "index.json").read_bytes() == before, "a refused library is left as it was"
+    held = make_library(library)  # a generator holds its condition (another process's lock) until closed
+    if held is not None:
+        next(held)
+    try:
+        before = (library / "index.json").read_bytes()
+        h = harness(**CACHE, **{"cache.library_path": str(library)})
+        _configure_fails_saying(h, reason)
+        assert "cache.library_path" in h.node.last_error and str(library) in h.node.last_error
+        assert h.node.policy is None
+        assert (library / "index.json").read_bytes() == before, "a refused library is left as it was"
+    finally:
+        if held is not None:
+            held.close()
 
 
 def test_cache_with_the_eager_backend_fails_configure_naming_model_backend(harness) -> None:
     _configure_fails_saying(harness(**{"cache.enabled": True}), "model.backend")
 
 
-def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harness, tmp_path) -> None:
-    # The library folder's parent is a file: opening works (no index yet), writing the episode fails.
+def test_a_library_path_through_a_file_fails_configure_naming_it(harness, tmp_path) -> None:
+    """Before (found in review), such a path opened as an empty library and failed only at the first
+    recording; a node with its cache on then ran without muscle memory from configure on."""
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
     h = harness(**CACHE, **{"cache.library_path": str(blocker / "library")})
+    _configure_fails_saying(h, "cannot open the rMuscle library (cache.library_path)")
+    assert str(blocker) in h.node.last_error and h.node.policy is None
+
+
+def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harness, tmp_path) -> None:
+    # The library's folder goes away while the node runs (a drive unmounted): a file stands where it
+    # was, so writing the episode fails.
+    library = tmp_path / "library"
+    h = harness(**CACHE, **{"cache.library_path": str(library)})
     _start(h)
+    library.rename(tmp_path / "moved_away")
+    library.write_text("")
     assert h.feed_until(lambda: len(_episode(h, 0)) >= 1), f"drops {h.drops()}"
     reply = h.call(h.reset, Trigger.Request())
     assert reply.success and "recording episode 0 failed" in reply.message, reply.message

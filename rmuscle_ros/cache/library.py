@@ -27,11 +27,18 @@ Guarantees:
   holds the most (episodes recorded without a task, which are never served, go first): a job the cell
   runs all day does not evict another job's episodes, only its own oldest. An episode is used when a call
   is served from it (`touch`) or its file is read; that time is kept in the index (written at the next
-  add or remove, and at `close`), so it survives a restart.
-- **One writer.** An open library holds a marker (`.open`: host and pid, removed by `close`). Opening a
-  library another live process has open is refused (`LibraryBusy`): two nodes given the same folder
-  would each rewrite the index from their own memory and drop the other's episodes. The command line
-  below refuses to remove episodes from a library a live process has open, for the same reason.
+  add or remove, and at `close`), so it survives a restart. Bounds lowered since the library was recorded
+  apply when a writer opens it. An episode larger than `max_bytes` on its own is refused
+  (`EpisodeTooLarge`) before anything is written or evicted.
+- **One writer.** An open library holds a kernel lock (`flock`) on its lock file (`.lock`, which holds the
+  host and pid of its holder for messages, and is never deleted). The kernel gives the lock up when its
+  process ends, however it ends, so no stale marker can block a library after a crash, a reboot or a new
+  container. Opening a library another process holds is refused (`LibraryBusy`): two nodes given the same
+  folder would each rewrite the index from their own memory and drop the other's episodes. The command
+  line below refuses to remove episodes from a library another process holds, for the same reason. A
+  folder where the lock file cannot be created (a read-only mount) opens read-only: its episodes are
+  served, and `add` / `remove` are refused. An episode file is never written over: a second writer's file
+  of the same id is refused.
 No pickle: safetensors and JSON only.
 
 On a cell (read-only while the node runs; `remove` once it is cleaned up or stopped):
@@ -48,6 +55,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -56,6 +65,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,7 +80,8 @@ log = logging.getLogger(__name__)
 
 LIBRARY_VERSION = 1
 INDEX = "index.json"
-OPEN_MARKER = ".open"  # "<host> <pid>" of the process that has the library open for writing
+LOCK_FILE = ".lock"  # flock()ed while the library is open; holds "<host> <pid>" of its holder, for messages
+OPEN_MARKER = ".open"  # the open marker of earlier versions (no lock): a leftover one is removed at open
 TMP_INFIX = ".tmp-"  # ".<name>.tmp-<pid>": a file being written, renamed to <name> once it is on disk
 EPISODE_FILE = re.compile(r"episode_(\d{6,})\.safetensors")
 EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")
@@ -105,6 +116,11 @@ class LibraryMismatch(LibraryError):
 
 class LibraryBusy(LibraryError):
     """The library is open in another live process (a running node), which owns its index."""
+
+
+class EpisodeTooLarge(LibraryError):
+    """An episode larger on its own than the library's byte bound: refused before anything is written or
+    evicted (it would evict every other episode and still not fit)."""
 
 
 class EpisodeUnreadable(LibraryError):
@@ -219,18 +235,88 @@ def _file_problem(root: Path, entry: EpisodeEntry) -> str | None:
     return None
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Each field of an episode entry: what it must be, and how that reads in a message.
+_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "id": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "file": (lambda v: isinstance(v, str), "a file name"),
+    "sha256": (lambda v: isinstance(v, str), "a string"),
+    "calls": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "bytes": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "created": (_is_number, "a time in seconds"),
+    "last_used": (_is_number, "a time in seconds"),
+    "meta": (
+        lambda v: (
+            isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+        ),
+        "an object of strings",
+    ),
+}
+
+
 def _entries(index_path: Path, episodes: Any) -> list[EpisodeEntry]:
     """The index's episode entries. An index that parses but whose entries are not the library's (not a
-    list of objects, a field missing or unknown) is a LibraryError naming the index and the entry."""
+    list of objects, a field missing, unknown or of another type, a file that is not its episode's) is a
+    LibraryError naming the index and the entry: the command line and the node must report it, not fail
+    on it later (a `file` such as "../x" would have `remove` delete a file outside the library)."""
     if not isinstance(episodes, list):
         raise LibraryError(f"{index_path}: unreadable library index (episodes is not a list)")
     entries = []
     for i, raw in enumerate(episodes):
         try:
-            entries.append(EpisodeEntry(**raw))
+            entry = EpisodeEntry(**raw)
         except TypeError as e:  # not a mapping, or a missing or unexpected field: e names it
             raise LibraryError(f"{index_path}: unreadable library index (episode entry {i}: {e})") from None
+        for name, (fits, what) in _FIELD_TYPES.items():
+            value = getattr(entry, name)
+            if not fits(value):
+                raise LibraryError(
+                    f"{index_path}: unreadable library index (episode entry {i}: {name} is {value!r}, "
+                    f"not {what})"
+                )
+        m = EPISODE_FILE.fullmatch(entry.file)
+        if m is None or int(m.group(1)) != entry.id:
+            raise LibraryError(
+                f"{index_path}: unreadable library index (episode entry {i}: file {entry.file!r} is not "
+                f"episode {entry.id}'s file, episode_{entry.id:06d}.safetensors in the library's folder)"
+            )
+        entries.append(entry)
     return entries
+
+
+def _stored_key(index_path: Path, raw: Any) -> LibraryKey:
+    """The index's key, checked for its types (a LibraryError naming what is wrong, not a TypeError later)."""
+
+    def shape(value: Any) -> bool:
+        if isinstance(value, list):
+            return all(_is_int(v) for v in value)
+        return isinstance(value, (int, float, str))
+
+    if not isinstance(raw, dict) or not {"weights", "shapes"} <= set(raw):
+        problem = "key is not an object of weights and shapes"
+    elif not isinstance(raw["weights"], str):
+        problem = f"key weights is {raw['weights']!r}, not a string"
+    elif not isinstance(raw["shapes"], dict):
+        problem = f"key shapes is {raw['shapes']!r}, not an object"
+    else:
+        bad = sorted(str(k) for k, v in raw["shapes"].items() if not isinstance(k, str) or not shape(v))
+        if not bad:
+            return LibraryKey(raw["weights"], raw["shapes"])
+        problem = f"key shapes {bad}: not numbers, strings or lists of integers"
+    raise LibraryError(f"{index_path}: unreadable library index ({problem})")
+
+
+def _check_version(index_path: Path, version: Any) -> None:
+    """The node and the command line refuse a library of another format alike."""
+    if version != LIBRARY_VERSION:
+        raise LibraryError(f"{index_path}: library version {version}, this build reads {LIBRARY_VERSION}")
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -293,22 +379,65 @@ def _unnamed(root: Path, indexed: set[int]) -> dict[int, str]:
     }
 
 
-def _marker_draft(root: Path, suffix: str) -> Path:
-    """A file of one process's own beside the open marker (`_mark_open`, `_remove_stale_marker`), named
-    by its pid (last, after a '-')."""
-    return root / f"{OPEN_MARKER}{TMP_INFIX}{suffix}"
+def _place_new(tmp: Path, path: Path) -> None:
+    """Give the file written at `tmp` the name `path`, which must not exist (FileExistsError if it does):
+    an episode file is never written over, not even by a second writer that got past the lock (a library
+    on a filesystem whose locks do not reach another host). Hard-linked, which fails if the name exists;
+    on a filesystem without hard links (FAT), checked and renamed. The folder is synced as by
+    `_replace_durably`."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if os.path.lexists(path):  # no hard links here: the check and the rename are two steps
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.rename(tmp, path)
+    else:
+        with contextlib.suppress(OSError):  # left over: the next open deletes it (`_leftovers`)
+            tmp.unlink()
+    _fsync_dir(path.parent)
 
 
 def _leftovers(root: Path) -> list[Path]:
-    """Temporary files of writes that never finished (a process killed mid-write, a power cut). The open
-    marker's drafts count only once their process is gone: a live one may be taking the marker."""
-    ours = (f".{INDEX}{TMP_INFIX}*", f".{OPEN_MARKER}{TMP_INFIX}*", f".episode_*.safetensors{TMP_INFIX}*")
-    found = [p for pattern in ours for p in root.glob(pattern) if p.is_file()]
-    for draft in root.glob(_marker_draft(root, "*").name):
-        pid = draft.name.rsplit("-", 1)[-1]
-        if draft.is_file() and pid.isdigit() and not holder_of(socket.gethostname(), pid):
-            found.append(draft)
-    return sorted(found)
+    """Temporary files of writes that never finished (a process killed mid-write, a power cut), and the
+    drafts of earlier versions' open marker (nothing writes them any more)."""
+    ours = (f".{INDEX}{TMP_INFIX}*", f"{OPEN_MARKER}{TMP_INFIX}*", f".episode_*.safetensors{TMP_INFIX}*")
+    return sorted(p for pattern in ours for p in root.glob(pattern) if p.is_file())
+
+
+@dataclass
+class _Lock:
+    """This process's hold on one library's lock file: `fd` holds the flock; `openers` counts this
+    process's open libraries there (the same process opens its library again, e.g. a policy rebuilt before
+    the old one is closed). flock conflicts between two open files of one process too, so they share one."""
+
+    fd: int
+    identity: tuple[int, int]  # the lock file's (device, inode): a folder deleted and made again is another
+    openers: int = 1
+
+
+_LOCKS: dict[str, _Lock] = {}  # resolved library folder -> this process's lock on it
+_LOCKS_GUARD = threading.Lock()
+
+
+def _held_here(root: Path) -> _Lock | None:
+    """This process's lock on the library at `root`, if it holds one (its lock file still the one held)."""
+    held = _LOCKS.get(os.path.realpath(root))
+    if held is not None and _identity(Path(root) / LOCK_FILE) == held.identity:
+        return held
+    return None
+
+
+def _holder_named(fd: int) -> str:
+    """Who the lock file open at `fd` names ("<host> <pid>"), for messages only."""
+    try:
+        named = os.pread(fd, 256, 0).decode(errors="replace").strip()
+    except OSError:
+        named = ""
+    return named or "(its lock file does not name it: it has just taken the lock, or its disk is full)"
 
 
 class ReferenceLibrary:
@@ -326,22 +455,28 @@ class ReferenceLibrary:
         self.left_out: dict[int, EpisodeEntry] = {}  # the index's episodes whose files open() refused
         self._next_id = 0
         self._unsaved_use = False  # touch() since the index was last written
+        # Why add/remove are refused ("" if they are not): the lock file could not be created (`_take_lock`).
+        self.read_only = ""
+        self._held: _Lock | None = None  # the library's lock, from `open` until `close`
+        self._bounded = False  # the opener passed bounds: they apply at open (`_apply_bounds`)
 
     # ── open / save ──────────────────────────────────────────────────────────────────────────────────────
 
     @classmethod
     def open(cls, root: Path, key: LibraryKey, **bounds: int) -> ReferenceLibrary:
         """Load the index at `root` (empty library if there is none) and verify every episode file.
-        LibraryBusy if another live process has it open (a marker left by a process that is gone is not).
-        The marker is taken first, before the index is read: a `remove` or a second node that comes while
-        this one reads and verifies (seconds, for gigabytes of episodes) finds the library busy (before,
-        found in review, it did not, and this one's index in memory put a removed episode back)."""
+        LibraryBusy if another process holds the library's lock. The lock is taken first, before the index
+        is read: a `remove` or a second node that comes while this one reads and verifies (seconds, for
+        gigabytes of episodes) finds the library busy (before, found in review, it did not, and this one's
+        index in memory put a removed episode back). Bounds passed here apply at once (`_apply_bounds`);
+        an opener that passes none (the command line's reads) changes nothing."""
         lib = cls(root, key, **bounds)
-        lib._mark_open()
+        lib._bounded = bool(bounds)
+        lib._take_lock()
         try:
             lib._load()
         except BaseException:
-            lib._unmark()
+            lib._give_up_lock()
             raise
         return lib
 
@@ -359,8 +494,8 @@ class ReferenceLibrary:
             raise LibraryError(
                 f"{index_path}: unreadable library index ({e}); it was left untouched"
             ) from None
-        if version != LIBRARY_VERSION:
-            raise LibraryError(f"{index_path}: library version {version}, this build reads {LIBRARY_VERSION}")
+        _check_version(index_path, version)
+        _stored_key(index_path, stored_key)
         if stored_key != key.to_json():
             raise _mismatch(index_path, stored_key, key)
         entries = _entries(index_path, episodes)
@@ -375,11 +510,46 @@ class ReferenceLibrary:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e.id for e in entries], default=-1) + 1
         lib._tidy()
+        if lib._bounded and not lib.read_only:
+            lib._apply_bounds()
+
+    def _apply_bounds(self) -> None:
+        """Evict at open what lies past the bounds (lowered since the episodes were recorded), as a
+        recording would: else the library serves them all until its next recording evicts many at once.
+        An index write that fails is logged and leaves the library as it was (the next recording evicts)."""
+        count, size = len(self.entries), self.total_bytes
+        if count <= self.max_episodes and size <= self.max_bytes:
+            return
+        before = dict(self.entries)
+        evicted = self._evict(keep=-1)
+
+        def undo() -> None:
+            self.entries.clear()
+            self.entries.update(before)
+
+        try:
+            self._commit_index(undo)
+        except OSError as e:
+            log.warning(
+                "reference library %s: holds %d episode(s), %.1f MiB, past its bounds, but its index could "
+                "not be written to evict (%s); all are kept until the next recording",
+                self.root, count, size / 2**20, e,
+            )  # fmt: skip
+            return
+        self._delete_files(evicted)
+        log.warning(
+            "reference library %s: held %d episode(s), %.1f MiB, past its bounds (max_episodes %d, max bytes "
+            "%.1f MiB, lower than when they were recorded); evicted episode(s) %s at open",
+            self.root, count, size / 2**20, self.max_episodes, self.max_bytes / 2**20,
+            sorted(e.id for e in evicted),
+        )  # fmt: skip
 
     def _tidy(self) -> None:
-        """What writes that never finished left behind: their partial files are deleted, and episode files
-        the index does not name are reported and kept, their ids never reused."""
-        self._remove_leftovers()
+        """What writes that never finished left behind: their partial files are deleted (not by a reader
+        without the lock: a writer may be writing them), and episode files the index does not name are
+        reported and kept, their ids never reused."""
+        if not self.read_only:
+            self._remove_leftovers()
         unnamed = _unnamed(self.root, set(self.entries) | set(self.left_out))
         if unnamed:
             log.warning(
@@ -391,10 +561,10 @@ class ReferenceLibrary:
             self._next_id = max(self._next_id, max(unnamed) + 1)  # never written over
 
     def _remove_leftovers(self) -> None:
-        """Delete the partial files of writes that never finished: no live process has the library open
-        (checked before this), so none is still writing them, and nothing names them. An episode written
-        in full but not yet in the index when its writer died is one of them (its recording never
-        finished: the index is written last)."""
+        """Delete the partial files of writes that never finished: this process holds the lock (taken
+        before this), so no other is still writing them, and nothing names them. An episode written in
+        full but not yet in the index when its writer died is one of them (its recording never finished:
+        the index is written last). An earlier version's open marker goes too: the lock replaced it."""
         found = _leftovers(self.root) if self.root.is_dir() else []
         freed = 0
         for path in found:
@@ -414,70 +584,131 @@ class ReferenceLibrary:
                 freed / 2**20,
                 ", ".join(p.name for p in found),
             )
-
-    def _mark_open(self) -> None:
-        """Take the open marker, or LibraryBusy if a live process holds it. The marker appears with its
-        content at once (written to a file of this process's own, then hard-linked to the marker's name,
-        which fails if the name exists), so of two processes opening at once one gets it and the other is
-        refused, never sees it empty; a marker whose process is gone is taken over. A folder that cannot be
-        written costs the marker, not the library: the node runs on and fails only where it records (its
-        reset reports it)."""
-        marker, me = self.root / OPEN_MARKER, _this_process()
-        mine = _marker_draft(self.root, str(os.getpid()))
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            # Written in place, not through _write_atomic: its temporary name is one a live holder's open
-            # deletes as a leftover (`_leftovers`), which would leave this opener without a marker.
-            with open(mine, "w") as out:
-                out.write(me)
-                out.flush()
-                os.fsync(out.fileno())
-            try:
-                for _ in range(3):
-                    try:
-                        os.link(mine, marker)
-                        return
-                    except FileExistsError:
-                        who = holder(self.root)
-                        if who == me:  # this process has it open already (see `close`)
-                            return
-                        if who is not None:
-                            raise LibraryBusy(
-                                f"{self.root}: the library is open in process {who} (another node?): two "
-                                "writers would drop each other's episodes from its index; give each node its "
-                                "own library_path, or stop that process (if it is gone, e.g. on another host, "
-                                f"delete {marker})"
-                            ) from None
-                        _remove_stale_marker(marker)  # its process is gone: take it over
-                raise LibraryBusy(f"{self.root}: its open marker {marker} kept changing; try again")
-            finally:
-                mine.unlink(missing_ok=True)
-        except OSError as e:
-            log.warning(
-                "reference library %s: cannot mark it open (%s); the command line will not see that it is",
-                self.root,
-                e,
-            )
-
-    def _unmark(self) -> None:
-        """Remove the open marker if it is still this process's."""
         marker = self.root / OPEN_MARKER
         try:
-            if marker.read_text() == _this_process():
-                marker.unlink()
-        except OSError:  # none (never written, or removed by hand)
+            marker.unlink()
+        except FileNotFoundError:
             pass
+        except OSError as e:
+            log.warning("reference library %s: cannot remove %s, an earlier version's open marker (%s); "
+                        "it is ignored", self.root, marker, e)  # fmt: skip
+        else:
+            log.info("reference library %s: removed %s, an earlier version's open marker (the library's "
+                     "lock file %s replaces it)", self.root, marker, LOCK_FILE)  # fmt: skip
+
+    def _take_lock(self) -> None:
+        """Take the library's lock (`LOCK_FILE`), or LibraryBusy if another process holds it; this process
+        shares its own (`_Lock`). The kernel gives it up when its holder ends, so nothing stale is left to
+        block the library. A folder where the lock file cannot be created for want of permission (a
+        read-only mount) opens read-only (`read_only`); any other failure (a full disk, a path through a
+        file) fails the open, since without the lock a second writer could drop this one's recordings."""
+        root, path = self.root, self.root / LOCK_FILE
+        try:
+            if root.is_symlink() and not root.exists():
+                raise LibraryError(
+                    f"{root}: a symbolic link to {os.readlink(root)}, which does not exist (a drive that is "
+                    "not mounted?); library_path must name a folder, or a path where one can be created"
+                )
+            if root.exists() and not root.is_dir():
+                raise LibraryError(
+                    f"{root}: a file, not a folder; library_path must name a folder, or a path where one "
+                    "can be created"
+                )
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise LibraryError(f"{root}: cannot create the library's folder ({e})") from None
+            self._open_read_only(f"its folder cannot be created: {e.strerror}")
+            return
+        with _LOCKS_GUARD:
+            held = _held_here(root)
+            if held is not None:
+                held.openers += 1
+                self._held = held
+                return
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise LibraryError(f"{path}: cannot open the library's lock file ({e})") from None
+                self._open_read_only(f"its lock file {path} cannot be opened for writing: {e.strerror}")
+                return
+            try:
+                self._held = self._lock_fd(fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            _LOCKS[os.path.realpath(root)] = self._held
+
+    def _lock_fd(self, fd: int, path: Path) -> _Lock:
+        """flock the lock file open at `fd`, and write this process's name into it (for others' messages).
+        A few tries: `holder` (the command line) holds it for an instant to see whether it is free."""
+        for attempt in range(5):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 4:
+                    raise LibraryBusy(
+                        f"{self.root}: the library is open in process {_holder_named(fd)} (another node?): "
+                        "two writers would drop each other's episodes from its index; give each node its own "
+                        "library_path, or stop that process (its lock is given up when it ends)"
+                    ) from None
+                time.sleep(0.02)
+            except OSError as e:  # ENOLCK: a network filesystem without locks
+                raise LibraryError(f"{path}: cannot lock the library ({e})") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _this_process().encode(), 0)
+        except OSError as e:  # the lock is held: only others' messages lack this process's name
+            log.warning("reference library %s: cannot write this process's name into %s (%s)",
+                        self.root, path, e)  # fmt: skip
+        stat = os.fstat(fd)
+        return _Lock(fd, (stat.st_dev, stat.st_ino))
+
+    def _open_read_only(self, why: str) -> None:
+        self.read_only = why
+        log.warning("reference library %s: opened read-only (%s): its episodes are served, none is recorded "
+                    "or removed", self.root, why)  # fmt: skip
+
+    def _give_up_lock(self) -> None:
+        """This library's share of the lock; the last of this process's gives it up (the kernel does too,
+        should the process end first)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        with _LOCKS_GUARD:
+            held.openers -= 1
+            if held.openers > 0:
+                return
+            for folder, lock in list(_LOCKS.items()):
+                if lock is held:
+                    del _LOCKS[folder]
+            with contextlib.suppress(OSError):  # the name only: the lock file itself stays
+                os.ftruncate(held.fd, 0)
+            os.close(held.fd)
 
     def close(self) -> None:
         """Give up the library: the episodes' last use is written to the index if it changed since the last
-        write (a failed write is logged: the episodes are on disk already), then the marker is removed if it
-        is still this process's."""
-        if self._unsaved_use:
+        write (a failed write is logged: the episodes are on disk already; a read-only library writes
+        nothing), then its lock is given up."""
+        if self._unsaved_use and self.read_only:
+            log.info("reference library %s: its episodes' last use was not saved (opened read-only: %s)",
+                     self.root, self.read_only)  # fmt: skip
+        elif self._unsaved_use:
             try:
                 self.save_index()
             except OSError as e:
                 log.warning("reference library %s: its episodes' last use was not saved (%s)", self.root, e)
-        self._unmark()
+        self._give_up_lock()
+
+    def _writable(self, what: str) -> None:
+        """LibraryError if the library was opened read-only (`_take_lock`)."""
+        if self.read_only:
+            raise LibraryError(
+                f"{self.root}: cannot {what}: the library was opened read-only ({self.read_only}); make the "
+                "folder writable, or point library_path at a writable one"
+            )
 
     def save_index(self) -> None:
         """Atomically replace index.json with the current entries (episode files are already on disk). The
@@ -528,22 +759,37 @@ class ReferenceLibrary:
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
     def add(self, episode: Episode, meta: Mapping[str, str] | None = None) -> int:
-        """Write a recorded episode, update the index atomically, evict LRU episodes past the bounds."""
+        """Write a recorded episode, update the index atomically, evict LRU episodes past the bounds. An
+        episode larger than `max_bytes` on its own is refused (EpisodeTooLarge) before anything is evicted
+        or renamed into place; an episode file of its id written meanwhile by another is never overwritten
+        (LibraryError). Either way the library is left as it was."""
+        self._writable("record an episode")
+        tensors = episode.tensors()
+        # The file holds the tensors and a small header: already too large without the header, it is
+        # refused before it is written; with it, right after.
+        self._refuse_too_large(episode, sum(t.nbytes for t in tensors.values()))
         self.root.mkdir(parents=True, exist_ok=True)
         episode_id = self._next_id
         self._next_id += 1
         name = f"episode_{episode_id:06d}.safetensors"
-        tmp = _temporary(self.root / name)
+        path = self.root / name
+        tmp = _temporary(path)
         try:
-            save_file(episode.tensors(), str(tmp), metadata={"episode": str(episode_id)})
+            save_file(tensors, str(tmp), metadata={"episode": str(episode_id)})
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            _replace_durably(tmp, self.root / name)  # on disk before the index that names it
+            self._refuse_too_large(episode, tmp.stat().st_size)
+            _place_new(tmp, path)  # on disk before the index that names it
+        except FileExistsError:
+            tmp.unlink(missing_ok=True)
+            raise LibraryError(
+                f"{path}: an episode file of this id exists already (written by another process with this "
+                "library open?); it is not overwritten, and this recording is not saved"
+            ) from None
         except BaseException:  # a full disk: the partial file must not keep holding the space
             tmp.unlink(missing_ok=True)
             raise
         now = time.time()
-        path = self.root / name
         self.entries[episode_id] = EpisodeEntry(
             episode_id, name, _sha256(path), episode.calls, path.stat().st_size, now, now, dict(meta or {})
         )
@@ -557,6 +803,17 @@ class ReferenceLibrary:
         self._commit_index(undo)
         self._delete_files(evicted)  # only once the index no longer names them
         return episode_id
+
+    def _refuse_too_large(self, episode: Episode, size: int) -> None:
+        """EpisodeTooLarge if `size` bytes exceed what the whole library may hold: making room would evict
+        every other episode, of every task, and the bound would still be exceeded."""
+        if size > self.max_bytes:
+            raise EpisodeTooLarge(
+                f"{self.root}: an episode of {episode.calls} calls takes {size / 2**20:.1f} MiB, more than the "
+                f"whole library may hold ({self.max_bytes / 2**20:.1f} MiB, max_library_mb); it is not "
+                "recorded, and the library is left as it was. Raise max_library_mb, or reset episodes more "
+                "often (~/reset_episode) so that each is shorter"
+            )
 
     def load(self, episode_id: int) -> Episode:
         """Read an episode (checksum verified on open; marks it used for LRU eviction)."""
@@ -603,7 +860,8 @@ class ReferenceLibrary:
     def remove(self, episode_ids: Sequence[int]) -> None:
         """Take episodes out of the library, corrupt ones (left out at open) too: the index first
         (atomically), then their files. An id the index does not hold is a KeyError naming it, and nothing
-        is removed."""
+        is removed. Refused on a library opened read-only."""
+        self._writable("remove episodes")
         unknown = sorted(set(episode_ids) - set(self.entries) - set(self.left_out))
         if unknown:
             held = sorted([*self.entries, *self.left_out])
@@ -682,64 +940,48 @@ def _this_process() -> str:
     return f"{socket.gethostname()} {os.getpid()}"
 
 
-def _remove_stale_marker(marker: Path) -> None:
-    """Take away a marker whose process is gone. It is first moved to a name of this process's own (one
-    process wins the move), and put back if it turns out to be another's fresh marker after all."""
-    taken = _marker_draft(marker.parent, f"stale-{os.getpid()}")
-    try:
-        os.rename(marker, taken)
-    except OSError:  # gone already: another opener took it over first
-        return
-    try:
-        host, pid = taken.read_text().split()
-        alive = holder_of(host, pid)
-    except (OSError, ValueError):  # garbled: nobody's
-        alive = False
-    if alive:
-        with contextlib.suppress(OSError):  # a live process's marker: back, unless a new one is there
-            os.link(taken, marker)
-    taken.unlink(missing_ok=True)
-
-
 def holder(root: Path) -> str | None:
-    """The process that has the library at `root` open ("<host> <pid>"), if it is alive; None if none
-    does, or the marker is stale (its process on this host is gone). A process on another host cannot be
-    checked and counts as alive."""
+    """The process that has the library at `root` open ("<host> <pid>", as it wrote into the lock file),
+    None if none does: answered by trying its lock without waiting, and giving it back at once. No lock
+    file (no folder, a library of an earlier version, or never opened) is no holder."""
+    path = Path(root) / LOCK_FILE
+    if _held_here(Path(root)) is not None:
+        return _this_process()
     try:
-        host, pid = (Path(root) / OPEN_MARKER).read_text().split()
-    except (OSError, ValueError):  # no marker (or no folder, or a path through a file), or a garbled one
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
-    return f"{host} {pid}" if holder_of(host, pid) else None
-
-
-def holder_of(host: str, pid: str) -> bool:
-    """Whether the process `pid` on `host` may be alive: one on this host is checked, one on another host
-    cannot be and counts as alive."""
-    if host != socket.gethostname():
-        return True
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
+        # Shared: it conflicts with a holder's exclusive lock, and another `holder` runs beside it.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder_named(fd)
+    except OSError:  # a filesystem without locks: nobody can hold it there
+        return None
+    finally:
+        os.close(fd)  # gives the lock back
+    return None
 
 
 def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:
+    """The index's key and entries, checked as `open` checks them (version, types), for the command line."""
     index_path = Path(root) / INDEX
     if not index_path.exists():
         raise LibraryError(f"{root}: no library here (no {INDEX})")
     try:
         index = json.loads(index_path.read_text())
-        key = LibraryKey(index["key"]["weights"], index["key"]["shapes"])
-        return key, [asdict(e) for e in _entries(index_path, index["episodes"])]
+        version, key, episodes = index["version"], index["key"], index["episodes"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LibraryError(f"{index_path}: unreadable library index ({e})") from None
+    _check_version(index_path, version)
+    return _stored_key(index_path, key), [asdict(e) for e in _entries(index_path, episodes)]
 
 
 def _when(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, ValueError, OSError):  # a time no calendar holds (an index edited by hand)
+        return f"{seconds!r} (not a date)"
 
 
 def _descriptors(root: Path, episodes: list[dict]) -> tuple[dict[int, np.ndarray], list[str]]:
