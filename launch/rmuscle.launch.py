@@ -87,28 +87,21 @@ def nodes(context: LaunchContext) -> list:
     check_params_file(
         params_file, ("rmuscle_node", "action_streamer") if stream_actions else ("rmuscle_node",)
     )
-    namespace = LaunchConfiguration("namespace")
-    policy = LifecycleNode(
-        package="rmuscle_ros",
-        executable="rmuscle_node",
-        name="rmuscle_node",
-        namespace=namespace,
-        output="screen",
-        parameters=[params_file],
-        remappings=ALOHA_REMAPPINGS,
-    )
-    entities = autostarted(policy, autostart)
-    if stream_actions:
-        streamer = LifecycleNode(
+
+    def lifecycle_node(executable: str, remappings: list[tuple[str, str]]) -> LifecycleNode:
+        return LifecycleNode(
             package="rmuscle_ros",
-            executable="action_streamer",
-            name="action_streamer",
-            namespace=namespace,
+            executable=executable,
+            name=executable,
+            namespace=LaunchConfiguration("namespace"),
             output="screen",
             parameters=[params_file],
-            remappings=STREAMER_REMAPPINGS,
+            remappings=remappings,
         )
-        entities += autostarted(streamer, autostart)
+
+    entities = autostarted(lifecycle_node("rmuscle_node", ALOHA_REMAPPINGS), autostart)
+    if stream_actions:
+        entities += autostarted(lifecycle_node("action_streamer", STREAMER_REMAPPINGS), autostart)
     return entities
 
 
