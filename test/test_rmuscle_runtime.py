@@ -317,6 +317,28 @@ def test_an_episode_with_calls_run_while_recording_was_off_is_not_recorded() -> 
     assert policy.reset_episode() == 0 and policy.rmuscle.library.entries[0].calls == 3
 
 
+def test_an_episode_longer_than_the_library_can_hold_stops_recording_and_frees_its_calls(tmp_path) -> None:
+    """A cell that never calls ~/reset_episode would keep every call of its one endless episode in the
+    host's memory (~1.1 MB a call at pi05), and the library would refuse it at the end anyway (found in
+    review). Once the recording outgrows the whole library's bound it is dropped, the episode runs on
+    unrecorded, and the reset says why; the next episode records as usual."""
+    policy = Policy(
+        CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, library_path=str(tmp_path), max_library_mb=4)
+    )
+    rt = policy.rmuscle
+    run(policy, episode(1))
+    per_call = rt._recording.nbytes
+    assert per_call > 0
+    calls = (4 << 20) // per_call + 2  # one past the bound
+    run(policy, episode(calls), rebuild=False)
+    assert rt._recording.nbytes == 0 and not rt._recording.descriptors, "the calls were not freed"
+    assert policy.reset_episode() is None and not rt.library.entries
+    excluded = policy.cache_status()["last_episode_excluded"]
+    assert "more than the whole library may hold (cache.max_library_mb 4)" in excluded, excluded
+    run(policy, episode(3))
+    assert policy.reset_episode() == 0 and rt.library.entries[0].calls == 3
+
+
 def test_muscle_memory_is_per_task(tmp_path, caplog) -> None:
     """The descriptor sees the scene, not the instruction, and a bench set up the same way may be doing
     another job. A call is served only from episodes recorded under its task (the prompt's instruction,

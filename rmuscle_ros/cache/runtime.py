@@ -242,6 +242,7 @@ class _Recording:
     # the event after it and the dtype it is kept in. Converted by the next call's recording, while that
     # call's GPU work runs, or when the episode ends.
     pending: list[tuple[list[np.ndarray], torch.Tensor, torch.cuda.Event, type]] = field(default_factory=list)
+    nbytes: int = 0  # what the recorded calls hold on the host (the pending ones included)
 
     def take_pending(self) -> None:
         for into, host, copied, dtype in self.pending:
@@ -253,6 +254,7 @@ class _Recording:
         """Append `tensor` to `into` as a `dtype` array: at once from the CPU; from a GPU, through a pinned
         copy queued on the current stream, taken by `take_pending` (reading it now would wait for the
         call's GPU work and convert on its latency path)."""
+        self.nbytes += tensor.numel() * np.dtype(dtype).itemsize
         if tensor.device.type != "cuda":
             into.append(tensor.numpy().astype(dtype))
             return
@@ -891,6 +893,9 @@ class RMuscle:
         return self.last_audit
 
     def _record(self, inputs: ModelInputs, descriptor: np.ndarray) -> None:
+        """Keep this dense call for the library. An episode whose recording outgrows what the whole library
+        may hold is dropped (`exclude_episode`) and runs on unrecorded: the library would refuse it, and
+        a cell that never resets would fill the host's memory (~1.1 MB a call at `pi05`, 2 calls a second)."""
         rec = self._recording
         rec.descriptors.append(descriptor.astype(np.float32))
         rec.take_pending()  # the previous call's images and masks
@@ -899,6 +904,15 @@ class RMuscle:
         rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
         rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
         rec.send_to_host(rec.masks, self.engine.recorded_masks, np.int16)
+        rec.nbytes += sum(
+            a[-1].nbytes for a in (rec.descriptors, rec.tokens, rec.token_mask, rec.image_masks)
+        )
+        if rec.nbytes > self.library.max_bytes:
+            self.exclude_episode(
+                f"its recording reached {rec.nbytes / 2**20:.1f} MiB in {len(rec.descriptors)} calls, more than "
+                f"the whole library may hold (cache.max_library_mb {self.library.max_bytes >> 20}); an episode "
+                "is one attempt at the task: call ~/reset_episode at each"
+            )
 
     # ── the sliding window ───────────────────────────────────────────────────────────────────────────────
 
