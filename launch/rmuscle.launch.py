@@ -84,9 +84,9 @@ def nodes(context: LaunchContext) -> list:
     here, before anything starts)."""
     params_file = perform_substitutions(context, [LaunchConfiguration("params_file")])
     stream_actions, autostart = true(context, "stream_actions"), true(context, "autostart")
-    check_params_file(
-        params_file, ("rmuscle_node", "action_streamer") if stream_actions else ("rmuscle_node",)
-    )
+    namespace = perform_substitutions(context, [LaunchConfiguration("namespace")])
+    names = ("rmuscle_node", "action_streamer") if stream_actions else ("rmuscle_node",)
+    check_params_file(params_file, names, namespace)
 
     def lifecycle_node(executable: str, remappings: list[tuple[str, str]]) -> LifecycleNode:
         return LifecycleNode(

@@ -89,8 +89,16 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
         check_params_file(config / "rmuscle_thor", both)
     with pytest.raises(ValueError, match="is a folder"):
         check_params_file(config, both)
-    with pytest.raises(ValueError, match=r"no section for action_streamer .*stream_actions:=false"):
+    with pytest.raises(
+        ValueError, match=r"no section that ROS applies to action_streamer .*stream_actions:=false"
+    ):
         check_params_file(config / "rmuscle_default.yaml", both)
+    # keyed by the bare name, a section ROS applies only outside a namespace (found in the closing review)
+    (tmp_path / "plain.yaml").write_text("rmuscle_node:\n  ros__parameters:\n    prompt: pick\n")
+    check_params_file(tmp_path / "plain.yaml", ("rmuscle_node",))
+    with pytest.raises(ValueError, match="no section that ROS applies to rmuscle_node in namespace 'cell1'"):
+        check_params_file(tmp_path / "plain.yaml", ("rmuscle_node",), "cell1")
+    check_params_file(config / "rmuscle_aloha.yaml", both, "/cell1/")
     (tmp_path / "notes.yaml").write_text("just: [a list\n")
     with pytest.raises(ValueError, match="not a ROS params file"):
         check_params_file(tmp_path / "notes.yaml", both)

@@ -501,6 +501,16 @@ def test_a_profile_loaded_one_parameter_at_a_time_is_taken_by_an_unconfigured_no
     assert not bad.successful and bad.reason.startswith("cache.rho_p"), bad.reason
     bad = h.node.set_parameters([Parameter("max_skew_s", value=-1.0)])[0]
     assert not bad.successful and bad.reason.startswith("max_skew_s: must be > 0"), bad.reason
+    for name, value in (("actions_per_inference", 0), ("joint_names", [f"j{i}" for i in range(33)])):
+        bad = h.node.set_parameters([Parameter(name, value=value)])[0]  # no preset takes them
+        assert not bad.successful and bad.reason.startswith(name), bad.reason
+    # several at once (set_parameters_atomically): each new value is checked by itself too (found in the
+    # closing review: a blank prompt went through beside a coupled change)
+    bad = h.node.set_parameters_atomically(
+        [Parameter("joint_state_topics", value=["a", "b", "c"]), Parameter("prompt", value="   ")]
+    )
+    assert not bad.successful and bad.reason.startswith("prompt: must not be empty"), bad.reason
+    assert h.node.get_parameter("prompt").value != "   "
 
     for name, value in profile.items():  # in the file's order, as ros2 param load sends them
         result = h.node.set_parameters([Parameter(name, value=value)])[0]

@@ -18,6 +18,7 @@ import numpy as np
 import yaml
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
+from rmuscle_ros.models.config import PRESETS
 from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, PolicyConfig
 
 if TYPE_CHECKING:
@@ -271,11 +272,25 @@ def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, A
     raise KeyError(f"{path}: no section for {node_name} (keys: {', '.join(map(str, document))})")
 
 
-def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...]) -> None:
-    """ValueError unless `path` is a params file with a section for each of `node_names`. The launch file
-    calls it before it starts anything: ROS only warns about a params file that is not there and starts the
-    node on its defaults (the tiny demo model, random weights), and a node without its section would too;
-    the streamer would then send that model's actions to the arms (found in review)."""
+def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
+    """The keys of a params file's sections that ROS applies to `node_name` in `namespace`: `/**/name` in
+    any namespace, `/*/name` in a one-level one, the fully qualified name; `name` alone is `/name`, so it
+    (and `/name`) only outside a namespace."""
+    ns = namespace.strip("/")
+    if not ns:
+        return (f"/**/{node_name}", f"/{node_name}", node_name)
+    keys = [f"/**/{node_name}", f"/{ns}/{node_name}"]
+    if "/" not in ns:
+        keys.append(f"/*/{node_name}")
+    return tuple(keys)
+
+
+def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...], namespace: str = "") -> None:
+    """ValueError unless `path` is a params file with a section that ROS applies to each of `node_names`
+    in `namespace` (`section_keys`). The launch file calls it before it starts anything: ROS only warns
+    about a params file that is not there and starts the node on its defaults (the tiny demo model, random
+    weights), and a node whose section it does not apply (none, or `rmuscle_node:` under a namespace) would
+    too; the streamer would then send that model's actions to the arms (found in review)."""
     from pathlib import Path
 
     file = Path(path)
@@ -284,19 +299,24 @@ def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...])
         raise ValueError(
             f"params file {file} is {what}: give an existing profile (profile:=<file in config/>)"
         )
+    try:
+        document = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"params file {file}: not a ROS params file ({e})") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"params file {file}: not a ROS params file (no node sections)")
     missing = []
     for name in node_names:
-        try:
-            load_params_file(file, name)
-        except KeyError:
+        keys = section_keys(name, namespace)
+        section = next((document[k] for k in keys if k in document), None)
+        if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
             missing.append(name)
-        except (yaml.YAMLError, TypeError, AttributeError) as e:
-            raise ValueError(f"params file {file}: not a ROS params file ({e})") from None
     if missing:
+        where = f" in namespace {namespace.strip('/')!r}" if namespace.strip("/") else ""
         raise ValueError(
-            f"params file {file} has no section for {', '.join(missing)} (a `/**/{missing[0]}: ros__parameters:` "
-            "key): it would start on its defaults. Add the section, or leave that node out "
-            "(stream_actions:=false for action_streamer)"
+            f"params file {file} has no section that ROS applies to {', '.join(missing)}{where} (a "
+            f"`/**/{missing[0]}: ros__parameters:` key): it would start on its defaults. Add the section, or "
+            "leave that node out (stream_actions:=false for action_streamer)"
         )
 
 
@@ -406,6 +426,17 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     positive("stall_after_s")
     if values["noise_seed"] < -1:
         raise ParameterError(f"noise_seed: must be >= 0, or -1 for one stream, got {values['noise_seed']}")
+    # What no preset takes, whichever is chosen: wrong by itself (ParameterError); within that, the chosen
+    # preset's bounds are a combination (CombinationError, below and in PolicyConfig).
+    most_dims = max(preset.action_dim for preset in PRESETS.values())
+    for name in ("joint_names", "action_joint_names"):
+        if len(values[name]) > most_dims:
+            raise ParameterError(
+                f"{name}: at most {most_dims} joints (π0.5's action width), got {len(values[name])}"
+            )
+    longest = max(preset.horizon for preset in PRESETS.values())
+    if not 1 <= values["actions_per_inference"] <= longest:
+        raise ParameterError(f"actions_per_inference: must be in 1..{longest} (the chunk length)")
     cores = os.cpu_count() or 1
     if not 0 <= values["cpu_threads"] <= cores:  # 2**31 overflowed inside PyTorch at configure
         raise ParameterError(

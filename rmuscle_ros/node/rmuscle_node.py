@@ -392,17 +392,20 @@ class RMuscleNode(LifecycleNode):
         defaults = parameter_defaults()
         current = {name: self.get_parameter(name).value for name in defaults}
         changed = {p.name: p.value for p in params if p.name in current and p.value != current[p.name]}
+        if not changed:
+            return SetParametersResult(successful=True)
         try:
             cfg = node_config(current | changed)
         except CombinationError as e:
             if self.cfg is not None:
                 return SetParametersResult(successful=False, reason=str(e))
-            try:
-                node_config(defaults | changed)  # the new values alone, among defaults that go together
-            except CombinationError:
-                pass
-            except ParameterError as own:
-                return SetParametersResult(successful=False, reason=str(own))
+            for name, value in changed.items():  # each new value alone, among defaults that go together
+                try:
+                    node_config(defaults | {name: value})
+                except CombinationError:
+                    pass
+                except ParameterError as own:
+                    return SetParametersResult(successful=False, reason=str(own))
             self.get_logger().warning(
                 f"parameters taken: {', '.join(changed)}; with the others as they are now, configure would "
                 f"refuse them: {e}"
@@ -410,7 +413,7 @@ class RMuscleNode(LifecycleNode):
             return SetParametersResult(successful=True)
         except ParameterError as e:
             return SetParametersResult(successful=False, reason=str(e))
-        if self.cfg is None or not changed:
+        if self.cfg is None:
             return SetParametersResult(successful=True)
         fixed = sorted(set(changed) - set(LIVE_PARAMETERS))
         if fixed:
