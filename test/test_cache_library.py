@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ def episode(calls: int = 5, seed: int = 0, masks: bool = True) -> Episode:
 def test_round_trip(tmp_path: Path) -> None:
     lib = ReferenceLibrary.open(tmp_path, KEY)
     ids = [lib.add(episode(seed=s), {"prompt": "fold"}) for s in range(3)]
+    lib.close()
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert sorted(again.entries) == ids and again.problems == []
     loaded, original = again.load(ids[1]), episode(seed=1)
@@ -117,6 +119,7 @@ def test_a_corrupt_episode_stays_reported_and_its_file_intact_while_the_library_
     assert any(f"episode {bad}" in p and "corrupt" in p for p in third.problems)
     assert third.total_bytes == sum(e.bytes for e in third.entries.values()), "the budget counts usable ones"
     third.remove([bad])
+    third.close()
     assert not path.exists() and ReferenceLibrary.open(tmp_path, KEY).problems == []
 
 
@@ -266,7 +269,9 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     monkeypatch.setattr(library_module, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         lib.add(episode(seed=2), {"task": "t"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "episode_000000.safetensors", "index.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock", ".open", "episode_000000.safetensors", "index.json"
+    ]  # fmt: skip
     assert (tmp_path / "index.json").read_bytes() == index_before
     monkeypatch.undo()
     assert sorted(lib.entries) == [kept] and lib.add(episode(seed=3), {"task": "t"}) not in (kept,)
@@ -360,6 +365,7 @@ def test_a_remove_whose_index_write_fails_leaves_the_library_as_it_was(tmp_path:
     monkeypatch.undo()
     assert list(lib.entries) == [served, other] and list(lib.left_out) == [damaged]
     lib.add(episode(seed=4), {"task": "t"})
+    lib.close()
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert {served, damaged} <= {*again.entries, *again.left_out}, "the index still names both"
     again.close()
@@ -399,7 +405,8 @@ def test_a_file_that_cannot_be_deleted_once_the_index_is_written_is_logged_not_r
 
 def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog, capsys) -> None:
     """A writer killed mid-write (or a power cut) leaves temporary files: the next open deletes them and
-    says so, and an earlier version's open marker and its drafts with them (the lock replaced them). An
+    says so, and an earlier version's open marker whose process is gone and its drafts with them (the
+    marker is replaced by this process's, saying whose it was). An
     episode file the index does not name (its index write failed) is named and kept, and no new episode
     is written over it. Files that are not the library's are left alone."""
     import socket
@@ -430,7 +437,13 @@ def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: 
     again = ReferenceLibrary.open(tmp_path, KEY)
     assert "removed 3 partial file(s) of writes that never finished (1.0 MiB)" in caplog.text
     assert "episode_000004.safetensors" in caplog.text and "kept and never used" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".lock", ".notes.tmp-1"]
+    assert (
+        f"the open marker of {socket.gethostname()} {int(gone.stdout)}, an earlier version's" in caplog.text
+    )
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        ".lock", ".notes.tmp-1", ".open"
+    ]  # fmt: skip
+    assert (tmp_path / ".open").read_text() == f"{socket.gethostname()} {os.getpid()}", "this process's now"
     assert sorted(again.entries) == [0] and again.problems == []
     assert again.add(episode(seed=2), {"task": "t"}) == 5, "the unnamed file's id is not reused"
     assert unnamed.read_bytes() == b"a whole episode whose index write failed"
@@ -717,7 +730,7 @@ def hold_in_another_process(root: Path, prelude: str = ""):
         "sys.path.insert(0, sys.argv[2])\n"
         "from test_cache_library import KEY\n"
         "from rmuscle_ros.cache.library import ReferenceLibrary\n"
-        "ReferenceLibrary.open(sys.argv[1], KEY)\n"
+        "lib = ReferenceLibrary.open(sys.argv[1], KEY)\n"
         "print('held', flush=True)\n"
         "time.sleep(120)\n"
     )
@@ -733,18 +746,18 @@ def hold_in_another_process(root: Path, prelude: str = ""):
 def test_a_library_another_live_process_has_open_is_refused_and_a_stale_marker_is_not(tmp_path: Path) -> None:
     """Two writers would each rewrite the index from memory and drop the other's episodes: opening a
     library whose lock another process holds is refused, naming it; once that process is gone, however it
-    ended (killed here), the kernel has given the lock up. This process may open its own library again
-    (a node's cleanup and configure)."""
+    ended (killed here), the kernel has given the lock up. A second opener in this process is refused as
+    well (before, found in review, it shared the lock and became a second writer; nothing in the package
+    opens a library twice: a node closes it at cleanup before its next configure opens it)."""
     import socket
 
     from rmuscle_ros.cache.library import LibraryBusy
 
     mine = ReferenceLibrary.open(tmp_path, KEY)
     mine.add(episode())
-    again = ReferenceLibrary.open(tmp_path, KEY)
-    assert sorted(again.entries) == [0], "the same process: allowed"
-    again.close()
-    assert mine.add(episode(seed=1)) == 1, "still this process's after the other one closed"
+    with pytest.raises(LibraryBusy, match=r"already open in this process \(opened at .*, not closed yet\)"):
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert mine.add(episode(seed=1)) == 1, "still this process's after the refused opener"
     mine.close()
     other = hold_in_another_process(tmp_path)
     try:
@@ -851,7 +864,7 @@ def test_of_processes_opening_one_library_at_once_exactly_one_holds_it(tmp_path:
         "start = float(sys.argv[3])\n"
         "time.sleep(max(0.0, start - time.time()))\n"
         "try:\n"
-        "    ReferenceLibrary.open(sys.argv[1], KEY)\n"
+        "    lib = ReferenceLibrary.open(sys.argv[1], KEY)\n"
         "    print('held', flush=True)\n"
         "    time.sleep(1.0)\n"
         "except LibraryBusy:\n"
@@ -963,11 +976,22 @@ def test_an_episode_file_is_never_written_over(tmp_path: Path) -> None:
     lib.close()
 
 
-@pytest.mark.parametrize("marker", ["{host} 1", "3f2a9c1b7d4e 27"], ids=["pid reused", "other host"])
-def test_an_earlier_versions_marker_never_blocks_the_library(tmp_path: Path, marker: str) -> None:
-    """A marker left by a power cut (its pid reused by a live process after the reboot) or by a container
-    since recreated (another hostname): before (found in review) either blocked the library until it was
-    deleted by hand. Only a held lock counts; the leftover marker is removed."""
+@pytest.mark.parametrize(
+    ("marker", "whose"),
+    [
+        ("{host} 1", "written before this host last booted"),
+        ("3f2a9c1b7d4e 27", "it names another host (3f2a9c1b7d4e"),
+        ("garbled", "it is garbled"),
+    ],
+    ids=["pid reused", "other host", "garbled"],
+)
+def test_an_earlier_versions_stale_marker_never_blocks_the_library(
+    tmp_path: Path, caplog, marker: str, whose: str
+) -> None:
+    """A marker left by a power cut (its pid reused by a live process after the reboot: written before
+    the boot) or by a container since recreated (another hostname): before (found in review) either
+    blocked the library until it was deleted by hand. It is removed, saying whose it was, and this
+    process's marker takes its place."""
     import socket
 
     from rmuscle_ros.cache.library import OPEN_MARKER, holder
@@ -976,10 +1000,16 @@ def test_an_earlier_versions_marker_never_blocks_the_library(tmp_path: Path, mar
     lib.add(episode())
     lib.close()
     (tmp_path / OPEN_MARKER).write_text(marker.format(host=socket.gethostname()))
+    os.utime(tmp_path / OPEN_MARKER, (0, 0))  # 1970: before any boot
     assert holder(tmp_path) is None
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
     again = ReferenceLibrary.open(tmp_path, KEY)
-    assert sorted(again.entries) == [0] and not (tmp_path / OPEN_MARKER).exists()
+    assert sorted(again.entries) == [0]
+    assert (tmp_path / OPEN_MARKER).read_text() == f"{socket.gethostname()} {os.getpid()}"
+    said = [r.getMessage() for r in caplog.records if "open marker of" in r.getMessage()]
+    assert len(said) == 1 and marker.format(host=socket.gethostname()) in said[0] and whose in said[0], said
     again.close()
+    assert not (tmp_path / OPEN_MARKER).exists(), "removed at close: it was this process's"
 
 
 def test_a_folder_where_the_lock_cannot_be_created_opens_read_only(tmp_path: Path, monkeypatch) -> None:
@@ -1140,3 +1170,240 @@ def test_the_command_line_refuses_a_library_of_another_version(tmp_path: Path, c
         assert main([command, str(tmp_path)]) == 2
         assert capsys.readouterr().err.strip() == f"error: {e.value}"
     assert "library version 2, this build reads 1" in str(e.value)
+
+
+def _sleeper():
+    """A live process of this host (an earlier version's node, for its open marker)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _lock_is_free(root: Path) -> bool:
+    import fcntl
+
+    fd = os.open(root / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_a_library_an_earlier_versions_live_node_has_open_is_refused_and_this_one_keeps_it_out(
+    tmp_path: Path, caplog, capsys
+) -> None:
+    """Earlier versions guard a library by their open marker only (`.open`, "<host> <pid>", no lock).
+    Before (found in review) this version deleted a live earlier node's marker at open and both wrote one
+    index, and `holder` named nobody. The marker of a live process of this host, written since the boot,
+    now refuses the open (naming it, the lock given back) and is named by the command line; once that
+    process is gone it is removed, saying whose it was. While open, this version writes the marker too,
+    exactly as earlier versions parse it, so that an earlier node refuses the library; close removes it."""
+    import socket
+
+    from rmuscle_ros.cache.library import OPEN_MARKER, LibraryBusy, holder, main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(), {"task": "t"})
+    host, pid = (tmp_path / OPEN_MARKER).read_text().split()  # as an earlier version reads it
+    assert (host, pid) == (socket.gethostname(), str(os.getpid()))
+    lib.close()
+    assert not (tmp_path / OPEN_MARKER).exists() and (tmp_path / ".lock").read_text() == ""
+
+    old = _sleeper()
+    try:
+        (tmp_path / OPEN_MARKER).write_text(f"{socket.gethostname()} {old.pid}")
+        assert holder(tmp_path) == (
+            f"{socket.gethostname()} {old.pid}, a node of an earlier version (its open marker "
+            f"{tmp_path / OPEN_MARKER})"
+        )
+        assert main(["remove", str(tmp_path), "0"]) == 2
+        assert (
+            f"is open in process {socket.gethostname()} {old.pid}, a node of an earlier"
+            in capsys.readouterr().err
+        )
+        with pytest.raises(
+            LibraryBusy,
+            match=rf"open in process {socket.gethostname()} {old.pid}, a node of an earlier version",
+        ) as e:
+            ReferenceLibrary.open(tmp_path, KEY)
+        assert "stop that node, or, if that process is gone, delete" in str(e.value)
+        assert _lock_is_free(tmp_path), "the refused open gave the lock back"
+        assert (tmp_path / OPEN_MARKER).read_text() == f"{socket.gethostname()} {old.pid}", "its marker stays"
+    finally:
+        old.kill()
+        old.wait()
+    assert holder(tmp_path) is None
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == [0]
+    assert f"the open marker of {socket.gethostname()} {old.pid}, an earlier version's" in caplog.text
+    assert f"its process {old.pid} is gone" in caplog.text
+    assert (tmp_path / OPEN_MARKER).read_text() == f"{socket.gethostname()} {os.getpid()}"
+    again.close()
+
+
+def test_this_versions_marker_left_by_a_holder_that_is_gone_is_removed_quietly(
+    tmp_path: Path, caplog
+) -> None:
+    """A holder of this version killed while open leaves its marker, naming what the lock file names: it
+    is that holder's (the lock was free), removed without a warning even if its pid now names a live
+    process. The lock file's name is read before this opener writes its own over it."""
+    import socket
+
+    from rmuscle_ros.cache.library import LOCK_FILE, OPEN_MARKER
+
+    ReferenceLibrary.open(tmp_path, KEY).close()
+    reused = _sleeper()
+    try:
+        named = f"{socket.gethostname()} {reused.pid}"
+        (tmp_path / LOCK_FILE).write_text(named)
+        (tmp_path / OPEN_MARKER).write_text(named)
+        caplog.set_level("INFO", logger="rmuscle_ros.cache.library")
+        lib = ReferenceLibrary.open(tmp_path, KEY)
+    finally:
+        reused.kill()
+        reused.wait()
+    assert (tmp_path / OPEN_MARKER).read_text() == f"{socket.gethostname()} {os.getpid()}"
+    assert any(
+        r.levelname == "INFO" and f"the open marker of {named}" in r.getMessage() for r in caplog.records
+    )
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    lib.close()
+
+
+def test_an_earlier_versions_marker_draft_is_kept_while_its_process_lives(tmp_path: Path) -> None:
+    """An earlier version's node writes its marker to `.open.tmp-<pid>` first: before (found in review)
+    this version's open deleted that draft as a leftover, and the node went on without its marker. A
+    draft whose process is gone is still deleted."""
+    import subprocess
+    import sys
+
+    ReferenceLibrary.open(tmp_path, KEY).close()
+    gone = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout
+    )
+    old = _sleeper()
+    try:
+        live = tmp_path / f".open.tmp-{old.pid}"
+        live.write_text("an earlier version's marker, being taken")
+        for dead in (f".open.tmp-{gone}", f".open.tmp-stale-{gone}"):
+            (tmp_path / dead).write_text("left")
+        ReferenceLibrary.open(tmp_path, KEY).close()
+        assert live.read_text() == "an earlier version's marker, being taken"
+        assert sorted(p.name for p in tmp_path.glob(".open.tmp-*")) == [live.name]
+    finally:
+        old.kill()
+        old.wait()
+
+
+def test_a_library_folder_that_cannot_be_created_fails_the_open(tmp_path: Path, monkeypatch) -> None:
+    """A library_path whose folder does not exist and cannot be created (a typo under a folder the node
+    may not write): before (found in review) it opened as an empty read-only library. The open fails,
+    naming the path and the error; an existing folder where the lock cannot be created still opens
+    read-only (`test_a_folder_where_the_lock_cannot_be_created_opens_read_only`)."""
+    import errno
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(
+        LibraryError,
+        match=r"libary: the library's folder does not exist and cannot be created \(\[Errno 13\] Permission",
+    ):
+        ReferenceLibrary.open(tmp_path / "libary", KEY)
+
+
+def test_a_fork_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
+    """A fork child (multiprocessing's fork start method) inherits the lock's descriptor and the registry:
+    before (found in review) it opened the library its parent holds as a second writer, and kept the lock
+    once the parent had closed it. The child is refused (the lock is its parent's), may not write through
+    the library object it inherited, and holds nothing once the parent closes."""
+    import socket
+
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import LibraryBusy, holder
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(), {"task": "t"})
+    said_r, said_w = os.pipe()
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        try:
+            os.close(said_r)
+            os.close(go_w)
+            said = ["registry empty" if not library_module._LOCKS else "registry inherited"]
+            try:
+                ReferenceLibrary.open(tmp_path, KEY)
+                said.append("opened")
+            except LibraryBusy as e:
+                said.append(
+                    "busy" if f"open in process {socket.gethostname()} {os.getppid()}" in str(e) else str(e)
+                )
+            try:
+                lib.add(episode(seed=1), {"task": "t"})
+                said.append("added")
+            except LibraryError as e:
+                said.append("refused" if "of which this one is a fork" in str(e) else str(e))
+            lib.close()  # the inherited object: the parent's lock stays the parent's
+            os.write(said_w, ";".join(said).encode())
+            os.close(said_w)
+            os.read(go_r, 1)  # alive until the parent has looked
+        finally:
+            os._exit(0)
+    os.close(said_w)
+    os.close(go_r)
+    try:
+        assert os.read(said_r, 4096).decode() == "registry empty;busy;refused"
+        assert holder(tmp_path) == f"{socket.gethostname()} {os.getpid()}", "the child's close kept it"
+        assert lib.add(episode(seed=2), {"task": "t"}) == 1
+        lib.close()
+        assert holder(tmp_path) is None and _lock_is_free(tmp_path), "the live child holds no lock"
+    finally:
+        os.close(go_w)
+        os.close(said_r)
+        os.waitpid(child, 0)
+
+
+def test_a_library_renamed_while_open_is_found_by_its_lock_file(tmp_path: Path) -> None:
+    """This process's locks are found by their lock file (device, inode), not by path: before (found in
+    review) a library renamed while open and opened at its new name was said to be open in "another"
+    process, this one. It is refused as already open here, naming where; once closed it opens."""
+    import socket
+
+    from rmuscle_ros.cache.library import LibraryBusy, holder
+
+    lib = ReferenceLibrary.open(tmp_path / "A", KEY)
+    lib.add(episode(), {"task": "t"})
+    (tmp_path / "A").rename(tmp_path / "B")
+    with pytest.raises(LibraryBusy, match=r"already open in this process \(opened at .*/A, not closed yet\)"):
+        ReferenceLibrary.open(tmp_path / "B", KEY)
+    assert holder(tmp_path / "B") == f"{socket.gethostname()} {os.getpid()}"
+    lib.close()
+    again = ReferenceLibrary.open(tmp_path / "B", KEY)
+    assert sorted(again.entries) == [0]
+    again.close()
+    assert not (tmp_path / "B" / ".open").exists()
+
+
+def test_a_filesystem_without_locks_fails_the_open_saying_how_to_mount_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """NFS without lockd answers flock with ENOLCK: the open still fails (without the lock a second writer
+    could drop this one's recordings), saying the cause and the remedy, not only the OS's words."""
+    import errno
+
+    from rmuscle_ros.cache import library as library_module
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(library_module.fcntl, "flock", no_locks)
+    with pytest.raises(LibraryError, match=r"No locks available\): its filesystem keeps no locks") as e:
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert "local_lock=flock" in str(e.value) and "point library_path at a local folder" in str(e.value)

@@ -339,6 +339,71 @@ def test_an_episode_longer_than_the_library_can_hold_stops_recording_and_frees_i
     assert policy.reset_episode() == 0 and rt.library.entries[0].calls == 3
 
 
+def test_a_recording_just_under_the_bound_is_dropped_as_it_runs_not_refused_at_the_reset(tmp_path) -> None:
+    """The file holds a header beside the tensors a recording counts (~0.5 KB): before (found in review) a
+    recording counted just under the library's bound passed the running check and its reset then failed
+    with EpisodeTooLarge. The running check leaves room for the header: the episode is dropped as it runs,
+    and the reset says why."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, library_path=str(tmp_path)))
+    rt = policy.rmuscle
+    run(policy, episode(1))
+    per_call = rt._recording.nbytes
+    rt.discard_recording()
+    rt.library.max_bytes = 5 * per_call + 100  # the five calls' tensors fit; with the file's header, not
+    run(policy, episode(5), rebuild=False)
+    assert policy.reset_episode() is None and not rt.library.entries
+    excluded = policy.cache_status()["last_episode_excluded"]
+    assert "more than the whole library may hold" in excluded, excluded
+    policy.close()
+
+
+def test_a_read_only_library_records_nothing_and_each_reset_says_why(tmp_path, monkeypatch, caplog) -> None:
+    """A library whose lock file cannot be created (a read-only mount) is served but not written: before
+    (found in review) each dense episode's calls were still kept in host memory and every reset failed
+    with "cannot record an episode". No call is kept, the reset says why instead of failing (not blaming
+    cache.record, which was on), and the open warns once."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from rmuscle_ros.cache import library as library_module
+
+    lib = tmp_path / "lib"
+    first = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    run(first, episode(3))
+    assert first.close() == 0
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if Path(path).name == ".lock" and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(library_module.os, "open", read_only)
+    caplog.set_level("WARNING")
+    # threshold 1: every call runs dense (fallback), as an episode the library would record
+    policy = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD, threshold=1.0))
+    said = [r.getMessage() for r in caplog.records if "read-only" in r.getMessage()]
+    assert len(said) == 1 and "none is recorded" in said[0], said
+    rt = policy.rmuscle
+    assert rt.library.read_only and policy.cache_status()["library_episodes"] == 1
+    policy.reconfigure_cache(record=False)
+    run(policy, episode(2), rebuild=False)
+    policy.reconfigure_cache(record=True)
+    run(policy, episode(3), rebuild=False)
+    assert rt._recording.nbytes == 0 and not rt._recording.descriptors, "calls kept in host memory"
+    assert policy.reset_episode() is None
+    excluded = policy.cache_status()["last_episode_excluded"]
+    assert (
+        "the library was opened read-only (its lock file" in excluded and "Read-only file system" in excluded
+    )
+    assert "cache.record" not in excluded, excluded
+    run(policy, episode(2), rebuild=False)
+    assert policy.close() is None
+    monkeypatch.undo()
+    assert sorted(p.name for p in lib.glob("episode_*")) == ["episode_000000.safetensors"]
+
+
 def test_muscle_memory_is_per_task(tmp_path, caplog) -> None:
     """The descriptor sees the scene, not the instruction, and a bench set up the same way may be doing
     another job. A call is served only from episodes recorded under its task (the prompt's instruction,
@@ -459,6 +524,7 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
     assert again.cache_status()["library_episodes"] == 1
     chunks = run(again, episode(3, offset=0.1))
     assert chunks[-1].cache_mode == "cached"
+    again.close()  # one opener at a time, in one process too
     with pytest.raises(LibraryMismatch, match="other weights"):
         Policy(PolicyConfig(backend="fused", seed=1), RMuscleConfig(library_path=lib))
     # Recorded under other preprocessing, its images or state tokens are not what the live calls see

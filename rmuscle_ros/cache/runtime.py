@@ -67,6 +67,10 @@ log = logging.getLogger(__name__)
 
 MODES = ("dense", "cached", "fallback")  # ActionChunk.msg CACHE_DENSE=0, CACHE_CACHED=1, CACHE_FALLBACK=2
 AUDITS_KEPT = 100  # the latest audits' errors, for the median and maximum reported in `status`
+# What an episode's file holds beyond the tensors a recording counts (the safetensors header, ~0.5 KB), with
+# room to spare: a recording counted just under the library's bound would pass `_record` and then be
+# refused at its reset (EpisodeTooLarge, found in review).
+FILE_OVERHEAD = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -366,7 +370,13 @@ class RMuscle:
                 untasked,
                 root,
             )
-        self._refresh_retriever()
+        try:
+            self._refresh_retriever()  # reads every episode's descriptors: a file damaged since open fails
+        except BaseException:  # the library goes back to whoever opens it next (this process, too)
+            self.library.close()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            raise
         window = engine.window
         assert window is not None  # the engine's cache shapes equal cfg.shapes(), checked above
         self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
@@ -377,6 +387,13 @@ class RMuscle:
         # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
         # without them, its positions would not follow its calls, so it is not recorded at all.
         self._unrecorded_calls = 0
+        # A library opened read-only (its lock file could not be created: `ReferenceLibrary._take_lock`,
+        # which logs it) records nothing: no call is kept, and each reset says why (`finish_episode`).
+        self._read_only = (
+            f"the library was opened read-only ({self.library.read_only}): no episode is recorded"
+            if self.library.read_only
+            else ""
+        )
         self.last_excluded = ""  # why the latest finished episode was kept out of the library, if it was
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
@@ -576,6 +593,7 @@ class RMuscle:
         unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
         if self.cfg.record and unrecorded and not excluded:
             excluded = f"recording (cache.record) was off for {unrecorded} of its calls"
+        excluded = excluded or self._read_only
         self.last_excluded = excluded
         if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
             self._episode_cached = False
@@ -801,7 +819,7 @@ class RMuscle:
     def _dense_stages(self, bucket: int) -> bool:
         """Queue a dense call's prefill and denoise (vision has run): recording ones if this episode
         qualifies for the library. Returns whether they record."""
-        qualifies = not self._episode_cached and not self._episode_excluded
+        qualifies = not self._episode_cached and not self._episode_excluded and not self._read_only
         record = self.cfg.record and qualifies
         self._unrecorded_calls += qualifies and not record
         self.engine.run_stage("tail", bucket, variant="record" if record else "dense")
@@ -907,7 +925,7 @@ class RMuscle:
         rec.nbytes += sum(
             a[-1].nbytes for a in (rec.descriptors, rec.tokens, rec.token_mask, rec.image_masks)
         )
-        if rec.nbytes > self.library.max_bytes:
+        if rec.nbytes + FILE_OVERHEAD > self.library.max_bytes:
             self.exclude_episode(
                 f"its recording reached {rec.nbytes / 2**20:.1f} MiB in {len(rec.descriptors)} calls, more than "
                 f"the whole library may hold (cache.max_library_mb {self.library.max_bytes >> 20}); an episode "
