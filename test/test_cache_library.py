@@ -1325,7 +1325,7 @@ def test_a_fork_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
     the library object it inherited, and holds nothing once the parent closes."""
     import socket
 
-    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache import lock as lock_module
     from rmuscle_ros.cache.library import LibraryBusy, holder
 
     lib = ReferenceLibrary.open(tmp_path, KEY)
@@ -1337,7 +1337,7 @@ def test_a_fork_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
         try:
             os.close(said_r)
             os.close(go_w)
-            said = ["registry empty" if not library_module._LOCKS else "registry inherited"]
+            said = ["registry empty" if not lock_module._LOCKS else "registry inherited"]
             try:
                 ReferenceLibrary.open(tmp_path, KEY)
                 said.append("opened")
@@ -1398,12 +1398,12 @@ def test_a_filesystem_without_locks_fails_the_open_saying_how_to_mount_it(
     could drop this one's recordings), saying the cause and the remedy, not only the OS's words."""
     import errno
 
-    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache import lock as lock_module
 
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(library_module.fcntl, "flock", no_locks)
+    monkeypatch.setattr(lock_module.fcntl, "flock", no_locks)
     with pytest.raises(LibraryError, match=r"No locks available\): its filesystem keeps no locks") as e:
         ReferenceLibrary.open(tmp_path, KEY)
     assert "local_lock=flock" in str(e.value) and "point library_path at a local folder" in str(e.value)

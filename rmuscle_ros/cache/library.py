@@ -30,20 +30,16 @@ Guarantees:
   add or remove, and at `close`), so it survives a restart. Bounds lowered since the library was recorded
   apply when a writer opens it. An episode larger than `max_bytes` on its own is refused
   (`EpisodeTooLarge`) before anything is written or evicted.
-- **One writer.** An open library holds a kernel lock (`flock`) on its lock file (`.lock`, which holds the
-  host and pid of its holder for messages, and is never deleted). The kernel gives the lock up when its
-  process ends, however it ends, so no stale marker can block a library after a crash, a reboot or a new
-  container. Opening a library another process holds is refused (`LibraryBusy`): two nodes given the same
-  folder would each rewrite the index from their own memory and drop the other's episodes. The command
-  line below refuses to remove episodes from a library another process holds, for the same reason. A
-  second opener in the same process is refused too, and a fork child holds none of its parent's locks.
-  Earlier versions guarded a library with an open marker (`.open`, "<host> <pid>") instead: while a
-  library is open this version writes that marker too, so that an earlier version's node refuses it, and
-  it refuses a library whose marker a live earlier version's node holds (one of this host whose process
-  exists, written since the host booted; any other marker is removed, saying whose it was). An existing
-  folder where the lock file cannot be created (a read-only mount) opens read-only: its episodes are
-  served, and `add` / `remove` are refused; a folder that does not exist and cannot be created fails the
-  open. An episode file is never written over: a second writer's file of the same id is refused.
+- **One writer** (lock.py, which explains the design). An open library holds a kernel lock (`flock`) on
+  its lock file (`.lock`), which the kernel gives up when its process ends, however it ends: nothing stale
+  can block a library after a crash, a reboot or a new container. Opening a library another process holds
+  is refused (`LibraryBusy`): two nodes given the same folder would each rewrite the index from their own
+  memory and drop the other's episodes. A second opener in the same process is refused too, and the command
+  line below refuses to remove episodes from a library another process holds. The open marker of earlier
+  versions (`.open`) is still written and honoured. An existing folder where the lock file cannot be
+  created (a read-only mount) opens read-only: its episodes are served, and `add` / `remove` are refused;
+  a folder that does not exist and cannot be created fails the open. An episode file is never written
+  over: a second writer's file of the same id is refused.
 No pickle: safetensors and JSON only.
 
 On a cell (read-only while the node runs; `remove` once it is cleaned up or stopped):
@@ -61,16 +57,13 @@ import argparse
 import contextlib
 import datetime as dt
 import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -82,20 +75,26 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+# The one-writer guard (lock.py). Its file names, exceptions and `holder` are re-exported: the node, the
+# tests and other modules import them from here.
+from rmuscle_ros.cache.lock import LOCK_FILE as LOCK_FILE
+from rmuscle_ros.cache.lock import (
+    OPEN_MARKER,
+    LibraryBusy,
+    LibraryError,
+    LibraryLock,
+    holder,
+    marker_draft_alive,
+)
+
 log = logging.getLogger(__name__)
 
 LIBRARY_VERSION = 1
 INDEX = "index.json"
-LOCK_FILE = ".lock"  # flock()ed while the library is open; holds "<host> <pid>" of its holder, for messages
-OPEN_MARKER = ".open"  # "<host> <pid>": earlier versions' guard (no lock), still written for them
 TMP_INFIX = ".tmp-"  # ".<name>.tmp-<pid>": a file being written, renamed to <name> once it is on disk
 EPISODE_FILE = re.compile(r"episode_(\d{6,})\.safetensors")
 EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")
 OPTIONAL_TENSORS = ("action_masks", "image_masks")
-
-
-class LibraryError(RuntimeError):
-    """A library that cannot be used (corrupt index, unknown version)."""
 
 
 class LibraryMismatch(LibraryError):
@@ -118,10 +117,6 @@ class LibraryMismatch(LibraryError):
 
     def with_settings(self, recorded_under: str) -> LibraryMismatch:
         return LibraryMismatch(self.path, self.fields, self.detail, recorded_under)
-
-
-class LibraryBusy(LibraryError):
-    """The library is open in another live process (a running node), which owns its index."""
 
 
 class EpisodeTooLarge(LibraryError):
@@ -409,183 +404,14 @@ def _place_new(tmp: Path, path: Path) -> None:
 
 def _leftovers(root: Path) -> list[Path]:
     """Temporary files of writes that never finished (a process killed mid-write, a power cut). A draft of
-    the open marker (`.open.tmp-<pid>`, `_mark_open`) counts only once its process is gone: a live one is
+    the open marker (`.open.tmp-<pid>`, lock.py) counts only once its process is gone: a live one is
     an earlier version's node taking its marker (deleting it would leave that node unguarded)."""
     ours = (f".{INDEX}{TMP_INFIX}*", f".episode_*.safetensors{TMP_INFIX}*")
     found = [p for pattern in ours for p in root.glob(pattern) if p.is_file()]
     for draft in root.glob(f"{OPEN_MARKER}{TMP_INFIX}*"):
-        if draft.is_file() and not _draft_alive(draft):
+        if draft.is_file() and not marker_draft_alive(draft):
             found.append(draft)
     return sorted(found)
-
-
-def _draft_alive(draft: Path) -> bool:
-    """Whether the process that names a marker draft (its pid, last, after a '-': earlier versions also
-    wrote `.open.tmp-stale-<pid>`) may still be writing it: it exists and wrote it since this host booted."""
-    pid = draft.name.rsplit("-", 1)[-1]
-    try:
-        written = draft.stat().st_mtime
-    except OSError:
-        return False
-    return pid.isdigit() and _exists(int(pid)) and written >= _boot_time()
-
-
-def _exists(pid: int) -> bool:
-    """Whether process `pid` of this host exists (another user's counts)."""
-    if pid <= 0:  # os.kill(0, ...) would ask about this process's group
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    except (OverflowError, OSError):  # no such pid can exist
-        return False
-    return True
-
-
-def _boot_time() -> float:
-    """When this host last booted (seconds since the epoch, /proc/stat's btime): a pid written before it is
-    another process's now. 0 if it cannot be read (every file then counts as written since)."""
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
-
-
-@dataclass(frozen=True)
-class _Marker:
-    """An open marker found in a library folder (`OPEN_MARKER`, `_examine_marker`)."""
-
-    named: str  # "<host> <pid>", as written
-    stale: str  # why it is no live earlier version's node's; "" if it is one (it holds the library)
-    ours: bool = False  # this version's, left by a holder that is gone: removed without a warning
-
-
-def _examine_marker(root: Path, previous: str) -> _Marker | None:
-    """The open marker at `root`, if there is one. `previous`: whom the lock file named before this opener
-    took the lock (or while nobody holds it). A marker naming the same, or this process, is this version's,
-    left behind (its holder is gone: the lock was free). Any other is an earlier version's (those wrote no
-    lock file), and counts as live as earlier versions count it, but not across a reboot: it names this
-    host and a pid that exists, and was written since this host booted. One naming another host counts as
-    stale here (earlier versions took it for alive: a container since recreated blocked its library)."""
-    marker = root / OPEN_MARKER
-    try:
-        named = marker.read_text(errors="replace").strip()
-        written = marker.stat().st_mtime
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # a folder of that name, a marker this user cannot read: garbled, as it was
-        return _Marker(f"(unreadable: {e.strerror})", "it cannot be read")
-    if named and named in (previous, _this_process()):
-        return _Marker(named, "left by a process of this version that no longer holds the library", ours=True)
-    fields = named.split()
-    if len(fields) != 2 or not fields[1].isdigit():
-        return _Marker(named, "it is garbled (earlier versions take such a marker for stale too)")
-    host, pid = fields[0], int(fields[1])
-    if host != socket.gethostname():
-        return _Marker(named, f"it names another host ({host}; a container since recreated?)")
-    if not _exists(pid):
-        return _Marker(named, f"its process {pid} is gone")
-    if written < _boot_time():
-        return _Marker(
-            named, f"it was written before this host last booted (pid {pid} is another process now)"
-        )
-    return _Marker(named, "")
-
-
-@dataclass
-class _Lock:
-    """This process's hold on one library's lock file (`ReferenceLibrary._take_lock`): `fd` holds the
-    flock. One per library and process: a second opener in this process is refused, as another process is
-    (nothing in the package opens a library twice; two objects would each write their own index)."""
-
-    fd: int
-    identity: tuple[int, int]  # the lock file's (device, inode): the registry's key, whatever path opened it
-    root: Path  # the path it was opened at (messages, the open marker)
-    pid: int  # the process that took it: a fork child holds a copy of this object, not the lock
-    marker: str = ""  # the earlier versions' open marker this process wrote ("" if none), removed at close
-
-
-# This process's locks, by their lock file's (device, inode): a library renamed while open is still found.
-_LOCKS: dict[tuple[int, int], _Lock] = {}
-# Reentrant: a ReferenceLibrary collected unclosed while this thread holds it gives its lock up (`_release`).
-_LOCKS_GUARD = threading.RLock()
-
-
-def _forget_inherited_locks() -> None:
-    """In a fork child (multiprocessing's fork start method): its parent's locks are its parent's. The
-    child's copies of their descriptors are closed (which does not give the lock up: it belongs to the open
-    file, which the parent's descriptor keeps), and the registry starts empty, so that the child is refused
-    a library its parent holds and holds nothing once the parent closes it."""
-    global _LOCKS_GUARD
-    _LOCKS_GUARD = threading.RLock()  # another thread may have held it at the fork: never released here
-    for held in _LOCKS.values():
-        with contextlib.suppress(OSError):
-            os.close(held.fd)
-    _LOCKS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_inherited_locks)
-
-
-def _held_here(root: Path) -> _Lock | None:
-    """This process's lock on the library at `root`, if it holds one (found by its lock file)."""
-    held = _LOCKS.get(_identity(Path(root) / LOCK_FILE))  # type: ignore[arg-type]
-    return held if held is not None and held.pid == os.getpid() else None
-
-
-def _release(held: _Lock) -> None:
-    """Give up this process's lock on a library (`close`, or its ReferenceLibrary collected unclosed): the
-    open marker first, if it is still this process's, then the lock file's name, then the lock. Nothing in
-    a fork child: the lock is its parent's (`_forget_inherited_locks`)."""
-    if held.pid != os.getpid():
-        return
-    with _LOCKS_GUARD:
-        if _LOCKS.get(held.identity) is held:
-            del _LOCKS[held.identity]
-        if held.marker:
-            marker = held.root / OPEN_MARKER
-            with contextlib.suppress(OSError):  # gone, or the folder renamed: the next opener removes it
-                if marker.read_text() == held.marker:
-                    marker.unlink()
-        with contextlib.suppress(OSError):  # the name only: the lock file itself stays
-            os.ftruncate(held.fd, 0)
-        with contextlib.suppress(OSError):  # for every copy of the descriptor (a fork that kept one)
-            fcntl.flock(held.fd, fcntl.LOCK_UN)
-        os.close(held.fd)
-
-
-def _named_in(fd: int) -> str:
-    """Whom the lock file open at `fd` names ("<host> <pid>"; "" if nobody)."""
-    try:
-        return os.pread(fd, 256, 0).decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _holder_named(fd: int) -> str:
-    """Who the lock file open at `fd` names ("<host> <pid>"), for messages only."""
-    return (
-        _named_in(fd) or "(its lock file does not name it: it has just taken the lock, or its disk is full)"
-    )
-
-
-def _no_lock(path: Path, e: OSError) -> LibraryError:
-    """The open's error for a lock file that cannot be locked at all."""
-    if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-        return LibraryError(
-            f"{path}: cannot lock the library ({e}): its filesystem keeps no locks (NFS without lockd?), "
-            "and without one a second writer would drop this one's recordings. Mount it with locking "
-            "(lockd running, or local_lock=flock on a mount only this host uses), or point library_path "
-            "at a local folder"
-        )
-    return LibraryError(f"{path}: cannot lock the library ({e})")
 
 
 class ReferenceLibrary:
@@ -603,12 +429,16 @@ class ReferenceLibrary:
         self.left_out: dict[int, EpisodeEntry] = {}  # the index's episodes whose files open() refused
         self._next_id = 0
         self._unsaved_use = False  # touch() since the index was last written
-        # Why add/remove are refused ("" if they are not): the lock file could not be created (`_take_lock`).
-        self.read_only = ""
-        self._held: _Lock | None = None  # the library's lock, from `open` until `close`
-        # Gives the lock up at `close`, or when this object is collected unclosed (`_release`).
+        self._lock: LibraryLock | None = None  # the library's lock, from `open` (given up at `close`)
+        # Gives the lock up at `close`, or when this object is collected unclosed (`LibraryLock.release`).
         self._finalizer: weakref.finalize | None = None
         self._bounded = False  # the opener passed bounds: they apply at open (`_apply_bounds`)
+
+    @property
+    def read_only(self) -> str:
+        """Why add/remove are refused ("" if they are not): the lock file could not be created
+        (`LibraryLock.take`)."""
+        return self._lock.read_only if self._lock is not None else ""
 
     # ── open / save ──────────────────────────────────────────────────────────────────────────────────────
 
@@ -616,14 +446,15 @@ class ReferenceLibrary:
     def open(cls, root: Path, key: LibraryKey, **bounds: int) -> ReferenceLibrary:
         """Load the index at `root` (empty library if there is none) and verify every episode file.
         LibraryBusy if another process holds the library's lock, an earlier version's node its open
-        marker (`_examine_marker`), or another ReferenceLibrary of this process has it open. The lock is taken first, before the index
-        is read: a `remove` or a second node that comes while this one reads and verifies (seconds, for
-        gigabytes of episodes) finds the library busy (before, found in review, it did not, and this one's
-        index in memory put a removed episode back). Bounds passed here apply at once (`_apply_bounds`);
-        an opener that passes none (the command line's reads) changes nothing."""
+        marker, or another ReferenceLibrary of this process has it open (`LibraryLock.take`). The lock is
+        taken first, before the index is read: a `remove` or a second node that comes while this one reads
+        and verifies (seconds, for gigabytes of episodes) finds the library busy (before, found in review,
+        it did not, and this one's index in memory put a removed episode back). Bounds passed here apply at
+        once (`_apply_bounds`); an opener that passes none (the command line's reads) changes nothing."""
         lib = cls(root, key, **bounds)
         lib._bounded = bool(bounds)
-        lib._take_lock()
+        lib._lock = LibraryLock.take(lib.root)
+        lib._finalizer = weakref.finalize(lib, lib._lock.release)
         try:
             lib._load()
         except BaseException:
@@ -736,163 +567,8 @@ class ReferenceLibrary:
                 ", ".join(p.name for p in found),
             )
 
-    def _take_lock(self) -> None:
-        """Take the library's lock (`LOCK_FILE`), or LibraryBusy if another process holds it, or another
-        ReferenceLibrary of this process. The kernel gives it up when its holder ends, so nothing stale is
-        left to block the library. A folder that exists but where the lock file cannot be created for want
-        of permission (a read-only mount) opens read-only (`read_only`); any other failure (a folder that
-        does not exist and cannot be created, a full disk, a path through a file) fails the open, since
-        without the lock a second writer could drop this one's recordings."""
-        root, path = self.root, self.root / LOCK_FILE
-        try:
-            if root.is_symlink() and not root.exists():
-                raise LibraryError(
-                    f"{root}: a symbolic link to {os.readlink(root)}, which does not exist (a drive that is "
-                    "not mounted?); library_path must name a folder, or a path where one can be created"
-                )
-            if root.exists() and not root.is_dir():
-                raise LibraryError(
-                    f"{root}: a file, not a folder; library_path must name a folder, or a path where one "
-                    "can be created"
-                )
-            if not root.is_dir():
-                root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # before (found in review) this opened an empty library read-only: a typo
-            raise LibraryError(
-                f"{root}: the library's folder does not exist and cannot be created ({e}); library_path must "
-                "name a folder, or a path where one can be created"
-            ) from None
-        with _LOCKS_GUARD:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    raise LibraryError(f"{path}: cannot open the library's lock file ({e})") from None
-                self._open_read_only(f"its lock file {path} cannot be opened for writing: {e.strerror}")
-                return
-            try:
-                stat = os.fstat(fd)
-                identity = (stat.st_dev, stat.st_ino)
-                mine = _LOCKS.get(identity)
-                if mine is not None and mine.pid == os.getpid():
-                    raise LibraryBusy(
-                        f"{root}: the library is already open in this process (opened at {mine.root}, not "
-                        "closed yet): two openers would each rewrite the index from their own memory and drop "
-                        "the other's episodes; close the other first"
-                    )
-                self._held = self._lock_fd(fd, path, identity)
-            except BaseException:
-                os.close(fd)  # a lock `_lock_fd` took is given back before it raises
-                raise
-            _LOCKS[identity] = self._held
-        self._finalizer = weakref.finalize(self, _release, self._held)
-
-    def _lock_fd(self, fd: int, path: Path, identity: tuple[int, int]) -> _Lock:
-        """flock the lock file open at `fd`, make way for this process in the open marker of earlier
-        versions (`_clear_marker`), write this process's name into the lock file (for others' messages),
-        then the marker (`_mark_open`). A few tries: `holder` (the command line) holds it for an instant
-        to see whether it is free."""
-        for attempt in range(5):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if attempt == 4:
-                    raise LibraryBusy(
-                        f"{self.root}: the library is open in process {_holder_named(fd)} (another node?): "
-                        "two writers would drop each other's episodes from its index; give each node its own "
-                        "library_path, or stop that process (its lock is given up when it ends)"
-                    ) from None
-                time.sleep(0.02)
-            except OSError as e:  # ENOLCK: a network filesystem without locks
-                raise _no_lock(path, e) from None
-        me = _this_process()
-        try:
-            # Whom the lock file named before this open: a marker naming the same is that holder's, left.
-            previous = _named_in(fd)
-            clear = self._clear_marker(previous)
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, me.encode(), 0)
-            except OSError as e:  # the lock is held: only others' messages lack this process's name
-                log.warning("reference library %s: cannot write this process's name into %s (%s)",
-                            self.root, path, e)  # fmt: skip
-            marker = self._mark_open(me, previous) if clear else ""
-        except BaseException:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            raise
-        return _Lock(fd, identity, self.root, os.getpid(), marker)
-
-    def _clear_marker(self, previous: str) -> bool:
-        """Make way for this process's open marker (`_mark_open`): LibraryBusy if an earlier version's
-        node that is alive holds the library (`_examine_marker`); any other marker is removed, with a
-        warning saying whose it was unless it was this version's. `previous`: whom the lock file named
-        before this open. False if a marker stays that could not be removed."""
-        found = _examine_marker(self.root, previous)
-        if found is None:
-            return True
-        marker = self.root / OPEN_MARKER
-        if not found.stale:
-            raise LibraryBusy(
-                f"{self.root}: the library is open in process {found.named}, a node of an earlier version of "
-                f"rmuscle_ros (its open marker {marker}): two writers would drop each other's episodes from "
-                f"its index; stop that node, or, if that process is gone, delete {marker}"
-            )
-        try:
-            marker.unlink()
-        except FileNotFoundError:
-            return True
-        except OSError as e:
-            log.warning("reference library %s: cannot remove %s, the open marker of %s (%s; %s): an earlier "
-                        "version's node would not see that this process has the library open", self.root,
-                        marker, found.named, found.stale, e)  # fmt: skip
-            return False
-        if found.ours:
-            log.info("reference library %s: removed %s, the open marker of %s (%s)", self.root, marker,
-                     found.named, found.stale)  # fmt: skip
-        else:
-            log.warning("reference library %s: removed %s, the open marker of %s, an earlier version's node "
-                        "that no longer has it open: %s", self.root, marker, found.named, found.stale)  # fmt: skip
-        return True
-
-    def _mark_open(self, me: str, previous: str) -> str:
-        """Write the open marker earlier versions read and write (`OPEN_MARKER`: exactly "<host> <pid>"), so
-        that one started beside this process refuses the library instead of writing into it. Written to a
-        draft of this process's own (named as earlier versions named theirs, which they keep while its pid
-        lives), then linked to the marker's name, which fails if an earlier version's node took it
-        meanwhile: that one is examined as at open. The lock guards this version; a marker that cannot be
-        written is logged, not fatal. Returns what was written ("" if nothing)."""
-        marker, draft = self.root / OPEN_MARKER, self.root / f"{OPEN_MARKER}{TMP_INFIX}{os.getpid()}"
-        try:
-            with open(draft, "w") as out:
-                out.write(me)
-                out.flush()
-                os.fsync(out.fileno())
-            for _ in range(3):
-                try:
-                    _place_new(draft, marker)
-                    return me
-                except FileExistsError:
-                    if not self._clear_marker(previous):  # LibraryBusy for a live earlier version's
-                        return ""
-            raise LibraryBusy(f"{self.root}: its open marker {marker} kept changing (nodes of an earlier "
-                              "version opening it?); try again")  # fmt: skip
-        except OSError as e:
-            log.warning("reference library %s: cannot write %s (%s): an earlier version's node would not see "
-                        "that this process has the library open", self.root, marker, e)  # fmt: skip
-            return ""
-        finally:
-            with contextlib.suppress(OSError):
-                draft.unlink()
-
-    def _open_read_only(self, why: str) -> None:
-        self.read_only = why
-        log.warning("reference library %s: opened read-only (%s): its episodes are served, none is recorded "
-                    "or removed", self.root, why)  # fmt: skip
-
     def _give_up_lock(self) -> None:
-        """Give this library's lock up (`_release`), once."""
+        """Give this library's lock up (`LibraryLock.release`), once."""
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer()
@@ -913,16 +589,16 @@ class ReferenceLibrary:
         self._give_up_lock()
 
     def _not_writable(self) -> str:
-        """Why this library may not be written ("" if it may): opened read-only (`_take_lock`), or opened
-        by the process this one is a fork of (the lock is that one's)."""
+        """Why this library may not be written ("" if it may): opened read-only (`LibraryLock.take`), or
+        opened by the process this one is a fork of (the lock is that one's)."""
         if self.read_only:
             return (
                 f"the library was opened read-only ({self.read_only}); make the folder writable, or point "
                 "library_path at a writable one"
             )
-        if self._held is not None and self._held.pid != os.getpid():
+        if self._lock is not None and self._lock.pid != os.getpid():
             return (
-                f"the library was opened by process {self._held.pid}, of which this one is a fork (the lock is "
+                f"the library was opened by process {self._lock.pid}, of which this one is a fork (the lock is "
                 "that process's); open it in this process once that one has closed it"
             )
         return ""
@@ -1157,42 +833,6 @@ class ReferenceLibrary:
 
 
 # ── command line ─────────────────────────────────────────────────────────────────────────────────────────
-
-
-def _this_process() -> str:
-    return f"{socket.gethostname()} {os.getpid()}"
-
-
-def holder(root: Path) -> str | None:
-    """The process that has the library at `root` open ("<host> <pid>", as it wrote into the lock file),
-    None if none does: answered by trying its lock without waiting, and giving it back at once. With the
-    lock free, a live earlier version's node that holds the library's open marker (`_examine_marker`; those
-    wrote no lock file) is named, saying so. No lock file and no such marker (no folder, or never opened)
-    is no holder."""
-    root = Path(root)
-    if _held_here(root) is not None:
-        return _this_process()
-    previous = ""
-    try:
-        fd = os.open(root / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        fd = -1
-    if fd >= 0:
-        try:
-            # Shared: it conflicts with a holder's exclusive lock, and another `holder` runs beside it.
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _holder_named(fd)
-        except OSError:  # a filesystem without locks: nobody can hold it there
-            pass
-        else:
-            previous = _named_in(fd)
-        finally:
-            os.close(fd)  # gives the lock back
-    found = _examine_marker(root, previous)
-    if found is not None and not found.stale:
-        return f"{found.named}, a node of an earlier version (its open marker {root / OPEN_MARKER})"
-    return None
 
 
 def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:
