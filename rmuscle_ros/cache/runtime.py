@@ -387,13 +387,6 @@ class RMuscle:
         # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
         # without them, its positions would not follow its calls, so it is not recorded at all.
         self._unrecorded_calls = 0
-        # A library opened read-only (its lock file could not be created: `ReferenceLibrary._take_lock`,
-        # which logs it) records nothing: no call is kept, and each reset says why (`finish_episode`).
-        self._read_only = (
-            f"the library was opened read-only ({self.library.read_only}): no episode is recorded"
-            if self.library.read_only
-            else ""
-        )
         self.last_excluded = ""  # why the latest finished episode was kept out of the library, if it was
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
@@ -593,7 +586,7 @@ class RMuscle:
         unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
         if self.cfg.record and unrecorded and not excluded:
             excluded = f"recording (cache.record) was off for {unrecorded} of its calls"
-        excluded = excluded or self._read_only
+        excluded = excluded or self._read_only()
         self.last_excluded = excluded
         if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
             self._episode_cached = False
@@ -816,10 +809,16 @@ class RMuscle:
             self._record(inputs, descriptor)
         return self._dense_info(similarity)
 
+    def _read_only(self) -> str:
+        """Why no episode is recorded, if the library was opened read-only (its lock file could not be
+        created: `LibraryLock.take`, which logs it): no call is kept, and each reset says why."""
+        why = self.library.read_only
+        return f"the library was opened read-only ({why}): no episode is recorded" if why else ""
+
     def _dense_stages(self, bucket: int) -> bool:
         """Queue a dense call's prefill and denoise (vision has run): recording ones if this episode
         qualifies for the library. Returns whether they record."""
-        qualifies = not self._episode_cached and not self._episode_excluded and not self._read_only
+        qualifies = not self._episode_cached and not self._episode_excluded and not self._read_only()
         record = self.cfg.record and qualifies
         self._unrecorded_calls += qualifies and not record
         self.engine.run_stage("tail", bucket, variant="record" if record else "dense")

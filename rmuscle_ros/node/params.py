@@ -266,7 +266,7 @@ def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, A
         return out
 
     document = yaml.safe_load(path.read_text())
-    for key in (f"/**/{node_name}", f"/{node_name}", node_name):
+    for key in section_keys(node_name):  # the keys ROS applies outside a namespace
         if key in document:
             return flatten(document[key]["ros__parameters"])
     raise KeyError(f"{path}: no section for {node_name} (keys: {', '.join(map(str, document))})")
