@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 import time
@@ -255,6 +256,27 @@ def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
     assert c.node.stats()["limited"] == 5
 
 
+def test_a_target_past_the_arms_travel_is_commanded_at_its_limit_and_reported(cell) -> None:
+    """The default limits are the ViperX 300 6DOF's: a chunk asking for the left shoulder at 2.0 rad (its
+    upper limit is 72 degrees, 1.2566 rad) commands it at the limit; the count and the chunk's value are
+    on /diagnostics. The Dynamixel servos would refuse the goal and leave the arm where it was."""
+    c = cell(max_step=0.0)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    chunk = np.zeros((HORIZON, 14))
+    chunk[:, 1], chunk[:, 8] = 2.0, -0.5  # left shoulder past its limit; right shoulder within
+    c.publish_chunk(chunk, c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+    assert c.arm["left"][0].cmd[1] == pytest.approx(math.radians(72), abs=1e-6)
+    assert c.arm["right"][0].cmd[1] == pytest.approx(-0.5), "a joint within its limits is untouched"
+    stats = c.node.stats()
+    assert stats["clamped"] >= 3 and stats["limited"] == 0
+    assert "left_shoulder 2 (limits [-1.85, 1.257])" in stats["last_clamp"], stats["last_clamp"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any("position limit" in m.msg for m in c.logs):
+        time.sleep(0.02)
+    assert any("commanded at the position limit: episode 0 chunk 0" in m.msg for m in c.logs)
+
+
 def test_a_joint_state_whose_names_and_positions_do_not_pair_up_is_not_taken_as_the_arm(cell) -> None:
     """Other counts of names and positions: which is which joint's position is unknown, so the streamer
     does not start its commands from it (counted as bad_joint_states) and waits for a well-formed one."""
@@ -387,7 +409,7 @@ def test_a_clock_that_goes_back_starts_a_new_run(cell) -> None:
             if until():
                 return
 
-    first, second = rows(1.0), rows(2.0)
+    first, second = rows(0.2), rows(0.4)  # within every joint's limits
     run(first, 200, lambda: len(c.arm["left"]) >= 20)
     assert c.node.stats()["chunks_accepted"] == 1 and c.node.stats()["clock_jumps"] == 0
     sent = len(c.arm["left"])
@@ -428,14 +450,14 @@ def test_after_a_reactivation_a_chunk_planned_before_it_is_refused(cell) -> None
     time.sleep(0.05)
     assert c.transition(Transition.TRANSITION_ACTIVATE)
     n = len(c.arm["left"])
-    c.publish_chunk(rows(1.0), planned, chunk_id=1)
+    c.publish_chunk(rows(0.3), planned, chunk_id=1)
     assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"] == {"before_start": 1})
     c.keep_joints_coming(timeout=0.2)
     assert len(c.arm["left"]) == n  # nothing of it was sent
     assert any("chunk 1 refused: before_start: stamped" in m.msg for m in c.logs)
-    c.publish_chunk(rows(2.0), c.now_ns(), chunk_id=2)  # planned after the activation: it runs
+    c.publish_chunk(rows(0.6), c.now_ns(), chunk_id=2)  # planned after the activation: it runs
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
-    assert row_of(list(c.arm["left"][-1].cmd), rows(2.0), list(range(6))) >= 0
+    assert row_of(list(c.arm["left"][-1].cmd), rows(0.6), list(range(6))) >= 0
 
 
 @pytest.mark.parametrize(
@@ -486,6 +508,14 @@ def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatc
         ({"max_rows": -1}, r"^max_rows: must be >= 0"),
         ({"gripper_command_range": [1.0, 1.0]}, r"^gripper_command_range: needs \[closed, open\]"),
         ({"speed": 1.0}, r"^speed: unknown parameter"),
+        (
+            {"arm_joint_limits": [-1.0, 1.0]},
+            r"^arm_joint_limits: needs \[lower, upper\] per arm_joints entry \(12",
+        ),
+        (
+            {"arm_joint_limits": [-1.0, 1.0] * 5 + [1.0, -1.0]},
+            r"^arm_joint_limits: wrist_rotate needs lower < upper",
+        ),
     ],
 )
 def test_invalid_streamer_parameters_are_named(params: dict, message: str) -> None:
@@ -493,6 +523,15 @@ def test_invalid_streamer_parameters_are_named(params: dict, message: str) -> No
     # of another type than the default's when the node starts, naming the parameter).
     with pytest.raises(action_streamer.ParameterError, match=message):
         action_streamer.streamer_config(params)
+
+
+def test_infinite_limits_leave_the_joints_unlimited() -> None:
+    # `-.inf` / `.inf` in a params file: no limit (the grippers have none in any case).
+    cfg = action_streamer.streamer_config({"arm_joint_limits": [-math.inf, math.inf] * 6})
+    lower, upper = cfg.position_limits()
+    assert set(lower) == {-math.inf} and set(upper) == {math.inf}
+    default_lower, _ = action_streamer.streamer_config({}).position_limits()
+    assert default_lower[1] == pytest.approx(math.radians(-106)) and default_lower[6] == -math.inf
 
 
 def test_no_gripper_needs_no_gripper_topics() -> None:

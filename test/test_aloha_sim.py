@@ -52,6 +52,20 @@ def test_the_sim_speaks_the_real_followers_names_and_gripper_constants() -> None
     assert tuple(streamer["gripper_command_range"]) == SimConfig().gripper_joint_range
 
 
+def test_the_streamers_default_joint_limits_are_the_simulated_followers_ranges(sim: AlohaSim) -> None:
+    """The streamer's default arm_joint_limits (Interbotix's aloha_vx300s URDF) are the ranges of the
+    ViperX 300 6DOF joints in gym-aloha's MuJoCo model, to its 5 decimals: the sim's arms and the real
+    ones stop where the streamer does."""
+    from rmuscle_ros.node.action_streamer import StreamerConfig
+
+    cfg = StreamerConfig()
+    model = sim.physics.model
+    for side in ("left", "right"):
+        for k, joint in enumerate(cfg.arm_joints):
+            lower, upper = model.jnt_range[model.name2id(f"vx300s_{side}/{joint}", "joint")]
+            assert cfg.arm_joint_limits[2 * k : 2 * k + 2] == pytest.approx((lower, upper), abs=1e-5), joint
+
+
 def test_an_arm_reaches_its_commanded_pose_and_holds_it(sim: AlohaSim) -> None:
     sim.reset(0)
     position, velocity = sim.joint_state("left")

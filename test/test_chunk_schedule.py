@@ -98,6 +98,25 @@ def test_no_joint_moves_more_than_max_step_per_command_starting_from_the_arm() -
     assert s.command(T0 + 120 * MS, np.full(2, -5.0)).action.tolist() == [1.0, 1.0]
 
 
+def test_a_target_beyond_a_position_limit_is_commanded_at_the_limit_and_named() -> None:
+    """Joint a is limited to [-0.5, 0.5], b is not: a's target 2.0 is commanded at 0.5 and the command
+    names a as clamped; a target at the limit as float32 carries it is not counted."""
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, lower=(-0.5, -np.inf), upper=(0.5, np.inf)))
+    chunk = np.array([[2.0, 7.0], [-3.0, -7.0], [float(np.float32(0.5)), 0.0]])
+    offer(s, T0, chunk, now_ns=T0)
+    got = [s.command(T0 + k * 20 * MS, AT_REST) for k in range(3)]
+    assert [c.action.tolist() for c in got] == [[0.5, 7.0], [-0.5, -7.0], pytest.approx([0.5, 0.0])]
+    assert [c.clamped for c in got] == [(0,), (0,), ()]
+
+
+def test_an_arm_measured_outside_its_limits_comes_in_at_max_step_not_in_one_jump() -> None:
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.1, lower=(-1.0, -1.0), upper=(1.0, 1.0)))
+    offer(s, T0, np.full((50, 2), 3.0), now_ns=T0)  # asks past the limit
+    measured = np.array([1.25, 0.0])  # a hair outside it (calibration)
+    got = [s.command(T0 + k * 20 * MS, measured).action[0] for k in range(4)]
+    assert got == pytest.approx([1.15, 1.05, 1.0, 1.0])
+
+
 def test_after_a_hold_commands_step_from_the_command_the_arm_held() -> None:
     """A hold (the chunks ran out) leaves the arm on its last command; the next command is at most max_step
     from it, whatever the arm measures. A gripper closed on an object measures open of its command: from
@@ -239,6 +258,9 @@ def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
         ({"takeover_delay_s": -0.02}, r"^takeover_delay_s: must be >= 0"),
         ({"takeover_delay_s": float("inf")}, r"^takeover_delay_s: must be >= 0"),
         ({"max_rows": 10, "takeover_delay_s": 0.2}, r"^takeover_delay_s: 0.2 s reaches past max_rows"),
+        ({"lower": (0.0,), "upper": (1.0,)}, r"^lower, upper: need one limit per joint \(2\) or none"),
+        ({"lower": (0.0, 1.0), "upper": (1.0, 1.0)}, r"^limits of b: need lower < upper"),
+        ({"lower": (float("nan"), 0.0), "upper": (1.0, 1.0)}, r"^limits of a: need lower < upper"),
     ],
 )
 def test_invalid_settings_are_named(fields: dict, message: str) -> None:

@@ -5,7 +5,8 @@
 `<robot>/commands/joint_group` (`interbotix_xs_msgs/JointGroupCommand`) and, for its gripper,
 `<robot>/commands/joint_single` (`JointSingleCommand`). Every control period this node sends each arm the
 row of the newest chunk that is due then (`chunk_schedule`: rows the call's latency made past are
-skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, and no
+skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, no arm
+joint is commanded past its position limit (`arm_joint_limits`, the ViperX 300 6DOF's by default), and no
 joint moves more than `max_step` per period, starting from the arm's measured position at activation and
 from the command the arm holds after a hold).
 
@@ -60,6 +61,18 @@ from rmuscle_ros.node.spin import spin_node
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
 TAKEOVERS_KEPT = 100  # the takeover rows /diagnostics summarises: the latest chunks'
+CLAMP_LOG_PERIOD_S = 5.0  # at most one clamped command logged per this many seconds (each one is counted)
+# [lower, upper] (rad) of the ViperX 300 6DOF's waist, shoulder, elbow, forearm_roll, wrist_angle and
+# wrist_rotate: Interbotix's aloha_vx300s.urdf.xacro (±(pi - 1e-5); -106, 72; -101, 92; -107, 128 degrees).
+_ROLL = math.pi - 1e-5
+VX300S_LIMITS = (
+    *(-_ROLL, _ROLL),  # waist
+    *(math.radians(-106), math.radians(72)),  # shoulder
+    *(math.radians(-101), math.radians(92)),  # elbow
+    *(-_ROLL, _ROLL),  # forearm_roll
+    *(math.radians(-107), math.radians(128)),  # wrist_angle
+    *(-_ROLL, _ROLL),  # wrist_rotate
+)
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,11 @@ class StreamerConfig:
     gripper_command_range: tuple[float, float] = (0.0, 1.0)
     control_period_s: float = 0.02  # one command per arm per period; a chunk's period must be the same
     max_step: float = 0.1  # the most one joint's command moves per period (command units: rad); 0: none
+    # Each arm joint's position limits (rad), [lower, upper] per arm_joints entry in its order, for every
+    # arm: a target beyond one is commanded at the limit and counted (`clamped`). The default is the
+    # ALOHA's ViperX 300 6DOF follower (Interbotix aloha_vx300s URDF; gym-aloha's MuJoCo ranges are the
+    # same). -.inf / .inf: no limit. The gripper is not limited here (gripper_command_range maps it).
+    arm_joint_limits: tuple[float, ...] = VX300S_LIMITS
     max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
     # Rows of each chunk executed at most (past them the arms hold until a newer chunk): bounds how long a
     # stalled policy's last plan is followed. 0: every row (a 50-row chunk at 50 Hz: 1 s).
@@ -130,6 +148,15 @@ class StreamerConfig:
                         f"so that arm's command would have no value for it"
                     )
         check_closed_open("gripper_command_range", self.gripper_command_range)
+        limits = self.arm_joint_limits
+        if len(limits) != 2 * len(self.arm_joints):
+            raise ParameterError(
+                f"arm_joint_limits: needs [lower, upper] per arm_joints entry ({2 * len(self.arm_joints)} "
+                f"values), got {len(limits)}"
+            )
+        for joint, lo, hi in zip(self.arm_joints, limits[::2], limits[1::2], strict=True):
+            if not lo < hi:  # NaN fails too
+                raise ParameterError(f"arm_joint_limits: {joint} needs lower < upper, got [{lo!r}, {hi!r}]")
         if not (self.max_joint_age_s > 0 and math.isfinite(self.max_joint_age_s)):
             raise ParameterError(f"max_joint_age_s: must be > 0, got {self.max_joint_age_s!r}")
         try:
@@ -145,7 +172,16 @@ class StreamerConfig:
             self.max_future_s,
             self.max_rows,
             self.takeover_delay_s,
+            *self.position_limits(),
         )
+
+    def position_limits(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(lower, upper) in joint_names order: each arm's joints from arm_joint_limits, the rest unlimited."""
+        lower, upper = [-math.inf] * len(self.joint_names), [math.inf] * len(self.joint_names)
+        for indices in self.arm_indices():
+            for k, i in enumerate(indices):
+                lower[i], upper[i] = self.arm_joint_limits[2 * k], self.arm_joint_limits[2 * k + 1]
+        return tuple(lower), tuple(upper)
 
     def arm_indices(self) -> list[list[int]]:
         """Per arm, the action indices of its group's joints, in the group's order."""
@@ -205,6 +241,9 @@ class ActionStreamerNode(LifecycleNode):
         self._refused: Counter[str] = Counter()
         self._last_refusal = ""
         self._last_refusal_logged = -math.inf
+        self._last_clamp = ""  # the latest command held at a position limit, what its chunk asked for
+        self._last_clamp_logged = -math.inf
+        self._limits: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # StreamerConfig.position_limits
         self._last_command: Any = None  # chunk_schedule.Command
         self._takeover_rows: deque[int] = deque(maxlen=TAKEOVERS_KEPT)  # each chunk's first executed row
         # The newest chunk that came before this node had a time (use_sim_time, no /clock yet): offered at
@@ -222,6 +261,7 @@ class ActionStreamerNode(LifecycleNode):
             return TransitionCallbackReturn.FAILURE
         self.cfg, self._messages = cfg, messages
         self._schedule = ChunkSchedule(cfg.schedule())
+        self._limits = cfg.position_limits()
         group, single = messages
         self._arm_pubs = [
             (self.create_lifecycle_publisher(group, t, 10), indices)
@@ -236,7 +276,13 @@ class ActionStreamerNode(LifecycleNode):
         self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
         self.get_logger().info(
             f"configured: {len(cfg.arm_command_topics)} arms, {len(cfg.joint_names)} joints, "
-            f"{1 / cfg.control_period_s:.0f} Hz, max_step {cfg.max_step:g}"
+            f"{1 / cfg.control_period_s:.0f} Hz, max_step {cfg.max_step:g}, arm joint limits "
+            + ", ".join(
+                f"{j} [{lo:.4g}, {hi:.4g}]"
+                for j, lo, hi in zip(
+                    cfg.arm_joints, cfg.arm_joint_limits[::2], cfg.arm_joint_limits[1::2], strict=True
+                )
+            )
         )
         return super().on_configure(state)
 
@@ -406,7 +452,31 @@ class ActionStreamerNode(LifecycleNode):
             pub.publish(single(name=cfg.gripper_joint, cmd=float(action[index])))
         self._counts["commands"] += 1
         self._counts["limited"] += command.limited
+        if command.clamped:
+            self._note_clamped(command)
         self._last_command = command
+
+    def _note_clamped(self, command: Any) -> None:
+        """Count a command held at a position limit; log it (at most every CLAMP_LOG_PERIOD_S) with what the
+        chunk asked for: a policy that keeps asking past the arm's travel is in other units or miscalibrated."""
+        cfg = self.cfg
+        assert cfg is not None
+        self._counts["clamped"] += 1
+        target = command.chunk.actions[command.row]
+        lower, upper = self._limits
+        beyond = ", ".join(
+            f"{cfg.joint_names[i]} {target[i]:.4g} (limits [{lower[i]:.4g}, {upper[i]:.4g}])"
+            for i in command.clamped
+        )
+        self._last_clamp = (
+            f"episode {command.chunk.episode_id} chunk {command.chunk.chunk_id} row {command.row}: {beyond}"
+        )
+        now = time.monotonic()
+        if now - self._last_clamp_logged >= CLAMP_LOG_PERIOD_S:
+            self._last_clamp_logged = now
+            self.get_logger().warning(
+                f"commanded at the position limit: {self._last_clamp} ({self._counts['clamped']} commands so far)"
+            )
 
     # -- diagnostics -------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -418,6 +488,9 @@ class ActionStreamerNode(LifecycleNode):
             "takeover_row.max": rows[-1] if rows else 0,
             "commands": self._counts["commands"],
             "limited": self._counts["limited"],
+            # commands with a joint held at its position limit (arm_joint_limits), and the latest one's detail
+            "clamped": self._counts["clamped"],
+            "last_clamp": self._last_clamp,
             "held": self._counts["held"],
             "waiting_for_joints": self._counts["waiting_for_joints"],
             "chunks_accepted": self._counts["chunks_accepted"],
@@ -441,11 +514,13 @@ class ActionStreamerNode(LifecycleNode):
         status.message = f"{s['commands']} commands ({where})"
         if s["refused"]:
             status.message += f"; last refused: {s['last_refusal']}"
-        keys = ("commands", "limited", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
+        keys = ("commands", "limited", "clamped", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
                 "clock_jumps", "bad_joint_states", "takeover_row.p50", "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)
+        if s["last_clamp"]:
+            values["last_clamp"] = s["last_clamp"]
         status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
         array = DiagnosticArray(status=[status])
         array.header.stamp = self.get_clock().now().to_msg()

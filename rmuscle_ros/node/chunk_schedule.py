@@ -24,6 +24,13 @@ gripper closed on an object measures open of its command, and starting from the 
 the command and loosen the grip. So nothing else may command the arms while the streamer is active (an
 episode reset deactivates it first).
 
+With position limits (`lower`, `upper`, per joint), a row's target beyond a joint's limit is commanded at
+the limit (`Command.clamped` names those joints): a policy in the wrong units, or one asking past the arm's
+travel, does not reach the motors' own limits, where an Interbotix arm's Dynamixel servos refuse the goal
+and the arm stays where it was. The limit applies to the target before `max_step`: the first command after
+activation steps from the measured position toward a target inside the limits, so an arm measured a hair
+outside them (calibration) comes in at that pace, not in one jump.
+
 A clock that goes back by more than a period (a bag played again, a simulator restarted: /clock back to
 its start) is a new run: the chunks in hand and the last command are forgotten as at an activation
 (`clock`), or every fresh chunk would be refused as stamped before them, and the old run's last chunk
@@ -71,10 +78,21 @@ class ScheduleConfig:
     # A chunk takes over no earlier than this long after its stamp (a fixed execution delay, see the module
     # docstring). 0: as soon as it arrives.
     takeover_delay_s: float = 0.0
+    # Each joint's position limits, in joint_names order (their units; -inf / inf: none). (): no limits.
+    lower: tuple[float, ...] = ()
+    upper: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.joint_names or len(set(self.joint_names)) != len(self.joint_names):
             raise ValueError(f"joint_names: needs distinct entries, got {list(self.joint_names)}")
+        if len(self.lower) != len(self.upper) or len(self.lower) not in (0, len(self.joint_names)):
+            raise ValueError(
+                f"lower, upper: need one limit per joint ({len(self.joint_names)}) or none, got "
+                f"{len(self.lower)} and {len(self.upper)}"
+            )
+        for name, lo, hi in zip(self.joint_names, self.lower, self.upper, strict=False):
+            if not lo < hi:  # NaN fails too
+                raise ValueError(f"limits of {name}: need lower < upper, got [{lo!r}, {hi!r}]")
         if not (self.control_period_s > 0 and math.isfinite(self.control_period_s)):
             raise ValueError(f"control_period_s: must be > 0, got {self.control_period_s!r}")
         if not (self.max_step >= 0 and math.isfinite(self.max_step)):
@@ -111,6 +129,7 @@ class Command:
     chunk: Chunk
     row: int  # the chunk's row it came from
     limited: bool  # max_step held back at least one joint
+    clamped: tuple[int, ...] = ()  # the joints (indices) whose target lay beyond a position limit
 
 
 class ChunkSchedule:
@@ -254,6 +273,12 @@ class ChunkSchedule:
         if previous is None:
             return None
         target = running.actions[row]
+        clamped: tuple[int, ...] = ()
+        if self.cfg.lower:
+            within = np.clip(target, self.cfg.lower, self.cfg.upper)
+            # 1e-6: a target at the limit that crossed the wire as float32 is not counted as beyond it
+            clamped = tuple(int(i) for i in np.flatnonzero(np.abs(within - target) > 1e-6))
+            target = within
         step = self.cfg.max_step
         # A joint within a step of its target gets the target itself. The 1e-6 is for values that crossed
         # the wire as float32, a step whose remainder rounded a hair above max_step.
@@ -262,7 +287,9 @@ class ChunkSchedule:
         )
         action = np.where(held_back, previous + np.clip(target - previous, -step, step), target)
         self._last = action
-        return Command(action=action, chunk=running, row=int(row), limited=bool(held_back.any()))
+        return Command(
+            action=action, chunk=running, row=int(row), limited=bool(held_back.any()), clamped=clamped
+        )
 
     @property
     def chunk_in_hand(self) -> Chunk | None:
