@@ -87,10 +87,17 @@ def test_data_container_types(kind: str, encoding: str) -> None:
     np.testing.assert_array_equal(out, expected_rgb(encoding))
 
 
-def test_trailing_bytes_beyond_step_times_height_are_ignored() -> None:
-    msg = raw_msg(source_pixels(3), "rgb8")
-    msg.data = msg.data + b"\xff" * 10
-    np.testing.assert_array_equal(image_to_rgb(msg), expected_rgb("rgb8"))
+def test_data_longer_than_its_size_says_is_an_error_not_a_cropped_frame() -> None:
+    """A message declaring 240 rows of a 480-row frame: read as declared, its bottom half would be dropped
+    without a word. cv_bridge refuses it too ("Image is wrongly formed"); found in review."""
+    msg = SimpleNamespace(
+        height=240, width=640, encoding="rgb8", is_bigendian=0, step=1920, data=bytes(921600)
+    )
+    with pytest.raises(ImageConversionError) as info:
+        image_to_rgb(msg)
+    assert str(info.value) == (
+        "image data longer than its size says: 921600 bytes, expected 460800 (240 rows x step 1920)"
+    )
 
 
 def test_big_endian_flag_does_not_matter_for_8_bit_encodings() -> None:

@@ -87,9 +87,10 @@ def image_to_rgb(msg: RawImageMessage) -> np.ndarray:
     """`sensor_msgs/Image` -> (height, width, 3) uint8 RGB array (new memory, C-contiguous).
 
     Encodings: rgb8, bgr8, rgba8, bgra8 (alpha dropped), mono8 (grey replicated to three channels).
-    Rows may be padded (step > width * channels); bytes beyond step * height are ignored.
-    Raises ImageConversionError for an unknown encoding, a non-positive size, a step shorter than a
-    row, or data shorter than step * height.
+    Rows may be padded (step > width * channels). Raises ImageConversionError for an unknown encoding, a
+    non-positive size, a step shorter than a row, or data other than step * height bytes, as cv_bridge
+    does ("Image is wrongly formed"): more would mean a wrong height, and the frame read as declared would
+    be cropped without a word (found in review; until then trailing bytes were ignored).
     """
     height, width, step, encoding = int(msg.height), int(msg.width), int(msg.step), msg.encoding
     layout = _RAW_ENCODINGS.get(encoding)
@@ -107,9 +108,10 @@ def image_to_rgb(msg: RawImageMessage) -> np.ndarray:
         )
     flat = _byte_view(msg.data)
     expected = step * height
-    if flat.size < expected:
+    if flat.size != expected:
+        what = "truncated image" if flat.size < expected else "image data longer than its size says"
         raise ImageConversionError(
-            f"truncated image: {flat.size} bytes, expected {expected} ({height} rows x step {step})"
+            f"{what}: {flat.size} bytes, expected {expected} ({height} rows x step {step})"
         )
     # (height * step,) -> (height, step) -> drop row padding -> (height, width, channels); still a view
     src = flat[:expected].reshape(height, step)[:, :row_bytes].reshape(height, width, channels)
