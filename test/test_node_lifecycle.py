@@ -1087,6 +1087,85 @@ def test_the_player_skips_types_not_installed_and_waits_only_for_the_remapped_to
     assert player.published == recorded + 5, "the cameras, the joints and /chatter; not the gripper's"
 
 
+def test_the_player_offers_each_topic_the_qos_its_recording_did_and_keeps_the_clock_moving(
+    harness, tmp_path
+) -> None:
+    """A reliable subscriber (a logger) and a transient-local one (robot_state_publisher's
+    /robot_description) receive what their recorded publishers offered, where a best-effort, volatile replay
+    reached neither; topics whose offers differ, or that recorded none, keep the player's default (rosbag2's
+    rule). /clock goes on through a 1 s gap in the recording instead of standing still until the next
+    message. Both found in review."""
+    from types import SimpleNamespace as Ns
+
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+    from rosbags.rosbag2 import Writer
+    from rosgraph_msgs.msg import Clock
+    from std_msgs.msg import String
+
+    from rmuscle_ros.node.bags import STORAGE, recorded_qos
+
+    never = QosTime(sec=0, nsec=0)
+
+    def offered(reliability: QosReliability, durability: QosDurability) -> Qos:
+        return Qos(
+            QosHistory.KEEP_LAST,
+            1,
+            reliability,
+            durability,
+            never,
+            never,
+            QosLiveliness.AUTOMATIC,
+            never,
+            False,
+        )
+
+    reliable = offered(QosReliability.RELIABLE, QosDurability.VOLATILE)
+    latched = offered(QosReliability.RELIABLE, QosDurability.TRANSIENT_LOCAL)
+    store = typestore()
+    bag, t0 = tmp_path / "cell", 1_700_000_000 * 10**9
+    with Writer(bag, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        log = writer.add_connection(
+            "/log", "std_msgs/msg/String", typestore=store, offered_qos_profiles=[reliable]
+        )
+        urdf = writer.add_connection(
+            "/robot_description", "std_msgs/msg/String", typestore=store, offered_qos_profiles=[latched]
+        )
+        text = store.types["std_msgs/msg/String"]
+        writer.write(urdf, t0, bytes(store.serialize_cdr(text(data="<robot/>"), "std_msgs/msg/String")))
+        for k, t in enumerate((t0, t0 + 10**8, t0 + 11 * 10**8)):  # a 1 s gap before the last
+            writer.write(log, t, bytes(store.serialize_cdr(text(data=str(k)), "std_msgs/msg/String")))
+    h = harness()
+    got: dict[str, list] = {"/log": [], "/robot_description": [], "/clock": []}
+    h.peer.create_subscription(String, "/log", got["/log"].append, 10)  # reliable, volatile
+    latched_sub = QoSProfile(
+        depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL
+    )
+    h.peer.create_subscription(String, "/robot_description", got["/robot_description"].append, latched_sub)
+    h.peer.create_subscription(Clock, "/clock", got["/clock"].append, 100)
+    player = BagPlayer(h.peer, bag, qos_profile_sensor_data, remap={})
+    player.play(wait_for_subscribers_s=5.0)
+    assert h.wait_for(lambda: len(got["/log"]) == 3 and len(got["/robot_description"]) == 1, timeout=5.0), got
+    assert player.unmatched == []
+    in_gap = [
+        m for m in got["/clock"] if t0 + 10**8 < m.clock.sec * 10**9 + m.clock.nanosec < t0 + 11 * 10**8
+    ]
+    assert len(in_gap) >= 20, f"/clock moved {len(in_gap)} times in the recording's 1 s gap"
+    times = [m.clock.sec * 10**9 + m.clock.nanosec for m in got["/clock"]]
+    assert times == sorted(times), "the bag's clock never goes back"
+    # What the recording does not settle keeps the player's default.
+    mixed = [Ns(ext=Ns(offered_qos_profiles=[reliable])), Ns(ext=Ns(offered_qos_profiles=[latched]))]
+    assert recorded_qos(mixed, qos_profile_sensor_data) is qos_profile_sensor_data
+    assert (
+        recorded_qos([Ns(ext=Ns(offered_qos_profiles=[]))], qos_profile_sensor_data)
+        is qos_profile_sensor_data
+    )
+    assert (
+        recorded_qos([Ns(ext=Ns(offered_qos_profiles=[latched]))], 10).durability
+        == DurabilityPolicy.TRANSIENT_LOCAL
+    )
+
+
 def test_a_moved_bag_moves_every_stamp_and_plays_its_own_clock_not_the_recorded_one(
     harness, tmp_path
 ) -> None:
@@ -1130,6 +1209,78 @@ def test_a_moved_bag_moves_every_stamp_and_plays_its_own_clock_not_the_recorded_
                                                                m.header.stamp.sec) for m in msgs})
                for topic, msgs in got.items()}  # fmt: skip
     assert all(sec // 10**8 == 18 for secs in seconds.values() for sec in secs), seconds
+
+
+def test_recordings_a_recorder_left_unclosed_or_out_of_order_are_refused_saying_so(harness, tmp_path) -> None:
+    """A recorder that crashed leaves no metadata.yaml, or an MCAP file without its end: each refusal says
+    the recording was not closed and what repairs it. An unindexed MCAP (rosbag2's fastwrite preset writes
+    one) whose messages are out of time order passes the first check and is refused by name when the
+    player reaches that point; before (found in review), the player died there with a traceback."""
+    from io import BytesIO
+
+    from rosbags.rosbag2 import Writer
+    from rosbags.rosbag2.storage_mcap import (
+        write_record,
+        write_string,
+        write_uint16,
+        write_uint32,
+        write_uint64,
+    )
+
+    from rmuscle_ros.node.bags import STORAGE, BagRefused, bag_info
+
+    crashed = tmp_path / "crashed"
+    write_aloha_episode(crashed, seconds=0.2)
+    (crashed / "metadata.yaml").unlink()
+    with pytest.raises(ValueError, match=r"crashed: no metadata.yaml .* not closed .* `ros2 bag reindex`"):
+        bag_info(crashed)
+    cut = tmp_path / "cut"
+    write_aloha_episode(cut, seconds=0.2)
+    mcap = next(cut.glob("*.mcap"))
+    mcap.write_bytes(mcap.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"cut: cannot be read .* not closed .* `mcap recover`"):
+        bag_info(cut)
+
+    # An unchunked, unindexed MCAP whose third message is stamped before the second.
+    store, topic = typestore(), "/log"
+    disorder = tmp_path / "disorder"
+    with Writer(disorder, version=9, storage_plugin=STORAGE["mcap"]) as writer:  # its metadata.yaml
+        connection = writer.add_connection(topic, "std_msgs/msg/String", typestore=store)
+        for t in (1, 2, 3):
+            writer.write(connection, 10**18 + t * 10**8, b"\x00\x01\x00\x00\x01\x00\x00\x00\x00")
+    definition, _ = store.generate_msgdef("std_msgs/msg/String", ros_version=2)
+    out = BytesIO(b"\x89MCAP0\r\n")
+    out.seek(0, 2)
+
+    def record(opcode: int, *fields: tuple[Any, Any]) -> None:
+        body = BytesIO()
+        for write, value in fields:
+            if write is None:
+                body.write(value)  # raw bytes
+            else:
+                write(body, value)
+        write_record(out, opcode, body)
+
+    meta = BytesIO()
+    write_string(meta, "offered_qos_profiles")
+    write_string(meta, "[]")
+    record(0x01, (write_string, "ros2"), (write_string, "rosbag2"))  # header
+    record(0x03, (write_uint16, 1), (write_string, "std_msgs/msg/String"), (write_string, "ros2msg"),
+           (write_uint32, len(definition)), (None, definition.encode()))  # fmt: skip
+    record(0x04, (write_uint16, 1), (write_uint16, 1), (write_string, topic), (write_string, "cdr"),
+           (write_uint32, len(meta.getvalue())), (None, meta.getvalue()))  # fmt: skip
+    for t in (1, 3, 2):
+        when = 10**18 + t * 10**8
+        record(0x05, (write_uint16, 1), (write_uint32, 0), (write_uint64, when), (write_uint64, when),
+               (None, b"\x00\x01\x00\x00\x01\x00\x00\x00\x00"))  # fmt: skip
+    record(0x0F, (write_uint32, 0))  # data end
+    record(0x02, (write_uint64, 0), (write_uint64, 0), (write_uint32, 0))  # footer
+    out.write(b"\x89MCAP0\r\n")
+    next(disorder.glob("*.mcap")).write_bytes(out.getvalue())
+    assert bag_info(disorder).topics[topic] == ("std_msgs/msg/String", 3)
+    player = BagPlayer(harness().peer, disorder, 10)
+    with pytest.raises(BagRefused, match=r"disorder: cannot be read on in time order after 2 messages"):
+        player.play()
 
 
 def test_bags_the_player_cannot_play_are_refused_saying_why(harness, tmp_path) -> None:

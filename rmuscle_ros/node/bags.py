@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import math
 import struct
 import sys
 import time
@@ -50,6 +51,7 @@ ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle",
 # arm), the gripper's two finger positions after its joint.
 ALOHA_JOINT_STATE_NAMES = (*ALOHA_ARM_JOINTS, "left_finger", "right_finger")
 STORAGE = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+CLOCK_HZ = 100.0  # /clock messages per wall-clock second between a bag's messages (BagPlayer.play)
 MSG_DIR = Path(__file__).resolve().parents[2] / "msg"
 
 
@@ -143,6 +145,11 @@ class BagInfo:
 def bag_info(path: Path) -> BagInfo:
     """What a bag holds, read from its metadata (no message is read). ValueError naming the bag if it
     cannot be opened or holds no message."""
+    if path.is_dir() and not (path / "metadata.yaml").exists() and any(path.glob("*.mcap")):
+        raise ValueError(
+            f"bag {path}: no metadata.yaml beside its .mcap file: the recording was not closed (a recorder "
+            "that crashed or was killed); `ros2 bag reindex` writes it"
+        )
     try:
         with _reader(path) as reader:
             topics: dict[str, tuple[str, int]] = {}
@@ -153,7 +160,10 @@ def bag_info(path: Path) -> BagInfo:
     except BagRefused:
         raise
     except Exception as e:  # rosbags raises its own types for every kind of unreadable bag
-        raise ValueError(f"bag {path}: cannot be read ({type(e).__name__}: {e})") from None
+        hint = ""
+        if "end magic" in str(e):  # an MCAP file whose writer never wrote its end
+            hint = "; the MCAP file was not closed (a recorder that crashed or was killed): `mcap recover` repairs it"
+        raise ValueError(f"bag {path}: cannot be read ({type(e).__name__}: {e}){hint}") from None
     if not topics or sum(n for _, n in topics.values()) == 0:
         raise ValueError(f"bag {path}: holds no message")
     return BagInfo(start, end, topics)
@@ -240,6 +250,31 @@ def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
     return bytes(out)
 
 
+def recorded_qos(connections: Sequence[Any], default: Any) -> Any:
+    """The QoS to replay a topic with, from what its recorded publishers offered (the connections'
+    `offered_qos_profiles`), as `ros2 bag play` decides it: their reliability and durability when every
+    one offered the same, `default`'s otherwise (no offer recorded, e.g. the bags `write_aloha_episode`
+    writes, or offers that differ). The depth stays `default`'s. A reliable, transient-local replay
+    reaches the subscribers that ask for it (a robot_state_publisher's /robot_description, a reliable
+    logger) as well as best-effort ones; best effort would reach none of them."""
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+    base = QoSProfile(depth=default) if isinstance(default, int) else default
+    offers = [q for c in connections for q in (getattr(c.ext, "offered_qos_profiles", None) or [])]
+    kinds = {(q.reliability.name, q.durability.name) for q in offers}
+    if len(kinds) != 1:
+        return base
+    reliability, durability = kinds.pop()
+    if reliability not in ("RELIABLE", "BEST_EFFORT") or durability not in ("TRANSIENT_LOCAL", "VOLATILE"):
+        return base  # SYSTEM_DEFAULT, UNKNOWN, BEST_AVAILABLE: nothing to replay as
+    return QoSProfile(
+        history=base.history,
+        depth=base.depth,
+        reliability=ReliabilityPolicy[reliability],
+        durability=DurabilityPolicy[durability],
+    )
+
+
 def _message_class(msgtype: str) -> Any:
     package, _, name = msgtype.split("/")
     return getattr(importlib.import_module(f"{package}.msg"), name)
@@ -254,9 +289,11 @@ class BagPlayer:
         self.node, self.path, self.remap = node, path, dict(remap or {})
         self._clock_pub = node.create_publisher(Clock, "/clock", 10)
         self._clock_type = Clock
-        self._qos = qos
+        self._qos = qos  # each topic's QoS where its recording says none (`recorded_qos`)
         self.published = 0
         self.skipped: dict[str, str] = {}  # topic -> message type not installed here (e.g. a driver's own)
+        # Awaited topics (and /clock) that no subscriber had matched when the wait for them ran out.
+        self.unmatched: list[str] = []
 
     def play(
         self,
@@ -264,6 +301,7 @@ class BagPlayer:
         wait_for_subscribers_s: float = 0.0,
         start_ns: int | None = None,
         clock_subscribers: int = 1,
+        clock_hz: float = CLOCK_HZ,
     ) -> None:
         """Blocks until every message has been published at its recorded time (scaled by `rate`).
         `wait_for_subscribers_s`: first wait up to this long for every topic to have a subscriber, and
@@ -274,7 +312,13 @@ class BagPlayer:
 
         A cell's recordings hold more than cameras and joints: topics whose message type is not installed
         here (a driver's own, e.g. a gripper command) are skipped (`skipped`), and with a remap only the
-        remapped topics are waited for, since nobody may subscribe to the rest (/tf, diagnostics, ...)."""
+        remapped topics are waited for, since nobody may subscribe to the rest (/tf, diagnostics, ...).
+        Each topic is published with the QoS its recorded publishers offered (`recorded_qos`).
+
+        /clock also moves between messages, `clock_hz` times a second of wall time (as `ros2 bag play
+        --clock` does): a gap in the recording (a camera that stopped) does not stop the bag's time, so
+        timers on it run on and a node can see its inputs go stale. A bag whose messages cannot be read in
+        time order is refused (`BagRefused`) when the player reaches that point."""
         with _reader(self.path) as reader:
             offset = 0 if start_ns is None else start_ns - reader.start_time
             fielddefs = reader.typestore.fielddefs
@@ -291,8 +335,9 @@ class BagPlayer:
                 except (ImportError, AttributeError):
                     self.skipped[c.topic] = c.msgtype
                     continue
+                same_topic = [k for k in reader.connections if k.topic == c.topic]
                 pubs[c.topic] = self.node.create_publisher(
-                    message_class, self.remap.get(c.topic, c.topic), self._qos
+                    message_class, self.remap.get(c.topic, c.topic), recorded_qos(same_topic, self._qos)
                 )
             if not pubs:
                 raise BagRefused(
@@ -309,16 +354,34 @@ class BagPlayer:
 
             while time.monotonic() < deadline and waiting():
                 time.sleep(0.05)
+            if wait_for_subscribers_s > 0 and waiting():
+                self.unmatched = [
+                    t for t, pub in pubs.items() if pub in awaited and not pub.get_subscription_count()
+                ]
+                if self._clock_pub.get_subscription_count() < clock_subscribers:
+                    self.unmatched.append("/clock")
             time.sleep(0.5)  # discovery: let subscribers match before the first message
+            tick_s = 1.0 / clock_hz if clock_hz > 0 else math.inf
             wall0, bag0 = time.monotonic(), None
-            for connection, t, raw in reader.messages([c for c in reader.connections if c.topic in pubs]):
+            messages = reader.messages([c for c in reader.connections if c.topic in pubs])
+            while True:
+                try:
+                    connection, t, raw = next(messages)
+                except StopIteration:
+                    break
+                except Exception as e:  # rosbags' ReaderError: e.g. an unindexed MCAP out of time order
+                    raise BagRefused(
+                        f"bag {self.path}: cannot be read on in time order after {self.published} messages "
+                        f"({type(e).__name__}: {e}); `mcap recover` or `ros2 bag reindex` may repair it"
+                    ) from None
                 bag0 = t if bag0 is None else bag0
-                delay = wall0 + (t - bag0) / 1e9 / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                clock = self._clock_type()
-                clock.clock.sec, clock.clock.nanosec = divmod(t + offset, 10**9)
-                self._clock_pub.publish(clock)
+                due = wall0 + (t - bag0) / 1e9 / rate
+                while (delay := due - time.monotonic()) > 0:
+                    time.sleep(min(delay, tick_s))
+                    if time.monotonic() < due:  # the bag's time between messages
+                        now = bag0 + round((time.monotonic() - wall0) * rate * 1e9)
+                        self._publish_clock(min(now, t) + offset)
+                self._publish_clock(t + offset)
                 where = stamps[connection.topic]
                 if where == "header":
                     raw = shift_header_stamp(raw, offset)
@@ -330,6 +393,11 @@ class BagPlayer:
                 self.published += 1
             for pub in pubs.values():
                 self.node.destroy_publisher(pub)
+
+    def _publish_clock(self, t_ns: int) -> None:
+        clock = self._clock_type()
+        clock.clock.sec, clock.clock.nanosec = divmod(t_ns, 10**9)
+        self._clock_pub.publish(clock)
 
 
 def write_messages(
@@ -405,12 +473,22 @@ def main(argv: list[str] | None = None) -> int:
     node = rclpy.create_node("bag_player")
     try:
         player = BagPlayer(node, args.bag, qos_profile_sensor_data, remap=remap)
-        player.play(
-            args.rate,
-            wait_for_subscribers_s=args.wait_for_subscribers,
-            start_ns=args.start_ns,
-            clock_subscribers=args.clock_subscribers,
-        )
+        try:
+            player.play(
+                args.rate,
+                wait_for_subscribers_s=args.wait_for_subscribers,
+                start_ns=args.start_ns,
+                clock_subscribers=args.clock_subscribers,
+            )
+        except BagRefused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if player.unmatched:
+            print(
+                f"no subscriber matched {', '.join(player.unmatched)} within {args.wait_for_subscribers:g} s "
+                "(none there, or one asking for a QoS the recording did not offer): played all the same",
+                file=sys.stderr,
+            )
         print(f"published {player.published} messages from {args.bag}")
         for topic, msgtype in sorted(player.skipped.items()):
             why = "the player publishes its own /clock" if topic == "/clock" else "not installed here"
