@@ -329,9 +329,8 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
     threading.Thread(target=executor.spin, daemon=True).start()
     seen: dict[str, list] = {"clock": [], "joints": [], "image": [], "diag": []}
     peer.create_subscription(Clock, "/clock", seen["clock"].append, 10)
-    peer.create_subscription(
-        JointState, "/follower_left/joint_states", seen["joints"].append, qos_profile_sensor_data
-    )
+    # reliable, as a robot_state_publisher subscribes: the sim publishes them as Interbotix's xs_sdk does
+    peer.create_subscription(JointState, "/follower_left/joint_states", seen["joints"].append, 10)
     peer.create_subscription(Image, CAMERA_TOPICS[1], seen["image"].append, qos_profile_sensor_data)
     peer.create_subscription(DiagnosticArray, "/diagnostics", seen["diag"].append, 10)
     arm = peer.create_publisher(interbotix.JointGroupCommand, "/follower_left/commands/joint_group", 10)

@@ -199,11 +199,10 @@ class AlohaSimNode(Node):
             self.create_publisher(Image, t, qos_profile_sensor_data)
             for t in CAMERA_TOPICS[: len(self.cfg.cameras)]
         ]
+        # Reliable, depth 10, as Interbotix's xs_sdk publishes them on Jazzy: a reliable subscriber (a
+        # robot_state_publisher for RViz) receives them too, best-effort ones (rmuscle_node's) as before.
         self._joint_pubs = [
-            self.create_publisher(
-                JointState, ALOHA_JOINT_STATE_TOPIC.format(side=side), qos_profile_sensor_data
-            )
-            for side in SIDES
+            self.create_publisher(JointState, ALOHA_JOINT_STATE_TOPIC.format(side=side), 10) for side in SIDES
         ]
         for side in SIDES:
             self.create_subscription(
