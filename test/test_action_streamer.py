@@ -509,6 +509,10 @@ def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatc
         ({"gripper_command_range": [1.0, 1.0]}, r"^gripper_command_range: needs \[closed, open\]"),
         ({"speed": 1.0}, r"^speed: unknown parameter"),
         (
+            {"arm_joints": ["shoulder", "waist", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate"]},
+            r"^arm_joint_limits: the default is the ViperX 300 6DOF's, for its joints \['waist', 'shoulder'",
+        ),
+        (
             {"arm_joint_limits": [-1.0, 1.0]},
             r"^arm_joint_limits: needs \[lower, upper\] per arm_joints entry \(12",
         ),
@@ -523,6 +527,22 @@ def test_invalid_streamer_parameters_are_named(params: dict, message: str) -> No
     # of another type than the default's when the node starts, naming the parameter).
     with pytest.raises(action_streamer.ParameterError, match=message):
         action_streamer.streamer_config(params)
+
+
+def test_an_integer_for_a_float_parameter_says_which_and_how_not_a_traceback() -> None:
+    """A params file's `arm_joint_limits: [-3, 3, ...]` (YAML integers) or `-p max_step:=1`: rclpy refuses
+    them when the node is made, before configure can say anything; the executable says which parameter
+    and how to write it, and exits 2 (before, a traceback)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "rmuscle_ros.node.action_streamer", "--ros-args", "-p", "max_step:=1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "parameter 'max_step' to '1' of type 'INTEGER', expecting type 'DOUBLE'" in done.stderr
+    assert "(write floats with a decimal point: 1.0, not 1)" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_infinite_limits_leave_the_joints_unlimited() -> None:

@@ -3,6 +3,8 @@ chunks are refused (and that a refusal leaves the chunk in execution in force)."
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -99,13 +101,19 @@ def test_no_joint_moves_more_than_max_step_per_command_starting_from_the_arm() -
 
 
 def test_a_target_beyond_a_position_limit_is_commanded_at_the_limit_and_named() -> None:
-    """Joint a is limited to [-0.5, 0.5], b is not: a's target 2.0 is commanded at 0.5 and the command
-    names a as clamped; a target at the limit as float32 carries it is not counted."""
-    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, lower=(-0.5, -np.inf), upper=(0.5, np.inf)))
-    chunk = np.array([[2.0, 7.0], [-3.0, -7.0], [float(np.float32(0.5)), 0.0]])
+    """Joint a is limited to [-0.5, 1.2566] (the ViperX shoulder's upper limit, 72 degrees), b is not: a's
+    target 2.0 is commanded at the limit and the command names a as clamped; the limit itself as float32
+    carries it (3.5e-8 above) is not counted."""
+    upper = math.radians(72)
+    s = ChunkSchedule(
+        ScheduleConfig(JOINTS, 0.02, max_step=0.0, lower=(-0.5, -np.inf), upper=(upper, np.inf))
+    )
+    on_the_wire = float(np.float32(upper))
+    assert on_the_wire > upper
+    chunk = np.array([[2.0, 7.0], [-3.0, -7.0], [on_the_wire, 0.0]])
     offer(s, T0, chunk, now_ns=T0)
     got = [s.command(T0 + k * 20 * MS, AT_REST) for k in range(3)]
-    assert [c.action.tolist() for c in got] == [[0.5, 7.0], [-0.5, -7.0], pytest.approx([0.5, 0.0])]
+    assert [c.action.tolist() for c in got] == [[upper, 7.0], [-0.5, -7.0], [upper, 0.0]]
     assert [c.clamped for c in got] == [(0,), (0,), ()]
 
 

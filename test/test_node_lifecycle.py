@@ -1164,6 +1164,11 @@ def test_the_player_offers_each_topic_the_qos_its_recording_did_and_keeps_the_cl
         recorded_qos([Ns(ext=Ns(offered_qos_profiles=[latched]))], 10).durability
         == DurabilityPolicy.TRANSIENT_LOCAL
     )
+    # A topic nobody subscribes to under its remapped name, and /clock short of the subscribers asked for:
+    # named as published.
+    lonely = BagPlayer(h.peer, bag, qos_profile_sensor_data, remap={"/log": "/nobody_listens"})
+    lonely.play(wait_for_subscribers_s=0.3, clock_subscribers=2)
+    assert lonely.unmatched == ["/nobody_listens", "/clock (1 of 2 subscribers)"], lonely.unmatched
 
 
 def test_a_moved_bag_moves_every_stamp_and_plays_its_own_clock_not_the_recorded_one(
@@ -1234,6 +1239,11 @@ def test_recordings_a_recorder_left_unclosed_or_out_of_order_are_refused_saying_
     (crashed / "metadata.yaml").unlink()
     with pytest.raises(ValueError, match=r"crashed: no metadata.yaml .* not closed .* `ros2 bag reindex`"):
         bag_info(crashed)
+    crashed_sqlite = tmp_path / "crashed_sqlite"  # Humble's default storage
+    write_aloha_episode(crashed_sqlite, seconds=0.2, storage="sqlite3")
+    (crashed_sqlite / "metadata.yaml").unlink()
+    with pytest.raises(ValueError, match=r"crashed_sqlite: no metadata.yaml beside its crashed_sqlite.db3"):
+        bag_info(crashed_sqlite)
     cut = tmp_path / "cut"
     write_aloha_episode(cut, seconds=0.2)
     mcap = next(cut.glob("*.mcap"))

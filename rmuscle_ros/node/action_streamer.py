@@ -6,7 +6,7 @@
 `<robot>/commands/joint_single` (`JointSingleCommand`). Every control period this node sends each arm the
 row of the newest chunk that is due then (`chunk_schedule`: rows the call's latency made past are
 skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, no arm
-joint is commanded past its position limit (`arm_joint_limits`, the ViperX 300 6DOF's by default), and no
+joint's target is past its position limit (`arm_joint_limits`, the ViperX 300 6DOF's by default), and no
 joint moves more than `max_step` per period, starting from the arm's measured position at activation and
 from the command the arm holds after a hold).
 
@@ -65,6 +65,7 @@ CLAMP_LOG_PERIOD_S = 5.0  # at most one clamped command logged per this many sec
 # [lower, upper] (rad) of the ViperX 300 6DOF's waist, shoulder, elbow, forearm_roll, wrist_angle and
 # wrist_rotate: Interbotix's aloha_vx300s.urdf.xacro (±(pi - 1e-5); -106, 72; -101, 92; -107, 128 degrees).
 _ROLL = math.pi - 1e-5
+VX300S_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate")
 VX300S_LIMITS = (
     *(-_ROLL, _ROLL),  # waist
     *(math.radians(-106), math.radians(72)),  # shoulder
@@ -85,14 +86,7 @@ class StreamerConfig:
     joint_state_topics: tuple[str, ...] = ("joint_states/left", "joint_states/right")
     joint_name_prefixes: tuple[str, ...] = ("left_", "right_")
     # One arm per prefix: its joint group (the arm joints, in the group's order, unprefixed) and its gripper.
-    arm_joints: tuple[str, ...] = (
-        "waist",
-        "shoulder",
-        "elbow",
-        "forearm_roll",
-        "wrist_angle",
-        "wrist_rotate",
-    )
+    arm_joints: tuple[str, ...] = VX300S_JOINTS
     arm_group_name: str = "arm"
     arm_command_topics: tuple[str, ...] = ("commands/left/joint_group", "commands/right/joint_group")
     gripper_joint: str = "gripper"  # "": the arms have no gripper command
@@ -149,6 +143,11 @@ class StreamerConfig:
                     )
         check_closed_open("gripper_command_range", self.gripper_command_range)
         limits = self.arm_joint_limits
+        if limits == VX300S_LIMITS and self.arm_joints != VX300S_JOINTS:
+            raise ParameterError(
+                f"arm_joint_limits: the default is the ViperX 300 6DOF's, for its joints {list(VX300S_JOINTS)} "
+                f"in that order; set the limits of arm_joints {list(self.arm_joints)}"
+            )
         if len(limits) != 2 * len(self.arm_joints):
             raise ParameterError(
                 f"arm_joint_limits: needs [lower, upper] per arm_joints entry ({2 * len(self.arm_joints)} "

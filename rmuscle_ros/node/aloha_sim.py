@@ -471,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         made.append(AlohaSimNode(shutdown_on_failure=True))
         return made[-1]
 
-    spin_node(make, argv)
+    rc = spin_node(make, argv)
+    if rc:  # the node was not made (a parameter of the wrong type)
+        return rc
     if made and made[0].failure:
         print(f"aloha_sim: {made[0].failure}", file=sys.stderr)
         return 1

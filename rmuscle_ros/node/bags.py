@@ -145,10 +145,13 @@ class BagInfo:
 def bag_info(path: Path) -> BagInfo:
     """What a bag holds, read from its metadata (no message is read). ValueError naming the bag if it
     cannot be opened or holds no message."""
-    if path.is_dir() and not (path / "metadata.yaml").exists() and any(path.glob("*.mcap")):
+    storage = (
+        sorted(f for f in path.glob("*") if f.suffix in (".mcap", ".db3", ".zstd")) if path.is_dir() else []
+    )
+    if storage and not (path / "metadata.yaml").exists():
         raise ValueError(
-            f"bag {path}: no metadata.yaml beside its .mcap file: the recording was not closed (a recorder "
-            "that crashed or was killed); `ros2 bag reindex` writes it"
+            f"bag {path}: no metadata.yaml beside its {storage[0].name}: the recording was not closed (a "
+            "recorder that crashed or was killed); `ros2 bag reindex` writes it"
         )
     try:
         with _reader(path) as reader:
@@ -252,9 +255,11 @@ def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
 
 def recorded_qos(connections: Sequence[Any], default: Any) -> Any:
     """The QoS to replay a topic with, from what its recorded publishers offered (the connections'
-    `offered_qos_profiles`), as `ros2 bag play` decides it: their reliability and durability when every
-    one offered the same, `default`'s otherwise (no offer recorded, e.g. the bags `write_aloha_episode`
-    writes, or offers that differ). The depth stays `default`'s. A reliable, transient-local replay
+    `offered_qos_profiles`): their reliability and durability when every one offered the same, as `ros2
+    bag play` replays them. Where the recording settles nothing (no offer recorded, e.g. the bags
+    `write_aloha_episode` writes, or offers that differ), `default`; there `ros2 bag play` offers reliable
+    and volatile, this player the caller's default (best effort from the CLI and the demo, as before it
+    read the offers). The depth stays `default`'s. A reliable, transient-local replay
     reaches the subscribers that ask for it (a robot_state_publisher's /robot_description, a reliable
     logger) as well as best-effort ones; best effort would reach none of them."""
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -265,8 +270,9 @@ def recorded_qos(connections: Sequence[Any], default: Any) -> Any:
     if len(kinds) != 1:
         return base
     reliability, durability = kinds.pop()
-    if reliability not in ("RELIABLE", "BEST_EFFORT") or durability not in ("TRANSIENT_LOCAL", "VOLATILE"):
-        return base  # SYSTEM_DEFAULT, UNKNOWN, BEST_AVAILABLE: nothing to replay as
+    known = ("SYSTEM_DEFAULT", "RELIABLE", "BEST_EFFORT", "TRANSIENT_LOCAL", "VOLATILE")
+    if reliability not in known or durability not in known:
+        return base  # UNKNOWN, BEST_AVAILABLE: not an offer to replay as it was
     return QoSProfile(
         history=base.history,
         depth=base.depth,
@@ -356,10 +362,13 @@ class BagPlayer:
                 time.sleep(0.05)
             if wait_for_subscribers_s > 0 and waiting():
                 self.unmatched = [
-                    t for t, pub in pubs.items() if pub in awaited and not pub.get_subscription_count()
+                    self.remap.get(t, t)
+                    for t, pub in pubs.items()
+                    if pub in awaited and not pub.get_subscription_count()
                 ]
-                if self._clock_pub.get_subscription_count() < clock_subscribers:
-                    self.unmatched.append("/clock")
+                clocks = self._clock_pub.get_subscription_count()
+                if clocks < clock_subscribers:
+                    self.unmatched.append(f"/clock ({clocks} of {clock_subscribers} subscribers)")
             time.sleep(0.5)  # discovery: let subscribers match before the first message
             tick_s = 1.0 / clock_hz if clock_hz > 0 else math.inf
             wall0, bag0 = time.monotonic(), None

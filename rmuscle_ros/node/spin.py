@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 
 import rclpy
+from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 
@@ -13,7 +14,12 @@ from rclpy.node import Node
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
     """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`."""
     rclpy.init(args=argv if argv is not None else sys.argv)
-    node = make_node()
+    try:
+        node = make_node()
+    except InvalidParameterTypeException as e:  # a params file's `1` for a float parameter: which, and how
+        print(f"error: {e} (write floats with a decimal point: 1.0, not 1)", file=sys.stderr)
+        rclpy.shutdown()
+        return 2
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
