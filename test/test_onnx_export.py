@@ -165,6 +165,22 @@ def test_the_export_key_is_computed_without_importing_onnx(block_imports, monkey
         onnx_export.export_model(tiny_model(), Path("/nonexistent"), weights="w")
 
 
+def test_the_export_key_follows_the_code_that_defines_the_graphs(tmp_path: Path, monkeypatch) -> None:
+    """After a code update that changes the stages or the model, a Thor exports and builds again instead of
+    reusing engines of the old graphs (before, found in review, only a hand-bumped format version did)."""
+    assert {p.name for p in onnx_export.GRAPH_SOURCES} == {"onnx_export.py", "pi05.py"}
+    assert onnx_export.export_key(
+        get_preset("tiny"), "w", "bfloat16"
+    ).onnxscript == importlib.metadata.version("onnxscript")
+    source = tmp_path / "pi05.py"
+    source.write_text("def layer(x): return x\n")
+    monkeypatch.setattr(onnx_export, "GRAPH_SOURCES", (source,))
+    before = onnx_export.export_key(get_preset("tiny"), "w", "bfloat16")
+    source.write_text("def layer(x): return 2 * x\n")
+    after = onnx_export.export_key(get_preset("tiny"), "w", "bfloat16")
+    assert before.code != after.code and before.digest() != after.digest()
+
+
 def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
     ort_engine, export_cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -220,6 +236,8 @@ def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
 # TensorRT's ONNX parser, per operator: the data types it takes and, where the operator reads axes from an
 # input, that input's index (it must be a constant). Facts from onnx-tensorrt's docs/operators.md, release
 # 10.1 (opsets 9 to 20), for the operators the export emits; an operator missing here fails the test.
+# LayerNormalization is left out on purpose: its importer sets the layer's compute precision, which a
+# strongly typed network rejects (NvInfer.h, release 10.13), so the export spells SigLIP's norms out.
 FLOATS = {"FLOAT", "FLOAT16", "BFLOAT16"}
 INTS = {"INT32", "INT64"}
 TENSORRT_OPS: dict[str, tuple[set[str], int | None]] = {
@@ -234,7 +252,6 @@ TENSORRT_OPS: dict[str, tuple[set[str], int | None]] = {
     "Gather": (FLOATS | INTS | {"BOOL"}, None),
     "Gelu": (FLOATS | INTS, None),
     "Gemm": (FLOATS, None),
-    "LayerNormalization": (FLOATS, None),
     "MatMul": (FLOATS, None),
     "Mul": (FLOATS | INTS, None),
     "Neg": (FLOATS | INTS, None),

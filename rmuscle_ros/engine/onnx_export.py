@@ -17,7 +17,8 @@ own methods, so an export is `Pi05Model` as the eager engine runs it; nothing is
 go to external data files: ONNX's protobuf limit is 2 GB and full-size `pi05` is 6.6 GB in bf16.
 
 An export directory holds `<stage>.onnx` (+ `.onnx.data`) and `manifest.json`: format version, weights
-fingerprint, model config, dtype, opset and exporter versions, and each file's size and sha256.
+fingerprint, model config, dtype, opset, exporter versions and a hash of the source files that define the
+graphs, and each file's size and sha256.
 `ensure_export` reuses a directory only when its manifest matches (keyed by content, not by path), and
 writes a new one beside it and renames it into place, so an interrupted export never leaves a directory
 that looks complete.
@@ -57,6 +58,8 @@ STAGES = ("vision", "prefill", "denoise")
 # operator matrix, release 10.1; TensorRT 11 reads up to 25).
 OPSET = 20
 MANIFEST = "manifest.json"
+# The source files whose code the exported graphs are: the export key hashes them (graph_code_digest).
+GRAPH_SOURCES = (Path(__file__).resolve(), Path(__file__).resolve().parents[1] / "models" / "pi05.py")
 
 INPUTS = {
     "vision": ("images",),
@@ -119,12 +122,27 @@ def package_version(name: str) -> str:
 # ───────────────────────────────────────────── the three stages ─────────────────────────────────────────────
 
 
+def layer_norm_float32(x: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """`norm(x)` computed in float32 from elementary operations and cast back to x's dtype, as PyTorch's
+    LayerNorm computes a bfloat16 input (VisionStage says why the export spells it out)."""
+    h = x.float()
+    centred = h - h.mean(-1, keepdim=True)
+    variance = (centred * centred).mean(-1, keepdim=True)
+    out = centred * torch.rsqrt(variance + norm.eps) * norm.weight.float() + norm.bias.float()
+    return out.to(x.dtype)
+
+
 class VisionStage(nn.Module):
     """SigLIP and the projector, as `Pi05Model.embed_images`, with the patch embedding as one matmul.
 
     The matmul over each image's 14×14 patches is the Conv2d's arithmetic. It keeps the graph within
     opset 20 in bfloat16: ONNX's Conv types allow bfloat16 only from opset 22, and TensorRT 10's parser
     reads opsets 9 to 20 (onnx-tensorrt's operator matrix, release 10.1).
+
+    Its LayerNorms are explicit float32 operations (`layer_norm_float32`), not ONNX LayerNormalization
+    nodes: those take the bfloat16 input with a float32 stash_type, and TensorRT's parser imports them by
+    setting the layer's compute precision, a call a strongly typed network (how the `tensorrt` backend
+    builds the bfloat16 export) rejects (NvInfer.h, release 10.13; found in review, not run on TensorRT).
     """
 
     def __init__(self, model: Pi05Model) -> None:
@@ -141,9 +159,10 @@ class VisionStage(nn.Module):
         patches = x.reshape(-1, n * n, 3 * p * p)  # (B·C, 256, 588), each patch in the kernel's order
         x = patches @ conv.weight.reshape(conv.out_channels, -1).T + conv.bias
         x = x + tower.embeddings.position_embedding.weight
-        for layer in tower.encoder.layers:
-            x = layer(x)
-        feats = tower.post_layernorm(x)  # (B·C, 256, vision width)
+        for layer in tower.encoder.layers:  # SiglipLayer.forward, its norms as explicit float32 operations
+            x = x + layer.self_attn(layer_norm_float32(x, layer.layer_norm1))
+            x = x + layer.mlp(layer_norm_float32(x, layer.layer_norm2))
+        feats = layer_norm_float32(x, tower.post_layernorm)  # (B·C, 256, vision width)
         return self.model.projector(feats).view(b, c * feats.shape[1], -1)
 
 
@@ -273,6 +292,10 @@ class ExportKey:
     opset: int
     torch: str
     onnx: str
+    onnxscript: str  # it translates torch's graph to ONNX
+    # sha256 of the source files that define the exported graphs (GRAPH_SOURCES): a code update that
+    # changes them makes a new export, and new engines, instead of reusing the old ones (found in review)
+    code: str
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -335,8 +358,24 @@ def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return ExportKey(
-        FORMAT_VERSION, weights, cfg.to_dict(), dtype, OPSET, torch.__version__, package_version("onnx")
+        FORMAT_VERSION,
+        weights,
+        cfg.to_dict(),
+        dtype,
+        OPSET,
+        torch.__version__,
+        package_version("onnx"),
+        package_version("onnxscript"),
+        graph_code_digest(),
     )
+
+
+def graph_code_digest() -> str:
+    """sha256 (16 hex digits) of GRAPH_SOURCES' bytes: this module (the stages) and the model they run."""
+    h = hashlib.sha256()
+    for path in GRAPH_SOURCES:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _sha256(path: Path) -> str:
