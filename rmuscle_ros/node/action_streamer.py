@@ -242,7 +242,6 @@ class ActionStreamerNode(LifecycleNode):
         self._last_refusal_logged = -math.inf
         self._last_clamp = ""  # the latest command held at a position limit, what its chunk asked for
         self._last_clamp_logged = -math.inf
-        self._limits: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # StreamerConfig.position_limits
         self._last_command: Any = None  # chunk_schedule.Command
         self._takeover_rows: deque[int] = deque(maxlen=TAKEOVERS_KEPT)  # each chunk's first executed row
         # The newest chunk that came before this node had a time (use_sim_time, no /clock yet): offered at
@@ -260,7 +259,6 @@ class ActionStreamerNode(LifecycleNode):
             return TransitionCallbackReturn.FAILURE
         self.cfg, self._messages = cfg, messages
         self._schedule = ChunkSchedule(cfg.schedule())
-        self._limits = cfg.position_limits()
         group, single = messages
         self._arm_pubs = [
             (self.create_lifecycle_publisher(group, t, 10), indices)
@@ -458,11 +456,11 @@ class ActionStreamerNode(LifecycleNode):
     def _note_clamped(self, command: Any) -> None:
         """Count a command held at a position limit; log it (at most every CLAMP_LOG_PERIOD_S) with what the
         chunk asked for: a policy that keeps asking past the arm's travel is in other units or miscalibrated."""
-        cfg = self.cfg
-        assert cfg is not None
+        cfg, schedule = self.cfg, self._schedule
+        assert cfg is not None and schedule is not None
         self._counts["clamped"] += 1
         target = command.chunk.actions[command.row]
-        lower, upper = self._limits
+        lower, upper = schedule.cfg.lower, schedule.cfg.upper
         beyond = ", ".join(
             f"{cfg.joint_names[i]} {target[i]:.4g} (limits [{lower[i]:.4g}, {upper[i]:.4g}])"
             for i in command.clamped

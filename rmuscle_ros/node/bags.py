@@ -270,8 +270,11 @@ def recorded_qos(connections: Sequence[Any], default: Any) -> Any:
     if len(kinds) != 1:
         return base
     reliability, durability = kinds.pop()
-    known = ("SYSTEM_DEFAULT", "RELIABLE", "BEST_EFFORT", "TRANSIENT_LOCAL", "VOLATILE")
-    if reliability not in known or durability not in known:
+    if reliability not in ("SYSTEM_DEFAULT", "RELIABLE", "BEST_EFFORT") or durability not in (
+        "SYSTEM_DEFAULT",
+        "TRANSIENT_LOCAL",
+        "VOLATILE",
+    ):
         return base  # UNKNOWN, BEST_AVAILABLE: not an offer to replay as it was
     return QoSProfile(
         history=base.history,
