@@ -563,6 +563,36 @@ def test_a_descriptor_that_is_not_finite_falls_back() -> None:
     assert r.query(np.full((2, 8), np.nan, np.float32)) == [] and r.fallback
 
 
+def test_a_nan_in_a_library_episode_does_not_hide_its_good_matches() -> None:
+    """np.argmax takes a NaN as the maximum: an episode with a NaN call within its lookahead was aligned to
+    it and ranked last, and a weaker episode served instead (found in review). A NaN call never wins, as
+    on the GPU's pick."""
+    e = np.eye(8, dtype=np.float32)
+    nan_at_2 = np.stack([e[0], e[0], np.full(8, np.nan, np.float32)])[:, None, :]
+    weaker = np.stack([e[0] * 0.95 + e[1] * 0.31] * 3)[:, None, :]
+    r = Retriever(RetrievalConfig(threshold=0.8), {0: nan_at_2, 1: weaker})
+    matches = r.query(e[0][None])
+    assert (matches[0].episode, matches[0].position) == (0, 0)
+    assert matches[0].similarity == pytest.approx(1.0)
+    assert r.positions[0] == 0 and not r.fallback
+
+
+def test_an_episode_left_out_mid_episode_keeps_the_others_aligned() -> None:
+    """The runtime leaves out an episode whose file can no longer be read (RMuscle._leave_out): the live
+    episode stays aligned with the others, instead of searching their starts again (found in review: at
+    call 16 it matched episode 0 at position 4 with 0.87, instead of 16 with 1.0)."""
+    r = Retriever(RetrievalConfig(threshold=0.8), {0: walk(0), 1: walk(0) + 0.01})
+    for t in range(0, 16, 3):
+        r.query(walk(0)[t])
+    r.restrict([0], keep_alignment=True)
+    matches = r.query(walk(0)[16])
+    assert [(m.episode, m.position) for m in matches] == [(0, 16)] and matches[0].similarity == pytest.approx(
+        1.0
+    )
+    r.restrict([0])  # a new task: alignment starts over
+    assert r.query(walk(0)[16]) == [] or r.positions[0] <= 4
+
+
 def test_fallback_is_sticky_until_reset() -> None:
     r = Retriever(RetrievalConfig(threshold=0.8), {0: walk(0)})
     assert r.query(walk(0)[5])

@@ -84,13 +84,15 @@ class Retriever:
         self._allowed = np.ones(len(self._ids), dtype=bool)  # per episode (in _ids order): searched
         self.reset()
 
-    def restrict(self, episodes: Iterable[int] | None) -> None:
-        """Search only these library episodes (None: all of them); alignment and fallback start over. A
-        mask over the rows already held, so changing it costs nothing like a rebuild (at 64 episodes on a
-        GPU, ~47 MB of rows to upload)."""
+    def restrict(self, episodes: Iterable[int] | None, *, keep_alignment: bool = False) -> None:
+        """Search only these library episodes (None: all of them); alignment and fallback start over (a
+        new task), or with `keep_alignment` stay as they are (an episode left out mid-episode: the others'
+        alignments hold, found in review). A mask over the rows already held, so changing it costs nothing
+        like a rebuild (at 64 episodes on a GPU, ~47 MB of rows to upload)."""
         allowed = None if episodes is None else set(episodes)
         self._allowed = np.array([allowed is None or int(i) in allowed for i in self._ids], dtype=bool)
-        self.reset()
+        if not keep_alignment:
+            self.reset()
 
     @property
     def episodes(self) -> int:
@@ -158,7 +160,8 @@ class Retriever:
             self.last_similarity = 0.0
             return []
         if self.fallback:  # still report how far the scene is from the repertoire
-            self.last_similarity = float(self._similarities(descriptor, self._whole)[self._allowed].max())
+            sims = _nan_never_wins(self._similarities(descriptor, self._whole))
+            self.last_similarity = float(sims[self._allowed].max())
             return []
         # The aligned position and the next `lookahead`, within the episode. An episode's first call
         # searches its start, 0 to lookahead (DESIGN §4; the window's start entries, which the GPU's match
@@ -167,7 +170,7 @@ class Retriever:
         aligned = self._aligned if self._aligned is not None else np.zeros(len(self._lengths), np.int64)
         ahead = aligned[:, None] + np.arange(self.cfg.lookahead + 1)
         rows = np.where(ahead < self._lengths[:, None], self._starts[:, None] + ahead, len(self._rows))
-        sims = self._similarities(descriptor, rows)
+        sims = _nan_never_wins(self._similarities(descriptor, rows))
         sims[~self._allowed] = -np.inf  # episodes outside the search never win
         best = sims.argmax(axis=1)  # the first of equal maxima, as before
         best_sims = sims[np.arange(len(best)), best]
@@ -184,3 +187,13 @@ class Retriever:
         return [
             Match(int(self._ids[k]), int(positions[k]), float(best_sims[k])) for k in order[: self.cfg.top_k]
         ]
+
+
+def _nan_never_wins(sims: np.ndarray) -> np.ndarray:
+    """Similarities with a library call's NaN as -inf, so that argmax does not pick it (np.argmax takes a NaN
+    as the maximum, and that episode's good matches were hidden; found in review), as the GPU's pick ranks
+    NaN last. All NaN (a NaN live descriptor) stays NaN: the call falls back and reports it."""
+    nan = np.isnan(sims)
+    if nan.any() and not nan.all():
+        return np.where(nan, np.float32(-np.inf), sims)
+    return sims

@@ -442,14 +442,12 @@ class RMuscle:
 
     def _leave_out(self, episode_id: int, problem: str) -> None:
         """An episode whose file can no longer be read: the library reports it and keeps it out, retrieval
-        stops searching it (a mask: the episode's alignments start over, a fallback stays) and no entry of
-        it is wanted."""
+        stops searching it (a mask: the other episodes keep their alignments, a fallback stays) and no entry
+        of it is wanted."""
         self.library.leave_out(episode_id, problem)
         del self._descriptors[episode_id]
         self._wanted = [key for key in self._wanted if key[0] != episode_id]
-        fallback = self.retriever.fallback
-        self.retriever.restrict(self._task_episodes())
-        self.retriever.fallback = fallback
+        self.retriever.restrict(self._task_episodes(), keep_alignment=True)
 
     def _task_episodes(self) -> list[int]:
         return [i for i in self._descriptors if self._task_of(i) == self.task]
