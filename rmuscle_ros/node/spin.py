@@ -10,6 +10,9 @@ from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 
+# What to say with rclpy's refusal of an integer for a float parameter, made as the node is made.
+FLOAT_PARAMETER_HINT = "write floats with a decimal point: 1.0, not 1"
+
 
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
     """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`."""
@@ -17,7 +20,7 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
     try:
         node = make_node()
     except InvalidParameterTypeException as e:  # a params file's `1` for a float parameter: which, and how
-        print(f"error: {e} (write floats with a decimal point: 1.0, not 1)", file=sys.stderr)
+        print(f"error: {e} ({FLOAT_PARAMETER_HINT})", file=sys.stderr)
         rclpy.shutdown()
         return 2
     executor = SingleThreadedExecutor()
