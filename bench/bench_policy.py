@@ -121,6 +121,8 @@ def main() -> None:
         "backend": args.backend,
         "torch_threads": torch.get_num_threads(),
         "load_s": round(load_s, 2),
+        # the first policy's parts of loading: weights, engine, and the weights fingerprint (every byte)
+        "load_parts_s": {k: round(v, 3) for k, v in policies[""].load_timings.items()},
         "warmup_s": round(warmup_s, 2),
         "results": results,
         "calls_ms": [list(c[:4]) + [round(x, 3) for x in c[4:]] for c in calls],
@@ -130,7 +132,9 @@ def main() -> None:
         "",
         f"commit `{args.commit}`, command `{record['command']}`; 3 cameras 480×640, random weights, "
         f"{args.calls} calls per episode, PyTorch CPU threads {record['torch_threads']}; loaded in "
-        f"{record['load_s']} s, warm-up {record['warmup_s']} s. Wall clock per call; medians over each "
+        f"{record['load_s']} s ({len(policies)} policies; the first's parts "
+        f"{', '.join(f'{k} {v} s' for k, v in record['load_parts_s'].items())}), warm-up "
+        f"{record['warmup_s']} s. Wall clock per call; medians over each "
         "episode's calls after its first.",
         "",
         "| calls | n | mode | median ms | preprocess ms | model ms |",

@@ -75,6 +75,22 @@ def test_other_weights_are_refused(tmp_path: Path) -> None:
         ReferenceLibrary.open(tmp_path, other)
 
 
+def test_a_library_keyed_by_an_earlier_builds_sampled_fingerprint_says_so(tmp_path: Path) -> None:
+    """Earlier builds keyed libraries on a fingerprint of sampled weights (16 bare hex digits); the model's
+    is now "sha256:…" over every byte, so such a library is refused, saying why and what to do."""
+    earlier = LibraryKey(weights="0123456789abcdef", shapes=KEY.shapes)
+    ReferenceLibrary.open(tmp_path, earlier).add(episode())
+    with pytest.raises(LibraryMismatch, match="earlier build's fingerprint") as e:
+        ReferenceLibrary.open(tmp_path, LibraryKey(weights="sha256:0123456789abcdef", shapes=KEY.shapes))
+    assert "delete it to record a new library" in str(e.value)
+    with pytest.raises(LibraryMismatch) as e:
+        ReferenceLibrary.open(tmp_path / "other", KEY).add(episode())
+        ReferenceLibrary.open(
+            tmp_path / "other", LibraryKey(weights="sha256:fedcba9876543210", shapes=KEY.shapes)
+        )
+    assert "earlier build" not in str(e.value)
+
+
 def test_other_shapes_are_refused_naming_each_difference(tmp_path: Path) -> None:
     """A library whose shapes differ from the model's (another camera count, masks of another schedule) is
     refused, and the message names each differing field with both values, and only those."""

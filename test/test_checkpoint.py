@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import re
@@ -13,7 +14,8 @@ import torch
 from conftest import random_inputs, tiny_model
 from safetensors.torch import load_file, save_file
 
-from rmuscle_ros.models.checkpoint import CheckpointError, load_model, save_checkpoint
+from rmuscle_ros.models import checkpoint
+from rmuscle_ros.models.checkpoint import CheckpointError, load_model, save_checkpoint, weights_fingerprint
 from rmuscle_ros.models.config import get_preset
 
 EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
@@ -332,3 +334,26 @@ def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
 def test_matching_or_unrelated_config_json_loads(saved, tmp_path: Path, config: dict) -> None:
     path, expected = saved
     assert torch.equal(_actions(_beside(path, tmp_path / "ckpt", config)), expected)
+
+
+def test_weights_fingerprint_covers_every_weight() -> None:
+    """Libraries and engines key on the fingerprint: a change to any one value gives another key
+    (earlier builds sampled ~4096 values per tensor, so a fine-tune of a few embedding rows kept the key)."""
+    model = tiny_model()
+    first = weights_fingerprint(model)
+    assert re.fullmatch(r"sha256:[0-9a-f]{16}", first)
+    assert weights_fingerprint(tiny_model()) == first  # the same weights, built again
+    embed = model.llm.embed_tokens.weight
+    with torch.no_grad():
+        embed.view(-1)[1] += 1.0  # one value of one embedding row, which the old sampling skipped
+    assert weights_fingerprint(model) != first
+
+
+def test_weights_fingerprint_hashes_large_tensors_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor is copied to the host and hashed a slice at a time; the slices cover its bytes exactly once."""
+    t = torch.randn(1001, dtype=torch.bfloat16)
+    whole = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).digest()
+    assert checkpoint._tensor_digest(t) == whole
+    monkeypatch.setattr(checkpoint, "FINGERPRINT_CHUNK", 97)  # not a divisor of 2002 bytes
+    assert checkpoint._tensor_digest(t) == whole
+    assert checkpoint._tensor_digest(t.reshape(7, 143).t()) != whole  # a transposed copy is other bytes

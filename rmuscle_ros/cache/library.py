@@ -139,6 +139,13 @@ class LibraryKey:
         return {"weights": self.weights, "shapes": dict(self.shapes)}
 
 
+def is_sampled_fingerprint(value: object) -> bool:
+    """Whether a stored weights key is an earlier build's fingerprint (16 bare hex digits over ~4096 sampled
+    values per tensor; weights_fingerprint now hashes every byte and writes "sha256:…"). No model loaded
+    by this build matches one, so what was recorded under it must be recorded again."""
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16}", value) is not None
+
+
 def _mismatch(index_path: Path, stored: Any, key: LibraryKey) -> LibraryMismatch:
     """What differs between a library's key and the model's, each field named with both values."""
     stored = stored if isinstance(stored, dict) else {}
@@ -146,6 +153,11 @@ def _mismatch(index_path: Path, stored: Any, key: LibraryKey) -> LibraryMismatch
     if stored.get("weights") != key.weights:
         fields: tuple[str, ...] = ("weights",)
         detail = f"library {stored.get('weights')!r}, model {key.weights!r}"
+        if is_sampled_fingerprint(stored.get("weights")):
+            detail += (
+                "; the library's is an earlier build's fingerprint, over a sample of the weights, which no "
+                "model matches now that every weight is hashed"
+            )
     else:
         fields = tuple(
             k

@@ -316,7 +316,8 @@ class RMuscleNode(LifecycleNode):
             self._close_quietly(policy)
             return self._fail(f"configure: cannot load the policy: {type(e).__name__}: {e}")
         self.get_logger().info(
-            f"configure: {cfg.model.preset} on {cfg.model.device} ({cfg.model.backend}) loaded in {loaded:.2f} s"
+            f"configure: {cfg.model.preset} on {cfg.model.device} ({cfg.model.backend}) loaded in {loaded:.2f} s "
+            f"({', '.join(f'{k} {v:.2f}' for k, v in policy.load_timings.items())})"
             + (f", warm-up {warm.get('warmup_total', 0.0):.2f} s" if warm else "")
         )
         if status is not None:

@@ -198,7 +198,10 @@ class Policy:
                 f"tokenizer: {cfg.tokenizer} has {vocab} pieces; a π0.5 checkpoint reads PaliGemma's "
                 f"{model_vocab} (its tokenizer.model)"
             )
+        start = time.perf_counter()
         model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
+        # Seconds each part of loading took (the node logs them at configure): weights, engine, fingerprint.
+        self.load_timings: dict[str, float] = {"weights": time.perf_counter() - start}
         options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
         if cfg.backend in EXPORTED:
             options["cache_dir"] = cfg.engine_cache_dir
@@ -206,12 +209,17 @@ class Policy:
             options["kernel_cache_dir"] = str(Path(cfg.engine_cache_dir) / "triton")
         if cache is not None:
             options["cache"] = cache.shapes()
+        start = time.perf_counter()
         self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
+        self.load_timings["engine"] = time.perf_counter() - start
         # A library recorded under other preprocessing holds other images or state tokens: refused, named.
         inputs = {"image_antialias": cfg.image_antialias, "aloha_adapt_to_pi": cfg.aloha_adapt_to_pi}
-        self.rmuscle = (
-            RMuscle(self.engine, cache, weights_fingerprint(model), inputs) if cache is not None else None
-        )
+        self.rmuscle: RMuscle | None = None
+        if cache is not None:
+            start = time.perf_counter()
+            weights = weights_fingerprint(model)  # every byte hashed: what the library is keyed on
+            self.load_timings["fingerprint"] = time.perf_counter() - start
+            self.rmuscle = RMuscle(self.engine, cache, weights, inputs)
         del model  # the engines hold what they need (folded copies for graph/fused)
         self._noise = torch.Generator().manual_seed(cfg.seed)
         self._model_state: np.ndarray | None = None  # the latest call's (infer)
