@@ -326,37 +326,42 @@ def init_random_(model: nn.Module, seed: int) -> None:
 
 
 FINGERPRINT_SCHEME = "sha256"  # the prefix of weights_fingerprint's value; earlier builds wrote bare hex
-FINGERPRINT_CHUNK = 64 << 20  # bytes of one tensor copied to the host and hashed at a time
+FINGERPRINT_CHUNK = 64 << 20  # bytes of a tensor hashed as one piece (copied to the host alone)
 
 
-def _tensor_digest(t: torch.Tensor) -> bytes:
-    """sha256 of a tensor's bytes as stored, in slices so a GPU tensor never sits on the host whole."""
-    h = hashlib.sha256()
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor's bytes as stored, in consecutive slices of FINGERPRINT_CHUNK (one, empty, if it has none)."""
     raw = t.detach().reshape(-1).view(torch.uint8)
-    for start in range(0, raw.numel(), FINGERPRINT_CHUNK):
-        piece = raw[start : start + FINGERPRINT_CHUNK]
-        h.update(piece.cpu().numpy())  # a view on the CPU; hashlib drops the GIL on large buffers
-    return h.digest()
+    return [raw[start : start + FINGERPRINT_CHUNK] for start in range(0, raw.numel(), FINGERPRINT_CHUNK)] or [
+        raw
+    ]
+
+
+def _piece_digest(piece: torch.Tensor) -> bytes:
+    return hashlib.sha256(piece.cpu().numpy()).digest()  # hashlib drops the GIL on large buffers
 
 
 def weights_fingerprint(model: nn.Module) -> str:
     """A content hash of every parameter and buffer: name, shape, dtype and every byte.
 
     Libraries and exported engines key on it, so two checkpoints that differ anywhere (a fine-tune of one
-    layer, a few embedding rows) never share either. Tensors are hashed in parallel threads (sha256 in
-    hashlib and torch's device copies run without the GIL). The value is `"sha256:"` and 16 hex digits;
-    earlier builds sampled ~4096 values per tensor and wrote bare hex (a library keyed by one is refused
-    saying so: rmuscle_ros.cache.library).
+    layer, a few embedding rows) never share either. Each tensor is hashed in 64 MB pieces, the pieces in
+    parallel threads (sha256 in hashlib and torch's device copies run without the GIL; the 2 GB token
+    embedding would otherwise hash alone), then the names, shapes, dtypes and piece digests in order. The
+    value is `"sha256:"` and 16 hex digits; earlier builds sampled ~4096 values per tensor and wrote bare
+    hex (a library keyed by one is refused saying so: rmuscle_ros.cache.library).
     """
     with torch.no_grad():
         items = sorted(model.state_dict().items())
-        workers = max(1, min(8, os.cpu_count() or 1, len(items)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            digests = list(pool.map(lambda kv: _tensor_digest(kv[1]), items))
+        pieces = [_pieces(p) for _, p in items]
+        flat = [piece for each in pieces for piece in each]
+        with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+            digests = iter(list(pool.map(_piece_digest, flat)))
     h = hashlib.sha256()
-    for (name, p), digest in zip(items, digests, strict=True):
+    for (name, p), each in zip(items, pieces, strict=True):
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:".encode())
-        h.update(digest)
+        for _ in each:
+            h.update(next(digests))
     return f"{FINGERPRINT_SCHEME}:{h.hexdigest()[:16]}"
 
 
