@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from rmuscle_ros.node.action_streamer import ActionStreamerNode  # noqa: E402
 from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES  # noqa: E402
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
 from rmuscle_ros.node.replay_demo import call_service  # noqa: E402
+from rmuscle_ros.node.spin import BackgroundSpin  # noqa: E402
 
 _IDS = itertools.count()
 SIDES = ("left", "right")
@@ -122,7 +122,7 @@ class Cell:
 
 @contextlib.contextmanager
 def cells() -> Iterator[Callable[..., Cell]]:
-    made: list[Cell] = []
+    made: list[tuple[Cell, BackgroundSpin]] = []
 
     def make(**params: Any) -> Cell:
         context = rclpy.Context()
@@ -134,18 +134,18 @@ def cells() -> Iterator[Callable[..., Cell]]:
         executor = SingleThreadedExecutor(context=context)
         executor.add_node(node)
         executor.add_node(peer)
-        threading.Thread(target=executor.spin, daemon=True).start()
+        spinning = BackgroundSpin(executor)
         cell = Cell(context, node, peer, executor)
         cell.setup()
-        made.append(cell)
+        made.append((cell, spinning))
         return cell
 
     try:
         yield make
     finally:
-        for c in made:
+        for c, spinning in made:
             c.node.on_shutdown(None)
-            c.executor.shutdown()
+            spinning.stop()
             c.node.destroy_node()
             c.peer.destroy_node()
             rclpy.shutdown(context=c.context)

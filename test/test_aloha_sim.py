@@ -302,7 +302,6 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
     the arm; commands for another group or joint are refused and counted while the simulation goes on;
     ~/reset reports the ended episode and starts the next at the start pose."""
     interbotix = _ros_or_skip()
-    import threading
     import time
 
     import rclpy
@@ -316,6 +315,7 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
 
     from rmuscle_ros.node.aloha_sim import CAMERA_TOPICS, AlohaSimNode
     from rmuscle_ros.node.replay_demo import call_service
+    from rmuscle_ros.node.spin import BackgroundSpin
 
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 61
     context = rclpy.Context()
@@ -326,7 +326,7 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)
     executor.add_node(peer)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    spinning = BackgroundSpin(executor)
     seen: dict[str, list] = {"clock": [], "joints": [], "image": [], "diag": []}
     peer.create_subscription(Clock, "/clock", seen["clock"].append, 10)
     # reliable, as a robot_state_publisher subscribes: the sim publishes them as Interbotix's xs_sdk does
@@ -387,7 +387,7 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         assert ended["episode"] == 1 and ended["diverged"].startswith("the physics diverged")
         wait_for(lambda: values().get("episode") == "2" and values().get("diverged") == "")
     finally:
-        executor.shutdown()
+        spinning.stop()
         node.destroy_node()
         peer.destroy_node()
         rclpy.shutdown(context=context)
@@ -401,10 +401,11 @@ def _sim_node(domain_offset: int, **params: object) -> Iterator[tuple[object, ob
     from rclpy.parameter import Parameter
 
     from rmuscle_ros.node.aloha_sim import AlohaSimNode
+    from rmuscle_ros.node.spin import BackgroundSpin
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")) + domain_offset)
-    node = peer = None
+    node = peer = spinning = None
     executor = SingleThreadedExecutor(context=context)
     try:
         overrides = [Parameter(name, value=value) for name, value in params.items()]
@@ -412,9 +413,11 @@ def _sim_node(domain_offset: int, **params: object) -> Iterator[tuple[object, ob
         peer = rclpy.create_node("cell_user", context=context)
         executor.add_node(node)
         executor.add_node(peer)
-        threading.Thread(target=executor.spin, daemon=True).start()
+        spinning = BackgroundSpin(executor)
         yield node, peer
     finally:
+        if spinning is not None:
+            spinning.stop()
         executor.shutdown()
         for n in (node, peer):
             if n is not None:
@@ -703,7 +706,6 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     pytest.importorskip(
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
     )
-    import threading
     import time
 
     import rclpy
@@ -717,6 +719,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
 
     from rmuscle_ros.msg import ActionChunk
     from rmuscle_ros.node.replay_demo import call_service, stop_processes
+    from rmuscle_ros.node.spin import BackgroundSpin
 
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 60
     env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
@@ -741,7 +744,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     watcher = rclpy.create_node("cell_watcher", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(watcher)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    spinning = BackgroundSpin(executor)
     commands: list = []
     joints: list = []
     chunks: list = []
@@ -789,7 +792,7 @@ def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
         assert all(c.cache_mode == ActionChunk.CACHE_DENSE for c in chunks)
     finally:
         stop_processes(*processes)
-        executor.shutdown()
+        spinning.stop()
         watcher.destroy_node()
         rclpy.shutdown(context=context)
 
@@ -861,6 +864,7 @@ def _watch_commands(domain: int) -> Iterator[list[int]]:
     from rosgraph_msgs.msg import Clock
 
     from rmuscle_ros.node.action_streamer import import_command_messages
+    from rmuscle_ros.node.spin import BackgroundSpin
 
     group, _ = import_command_messages()
     clock = [0]
@@ -874,15 +878,13 @@ def _watch_commands(domain: int) -> Iterator[list[int]]:
     node.create_subscription(group, "/commands/left/joint_group", lambda _m: received.append(clock[0]), 100)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    spinning = BackgroundSpin(executor)
     try:
         yield received
     finally:
-        executor.shutdown()
+        spinning.stop()
         node.destroy_node()
         rclpy.shutdown(context=context)
-        spinner.join(timeout=5.0)
 
 
 @pytest.mark.slow

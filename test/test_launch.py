@@ -123,7 +123,6 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
         reason="the stand-in Interbotix messages are not built (scripts/setup_ros_venv.sh)",
     )
     import os
-    import threading
     import time
 
     import numpy as np
@@ -135,6 +134,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
 
     from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
     from rmuscle_ros.node.replay_demo import call_service, stop_processes
+    from rmuscle_ros.node.spin import BackgroundSpin
 
     config = LAUNCH.parents[1] / "config"
     domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 50  # away from the other tests' nodes
@@ -152,7 +152,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     cell = rclpy.create_node("aloha_stand_in", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(cell)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    spinning = BackgroundSpin(executor)
     commands: dict[str, list] = {"left": [], "right": [], "left_gripper": [], "right_gripper": []}
     try:
         for side in ("left", "right"):
@@ -196,6 +196,6 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
         assert all(m.name == "gripper" for m in commands["left_gripper"] + commands["right_gripper"])
     finally:
         stop_processes(*processes)
-        executor.shutdown()
+        spinning.stop()
         cell.destroy_node()
         rclpy.shutdown(context=context)

@@ -56,6 +56,7 @@ from rmuscle_ros.node.observation import ObservationUnavailable, stamp_ns  # noq
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
 from rmuscle_ros.node.replay_demo import START_NS, call_service  # noqa: E402
 from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
+from rmuscle_ros.node.spin import BackgroundSpin  # noqa: E402
 
 CAMERAS = ("images/base", "images/left_wrist", "images/right_wrist")
 # Node names are unique per process: rcl's /rosout routing is keyed by logger (node) name, and a name
@@ -193,7 +194,7 @@ def _recording(publish: Callable[..., int], stamps: list[int]) -> Callable[..., 
 @contextlib.contextmanager
 def harnesses() -> Iterator[Callable[..., Harness]]:
     """A factory of harnesses (node parameters as keyword arguments), all torn down on exit."""
-    made: list[Harness] = []
+    made: list[tuple[Harness, BackgroundSpin]] = []
 
     def make(compressed: bool = False, **params: Any) -> Harness:
         context = rclpy.Context()
@@ -207,21 +208,21 @@ def harnesses() -> Iterator[Callable[..., Harness]]:
         executor = SingleThreadedExecutor(context=context)
         executor.add_node(node)
         executor.add_node(peer)
-        threading.Thread(target=executor.spin, daemon=True).start()
+        spinning = BackgroundSpin(executor)
         if compressed:
             node.set_parameters([Parameter("compressed_images", value=True)])
         h = Harness(context, node, peer, executor, compressed=compressed)
         h.setup_clients()
-        made.append(h)
+        made.append((h, spinning))
         return h
 
     try:
         yield make
     finally:
-        for h in made:
+        for h, spinning in made:
             if h.node.policy is not None or h.node._worker is not None:
                 h.node.on_shutdown(None)
-            h.executor.shutdown()
+            spinning.stop()
             h.node.destroy_node()
             h.peer.destroy_node()
             rclpy.shutdown(context=h.context)

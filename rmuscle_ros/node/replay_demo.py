@@ -32,7 +32,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -66,7 +65,7 @@ from rmuscle_ros.node.bags import (
 )
 from rmuscle_ros.node.params import MAX_SECONDS, load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
-from rmuscle_ros.node.spin import FLOAT_PARAMETER_HINT
+from rmuscle_ros.node.spin import FLOAT_PARAMETER_HINT, BackgroundSpin
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
 ALOHA_CONFIG = CONFIG.parent / "rmuscle_aloha.yaml"
@@ -188,8 +187,7 @@ def run(
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)
     executor.add_node(peer)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    spinning = BackgroundSpin(executor)
     topic = f"/{node.get_name()}/action_chunk"
     received: list[tuple[int, bytes]] = []
     peer.create_subscription(
@@ -261,11 +259,10 @@ def run(
         streaming.close()
         if cell is not None:
             cell.close()
-        executor.shutdown()
+        spinning.stop()
         node.destroy_node()
         peer.destroy_node()
         rclpy.shutdown(context=context)
-        spinner.join(timeout=5.0)
 
     record = _fresh(out_dir / "action_chunks")
     write_messages(record, topic, "rmuscle_ros/msg/ActionChunk", received)

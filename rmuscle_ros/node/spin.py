@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 
 import rclpy
 from rclpy.exceptions import InvalidParameterTypeException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 
 # What to say with rclpy's refusal of an integer for a float parameter, made as the node is made.
@@ -44,3 +45,18 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
         if rclpy.ok():
             rclpy.shutdown()
     return 0
+
+
+class BackgroundSpin:
+    """An executor spinning in a daemon thread, for a program that drives nodes from its main thread (the
+    demo, the tests). `stop` shuts the executor down and joins the thread before the caller destroys any
+    node: destroyed under a spinning executor, a node's handles raise InvalidHandle in that thread."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.thread = threading.Thread(target=executor.spin, daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self.executor.shutdown()
+        self.thread.join(timeout=timeout_s)
