@@ -110,6 +110,59 @@ def test_non_finite_actions_are_refused_naming_where_and_keep_the_episode_out_of
     policy.close()
 
 
+def test_a_call_whose_recording_fails_is_left_out_and_the_episode_keeps_its_other_calls(
+    tmp_path, monkeypatch
+) -> None:
+    """A call's recording that fails part way (a copy off the GPU, out of memory) raises (the node drops
+    the call), and only that call is left out: before, its fields were half appended, the episode's fields
+    no longer paired call for call, and the reset refused the whole episode (found in review)."""
+    from rmuscle_ros.cache import runtime
+
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    real, calls = runtime.images_to_u8, [0]
+
+    def fails_once(images: torch.Tensor) -> np.ndarray:
+        calls[0] += 1
+        if calls[0] == 3:  # after the call's descriptor was kept
+            raise RuntimeError("CUDA error: out of memory (simulated)")
+        return real(images)
+
+    monkeypatch.setattr(runtime, "images_to_u8", fails_once)
+    observations = episode(5)
+    for i, obs in enumerate(observations):
+        if i == 2:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                policy.infer(obs)
+        else:
+            policy.infer(obs)
+    assert policy.reset_episode() == 0
+    assert policy.rmuscle.library.entries[0].calls == 4
+    policy.close()
+
+
+def test_an_interrupted_library_write_is_written_before_the_next_episode(tmp_path, monkeypatch) -> None:
+    """Ctrl-C while the reset writes the finished episode: the episode stays in memory and is written at
+    the next reset or at close (the node's shutdown), which Ctrl-C runs. Before, it had left memory
+    before the write and was lost (found in review)."""
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    library = policy.rmuscle.library
+    real = type(library).add
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    run(policy, episode(3))
+    monkeypatch.setattr(type(library), "add", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        policy.reset_episode()
+    monkeypatch.setattr(type(library), "add", real)
+    assert library.entries == {} and policy.rmuscle.interrupted is not None
+    run(policy, episode(2))
+    assert policy.close() == 1, "the episode in progress is written after the interrupted one"
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "0"), (2, "1")]
+
+
 def test_a_cached_call_with_non_finite_actions_sends_the_episode_dense() -> None:
     """Its references may hold the fault: the rest of the episode runs dense (found in review: later calls
     were served from the same references), and the next episode is served again."""

@@ -248,10 +248,32 @@ class _Recording:
     pending: list[tuple[list[np.ndarray], torch.Tensor, torch.cuda.Event, type]] = field(default_factory=list)
     nbytes: int = 0  # what the recorded calls hold on the host (the pending ones included)
 
+    # Each list's length and the byte count before the latest call's recording began (`begin_call`).
+    last_call: tuple[tuple[int, ...], int] | None = None
+
+    def _lists(self) -> tuple[list[np.ndarray], ...]:
+        return (self.descriptors, self.images, self.tokens, self.token_mask, self.masks, self.image_masks)
+
+    def begin_call(self) -> None:
+        self.last_call = (tuple(len(a) for a in self._lists()), self.nbytes)
+
+    def drop_last_call(self) -> None:
+        """Undo the latest call's recording, whatever part of it was appended or is pending: the lists
+        stay the same length, call for call (an episode is refused otherwise, losing its good calls)."""
+        if self.last_call is not None:
+            lengths, self.nbytes = self.last_call
+            for into, n in zip(self._lists(), lengths, strict=True):
+                del into[n:]
+        self.pending, self.last_call = [], None
+
     def take_pending(self) -> None:
+        """The latest call's images and masks onto the host: both appended, or (raising) neither."""
+        taken = []
         for into, host, copied, dtype in self.pending:
             copied.synchronize()
-            into.append(host.numpy().astype(dtype))
+            taken.append((into, host.numpy().astype(dtype)))
+        for into, array in taken:
+            into.append(array)
         self.pending = []
 
     def send_to_host(self, into: list[np.ndarray], tensor: torch.Tensor, dtype: type) -> None:
@@ -382,6 +404,9 @@ class RMuscle:
         self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
         self.episode_id = 0
         self._recording = _Recording()
+        # A finished episode whose library write was interrupted (Ctrl-C): (episode, its id here, its task),
+        # written before the next one (`_add`)
+        self.interrupted: tuple[Episode, int, str] | None = None
         self._episode_cached = False
         self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
         # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
@@ -577,9 +602,17 @@ class RMuscle:
 
     def finish_episode(self) -> int | None:
         """Add the current episode to the library if it is recordable: recording on, at least one call,
-        every call dense (an episode served from the cache is not a reference), and not excluded."""
+        every call dense (an episode served from the cache is not a reference), and not excluded. An earlier
+        episode whose write was interrupted is written first."""
+        self._add_interrupted()
         rec, self._recording = self._recording, _Recording()
-        rec.take_pending()
+        try:
+            rec.take_pending()
+        except Exception as e:  # the last call's copy off the GPU failed: the others are still recorded
+            log.warning(
+                "rMuscle: episode %d's last call is left out of its recording: %s", self.episode_id, e
+            )
+            rec.drop_last_call()
         excluded, self._episode_excluded = self._episode_excluded, ""
         unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
         if self.cfg.record and unrecorded and not excluded:
@@ -598,7 +631,20 @@ class RMuscle:
             np.stack(rec.masks),
             np.stack(rec.image_masks),
         )
-        added = self.library.add(episode, meta={"session_episode": str(self.episode_id), "task": self.task})
+        return self._add(episode, self.episode_id, self.task)
+
+    def _add(self, episode: Episode, session_episode: int, task: str) -> int:
+        """Write a finished episode into the library. Interrupted (Ctrl-C, SystemExit: not an error such as
+        a full disk, which is reported and ends it), the episode is kept as `interrupted`, and written
+        before the next one (close() at the end of the node's life): the recording leaves memory only
+        once it is on disk."""
+        self.interrupted = (episode, session_episode, task)
+        try:
+            added = self.library.add(episode, meta={"session_episode": str(session_episode), "task": task})
+        except Exception:
+            self.interrupted = None
+            raise
+        self.interrupted = None
         self._descriptors[added] = episode.descriptors
         # The next episode's first calls will likely be rebuilt from it, right after this reset: kept, not
         # read back from the file just written (33.6 MiB for a 30-call episode at `pi05`).
@@ -606,11 +652,33 @@ class RMuscle:
         self._refresh_retriever()
         log.info(
             "rMuscle: recorded episode %d (%d calls) as library episode %d",
-            self.episode_id,
+            session_episode,
             episode.calls,
             added,
         )
         return added
+
+    def _add_interrupted(self) -> None:
+        """Write the episode whose write was interrupted, if any (logged; an error is logged, not raised: the
+        episode that ends now is still recorded)."""
+        if self.interrupted is None:
+            return
+        episode, session_episode, task = self.interrupted
+        try:
+            added = self._add(episode, session_episode, task)
+        except Exception as e:
+            log.error(
+                "rMuscle: episode %d, whose write was interrupted, could not be written again: %s: %s",
+                session_episode,
+                type(e).__name__,
+                e,
+            )
+            return
+        log.warning(  # an interrupted write is news to an operator, at a level any handler shows
+            "rMuscle: episode %d, whose write was interrupted, written as library episode %d",
+            session_episode,
+            added,
+        )
 
     # ── calls ────────────────────────────────────────────────────────────────────────────────────────────
 
@@ -912,13 +980,22 @@ class RMuscle:
         may hold is dropped (`exclude_episode`) and runs on unrecorded: the library would refuse it, and
         a cell that never resets would fill the host's memory (~1.1 MB a call at `pi05`, 2 calls a second)."""
         rec = self._recording
-        rec.descriptors.append(descriptor.astype(np.float32))
-        rec.take_pending()  # the previous call's images and masks
-        rec.send_to_host(rec.images, images_to_u8(inputs.images[0]), np.uint8)
-        rec.tokens.append(inputs.tokens[0].cpu().numpy().astype(np.int64))
-        rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
-        rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
-        rec.send_to_host(rec.masks, self.engine.recorded_masks, np.int16)
+        try:
+            rec.take_pending()  # the previous call's images and masks
+        except Exception:  # that call cannot be completed: left out, the episode keeps its other calls
+            rec.drop_last_call()
+            raise
+        rec.begin_call()
+        try:
+            rec.descriptors.append(descriptor.astype(np.float32))
+            rec.send_to_host(rec.images, images_to_u8(inputs.images[0]), np.uint8)
+            rec.tokens.append(inputs.tokens[0].cpu().numpy().astype(np.int64))
+            rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
+            rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
+            rec.send_to_host(rec.masks, self.engine.recorded_masks, np.int16)
+        except Exception:  # e.g. a failed copy off the GPU: this call is left out, not half recorded
+            rec.drop_last_call()
+            raise
         rec.nbytes += sum(
             a[-1].nbytes for a in (rec.descriptors, rec.tokens, rec.token_mask, rec.image_masks)
         )
