@@ -33,6 +33,7 @@ from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Log  # noqa: E402
+from rcl_interfaces.srv import SetParameters  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
@@ -631,6 +632,19 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
         assert "for the inference worker (in a call; stall_after_s 0.5)" in status.message
         assert float({kv.key: kv.value for kv in status.values}["stalled_s"]) >= 0.6
         assert h.wait_for(lambda: any("inference stalled" in log.msg for log in h.logs), timeout=5.0)
+        # A parameter set or a reset meanwhile waits at most stall_after_s for the worker, then is refused
+        # saying why: waiting on, it held the executor, and /diagnostics went silent (found in review).
+        ask = SetParameters.Request(parameters=[Parameter("prompt", value="place").to_parameter_msg()])
+        started = time.monotonic()
+        answer = h.call(h.peer.create_client(SetParameters, f"/{h.node.get_name()}/set_parameters"), ask)
+        refusal = "not applied: the inference worker has held the policy for over 0.5 s (stall_after_s), running a call"
+        assert not answer.results[0].successful and refusal in answer.results[0].reason, answer.results[0]
+        assert time.monotonic() - started < 5.0 and h.node.get_parameter("prompt").value == "pick"
+        reset = h.call(h.reset, Trigger.Request())
+        assert not reset.success and "episode 0 (not reset: the inference worker has held" in reset.message
+        assert h.node.episode_id == 0 and h.node.stats()["errors"].get("reset") == 1
+        heard = len(h.diagnostics)
+        assert h.wait_for(lambda: len(h.diagnostics) > heard + 1, timeout=5.0), "the executor was held"
         published = len(h.chunks)
     finally:
         del engine.sample_actions
@@ -643,7 +657,8 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     assert stats["stalls"] == 1 and stats["stalled_s"] < 0.5 and stats["drops"] == {}, stats
     assert sum("inference stalled" in log.msg for log in h.logs) == 1, "logged once per stall"
     status = h.node._diagnostics().status[0]
-    assert status.level == status.OK and "stalled" not in status.message, status.message
+    # no longer stalled; a warning stays for the reset it refused (errors.reset)
+    assert status.level == status.WARN and "stalled" not in status.message, status.message
 
 
 # rmuscle_node's own main (spin_node) in a process of its own, fed observations until it has published 6
@@ -653,17 +668,26 @@ import os, signal, sys, threading, time
 import rclpy
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
+from std_msgs.msg import Empty
+import rmuscle_ros.cache.library as library_module
 from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
 from rmuscle_ros.node.rmuscle_node import RMuscleNode
 from rmuscle_ros.node.spin import spin_node
 
-library, signum = sys.argv[1], getattr(signal, sys.argv[2])
+library, signum, when = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
+if when != "once":  # a write that takes a while, as a long episode's at full size (~1 MB a call, fsynced)
+    real_save = library_module.save_file
+    def slow_save(*args, **kwargs):
+        time.sleep(1.5)
+        return real_save(*args, **kwargs)
+    library_module.save_file = slow_save
 
 def feed(node, peer):
     cameras = [peer.create_publisher(Image, t, qos_profile_sensor_data)
                for t in ("images/base", "images/left_wrist", "images/right_wrist")]
     arms = [peer.create_publisher(JointState, t, qos_profile_sensor_data)
             for t in ("joint_states/left", "joint_states/right")]
+    reset = peer.create_publisher(Empty, "/rmuscle_node/reset_episode", 10)
     while node.chunk_id < 6:
         stamp = peer.get_clock().now().to_msg()
         for pub in cameras:
@@ -675,7 +699,13 @@ def feed(node, peer):
             msg.header.stamp = stamp
             pub.publish(msg)
         time.sleep(0.03)
+    if when == "during_reset":  # the reset's write of episode 0 is under way on the executor's thread
+        reset.publish(Empty())
+        time.sleep(0.7)
     os.kill(os.getpid(), signum)
+    if when == "twice":  # again, while the shutdown writes the episode
+        time.sleep(0.7)
+        os.kill(os.getpid(), signum)
 
 def make():
     node = RMuscleNode()
@@ -691,28 +721,55 @@ sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for 
 """
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
-def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_name: str) -> None:
+@pytest.mark.parametrize(
+    ("signal_name", "when"),
+    [("SIGINT", "once"), ("SIGTERM", "once"), ("SIGINT", "twice"), ("SIGINT", "during_reset")],
+)
+def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_name: str, when: str) -> None:
     """Ctrl-C, or ros2 launch's SIGINT/SIGTERM, while the node is active mid-episode: the node ends as its
     shutdown transition would, and the episode in progress is in the library (destroying the node alone
-    ran none of that, and the recording was lost; found in review)."""
+    ran none of that, and the recording was lost; found in review). Found in a later review: a second
+    Ctrl-C while the shutdown wrote the episode ended the write (lost, a traceback, no teardown), now it is
+    said and ignored; and a Ctrl-C during a reset's write lost the finished episode, now written at
+    shutdown."""
     library = tmp_path / "library"
     script = tmp_path / "node.py"
     script.write_text(_STOPPED_BY_A_SIGNAL)
     env = os.environ | {"ROS_DOMAIN_ID": str(int(os.environ.get("ROS_DOMAIN_ID", "42")) + 60)}
     run = subprocess.run(
-        [sys.executable, str(script), str(library), signal_name],
+        [sys.executable, str(script), str(library), signal_name, when],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "episode in progress recorded as library episode 0" in run.stderr, run.stderr[-2000:]
     index = json.loads((library / "index.json").read_text())
-    assert [e["id"] for e in index["episodes"]] == [0] and index["episodes"][0]["calls"] >= 6, index[
-        "episodes"
-    ]
+    assert len(index["episodes"]) == 1 and index["episodes"][0]["calls"] >= 6, index["episodes"]
+    assert index["episodes"][0]["meta"]["session_episode"] == "0", index["episodes"]
+    if when == "during_reset":  # its first write was cut short; the id it took is not reused
+        assert "episode 0, whose write was interrupted, written as library episode 1" in run.stderr
+    else:
+        assert "episode in progress recorded as library episode 0" in run.stderr, run.stderr[-2000:]
+    if when == "twice":
+        assert "rmuscle_node: SIGINT ignored: shutting down, recording the episode in progress" in run.stderr
+
+
+def test_destroying_an_active_node_stops_its_worker_and_records_the_episode(harness, tmp_path) -> None:
+    """A program that tears the node down without its shutdown transition (an exception in its own code,
+    then destroy_node and rclpy.shutdown, as the demo's teardown did): the worker thread is stopped and the
+    episode in progress recorded. Before, the worker outlived rclpy.shutdown, the process aborted
+    ("terminate called without an active exception") and the episode was lost (found in review)."""
+    library = tmp_path / "library"
+    h = harness(**{"cache.enabled": True, "model.backend": "fused", "cache.library_path": str(library)})
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 3)
+    worker = h.node._worker
+    h.executor.remove_node(h.node)  # as a program's teardown: no executor runs the node's callbacks now
+    h.node.destroy_node()
+    assert worker is not None and not worker.is_alive() and h.node._worker is None and h.node.policy is None
+    index = json.loads((library / "index.json").read_text())
+    assert len(index["episodes"]) == 1 and index["episodes"][0]["calls"] >= 3, index["episodes"]
 
 
 def test_a_call_far_slower_than_the_median_is_logged_with_where_its_time_went(harness) -> None:

@@ -50,6 +50,8 @@ from rmuscle_ros.node.params import (
 )
 from rmuscle_ros.node.spin import spin_node
 
+STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
+
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
 # A call this much slower than the window's median is logged with its breakdown (at most every 5 s).
@@ -430,7 +432,9 @@ class RMuscleNode(LifecycleNode):
         )
         if too_long:
             return SetParametersResult(successful=False, reason=too_long)
-        with self._policy_lock:
+        if not self._lock_policy():
+            return SetParametersResult(successful=False, reason=f"not applied: {self._busy()}")
+        try:
             if cache and self.policy is not None and cfg.cache.enabled:
                 try:
                     self.policy.reconfigure_cache(**cache)
@@ -439,10 +443,26 @@ class RMuscleNode(LifecycleNode):
             self.cfg = cfg  # the worker reads it at each call
             if self._buffer is not None:
                 self._buffer.limits = limits
+        finally:
+            self._policy_lock.release()
         self.get_logger().info(
             "parameters now in effect: " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
         )
         return SetParametersResult(successful=True)
+
+    def _lock_policy(self) -> bool:
+        """The policy lock for a callback on the executor's thread (a parameter, a reset, a discard): within
+        stall_after_s, or False. A call holds the lock while it runs; waiting on a stalled one would hold
+        the executor too, and /diagnostics would go silent instead of reporting the stall."""
+        bound = self.cfg.stall_after_s if self.cfg is not None else STALL_AFTER_S_DEFAULT
+        return self._policy_lock.acquire(timeout=bound)
+
+    def _busy(self) -> str:
+        bound = self.cfg.stall_after_s if self.cfg is not None else STALL_AFTER_S_DEFAULT
+        return (
+            f"the inference worker has held the policy for over {bound:g} s (stall_after_s), running "
+            f"{self._doing or 'a job'}; see /diagnostics"
+        )
 
     def _close_quietly(self, policy: Any) -> None:
         # A configure that failed after the policy was built: free the cache's temporary library now.
@@ -523,6 +543,17 @@ class RMuscleNode(LifecycleNode):
             self._release()
         return TransitionCallbackReturn.SUCCESS
 
+    def destroy_node(self) -> None:
+        """Destroyed while configured or active (a program's teardown without the shutdown transition): the
+        shutdown transition's work first, so the worker thread is stopped and the episode in progress
+        recorded. Before, the worker outlived rclpy.shutdown, the process aborted, and the episode was lost."""
+        if self.policy is not None or self._worker is not None:
+            try:
+                self.on_shutdown(None)
+            except Exception as e:  # the node goes either way: say why its shutdown failed
+                self.get_logger().error(f"destroy_node: shutdown failed: {type(e).__name__}: {e}")
+        super().destroy_node()
+
     def _stop_activity(self) -> None:
         """Undo on_activate: the worker thread, timers and subscriptions; forget buffered messages."""
         self._stop_worker()
@@ -594,14 +625,21 @@ class RMuscleNode(LifecycleNode):
 
     def reset_episode(self) -> int:
         """Start the next episode; the cache records the finished one into its library if it ran dense.
-        Returns the new episode id."""
+        Returns the new episode id (the current one if the worker held the policy past stall_after_s:
+        not reset, logged)."""
         return self._start_episode()[0]
 
-    def _start_episode(self) -> tuple[int, str]:
-        """-> (new episode id, what happened to the finished episode's recording)."""
+    def _start_episode(self) -> tuple[int, str, bool]:
+        """-> (new episode id, what happened to the finished episode's recording, True); or the current
+        episode id, why not, and False if the worker held the policy past stall_after_s (no reset)."""
         recorded, failed = None, ""
         # Under the policy lock, so a chunk is numbered in the episode the cache counted it in.
-        with self._policy_lock:
+        if not self._lock_policy():
+            with self._stats_lock:
+                episode = self.episode_id
+            self._error("reset", f"episode {episode} was not reset: {self._busy()}")
+            return episode, f"not reset: {self._busy()}", False
+        try:
             policy, status = self.policy, None
             if policy is not None:
                 try:
@@ -621,6 +659,8 @@ class RMuscleNode(LifecycleNode):
                 # (no drop), as after an activation.
                 self._buffer.clear()
                 self._activated_at = time.monotonic()
+        finally:
+            self._policy_lock.release()
         if failed:
             note = f"recording episode {episode - 1} failed: {failed}"
             self._error("cache_reset", note)
@@ -638,14 +678,19 @@ class RMuscleNode(LifecycleNode):
         if self._worker is not None and self.cfg is not None and self.cfg.cache.enabled:
             self._refill.set()  # the worker refills the window for the next episode's first calls
             self._wake.set()
-        return episode, note
+        return episode, note, True
 
     def discard_episode(self) -> tuple[bool, str]:
         """Keep the episode in progress out of the cache's library: an operator's (or a success
         detector's) word that this attempt failed, so that the cell does not learn it. Its calls so far are
         dropped and later ones are not recorded; the next reset starts recording again. Returns whether
         there was a cache to keep it out of, and what happened (the service's reply)."""
-        with self._policy_lock:
+        if not self._lock_policy():
+            with self._stats_lock:
+                episode = self.episode_id
+            self._error("discard", f"episode {episode} was not discarded: {self._busy()}")
+            return False, f"episode {episode} was not discarded: {self._busy()}"
+        try:
             policy = self.policy
             with self._stats_lock:
                 episode = self.episode_id
@@ -654,6 +699,8 @@ class RMuscleNode(LifecycleNode):
             with self._stats_lock:
                 self.episodes_discarded += self._discarded != episode
                 self._discarded = episode
+        finally:
+            self._policy_lock.release()
         note = f"episode {episode} will not be recorded into the library"
         self.get_logger().info(note)
         return True, note
@@ -664,8 +711,7 @@ class RMuscleNode(LifecycleNode):
 
     def _on_reset_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         # The episode did reset even if its recording failed (that is logged and counted on /diagnostics).
-        episode, note = self._start_episode()
-        response.success = True
+        episode, note, response.success = self._start_episode()
         response.message = f"episode {episode}" + (f" ({note})" if note else "")
         return response
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import rclpy
 from rclpy.exceptions import InvalidParameterTypeException
@@ -34,17 +36,47 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
         # Ctrl-C or SIGTERM (ros2 launch stopping) ends a lifecycle node as its shutdown transition would:
         # destroy_node alone runs none of it, and rmuscle_node would lose the episode in progress, which
         # its shutdown records into the library. Run again after a shutdown transition, it does nothing.
-        shutdown = getattr(node, "on_shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown(None)
-            except Exception as e:  # the process is ending: say why the node's own shutdown failed
-                print(f"{node.get_name()}: shutdown failed: {type(e).__name__}: {e}", file=sys.stderr)
-        executor.shutdown()
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+        # A second Ctrl-C meanwhile (the write of a long episode takes a while) is said and ignored: it
+        # ended the write, the episode and the teardown (SIGKILL still ends the process).
+        name = node.get_name()
+        held = _hold_signals(name)
+        try:
+            shutdown = getattr(node, "on_shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown(None)
+                except Exception as e:  # the process is ending: say why the node's own shutdown failed
+                    print(f"{name}: shutdown failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            executor.shutdown()
+            node.destroy_node()
+            if rclpy.ok():
+                rclpy.shutdown()
+            _restore_signals(held)
     return 0
+
+
+def _hold_signals(name: str) -> dict[int, Any]:
+    """Until _restore_signals: SIGINT and SIGTERM print what the node is doing instead of interrupting it.
+    Only the main thread may set handlers; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def say(signum: int, _frame: object) -> None:
+        print(
+            f"{name}: {signal.Signals(signum).name} ignored: shutting down, recording the episode in progress "
+            "into the library (SIGKILL ends the process without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return {s: signal.signal(s, say) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signals(held: dict[int, Any]) -> None:
+    for signum, handler in held.items():
+        if handler is not None:  # None: set outside Python, which cannot be put back from here
+            signal.signal(signum, handler)
 
 
 class BackgroundSpin:
