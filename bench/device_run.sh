@@ -50,7 +50,7 @@ for step in $steps; do
     echo "=== $step ($(date -u +%T))"
     case $step in
         tests)
-            timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py test/test_transforms.py \
+            timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py test/test_transforms.py test/test_checkpoint.py \
                 test/test_rmuscle_engine.py 2>&1 | quiet | tail -15 ;;
         pi05)
             timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_h200_$commit" \

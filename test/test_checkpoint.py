@@ -357,3 +357,16 @@ def test_weights_fingerprint_hashes_large_tensors_in_slices(monkeypatch: pytest.
     assert len(pieces) == 21 and b"".join(p.numpy().tobytes() for p in pieces) == whole
     assert b"".join(p.numpy().tobytes() for p in checkpoint._pieces(t.reshape(7, 143).t())) != whole
     assert [p.numel() for p in checkpoint._pieces(torch.empty(0))] == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on the device machine)"
+)
+def test_weights_fingerprint_is_the_same_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same weights give the same key on either device (their bytes, copied off the GPU through each
+    thread's pinned buffer); with pieces smaller than the tensors, as a full-size model's are."""
+    monkeypatch.setattr(checkpoint, "FINGERPRINT_CHUNK", 4096)
+    model = tiny_model()
+    on_cpu = weights_fingerprint(model)
+    assert weights_fingerprint(model.to("cuda")) == on_cpu
