@@ -231,7 +231,7 @@ def run(
                 if k > 0:
                     if discard_failed and not cell.results[-1]["success"]:
                         node.discard_episode()
-                    resets.append(call_service(reset, Trigger.Request()).message)
+                    resets.append(_reset(reset))
                 streaming.resume()
                 cell.run_for(seconds)  # on the sim's clock
                 continue
@@ -239,7 +239,7 @@ def run(
                 # The bag first (seconds on a loaded CPU): the reset clears the node's buffered messages, and
                 # its start-up wait for the new episode's first ones lasts sensor_startup_timeout_s.
                 write(k)
-                resets.append(call_service(reset, Trigger.Request()).message)
+                resets.append(_reset(reset))
             # Every node on the bag's clock hears it from the first message: the node, and the streamer.
             clocks = 1 + (streaming.process is not None)
             _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks)
@@ -651,6 +651,15 @@ def stop_processes(*processes: subprocess.Popen[bytes] | None, timeout_s: float 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _reset(client: Any) -> str:
+    """`~/reset_episode`, or RuntimeError with the node's reason if it refused (a call held the policy past
+    stall_after_s): the next bag would otherwise play into the episode before it."""
+    response = call_service(client, Trigger.Request())
+    if not response.success:
+        raise RuntimeError(f"the node refused the episode reset: {response.message}")
+    return response.message
 
 
 def call_service(client: Any, request: Any, timeout_s: float = 30.0) -> Any:
