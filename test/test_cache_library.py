@@ -278,11 +278,28 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     kept = lib.add(episode(seed=1), {"task": "t"})
     index_before = (tmp_path / "index.json").read_bytes()
 
-    def full_disk(tensors, filename, metadata=None) -> None:
-        Path(filename).write_bytes(b"\0" * 4096)  # part of it reached the disk
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real_open = open
 
-    monkeypatch.setattr(library_module, "save_file", full_disk)
+    class FillsUp:  # the episode file's write: part of it reaches the disk, then the disk is full
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def __enter__(self) -> FillsUp:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def write(self, data: bytes) -> None:
+            self.f.write(b"\0" * 4096)
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FillsUp(f) if "w" in mode and Path(path).name.startswith(".episode_") else f
+
+    monkeypatch.setattr(library_module, "open", full_disk, raising=False)
     with pytest.raises(OSError, match="No space left"):
         lib.add(episode(seed=2), {"task": "t"})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -669,7 +686,7 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     lib.close()
     assert main(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "3 episode(s), weights abc123" in out and "not open in any live process" in out
+    assert "3 episode(s), 0.0 MiB, weights abc123" in out and "not open in any live process" in out
     assert "episode 1: 5 calls" in out and "(task 'stack the cups', session_episode 1)" in out
     assert "(no task recorded: served to none, session_episode 2)" in out
     assert out.index("  task 'stack the cups': 2 episode(s)") < out.index(
@@ -707,6 +724,59 @@ def test_command_line_lists_verifies_and_removes_episodes(tmp_path: Path, capsys
     assert "no library here" in capsys.readouterr().err
 
 
+def test_a_removed_episodes_id_is_never_given_again(tmp_path: Path, capsys) -> None:
+    """The index keeps the next id: after `remove` of the newest episode, the next recording takes a new
+    id, so a `remove` of the old id run again (shell history, yesterday's notes) cannot take it (before,
+    found in review, ids were the highest held + 1, and the new recording got the removed one's)."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    for seed in range(3):
+        lib.add(episode(seed=seed))
+    lib.close()
+    assert main(["remove", str(tmp_path), "2"]) == 0
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    assert lib.add(episode(seed=3)) == 3
+    lib.close()
+    assert main(["remove", str(tmp_path), "2"]) == 2 and "no episode [2]" in capsys.readouterr().err
+    assert json.loads((tmp_path / "index.json").read_text())["next_id"] == 4
+    index = json.loads((tmp_path / "index.json").read_text())
+    del index["next_id"]  # an earlier build's index: the highest id + 1, as before
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    assert lib.add(episode(seed=4)) == 4
+    lib.close()
+    index["next_id"] = -1
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match="next_id is -1, not an integer >= 0"):
+        ReferenceLibrary.open(tmp_path, KEY)
+
+
+def test_episode_files_are_created_under_the_umask_as_the_index_is(tmp_path: Path) -> None:
+    """An engineer's `verify` under another user than the node's reads them (safetensors' own writer made
+    them 0600: 'could not be read (Permission denied)' for intact files; found in review)."""
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode())
+    lib.close()
+    mode = lambda name: (tmp_path / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("episode_000000.safetensors") == mode("index.json")
+
+
+def test_list_piped_into_head_ends_quietly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    for seed in range(40):
+        lib.add(episode(seed=seed))
+    lib.close()
+    run = subprocess.run(
+        f"{sys.executable} -m rmuscle_ros.cache.library list {tmp_path} | head -1",
+        shell=True, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.startswith("library ") and run.stderr == ""
+
+
 def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_from_other_scenes(
     tmp_path: Path, capsys
 ) -> None:
@@ -740,7 +810,8 @@ def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_fro
     assert main(["similarity", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert (
-        "episode 1: descriptors unreadable" in out and "task 'stack the cups': 2 episode(s), 10 calls" in out
+        "episode 1: episode_000001.safetensors is corrupt (checksum mismatch); left out, see verify" in out
+        and "task 'stack the cups': 2 episode(s), 10 calls" in out
     )
     with pytest.raises(SystemExit):
         main(["similarity", str(tmp_path), "--threshold", "2"])
@@ -832,7 +903,7 @@ def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp
     lib.add(episode())
     lib.add(episode(seed=1))
     assert holder(tmp_path) is not None
-    assert main(["remove", str(tmp_path), "0"]) == 2
+    assert main(["remove", str(tmp_path), "0"]) == 75, "busy (EX_TEMPFAIL): a script may retry later"
     assert "is open in process" in capsys.readouterr().err
     assert sorted(ReferenceLibrary.open(tmp_path / "other", KEY).entries) == []  # an unrelated library
     lib.close()
@@ -840,7 +911,7 @@ def test_command_line_does_not_remove_from_a_library_a_live_process_has_open(tmp
     other = hold_in_another_process(tmp_path)
     try:
         assert holder(tmp_path) == f"{socket.gethostname()} {other.pid}"
-        assert main(["remove", str(tmp_path), "0"]) == 2
+        assert main(["remove", str(tmp_path), "0"]) == 75
         assert f"is open in process {socket.gethostname()} {other.pid}" in capsys.readouterr().err
     finally:
         other.kill()
@@ -885,7 +956,7 @@ def test_a_remove_while_a_node_opens_the_library_is_refused(tmp_path: Path, monk
     monkeypatch.setattr(library_module, "_file_problem", verifying)
     node = ReferenceLibrary.open(tmp_path, KEY)
     monkeypatch.undo()
-    assert during["rc"] == 2, "remove was not refused while the library was being opened"
+    assert during["rc"] == 75, "remove was not refused (busy) while the library was being opened"
     node.add(episode(seed=3))
     node.close()
     again = ReferenceLibrary.open(tmp_path, KEY)
@@ -1215,7 +1286,14 @@ def test_the_command_line_refuses_a_library_of_another_version(tmp_path: Path, c
     for command in ("list", "verify", "similarity"):
         assert main([command, str(tmp_path)]) == 2
         assert capsys.readouterr().err.strip() == f"error: {e.value}"
-    assert "library version 2, this build reads 1" in str(e.value)
+    assert (
+        "library version 2 was written by a newer rmuscle_ros than this one (it reads version 1); the "
+        "library is left as it was: update rmuscle_ros to use it" in str(e.value)
+    )
+    index["version"] = True  # True == 1 in Python: not a version
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match="library version True, this build reads 1"):
+        ReferenceLibrary.open(tmp_path, KEY)
 
 
 def _sleeper():
@@ -1266,7 +1344,7 @@ def test_a_library_an_earlier_versions_live_node_has_open_is_refused_and_this_on
             f"{socket.gethostname()} {old.pid}, a node of an earlier version (its open marker "
             f"{tmp_path / OPEN_MARKER})"
         )
-        assert main(["remove", str(tmp_path), "0"]) == 2
+        assert main(["remove", str(tmp_path), "0"]) == 75
         assert (
             f"is open in process {socket.gethostname()} {old.pid}, a node of an earlier"
             in capsys.readouterr().err

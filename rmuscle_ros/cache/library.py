@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 # The one-writer guard (lock.py). Its file names, exceptions and `holder` are re-exported: the node, the
 # tests and other modules import them from here.
@@ -326,10 +326,26 @@ def _stored_key(index_path: Path, raw: Any) -> LibraryKey:
     raise LibraryError(f"{index_path}: unreadable library index ({problem})")
 
 
+def _stored_next_id(index_path: Path, value: Any) -> int:
+    """The index's `next_id` (0 if absent: an earlier build's index), checked for its type."""
+    if value is None:
+        return 0
+    if not _is_int(value) or value < 0:
+        raise LibraryError(
+            f"{index_path}: unreadable library index (next_id is {value!r}, not an integer >= 0)"
+        )
+    return value
+
+
 def _check_version(index_path: Path, version: Any) -> None:
     """The node and the command line refuse a library of another format alike."""
-    if version != LIBRARY_VERSION:
-        raise LibraryError(f"{index_path}: library version {version}, this build reads {LIBRARY_VERSION}")
+    if _is_int(version) and version > LIBRARY_VERSION:
+        raise LibraryError(
+            f"{index_path}: library version {version} was written by a newer rmuscle_ros than this one (it reads "
+            f"version {LIBRARY_VERSION}); the library is left as it was: update rmuscle_ros to use it"
+        )
+    if version != LIBRARY_VERSION or not _is_int(version):
+        raise LibraryError(f"{index_path}: library version {version!r}, this build reads {LIBRARY_VERSION}")
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -503,6 +519,7 @@ class ReferenceLibrary:
         for problem in lib.problems:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e.id for e in entries], default=-1) + 1
+        lib._next_id = max(lib._next_id, _stored_next_id(index_path, index.get("next_id")))
         lib._tidy()
         if lib._bounded and not lib.read_only:
             lib._apply_bounds()
@@ -635,6 +652,10 @@ class ReferenceLibrary:
         index = {
             "version": LIBRARY_VERSION,
             "key": self.key.to_json(),
+            # The next episode's id: a removed episode's id is never given again, so a `remove` of a stale id
+            # (from shell history) cannot take a newer recording (found in review). Absent in earlier builds'
+            # indexes: the highest id held + 1 then.
+            "next_id": self._next_id,
             "episodes": [
                 asdict(e)
                 for e in sorted([*self.entries.values(), *self.left_out.values()], key=lambda e: e.id)
@@ -686,9 +707,15 @@ class ReferenceLibrary:
         path = self.root / name
         tmp = _temporary(path)
         try:
-            save_file(tensors, str(tmp), metadata={"episode": str(episode_id)})
-            with open(tmp, "rb+") as f:
+            # Written here, not by safetensors' save_file, which creates its files 0600: an engineer's
+            # `verify` under another user than the node's read them as unreadable (found in review). Created
+            # as any file is, under the process's umask, as the index is.
+            data = save(tensors, metadata={"episode": str(episode_id)})
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
                 os.fsync(f.fileno())
+            del data
             self._refuse_too_large(episode, tmp.stat().st_size)
             _place_new(tmp, path)  # on disk before the index that names it
         except FileExistsError:
@@ -878,6 +905,10 @@ def _descriptors(root: Path, episodes: list[dict]) -> tuple[dict[int, np.ndarray
     rows: dict[int, np.ndarray] = {}
     problems = []
     for e in episodes:
+        problem = _file_problem(Path(root), EpisodeEntry(**e))
+        if problem is not None:  # left out, as the node leaves it out: its descriptors may be the damage
+            problems.append(f"{problem}, see verify")
+            continue
         try:
             with safe_open(str(Path(root) / e["file"]), framework="np") as f:
                 rows[e["id"]] = unit_rows(f.get_tensor("descriptors"))
@@ -965,6 +996,9 @@ def _similarity_report(root: Path, episodes: list[dict], threshold: float) -> li
     return lines
 
 
+EXIT_BUSY = 75  # EX_TEMPFAIL: open in a live process; try again once it is cleaned up (other errors: 2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m rmuscle_ros.cache.library",
@@ -998,7 +1032,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         key, episodes = _stored(args.root)
         if args.command == "list":
-            print(f"library {args.root}: {len(episodes)} episode(s), weights {key.weights[:16]}, "
+            total = sum(e["bytes"] for e in episodes) / 2**20
+            print(f"library {args.root}: {len(episodes)} episode(s), {total:.1f} MiB, weights {key.weights}, "
                   f"shapes {dict(key.shapes)}")  # fmt: skip
             who = holder(args.root)
             print(f"open in process {who}" if who else "not open in any live process")
@@ -1057,9 +1092,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             lib.close()
         print(f"removed episode(s) {ids}; {len(lib.entries)} left")
         return 0
+    except BrokenPipeError:  # `list … | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 1
     except (LibraryError, KeyError, OSError) as e:  # OSError: a disk error, a full disk
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        return 2
+        return EXIT_BUSY if isinstance(e, LibraryBusy) else 2
 
 
 if __name__ == "__main__":
