@@ -71,6 +71,18 @@ def test_quantile_stats_validation() -> None:
         QuantileStats(q01=np.ones(1, np.float32), q99=np.zeros(1, np.float32), convention="openpi")
     with pytest.raises(ValueError, match="convention"):
         QuantileStats(q01=Q01, q99=Q99, convention="zscore")  # type: ignore[arg-type]
+    # Ranges float32 cannot normalise with (found in review: loaded, then every state bin 0, or every chunk
+    # non-finite): wider than float32, or so narrow that any value off q01 is ±Inf.
+    for convention in ("openpi", "lerobot"):
+        with pytest.raises(ValueError, match=re.escape("q99 - q01 in dimensions [1] is [inf]: past what")):
+            QuantileStats(
+                q01=np.array([0, -3e38], np.float32),
+                q99=np.array([1, 3e38], np.float32),
+                convention=convention,
+            )
+    with pytest.raises(ValueError, match=re.escape("q99 - q01 in dimensions [0] is [9.809")):
+        QuantileStats(q01=np.zeros(1, np.float32), q99=np.full(1, 1e-44, np.float32), convention="lerobot")
+    QuantileStats(q01=np.zeros(1, np.float32), q99=np.zeros(1, np.float32), convention="lerobot")  # eps
 
 
 def test_quantile_stats_are_immutable_copies() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +73,49 @@ def test_reused_image_buffer_carries_nothing_over(policy: Policy) -> None:
         (lambda o: Observation({}, o.state, o.prompt), "no camera image"),
         (lambda o: Observation(o.images, o.state[:7], o.prompt), r"state must have shape \(14,\)"),
         (lambda o: Observation(o.images, np.full(14, np.nan, np.float32), o.prompt), "NaN"),
+        # found in review: a raw AttributeError / UnicodeEncodeError, or a silent cast
+        (lambda o: Observation(o.images, o.state, None), "prompt must be text \\(str\\), got NoneType"),
+        (lambda o: Observation(o.images, o.state, b"pick"), "prompt must be text \\(str\\), got bytes"),
+        (lambda o: Observation(o.images, o.state, "pick \ud800"), "prompt is not valid text: surrogates"),
+        (lambda o: Observation(o.images, o.state, " _ "), "prompt ' _ ' is blank once cleaned"),
+        (
+            lambda o: Observation(o.images, o.state.astype(np.complex64), o.prompt),
+            "state must be real numbers",
+        ),
+        (lambda o: Observation(o.images, o.state > 0, o.prompt), "state must be real numbers .* dtype bool"),
+        (lambda o: Observation(o.images, o.state.astype(str), o.prompt), "state must be real numbers"),
+        (
+            lambda o: Observation(o.images, np.r_[o.state[:13], 3e38].astype(np.float32), o.prompt),
+            r"state dimension\(s\) \[13\] \(in the model's convention\) \[3\.0.*e\+38\] normalise past float32's",
+        ),
     ],
 )
 def test_bad_observations_are_rejected_clearly(policy: Policy, edit, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         policy.infer(edit(synthetic_observation(policy.cfg, "x")))
+
+
+def test_a_closed_policy_refuses_calls() -> None:
+    """After close (its episode recorded, its library given up) a call raises: before (found in review) it
+    ran dense and unrecorded without a word."""
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+
+    policy = Policy(PolicyConfig(backend="fused", cameras=CAMERAS), RMuscleConfig())
+    obs = synthetic_observation(policy.cfg, "x")
+    policy.infer(obs)
+    policy.close()
+    for call in (lambda: policy.infer(obs), policy.reset_episode):
+        with pytest.raises(RuntimeError, match=r"the policy is closed \(Policy.close\)"):
+            call()
+
+
+def test_read_only_model_sized_frames_take_no_copy_warning(policy: Policy) -> None:
+    obs = synthetic_observation(policy.cfg, "x", size=(224, 224))
+    for image in obs.images.values():
+        image.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy.infer(obs)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import yaml
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.models.config import PRESETS
 from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, PolicyConfig
+from rmuscle_ros.runtime.transforms import check_prompt
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -419,8 +420,10 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             f"got {list(values['joint_name_prefixes'])}"
         )
     check_closed_open("gripper_state_range", values["gripper_state_range"])
-    if not values["prompt"].strip():
-        raise ParameterError("prompt: must not be empty")
+    try:
+        check_prompt(values["prompt"])
+    except ValueError as e:
+        raise ParameterError(f"prompt: {e}") from None
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     positive("stall_after_s")

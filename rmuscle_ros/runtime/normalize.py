@@ -70,6 +70,17 @@ class QuantileStats:
         if np.any(self.q99 < self.q01):
             bad = np.flatnonzero(self.q99 < self.q01).tolist()
             raise ValueError(f"q99 < q01 in dimensions {bad}")
+        with np.errstate(over="ignore", divide="ignore"):
+            width = self.q99 - self.q01
+            usable = np.isfinite(self._scale()) & np.isfinite(np.float32(1.0) / self._scale())
+        if not usable.all():  # q99 - q01 past float32 (every value would normalise to ±1), or so small
+            # that any value off q01 normalises to ±Inf: found in review, the stats loaded and the state
+            # bins all came out 0, or every chunk non-finite
+            bad = np.flatnonzero(~usable).tolist()
+            raise ValueError(
+                f"q99 - q01 in dimensions {bad} is {width[bad].tolist()}: past what float32 can "
+                "normalise with (stats of another unit or a corrupt file?)"
+            )
         object.__setattr__(self, "q01", _freeze(self.q01))
         object.__setattr__(self, "q99", _freeze(self.q99))
 

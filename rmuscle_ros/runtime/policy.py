@@ -33,6 +33,7 @@ from rmuscle_ros.runtime.normalize import NormStats, identity_stats, load_norm_s
 from rmuscle_ros.runtime.transforms import (
     ImageUploads,
     build_prompt,
+    check_prompt,
     check_rgb_u8,
     clean_task,
     discretize_state,
@@ -172,6 +173,7 @@ class Policy:
     def __init__(self, cfg: PolicyConfig, cache: RMuscleConfig | None = None) -> None:
         """cache: run with rMuscle (backends 'graph' or 'fused'); None = always dense."""
         self.cfg = cfg
+        self._closed = False
         self.model_cfg = cfg.model
         self.device = torch.device(cfg.device)
         if cache is not None and cfg.backend not in CACHE_BACKENDS:
@@ -261,6 +263,13 @@ class Policy:
 
     def _prepare(self, obs: Observation) -> tuple[ModelInputs, int, bool, np.ndarray]:
         """preprocess, and the state in the checkpoint's convention (what postprocess adds delta actions to)."""
+        self._check_open()
+        check_prompt(obs.prompt)
+        raw_state = np.asarray(obs.state)
+        if raw_state.dtype.kind not in "iuf":  # bool, complex, text, objects: no joint positions
+            raise ValueError(
+                f"state must be real numbers (an int or float array), got dtype {raw_state.dtype}"
+            )
         unknown = set(obs.images) - set(self.cfg.cameras)
         if unknown:
             raise ValueError(f"unknown camera(s) {sorted(unknown)}; configured: {list(self.cfg.cameras)}")
@@ -281,13 +290,22 @@ class Policy:
             if slot not in present:
                 images[0, slot].fill_(-1.0)  # missing slot = black, masked out
         masks = torch.from_numpy(np.isin(np.arange(self.model_cfg.num_cameras), list(present)))[None]
-        state = np.asarray(obs.state, dtype=np.float32)
+        state = raw_state.astype(np.float32)
         if state.shape != (self.cfg.state_dim,):
             raise ValueError(f"state must have shape ({self.cfg.state_dim},), got {state.shape}")
         if not np.isfinite(state).all():
             raise ValueError(f"state contains NaN or Inf: {state.tolist()}")
         model_state = self.space.state_to_model(state)
-        prompt = build_prompt(obs.prompt, discretize_state(self.stats.state.normalize(model_state)))
+        with np.errstate(over="ignore", invalid="ignore"):  # checked just below, naming the dimensions
+            normalized = self.stats.state.normalize(model_state)
+        if not np.isfinite(normalized).all():  # a finite value far past the stats' range (or stats' tiny one)
+            stats, bad = self.stats.state, np.flatnonzero(~np.isfinite(normalized))
+            raise ValueError(
+                f"state dimension(s) {bad.tolist()} (in the model's convention) "
+                f"{model_state[bad].tolist()} normalise past float32's range with the norm stats' q01 "
+                f"{stats.q01[bad].tolist()}, q99 {stats.q99[bad].tolist()}: check the joint units and model.norm_stats"
+            )
+        prompt = build_prompt(obs.prompt, discretize_state(normalized))
         tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len)
         # The images where the engine runs, the rest as host tensors: each engine places them (the graph
         # engine packs the prompt on the host, so a device copy here would only be read back).
@@ -378,6 +396,7 @@ class Policy:
 
     def reset_episode(self) -> int | None:
         """A new episode on the cell; returns the library id the finished episode was recorded as."""
+        self._check_open()
         return self.rmuscle.reset_episode() if self.rmuscle is not None else None
 
     def rebuild_cache(self, max_entries: int | None = None, wait: bool = False) -> int:
@@ -429,9 +448,15 @@ class Policy:
         return True
 
     def close(self) -> int | None:
-        """Record the current episode if it qualifies and release the cache's temporary files."""
+        """Record the current episode if it qualifies and release the cache's temporary files. Later calls
+        raise (before, found in review, they ran dense and unrecorded without a word)."""
+        self._closed = True
         rm, self.rmuscle = self.rmuscle, None
         return rm.close() if rm is not None else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the policy is closed (Policy.close): make a new one to run it again")
 
 
 def synthetic_observation(

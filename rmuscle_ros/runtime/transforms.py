@@ -232,7 +232,10 @@ def image_to_model(image_u8: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> torch.
             f"image_u8 must be {size}x{size} (run resize_with_pad first), got {image_u8.shape[:2]}"
         )
     # Same operation order as openpi (x / 255 then * 2 - 1) so results match bit for bit in float32.
-    chw = torch.from_numpy(np.ascontiguousarray(image_u8)).permute(2, 0, 1).to(torch.float32)
+    contiguous = np.ascontiguousarray(image_u8)
+    if not contiguous.flags.writeable:  # torch.from_numpy warns on a read-only array (a frame's buffer)
+        contiguous = contiguous.copy()
+    chw = torch.from_numpy(contiguous).permute(2, 0, 1).to(torch.float32)
     return (chw / 255.0 * 2.0 - 1.0).contiguous()
 
 
@@ -260,6 +263,22 @@ def clean_task(task: str) -> str:
     """The task text as the prompt carries it: surrounding whitespace stripped, "_" and newlines as spaces.
     Two instructions with the same cleaned text are the same task to the model (and to rMuscle's library)."""
     return task.strip().replace("_", " ").replace("\n", " ")
+
+
+def check_prompt(task: object) -> str:
+    """`task` if a prompt may carry it: text (str) that encodes as UTF-8 and is not blank once cleaned
+    (`clean_task`: "_" alone would read " "); otherwise a ValueError naming the problem."""
+    if not isinstance(task, str):
+        raise ValueError(f"prompt must be text (str), got {type(task).__name__}")
+    try:
+        task.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt is not valid text: {e.reason} at character {e.start}") from None
+    if not clean_task(task).strip():
+        raise ValueError(
+            f"prompt {task!r} is blank once cleaned for the model ('_' and newlines read as spaces)"
+        )
+    return task
 
 
 def build_prompt(task: str, discretized_state: np.ndarray) -> str:
