@@ -777,6 +777,82 @@ def test_list_piped_into_head_ends_quietly(tmp_path: Path) -> None:
     assert run.stdout.startswith("library ") and run.stderr == ""
 
 
+def test_reindex_rebuilds_a_lost_or_damaged_index_from_the_episode_files(tmp_path: Path, capsys) -> None:
+    """The index is the library's only record of its episodes' key, tasks and times; lost or damaged (a
+    hand edit, a disk fault), every recording became an orphan that a new index never used (found in
+    review). Episode files now carry them, and `reindex` rebuilds the index from the files: what it held
+    comes back, an unreadable index is set aside for inspection, and a file it cannot vouch for is named
+    and left out."""
+    from safetensors.numpy import save_file
+
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    for seed, task in enumerate(("fold", "fold", "stack")):
+        lib.add(episode(seed=seed), {"task": task, "session_episode": str(seed)})
+    before = {i: (e.sha256, e.calls, e.bytes, e.created, e.meta) for i, e in lib.entries.items()}
+    lib.close()
+    (tmp_path / "index.json").write_text('{"version": 1, "key": {"weights": "abc123", "sha')  # cut short
+    with pytest.raises(LibraryError, match="reindex <library>`, with no node holding it"):
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert main(["reindex", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "index.json: " in out
+        and "set aside as index.json.corrupt-" in out
+        and "indexed episode(s) [0, 1, 2]" in out
+    )
+    assert len(list(tmp_path.glob("index.json.corrupt-*"))) == 1
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    assert {i: (e.sha256, e.calls, e.bytes, e.created, e.meta) for i, e in lib.entries.items()} == before
+    assert np.array_equal(lib.load(2).images, episode(seed=2).images) and lib.problems == []
+    lib.close()
+
+    # Lost outright; and beside the files, one of another library and one from before files carried a key.
+    (tmp_path / "index.json").unlink()
+    other = ReferenceLibrary.open(tmp_path / "other", LibraryKey(weights="def456", shapes=KEY.shapes))
+    other.add(episode(seed=7))
+    other.close()
+    os.replace(tmp_path / "other" / "episode_000000.safetensors", tmp_path / "episode_000007.safetensors")
+    save_file(
+        episode(seed=8).tensors(), str(tmp_path / "episode_000008.safetensors"), metadata={"episode": "8"}
+    )
+    assert main(["reindex", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "episode_000007.safetensors: recorded under another key (library 'def456', model 'abc123'); skipped"
+        in out
+    )
+    assert (
+        "episode_000008.safetensors: recorded before episode files carried their library's key; skipped"
+        in out
+    )
+    assert "indexed episode(s) [0, 1, 2]" in out
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(lib.entries) == [0, 1, 2] and lib.add(episode(seed=9)) == 9, (
+        "the skipped files' ids stay taken"
+    )
+    lib.close()
+    # A recording whose index write failed: its file, unnamed beside a good index, is indexed too.
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["episodes"] = [e for e in index["episodes"] if e["id"] != 9]
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    assert main(["reindex", str(tmp_path)]) == 1 and "indexed episode(s) [9]" in capsys.readouterr().out
+    # Not while a node has it open (exit 75, busy); not a newer build's index, which stays as it was.
+    held = ReferenceLibrary.open(tmp_path, KEY)
+    assert (
+        main(["reindex", str(tmp_path)]) == 75 and "already open in this process" in capsys.readouterr().err
+    )
+    held.close()
+    index = json.loads((tmp_path / "index.json").read_text())
+    (tmp_path / "index.json").write_text(json.dumps(index | {"version": 2}))
+    assert (
+        main(["reindex", str(tmp_path)]) == 2 and "written by a newer rmuscle_ros" in capsys.readouterr().err
+    )
+    assert json.loads((tmp_path / "index.json").read_text())["version"] == 2
+    assert main(["reindex", str(tmp_path / "nothing")]) == 2 and "no library here" in capsys.readouterr().err
+
+
 def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_from_other_scenes(
     tmp_path: Path, capsys
 ) -> None:

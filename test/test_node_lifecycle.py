@@ -511,7 +511,9 @@ def test_a_profile_loaded_one_parameter_at_a_time_is_taken_by_an_unconfigured_no
     bad = h.node.set_parameters_atomically(
         [Parameter("joint_state_topics", value=["a", "b", "c"]), Parameter("prompt", value="   ")]
     )
-    assert not bad.successful and bad.reason.startswith("prompt: prompt '   ' is blank once cleaned"), bad.reason
+    assert not bad.successful and bad.reason.startswith("prompt: prompt '   ' is blank once cleaned"), (
+        bad.reason
+    )
     assert h.node.get_parameter("prompt").value != "   "
 
     for name, value in profile.items():  # in the file's order, as ros2 param load sends them

@@ -90,6 +90,10 @@ from rmuscle_ros.cache.lock import (
 log = logging.getLogger(__name__)
 
 LIBRARY_VERSION = 1
+REINDEX_HINT = (
+    "`python -m rmuscle_ros.cache.library reindex <library>`, with no node holding it, indexes the episode "
+    "files an index does not name, setting an unreadable index aside"
+)
 INDEX = "index.json"
 TMP_INFIX = ".tmp-"  # ".<name>.tmp-<pid>": a file being written, renamed to <name> once it is on disk
 EPISODE_FILE = re.compile(r"episode_(\d{6,})\.safetensors")
@@ -326,6 +330,36 @@ def _stored_key(index_path: Path, raw: Any) -> LibraryKey:
     raise LibraryError(f"{index_path}: unreadable library index ({problem})")
 
 
+def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEntry], list[str]]:
+    """For `reindex`: the index's key and entries; an index that cannot be read is set aside (renamed
+    `index.json.corrupt-<time>`, kept for inspection) and counts as none. One of a newer format is a
+    LibraryError: this build must not rewrite it."""
+    index_path = root / INDEX
+    if not index_path.exists():
+        return None, {}, []
+    try:
+        version = json.loads(index_path.read_text())["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        version = None
+    if _is_int(version) and version > LIBRARY_VERSION:
+        _check_version(index_path, version)
+    try:
+        key, episodes = _stored(root)
+    except LibraryError as e:
+        aside = index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}")
+        index_path.rename(aside)
+        return None, {}, [f"{INDEX}: {e}; set aside as {aside.name}, rebuilt from the episode files"]
+    return key, {e["id"]: EpisodeEntry(**e) for e in episodes}, []
+
+
+def _stored_next_id_of(root: Path) -> int:
+    """The next id an index at `root` holds (0 if none, or if it does not say)."""
+    try:
+        return _stored_next_id(root / INDEX, json.loads((root / INDEX).read_text()).get("next_id"))
+    except (OSError, ValueError, AttributeError, LibraryError):
+        return 0
+
+
 def _stored_next_id(index_path: Path, value: Any) -> int:
     """The index's `next_id` (0 if absent: an earlier build's index), checked for its type."""
     if value is None:
@@ -502,7 +536,7 @@ class ReferenceLibrary:
             version, stored_key, episodes = index["version"], index["key"], index["episodes"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise LibraryError(
-                f"{index_path}: unreadable library index ({e}); it was left untouched"
+                f"{index_path}: unreadable library index ({e}); it was left untouched ({REINDEX_HINT})"
             ) from None
         _check_version(index_path, version)
         _stored_key(index_path, stored_key)
@@ -565,9 +599,10 @@ class ReferenceLibrary:
         if unnamed:
             log.warning(
                 "reference library %s: episode file(s) the index does not name, kept and never used: %s "
-                "(a recording whose index write failed, or an eviction whose delete did; delete them by hand)",
+                "(a recording whose index write failed, or an eviction whose delete did; %s, or delete them)",
                 self.root,
                 ", ".join(unnamed[i] for i in sorted(unnamed)),
+                REINDEX_HINT,
             )
             self._next_id = max(self._next_id, max(unnamed) + 1)  # never written over
 
@@ -710,7 +745,8 @@ class ReferenceLibrary:
             # Written here, not by safetensors' save_file, which creates its files 0600: an engineer's
             # `verify` under another user than the node's read them as unreadable (found in review). Created
             # as any file is, under the process's umask, as the index is.
-            data = save(tensors, metadata={"episode": str(episode_id)})
+            now = time.time()
+            data = save(tensors, metadata=self._file_metadata(episode_id, meta, now))
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -727,7 +763,6 @@ class ReferenceLibrary:
         except BaseException:  # a full disk: the partial file must not keep holding the space
             tmp.unlink(missing_ok=True)
             raise
-        now = time.time()
         self.entries[episode_id] = EpisodeEntry(
             episode_id, name, _sha256(path), episode.calls, path.stat().st_size, now, now, dict(meta or {})
         )
@@ -741,6 +776,83 @@ class ReferenceLibrary:
         self._commit_index(undo)
         self._delete_files(evicted)  # only once the index no longer names them
         return episode_id
+
+    def _file_metadata(
+        self, episode_id: int, meta: Mapping[str, str] | None, created: float
+    ) -> dict[str, str]:
+        """What an episode file carries beside its tensors: its id, and what the index holds of it that the
+        file alone cannot give (the library's key, its meta, when it was recorded), so that `reindex` can
+        rebuild a lost or damaged index from the files."""
+        return {
+            "episode": str(episode_id),
+            "key": json.dumps(self.key.to_json(), sort_keys=True),
+            "meta": json.dumps(dict(meta or {}), sort_keys=True),
+            "created": repr(created),
+        }
+
+    @classmethod
+    def reindex(cls, root: Path) -> tuple[list[int], list[str]]:
+        """Index the episode files the index does not name (a lost or damaged index, a recording whose index
+        write failed), from what each file carries (`_file_metadata`). An index that cannot be read is set
+        aside as `index.json.corrupt-<time>` and rebuilt; one of a newer format is left alone (LibraryError).
+        Files of another key than the index's, or of none (recorded before the files carried it), and files
+        that do not load, are skipped and named. Takes the library's lock (LibraryBusy while a node has it
+        open). Returns (the ids indexed, what was skipped or set aside)."""
+        root = Path(root)
+        lock = LibraryLock.take(root)
+        try:
+            if lock.read_only:
+                raise LibraryError(f"{root}: cannot reindex: {lock.read_only}")
+            key, entries, notes = _readable_index(root)
+            indexed: list[int] = []
+            unnamed = _unnamed(root, set(entries))
+            for episode_id, name in sorted(unnamed.items()):
+                path = root / name
+                try:
+                    with safe_open(str(path), framework="np") as f:
+                        metadata = f.metadata() or {}
+                    tensors = load_file(str(path))
+                    episode = Episode(
+                        **{k: tensors[k] for k in EPISODE_TENSORS},
+                        **{k: tensors.get(k) for k in OPTIONAL_TENSORS},
+                    )
+                except (OSError, SafetensorError, KeyError, ValueError) as e:
+                    notes.append(f"{name}: does not load ({type(e).__name__}: {e}); skipped")
+                    continue
+                if "key" not in metadata:
+                    notes.append(
+                        f"{name}: recorded before episode files carried their library's key; skipped"
+                    )
+                    continue
+                try:
+                    file_key = _stored_key(path, json.loads(metadata["key"]))
+                    created = float(metadata.get("created", path.stat().st_mtime))
+                    meta = json.loads(metadata.get("meta", "{}"))
+                    if not _FIELD_TYPES["meta"][0](meta):
+                        raise ValueError(f"meta {meta!r} is not an object of strings")
+                except (ValueError, LibraryError) as e:
+                    notes.append(f"{name}: what the file says of itself does not read ({e}); skipped")
+                    continue
+                if key is None:
+                    key = file_key
+                elif file_key.to_json() != key.to_json():
+                    differs = _mismatch(path, file_key.to_json(), key).detail
+                    notes.append(f"{name}: recorded under another key ({differs}); skipped")
+                    continue
+                size = path.stat().st_size
+                entries[episode_id] = EpisodeEntry(
+                    episode_id, name, _sha256(path), episode.calls, size, created, created, meta
+                )
+                indexed.append(episode_id)
+            if indexed and key is not None:
+                lib = cls(root, key)
+                lib.entries = entries
+                lib._next_id = max([*entries, *unnamed], default=-1) + 1
+                lib._next_id = max(lib._next_id, _stored_next_id_of(root))
+                lib.save_index()
+            return indexed, notes
+        finally:
+            lock.release()
 
     def _refuse_too_large(self, episode: Episode, size: int) -> None:
         """EpisodeTooLarge if `size` bytes exceed what the whole library may hold: making room would evict
@@ -1002,7 +1114,7 @@ EXIT_BUSY = 75  # EX_TEMPFAIL: open in a live process; try again once it is clea
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m rmuscle_ros.cache.library",
-        description="Inspect a reference library, check its files, or take episodes out of it.",
+        description="Inspect a reference library, check its files, rebuild its index, or take episodes out of it.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the library's key and episodes (reads the index only)").add_argument(
@@ -1016,6 +1128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     similarity.add_argument("root", type=Path)
     similarity.add_argument("--threshold", type=float, default=0.8, help="cache.similarity_threshold")
+    sub.add_parser(
+        "reindex",
+        help="index the episode files the index does not name; an unreadable index is set aside and rebuilt",
+    ).add_argument("root", type=Path)
     remove = sub.add_parser("remove", help="take episodes out (not while a live node has it open)")
     remove.add_argument("root", type=Path)
     remove.add_argument("ids", type=int, nargs="*", metavar="ID")
@@ -1030,6 +1146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "similarity" and not -1.0 <= args.threshold <= 1.0:
         p.error(f"similarity: --threshold is a cosine similarity in [-1, 1], got {args.threshold:g}")
     try:
+        if args.command == "reindex":
+            if not (args.root / INDEX).exists() and not _unnamed(args.root, set()):
+                raise LibraryError(f"{args.root}: no library here (no {INDEX} and no episode files)")
+            indexed, notes = ReferenceLibrary.reindex(args.root)
+            for note in notes:
+                print(f"  {note}")
+            print(f"indexed episode(s) {indexed}" if indexed else "no episode file to index")
+            return 1 if any(note.endswith("skipped") for note in notes) else 0
         key, episodes = _stored(args.root)
         if args.command == "list":
             total = sum(e["bytes"] for e in episodes) / 2**20
@@ -1066,7 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             found = (_file_problem(args.root, EpisodeEntry(**e)) for e in episodes)
             problems = [problem for problem in found if problem is not None]
             for _, name in sorted(_unnamed(args.root, {e["id"] for e in episodes}).items()):
-                print(f"  {name}: not named by the index (kept; never used)")
+                print(f"  {name}: not named by the index (kept; never used; `reindex` indexes it)")
             for path in _leftovers(args.root):
                 print(f"  {path.name}: a write that never finished (the next open deletes it)")
             for problem in problems:
