@@ -278,28 +278,11 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     kept = lib.add(episode(seed=1), {"task": "t"})
     index_before = (tmp_path / "index.json").read_bytes()
 
-    real_open = open
+    def full_disk(tensors, filename, metadata=None) -> None:
+        Path(filename).write_bytes(b"\0" * 4096)  # part of it reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    class FillsUp:  # the episode file's write: part of it reaches the disk, then the disk is full
-        def __init__(self, f) -> None:
-            self.f = f
-
-        def __enter__(self) -> FillsUp:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self.f.close()
-
-        def write(self, data: bytes) -> None:
-            self.f.write(b"\0" * 4096)
-            self.f.flush()
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    def full_disk(path, mode="r", *args, **kwargs):
-        f = real_open(path, mode, *args, **kwargs)
-        return FillsUp(f) if "w" in mode and Path(path).name.startswith(".episode_") else f
-
-    monkeypatch.setattr(library_module, "open", full_disk, raising=False)
+    monkeypatch.setattr(library_module, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         lib.add(episode(seed=2), {"task": "t"})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -409,7 +392,8 @@ def test_a_file_that_cannot_be_deleted_once_the_index_is_written_is_logged_not_r
 ) -> None:
     """Once the new index is in place the recording or removal is done: an evicted or removed episode's
     file that cannot be deleted (a read-only mount, a file held open) is a warning naming it, the other
-    files are still deleted, and the next open reports it as a file the index does not name."""
+    files are still deleted, and the next open tries its delete again (the index keeps the removed ids
+    while their files remain), as the one after the fault deletes it."""
     from rmuscle_ros.cache.library import main
 
     lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
@@ -430,10 +414,16 @@ def test_a_file_that_cannot_be_deleted_once_the_index_is_written_is_logged_not_r
     lib.close()
     caplog.clear()
     ReferenceLibrary.open(tmp_path, KEY, max_episodes=2).close()
-    assert "episode_000000.safetensors" in caplog.text and "kept and never used" in caplog.text
+    assert "cannot delete episode_000000.safetensors, of removed episode 0" in caplog.text
+    assert "kept and never used" not in caplog.text, "not an orphan: the index says it was evicted"
     assert main(["remove", str(tmp_path), str(third), str(second)]) == 0  # `third`'s file is stuck
     assert "cannot delete episode_000002.safetensors" in caplog.text
     assert not (tmp_path / "episode_000001.safetensors").exists(), "the next file is still deleted"
+    monkeypatch.undo()
+    caplog.clear()
+    ReferenceLibrary.open(tmp_path, KEY).close()
+    assert "deleted episode_000000.safetensors, of removed episode 0 (its delete had failed)" in caplog.text
+    assert sorted(p.name for p in tmp_path.glob("episode_*")) == [], "both stuck files deleted at last"
 
 
 def test_what_an_interrupted_write_left_is_cleaned_up_or_kept_at_open(tmp_path: Path, caplog, capsys) -> None:
@@ -833,11 +823,32 @@ def test_reindex_rebuilds_a_lost_or_damaged_index_from_the_episode_files(tmp_pat
         "the skipped files' ids stay taken"
     )
     lib.close()
-    # A recording whose index write failed: its file, unnamed beside a good index, is indexed too.
+    # A recording whose index write failed: its file, unnamed beside a good index (which still gives its id
+    # as the next), is indexed too; an episode removed whose file stayed (its id below the next) is not:
+    # the operator took it out (found in review: reindex served it again).
     index = json.loads((tmp_path / "index.json").read_text())
     index["episodes"] = [e for e in index["episodes"] if e["id"] != 9]
-    (tmp_path / "index.json").write_text(json.dumps(index))
-    assert main(["reindex", str(tmp_path)]) == 1 and "indexed episode(s) [9]" in capsys.readouterr().out
+    (tmp_path / "index.json").write_text(json.dumps(index | {"next_id": 9}))
+    os.link(tmp_path / "episode_000001.safetensors", tmp_path / "kept.safetensors")
+    assert main(["remove", str(tmp_path), "1"]) == 0
+    os.replace(tmp_path / "kept.safetensors", tmp_path / "episode_000001.safetensors")  # its delete failed
+    capsys.readouterr()
+    assert main(["reindex", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "indexed episode(s) [9]" in out
+    assert "episode_000001.safetensors: of episode 1, removed or evicted (the index says so)" in out
+    lib = ReferenceLibrary.open(tmp_path, KEY)  # which deletes the removed episode's file, as remove meant to
+    assert sorted(lib.entries) == [0, 2, 9] and not (tmp_path / "episode_000001.safetensors").exists()
+    lib.close()
+    # An index whose next id is not one: the node says to reindex, which rebuilds it.
+    index = json.loads((tmp_path / "index.json").read_text())
+    (tmp_path / "index.json").write_text(json.dumps(index | {"next_id": -1}))
+    with pytest.raises(LibraryError, match=r"next_id is -1, not an integer >= 0.*reindex <library>"):
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert main(["verify", str(tmp_path)]) == 2
+    assert main(["reindex", str(tmp_path)]) == 1  # rebuilt; the files of other keys, or none, named
+    assert "set aside as index.json.corrupt-" in capsys.readouterr().out
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0, 2, 9]
     # Not while a node has it open (exit 75, busy); not a newer build's index, which stays as it was.
     held = ReferenceLibrary.open(tmp_path, KEY)
     assert (
@@ -851,6 +862,18 @@ def test_reindex_rebuilds_a_lost_or_damaged_index_from_the_episode_files(tmp_pat
     )
     assert json.loads((tmp_path / "index.json").read_text())["version"] == 2
     assert main(["reindex", str(tmp_path / "nothing")]) == 2 and "no library here" in capsys.readouterr().err
+    (tmp_path / "index.json").write_text(json.dumps(index | {"version": 0}))  # another format: left alone
+    assert (
+        main(["reindex", str(tmp_path)]) == 2
+        and "library version 0, this build reads 1" in capsys.readouterr().err
+    )
+    assert json.loads((tmp_path / "index.json").read_text())["version"] == 0
+    bare = tmp_path / "bare"  # an unreadable index and no file to rebuild it from: left as it was
+    bare.mkdir()
+    (bare / "index.json").write_text("{")
+    assert main(["reindex", str(bare)]) == 1
+    assert "no episode file can rebuild it: left as it was" in capsys.readouterr().out
+    assert (bare / "index.json").read_text() == "{"
 
 
 def test_command_line_similarity_shows_whether_a_threshold_separates_repeats_from_other_scenes(

@@ -678,11 +678,11 @@ from rmuscle_ros.node.spin import spin_node
 
 library, signum, when = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
 if when != "once":  # a write that takes a while, as a long episode's at full size (~1 MB a call, fsynced)
-    real_save = library_module.save
+    real_save = library_module.save_file
     def slow_save(*args, **kwargs):
         time.sleep(1.5)
         return real_save(*args, **kwargs)
-    library_module.save = slow_save
+    library_module.save_file = slow_save
 
 def feed(node, peer):
     cameras = [peer.create_publisher(Image, t, qos_profile_sensor_data)

@@ -163,6 +163,27 @@ def test_an_interrupted_library_write_is_written_before_the_next_episode(tmp_pat
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "0"), (2, "1")]
 
 
+def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twice(
+    tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C once the new index is in place (while the evicted episodes' files are deleted): the episode
+    is in the library, and is not written again at close (found in review: it was, under a second id)."""
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    library = policy.rmuscle.library
+
+    def interrupted(self, entries):
+        raise KeyboardInterrupt
+
+    run(policy, episode(3))
+    monkeypatch.setattr(type(library), "_delete_files", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        policy.reset_episode()
+    monkeypatch.undo()
+    assert sorted(library.entries) == [0] and policy.rmuscle.interrupted is None
+    assert policy.close() is None
+    assert len(json.loads((tmp_path / "lib" / "index.json").read_text())["episodes"]) == 1
+
+
 def test_a_cached_call_with_non_finite_actions_sends_the_episode_dense() -> None:
     """Its references may hold the fault: the rest of the episode runs dense (found in review: later calls
     were served from the same references), and the next episode is served again."""

@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save
+from safetensors.numpy import load_file, save_file
 
 # The one-writer guard (lock.py). Its file names, exceptions and `holder` are re-exported: the node, the
 # tests and other modules import them from here.
@@ -330,34 +330,80 @@ def _stored_key(index_path: Path, raw: Any) -> LibraryKey:
     raise LibraryError(f"{index_path}: unreadable library index ({problem})")
 
 
-def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEntry], list[str]]:
-    """For `reindex`: the index's key and entries; an index that cannot be read is set aside (renamed
-    `index.json.corrupt-<time>`, kept for inspection) and counts as none. One of a newer format is a
-    LibraryError: this build must not rewrite it."""
+def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEntry], int, set[int], str]:
+    """For `reindex`: the index's key, entries, next id and removed ids, and why it cannot be read ("" if it
+    can, or if there is none). One of another format is a LibraryError (this build must not rewrite it); a disk error
+    reading it is an OSError (nothing to conclude about its content)."""
     index_path = root / INDEX
     if not index_path.exists():
-        return None, {}, []
+        return None, {}, 0, set(), ""
     try:
-        version = json.loads(index_path.read_text())["version"]
-    except (OSError, ValueError, KeyError, TypeError):
-        version = None
-    if _is_int(version) and version > LIBRARY_VERSION:
-        _check_version(index_path, version)
+        raw = json.loads(index_path.read_text())
+    except ValueError as e:
+        return None, {}, 0, set(), f"not JSON ({e})"
+    if isinstance(raw, dict) and "version" in raw:
+        _check_version(index_path, raw["version"])
     try:
         key, episodes = _stored(root)
     except LibraryError as e:
-        aside = index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}")
-        index_path.rename(aside)
-        return None, {}, [f"{INDEX}: {e}; set aside as {aside.name}, rebuilt from the episode files"]
-    return key, {e["id"]: EpisodeEntry(**e) for e in episodes}, []
+        next_id, removed = 0, set()
+        with contextlib.suppress(LibraryError, AttributeError):  # what can still be read of it
+            next_id = _stored_next_id(index_path, raw.get("next_id"))
+        with contextlib.suppress(LibraryError, AttributeError):
+            removed = _stored_removed(index_path, raw.get("removed"))
+        return None, {}, next_id, removed, str(e)
+    removed = _stored_removed(index_path, raw.get("removed"))
+    return key, {e["id"]: EpisodeEntry(**e) for e in episodes}, raw.get("next_id") or 0, removed, ""
 
 
-def _stored_next_id_of(root: Path) -> int:
-    """The next id an index at `root` holds (0 if none, or if it does not say)."""
+def _episode_entry(
+    path: Path, episode_id: int, key: LibraryKey | None
+) -> tuple[LibraryKey, EpisodeEntry] | str:
+    """For `reindex`: an unindexed episode file's entry, from what it carries, with its key (which must be
+    `key` unless that is None); or why it cannot be indexed."""
+    name = path.name
     try:
-        return _stored_next_id(root / INDEX, json.loads((root / INDEX).read_text()).get("next_id"))
-    except (OSError, ValueError, AttributeError, LibraryError):
-        return 0
+        with safe_open(str(path), framework="np") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+        episode = Episode(
+            **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
+        )
+    except (OSError, SafetensorError, KeyError, ValueError) as e:
+        return f"{name}: does not load ({type(e).__name__}: {e}); skipped"
+    if "key" not in metadata:
+        return f"{name}: recorded before episode files carried their library's key; skipped"
+    try:
+        file_key = _stored_key(path, json.loads(metadata["key"]))
+        created = float(metadata.get("created", path.stat().st_mtime))
+        meta = json.loads(metadata.get("meta", "{}"))
+        if not _FIELD_TYPES["meta"][0](meta):
+            raise ValueError(f"meta {meta!r} is not an object of strings")
+    except (ValueError, LibraryError) as e:
+        return f"{name}: what the file says of itself does not read ({e}); skipped"
+    if key is not None and file_key.to_json() != key.to_json():
+        return (
+            f"{name}: recorded under another key ({_mismatch(path, file_key.to_json(), key).detail}); skipped"
+        )
+    size = path.stat().st_size
+    return file_key, EpisodeEntry(
+        episode_id, name, _sha256(path), episode.calls, size, created, created, meta
+    )
+
+
+def _episode_file(episode_id: int) -> str:
+    return f"episode_{episode_id:06d}.safetensors"
+
+
+def _stored_removed(index_path: Path, value: Any) -> set[int]:
+    """The index's `removed` ids (none if absent: an earlier build's index), checked for their type."""
+    if value is None:
+        return set()
+    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+        raise LibraryError(
+            f"{index_path}: unreadable library index (removed is {value!r}, not a list of ids)"
+        )
+    return set(value)
 
 
 def _stored_next_id(index_path: Path, value: Any) -> int:
@@ -412,6 +458,18 @@ def _replace_durably(tmp: Path, path: Path) -> None:
     happened (the folder's sync only logs a failure) or did not (os.replace raised)."""
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _new_file_mode() -> int | None:
+    """The mode a new file gets in this process (0o666 less the umask), read without changing the umask
+    (os.umask sets it for every thread); None where /proc does not say (then files keep their mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _temporary(path: Path) -> Path:
@@ -490,11 +548,19 @@ class ReferenceLibrary:
         self.problems: list[str] = []  # what open() found wrong, for logs and CacheStatus
         self.left_out: dict[int, EpisodeEntry] = {}  # the index's episodes whose files open() refused
         self._next_id = 0
+        # Episodes removed or evicted: their ids, kept in the index while a file of theirs remains (a delete
+        # that failed), so that the next open deletes it and `reindex` does not bring it back.
+        self._removed: set[int] = set()
         self._unsaved_use = False  # touch() since the index was last written
         self._lock: LibraryLock | None = None  # the library's lock, from `open` (given up at `close`)
         # Gives the lock up at `close`, or when this object is collected unclosed (`LibraryLock.release`).
         self._finalizer: weakref.finalize | None = None
         self._bounded = False  # the opener passed bounds: they apply at open (`_apply_bounds`)
+
+    @property
+    def next_id(self) -> int:
+        """The id the next recording gets (ids are never given twice)."""
+        return self._next_id
 
     @property
     def read_only(self) -> str:
@@ -539,10 +605,15 @@ class ReferenceLibrary:
                 f"{index_path}: unreadable library index ({e}); it was left untouched ({REINDEX_HINT})"
             ) from None
         _check_version(index_path, version)
-        _stored_key(index_path, stored_key)
+        try:
+            _stored_key(index_path, stored_key)
+            entries = _entries(index_path, episodes)
+            next_id = _stored_next_id(index_path, index.get("next_id"))
+            lib._removed = _stored_removed(index_path, index.get("removed"))
+        except LibraryError as e:  # a hand edit or a disk fault: reindex rebuilds it from the files
+            raise LibraryError(f"{e}; it was left untouched ({REINDEX_HINT})") from None
         if stored_key != key.to_json():
             raise _mismatch(index_path, stored_key, key)
-        entries = _entries(index_path, episodes)
         for entry in entries:
             problem = _file_problem(lib.root, entry)
             if problem is None:
@@ -553,7 +624,7 @@ class ReferenceLibrary:
         for problem in lib.problems:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e.id for e in entries], default=-1) + 1
-        lib._next_id = max(lib._next_id, _stored_next_id(index_path, index.get("next_id")))
+        lib._next_id = max(lib._next_id, next_id)
         lib._tidy()
         if lib._bounded and not lib.read_only:
             lib._apply_bounds()
@@ -597,6 +668,21 @@ class ReferenceLibrary:
             self._remove_leftovers()
         unnamed = _unnamed(self.root, set(self.entries) | set(self.left_out))
         if unnamed:
+            self._next_id = max(self._next_id, max(unnamed) + 1)  # never written over
+        for episode_id in sorted(set(unnamed) & self._removed):  # removed or evicted, their delete failed
+            if self.read_only:
+                break
+            try:
+                (self.root / unnamed[episode_id]).unlink()
+            except OSError as e:
+                log.warning("reference library %s: cannot delete %s, of removed episode %d (%s)",
+                            self.root, unnamed[episode_id], episode_id, e)  # fmt: skip
+                continue
+            log.warning("reference library %s: deleted %s, of removed episode %d (its delete had failed)",
+                        self.root, unnamed[episode_id], episode_id)  # fmt: skip
+            del unnamed[episode_id]
+        unnamed = {i: name for i, name in unnamed.items() if i not in self._removed}
+        if unnamed:
             log.warning(
                 "reference library %s: episode file(s) the index does not name, kept and never used: %s "
                 "(a recording whose index write failed, or an eviction whose delete did; %s, or delete them)",
@@ -604,7 +690,6 @@ class ReferenceLibrary:
                 ", ".join(unnamed[i] for i in sorted(unnamed)),
                 REINDEX_HINT,
             )
-            self._next_id = max(self._next_id, max(unnamed) + 1)  # never written over
 
     def _remove_leftovers(self) -> None:
         """Delete the partial files of writes that never finished: this process holds the lock (taken
@@ -691,6 +776,13 @@ class ReferenceLibrary:
             # (from shell history) cannot take a newer recording (found in review). Absent in earlier builds'
             # indexes: the highest id held + 1 then.
             "next_id": self._next_id,
+            "removed": sorted(
+                i
+                for i in self._removed
+                if i not in self.entries
+                and i not in self.left_out
+                and (self.root / _episode_file(i)).exists()
+            ),
             "episodes": [
                 asdict(e)
                 for e in sorted([*self.entries.values(), *self.left_out.values()], key=lambda e: e.id)
@@ -738,20 +830,19 @@ class ReferenceLibrary:
         self.root.mkdir(parents=True, exist_ok=True)
         episode_id = self._next_id
         self._next_id += 1
-        name = f"episode_{episode_id:06d}.safetensors"
+        name = _episode_file(episode_id)
         path = self.root / name
         tmp = _temporary(path)
         try:
-            # Written here, not by safetensors' save_file, which creates its files 0600: an engineer's
-            # `verify` under another user than the node's read them as unreadable (found in review). Created
-            # as any file is, under the process's umask, as the index is.
             now = time.time()
-            data = save(tensors, metadata=self._file_metadata(episode_id, meta, now))
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
+            save_file(tensors, str(tmp), metadata=self._file_metadata(episode_id, meta, now))
+            # safetensors creates its files 0600: an engineer's `verify` under another user than the node's
+            # read them as unreadable (found in review). They get the mode any file gets, as the index does.
+            mode = _new_file_mode()
+            if mode is not None:
+                os.chmod(tmp, mode)
+            with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            del data
             self._refuse_too_large(episode, tmp.stat().st_size)
             _place_new(tmp, path)  # on disk before the index that names it
         except FileExistsError:
@@ -791,66 +882,55 @@ class ReferenceLibrary:
         }
 
     @classmethod
-    def reindex(cls, root: Path) -> tuple[list[int], list[str]]:
-        """Index the episode files the index does not name (a lost or damaged index, a recording whose index
-        write failed), from what each file carries (`_file_metadata`). An index that cannot be read is set
-        aside as `index.json.corrupt-<time>` and rebuilt; one of a newer format is left alone (LibraryError).
-        Files of another key than the index's, or of none (recorded before the files carried it), and files
-        that do not load, are skipped and named. Takes the library's lock (LibraryBusy while a node has it
-        open). Returns (the ids indexed, what was skipped or set aside)."""
+    def reindex(cls, root: Path) -> tuple[list[int], list[str], bool]:
+        """Index the episode files the index does not name, from what each file carries (`_file_metadata`):
+        a recording whose index write failed, or every file if the index is lost or cannot be read. An
+        unreadable index is set aside as `index.json.corrupt-<time>` once a new one is written from the
+        files (left as it was if no file can rebuild it); one of another format is left alone
+        (LibraryError). Skipped and named: a file whose id lies below the index's next id (an episode removed
+        or evicted whose delete failed: not a lost recording), files of another key or of none (recorded
+        before files carried it), and files that do not load. Takes the library's lock (LibraryBusy while a
+        node has it open). Returns (the ids indexed, what was skipped or set aside, whether all went well)."""
         root = Path(root)
         lock = LibraryLock.take(root)
         try:
             if lock.read_only:
                 raise LibraryError(f"{root}: cannot reindex: {lock.read_only}")
-            key, entries, notes = _readable_index(root)
+            key, entries, next_id, removed, broken = _readable_index(root)
+            notes: list[str] = []
             indexed: list[int] = []
             unnamed = _unnamed(root, set(entries))
             for episode_id, name in sorted(unnamed.items()):
-                path = root / name
-                try:
-                    with safe_open(str(path), framework="np") as f:
-                        metadata = f.metadata() or {}
-                    tensors = load_file(str(path))
-                    episode = Episode(
-                        **{k: tensors[k] for k in EPISODE_TENSORS},
-                        **{k: tensors.get(k) for k in OPTIONAL_TENSORS},
-                    )
-                except (OSError, SafetensorError, KeyError, ValueError) as e:
-                    notes.append(f"{name}: does not load ({type(e).__name__}: {e}); skipped")
-                    continue
-                if "key" not in metadata:
+                if episode_id in removed:
                     notes.append(
-                        f"{name}: recorded before episode files carried their library's key; skipped"
+                        f"{name}: of episode {episode_id}, removed or evicted (the index says so), whose file "
+                        "could not be deleted: not a lost recording; skipped (delete it)"
                     )
                     continue
-                try:
-                    file_key = _stored_key(path, json.loads(metadata["key"]))
-                    created = float(metadata.get("created", path.stat().st_mtime))
-                    meta = json.loads(metadata.get("meta", "{}"))
-                    if not _FIELD_TYPES["meta"][0](meta):
-                        raise ValueError(f"meta {meta!r} is not an object of strings")
-                except (ValueError, LibraryError) as e:
-                    notes.append(f"{name}: what the file says of itself does not read ({e}); skipped")
+                adopted = _episode_entry(root / name, episode_id, key)
+                if isinstance(adopted, str):
+                    notes.append(adopted)
                     continue
-                if key is None:
-                    key = file_key
-                elif file_key.to_json() != key.to_json():
-                    differs = _mismatch(path, file_key.to_json(), key).detail
-                    notes.append(f"{name}: recorded under another key ({differs}); skipped")
-                    continue
-                size = path.stat().st_size
-                entries[episode_id] = EpisodeEntry(
-                    episode_id, name, _sha256(path), episode.calls, size, created, created, meta
-                )
+                key, entries[episode_id] = adopted
                 indexed.append(episode_id)
-            if indexed and key is not None:
+            index_path = root / INDEX
+            if broken and not indexed:
+                notes.append(f"{INDEX}: {broken}; no episode file can rebuild it: left as it was")
+            elif indexed and key is not None:
+                if broken:
+                    aside = index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}")
+                    index_path.rename(aside)
+                    notes.append(
+                        f"{INDEX}: {broken}; set aside as {aside.name}, rebuilt from the episode files"
+                    )
                 lib = cls(root, key)
-                lib.entries = entries
-                lib._next_id = max([*entries, *unnamed], default=-1) + 1
-                lib._next_id = max(lib._next_id, _stored_next_id_of(root))
+                lib.entries, lib._removed = entries, removed
+                lib._next_id = max([next_id, *(i + 1 for i in [*entries, *unnamed])])
                 lib.save_index()
-            return indexed, notes
+            ok = not any(
+                note.endswith(("skipped", "skipped (delete it)", "left as it was")) for note in notes
+            )
+            return indexed, notes, ok
         finally:
             lock.release()
 
@@ -918,6 +998,7 @@ class ReferenceLibrary:
             raise KeyError(f"no episode {unknown} in {self.root} (it holds {held})")
         before = dict(self.entries), dict(self.left_out)
         removed = [self.entries.pop(i, None) or self.left_out.pop(i) for i in dict.fromkeys(episode_ids)]
+        self._removed.update(e.id for e in removed)
 
         def undo() -> None:  # the index on disk still names them: so must the library here, as it was
             for current, was in zip((self.entries, self.left_out), before, strict=True):
@@ -973,6 +1054,7 @@ class ReferenceLibrary:
             )
             victim = by_task[task][0]
             evicted.append(self.entries.pop(victim.id))
+            self._removed.add(victim.id)
             log.info(
                 "reference library %s: evicted episode %d (task %r: the least recently used of its %d)",
                 self.root,
@@ -997,6 +1079,8 @@ def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LibraryError(f"{index_path}: unreadable library index ({e})") from None
     _check_version(index_path, version)
+    _stored_next_id(index_path, index.get("next_id"))
+    _stored_removed(index_path, index.get("removed"))
     return _stored_key(index_path, key), [asdict(e) for e in _entries(index_path, episodes)]
 
 
@@ -1149,11 +1233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "reindex":
             if not (args.root / INDEX).exists() and not _unnamed(args.root, set()):
                 raise LibraryError(f"{args.root}: no library here (no {INDEX} and no episode files)")
-            indexed, notes = ReferenceLibrary.reindex(args.root)
+            indexed, notes, ok = ReferenceLibrary.reindex(args.root)
             for note in notes:
                 print(f"  {note}")
-            print(f"indexed episode(s) {indexed}" if indexed else "no episode file to index")
-            return 1 if any(note.endswith("skipped") for note in notes) else 0
+            print(f"indexed episode(s) {indexed}" if indexed else "no episode file indexed")
+            return 0 if ok else 1
         key, episodes = _stored(args.root)
         if args.command == "list":
             total = sum(e["bytes"] for e in episodes) / 2**20

@@ -639,10 +639,15 @@ class RMuscle:
         before the next one (close() at the end of the node's life): the recording leaves memory only
         once it is on disk."""
         self.interrupted = (episode, session_episode, task)
+        expected = self.library.next_id  # the id add gives it
         try:
             added = self.library.add(episode, meta={"session_episode": str(session_episode), "task": task})
         except Exception:
             self.interrupted = None
+            raise
+        except BaseException:
+            if expected in self.library.entries:  # interrupted after its index was written: it is in
+                self.interrupted = None  # (written again, it would be in twice; found in review)
             raise
         self.interrupted = None
         self._descriptors[added] = episode.descriptors
@@ -982,7 +987,7 @@ class RMuscle:
         rec = self._recording
         try:
             rec.take_pending()  # the previous call's images and masks
-        except Exception:  # that call cannot be completed: left out, the episode keeps its other calls
+        except BaseException:  # that call cannot be completed: left out, the episode keeps its other calls
             rec.drop_last_call()
             raise
         rec.begin_call()
@@ -993,7 +998,7 @@ class RMuscle:
             rec.token_mask.append(inputs.token_mask[0].cpu().numpy().astype(np.bool_))
             rec.image_masks.append(inputs.image_masks[0].cpu().numpy().astype(np.bool_))
             rec.send_to_host(rec.masks, self.engine.recorded_masks, np.int16)
-        except Exception:  # e.g. a failed copy off the GPU: this call is left out, not half recorded
+        except BaseException:  # a failed copy off the GPU, a Ctrl-C: this call is left out, not half recorded
             rec.drop_last_call()
             raise
         rec.nbytes += sum(
