@@ -346,20 +346,23 @@ class _HostCopy(threading.local):
     cache: FINGERPRINT_THREADS x FINGERPRINT_CHUNK bytes."""
 
     buffer: torch.Tensor | None = None
-    stream: torch.cuda.Stream | None = None
+    streams: dict[torch.device, torch.cuda.Stream] | None = None  # one per GPU: a copy runs on its source's
 
 
 def _piece_digest(piece: torch.Tensor, ready: dict[torch.device, torch.cuda.Event], copy: _HostCopy) -> bytes:
     if piece.device.type != "cuda":
         return hashlib.sha256(piece.numpy()).digest()  # hashlib drops the GIL on large buffers
-    if copy.buffer is None or copy.stream is None:
+    if copy.buffer is None or copy.streams is None:
         copy.buffer = torch.empty(FINGERPRINT_CHUNK, dtype=torch.uint8, pin_memory=True)
-        copy.stream = torch.cuda.Stream(piece.device)
+        copy.streams = {}
+    stream = copy.streams.get(piece.device)
+    if stream is None:
+        stream = copy.streams[piece.device] = torch.cuda.Stream(piece.device)
     host = copy.buffer[: piece.numel()]
-    copy.stream.wait_event(ready[piece.device])  # the weights as the caller's stream left them
-    with torch.cuda.stream(copy.stream):
+    stream.wait_event(ready[piece.device])  # the weights as the caller's stream left them
+    with torch.cuda.stream(stream):
         host.copy_(piece, non_blocking=True)
-    copy.stream.synchronize()
+    stream.synchronize()
     return hashlib.sha256(host.numpy()).digest()
 
 

@@ -230,7 +230,7 @@ def run(
                 starts[k] = cell.reset()
                 if k > 0:
                     if discard_failed and not cell.results[-1]["success"]:
-                        node.discard_episode()
+                        _discard(node)
                     resets.append(_reset(reset))
                 streaming.resume()
                 cell.run_for(seconds)  # on the sim's clock
@@ -253,7 +253,7 @@ def run(
         streamed = streaming.stop()
         simulated = cell.stop() if cell is not None else None  # after the streamer's last command
         if simulated is not None and discard_failed and not simulated["episodes"][-1]["success"]:
-            node.discard_episode()  # before cleanup records the last episode
+            _discard(node)  # before cleanup records the last episode
         node.trigger_cleanup()
     finally:
         streaming.close()
@@ -651,6 +651,14 @@ def stop_processes(*processes: subprocess.Popen[bytes] | None, timeout_s: float 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _discard(node: Any) -> None:
+    """The node's discard_episode, or RuntimeError with its reason if it refused (a call held the policy
+    past stall_after_s): the failed attempt would otherwise be recorded into the library."""
+    done, note = node.discard_episode()
+    if not done:
+        raise RuntimeError(f"the node refused to discard the episode: {note}")
 
 
 def _reset(client: Any) -> str:

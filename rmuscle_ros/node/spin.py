@@ -92,3 +92,8 @@ class BackgroundSpin:
     def stop(self, timeout_s: float = 5.0) -> None:
         self.executor.shutdown()
         self.thread.join(timeout=timeout_s)
+        if self.thread.is_alive():  # a callback that does not return: destroying nodes now may fail in it
+            print(
+                f"warning: the executor's thread is still running {timeout_s:g} s after its shutdown",
+                file=sys.stderr,
+            )
