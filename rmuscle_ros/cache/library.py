@@ -223,6 +223,14 @@ class Episode:
     def calls(self) -> int:
         return self.descriptors.shape[0]
 
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, np.ndarray]) -> Episode:
+        """The episode an episode file holds (`tensors`' inverse): KeyError if a required tensor is missing,
+        ValueError if one is not as an episode's."""
+        return cls(
+            **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
+        )
+
     def tensors(self) -> dict[str, np.ndarray]:
         out = {k: np.ascontiguousarray(getattr(self, k)) for k in EPISODE_TENSORS}
         for name in OPTIONAL_TENSORS:
@@ -366,9 +374,7 @@ def _episode_entry(
         with safe_open(str(path), framework="np") as f:
             metadata = f.metadata() or {}
         tensors = load_file(str(path))
-        episode = Episode(
-            **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
-        )
+        episode = Episode.from_tensors(tensors)
     except (OSError, SafetensorError, KeyError, ValueError) as e:
         return f"{name}: does not load ({type(e).__name__}: {e}); skipped"
     if "key" not in metadata:
@@ -950,9 +956,7 @@ class ReferenceLibrary:
         entry = self.entries[episode_id]
         try:
             tensors = load_file(str(self.root / entry.file))
-            episode = Episode(
-                **{k: tensors[k] for k in EPISODE_TENSORS}, **{k: tensors.get(k) for k in OPTIONAL_TENSORS}
-            )
+            episode = Episode.from_tensors(tensors)
         except (OSError, SafetensorError, KeyError, ValueError) as e:
             raise EpisodeUnreadable(
                 f"episode {episode_id}: {entry.file} could not be read ({type(e).__name__}: {e})"
