@@ -450,18 +450,19 @@ class RMuscleNode(LifecycleNode):
         )
         return SetParametersResult(successful=True)
 
+    def _stall_after_s(self) -> float:
+        return self.cfg.stall_after_s if self.cfg is not None else STALL_AFTER_S_DEFAULT
+
     def _lock_policy(self) -> bool:
         """The policy lock for a callback on the executor's thread (a parameter, a reset, a discard): within
         stall_after_s, or False. A call holds the lock while it runs; waiting on a stalled one would hold
         the executor too, and /diagnostics would go silent instead of reporting the stall."""
-        bound = self.cfg.stall_after_s if self.cfg is not None else STALL_AFTER_S_DEFAULT
-        return self._policy_lock.acquire(timeout=bound)
+        return self._policy_lock.acquire(timeout=self._stall_after_s())
 
     def _busy(self) -> str:
-        bound = self.cfg.stall_after_s if self.cfg is not None else STALL_AFTER_S_DEFAULT
         return (
-            f"the inference worker has held the policy for over {bound:g} s (stall_after_s), running "
-            f"{self._doing or 'a job'}; see /diagnostics"
+            f"the inference worker has held the policy for over {self._stall_after_s():g} s (stall_after_s), "
+            f"running {self._doing or 'a job'}; see /diagnostics"
         )
 
     def _close_quietly(self, policy: Any) -> None:
