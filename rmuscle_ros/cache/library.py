@@ -338,6 +338,40 @@ def _stored_key(index_path: Path, raw: Any) -> LibraryKey:
     raise LibraryError(f"{index_path}: unreadable library index ({problem})")
 
 
+@dataclass(frozen=True)
+class _Index:
+    """An index as read and checked (`_read_index`)."""
+
+    raw_key: Any  # as stored, for the comparison with a model's key
+    key: LibraryKey
+    entries: list[EpisodeEntry]
+    next_id: int
+    removed: set[int]
+
+
+def _read_index(index_path: Path) -> _Index:
+    """Read an index and check every field, as the node's open and the command line both need: a
+    LibraryError naming what is wrong (one of another version says so; the others name `reindex`)."""
+    try:
+        index = json.loads(index_path.read_text())
+        version, raw_key, episodes = index["version"], index["key"], index["episodes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LibraryError(
+            f"{index_path}: unreadable library index ({e}); it was left untouched ({REINDEX_HINT})"
+        ) from None
+    _check_version(index_path, version)
+    try:
+        return _Index(
+            raw_key,
+            _stored_key(index_path, raw_key),
+            _entries(index_path, episodes),
+            _stored_next_id(index_path, index.get("next_id")),
+            _stored_removed(index_path, index.get("removed")),
+        )
+    except LibraryError as e:  # a hand edit or a disk fault: reindex rebuilds it from the files
+        raise LibraryError(f"{e}; it was left untouched ({REINDEX_HINT})") from None
+
+
 def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEntry], int, set[int], str]:
     """For `reindex`: the index's key, entries, next id and removed ids, and why it cannot be read ("" if it
     can, or if there is none). One of another format is a LibraryError (this build must not rewrite it); a disk error
@@ -352,7 +386,7 @@ def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEnt
     if isinstance(raw, dict) and "version" in raw:
         _check_version(index_path, raw["version"])
     try:
-        key, episodes = _stored(root)
+        index = _read_index(index_path)
     except LibraryError as e:
         next_id, removed = 0, set()
         with contextlib.suppress(LibraryError, AttributeError):  # what can still be read of it
@@ -360,8 +394,7 @@ def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEnt
         with contextlib.suppress(LibraryError, AttributeError):
             removed = _stored_removed(index_path, raw.get("removed"))
         return None, {}, next_id, removed, str(e)
-    removed = _stored_removed(index_path, raw.get("removed"))
-    return key, {e["id"]: EpisodeEntry(**e) for e in episodes}, raw.get("next_id") or 0, removed, ""
+    return index.key, {e.id: e for e in index.entries}, index.next_id, index.removed, ""
 
 
 def _episode_entry(
@@ -603,23 +636,10 @@ class ReferenceLibrary:
         if not index_path.exists():
             lib._tidy()
             return
-        try:
-            index = json.loads(index_path.read_text())
-            version, stored_key, episodes = index["version"], index["key"], index["episodes"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise LibraryError(
-                f"{index_path}: unreadable library index ({e}); it was left untouched ({REINDEX_HINT})"
-            ) from None
-        _check_version(index_path, version)
-        try:
-            _stored_key(index_path, stored_key)
-            entries = _entries(index_path, episodes)
-            next_id = _stored_next_id(index_path, index.get("next_id"))
-            lib._removed = _stored_removed(index_path, index.get("removed"))
-        except LibraryError as e:  # a hand edit or a disk fault: reindex rebuilds it from the files
-            raise LibraryError(f"{e}; it was left untouched ({REINDEX_HINT})") from None
-        if stored_key != key.to_json():
-            raise _mismatch(index_path, stored_key, key)
+        index = _read_index(index_path)
+        if index.raw_key != key.to_json():
+            raise _mismatch(index_path, index.raw_key, key)
+        entries, lib._removed = index.entries, index.removed
         for entry in entries:
             problem = _file_problem(lib.root, entry)
             if problem is None:
@@ -630,7 +650,7 @@ class ReferenceLibrary:
         for problem in lib.problems:
             log.warning("reference library %s: %s", lib.root, problem)
         lib._next_id = max([e.id for e in entries], default=-1) + 1
-        lib._next_id = max(lib._next_id, next_id)
+        lib._next_id = max(lib._next_id, index.next_id)
         lib._tidy()
         if lib._bounded and not lib.read_only:
             lib._apply_bounds()
@@ -893,9 +913,9 @@ class ReferenceLibrary:
         a recording whose index write failed, or every file if the index is lost or cannot be read. An
         unreadable index is set aside as `index.json.corrupt-<time>` once a new one is written from the
         files (left as it was if no file can rebuild it); one of another format is left alone
-        (LibraryError). Skipped and named: a file whose id lies below the index's next id (an episode removed
-        or evicted whose delete failed: not a lost recording), files of another key or of none (recorded
-        before files carried it), and files that do not load. Takes the library's lock (LibraryBusy while a
+        (LibraryError). Skipped and named: a file of an episode the index says was removed or evicted (its
+        delete failed: not a lost recording), files of another key or of none (recorded before files carried
+        it), and files that do not load. Takes the library's lock (LibraryBusy while a
         node has it open). Returns (the ids indexed, what was skipped or set aside, whether all went well)."""
         root = Path(root)
         lock = LibraryLock.take(root)
@@ -905,6 +925,7 @@ class ReferenceLibrary:
             key, entries, next_id, removed, broken = _readable_index(root)
             notes: list[str] = []
             indexed: list[int] = []
+            ok = True  # nothing skipped, nothing left as it was
             unnamed = _unnamed(root, set(entries))
             for episode_id, name in sorted(unnamed.items()):
                 if episode_id in removed:
@@ -912,16 +933,19 @@ class ReferenceLibrary:
                         f"{name}: of episode {episode_id}, removed or evicted (the index says so), whose file "
                         "could not be deleted: not a lost recording; skipped (delete it)"
                     )
+                    ok = False
                     continue
                 adopted = _episode_entry(root / name, episode_id, key)
                 if isinstance(adopted, str):
                     notes.append(adopted)
+                    ok = False
                     continue
                 key, entries[episode_id] = adopted
                 indexed.append(episode_id)
             index_path = root / INDEX
             if broken and not indexed:
                 notes.append(f"{INDEX}: {broken}; no episode file can rebuild it: left as it was")
+                ok = False
             elif indexed and key is not None:
                 if broken:
                     aside = index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}")
@@ -933,9 +957,6 @@ class ReferenceLibrary:
                 lib.entries, lib._removed = entries, removed
                 lib._next_id = max([next_id, *(i + 1 for i in [*entries, *unnamed])])
                 lib.save_index()
-            ok = not any(
-                note.endswith(("skipped", "skipped (delete it)", "left as it was")) for note in notes
-            )
             return indexed, notes, ok
         finally:
             lock.release()
@@ -1077,15 +1098,8 @@ def _stored(root: Path) -> tuple[LibraryKey, list[dict]]:
     index_path = Path(root) / INDEX
     if not index_path.exists():
         raise LibraryError(f"{root}: no library here (no {INDEX})")
-    try:
-        index = json.loads(index_path.read_text())
-        version, key, episodes = index["version"], index["key"], index["episodes"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise LibraryError(f"{index_path}: unreadable library index ({e})") from None
-    _check_version(index_path, version)
-    _stored_next_id(index_path, index.get("next_id"))
-    _stored_removed(index_path, index.get("removed"))
-    return _stored_key(index_path, key), [asdict(e) for e in _entries(index_path, episodes)]
+    index = _read_index(index_path)
+    return index.key, [asdict(e) for e in index.entries]
 
 
 def _when(seconds: float) -> str:
