@@ -131,12 +131,19 @@ def test_a_diverged_episode_stops_stepping_until_a_reset(sim: AlohaSim) -> None:
     """An invalid physics state (here planted; in use, violent commands from an untrained policy) ends
     the episode with a message instead of killing the sim, and the next reset starts a valid one."""
     sim.reset(2)
+    sim.command_arm("left", [0.3, -0.5, 0.8, 0.1, -0.2, 0.1])  # away from the model's default pose
     run(sim, 0.1)
+    scene = sim.physics.data.qpos.copy()  # both arms and the cube
     sim.physics.data.qvel[0] = math.nan
     for _ in range(2):  # at the step where it happens, and at every later one
         with pytest.raises(SimulationDiverged, match=r"physics diverged at 0\.10 s of episode seed 2"):
             sim.step()
     assert sim.steps == 5 and sim.reward == 0 and sim.diverged
+    # The scene holds still where the episode ended (MuJoCo's recovery jumped it to the default pose).
+    np.testing.assert_array_equal(sim.physics.data.qpos, scene)
+    for side in ("left", "right"):
+        position, velocity = sim.joint_state(side)
+        assert np.all(np.isfinite(position)) and not np.any(velocity)
     sim.reset(2)
     run(sim, 0.1)
     assert not sim.diverged and sim.steps == 5

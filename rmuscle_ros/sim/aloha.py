@@ -187,16 +187,22 @@ class AlohaSim:
         """Advance one control period toward the current targets; returns the task's reward (0 ... max).
 
         Raises SimulationDiverged when the physics becomes invalid, and again at every later step until a
-        `reset`: MuJoCo has then put the scene back to its model's default pose, which is no continuation
-        of the episode. The episode's best reward so far stands; the current one becomes 0."""
+        `reset`. The scene is then put back as it was before this step (MuJoCo's own recovery puts it in
+        the model's default pose, a jump of arms and objects that no real cell makes), at rest, so the
+        arms and cameras hold still where the episode ended. The episode's best reward so far stands; the current
+        one becomes 0."""
         from dm_control.rl.control import PhysicsError
 
         if self.diverged:
             raise SimulationDiverged(self.diverged)
+        before = self.physics.get_state()
         self.task.before_step(self._targets, self.physics)
         try:
             self.physics.step(self._substeps)
         except PhysicsError as e:
+            with self.physics.reset_context():
+                self.physics.set_state(before)
+                self.physics.data.qvel[:] = 0.0  # held still; and finite, whatever the last state held
             self.reward = 0
             self.diverged = f"the physics diverged at {self.time_s:.2f} s of episode seed {self.seed}: {e}"
             raise SimulationDiverged(self.diverged) from None
