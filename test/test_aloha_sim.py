@@ -703,6 +703,52 @@ def test_an_unfinished_recording_that_cannot_be_removed_is_named_then_removed_by
     assert [p.name for p in out.iterdir()] == ["episode_0"]
 
 
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_records(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Two runs into one --out removed each other's partial episodes and renamed a half-written bag into
+    place as complete (found in review): the second is refused (75) and leaves nothing behind."""
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+    out.mkdir()
+    args = ["--out", str(out), "--episodes", "1", "--camera-rate", "10"]
+    held = record_demos.lock_out(out)  # the first run, recording
+    try:
+        assert record_demos.main(args) == 75
+        assert "another run is recording into it" in capsys.readouterr().err
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(held)
+    assert record_demos.main(args) == 0  # once it has finished
+    assert [p.name for p in out.iterdir()] == ["episode_0"]
+
+
+def test_seeds_past_32_bits_are_refused_as_a_usage_error(tmp_path, capsys) -> None:
+    from rmuscle_ros.node import record_demos
+
+    out = tmp_path / "demos"
+    with pytest.raises(SystemExit) as exit_:
+        record_demos.main(["--out", str(out), "--episodes", "2", "--seed", str(2**32 - 1)])
+    assert exit_.value.code == 2 and "the simulation's seeds are 32-bit" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_failure_before_the_episode_folder_exists_claims_no_leftover(tmp_path, monkeypatch, capsys) -> None:
+    """The sim failing to load (before the bag's folder is made) is named without a note about an
+    unfinished recording left behind (there is none)."""
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+
+    def no_sim(self, config):
+        raise OSError(errno.ENOENT, "No such file or directory", "bimanual_viperx_transfer_cube.xml")
+
+    monkeypatch.setattr(record_demos.AlohaSim, "__init__", no_sim)
+    assert record_demos.main(["--out", str(out), "--episodes", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "(seed 0) failed: FileNotFoundError" in err and "left in" not in err, err
+    assert list(out.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_the_stack_runs_the_simulated_cell_in_closed_loop(tmp_path) -> None:
     """What a cell runs, on the simulated ALOHA: aloha_sim, rmuscle_node (CPU profile, tiny, random weights,

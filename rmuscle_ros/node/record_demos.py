@@ -12,25 +12,30 @@ its topics and in its units:
 - the actions: each arm's `commands/joint_group` (`interbotix_xs_msgs/JointGroupCommand`, six joints) and
   `commands/joint_single` (`JointSingleCommand`, the gripper joint) every period, from the scripted
   demonstrator (rmuscle_ros/sim/scripted.py), in command units.
-Beside the bag, `episode.json` holds the task, seed and gym-aloha's reward (best and final, success).
+Beside the bag, `episode.json` holds the task, seed and gym-aloha's reward (best and final) and
+`success`: the cube held off the table at the episode's end (stricter than gym-aloha's success, which
+the sim node reports: the top reward at any step, so a brief touch during the hand-over counts).
 
 An episode is recorded under `episode_<k>.partial/` and moved to `episode_<k>` once complete (bag closed,
 episode.json written): an `episode_<k>` folder is always a whole episode. An episode that fails (Ctrl-C,
 a full disk, the physics diverging) is removed and named, and the command exits non-zero; run the same
 command again and it keeps the complete episodes (checking their episode.json against its settings) and
-records the rest. Nothing recorded is ever overwritten.
+records the rest. Nothing recorded is ever overwritten. Each episode's files reach the disk (fsync)
+before it is renamed into place, and two runs into one `--out` at once are refused (the second exits 75).
 
 The bags replay into rmuscle_node with `python -m rmuscle_ros.demo --bags ...` (JPEG frames: with
 `--param compressed_images=true` and each camera's `/compressed` topic remapped onto the node's). The
-simulation runs as fast as it can; the stamps are the simulation's time from `--start-ns`. No ROS
-process is needed: the bags are written with the `rosbags` package.
+simulation runs as fast as it can; the stamps are the simulation's time on one clock across the
+episodes (episode k starts 1 s after episode k − 1 ends). No ROS process is needed: the bags are written with the `rosbags` package.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -70,6 +75,7 @@ INTERBOTIX_TYPES = {
 IMAGE_FORMATS = ("jpeg", "raw")
 JPEG_QUALITY = 90
 TASK = "transfer_cube"
+MAX_SEED = 2**32 - 1  # gym-aloha's placements draw from numpy's legacy seeding
 
 
 def check_settings(camera_rate_hz: float, image_format: str) -> None:
@@ -115,11 +121,14 @@ def record_episode(
         (bag / "episode.json").write_text(json.dumps(result, indent=1))
         if path.exists() or path.is_symlink():  # made meanwhile: a rename would replace an empty folder
             raise ValueError(f"{path}: exists; a recording never overwrites one")
+        _sync_tree(bag)  # the files' contents on disk before the rename names them complete
         bag.rename(path)  # one filesystem: atomic
         partial.rmdir()
+        _sync(path.parent)  # the rename itself
     except BaseException as e:
         try:
-            _remove(partial)
+            if partial.exists() or partial.is_symlink():  # not yet made when the sim failed to load
+                _remove(partial)
         except OSError as removal:
             e.add_note(
                 f"the unfinished recording is left in {partial} (it could not be removed: {removal}); "
@@ -127,6 +136,34 @@ def record_episode(
             )
         raise
     return result
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(folder: Path) -> None:
+    for file in folder.rglob("*"):
+        if file.is_file():
+            _sync(file)
+    _sync(folder)
+
+
+def lock_out(out: Path) -> int:
+    """Hold an exclusive lock on the folder `out` for this process's life (an `flock` on the folder
+    itself: nothing is left in it); returns the descriptor. BlockingIOError if another run holds it:
+    two runs would remove each other's partial episodes and rename half-written bags into place."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _remove(path: Path) -> None:
@@ -280,7 +317,7 @@ def recorded_episode(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 when every episode is recorded (now or by an earlier run of the same command), 1
     when one failed (named on stderr; the complete ones are kept), 2 for bad arguments or an `--out`
-    holding other recordings, 130 on Ctrl-C."""
+    holding other recordings, 75 while another run records into the same `--out`, 130 on Ctrl-C."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for the episodes (episode_<k> bags)")
     p.add_argument("--episodes", type=int, default=10)
@@ -290,10 +327,31 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.episodes < 1 or args.seed < 0:
         p.error("--episodes must be >= 1 and --seed >= 0")
+    if args.seed + args.episodes - 1 > MAX_SEED:
+        p.error(f"--seed + --episodes - 1 must be <= {MAX_SEED} (the simulation's seeds are 32-bit)")
     try:
         check_settings(args.camera_rate, args.image_format)
     except ValueError as e:
         p.error(str(e))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        lock = lock_out(args.out)
+    except BlockingIOError:
+        print(
+            f"[record] {args.out}: another run is recording into it; try again once it has finished",
+            file=sys.stderr,
+        )
+        return 75
+    except OSError as e:
+        print(f"[record] {args.out}: cannot record into it: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _record_all(args)
+    finally:
+        os.close(lock)
+
+
+def _record_all(args: argparse.Namespace) -> int:
     # Every episode is checked before any is recorded: an --out holding other recordings is refused whole.
     earlier: dict[int, dict[str, Any]] = {}
     for k in range(args.episodes):
@@ -320,7 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         # Said whichever way the episode fails: what is kept, and how to go on.
         kept = f"{complete} complete episode(s) kept in {args.out}; the same command records the rest"
         try:
-            args.out.mkdir(parents=True, exist_ok=True)
             result = record_episode(path, seed, args.camera_rate, args.image_format, episode_start_ns(k))
         except KeyboardInterrupt as e:
             print(f"[record] {path} (seed {seed}): interrupted{_notes(e)}; {kept}", file=sys.stderr)
