@@ -30,6 +30,7 @@ interbotix = pytest.importorskip(
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Log  # noqa: E402
+from rclpy.clock import ClockType  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
@@ -347,6 +348,73 @@ def test_a_bad_chunk_is_refused_with_its_reason_and_the_running_one_goes_on(cell
     assert c.state() == State.PRIMARY_STATE_ACTIVE
 
 
+def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not_for_routine_ones(
+    cell, monkeypatch
+) -> None:
+    """Read off /diagnostics itself (found in review: with a wrong joint_states remap it said OK, "no chunk
+    yet", while chunks came and nothing went out; and one routine refusal, a call in flight at an episode
+    reset, kept it at WARN for the rest of the run)."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    monkeypatch.setattr(action_streamer, "REFUSAL_WARN_S", 2.0)
+    c = cell()
+    seen: list[Any] = []
+    c.peer.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(m.status), 10)
+
+    def next_status(timeout: float = 5.0) -> Any:
+        """The first status published from now on (joint states kept coming meanwhile if `joints`)."""
+        n = len(seen)
+        deadline = time.monotonic() + timeout
+        while len(seen) <= n and time.monotonic() < deadline:
+            if joints:
+                c.publish_joints()
+            time.sleep(0.01)
+        assert len(seen) > n, "no /diagnostics"
+        return seen[-1]
+
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    joints = False
+    c.publish_chunk(rows(), c.now_ns())
+    time.sleep(0.1)
+    status = next_status()
+    assert status.level == b"\x01", status
+    assert (
+        "nothing is sent: no recent joint states on /joint_states/left, /joint_states/right" in status.message
+    )
+    joints = True
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+    next_status()  # the one in flight may still count the wait
+    status = next_status()
+    assert status.level == b"\x00" and "chunk 1" in status.message, status
+
+    # Routine: a chunk planned before the latest activation (an episode reset) is refused, no warning.
+    assert c.transition(Transition.TRANSITION_DEACTIVATE)
+    planned = c.now_ns()
+    time.sleep(0.05)
+    assert c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), planned, chunk_id=2)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"] == {"before_start": 1})
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=3)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["last"] is not None)
+    next_status()
+    status = next_status()
+    assert status.level == b"\x00" and "refused" not in status.message, status
+    assert any(v.key == "refused.before_start" and v.value == "1" for v in status.values)
+
+    # A fault: a NaN chunk warns, naming it, for REFUSAL_WARN_S; then OK again, the count kept.
+    bad = rows()
+    bad[5, 0] = np.nan
+    c.publish_chunk(bad, c.now_ns(), chunk_id=4)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"].get("non_finite") == 1)
+    status = next_status()
+    assert status.level == b"\x01" and "last refused: episode 0 chunk 4 refused: non_finite" in status.message
+    time.sleep(2.0)
+    status = next_status()
+    assert status.level == b"\x00", status
+    assert any(v.key == "refused.non_finite" and v.value == "1" for v in status.values)
+
+
 def test_a_chunk_before_the_first_clock_is_held_for_it_not_refused(cell) -> None:
     """With use_sim_time a chunk can come before this node's first /clock (a simulator or a bag player it
     matched late): its clock reads 0, against which every stamp is decades ahead. The chunk waits for the
@@ -419,6 +487,20 @@ def test_a_clock_that_goes_back_starts_a_new_run(cell) -> None:
     assert stats["chunks_accepted"] == 2 and stats["last"][1] == 2, stats
     assert row_of(c.arm["left"][-1].cmd, second, list(range(6))) < 20, "the second run's chunk, executed"
     assert any("the clock went back" in log.msg for log in c.logs)
+
+
+def test_the_control_timer_keeps_its_period_whatever_the_system_clock_does(cell) -> None:
+    """rcl's timers on the system clock do not notice it being stepped: a step back of 30 s (chrony, a
+    Jetson setting its time after boot) stopped the 50 Hz timer for 30 s, the arms frozen with no alarm
+    (found in review with libfaketime). Without use_sim_time it runs on the steady clock; with it, on
+    /clock (a simulator, a bag)."""
+    wall, sim = cell(), cell(use_sim_time=True)
+    for c in (wall, sim):
+        assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    assert wall.node._timers[0].clock.clock_type == ClockType.STEADY_TIME
+    assert sim.node._timers[0].clock.clock_type == ClockType.ROS_TIME
+    wall.publish_chunk(rows(), wall.now_ns())  # and it streams
+    assert wall.keep_joints_coming(until=lambda: len(wall.arm["left"]) >= 3)
 
 
 def test_deactivate_stops_the_commands_at_once(cell) -> None:

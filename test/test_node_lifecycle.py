@@ -34,6 +34,7 @@ from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Log  # noqa: E402
 from rcl_interfaces.srv import SetParameters  # noqa: E402
+from rclpy.clock import ClockType  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
@@ -283,6 +284,9 @@ def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
     assert gc.get_freeze_count() > 0
     assert h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.state() == State.PRIMARY_STATE_ACTIVE
+    # Without use_sim_time the inference timer is on the steady clock: on the system clock, a step back
+    # of N s (an NTP correction) stopped it for N s (spin.periodic_timer).
+    assert h.node._infer_timer.clock.clock_type == ClockType.STEADY_TIME
     gc.collect()  # a full collection while active is a pause every thread sat through: reported
     assert h.node.stats()["gc_full_collections"] >= 1 and h.node.stats()["gc_pause_max_ms"] > 0
     stamps: list[int] = []
@@ -1136,6 +1140,7 @@ def test_the_player_skips_types_not_installed_and_waits_only_for_the_remapped_to
             writer.write(connection, t, raw)
     h = harness(use_sim_time=True)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.node._infer_timer.clock.clock_type == ClockType.ROS_TIME  # it follows the bag's /clock
     remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], CAMERAS, strict=True)) | dict(
         zip(ALOHA_JOINT_TOPICS, JOINT_TOPICS, strict=True)
     )

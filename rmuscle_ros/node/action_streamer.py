@@ -56,10 +56,14 @@ from rmuscle_ros.node.params import (
     flat_config,
     flat_defaults,
 )
-from rmuscle_ros.node.spin import spin_node
+from rmuscle_ros.node.spin import periodic_timer, spin_node
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
+# /diagnostics warns for this long after a chunk is refused (then OK again: the counts stay). A chunk
+# planned before the latest activation (a call in flight at an episode reset) is routine and never warns.
+REFUSAL_WARN_S = 30.0
+ROUTINE_REFUSALS = frozenset({RefusalReason.BEFORE_START.value})
 TAKEOVERS_KEPT = 100  # the takeover rows /diagnostics summarises: the latest chunks'
 CLAMP_LOG_PERIOD_S = 5.0  # at most one clamped command logged per this many seconds (each one is counted)
 # [lower, upper] (rad) of the ViperX 300 6DOF's waist, shoulder, elbow, forearm_roll, wrist_angle and
@@ -240,6 +244,8 @@ class ActionStreamerNode(LifecycleNode):
         self._refused: Counter[str] = Counter()
         self._last_refusal = ""
         self._last_refusal_logged = -math.inf
+        self._last_fault_at = -math.inf  # time.monotonic() of the latest refusal that is not routine
+        self._waiting_reported = 0  # waiting_for_joints at the latest /diagnostics
         self._last_clamp = ""  # the latest command held at a position limit, what its chunk asked for
         self._last_clamp_logged = -math.inf
         self._last_command: Any = None  # chunk_schedule.Command
@@ -299,7 +305,7 @@ class ActionStreamerNode(LifecycleNode):
                 )
             )
         self._timers = [
-            self.create_timer(cfg.control_period_s, self._on_tick),
+            periodic_timer(self, cfg.control_period_s, self._on_tick),
             # On the wall clock: a replayed bag's /clock stops between bags, the diagnostics should not.
             self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME)),
         ]
@@ -404,6 +410,8 @@ class ActionStreamerNode(LifecycleNode):
         self._refused[reason] += 1
         self._last_refusal = message
         now = time.monotonic()
+        if reason not in ROUTINE_REFUSALS:
+            self._last_fault_at = now
         if now - self._last_refusal_logged >= REFUSAL_LOG_PERIOD_S:
             self._last_refusal_logged = now
             self.get_logger().warning(message)
@@ -501,21 +509,49 @@ class ActionStreamerNode(LifecycleNode):
             "last": None if last is None else (last.chunk.episode_id, last.chunk.chunk_id, last.row),
         }
 
+    def _missing_joint_states(self) -> list[str]:
+        """The joint-state topics of the arms whose positions are not all known and recent now."""
+        cfg = self.cfg
+        assert cfg is not None
+        now = self.get_clock().now().nanoseconds
+        missing = []
+        for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
+            held = [self._joints.get(n) for n in cfg.joint_names if n.startswith(prefix)]
+            if any(h is None or abs(now - h[0]) > cfg.max_joint_age_s * 1e9 for h in held):
+                missing.append(self.resolve_topic_name(topic))
+        return missing
+
+    def _status(self, s: dict[str, Any]) -> tuple[bytes, str]:
+        """/diagnostics' level and message: WARN while chunks come but no command can go out for want of
+        joint states (a wrong remap sends nothing, silently otherwise), and for REFUSAL_WARN_S after a
+        chunk is refused for a fault (not for a routine refusal: every episode reset may bring one)."""
+        level = DiagnosticStatus.OK
+        where = "no chunk yet" if s["last"] is None else "episode {} chunk {} row {}".format(*s["last"])
+        message = f"{s['commands']} commands ({where})"
+        waiting = s["waiting_for_joints"] > self._waiting_reported
+        self._waiting_reported = s["waiting_for_joints"]
+        if waiting:
+            level = DiagnosticStatus.WARN
+            topics = ", ".join(self._missing_joint_states()) or "none recent enough"
+            message += f"; a chunk is in hand but nothing is sent: no recent joint states on {topics}"
+        if time.monotonic() - self._last_fault_at < REFUSAL_WARN_S:
+            level = DiagnosticStatus.WARN
+            message += f"; last refused: {s['last_refusal']}"
+        return level, message
+
     def _publish_diagnostics(self) -> None:
         if self._diag_pub is None:
             return
         s = self.stats()
         status = DiagnosticStatus(name=f"{self.get_name()}: streaming", hardware_id="")
-        status.level = DiagnosticStatus.WARN if s["refused"] else DiagnosticStatus.OK
-        where = "no chunk yet" if s["last"] is None else "episode {} chunk {} row {}".format(*s["last"])
-        status.message = f"{s['commands']} commands ({where})"
-        if s["refused"]:
-            status.message += f"; last refused: {s['last_refusal']}"
+        status.level, status.message = self._status(s)
         keys = ("commands", "limited", "clamped", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
                 "clock_jumps", "bad_joint_states", "takeover_row.p50", "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)
+        if s["last_refusal"]:
+            values["last_refusal"] = s["last_refusal"]
         if s["last_clamp"]:
             values["last_clamp"] = s["last_clamp"]
         status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]

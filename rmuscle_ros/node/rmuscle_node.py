@@ -48,7 +48,7 @@ from rmuscle_ros.node.params import (
     parameter_defaults,
     state_sources,
 )
-from rmuscle_ros.node.spin import spin_node
+from rmuscle_ros.node.spin import periodic_timer, spin_node
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
 
@@ -510,13 +510,13 @@ class RMuscleNode(LifecycleNode):
                 )
             )
         period = cfg.actions_per_inference * cfg.control_period_s
-        self._infer_timer = self.create_timer(period, self._on_tick)
+        self._infer_timer = periodic_timer(self, period, self._on_tick)
         self._timers = [
             self._infer_timer,
-            self.create_timer(1.0, self._publish_diagnostics),
+            periodic_timer(self, 1.0, self._publish_diagnostics),
         ]
         if self._status_pub is not None:
-            self._timers.append(self.create_timer(cfg.cache.status_period_s, self._publish_cache_status))
+            self._timers.append(periodic_timer(self, cfg.cache.status_period_s, self._publish_cache_status))
         self._stop.clear()
         self._gc = GcPauses()
         gc.callbacks.append(self._gc)
@@ -954,8 +954,8 @@ class RMuscleNode(LifecycleNode):
     def _next_call_too_close(self, estimate: bool = True, durations: JobTimes | None = None) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
         or, with `estimate`, will be before another job is done (`durations`, rebuild parts' by default:
-        the longest of their recent times, see job_times.py). Those times are wall-clock and the timer
-        runs on the node's clock: the same in real time and in a 1× bag replay while it plays."""
+        the longest of their recent times, see job_times.py). Those times are wall-clock, and the timer runs
+        on the steady clock, or with use_sim_time on /clock: the same in a 1× bag replay while it plays."""
         if self._tick.is_set() or self._stop.is_set():
             return True
         if not estimate:
@@ -964,7 +964,7 @@ class RMuscleNode(LifecycleNode):
         return jobs.too_long(time.monotonic(), self._time_to_next_call_s())
 
     def _time_to_next_call_s(self) -> float | None:
-        """Seconds until the inference timer next fires (on the node's clock), None without one."""
+        """Seconds until the inference timer next fires (spin.periodic_timer's clock), None without one."""
         timer = self._infer_timer
         left = timer.time_until_next_call() if timer is not None else None
         return None if left is None else left * 1e-9

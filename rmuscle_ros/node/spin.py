@@ -9,12 +9,27 @@ from collections.abc import Callable
 from typing import Any
 
 import rclpy
+from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.timer import Timer
 
 # What to say with rclpy's refusal of an integer for a float parameter, made as the node is made.
 FLOAT_PARAMETER_HINT = "write floats with a decimal point: 1.0, not 1"
+
+
+def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) -> Timer:
+    """A timer that keeps its period whatever happens to the system clock.
+
+    With `use_sim_time` it runs on the node's clock, so it follows /clock (a simulator, a bag player).
+    Otherwise it runs on the steady clock: rcl's timers on the system clock do not notice the clock being
+    stepped (chrony or NTP correcting it, a Jetson without an RTC battery setting its time after boot),
+    and a step back of N seconds stopped the timer for N seconds (found in review). The callback still
+    reads the node's clock for the time it stamps and schedules by."""
+    if node.get_clock().ros_time_is_active:
+        return node.create_timer(period_s, callback)
+    return node.create_timer(period_s, callback, clock=Clock(clock_type=ClockType.STEADY_TIME))
 
 
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
