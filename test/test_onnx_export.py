@@ -28,7 +28,7 @@ from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
 onnx = pytest.importorskip(
-    "onnx", reason="the export needs the onnx package (pip install 'rmuscle_ros[onnx]')"
+    "onnx", reason="the export needs the onnx package (pip install 'onnx>=1.17' 'onnxscript>=0.3')"
 )
 pytest.importorskip("onnxruntime", reason="the export is checked with onnxruntime (in the dev extra)")
 
@@ -327,14 +327,15 @@ def test_the_engine_cache_keeps_plans_by_key_and_rejects_altered_ones(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = PlanCache(tmp_path)
-    key = PlanKey(1, "abc", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32)
+    key = PlanKey(1, "abc", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b1")
     assert cache.load(key) is None
     path = cache.store(key, b"plan bytes", 12.0)
     assert cache.load(key) == b"plan bytes"
     assert json.loads(path.with_suffix(".json").read_text())["key"]["gpu"] == "NVIDIA Thor"
-    for changed in (PlanKey(1, "abc", "prefill", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32),
-                    PlanKey(1, "abd", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32)):  # fmt: skip
-        assert cache.load(changed) is None  # another TensorRT or export: another file
+    for changed in (PlanKey(1, "abc", "prefill", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b1"),
+                    PlanKey(1, "abd", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b1"),
+                    PlanKey(1, "abc", "prefill", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b2")):  # fmt: skip
+        assert cache.load(changed) is None  # another TensorRT, export or builder code: another file
     path.write_bytes(b"plan byt")
     with caplog.at_level(logging.WARNING):
         assert cache.load(key) is None

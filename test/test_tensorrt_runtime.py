@@ -110,7 +110,9 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
         def __init__(self, logger: Logger) -> None:
             pass
 
-        def deserialize_cuda_engine(self, plan: bytes) -> Engine:
+        def deserialize_cuda_engine(self, plan: bytes) -> Engine | None:
+            if trt.refuse_plans:  # TensorRT's answer to a plan it cannot load, or to no memory for it
+                return None
             return Engine(**json.loads(plan))
 
     class Engine:
@@ -212,6 +214,7 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     fake.exports = 0
+    fake.refuse_plans = False
 
     def ensure_export(model: Pi05Model, cache_dir: Path, *, weights: str, force: bool = False) -> Path:
         assert model is not None, "the export needs the model's weights"
@@ -281,6 +284,43 @@ def test_a_failed_build_leaves_the_engine_as_it_was_and_the_next_warmup_retries(
     assert rel_l2(engine.sample_actions(inputs, noise), tiny_model().sample_actions(inputs, noise)) < 1e-5
 
 
+def test_a_cached_plan_that_does_not_load_is_an_error_naming_the_file_and_the_way_out(
+    trt, tmp_path: Path
+) -> None:
+    """It matched its key and checksum, so every configure loaded it again: the error names the file to
+    delete (the node cannot ask for a rebuild) and says it may be memory (found in review)."""
+    engine_on_cpu(tmp_path).warmup()
+    trt.refuse_plans = True
+    engine = engine_on_cpu(tmp_path)
+    plan = next((tmp_path / "tensorrt").glob("vision-*.plan"))
+    with pytest.raises(RuntimeError) as err:
+        engine.warmup()
+    assert f"could not deserialize the vision engine from {plan}" in str(err.value)
+    assert "Out of GPU memory" in str(err.value) and f"delete {plan} so that the next configure" in str(
+        err.value
+    )
+    assert engine._stages == {} and engine.model is not None  # as it was: the next warmup tries again
+    plan.unlink()
+    trt.refuse_plans = False
+    trt.built.clear()
+    engine.warmup()
+    assert trt.built == ["vision"]
+
+
+def test_a_change_to_the_builders_code_builds_the_plans_again(trt, tmp_path: Path, monkeypatch) -> None:
+    """The plans' key holds this module's code digest: builder flags or profiles changed in an update are
+    not served from plans built the old way (found in review: the key covered the export's code only)."""
+    from rmuscle_ros.engine import tensorrt as trt_engine
+
+    engine_on_cpu(tmp_path).warmup()
+    trt.built.clear()
+    engine_on_cpu(tmp_path).warmup()
+    assert trt.built == []
+    monkeypatch.setattr(trt_engine, "builder_code_digest", lambda: "0" * 16)
+    engine_on_cpu(tmp_path).warmup()
+    assert trt.built == ["vision", "prefill", "denoise"]
+
+
 def test_a_padded_prompt_runs_at_its_bucket_and_gives_the_padded_calls_actions(trt, tmp_path: Path) -> None:
     """The policy pads every prompt to 200 slots; the engine runs it at the bucket holding its last valid
     token (40 -> 64), and the actions are the eager model's on the padded prompt."""
@@ -303,13 +343,13 @@ def test_without_tensorrt_or_the_exporter_the_backend_says_what_is_missing_at_co
     block_imports("onnxscript")
     with pytest.raises(
         RuntimeError,
-        match=r"backend 'tensorrt' .*needs onnxscript, not installed here: pip install 'rmuscle_ros\[onnx\]'",
+        match=r"backend 'tensorrt' .*needs onnxscript, not installed here: pip install 'onnx>=1.17' 'onnxscript>=0.3'",
     ):
         engine_on_cpu(tmp_path)
     block_imports("tensorrt")
     with pytest.raises(
         RuntimeError,
-        match=r"backend 'tensorrt' needs tensorrt, onnxscript, not installed here: .*JetPack.*rmuscle_ros\[onnx\]",
+        match=r"backend 'tensorrt' needs tensorrt, onnxscript, not installed here: .*JetPack.*pip install 'onnx>=1.17' 'onnxscript>=0.3'",
     ):
         engine_on_cpu(tmp_path)
 

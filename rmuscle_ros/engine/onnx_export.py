@@ -82,8 +82,10 @@ class ExportError(RuntimeError):
 # How to get each optional package the exported backends use (pyproject.toml: the `onnx` extra has onnx and
 # onnxscript, what torch.onnx's exporter writes and translates with; onnxruntime is only in `dev`).
 INSTALL = {
-    "onnx": "pip install 'rmuscle_ros[onnx]'",
-    "onnxscript": "pip install 'rmuscle_ros[onnx]'",
+    # Named outright, not as the `onnx` extra: a colcon-built package's metadata carries no extras, so
+    # `pip install 'rmuscle_ros[onnx]'` installed nothing on a Thor (found in review).
+    "onnx": "pip install 'onnx>=1.17' 'onnxscript>=0.3'",
+    "onnxscript": "pip install 'onnx>=1.17' 'onnxscript>=0.3'",
     "onnxruntime": "pip install onnxruntime (it is in rmuscle_ros's dev extra)",
     "tensorrt": "TensorRT's Python bindings (on a Jetson Thor they come with JetPack; in a container, build "
     "docker/Dockerfile.thor; the development and H200 machines cannot install TensorRT: use backend "

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 
 log = logging.getLogger(__name__)
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: the key holds the builder's code digest (plans of format 1 are built again)
 # setTensorAddress: "The pointer must have at least 256-byte alignment" (TensorRT 10, NvInferRuntime.h).
 ALIGN = 256
 # The prompt length the engines are tuned for (the profile's opt; min 1 and max max_token_len stay). A
@@ -84,9 +85,16 @@ class PlanKey:
     capability: str  # "11.0" on a Thor
     opt_prompt_len: int
     workspace_bytes: int
+    builder: str  # builder_code_digest(): a change to how plans are built (flags, profiles) builds again
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+
+
+def builder_code_digest() -> str:
+    """sha256 (16 hex digits) of this module's source: the builder flags and optimisation profiles a plan
+    was built with are its code (found in review: a change to them reused the old plans)."""
+    return hashlib.sha256(Path(__file__).resolve().read_bytes()).hexdigest()[:16]
 
 
 class PlanCache:
@@ -208,12 +216,18 @@ def torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
 class _StageEngine:
     """One deserialized engine with its context; tensors are bound by address before each enqueue."""
 
-    def __init__(self, trt: Any, runtime: Any, plan: bytes, stage: str) -> None:
+    def __init__(self, trt: Any, runtime: Any, plan: bytes, stage: str, path: Path | None = None) -> None:
         self.trt = trt
         self.stage = stage
         self.engine = runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            raise RuntimeError(f"TensorRT could not deserialize the {stage} engine")
+            where = f" from {path}" if path is not None else ""
+            raise RuntimeError(
+                f"TensorRT could not deserialize the {stage} engine{where} (TensorRT's log above says why). "
+                "Out of GPU memory: free some and configure again. Otherwise the plan does not load on this "
+                f"TensorRT: delete {path if path is not None else 'the plan'} so that the next configure builds "
+                "it again (or build afresh: python -m rmuscle_ros.engine.tensorrt --force-rebuild)"
+            )
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -309,6 +323,7 @@ class TensorRTEngine:
             f"{major}.{minor}",
             self.opt_prompt_len,
             self.workspace_bytes,
+            builder_code_digest(),
         )
 
     def _plan_keys(self) -> dict[str, PlanKey]:
@@ -354,7 +369,7 @@ class TensorRTEngine:
                 plan = build_plan(trt, export_dir / f"{stage}.onnx", shapes, self.workspace_bytes)
                 cache.store(key, plan, time.perf_counter() - start)
                 log.info("built the %s engine in %.0f s", stage, time.perf_counter() - start)
-            stages[stage] = _StageEngine(trt, runtime, plan, stage)
+            stages[stage] = _StageEngine(trt, runtime, plan, stage, cache.path(key))
             timings[f"engine_{stage}"] = time.perf_counter() - start
         self._allocate(stages)
         self._stages = stages
@@ -475,8 +490,14 @@ class TensorRTEngine:
         return torch.cat(chunks)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Build the engines for a checkpoint and compare one call with eager bfloat16 (run on the Thor)."""
+# The check's bound on the engines' relative L2 against eager bfloat16: a setting, not a measurement. For
+# scale, the graph engine measured 4.6e-3 against eager bf16 at `pi05` on the H200 (README, "Performance").
+MAX_ERROR = 2e-2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the engines for a checkpoint and compare one call with eager bfloat16 (run on the Thor).
+    Exit status 1 when the relative L2 error is above --max-error (or not finite), 0 otherwise."""
     from rmuscle_ros.models.checkpoint import load_model
     from rmuscle_ros.models.config import get_preset
 
@@ -488,6 +509,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
     p.add_argument("--opt-prompt-len", type=int, default=OPT_PROMPT_LEN)
     p.add_argument("--force-rebuild", action="store_true")
+    p.add_argument(
+        "--max-error",
+        type=float,
+        default=MAX_ERROR,
+        help=f"fail (exit 1) above this relative L2 against eager bf16 (default {MAX_ERROR:g})",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rmuscle_ros.engine.eager import EagerEngine
@@ -510,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=gen)
     ours = engine.sample_actions(inputs, noise).cpu()
     ref = eager.sample_actions(inputs, noise).float().cpu()
-    print(f"tensorrt vs eager bf16: relative L2 {float((ours - ref).norm() / ref.norm()):.2e}")
+    error = float((ours - ref).norm() / ref.norm())
+    print(f"tensorrt vs eager bf16: relative L2 {error:.2e} (bound {args.max_error:g})")
     times = []
     for _ in range(20):
         start = time.perf_counter()
@@ -518,7 +546,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     print(f"tensorrt call: median {1e3 * sorted(times)[len(times) // 2]:.2f} ms over {len(times)}")
+    if not error <= args.max_error:  # NaN fails too
+        print(f"FAILED: relative L2 {error:.2e} above {args.max_error:g}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
