@@ -136,7 +136,7 @@ def test_without_its_packages_the_onnxruntime_backend_says_what_is_missing_at_co
     block_imports("onnx", "onnxscript")
     with pytest.raises(
         RuntimeError,
-        match=r"backend 'onnxruntime' needs onnx, onnxscript, not installed here: pip install 'rmuscle_ros\[onnx\]'$",
+        match=r"backend 'onnxruntime' needs onnx, onnxscript, not installed here: pip install 'onnx>=1\.17' 'onnxscript>=0\.3'$",
     ):
         OnnxRuntimeEngine(tiny_model(), device=torch.device("cpu"), cache_dir=tmp_path)
     block_imports("onnxruntime")
