@@ -28,7 +28,7 @@ from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from lifecycle_msgs.msg import Transition
 
-from rmuscle_ros.node.params import check_params_file
+from rmuscle_ros.node.params_file import check_params_file  # no torch: see its docstring
 
 # The policy node's topics (π0.5 slot order) -> the Interbotix ALOHA stack's topics.
 ALOHA_REMAPPINGS = [

@@ -78,7 +78,7 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
     `profile:=rmuscle_thor`, no .yaml). The launch file checks the file first (check_params_file), and
     stops before any node starts; a profile without the streamer's section is refused unless
     stream_actions:=false."""
-    from rmuscle_ros.node.params import check_params_file
+    from rmuscle_ros.node.params_file import check_params_file
 
     config = LAUNCH.parents[1] / "config"
     both = ("rmuscle_node", "action_streamer")
@@ -105,6 +105,34 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
     # and the launch file calls it, with the streamer's section asked for only when it starts the streamer
     source = LAUNCH.read_text()
     assert "check_params_file(" in source and "OpaqueFunction(function=nodes)" in source
+
+
+def test_what_the_launch_file_imports_of_this_package_needs_no_torch() -> None:
+    """`ros2 launch` runs the launch file in the `ros2` program's Python (apt's /usr/bin/python3 on a
+    Thor), which does not see the venv's torch. The launch file imported params.py, which imports the
+    policy and torch: the documented launch stopped before any node started (found in review). Every
+    rmuscle_ros module it imports must load with torch, safetensors and numpy absent."""
+    import subprocess
+    import sys
+
+    tree = ast.parse(LAUNCH.read_text())
+    modules = sorted(
+        n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("rmuscle_ros")
+    )
+    assert modules == ["rmuscle_ros.node.params_file"]
+    code = (
+        "import importlib, sys\n"
+        "for m in ('torch', 'safetensors', 'numpy'):\n"
+        "    sys.modules[m] = None\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "from rmuscle_ros.node.params_file import check_params_file\n"
+        "check_params_file('config/rmuscle_thor.yaml', ('rmuscle_node', 'action_streamer'))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=LAUNCH.parents[1], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
 
 
 def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) -> None:

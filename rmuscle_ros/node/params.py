@@ -19,6 +19,7 @@ import yaml
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.models.config import PRESETS
+from rmuscle_ros.node.params_file import section_keys
 from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, PolicyConfig
 from rmuscle_ros.runtime.transforms import check_prompt
 
@@ -271,54 +272,6 @@ def load_params_file(path: Path, node_name: str = "rmuscle_node") -> dict[str, A
         if key in document:
             return flatten(document[key]["ros__parameters"])
     raise KeyError(f"{path}: no section for {node_name} (keys: {', '.join(map(str, document))})")
-
-
-def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
-    """The keys of a params file's sections that ROS applies to `node_name` in `namespace`: `/**/name` in
-    any namespace, `/*/name` in a one-level one, the fully qualified name; `name` alone is `/name`, so it
-    (and `/name`) only outside a namespace."""
-    ns = namespace.strip("/")
-    if not ns:
-        return (f"/**/{node_name}", f"/{node_name}", node_name)
-    keys = [f"/**/{node_name}", f"/{ns}/{node_name}"]
-    if "/" not in ns:
-        keys.append(f"/*/{node_name}")
-    return tuple(keys)
-
-
-def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...], namespace: str = "") -> None:
-    """ValueError unless `path` is a params file with a section that ROS applies to each of `node_names`
-    in `namespace` (`section_keys`). The launch file calls it before it starts anything: ROS only warns
-    about a params file that is not there and starts the node on its defaults (the tiny demo model, random
-    weights), and a node whose section it does not apply (none, or `rmuscle_node:` under a namespace) would
-    too; the streamer would then send that model's actions to the arms (found in review)."""
-    from pathlib import Path
-
-    file = Path(path)
-    if not file.is_file():
-        what = "a folder" if file.is_dir() else "not there"
-        raise ValueError(
-            f"params file {file} is {what}: give an existing profile (profile:=<file in config/>)"
-        )
-    try:
-        document = yaml.safe_load(file.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"params file {file}: not a ROS params file ({e})") from None
-    if not isinstance(document, dict):
-        raise ValueError(f"params file {file}: not a ROS params file (no node sections)")
-    missing = []
-    for name in node_names:
-        keys = section_keys(name, namespace)
-        section = next((document[k] for k in keys if k in document), None)
-        if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
-            missing.append(name)
-    if missing:
-        where = f" in namespace {namespace.strip('/')!r}" if namespace.strip("/") else ""
-        raise ValueError(
-            f"params file {file} has no section that ROS applies to {', '.join(missing)}{where} (a "
-            f"`/**/{missing[0]}: ros__parameters:` key): it would start on its defaults. Add the section, or "
-            "leave that node out (stream_actions:=false for action_streamer)"
-        )
 
 
 def parameter_defaults() -> dict[str, Any]:
