@@ -856,8 +856,9 @@ def main_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--anchors", type=int, nargs="+", default=[1], help="--repeat-seed: dense anchor steps")
     e.add_argument(
-        "--neuron-schedule", nargs="+", default=["uniform"], choices=NEURON_SCHEDULES,
-        help="how ρn spreads over the denoising steps (RMuscleConfig.neuron_schedule); each with each --rho",
+        "--neuron-schedule", nargs="+", default=["ramp"], choices=NEURON_SCHEDULES,
+        help="how ρn spreads over the denoising steps (RMuscleConfig.neuron_schedule; default ramp, as the "
+        "node's; the runs before 2026-12-03 defaulted to uniform); each with each --rho",
     )  # fmt: skip
     e.add_argument(
         "--repeat-seed", type=int, default=None,
