@@ -3,12 +3,16 @@
     ros2 launch rmuscle_ros rmuscle.launch.py profile:=rmuscle_aloha.yaml
     ros2 launch rmuscle_ros rmuscle.launch.py params_file:=/path/to/cell.yaml autostart:=false
     ros2 launch rmuscle_ros rmuscle.launch.py stream_actions:=false   # chunks only, the arms untouched
+    ros2 launch rmuscle_ros rmuscle.launch.py activate_streamer:=true # the arms move once chunks come
 
 Parameters come from a profile (both nodes read their own section of the file); the topics are remapped
-onto an Interbotix ALOHA stack. With autostart (default) each node is configured on start and activated
-once configuring succeeds, which is what `ros2 lifecycle set ... configure/activate` would do by hand.
-The streamer sends the follower arms position commands as soon as it is active and a chunk is due; with
-stream_actions:=false it is not started. A params file that is not there, or that has no section for a
+onto an Interbotix ALOHA stack. With autostart (default) rmuscle_node is configured on start and
+activated once configuring succeeds, which is what `ros2 lifecycle set ... configure/activate` would do
+by hand. The streamer sends the follower arms position commands as soon as it is active and a chunk is
+due, so autostart only configures it: the operator activates it when the cell is ready
+(`ros2 lifecycle set /action_streamer activate`), or activate_streamer:=true does it at start (a bare
+launch otherwise moved the arms as soon as the first chunk came, tens of seconds after the command while
+the kernels compiled; found in review). With stream_actions:=false it is not started. A params file that is not there, or that has no section for a
 node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
 """
 
@@ -50,8 +54,8 @@ STREAMER_REMAPPINGS = [
 ]
 
 
-def autostarted(node: LifecycleNode, autostart: bool) -> list:
-    """`node`, configured on start and activated once configured if `autostart`."""
+def autostarted(node: LifecycleNode, autostart: bool, activate: bool = True) -> list:
+    """`node`, configured on start if `autostart`, and activated once configured if also `activate`."""
     if not autostart:
         return [node]
 
@@ -68,6 +72,8 @@ def autostarted(node: LifecycleNode, autostart: bool) -> list:
             entities=[change(Transition.TRANSITION_ACTIVATE)],
         )
     )
+    if not activate:
+        return [node, change(Transition.TRANSITION_CONFIGURE)]
     return [activate_when_configured, node, change(Transition.TRANSITION_CONFIGURE)]
 
 
@@ -84,6 +90,7 @@ def nodes(context: LaunchContext) -> list:
     here, before anything starts)."""
     params_file = perform_substitutions(context, [LaunchConfiguration("params_file")])
     stream_actions, autostart = true(context, "stream_actions"), true(context, "autostart")
+    activate_streamer = true(context, "activate_streamer")
     namespace = perform_substitutions(context, [LaunchConfiguration("namespace")])
     names = ("rmuscle_node", "action_streamer") if stream_actions else ("rmuscle_node",)
     check_params_file(params_file, names, namespace)
@@ -101,7 +108,8 @@ def nodes(context: LaunchContext) -> list:
 
     entities = autostarted(lifecycle_node("rmuscle_node", ALOHA_REMAPPINGS), autostart)
     if stream_actions:
-        entities += autostarted(lifecycle_node("action_streamer", STREAMER_REMAPPINGS), autostart)
+        streamer = lifecycle_node("action_streamer", STREAMER_REMAPPINGS)
+        entities += autostarted(streamer, autostart, activate=activate_streamer)
     return entities
 
 
@@ -125,6 +133,12 @@ def generate_launch_description() -> LaunchDescription:
                 "stream_actions",
                 default_value="true",
                 description="start action_streamer, which sends the chunks to the follower arms",
+            ),
+            DeclareLaunchArgument(
+                "activate_streamer",
+                default_value="false",
+                description="with autostart, also activate action_streamer (the arms then move once chunks "
+                "come); otherwise it waits, configured, for `ros2 lifecycle set /action_streamer activate`",
             ),
             OpaqueFunction(function=nodes),
         ]
