@@ -341,7 +341,8 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
     assert h.feed_until(lambda: len(h.chunks) >= 2 and len(h.trajectories) >= 2), f"drops {h.drops()}"
     traj = h.trajectories[0]
     assert list(traj.joint_names) == list(ALOHA_JOINTS) and len(traj.points) == 50
-    assert traj.points[0].time_from_start.nanosec == 20_000_000  # one control period
+    # Row i is due i periods after the observation, as the streamer executes it (it was one period late).
+    assert [traj.points[i].time_from_start.nanosec for i in (0, 1)] == [0, 20_000_000]
     assert np.allclose(traj.points[0].positions, np.asarray(h.chunks[0].actions[:14]), atol=1e-6)
     # Camera 0 goes silent: its last frame ages past max_image_age_s, a drop to report.
     assert h.feed_until(lambda: h.drops().get("stale_image", 0) > 0, skip_camera=0)
@@ -852,6 +853,24 @@ def test_bad_input_gives_no_chunk_and_the_node_stays_active(harness, bad: dict, 
     )
     assert h.chunks == [] and h.state() == State.PRIMARY_STATE_ACTIVE
     # Good input afterwards gives chunks again.
+    assert h.feed_until(lambda: len(h.chunks) > 0)
+
+
+def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_over(harness) -> None:
+    """The bad_image drop names the camera's topic as the other drops do; after a deactivation (an
+    operator fixing the camera) the drops, the ticks without a chunk and the last drop that /diagnostics
+    reports "since activation" start over (both found in review: ERROR at once with the old reason)."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(
+        lambda: h.drops().get("bad_image", 0) > 0, image_edit=lambda m: setattr(m, "encoding", "yuv422")
+    )
+    assert h.node.stats()["last_drop"].startswith(
+        "bad_image: base_0_rgb (/images/base): unsupported encoding"
+    )
+    assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    s = h.node.stats()
+    assert (s["drops"], s["failing_ticks"], s["last_drop"], s["slowest_calls"]) == ({}, 0, "", []), s
     assert h.feed_until(lambda: len(h.chunks) > 0)
 
 

@@ -153,7 +153,7 @@ class ObservationBuffer:
             try:
                 rgb[slot_names[slot]] = self._decode(msg)
             except ImageConversionError as e:
-                raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{slot_names[slot]}: {e}") from None
+                raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{camera}: {e}") from None
         if faults:
             said = "; ".join(
                 f"{prefix or 'a joint state'}: {fault}" for prefix, fault in sorted(faults.items())

@@ -524,6 +524,12 @@ class RMuscleNode(LifecycleNode):
         self._start_wait.clear()
         with self._stats_lock:
             self.waiting_for = ""
+            # What /diagnostics reports "since activation" starts over (found in review: an operator who
+            # deactivated, fixed a camera and activated again got ERROR at once, with the old reason).
+            self.drops.clear()
+            self._failing_ticks = 0
+            self._last_drop = ""
+            self._slowest = []
         worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
         worker.start()  # kept only once started: a thread that never started cannot be joined
         self._worker = worker
@@ -1020,8 +1026,10 @@ class RMuscleNode(LifecycleNode):
             for i, row in enumerate(chunk.actions):
                 point = JointTrajectoryPoint()
                 point.positions = row.astype(np.float64).tolist()
+                # Row i is due i periods after the observation (the header's stamp), as ActionChunk.msg and
+                # the streamer execute it; (i + 1) put the trajectory a period behind (found in review).
                 point.time_from_start.sec, point.time_from_start.nanosec = divmod(
-                    round((i + 1) * cfg.control_period_s * 1e9), 1_000_000_000
+                    round(i * cfg.control_period_s * 1e9), 1_000_000_000
                 )
                 traj.points.append(point)
             self._trajectory_pub.publish(traj)
