@@ -395,8 +395,11 @@ def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not
     assert c.transition(Transition.TRANSITION_ACTIVATE)
     c.publish_chunk(rows(), planned, chunk_id=2)
     assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"] == {"before_start": 1})
-    c.publish_chunk(rows(), c.now_ns(), chunk_id=3)
+    third = c.now_ns()
+    c.publish_chunk(rows(), third, chunk_id=3)
     assert c.keep_joints_coming(until=lambda: c.node.stats()["last"] is not None)
+    c.publish_chunk(rows(0.1), third, chunk_id=4)  # the same camera frames: a camera slower than the calls
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"].get("same_observation") == 1)
     next_status()
     status = next_status()
     assert status.level == b"\x00" and "refused" not in status.message, status
@@ -405,10 +408,10 @@ def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not
     # A fault: a NaN chunk warns, naming it, for REFUSAL_WARN_S; then OK again, the count kept.
     bad = rows()
     bad[5, 0] = np.nan
-    c.publish_chunk(bad, c.now_ns(), chunk_id=4)
+    c.publish_chunk(bad, c.now_ns(), chunk_id=5)
     assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"].get("non_finite") == 1)
     status = next_status()
-    assert status.level == b"\x01" and "last refused: episode 0 chunk 4 refused: non_finite" in status.message
+    assert status.level == b"\x01" and "last refused: episode 0 chunk 5 refused: non_finite" in status.message
     time.sleep(2.0)
     status = next_status()
     assert status.level == b"\x00", status

@@ -229,6 +229,12 @@ def test_a_start_before_the_clock_runs_takes_every_chunk() -> None:
             RefusalReason.STALE,
             r"10 ms before the chunk in hand \(episode 0, chunk 7\)",
         ),
+        # a call that came before any camera's next frame: the node stamps it with the same frame's time
+        (
+            {"stamp_ns": T0},
+            RefusalReason.SAME_OBSERVATION,
+            r"stamped as the chunk in hand \(episode 0, chunk 7\): planned from the same camera frames",
+        ),
     ],
 )
 def test_a_refused_chunk_says_why_and_the_running_one_goes_on(

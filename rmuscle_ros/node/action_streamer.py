@@ -60,10 +60,11 @@ from rmuscle_ros.node.spin import periodic_timer, spin_node
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
-# /diagnostics warns for this long after a chunk is refused (then OK again: the counts stay). A chunk
-# planned before the latest activation (a call in flight at an episode reset) is routine and never warns.
+# /diagnostics warns for this long after a chunk is refused (then OK again: the counts stay). Routine, never
+# warning: a chunk planned before the latest activation (a call in flight at an episode reset), and one
+# planned from the same camera frames as the chunk in hand (a camera slower than the calls).
 REFUSAL_WARN_S = 30.0
-ROUTINE_REFUSALS = frozenset({RefusalReason.BEFORE_START.value})
+ROUTINE_REFUSALS = frozenset({RefusalReason.BEFORE_START.value, RefusalReason.SAME_OBSERVATION.value})
 TAKEOVERS_KEPT = 100  # the takeover rows /diagnostics summarises: the latest chunks'
 CLAMP_LOG_PERIOD_S = 5.0  # at most one clamped command logged per this many seconds (each one is counted)
 # [lower, upper] (rad) of the ViperX 300 6DOF's waist, shoulder, elbow, forearm_roll, wrist_angle and

@@ -55,6 +55,9 @@ class RefusalReason(enum.Enum):
     PERIOD = "period"  # another control period than the streamer's
     NON_FINITE = "non_finite"  # a NaN or infinite action
     STALE = "stale"  # stamped before the chunk in execution
+    # stamped the same as the newest chunk: planned from the same camera frames (a call that came before any
+    # camera's next frame, a camera slower than the calls); the one in hand goes on. Routine, not a fault.
+    SAME_OBSERVATION = "same_observation"
     EXPIRED = "expired"  # its last row was due before it arrived
     FUTURE = "future"  # stamped further ahead of this clock than max_future_s
     BEFORE_START = "before_start"  # stamped before commands started (the streamer's activation)
@@ -237,7 +240,13 @@ class ChunkSchedule:
                 f"its {horizon} rows end before takeover_delay_s ({cfg.takeover_delay_s:g} s) has passed",
             )
         newest = self._chunks[-1] if self._chunks else None
-        if newest is not None and stamp_ns <= newest.start_ns:
+        if newest is not None and stamp_ns == newest.start_ns:
+            raise ChunkRefused(
+                RefusalReason.SAME_OBSERVATION,
+                f"stamped as the chunk in hand (episode {newest.episode_id}, chunk {newest.chunk_id}): "
+                "planned from the same camera frames",
+            )
+        if newest is not None and stamp_ns < newest.start_ns:
             raise ChunkRefused(
                 RefusalReason.STALE,
                 f"stamped {(newest.start_ns - stamp_ns) / 1e6:.0f} ms before the chunk in hand "
