@@ -107,10 +107,10 @@ for step in $steps; do
                 continue
             fi
             prefix=$(dirname "$(dirname "$(command -v python3)")")
-            if ! AMENT_PREFIX_PATH=$prefix python3 -c "import rclpy, rmuscle_ros.msg, rosbags" 2>/dev/null; then
+            if ! AMENT_PREFIX_PATH=$prefix python3 -c "import rclpy, rmuscle_ros.msg, rosbags, simplejpeg" 2>/dev/null; then
                 (export PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl/cp312 PIP_DISABLE_PIP_VERSION_CHECK=1
                  python3 -m pip install -q -e . --no-deps --no-build-isolation --config-settings editable_mode=compat &&
-                    python3 -m pip install -q rosbags && timeout 200 bash scripts/setup_ros_venv.sh "$prefix") \
+                    python3 -m pip install -q rosbags simplejpeg && timeout 200 bash scripts/setup_ros_venv.sh "$prefix") \
                     > "$out/node_setup.log" 2>&1 || { tail -20 "$out/node_setup.log"; continue; }
             fi
             case $step in

@@ -40,5 +40,5 @@ COPY libexec ./libexec
 COPY rmuscle_ros ./rmuscle_ros
 # The base's torch stays: --no-deps for the package, then only what it needs beyond the base.
 RUN pip install --no-cache-dir --no-deps -e . \
-    && pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "pillow>=10" "sentencepiece>=0.2" \
+    && pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "pillow>=10" "simplejpeg>=1.7" "sentencepiece>=0.2" \
        "onnx>=1.17" "onnxscript>=0.3"

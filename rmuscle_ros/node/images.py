@@ -1,7 +1,8 @@
 """Conversion of ROS image messages to the (H, W, 3) uint8 RGB arrays the policy takes.
 
 cv_bridge is not usable from the PyPI ROS wheels (see shared/reference/ros2_from_pypi.md §4), so this
-module converts with numpy (raw `sensor_msgs/Image`) and Pillow (`sensor_msgs/CompressedImage`).
+module converts with numpy (raw `sensor_msgs/Image`), simplejpeg (JPEG `sensor_msgs/CompressedImage`,
+libjpeg-turbo with corrupt data refused) and Pillow (PNG).
 It never imports rclpy or sensor_msgs: the functions read only the message's fields, so any object
 with those attributes works (a real message, or a `types.SimpleNamespace` in tests).
 
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
 import numpy as np
+import simplejpeg
 from PIL import Image as PILImage
 
 ByteData: TypeAlias = "bytes | bytearray | memoryview | array.array[int] | np.ndarray | Sequence[int]"
@@ -137,6 +139,36 @@ def _compression_of(fmt: str) -> str:
     return words[0].lower() if words else ""
 
 
+def _jpeg_to_rgb(flat: np.ndarray, fmt: str) -> np.ndarray:
+    """A JPEG stream -> (H, W, 3) uint8 RGB, refusing damaged data.
+
+    libjpeg decodes most damage inside the entropy-coded data without an error, only a warning ("Corrupt
+    JPEG data: ..."), and fills in what it could not read: Pillow passes such a frame on as good (found in
+    review: 199 of 200 frames with random bytes written into their scan data decoded, off by 16 levels on
+    median; a frame cut short, its end marker put back, too). simplejpeg's strict mode makes each warning an
+    error: the same sweep had 180 of 200 refused, and the 20 it let through were off by 4 levels on median
+    (40.9 at most): damage libjpeg cannot see. It also decodes a 480x640 frame in 0.60 ms against
+    Pillow's 1.56 on this 2-core CPU (a one-off timing)."""
+    if flat.size < 2 or flat[0] != 0xFF or flat[1] != 0xD8:  # the start-of-image marker
+        raise ImageConversionError(
+            f"corrupt or mislabelled image: {flat.size} bytes are not a JPEG stream (format {fmt!r})"
+        )
+    try:
+        height, width, _colorspace, _subsampling = simplejpeg.decode_jpeg_header(flat)
+    except ValueError as exc:
+        raise ImageConversionError(f"corrupt or truncated JPEG data ({flat.size} bytes): {exc}") from None
+    if width * height > MAX_COMPRESSED_PIXELS:
+        raise ImageConversionError(
+            f"JPEG image declares {width}x{height} pixels, more than a camera frame "
+            f"({MAX_COMPRESSED_PIXELS} at most): not decoded"
+        )
+    try:
+        rgb = simplejpeg.decode_jpeg(flat, colorspace="RGB", strict=True)
+    except ValueError as exc:
+        raise ImageConversionError(f"corrupt or truncated JPEG data ({flat.size} bytes): {exc}") from None
+    return np.ascontiguousarray(rgb, dtype=np.uint8)  # simplejpeg's own new, writable array
+
+
 # A compressed frame declaring more pixels than this is refused before it is decoded: a few KB of PNG can
 # declare a 13000x13000 image (484 MiB, seconds to decode, under the node's policy lock). 8K UHD is 33 Mpx.
 MAX_COMPRESSED_PIXELS = 8192 * 8192
@@ -159,6 +191,8 @@ def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
     flat = _byte_view(msg.data)
     if flat.size == 0:
         raise ImageConversionError(f"empty {pil_format} image data")
+    if pil_format == "JPEG":
+        return _jpeg_to_rgb(flat, msg.format)
     try:
         with PILImage.open(io.BytesIO(flat), formats=[pil_format]) as image:
             width, height = image.size  # declared in the header, before anything is decoded
