@@ -950,18 +950,24 @@ def _rss_mb() -> float:
 
 
 def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
+    """100 configure-activate-deactivate-cleanup cycles, one in five running inference calls while active
+    (found in review: with no sensor messages no call, no worker job ever ran)."""
     h = harness()
 
-    def cycle() -> None:
-        for t in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE,
-                  Transition.TRANSITION_DEACTIVATE, Transition.TRANSITION_CLEANUP):  # fmt: skip
+    def cycle(with_calls: bool) -> None:
+        for t in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+            assert h.transition(t)
+        if with_calls:
+            published = len(h.chunks)
+            assert h.feed_until(lambda: len(h.chunks) >= published + 2), f"no chunks; drops {h.drops()}"
+        for t in (Transition.TRANSITION_DEACTIVATE, Transition.TRANSITION_CLEANUP):
             assert h.transition(t)
 
-    for _ in range(10):  # allocator pools, DDS entities and caches reach their steady state
-        cycle()
+    for k in range(10):  # allocator pools, DDS entities and caches reach their steady state
+        cycle(with_calls=k % 5 == 0)
     threads, rss = _threads(), _rss_mb()
-    for _ in range(100):
-        cycle()
+    for k in range(100):
+        cycle(with_calls=k % 5 == 0)
     assert _threads() <= threads, "threads grew over 100 lifecycle cycles"
     assert _rss_mb() - rss < 40.0, f"memory grew {_rss_mb() - rss:.1f} MB over 100 cycles"
 

@@ -183,7 +183,13 @@ def test_clear_forgets_everything() -> None:
 
 
 def test_image_copy_is_independent_of_the_message() -> None:
+    """A driver that reuses its message buffer (here a bytearray written over after the observation was
+    taken) does not change an observation already taken."""
     t = 10**12
     b = full(t)
+    msg = image(t + 15 * MS)
+    msg.data = bytearray(msg.data)
+    b.put_image(0, msg)
     obs = b.observation(t + 20 * MS, "task", SLOTS)
+    msg.data[:] = bytes(len(msg.data))  # the driver's next frame, into the same buffer
     assert np.all(obs.images["base_0_rgb"] == 7)
