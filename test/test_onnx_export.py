@@ -343,6 +343,33 @@ def test_the_engine_cache_keeps_plans_by_key_and_rejects_altered_ones(
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_what_a_killed_writer_left_is_removed_and_a_live_writers_files_are_not(tmp_path: Path) -> None:
+    """A process killed while it wrote a plan or an export left its staging files for good (found in
+    review: an export's is 6.5 GB at full size). The next store or export removes those of writers that are
+    gone; a running writer's (this process) stay."""
+    import os
+    import subprocess
+
+    from rmuscle_ros.engine.onnx_export import remove_dead_writers_leftovers
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live = gone.pid, os.getpid()
+    (tmp_path / f".vision-abc.plan.{dead}.tmp").write_bytes(b"half a plan")
+    (tmp_path / f".vision-abc.json.{live}.tmp").write_bytes(b"being written")
+    (tmp_path / f".0123abcd.{dead}.k2j4x9q1").mkdir()
+    (tmp_path / f".0123abcd.{dead}.k2j4x9q1" / "prefill.onnx").write_bytes(b"half an export")
+    (tmp_path / f".0123abcd.{live}.m3n4p5q6").mkdir()
+    (tmp_path / ".notes").write_text("not ours: no pid in its name")
+    PlanCache(tmp_path).store(
+        PlanKey(1, "abc", "vision", "11.0.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b1"), b"p", 1.0
+    )
+    assert sorted(p.name for p in tmp_path.glob(".*")) == sorted(
+        [f".vision-abc.json.{live}.tmp", f".0123abcd.{live}.m3n4p5q6", ".notes"]
+    )
+    assert remove_dead_writers_leftovers(tmp_path) == []
+
+
 def test_the_engines_optimisation_profiles_cover_every_prompt_length() -> None:
     cfg = get_preset("pi05")
     assert profile_shapes(cfg, "vision", 64) == {}

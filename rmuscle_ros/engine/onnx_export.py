@@ -515,7 +515,8 @@ def ensure_export(
         except ExportError as err:
             log.warning("%s; exporting again", err)
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.", dir=root))
+    remove_dead_writers_leftovers(root)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.{os.getpid()}.", dir=root))
     staging.rmdir()
     try:
         export_model(model, staging, weights=weights)
@@ -526,6 +527,42 @@ def ensure_export(
         if staging.exists():
             shutil.rmtree(staging)
     return target
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_writers_leftovers(root: Path) -> list[Path]:
+    """Delete what a writer killed mid-write left in `root`: the hidden entries named with its pid
+    (`.<name>.<pid>.tmp` plan files, `.<digest>.<pid>.<random>` export folders) whose process is gone on
+    this host. Returns them. A process killed while it wrote kept its staging files for good (found in
+    review: an export's is 6.5 GB at full size); a pid reused since keeps its entry, the safe side."""
+    removed = []
+    for entry in root.glob(".*") if root.is_dir() else ():
+        parts = entry.name[1:].split(".")
+        pids = [int(p) for p in parts[1:] if p.isdigit()]
+        if not pids or _alive(pids[-1] if entry.name.endswith(".tmp") else pids[0]):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as err:
+            log.warning(
+                "engine cache: %s, left by a writer that is gone, could not be removed: %s", entry, err
+            )
+            continue
+        log.info("engine cache: removed %s, left by a writer that is gone", entry)
+        removed.append(entry)
+    return removed
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -125,8 +125,10 @@ class PlanCache:
         return data
 
     def store(self, key: PlanKey, data: bytes, build_seconds: float) -> Path:
-        """Write the plan and its sidecar atomically (temporary files renamed into place)."""
+        """Write the plan and its sidecar atomically (temporary files renamed into place); first delete
+        the temporary files of writers killed mid-write (onnx_export.remove_dead_writers_leftovers)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        onnx_export.remove_dead_writers_leftovers(self.root)
         plan = self.path(key)
         sidecar = {
             "key": asdict(key),
