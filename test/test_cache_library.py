@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -222,7 +223,7 @@ def test_an_episode_file_that_cannot_be_read_is_left_out_not_fatal(
 def test_bounded_size_evicts_the_least_recently_used(tmp_path: Path) -> None:
     lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
     first, second = lib.add(episode(seed=1)), lib.add(episode(seed=2))
-    lib.load(first)  # used more recently than `second`
+    lib.touch(first)  # served from more recently than `second` (reading it for a refill is no use)
     third = lib.add(episode(seed=3))
     assert sorted(lib.entries) == [first, third]
     assert not list(tmp_path.glob(f"episode_{second:06d}*")), "evicted episode file still on disk"
@@ -258,6 +259,9 @@ def test_an_episodes_last_use_survives_a_restart(tmp_path: Path) -> None:
     the next start evicts by the same order."""
     lib = ReferenceLibrary.open(tmp_path, KEY)
     first = lib.add(episode(seed=1), {"task": "t"})
+    recorded = lib.entries[first].last_used
+    lib.load(first)  # a window refill reads it: not a use (found in review: it was)
+    assert lib.entries[first].last_used == recorded
     lib.touch(first)
     used = lib.entries[first].last_used
     assert json.loads((tmp_path / "index.json").read_text())["episodes"][0]["last_used"] < used
@@ -598,6 +602,16 @@ def test_a_nan_in_a_library_episode_does_not_hide_its_good_matches() -> None:
     assert (matches[0].episode, matches[0].position) == (0, 0)
     assert matches[0].similarity == pytest.approx(1.0)
     assert r.positions[0] == 0 and not r.fallback
+
+
+def test_a_nan_live_descriptor_falls_back_reporting_nan_beside_other_tasks_episodes() -> None:
+    """Other tasks' episodes rank -inf; a NaN live descriptor reported that -inf instead of NaN (found in
+    review). It falls back either way."""
+    e = np.eye(8, dtype=np.float32)
+    r = Retriever(RetrievalConfig(threshold=0.8), {0: e[:3, None, :], 1: e[3:6, None, :]})
+    r.restrict([0])
+    assert r.query(np.full((1, 8), np.nan, np.float32)) == [] and r.fallback
+    assert math.isnan(r.last_similarity)
 
 
 def test_an_episode_left_out_mid_episode_keeps_the_others_aligned() -> None:

@@ -184,6 +184,60 @@ def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twi
     assert len(json.loads((tmp_path / "lib" / "index.json").read_text())["episodes"]) == 1
 
 
+def test_a_second_interrupt_during_a_reset_does_not_merge_the_next_episode_into_this_one(
+    tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C twice: the first interrupts episode 0's write, the second the retry of it at the next reset.
+    Episode 1's recording is then lost, not carried into episode 2 (found in review: episodes 1 and 2 were
+    recorded as one reference of 5 calls)."""
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    library = policy.rmuscle.library
+    real, interrupts = type(library).add, {"left": 2}
+
+    def add(self, *args, **kwargs):
+        if interrupts["left"]:
+            interrupts["left"] -= 1
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(library), "add", add)
+    for calls in (4, 3):
+        run(policy, episode(calls))
+        with pytest.raises(KeyboardInterrupt):
+            policy.reset_episode()
+    run(policy, episode(2))
+    policy.reset_episode()
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(4, "0"), (2, "2")]
+
+
+def test_an_interrupt_after_the_index_was_written_leaves_retrieval_on_the_library_as_it_is(
+    tmp_path, monkeypatch
+) -> None:
+    """With max_episodes 1 the add evicts episode 0; Ctrl-C while its file is deleted. Retrieval then
+    searches episode 1, which the library holds (found in review: it kept searching the evicted episode
+    0, and every call and refill raised KeyError)."""
+    policy = Policy(
+        CFG,
+        RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD, max_episodes=1),
+    )
+    library = policy.rmuscle.library
+    run(policy, episode(3))
+    assert policy.reset_episode() == 0
+    run(policy, episode(3, offset=0.9), rebuild=False)  # another scene: dense, recorded
+
+    def interrupted(self, entries):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(library), "_delete_files", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        policy.reset_episode()
+    monkeypatch.undo()
+    assert sorted(library.entries) == [1] and sorted(policy.rmuscle._descriptors) == [1]
+    modes = [c.cache_mode for c in run(policy, episode(3, offset=0.9))]
+    assert "cached" in modes, modes  # served from episode 1, no KeyError
+
+
 def test_a_cached_call_with_non_finite_actions_sends_the_episode_dense() -> None:
     """Its references may hold the fault: the rest of the episode runs dense (found in review: later calls
     were served from the same references), and the next episode is served again."""

@@ -973,7 +973,9 @@ class ReferenceLibrary:
             )
 
     def load(self, episode_id: int) -> Episode:
-        """Read an episode (checksum verified on open; marks it used for LRU eviction)."""
+        """Read an episode (checksum verified on open). Reading is not use: a call served from it is
+        (`touch`). Found in review: every window refill marked the episode it read as used, so an episode
+        refilled at each reset but never served stayed "recent" for eviction and for the next refill."""
         entry = self.entries[episode_id]
         try:
             tensors = load_file(str(self.root / entry.file))
@@ -982,8 +984,6 @@ class ReferenceLibrary:
             raise EpisodeUnreadable(
                 f"episode {episode_id}: {entry.file} could not be read ({type(e).__name__}: {e})"
             ) from e
-        entry.last_used = time.time()
-        self._unsaved_use = True
         return episode
 
     def leave_out(self, episode_id: int, problem: str) -> None:

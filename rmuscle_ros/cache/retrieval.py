@@ -176,6 +176,8 @@ class Retriever:
         best_sims = sims[np.arange(len(best)), best]
         positions = aligned + best
         order = np.lexsort((self._ids, -best_sims))  # by similarity, ties by episode id
+        order = order[self._allowed[order]]  # the episodes searched (some are, checked above)
+        # a NaN live descriptor reports NaN, also beside other tasks' episodes (their -inf came first)
         self.last_similarity = float(best_sims[order[0]])
         if not self.last_similarity >= self.cfg.threshold:  # NaN too (a NaN descriptor): dense
             self.fallback = True  # sticky: the scene left the repertoire for this episode
@@ -183,7 +185,6 @@ class Retriever:
         self._aligned = positions  # every episode stays aligned
         searched = np.flatnonzero(self._allowed)
         self.positions = dict(zip(self._ids[searched].tolist(), positions[searched].tolist(), strict=True))
-        order = order[self._allowed[order]]
         return [
             Match(int(self._ids[k]), int(positions[k]), float(best_sims[k])) for k in order[: self.cfg.top_k]
         ]
@@ -192,8 +193,9 @@ class Retriever:
 def _nan_never_wins(sims: np.ndarray) -> np.ndarray:
     """Similarities with a library call's NaN as -inf, so that argmax does not pick it (np.argmax takes a NaN
     as the maximum, and that episode's good matches were hidden; found in review), as the GPU's pick ranks
-    NaN last. All NaN (a NaN live descriptor) stays NaN: the call falls back and reports it."""
+    NaN last. All NaN (a NaN live descriptor) stays NaN: the call falls back and reports it; -inf entries
+    (positions past an episode's end) do not count (found in review: they made it -inf)."""
     nan = np.isnan(sims)
-    if nan.any() and not nan.all():
+    if nan.any() and not (nan | np.isneginf(sims)).all():
         return np.where(nan, np.float32(-np.inf), sims)
     return sims

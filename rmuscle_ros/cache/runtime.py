@@ -603,9 +603,16 @@ class RMuscle:
     def finish_episode(self) -> int | None:
         """Add the current episode to the library if it is recordable: recording on, at least one call,
         every call dense (an episode served from the cache is not a reference), and not excluded. An earlier
-        episode whose write was interrupted is written first."""
-        self._add_interrupted()
+        episode whose write was interrupted is written first.
+
+        This episode's recording and flags are taken over before that write: a second interrupt during it
+        (Ctrl-C twice) then loses this episode's recording, where it merged the next episode's calls into
+        it (found in review)."""
         rec, self._recording = self._recording, _Recording()
+        cached, self._episode_cached = self._episode_cached, False
+        excluded, self._episode_excluded = self._episode_excluded, ""
+        unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
+        self._add_interrupted()
         try:
             rec.take_pending()
         except Exception as e:  # the last call's copy off the GPU failed: the others are still recorded
@@ -613,16 +620,12 @@ class RMuscle:
                 "rMuscle: episode %d's last call is left out of its recording: %s", self.episode_id, e
             )
             rec.drop_last_call()
-        excluded, self._episode_excluded = self._episode_excluded, ""
-        unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
         if self.cfg.record and unrecorded and not excluded:
             excluded = f"recording (cache.record) was off for {unrecorded} of its calls"
         excluded = excluded or self._read_only()
         self.last_excluded = excluded
-        if not self.cfg.record or not rec.descriptors or self._episode_cached or excluded:
-            self._episode_cached = False
+        if not self.cfg.record or not rec.descriptors or cached or excluded:
             return None
-        self._episode_cached = False
         episode = Episode(
             np.stack(rec.descriptors),
             np.stack(rec.images),
@@ -648,6 +651,10 @@ class RMuscle:
         except BaseException:
             if expected in self.library.entries:  # interrupted after its index was written: it is in
                 self.interrupted = None  # (written again, it would be in twice; found in review)
+                # and retrieval follows the library as it now is (it went on searching an episode the add
+                # evicted and never saw this one; found in review)
+                self._descriptors[expected] = episode.descriptors
+                self._refresh_retriever()
             raise
         self.interrupted = None
         self._descriptors[added] = episode.descriptors
