@@ -10,7 +10,8 @@ onto an Interbotix ALOHA stack. With autostart (default) rmuscle_node is configu
 activated once configuring succeeds, which is what `ros2 lifecycle set ... configure/activate` would do
 by hand. The streamer sends the follower arms position commands as soon as it is active and a chunk is
 due, so autostart only configures it: the operator activates it when the cell is ready
-(`ros2 lifecycle set /action_streamer activate`), or activate_streamer:=true does it at start (a bare
+(`ros2 lifecycle set /action_streamer activate`, `/<namespace>/action_streamer` under namespace:=), or
+activate_streamer:=true does it at start (a bare
 launch otherwise moved the arms as soon as the first chunk came, tens of seconds after the command while
 the kernels compiled; found in review). With stream_actions:=false it is not started. A params file that is not there, or that has no section for a
 node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
@@ -127,7 +128,10 @@ def generate_launch_description() -> LaunchDescription:
             ),
             DeclareLaunchArgument("namespace", default_value="", description="node namespace"),
             DeclareLaunchArgument(
-                "autostart", default_value="true", description="configure + activate on start"
+                "autostart",
+                default_value="true",
+                description="configure + activate rmuscle_node on start; configure action_streamer "
+                "(activated too with activate_streamer:=true)",
             ),
             DeclareLaunchArgument(
                 "stream_actions",
@@ -138,7 +142,8 @@ def generate_launch_description() -> LaunchDescription:
                 "activate_streamer",
                 default_value="false",
                 description="with autostart, also activate action_streamer (the arms then move once chunks "
-                "come); otherwise it waits, configured, for `ros2 lifecycle set /action_streamer activate`",
+                "come); otherwise it waits, configured, for `ros2 lifecycle set /action_streamer activate` "
+                "(/<namespace>/action_streamer with namespace:=)",
             ),
             OpaqueFunction(function=nodes),
         ]

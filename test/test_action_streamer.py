@@ -356,7 +356,7 @@ def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not
     reset, kept it at WARN for the rest of the run)."""
     from diagnostic_msgs.msg import DiagnosticArray
 
-    monkeypatch.setattr(action_streamer, "REFUSAL_WARN_S", 2.0)
+    monkeypatch.setattr(action_streamer, "REFUSAL_WARN_S", 4.0)
     c = cell()
     seen: list[Any] = []
     c.peer.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(m.status), 10)
@@ -379,7 +379,8 @@ def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not
     status = next_status()
     assert status.level == b"\x01", status
     assert (
-        "nothing is sent: no recent joint states on /joint_states/left, /joint_states/right" in status.message
+        "nothing is sent: no recent, finite joint states on /joint_states/left, /joint_states/right"
+        in status.message
     )
     joints = True
     c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
@@ -410,9 +411,13 @@ def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not
     bad[5, 0] = np.nan
     c.publish_chunk(bad, c.now_ns(), chunk_id=5)
     assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"].get("non_finite") == 1)
-    status = next_status()
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=6)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["last"][1] == 6)
+    c.publish_chunk(rows(0.1), c.node._schedule.chunk_in_hand.start_ns, chunk_id=7)  # routine, after it
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["refused"].get("same_observation") == 2)
+    status = next_status()  # still names the fault, not the routine refusal after it (closing review)
     assert status.level == b"\x01" and "last refused: episode 0 chunk 5 refused: non_finite" in status.message
-    time.sleep(2.0)
+    time.sleep(4.0)
     status = next_status()
     assert status.level == b"\x00", status
     assert any(v.key == "refused.non_finite" and v.value == "1" for v in status.values)

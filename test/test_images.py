@@ -288,6 +288,22 @@ def test_a_jpeg_damaged_inside_its_scan_data_is_an_error_not_a_wrong_picture(dam
     assert compressed_to_rgb(SimpleNamespace(format="jpeg", data=camera_like_jpeg())).shape == (480, 640, 3)
 
 
+def test_a_jpeg_padded_before_its_end_marker_is_taken_as_the_intact_frame_it_is() -> None:
+    """Many UVC cameras pad each MJPEG frame with zeros before its end marker; libjpeg warns about them,
+    and strict mode refused every such frame (found in the closing review). Padding is taken; the same
+    number of other bytes there is not."""
+    clean = camera_like_jpeg()
+    expected = compressed_to_rgb(SimpleNamespace(format="jpeg", data=clean))
+    for pad in (bytes(16), b"\xff" * 3 + bytes(13)):
+        padded = clean[:-2] + pad + clean[-2:]
+        np.testing.assert_array_equal(
+            compressed_to_rgb(SimpleNamespace(format="jpeg", data=padded)), expected
+        )
+    other = clean[:-2] + bytes(range(1, 17)) + clean[-2:]
+    with pytest.raises(ImageConversionError, match=r"extraneous bytes before marker 0xd9"):
+        compressed_to_rgb(SimpleNamespace(format="jpeg", data=other))
+
+
 def test_truncated_png_is_an_error() -> None:
     data = encode(
         PILImage.fromarray(np.random.default_rng(2).integers(0, 256, (32, 32, 3), dtype=np.uint8)), "PNG"

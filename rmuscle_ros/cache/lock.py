@@ -333,7 +333,7 @@ def _examine_marker(root: Path, previous: str) -> _Marker | None:
         return _Marker(named, f"it names another host ({host}; a container since recreated?)")
     if not _exists(pid):
         return _Marker(named, f"its process {pid} is gone")
-    if written < _boot_time():
+    if written < boot_time():
         return _Marker(
             named, f"it was written before this host last booted (pid {pid} is another process now)"
         )
@@ -416,7 +416,7 @@ def marker_draft_alive(draft: Path) -> bool:
         written = draft.stat().st_mtime
     except OSError:
         return False
-    return pid.isdigit() and _exists(int(pid)) and written >= _boot_time()
+    return pid.isdigit() and _exists(int(pid)) and written >= boot_time()
 
 
 def _exists(pid: int) -> bool:
@@ -434,7 +434,7 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def _boot_time() -> float:
+def boot_time() -> float:
     """When this host last booted (seconds since the epoch, /proc/stat's btime): a pid written before it is
     another process's now. 0 if it cannot be read (every file then counts as written since)."""
     try:

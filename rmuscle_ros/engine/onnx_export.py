@@ -539,16 +539,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# A writer's staging entry untouched this long, whose pid is gone or is this process's own, is a leftover.
+# Export staging is written file by file (minutes at full size) and a plan's temporary file in one go, so
+# a live writer in another pid namespace sharing the folder (another container) touches its entries well
+# within it; in a container each run may be pid 1, so a pid alone cannot tell a killed run from this one.
+LEFTOVER_QUIET_S = 3600.0
+
+
 def remove_dead_writers_leftovers(root: Path) -> list[Path]:
     """Delete what a writer killed mid-write left in `root`: the hidden entries named with its pid
-    (`.<name>.<pid>.tmp` plan files, `.<digest>.<pid>.<random>` export folders) whose process is gone on
-    this host. Returns them. A process killed while it wrote kept its staging files for good (found in
-    review: an export's is 6.5 GB at full size); a pid reused since keeps its entry, the safe side."""
-    removed = []
+    (`.<name>.<pid>.tmp` plan files, `.<digest>.<pid>.<random>` export folders), when they were written
+    before this host booted, or when their pid is gone or is this process's and they have been untouched
+    for LEFTOVER_QUIET_S. Returns them. Found in review: a process killed while it wrote kept its staging
+    files for good (an export's is 6.5 GB at full size); and in the closing review, that a bare pid test
+    kept a killed container run's files (pid 1 again) and would delete a live writer's in another pid
+    namespace."""
+    from rmuscle_ros.cache.lock import boot_time
+
+    removed, booted, now = [], boot_time(), time.time()
     for entry in root.glob(".*") if root.is_dir() else ():
         parts = entry.name[1:].split(".")
         pids = [int(p) for p in parts[1:] if p.isdigit()]
-        if not pids or _alive(pids[-1] if entry.name.endswith(".tmp") else pids[0]):
+        if not pids:
+            continue
+        pid = pids[-1] if entry.name.endswith(".tmp") else pids[0]
+        try:
+            written = entry.lstat().st_mtime
+        except OSError:
+            continue
+        gone = pid == os.getpid() or not _alive(pid)
+        if not (written < booted or (gone and now - written > LEFTOVER_QUIET_S)):
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():

@@ -246,6 +246,7 @@ class ActionStreamerNode(LifecycleNode):
         self._last_refusal = ""
         self._last_refusal_logged = -math.inf
         self._last_fault_at = -math.inf  # time.monotonic() of the latest refusal that is not routine
+        self._last_fault = ""  # its message (a routine refusal after it does not hide it)
         self._waiting_reported = 0  # waiting_for_joints at the latest /diagnostics
         self._last_clamp = ""  # the latest command held at a position limit, what its chunk asked for
         self._last_clamp_logged = -math.inf
@@ -313,6 +314,7 @@ class ActionStreamerNode(LifecycleNode):
         assert self._schedule is not None
         # Chunks planned before now are refused: the arms may have been moved since (an episode reset).
         self._schedule.start(self.get_clock().now().nanoseconds)
+        self._last_fault_at = -math.inf  # a fault before the deactivation no longer warns (counts stay)
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -412,7 +414,7 @@ class ActionStreamerNode(LifecycleNode):
         self._last_refusal = message
         now = time.monotonic()
         if reason not in ROUTINE_REFUSALS:
-            self._last_fault_at = now
+            self._last_fault_at, self._last_fault = now, message
         if now - self._last_refusal_logged >= REFUSAL_LOG_PERIOD_S:
             self._last_refusal_logged = now
             self.get_logger().warning(message)
@@ -511,14 +513,17 @@ class ActionStreamerNode(LifecycleNode):
         }
 
     def _missing_joint_states(self) -> list[str]:
-        """The joint-state topics of the arms whose positions are not all known and recent now."""
+        """The joint-state topics of the arms whose positions are not all known, recent and finite now."""
         cfg = self.cfg
         assert cfg is not None
         now = self.get_clock().now().nanoseconds
         missing = []
         for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
             held = [self._joints.get(n) for n in cfg.joint_names if n.startswith(prefix)]
-            if any(h is None or abs(now - h[0]) > cfg.max_joint_age_s * 1e9 for h in held):
+            if any(
+                h is None or abs(now - h[0]) > cfg.max_joint_age_s * 1e9 or not math.isfinite(h[1])
+                for h in held
+            ):
                 missing.append(self.resolve_topic_name(topic))
         return missing
 
@@ -534,10 +539,10 @@ class ActionStreamerNode(LifecycleNode):
         if waiting:
             level = DiagnosticStatus.WARN
             topics = ", ".join(self._missing_joint_states()) or "none recent enough"
-            message += f"; a chunk is in hand but nothing is sent: no recent joint states on {topics}"
+            message += f"; a chunk is in hand but nothing is sent: no recent, finite joint states on {topics}"
         if time.monotonic() - self._last_fault_at < REFUSAL_WARN_S:
             level = DiagnosticStatus.WARN
-            message += f"; last refused: {s['last_refusal']}"
+            message += f"; last refused: {self._last_fault}"
         return level, message
 
     def _publish_diagnostics(self) -> None:
