@@ -11,9 +11,9 @@ activated once configuring succeeds, which is what `ros2 lifecycle set ... confi
 by hand. The streamer sends the follower arms position commands as soon as it is active and a chunk is
 due, so autostart only configures it: the operator activates it when the cell is ready
 (`ros2 lifecycle set /action_streamer activate`, `/<namespace>/action_streamer` under namespace:=), or
-activate_streamer:=true does it at start (a bare
-launch otherwise moved the arms as soon as the first chunk came, tens of seconds after the command while
-the kernels compiled; found in review). With stream_actions:=false it is not started. A params file that is not there, or that has no section for a
+activate_streamer:=true does it at start (a bare launch otherwise moved the arms as soon as the first
+chunk came, tens of seconds after the command while the kernels compiled; found in review). With
+stream_actions:=false it is not started. A params file that is not there, or that has no section for a
 node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
 """
 

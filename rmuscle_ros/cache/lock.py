@@ -331,7 +331,7 @@ def _examine_marker(root: Path, previous: str) -> _Marker | None:
     host, pid = fields[0], int(fields[1])
     if host != socket.gethostname():
         return _Marker(named, f"it names another host ({host}; a container since recreated?)")
-    if not _exists(pid):
+    if not pid_exists(pid):
         return _Marker(named, f"its process {pid} is gone")
     if written < boot_time():
         return _Marker(
@@ -416,10 +416,10 @@ def marker_draft_alive(draft: Path) -> bool:
         written = draft.stat().st_mtime
     except OSError:
         return False
-    return pid.isdigit() and _exists(int(pid)) and written >= boot_time()
+    return pid.isdigit() and pid_exists(int(pid)) and written >= boot_time()
 
 
-def _exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
     """Whether process `pid` of this host exists (another user's counts)."""
     if pid <= 0:  # os.kill(0, ...) would ask about this process's group
         return False

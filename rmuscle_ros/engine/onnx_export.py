@@ -529,16 +529,6 @@ def ensure_export(
     return target
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 # A writer's staging entry untouched this long, whose pid is gone or is this process's own, is a leftover.
 # Export staging is written file by file (minutes at full size) and a plan's temporary file in one go, so
 # a live writer in another pid namespace sharing the folder (another container) touches its entries well
@@ -554,7 +544,7 @@ def remove_dead_writers_leftovers(root: Path) -> list[Path]:
     files for good (an export's is 6.5 GB at full size); and in the closing review, that a bare pid test
     kept a killed container run's files (pid 1 again) and would delete a live writer's in another pid
     namespace."""
-    from rmuscle_ros.cache.lock import boot_time
+    from rmuscle_ros.cache.lock import boot_time, pid_exists
 
     removed, booted, now = [], boot_time(), time.time()
     for entry in root.glob(".*") if root.is_dir() else ():
@@ -567,7 +557,7 @@ def remove_dead_writers_leftovers(root: Path) -> list[Path]:
             written = entry.lstat().st_mtime
         except OSError:
             continue
-        gone = pid == os.getpid() or not _alive(pid)
+        gone = pid == os.getpid() or not pid_exists(pid)
         if not (written < booted or (gone and now - written > LEFTOVER_QUIET_S)):
             continue
         try:

@@ -364,11 +364,20 @@ class ActionStreamerNode(LifecycleNode):
         cfg = self.cfg
         assert cfg is not None
         held = [self._joints.get(n) for n in cfg.joint_names]
-        # stamped further ahead than that is no reading of now either (a clock that went back)
-        if any(h is None or abs(now_ns - h[0]) > cfg.max_joint_age_s * 1e9 for h in held):
+        if not all(self._usable(h, now_ns) for h in held):
             return None
-        positions = np.array([h[1] for h in held if h is not None])
-        return positions if np.isfinite(positions).all() else None
+        return np.array([h[1] for h in held if h is not None])
+
+    def _usable(self, reading: tuple[int, float] | None, now_ns: int) -> bool:
+        """A joint's (stamp, position) is a reading of where it is now: known, finite, and no older than
+        max_joint_age_s (nor stamped further ahead than that: a clock that went back)."""
+        cfg = self.cfg
+        assert cfg is not None
+        return (
+            reading is not None
+            and abs(now_ns - reading[0]) <= cfg.max_joint_age_s * 1e9
+            and math.isfinite(reading[1])
+        )
 
     def _on_chunk(self, msg: Any) -> None:
         schedule = self._schedule
@@ -520,10 +529,7 @@ class ActionStreamerNode(LifecycleNode):
         missing = []
         for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
             held = [self._joints.get(n) for n in cfg.joint_names if n.startswith(prefix)]
-            if any(
-                h is None or abs(now - h[0]) > cfg.max_joint_age_s * 1e9 or not math.isfinite(h[1])
-                for h in held
-            ):
+            if not all(self._usable(h, now) for h in held):
                 missing.append(self.resolve_topic_name(topic))
         return missing
 
