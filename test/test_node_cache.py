@@ -254,6 +254,35 @@ def test_a_reset_refills_the_window_so_that_a_repeats_first_call_is_cached(harne
     node._infer_timer = None
 
 
+def test_a_reset_refills_for_the_prompt_the_next_episode_runs(harness, engine) -> None:
+    """A prompt changed between episodes (`ros2 param set … prompt`) names the task the reset refills the
+    window for: the next episode's first call is served from that task's episodes. Before, the reset
+    refilled for the finished episode's task, and the first call ran dense. Driven directly on a configured
+    node (no worker running)."""
+    from rclpy.parameter import Parameter
+
+    h = harness(**engine)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, policy = h.node, h.node.policy
+    assert node.cfg.prompt == "pick"
+    for _ in range(3):
+        policy.infer(synthetic_observation(policy.cfg, "pick"))
+    node.reset_episode()
+    assert node.set_parameters([Parameter("prompt", value="sort the screws")])[0].successful
+    for _ in range(3):
+        policy.infer(synthetic_observation(policy.cfg, node.cfg.prompt))
+    # Back to the first task as the episode ends: the next one picks.
+    assert node.set_parameters([Parameter("prompt", value="pick")])[0].successful
+    node.reset_episode()
+    status = policy.cache_status()
+    assert status["library_episodes"] == 2, "an episode of each task"
+    assert status["task"] == "pick", "the reset takes the task from the prompt, not the finished episode"
+    node._refill_for_next_episode()
+    chunk = policy.infer(synthetic_observation(policy.cfg, "pick"))
+    assert chunk.cache_mode == "cached", chunk.cache_mode
+    assert node.stats()["errors"] == {}
+
+
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
     part of one window entry at a time, up to cache.rebuilds_per_tick entries; no part once the inference
@@ -390,14 +419,18 @@ def test_cleanup_records_the_episode_in_progress_and_the_library_persists(harnes
     assert published <= entry["calls"] <= published + 1, (published, entry)
     assert (library / entry["file"]).stat().st_size == entry["bytes"]
 
-    # The next configure opens the same library and serves the repeat from it.
+    # The next configure opens the same library and serves the repeat from it, from its first call: the
+    # activation runs a motion window for the likely first calls before any observation has come (before,
+    # only the episodes after the first reset could start cached).
     h.chunks.clear()
     _start(h)
     assert h.node.stats()["cache"]["library_episodes"] == 1
     assert h.node.stats()["cache"]["library_path"] == str(library)
-    assert h.feed_until(lambda: any(c.cache_mode == ActionChunk.CACHE_CACHED for c in h.chunks)), (
-        f"{[c.cache_mode for c in h.chunks]}; drops {h.drops()}"
-    )
+    assert h.wait_for(lambda: h.node.stats()["cache"]["rebuilds"] >= 1, timeout=10.0), h.node.stats()["cache"]
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    assert [c.cache_mode for c in h.chunks[:2]] == [ActionChunk.CACHE_CACHED] * 2, [
+        c.cache_mode for c in h.chunks
+    ]
     assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_CLEANUP)
     assert len(_index(library)["episodes"]) == 1, "an episode served from the cache is not recorded"
 

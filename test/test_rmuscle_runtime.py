@@ -306,6 +306,40 @@ def test_the_window_refills_the_next_positions_first(tmp_path) -> None:
     assert built == [(0, q) for q in range(p + 1, min(p + 5, 8))] + [(0, p)]
 
 
+def test_a_policy_started_on_a_recorded_library_serves_its_first_call_cached(tmp_path) -> None:
+    """`expect_task` before the first episode (the node calls it at configure, after the warm-up, whose call
+    is discarded) wants that task's likely first calls; a motion window then (the node runs one at
+    activation) rebuilds them, and the first call of the process is served cached, not only those after
+    its first reset. It keeps what a reset wanted (the finished episode's candidates first), and is a
+    no-op without a cache."""
+    cache = RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD)
+    first = Policy(CFG, cache)
+    run(first, episode(6))
+    assert first.close() == 0
+
+    policy = Policy(CFG, cache)
+    rm = policy.rmuscle
+    assert rm is not None and policy.cache_status()["library_episodes"] == 1
+    policy.warmup("stack the cups")
+    assert rm._wanted == [], "the warm-up's call is discarded, and what it wanted with it"
+    policy.expect_task("stack the cups")
+    assert rm.task == "stack the cups" and rm._wanted == [(0, p) for p in range(rm.cfg.lookahead + 1)]
+    policy.rebuild_cache()
+    repeat = run(policy, episode(6, offset=0.05, light=0.97, noise=2.0))
+    assert [c.cache_mode for c in repeat] == ["cached"] * 6
+
+    policy.reset_episode()
+    wanted = list(rm._wanted)
+    policy.expect_task("stack the cups")
+    assert rm._wanted == wanted, "a reset's choice stands"
+    policy.expect_task("sort the screws")
+    assert rm.task == "sort the screws" and rm._wanted == [], "no episode of that task"
+    with pytest.raises(ValueError, match="prompt"):
+        policy.expect_task("")
+    policy.close()
+    Policy(CFG).expect_task("stack the cups")  # no cache: nothing to want
+
+
 def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
     dense = Policy(CFG)
     exact = Policy(CFG, RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=FULL_REBUILD))

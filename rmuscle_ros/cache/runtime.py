@@ -568,6 +568,14 @@ class RMuscle:
             for position in range(min(self.cfg.lookahead + 1, len(self._descriptors[episode])))
         ]
 
+    def want_episode_starts(self) -> None:
+        """Ask the window for the next episode's likely first calls (`_episode_starts`), as a reset does,
+        unless it already wants some (a reset's choice, the finished episode's candidates first, stands).
+        `Policy.expect_task`: a node started on a library it recorded before serves its first episode's
+        first call cached once the motion window it runs at activation has rebuilt them."""
+        if not self._wanted:
+            self._wanted = self._episode_starts([])
+
     def discard_recording(self) -> None:
         """Forget this episode's calls so far: warm-up calls are not part of any episode (nothing they
         did may be recorded, counted, or steer retrieval's alignment or fallback)."""

@@ -307,6 +307,7 @@ class RMuscleNode(LifecycleNode):
                 self._close_quietly(policy)
                 return self._fail(f"configure: invalid parameter {too_long}")
             warm = policy.warmup(cfg.prompt) if cfg.warmup else {}
+            policy.expect_task(cfg.prompt)  # the first episode's likely first calls, for activation's refill
             status = policy.cache_status()
         except LibraryError as e:  # LibraryMismatch too: other weights/shapes, corrupt index, version
             self._close_quietly(policy)
@@ -530,6 +531,12 @@ class RMuscleNode(LifecycleNode):
             self._failing_ticks = 0
             self._last_drop = ""
             self._slowest = []
+        if cfg.cache.enabled:
+            # A motion window before the first tick, as at a reset: the episode's next calls (on a first
+            # activation, the likely first calls of a library recorded before) are rebuilt while the node
+            # waits, so that its first call can be served cached.
+            self._refill.set()
+            self._wake.set()
         worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
         worker.start()  # kept only once started: a thread that never started cannot be joined
         self._worker = worker
@@ -651,6 +658,8 @@ class RMuscleNode(LifecycleNode):
             if policy is not None:
                 try:
                     recorded = policy.reset_episode()
+                    if self.cfg is not None:  # a prompt changed during the episode: refill for its task
+                        policy.expect_task(self.cfg.prompt)
                     status = policy.cache_status()
                 except Exception as e:  # e.g. the library's disk is full: the cell keeps running
                     failed = f"{type(e).__name__}: {e}"
@@ -783,14 +792,15 @@ class RMuscleNode(LifecycleNode):
                     self._infer_once(retry=True)
                 elif self._refill.is_set():
                     self._refill.clear()
-                    self._doing = "the reset's motion window"
+                    self._doing = "the refill after a reset or an activation"
                     self._refill_for_next_episode()
             except Exception as e:  # nothing may end the worker: the node would look alive and be silent
                 self._error("worker", f"{type(e).__name__}: {e}")
 
     def _refill_for_next_episode(self) -> None:
-        """A motion window right after an episode reset: the window is refilled with the first calls of
-        the episodes the next one will likely repeat (RMuscle._episode_starts), so that its first call
+        """A motion window right after an episode reset, or an activation: the window is refilled with the
+        first calls of the episodes the next one will likely repeat (RMuscle._episode_starts; after an
+        activation mid-episode, the calls that episode will likely make next), so that its first call
         can be served cached. It stops once the next observation is due, but starts parts without the
         latest part times' estimate: the first call gains from them directly (a cached call instead of a
         dense one, 2-3 ms less at `pi05` on the H200: bench_policy, the node's soaks), and waits at most

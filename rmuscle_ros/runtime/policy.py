@@ -254,6 +254,19 @@ class Policy:
         timings["warmup_total"] = time.perf_counter() - start
         return timings
 
+    def expect_task(self, prompt: str) -> None:
+        """Say what the next episode will run before its first call: the cache takes its task from `prompt`
+        (or `RMuscleConfig.task`), as `infer` would, and wants the first calls of that task's likely
+        episodes, as after a reset, so that a motion window before the first call (`rebuild_cache`) can
+        serve it cached. Without it only the episodes after the first reset can start cached. No-op
+        without a cache; call it between episodes (a task change after an episode's first call keeps that
+        episode out of the library, as in `infer`)."""
+        self._check_open()
+        check_prompt(prompt)
+        if self.rmuscle is not None:
+            self.rmuscle.set_task(clean_task(self.rmuscle.cfg.task or prompt))
+            self.rmuscle.want_episode_starts()
+
     def preprocess(self, obs: Observation) -> tuple[ModelInputs, int, bool]:
         """-> model inputs (batch 1), prompt token count, whether the prompt was truncated.
 
