@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,10 +200,13 @@ def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
     assert {f"{s}.onnx" for s in onnx_export.STAGES} <= set(manifest["files"])
 
     mtime = (export_dir / "prefill.onnx").stat().st_mtime_ns
+    os.utime(export_dir / "manifest.json", (1e9, 1e9))  # last used in 2001
     policy = Policy(PolicyConfig(backend="onnxruntime", engine_cache_dir=str(export_cache)))
     policy.engine.warmup()
     assert policy.engine.export_dir == export_dir  # found by content, not exported again:
     assert (export_dir / "prefill.onnx").stat().st_mtime_ns == mtime
+    # and marked used, for `engine_cache prune` (test_engine_cache.py)
+    assert (export_dir / "manifest.json").stat().st_mtime > time.time() - 600
     chunk = policy.infer(synthetic_observation(policy.cfg, "pick up the cube"))
     eager = Policy(PolicyConfig(backend="eager"))
     expected = eager.infer(synthetic_observation(eager.cfg, "pick up the cube"))

@@ -510,6 +510,7 @@ def ensure_export(
         try:
             manifest = read_manifest(target)
             if manifest["key"] == asdict(key):
+                mark_used(target / MANIFEST)
                 return target
             log.warning("%s was exported for another model or toolchain; exporting again", target)
         except ExportError as err:
@@ -527,6 +528,15 @@ def ensure_export(
         if staging.exists():
             shutil.rmtree(staging)
     return target
+
+
+def mark_used(path: Path) -> None:
+    """Set `path`'s modification time to now: the last use of an export (its manifest) or a plan (its
+    sidecar), which `engine_cache prune` keeps the most recent of. A read-only cache is left as it is."""
+    try:
+        os.utime(path)
+    except OSError as err:
+        log.debug("engine cache: cannot mark %s used: %s", path, err)
 
 
 # A writer's staging entry untouched this long, whose pid is gone or is this process's own, is a leftover.

@@ -122,6 +122,7 @@ class PlanCache:
                 "engine cache: %s does not match its sidecar (altered or truncated); building again", plan
             )
             return None
+        onnx_export.mark_used(meta)  # for `python -m rmuscle_ros.engine.engine_cache prune`
         return data
 
     def store(self, key: PlanKey, data: bytes, build_seconds: float) -> Path:

@@ -1,0 +1,154 @@
+"""`python -m rmuscle_ros.engine.engine_cache`: what engine_cache_dir holds, and pruning old model versions.
+
+Plans are written by the real `PlanCache.store` (TensorRT is not needed to store bytes); exports are
+folders with a manifest as `onnx_export.export_model` writes it (the ONNX files are stand-in bytes: a
+real export is `test_onnx_export.py`'s, which checks that reusing one marks it used).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rmuscle_ros.engine import engine_cache, onnx_export
+from rmuscle_ros.engine.tensorrt import PlanCache, PlanKey
+from rmuscle_ros.models.config import get_preset
+
+DAY = 86400.0
+
+
+def _export(cache: Path, digest: str, preset: str, mtime: float, size: int = 1000) -> Path:
+    folder = cache / "onnx" / digest
+    folder.mkdir(parents=True)
+    (folder / "vision.onnx.data").write_bytes(b"w" * size)
+    key = {"config": get_preset(preset).to_dict(), "dtype": "bfloat16", "weights": "f" * 64, "code": "c" * 64}
+    (folder / onnx_export.MANIFEST).write_text(json.dumps({"key": key, "digest": digest, "files": {}}))
+    os.utime(folder / onnx_export.MANIFEST, (mtime, mtime))
+    return folder
+
+
+def _plans(cache: Path, export: str, mtime: float, size: int = 500) -> list[Path]:
+    store, out = PlanCache(cache / "tensorrt"), []
+    for stage in ("vision", "prefill", "denoise"):
+        key = PlanKey(2, export, stage, "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16)
+        plan = store.store(key, b"p" * size, 1.0)
+        os.utime(plan.with_suffix(".json"), (mtime, mtime))
+        out.append(plan)
+    return out
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    """Three versions used 40, 10 and 0 days ago (the newest has no export: its plans were built and the
+    export pruned, or the export removed by hand), a plan whose sidecar is gone, a file someone left and
+    a writer's staging file."""
+    now = time.time()
+    root = tmp_path / "engines"
+    _export(root, "a" * 16, "tiny", now - 40 * DAY)
+    _plans(root, "a" * 16, now - 41 * DAY)
+    _export(root, "b" * 16, "pi05", now - 12 * DAY)
+    _plans(root, "b" * 16, now - 10 * DAY)
+    _plans(root, "c" * 16, now)
+    orphan = PlanCache(root / "tensorrt").store(
+        PlanKey(2, "d" * 16, "vision", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16), b"x", 1.0
+    )
+    orphan.with_suffix(".json").unlink()
+    os.utime(orphan, (now - 2 * DAY, now - 2 * DAY))
+    (root / "onnx" / "notes.txt").write_text("the cell's notes")
+    (root / "tensorrt" / f".prefill-{'e' * 20}.plan.{os.getpid()}.tmp").write_bytes(b"half")
+    return root
+
+
+def test_each_version_is_listed_with_its_plans_size_and_last_use(cache: Path) -> None:
+    contents = engine_cache.scan(cache)
+    assert [v.export for v in contents.versions] == ["c" * 16, engine_cache.UNKNOWN, "b" * 16, "a" * 16]
+    c, unknown, b, a = contents.versions
+    assert c.export_dir is None and len(c.plans) == 3 and c.about == "TensorRT 10.13.0 on NVIDIA Thor"
+    assert b.export_dir == cache / "onnx" / ("b" * 16) and len(b.plans) == 3
+    assert b.about.startswith("pi05 bfloat16, weights ffffffffffff")
+    assert a.about.startswith("tiny bfloat16") and a.last_used == pytest.approx(
+        time.time() - 40 * DAY, abs=60
+    )
+    # The newest of its export's and its plans' marks: b's plans were loaded 10 days ago.
+    assert b.last_used == pytest.approx(time.time() - 10 * DAY, abs=60)
+    assert b.bytes > 1000 + 3 * 500 and len(unknown.plans) == 1
+    assert contents.other == [cache / "onnx" / "notes.txt"], "kept, named; staging files are not listed"
+
+
+def test_prune_keeps_the_most_recently_used_and_removes_the_rest_plans_first(cache: Path) -> None:
+    contents = engine_cache.scan(cache)
+    old = engine_cache.to_prune(contents, keep=1)
+    assert [v.export for v in old] == ["b" * 16, "a" * 16, engine_cache.UNKNOWN]
+    assert old[0].paths()[-1] == cache / "onnx" / ("b" * 16), "the export goes last"
+    assert [v.export for v in engine_cache.to_prune(contents, keep=1, unused_days=30)] == [
+        "a" * 16,
+        engine_cache.UNKNOWN,
+    ]
+    assert [v.export for v in engine_cache.to_prune(contents, keep=3)] == [engine_cache.UNKNOWN]
+    with pytest.raises(ValueError, match="keep must be >= 0"):
+        engine_cache.to_prune(contents, keep=-1)
+
+    freed, failed = engine_cache.prune(old)
+    assert failed == [] and freed == sum(v.bytes for v in old)
+    left = engine_cache.scan(cache)
+    assert [v.export for v in left.versions] == ["c" * 16] and len(left.versions[0].plans) == 3
+    assert sorted(p.name for p in (cache / "onnx").iterdir()) == ["notes.txt"]
+    assert len(list((cache / "tensorrt").glob(".*.tmp"))) == 1, "a writer's staging file is not ours"
+    # What is kept still loads: the sidecars beside the plans, untouched.
+    key = PlanKey(2, "c" * 16, "prefill", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16)
+    assert PlanCache(cache / "tensorrt").load(key) == b"p" * 500
+
+
+def test_a_plans_load_marks_its_version_used(cache: Path) -> None:
+    """PlanCache.load touches the sidecar, so a version in use is the most recent one and is kept."""
+    key = PlanKey(2, "a" * 16, "denoise", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16)
+    assert PlanCache(cache / "tensorrt").load(key) == b"p" * 500
+    versions = engine_cache.scan(cache).versions
+    assert versions[0].export == "a" * 16 and versions[0].last_used == pytest.approx(time.time(), abs=60)
+
+
+def test_the_command_line_lists_dry_runs_and_prunes(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert engine_cache.main(["--cache-dir", str(cache), "list"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"{cache}: 4 version(s)" in out
+        and "tiny bfloat16" in out
+        and "plans: denoise, prefill, vision" in out
+    )
+    assert f"not an export or a plan, kept: {cache / 'onnx' / 'notes.txt'}" in out
+
+    assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would remove 2 version(s)" in out and len(engine_cache.scan(cache).versions) == 4
+
+    assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "removing 2 version(s)" in out and "freed" in out
+    assert [v.export for v in engine_cache.scan(cache).versions] == ["c" * 16, "b" * 16]
+
+    with pytest.raises(SystemExit):
+        engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "-1"])
+    assert "keep must be >= 0" in capsys.readouterr().err
+    missing = cache.parent / "nowhere"
+    assert engine_cache.main(["--cache-dir", str(missing), "prune"]) == 1
+    assert "no such folder (engine_cache_dir)" in capsys.readouterr().err
+
+
+def test_what_cannot_be_removed_is_named_and_the_rest_goes(cache: Path, monkeypatch) -> None:
+    old = engine_cache.to_prune(engine_cache.scan(cache), keep=1)
+    stuck = old[0].plans[0]
+    unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == stuck:
+            raise PermissionError(13, "Permission denied")
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    freed, failed = engine_cache.prune(old)
+    assert failed == [f"{stuck}: [Errno 13] Permission denied"] and freed > 0
+    assert stuck.exists() and not (cache / "onnx" / ("a" * 16)).exists()
