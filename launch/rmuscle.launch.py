@@ -56,7 +56,8 @@ STREAMER_REMAPPINGS = [
 
 
 def autostarted(node: LifecycleNode, autostart: bool, activate: bool = True) -> list:
-    """`node`, configured on start if `autostart`, and activated once configured if also `activate`."""
+    """`node`, configured on start if `autostart`, and activated when that first configure succeeds if also
+    `activate` (not after a later configure by hand)."""
     if not autostart:
         return [node]
 
@@ -71,6 +72,10 @@ def autostarted(node: LifecycleNode, autostart: bool, activate: bool = True) -> 
             start_state="configuring",
             goal_state="inactive",
             entities=[change(Transition.TRANSITION_ACTIVATE)],
+            # Only the first successful configure: after a later one by hand (cleanup, a parameter set,
+            # configure again) the node stays inactive until told (found in review: the streamer's arms
+            # moved at once).
+            handle_once=True,
         )
     )
     if not activate:

@@ -60,6 +60,23 @@ def test_the_streamer_is_remapped_onto_the_policys_chunks_and_the_follower_arms(
         assert pairs[f"commands/{side}/joint_single"] == f"/follower_{side}/commands/joint_single"
 
 
+def test_autostart_activates_after_the_first_configure_only() -> None:
+    """The handler that activates a node once it is configured is one-shot: after a later configure by
+    hand (cleanup, a parameter set, configure again, as the nodes tell an operator to do) the node stays
+    inactive until told; the streamer's arms would otherwise move at once (found in review). Read from
+    the source, as launch_ros is not installable here; with the jazzy launch sources the handler reported
+    handle_once True (a one-off check in scratch)."""
+    tree = ast.parse(LAUNCH.read_text())
+    handlers = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "OnStateTransition"
+    ]
+    assert len(handlers) == 1
+    once = {k.arg: k.value for k in handlers[0].keywords}.get("handle_once")
+    assert isinstance(once, ast.Constant) and once.value is True
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("launch_ros") is None,
     reason="launch_ros is not on PyPI; this runs in a ROS 2 Jazzy install from apt (a Thor with ROS)",

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import qos_profile_sensor_data
@@ -51,12 +52,14 @@ from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, Refusal
 from rmuscle_ros.node.observation import joint_state_fault, stamp_ns
 from rmuscle_ros.node.params import (
     ALOHA_JOINTS,
+    MAX_SECONDS,
     ParameterError,
     check_closed_open,
     flat_config,
     flat_defaults,
+    parameter_defaults,
 )
-from rmuscle_ros.node.spin import periodic_timer, spin_node
+from rmuscle_ros.node.spin import parameter_values, periodic_timer, spin_node, undeclared_overrides
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
@@ -163,6 +166,12 @@ class StreamerConfig:
                 raise ParameterError(f"arm_joint_limits: {joint} needs lower < upper, got [{lo!r}, {hi!r}]")
         if not (self.max_joint_age_s > 0 and math.isfinite(self.max_joint_age_s)):
             raise ParameterError(f"max_joint_age_s: must be > 0, got {self.max_joint_age_s!r}")
+        # As the node's (found in review: a period of 1e10 s configured, then activate failed silently).
+        for name in ("control_period_s", "max_joint_age_s", "max_future_s", "takeover_delay_s"):
+            if getattr(self, name) > MAX_SECONDS:
+                raise ParameterError(
+                    f"{name}: must be at most {MAX_SECONDS:g} s, got {getattr(self, name)!r}"
+                )
         try:
             self.schedule()
         except ValueError as e:
@@ -231,6 +240,7 @@ class ActionStreamerNode(LifecycleNode):
         super().__init__(node_name, **kwargs)
         for name, default in streamer_defaults().items():
             self.declare_parameter(name, default)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
         self.cfg: StreamerConfig | None = None
         self._schedule: ChunkSchedule | None = None
         self._messages: tuple[type, type] | None = None
@@ -257,10 +267,41 @@ class ActionStreamerNode(LifecycleNode):
         self._before_clock: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
+    def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
+        """`ros2 param set` (or `param load`): every parameter is read at configure, so a configured streamer
+        refuses a change, saying how to make it; unconfigured, configure checks it. Before (found in
+        review) a change was accepted and `get` showed it while the arms ran on the old value."""
+        if self.cfg is None:
+            return SetParametersResult(successful=True)
+        changed = sorted(
+            p.name
+            for p in params
+            if p.name in streamer_defaults() and p.value != self.get_parameter(p.name).value
+        )
+        if not changed:
+            return SetParametersResult(successful=True)
+        return SetParametersResult(
+            successful=False,
+            reason=f"{changed[0]}: read at configure; deactivate and clean up the streamer, set it, then "
+            "configure again",
+        )
+
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # A misspelt key in the params file is dropped by rclpy: refused here, or its default would move
+        # the arms (found in review: `max_steps: 0.04` configured with max_step 0.1).
+        unknown, others = undeclared_overrides(self, streamer_defaults(), others_names=parameter_defaults())
+        if others:
+            self.get_logger().info(f"configure: parameters given that are not this node's, ignored: {others}")
         try:
-            params = {name: self.get_parameter(name).value for name in streamer_defaults()}
-            cfg = streamer_config(params)
+            if unknown:
+                raise ParameterError(f"{sorted(unknown)[0]}: not a parameter of action_streamer")
+            cfg = streamer_config(parameter_values(self, streamer_defaults()))
+            for name in ("joint_state_topics", "arm_command_topics", "gripper_command_topics"):
+                for topic in getattr(cfg, name):
+                    try:
+                        self.resolve_topic_name(topic)
+                    except Exception as e:  # rclpy's message does not say which name
+                        raise ParameterError(f"{name}: {topic!r} is no topic name ROS takes ({e})") from None
             messages = import_command_messages()
         except (ParameterError, ImportError) as e:
             self.get_logger().error(f"configure failed: {e}")
@@ -268,17 +309,18 @@ class ActionStreamerNode(LifecycleNode):
         self.cfg, self._messages = cfg, messages
         self._schedule = ChunkSchedule(cfg.schedule())
         group, single = messages
-        self._arm_pubs = [
-            (self.create_lifecycle_publisher(group, t, 10), indices)
-            for t, indices in zip(cfg.arm_command_topics, cfg.arm_indices(), strict=True)
-        ]
-        self._gripper_pubs = [
-            (self.create_lifecycle_publisher(single, t, 10), index)
+        try:
+            for t, indices in zip(cfg.arm_command_topics, cfg.arm_indices(), strict=True):
+                self._arm_pubs.append((self.create_lifecycle_publisher(group, t, 10), indices))
             for t, index in zip(
                 cfg.gripper_command_topics, cfg.gripper_indices(), strict=False
-            )  # none: no gripper
-        ]
-        self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+            ):  # none: no gripper
+                self._gripper_pubs.append((self.create_lifecycle_publisher(single, t, 10), index))
+            self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+        except Exception as e:  # a clean FAILURE, the node unconfigured with nothing left made
+            self._release()
+            self.get_logger().error(f"configure failed: {type(e).__name__}: {e}")
+            return TransitionCallbackReturn.FAILURE
         self.get_logger().info(
             f"configured: {len(cfg.arm_command_topics)} arms, {len(cfg.joint_names)} joints, "
             f"{1 / cfg.control_period_s:.0f} Hz, max_step {cfg.max_step:g}, arm joint limits "
@@ -292,6 +334,16 @@ class ActionStreamerNode(LifecycleNode):
         return super().on_configure(state)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            self._start_streaming()
+        except Exception as e:  # a clean FAILURE, the node stays configured with nothing left running
+            self._stop_streaming()
+            self.get_logger().error(f"activate failed: {type(e).__name__}: {e}")
+            return TransitionCallbackReturn.FAILURE
+        return super().on_activate(state)
+
+    def _start_streaming(self) -> None:
+        """Activate's subscriptions and timers; the schedule starts."""
         from rmuscle_ros.msg import ActionChunk  # generated interfaces: imported where the node needs them
 
         cfg = self.cfg
@@ -315,7 +367,6 @@ class ActionStreamerNode(LifecycleNode):
         # Chunks planned before now are refused: the arms may have been moved since (an episode reset).
         self._schedule.start(self.get_clock().now().nanoseconds)
         self._last_fault_at = -math.inf  # a fault before the deactivation no longer warns (counts stay)
-        return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_streaming()

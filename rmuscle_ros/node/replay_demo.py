@@ -65,7 +65,7 @@ from rmuscle_ros.node.bags import (
 )
 from rmuscle_ros.node.params import MAX_SECONDS, load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
-from rmuscle_ros.node.spin import FLOAT_PARAMETER_HINT, BackgroundSpin
+from rmuscle_ros.node.spin import BackgroundSpin, parameter_type_hint
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
 ALOHA_CONFIG = CONFIG.parent / "rmuscle_aloha.yaml"
@@ -182,7 +182,7 @@ def run(
         )
     except InvalidParameterTypeException as e:  # e.g. 3 for a float parameter: say which, and how
         rclpy.shutdown(context=context)
-        raise ValueError(f"{e} ({FLOAT_PARAMETER_HINT})") from None
+        raise ValueError(f"{e} ({parameter_type_hint(e)})") from None
     peer = rclpy.create_node("demo_player", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)

@@ -18,7 +18,6 @@ while the arm executes the chunk.
 from __future__ import annotations
 
 import array
-import difflib
 import gc
 import statistics
 import sys
@@ -48,7 +47,7 @@ from rmuscle_ros.node.params import (
     parameter_defaults,
     state_sources,
 )
-from rmuscle_ros.node.spin import periodic_timer, spin_node
+from rmuscle_ros.node.spin import parameter_values, periodic_timer, spin_node, undeclared_overrides
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
 
@@ -81,28 +80,6 @@ LIVE_PARAMETERS = {
     "cache.audit_every": "audit_every",
     "cache.audit_max_error": "audit_max_error",
 }
-
-
-def _undeclared_overrides(node: Any) -> tuple[dict[str, Any], list[str]]:
-    """The parameter overrides (params file, -p) naming no parameter the node has: (those that look meant
-    for this node, refused at configure: a misspelt key would otherwise leave its default in force, since
-    rclpy drops them; the others, logged: a `/**:` section or a global -p also carries other nodes'
-    parameters, robot_description and the like). Meant for this node: under model. or cache., or close
-    to one of its names (max_image_age for max_image_age_s). Declared elsewhere, not refused: rclpy's own
-    (use_sim_time, ...) and publishers' QoS overrides (qos_overrides.*, declared at configure)."""
-    declared = list(parameter_defaults())
-    ours: dict[str, Any] = {}
-    others: list[str] = []
-    for name, parameter in node._parameter_overrides.items():  # rclpy keeps them there; no public getter
-        if node.has_parameter(name) or name.startswith("qos_overrides."):
-            continue
-        if name.startswith(("model.", "cache.")) or difflib.get_close_matches(
-            name, declared, n=1, cutoff=0.8
-        ):
-            ours[name] = parameter.value
-        else:
-            others.append(name)
-    return ours, sorted(others)
 
 
 def _prompt_too_long(policy: Any, prompt: str) -> str:
@@ -274,13 +251,11 @@ class RMuscleNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         # A name the params file or -p gives that the node does not declare (a misspelt key) is otherwise
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
-        unknown, others = _undeclared_overrides(self)
+        unknown, others = undeclared_overrides(self, parameter_defaults(), prefixes=("model.", "cache."))
         if others:
             self.get_logger().info(f"configure: parameters given that are not this node's, ignored: {others}")
         try:
-            cfg = node_config(
-                {name: self.get_parameter(name).value for name in parameter_defaults()} | unknown
-            )
+            cfg = node_config(parameter_values(self, parameter_defaults()) | unknown)
         except ParameterError as e:
             return self._fail(f"configure: invalid parameter {e}")
         for name in ("camera_topics", "joint_state_topics"):  # what ROS will not take, before the model loads
@@ -394,7 +369,7 @@ class RMuscleNode(LifecycleNode):
         parameters one at a time, each checked against the others, so a profile's coupled parameters would
         otherwise be refused whichever came first. Configure checks the whole set."""
         defaults = parameter_defaults()
-        current = {name: self.get_parameter(name).value for name in defaults}
+        current = parameter_values(self, defaults, strict=False)
         changed = {p.name: p.value for p in params if p.name in current and p.value != current[p.name]}
         if not changed:
             return SetParametersResult(successful=True)
@@ -633,9 +608,11 @@ class RMuscleNode(LifecycleNode):
     # ── episodes ─────────────────────────────────────────────────────────────────────────────────────────
 
     def _seed_noise(self, episode: int) -> None:
-        """With noise_seed >= 0, the episode's calls draw their noise from (noise_seed, episode)."""
+        """With noise_seed >= 0, the episode's calls draw their noise from (noise_seed, episode), folded into
+        the 64 bits a generator's seed takes (found in review: a seed from a nanosecond clock overflowed it
+        and left configure half done)."""
         if self.cfg is not None and self.policy is not None and self.cfg.noise_seed >= 0:
-            self.policy.reseed_noise(self.cfg.noise_seed * 1_000_003 + episode)
+            self.policy.reseed_noise((self.cfg.noise_seed * 1_000_003 + episode) % 2**64)
 
     def reset_episode(self) -> int:
         """Start the next episode; the cache records the finished one into its library if it ran dense.

@@ -2,21 +2,88 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import rclpy
 from rclpy.clock import Clock, ClockType
-from rclpy.exceptions import InvalidParameterTypeException
+from rclpy.exceptions import InvalidParameterTypeException, ParameterUninitializedException
 from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.timer import Timer
 
-# What to say with rclpy's refusal of an integer for a float parameter, made as the node is made.
-FLOAT_PARAMETER_HINT = "write floats with a decimal point: 1.0, not 1"
+# What to say with rclpy's refusal of a value of another type than the parameter's (made as the node is
+# made), by the type it expected: rclpy names it in its message ("expecting type 'Type.DOUBLE'").
+TYPE_HINTS = (
+    ("_ARRAY", "write a list in brackets of one type, floats with a decimal point: [0.0, 1.0]"),
+    ("DOUBLE", "write floats with a decimal point: 1.0, not 1"),
+    ("INTEGER", "write integers without a decimal point: 25, not 25.0"),
+    ("STRING", "quote text that YAML would read as a number or a boolean: '7', 'true'"),
+    ("BOOL", "write true or false"),
+)
+
+
+def parameter_type_hint(error: Exception) -> str:
+    """How to write the value rclpy refused (`InvalidParameterTypeException`), from the type it expected."""
+    found = re.search(r"expecting type '([^']*)'", str(error))
+    expected = found.group(1) if found else ""
+    return next(
+        (hint for kind, hint in TYPE_HINTS if kind in expected), "give a value of the parameter's type"
+    )
+
+
+def parameter_values(node: Node, defaults: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
+    """The node's value of each parameter named in `defaults`. A list parameter given as an empty list (`[]`
+    in a params file, e.g. gripper_command_topics for arms without grippers) reads as unset in rclpy (an
+    empty list has no element type): it is the empty list it was written as. Any other unset one (`null` in
+    a params file) raises ParameterError naming it, or with `strict` off (checking a `ros2 param set`
+    against the rest) counts as its default. Before (found in review) both made configure fail with no
+    message, and a later `ros2 param set` ended the process."""
+    from rmuscle_ros.node.params import ParameterError
+
+    values: dict[str, Any] = {}
+    for name, default in defaults.items():
+        try:
+            values[name] = node.get_parameter(name).value
+        except ParameterUninitializedException:
+            if isinstance(default, (list, tuple)):
+                values[name] = []
+            elif strict:
+                raise ParameterError(
+                    f"{name}: has no value (null in the params file?); give it one"
+                ) from None
+            else:
+                values[name] = default
+    return values
+
+
+def undeclared_overrides(
+    node: Node, declared: Iterable[str], prefixes: tuple[str, ...] = (), others_names: Iterable[str] = ()
+) -> tuple[dict[str, Any], list[str]]:
+    """The parameter overrides (params file, -p) naming no parameter the node has: (those that look meant
+    for this node, to be refused at configure: a misspelt key would otherwise leave its default in force,
+    since rclpy drops them; the others, to be logged: a `/**:` section or a global -p also carries other
+    nodes' parameters, robot_description and the like). Meant for this node: under one of `prefixes`, or
+    close to one of its names (max_image_age for max_image_age_s), unless among `others_names` (a sibling
+    node's parameters in a shared section). Declared elsewhere, not refused: rclpy's own (use_sim_time,
+    ...) and publishers' QoS overrides (qos_overrides.*, declared at configure)."""
+    names, siblings = list(declared), set(others_names)
+    ours: dict[str, Any] = {}
+    others: list[str] = []
+    for name, parameter in node._parameter_overrides.items():  # rclpy keeps them there; no public getter
+        if node.has_parameter(name) or name.startswith("qos_overrides."):
+            continue
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        if name not in siblings and ((prefixes and name.startswith(prefixes)) or close):
+            ours[name] = parameter.value
+        else:
+            others.append(name)
+    return ours, sorted(others)
 
 
 def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) -> Timer:
@@ -38,7 +105,7 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
     try:
         node = make_node()
     except InvalidParameterTypeException as e:  # a params file's `1` for a float parameter: which, and how
-        print(f"error: {e} ({FLOAT_PARAMETER_HINT})", file=sys.stderr)
+        print(f"error: {e} ({parameter_type_hint(e)})", file=sys.stderr)
         rclpy.shutdown()
         return 2
     executor = SingleThreadedExecutor()
