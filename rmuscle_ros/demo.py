@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import yaml
 
+from rmuscle_ros.paths import package_file, source_checkout
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "config" / "demo.yaml"
+DEFAULT_CONFIG = "demo.yaml"  # under config/ (paths.package_file)
 POLICY_KEYS = {f for f in PolicyConfig.__dataclass_fields__}
 
 
@@ -42,10 +42,12 @@ def load_demo_config(path: Path) -> tuple[PolicyConfig, dict[str, Any]]:
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}")
     policy = {k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items() if k in POLICY_KEYS}
-    return PolicyConfig(**policy), {
-        "prompt": raw.get("prompt", "do the task"),
-        "calls": int(raw.get("calls", 20)),
-    }
+    calls = raw.get("calls", 20)
+    if (
+        isinstance(calls, bool) or not isinstance(calls, int) or calls < 1
+    ):  # 0 crashed the run (found in review)
+        raise ValueError(f"{path}: calls: an integer of at least 1, got {calls!r}")
+    return PolicyConfig(**policy), {"prompt": raw.get("prompt", "do the task"), "calls": calls}
 
 
 def parse_param(name: str, text: str, defaults: dict[str, Any]) -> Any:
@@ -74,13 +76,17 @@ def parse_param(name: str, text: str, defaults: dict[str, Any]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--synthetic", action="store_true", help="policy only, synthetic observations, no ROS")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="--synthetic: policy config")
+    p.add_argument("--config", type=Path, help="--synthetic: policy config (default config/demo.yaml)")
     p.add_argument("--calls", type=int, default=None, help="--synthetic: number of timed calls")
     p.add_argument("--seconds", type=float, default=6.0, help="bag demo: episode length")
     p.add_argument(
         "--episodes", type=int, default=2, help="bag demo: the warm-up, then this minus one repeats (a shift)"
     )
-    p.add_argument("--out", type=Path, default=REPO / "build" / "demo", help="bag demo: output folder")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="bag demo: output folder (default build/demo in a source checkout, else rmuscle_demo here)",
+    )
     p.add_argument(
         "--bags", type=Path, nargs="+", default=None, metavar="BAG",
         help="bag demo: replay these recorded episodes (rosbag2 folders, one per episode, in order)",
@@ -113,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--sim: an aloha_sim parameter, e.g. placement_spread=0.25 or cameras=[top] (repeatable)",
     )  # fmt: skip
     args = p.parse_args(argv)
+    try:
+        if args.config is None:
+            args.config = package_file("config", DEFAULT_CONFIG)
+        if args.out is None:
+            args.out = package_file("build", "demo") if source_checkout() else Path("rmuscle_demo")
+    except FileNotFoundError as e:
+        p.error(str(e))
     if args.calls is not None and args.calls < 1:
         p.error(f"--calls: at least 1, got {args.calls}")
     if args.out.exists() and not args.out.is_dir():
@@ -179,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if summary["chunks"] > 0 else 1
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
-    cfg, demo = load_demo_config(args.config)
+    try:
+        cfg, demo = load_demo_config(args.config)
+    except (ValueError, TypeError) as e:  # PolicyConfig's own checks; an unknown field's TypeError
+        p.error(f"--config {args.config}: {e}")
     calls = args.calls or demo["calls"]
 
     print(

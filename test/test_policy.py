@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -166,6 +167,37 @@ def test_demo_config_rejects_unknown_keys(tmp_path: Path) -> None:
     bad.write_text("preset: tiny\nbakend: eager\n")
     with pytest.raises(ValueError, match="bakend"):
         load_demo_config(bad)
+    zero = tmp_path / "zero.yaml"
+    zero.write_text("preset: tiny\ncalls: 0\n")  # crashed the run after its first call (found in review)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--synthetic", "--config", str(zero)])
+    assert exit_.value.code == 2
+
+
+def test_the_demos_files_are_found_in_a_source_checkout_and_after_a_colcon_install(monkeypatch) -> None:
+    """config/ and msg/ beside the package in the repository, or under its share directory once colcon
+    installed it (found in review: only the first was looked in). The share directory here is the one the
+    venv's interface build installed (AMENT_PREFIX_PATH names it, as a sourced workspace would)."""
+    import os
+
+    from rmuscle_ros import paths
+    from rmuscle_ros.node.bags import typestore
+
+    assert paths.package_file("config", "demo.yaml") == paths.SOURCE_ROOT / "config" / "demo.yaml"
+    prefix = os.environ.get("AMENT_PREFIX_PATH") or str(Path(sys.prefix))
+    monkeypatch.setenv("AMENT_PREFIX_PATH", prefix)
+    monkeypatch.setattr(paths, "source_checkout", lambda: False)
+    if not (Path(prefix) / "share" / "rmuscle_ros" / "msg").is_dir():
+        pytest.skip(f"no rmuscle_ros share directory under {prefix} (make venv installs one)")
+    installed = paths.package_file("config", "rmuscle_aloha.yaml")
+    assert (
+        installed == Path(prefix) / "share" / "rmuscle_ros" / "config" / "rmuscle_aloha.yaml"
+        and installed.is_file()
+    )
+    assert "rmuscle_ros/msg/ActionChunk" in typestore(with_interfaces=True).types
+    monkeypatch.setenv("AMENT_PREFIX_PATH", str(Path(prefix) / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"source the workspace's install/setup\.bash"):
+        paths.package_file("msg")
 
 
 def test_host_threads_default_is_bounded_on_a_gpu_only() -> None:

@@ -25,8 +25,9 @@ import math
 import struct
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ import numpy as np
 from rosbags.highlevel import AnyReader
 from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+from rmuscle_ros.paths import package_file
 
 ALOHA_CAMERA_TOPICS = (
     "/cam_high/camera/color/image_rect_raw",
@@ -52,14 +55,19 @@ ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle",
 ALOHA_JOINT_STATE_NAMES = (*ALOHA_ARM_JOINTS, "left_finger", "right_finger")
 STORAGE = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 CLOCK_HZ = 100.0  # /clock messages per wall-clock second between a bag's messages (BagPlayer.play)
-MSG_DIR = Path(__file__).resolve().parents[2] / "msg"
+MAX_TIME_NS = 2**31 * 10**9  # builtin_interfaces/Time holds int32 seconds: a stamp must stay below
 
 
 def typestore(with_interfaces: bool = False) -> Any:
-    """The ROS 2 Jazzy typestore, optionally with this package's messages registered."""
+    """The ROS 2 Jazzy typestore, optionally with this package's messages registered (their .msg files:
+    paths.package_file; FileNotFoundError naming the folder if it holds none)."""
     store = get_typestore(Stores.ROS2_JAZZY)
     if with_interfaces:
-        for msg in sorted(MSG_DIR.glob("*.msg")):
+        folder = package_file("msg")
+        definitions = sorted(folder.glob("*.msg"))
+        if not definitions:
+            raise FileNotFoundError(f"no .msg definitions of rmuscle_ros in {folder}")
+        for msg in definitions:
             store.register(get_types_from_msg(msg.read_text(), f"rmuscle_ros/msg/{msg.stem}"))
     return store
 
@@ -89,44 +97,52 @@ def write_aloha_episode(
     )
     h, w = size
     base = np.add.outer(np.arange(h, dtype=np.uint16), np.arange(w, dtype=np.uint16))
-    events: list[tuple[int, str, Any, str]] = []
+
+    def header(t: int, frame_id: str) -> Any:
+        return Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id=frame_id)
+
+    def image(t: int, cam: int, i: int) -> Any:
+        frame = ((base + 7 * i + 60 * cam) % 256).astype(np.uint8)  # a moving gradient per camera
+        rgb = np.repeat(frame[:, :, None], 3, axis=2)
+        return Image(
+            header=header(t, f"cam{cam}"),
+            height=h,
+            width=w,
+            encoding="rgb8",
+            is_bigendian=0,
+            step=w * 3,
+            data=rgb.reshape(-1),
+        )
+
+    def joints(t: int, i: int) -> Any:
+        position = 0.3 * np.sin(np.linspace(0, 1, 9) + 2 * np.pi * 0.5 * i / joint_hz)
+        return JointState(
+            header=header(t, ""),
+            name=list(ALOHA_JOINT_STATE_NAMES),
+            position=position.astype(np.float64),
+            velocity=np.zeros(0),
+            effort=np.zeros(0),
+        )
+
+    # What to write when, in time order; each message is made as it is written (found in review: made
+    # all at once, the frames took ~80 MB of memory per second of episode).
+    events: list[tuple[int, str, str, Callable[[], Any]]] = []
     for cam in range(cameras):
         for i in range(int(seconds * image_hz)):
             t = start_ns + round(i * 1e9 / image_hz)
-            frame = ((base + 7 * i + 60 * cam) % 256).astype(np.uint8)  # a moving gradient per camera
-            rgb = np.repeat(frame[:, :, None], 3, axis=2)
-            header = Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id=f"cam{cam}")
-            msg = Image(
-                header=header,
-                height=h,
-                width=w,
-                encoding="rgb8",
-                is_bigendian=0,
-                step=w * 3,
-                data=rgb.reshape(-1),
-            )
-            events.append((t, camera_topics[cam], msg, "sensor_msgs/msg/Image"))
+            events.append((t, camera_topics[cam], "sensor_msgs/msg/Image", partial(image, t, cam, i)))
     for topic in joint_topics:
         for i in range(int(seconds * joint_hz)):
             t = start_ns + round(i * 1e9 / joint_hz)
-            header = Header(stamp=Time(sec=t // 10**9, nanosec=t % 10**9), frame_id="")
-            position = 0.3 * np.sin(np.linspace(0, 1, 9) + 2 * np.pi * 0.5 * i / joint_hz)
-            msg = JointState(
-                header=header,
-                name=list(ALOHA_JOINT_STATE_NAMES),
-                position=position.astype(np.float64),
-                velocity=np.zeros(0),
-                effort=np.zeros(0),
-            )
-            events.append((t, topic, msg, "sensor_msgs/msg/JointState"))
+            events.append((t, topic, "sensor_msgs/msg/JointState", partial(joints, t, i)))
     events.sort(key=lambda e: e[0])
     stamps: dict[str, list[int]] = {}
     with Writer(path, version=9, storage_plugin=STORAGE[storage]) as writer:
         connections = {}
-        for t, topic, msg, msgtype in events:
+        for t, topic, msgtype, make in events:
             if topic not in connections:
                 connections[topic] = writer.add_connection(topic, msgtype, typestore=store)
-            writer.write(connections[topic], t, store.serialize_cdr(msg, msgtype))
+            writer.write(connections[topic], t, store.serialize_cdr(make(), msgtype))
             stamps.setdefault(topic, []).append(t)
     return stamps
 
@@ -285,8 +301,11 @@ def recorded_qos(connections: Sequence[Any], default: Any) -> Any:
 
 
 def _message_class(msgtype: str) -> Any:
-    package, _, name = msgtype.split("/")
-    return getattr(importlib.import_module(f"{package}.msg"), name)
+    """The installed class of `pkg/kind/Name`: kind is msg, or srv / action for a service's event topic
+    (`…/_service_event`, `pkg/srv/X_Event`) and an action's feedback and status (found in review: always
+    read from msg, they were skipped as not installed)."""
+    package, kind, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{package}.{kind}"), name)
 
 
 class BagPlayer:
@@ -328,83 +347,101 @@ class BagPlayer:
         --clock` does): a gap in the recording (a camera that stopped) does not stop the bag's time, so
         timers on it run on and a node can see its inputs go stale. A bag whose messages cannot be read in
         time order is refused (`BagRefused`) when the player reaches that point."""
+        if self._clock_pub is None:
+            raise RuntimeError("this BagPlayer is closed")
         with _reader(self.path) as reader:
+            if not reader.message_count:
+                raise BagRefused(f"bag {self.path}: holds no message")
             offset = 0 if start_ns is None else start_ns - reader.start_time
+            first, last = reader.start_time + offset, reader.end_time + offset
+            if not 0 < first <= last < MAX_TIME_NS:  # before anything is published, /clock included
+                raise BagRefused(
+                    f"bag {self.path}: would play from {first} to {last} ns, outside ROS time (0 to "
+                    f"{MAX_TIME_NS} ns: a builtin_interfaces/Time's seconds are int32); check --start-ns"
+                )
             fielddefs = reader.typestore.fielddefs
             stamps = {c.topic: _stamps_in(c.msgtype, fielddefs) if offset else "" for c in reader.connections}
             pubs: dict[str, Any] = {}
-            for c in reader.connections:
-                if c.topic in pubs or c.topic in self.skipped:
-                    continue
-                if c.topic == "/clock":  # this player publishes the clock itself, shifted with the stamps
-                    self.skipped[c.topic] = c.msgtype
-                    continue
-                try:
-                    message_class = _message_class(c.msgtype)
-                except (ImportError, AttributeError):
-                    self.skipped[c.topic] = c.msgtype
-                    continue
-                same_topic = [k for k in reader.connections if k.topic == c.topic]
-                pubs[c.topic] = self.node.create_publisher(
-                    message_class, self.remap.get(c.topic, c.topic), recorded_qos(same_topic, self._qos)
-                )
-            if not pubs:
-                raise BagRefused(
-                    f"bag {self.path}: nothing to play: no topic's message type is installed here "
-                    f"({', '.join(f'{t} {m}' for t, m in sorted(self.skipped.items()))})"
-                )
-            deadline = time.monotonic() + wait_for_subscribers_s
-            awaited = [pub for topic, pub in pubs.items() if not self.remap or topic in self.remap]
-
-            def waiting() -> bool:
-                return self._clock_pub.get_subscription_count() < clock_subscribers or any(
-                    pub.get_subscription_count() == 0 for pub in awaited
-                )
-
-            while time.monotonic() < deadline and waiting():
-                time.sleep(0.05)
-            if wait_for_subscribers_s > 0 and waiting():
-                self.unmatched = [
-                    self.remap.get(t, t)
-                    for t, pub in pubs.items()
-                    if pub in awaited and not pub.get_subscription_count()
-                ]
-                clocks = self._clock_pub.get_subscription_count()
-                if clocks < clock_subscribers:
-                    self.unmatched.append(f"/clock ({clocks} of {clock_subscribers} subscribers)")
-            time.sleep(0.5)  # discovery: let subscribers match before the first message
-            tick_s = 1.0 / clock_hz if clock_hz > 0 else math.inf
-            wall0, bag0 = time.monotonic(), None
-            messages = reader.messages([c for c in reader.connections if c.topic in pubs])
-            while True:
-                try:
-                    connection, t, raw = next(messages)
-                except StopIteration:
-                    break
-                except Exception as e:  # rosbags' ReaderError: e.g. an unindexed MCAP out of time order
+            try:
+                for c in reader.connections:
+                    if c.topic in pubs or c.topic in self.skipped:
+                        continue
+                    if c.topic == "/clock":  # this player publishes the clock itself, shifted with the stamps
+                        self.skipped[c.topic] = c.msgtype
+                        continue
+                    try:
+                        message_class = _message_class(c.msgtype)
+                    except (ImportError, AttributeError):
+                        self.skipped[c.topic] = c.msgtype
+                        continue
+                    same_topic = [k for k in reader.connections if k.topic == c.topic]
+                    pubs[c.topic] = self.node.create_publisher(
+                        message_class, self.remap.get(c.topic, c.topic), recorded_qos(same_topic, self._qos)
+                    )
+                if not pubs:
                     raise BagRefused(
-                        f"bag {self.path}: cannot be read on in time order after {self.published} messages "
-                        f"({type(e).__name__}: {e}); `mcap recover` or `ros2 bag reindex` may repair it"
-                    ) from None
-                bag0 = t if bag0 is None else bag0
-                due = wall0 + (t - bag0) / 1e9 / rate
-                while (delay := due - time.monotonic()) > 0:
-                    time.sleep(min(delay, tick_s))
-                    if time.monotonic() < due:  # the bag's time between messages
-                        now = bag0 + round((time.monotonic() - wall0) * rate * 1e9)
-                        self._publish_clock(min(now, t) + offset)
-                self._publish_clock(t + offset)
-                where = stamps[connection.topic]
-                if where == "header":
-                    raw = shift_header_stamp(raw, offset)
-                elif where == "nested":
-                    msg = reader.typestore.deserialize_cdr(raw, connection.msgtype)
-                    _shift_times(msg, offset)
-                    raw = reader.typestore.serialize_cdr(msg, connection.msgtype)
-                pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
-                self.published += 1
-            for pub in pubs.values():
-                self.node.destroy_publisher(pub)
+                        f"bag {self.path}: nothing to play: no topic's message type is installed here "
+                        f"({', '.join(f'{t} {m}' for t, m in sorted(self.skipped.items()))})"
+                    )
+                deadline = time.monotonic() + wait_for_subscribers_s
+                awaited = [pub for topic, pub in pubs.items() if not self.remap or topic in self.remap]
+
+                def waiting() -> bool:
+                    return self._clock_pub.get_subscription_count() < clock_subscribers or any(
+                        pub.get_subscription_count() == 0 for pub in awaited
+                    )
+
+                while time.monotonic() < deadline and waiting():
+                    time.sleep(0.05)
+                if wait_for_subscribers_s > 0 and waiting():
+                    self.unmatched = [
+                        self.remap.get(t, t)
+                        for t, pub in pubs.items()
+                        if pub in awaited and not pub.get_subscription_count()
+                    ]
+                    clocks = self._clock_pub.get_subscription_count()
+                    if clocks < clock_subscribers:
+                        self.unmatched.append(f"/clock ({clocks} of {clock_subscribers} subscribers)")
+                time.sleep(0.5)  # discovery: let subscribers match before the first message
+                tick_s = 1.0 / clock_hz if clock_hz > 0 else math.inf
+                wall0, bag0 = time.monotonic(), None
+                messages = reader.messages([c for c in reader.connections if c.topic in pubs])
+                while True:
+                    try:
+                        connection, t, raw = next(messages)
+                    except StopIteration:
+                        break
+                    except Exception as e:  # rosbags' ReaderError: e.g. an unindexed MCAP out of time order
+                        raise BagRefused(
+                            f"bag {self.path}: cannot be read on in time order after {self.published} messages "
+                            f"({type(e).__name__}: {e}); `mcap recover` or `ros2 bag reindex` may repair it"
+                        ) from None
+                    bag0 = t if bag0 is None else bag0
+                    due = wall0 + (t - bag0) / 1e9 / rate
+                    while (delay := due - time.monotonic()) > 0:
+                        time.sleep(min(delay, tick_s))
+                        if time.monotonic() < due:  # the bag's time between messages
+                            now = bag0 + round((time.monotonic() - wall0) * rate * 1e9)
+                            self._publish_clock(min(now, t) + offset)
+                    self._publish_clock(t + offset)
+                    where = stamps[connection.topic]
+                    if where == "header":
+                        raw = shift_header_stamp(raw, offset)
+                    elif where == "nested":
+                        msg = reader.typestore.deserialize_cdr(raw, connection.msgtype)
+                        _shift_times(msg, offset)
+                        raw = reader.typestore.serialize_cdr(msg, connection.msgtype)
+                    pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
+                    self.published += 1
+            finally:  # a refusal, a failed read, Ctrl-C: the caller's node keeps no publisher of ours
+                for pub in pubs.values():
+                    self.node.destroy_publisher(pub)
+
+    def close(self) -> None:
+        """Destroy the /clock publisher (the topics' own go at the end of each play)."""
+        if self._clock_pub is not None:
+            self.node.destroy_publisher(self._clock_pub)
+            self._clock_pub = None
 
     def _publish_clock(self, t_ns: int) -> None:
         clock = self._clock_type()

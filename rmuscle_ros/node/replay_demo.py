@@ -66,10 +66,17 @@ from rmuscle_ros.node.bags import (
 from rmuscle_ros.node.params import MAX_SECONDS, load_params_file, parameter_defaults
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 from rmuscle_ros.node.spin import BackgroundSpin, parameter_type_hint
+from rmuscle_ros.paths import package_file
 
-CONFIG = Path(__file__).resolve().parents[2] / "config" / "rmuscle_default.yaml"
-ALOHA_CONFIG = CONFIG.parent / "rmuscle_aloha.yaml"
-FASTDDS_LARGE_FRAMES = CONFIG.parent / "fastdds_shm_large_frames.xml"
+# The profiles and the Fast DDS profile the demo runs with (config/: paths.package_file).
+CONFIG, ALOHA_CONFIG = "rmuscle_default.yaml", "rmuscle_aloha.yaml"
+FASTDDS_LARGE_FRAMES = "fastdds_shm_large_frames.xml"
+
+
+def config_file(name: str) -> Path:
+    return package_file("config", name)
+
+
 START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
 # Between two recorded episodes on the replay's clock. The clock stands still between two plays (the
 # player publishes it), so this only puts the next bag's first message after the last one: 10 ms, one
@@ -117,12 +124,12 @@ def run(
     `streamer_overrides`: action_streamer parameters over the demo's (e.g. `takeover_delay_s`)."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
-    params = load_params_file(CONFIG)
+    params = load_params_file(config_file(CONFIG))
     streamer_params: dict[str, Any] = {}
     if sim:  # the simulated arms speak a real ALOHA's gripper units: the node and streamer convert as on one
-        node_aloha = load_params_file(ALOHA_CONFIG)
+        node_aloha = load_params_file(config_file(ALOHA_CONFIG))
         params |= {k: node_aloha[k] for k in ("gripper_state_joint", "gripper_state_range")}
-        streamer_aloha = load_params_file(ALOHA_CONFIG, "action_streamer")
+        streamer_aloha = load_params_file(config_file(ALOHA_CONFIG), "action_streamer")
         streamer_params = {"gripper_command_range": streamer_aloha["gripper_command_range"]}
     streamer_params |= dict(streamer_overrides or {})
     params |= dict(overrides or {}) | {"use_sim_time": True}
@@ -130,9 +137,10 @@ def run(
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
     topics = parameter_defaults() | params
-    remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], topics["camera_topics"], strict=False)) | dict(
+    aloha = dict(zip(ALOHA_CAMERA_TOPICS[:3], topics["camera_topics"], strict=False)) | dict(
         zip(ALOHA_JOINT_TOPICS, topics["joint_state_topics"], strict=False)
-    ) | dict(remap or {})  # fmt: skip
+    )  # fmt: skip
+    remap = merge_remaps(aloha, remap or {})
     recorded = bags is not None
     if sim and (recorded or not stream):
         raise ValueError(
@@ -518,7 +526,9 @@ class _SimCell:
         for frm, to in remaps.items():
             command += ["-r", f"{frm}:={to}"]
         env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
-        env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(FASTDDS_LARGE_FRAMES))  # its 0.9 MB frames
+        env.setdefault(
+            "FASTRTPS_DEFAULT_PROFILES_FILE", str(config_file(FASTDDS_LARGE_FRAMES))
+        )  # its 0.9 MB frames
         self.log = out_dir / "aloha_sim.log"
         with self.log.open("wb") as log:
             self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
@@ -585,21 +595,58 @@ class _SimCell:
         self.process = None
 
 
+def merge_remaps(defaults: Mapping[str, str], user: Mapping[str, str]) -> dict[str, str]:
+    """The ALOHA topics' remaps onto the node's, with the user's --remap over them: a user's remap onto a
+    node topic replaces the default one onto it (found in review: both cameras then fed one slot)."""
+    claimed = {_absolute(to) for to in user.values()}
+    return {frm: to for frm, to in defaults.items() if _absolute(to) not in claimed} | dict(user)
+
+
+IMAGE, COMPRESSED, JOINTS = (
+    "sensor_msgs/msg/Image",
+    "sensor_msgs/msg/CompressedImage",
+    "sensor_msgs/msg/JointState",
+)
+
+
 def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -> BagInfo:
     """A recorded episode the node can run on: readable, and every camera and joint-state topic the node
-    subscribes to published by it once remapped. ValueError naming the bag and what is missing."""
+    subscribes to published by exactly one of its topics once remapped, of the type the node takes there.
+    ValueError naming the bag and what is wrong. (Found in review: a bag of compressed frames, or two
+    topics onto one camera, played into a node that dropped every observation, without a word.)"""
     if not bag.exists():
         raise ValueError(f"bag {bag}: no such file or folder")
     info = bag_info(bag)
-    # a topic registered but never published (a camera that died before the recording) reaches nothing
-    published = {_absolute(remap.get(topic, topic)) for topic, (_, count) in info.topics.items() if count}
-    wanted = [*params["camera_topics"], *params["joint_state_topics"]]
-    missing = [topic for topic in wanted if _absolute(topic) not in published]
+    image = COMPRESSED if params["compressed_images"] else IMAGE
+    wanted = {_absolute(t): image for t in params["camera_topics"]}
+    wanted |= {_absolute(t): JOINTS for t in params["joint_state_topics"]}
+    sources: dict[str, list[tuple[str, str]]] = {}
+    for topic, (msgtype, count) in sorted(info.topics.items()):
+        if count:  # a topic registered but never published (a camera that died before the recording)
+            sources.setdefault(_absolute(remap.get(topic, topic)), []).append((topic, msgtype))
+    missing = [
+        t for t in [*params["camera_topics"], *params["joint_state_topics"]] if _absolute(t) not in sources
+    ]
     if missing:
         raise ValueError(
             f"bag {bag}: nothing would reach the node's topic(s) {missing}; the bag has "
             f"{sorted(info.topics)}: map one onto each with --remap FROM:=TO"
         )
+    for node_topic, msgtype in wanted.items():
+        found = sources[node_topic]
+        if len(found) > 1:
+            raise ValueError(
+                f"bag {bag}: {[t for t, _ in found]} would all reach the node's {node_topic}; remap all but one "
+                "elsewhere"
+            )
+        topic, recorded = found[0]
+        if recorded != msgtype:
+            hint = ""
+            if {recorded, msgtype} == {IMAGE, COMPRESSED}:
+                hint = f" (compressed_images: {str(recorded == COMPRESSED).lower()})"
+            raise ValueError(
+                f"bag {bag}: {topic} holds {recorded}; the node's {node_topic} takes {msgtype}{hint}"
+            )
     return info
 
 
@@ -627,7 +674,7 @@ def _play(
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
     # The player publishes 0.9 MB frames: shared-memory segments that hold them (unless the caller chose a
     # Fast DDS profile), as a camera driver on the node's host should (config/fastdds_shm_large_frames.xml).
-    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(FASTDDS_LARGE_FRAMES))
+    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(config_file(FASTDDS_LARGE_FRAMES)))
     # The episode's length, the player's wait for subscribers (10 s) and its start-up: a player that
     # hangs stops the demo with this error instead of holding it.
     limit_s = seconds + 60.0
@@ -637,6 +684,11 @@ def _play(
         raise RuntimeError(f"the bag player did not finish {bag} within {limit_s:g} s") from e
     if done.returncode != 0:
         raise RuntimeError(f"the bag player failed on {bag} (exit {done.returncode}): {done.stderr[-2000:]}")
+    for (
+        line
+    ) in done.stderr.splitlines():  # what it warns of (no subscriber matched): not lost (found in review)
+        if line.startswith("no subscriber matched"):
+            print(f"[demo] the bag player on {bag.name}: {line}", file=sys.stderr)
 
 
 def stop_processes(*processes: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
