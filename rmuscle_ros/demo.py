@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))
-        except RuntimeError as e:  # e.g. the bag player failed: say so, without a traceback
+        except (
+            RuntimeError,
+            TimeoutError,
+        ) as e:  # the bag player failed, a service did not answer: no traceback
             print(f"[demo] error: {e}", file=sys.stderr)
             return 1
         print_summary(summary)

@@ -1080,7 +1080,9 @@ def test_of_processes_opening_one_library_at_once_exactly_one_holds_it(tmp_path:
     """The marker appears with its content at once (hard-linked from a file written first), so openers
     racing each other never see it empty and take it for stale: one holds the library, the others are
     refused while it lives (before, found in review, an opener could find the marker created but not yet
-    written, delete it as stale, and two processes wrote one index)."""
+    written, delete it as stale, and two processes wrote one index). The holder keeps it until every
+    opener has answered: with a fixed hold, an opener whose imports outlasted it on a loaded machine held
+    the library after it, rightly, and failed the test."""
     import subprocess
     import sys
     import time
@@ -1096,22 +1098,39 @@ def test_of_processes_opening_one_library_at_once_exactly_one_holds_it(tmp_path:
         "try:\n"
         "    lib = ReferenceLibrary.open(sys.argv[1], KEY)\n"
         "    print('held', flush=True)\n"
-        "    time.sleep(1.0)\n"
+        "    deadline = time.time() + 60\n"
+        "    while not os.path.exists(sys.argv[4]) and time.time() < deadline:\n"
+        "        time.sleep(0.02)\n"
         "except LibraryBusy:\n"
         "    print('busy', flush=True)\n"
-    )
+    ).replace("import sys, time", "import os, sys, time")
 
-    for _ in range(3):
+    for round_ in range(3):
+        release = tmp_path.parent / f"{tmp_path.name}_release_{round_}"  # beside the library, not in it
         start = time.time() + 2.0  # every process imports first, then all open at this instant
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", opener, str(tmp_path), str(Path(__file__).parent), str(start)],
+                [
+                    sys.executable,
+                    "-c",
+                    opener,
+                    str(tmp_path),
+                    str(Path(__file__).parent),
+                    str(start),
+                    str(release),
+                ],
                 stdout=subprocess.PIPE,
                 text=True,
             )
             for _ in range(4)
         ]
-        said = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        try:
+            assert all(p.stdout is not None for p in procs)
+            said = sorted(p.stdout.readline().strip() for p in procs)  # type: ignore[union-attr]
+        finally:
+            release.touch()
+            for p in procs:
+                p.communicate(timeout=60)
         assert said == ["busy", "busy", "busy", "held"], said
 
 

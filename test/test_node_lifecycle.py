@@ -729,6 +729,30 @@ sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for 
 """
 
 
+def test_a_reset_cut_short_still_starts_the_next_episode_on_fresh_observations(harness) -> None:
+    """A Ctrl-C during a reset's library write ends the cache's episode all the same (its reset does so in a
+    finally), and the node's episode and observation buffer follow: before (found in a loaded run of the
+    signal test below), the worker could run one call on the frames from before the reset, counted in the
+    next episode, which shutdown then recorded as a library episode of one call."""
+    h = harness()
+    _observed_state(h, joint_value=(0.1, 0.1))  # active, with a full observation in the buffer
+    node, policy = h.node, h.node.policy
+    reset = policy.reset_episode
+
+    def cut_short() -> int | None:
+        reset()
+        raise KeyboardInterrupt
+
+    policy.reset_episode = cut_short
+    with pytest.raises(KeyboardInterrupt):
+        node.reset_episode()
+    assert node.episode_id == 1 and node.chunk_id == 0
+    with pytest.raises(ObservationUnavailable):
+        node._buffer.observation(h.now().nanoseconds, "pick", ("a", "b", "c"))
+    assert node._policy_lock.acquire(timeout=1.0), "the lock went back"
+    node._policy_lock.release()
+
+
 @pytest.mark.parametrize(
     ("signal_name", "when"),
     [("SIGINT", "once"), ("SIGTERM", "once"), ("SIGINT", "twice"), ("SIGINT", "during_reset")],

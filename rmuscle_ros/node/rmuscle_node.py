@@ -630,30 +630,35 @@ class RMuscleNode(LifecycleNode):
                 episode = self.episode_id
             self._error("reset", f"episode {episode} was not reset: {self._busy()}")
             return episode, f"not reset: {self._busy()}", False
+        policy, status = self.policy, None
         try:
-            policy, status = self.policy, None
             if policy is not None:
-                try:
-                    recorded = policy.reset_episode()
-                    if self.cfg is not None:  # a prompt changed during the episode: refill for its task
-                        policy.expect_task(self.cfg.prompt)
-                    status = policy.cache_status()
-                except Exception as e:  # e.g. the library's disk is full: the cell keeps running
-                    failed = f"{type(e).__name__}: {e}"
-            with self._stats_lock:
-                self.episode_id += 1
-                self.chunk_id = 0
-                episode = self.episode_id
-                self.cache_status = status if status is not None else self.cache_status
-            self._seed_noise(episode)
-            if self._buffer is not None:
-                # The new episode sees only messages that come after its reset: a camera's newest frame may
-                # still show the scene before it for a frame period. Waiting for them is the start-up wait's
-                # (no drop), as after an activation.
-                self._buffer.clear()
-                self._activated_at = time.monotonic()
+                recorded = policy.reset_episode()
+                if self.cfg is not None:  # a prompt changed during the episode: refill for its task
+                    policy.expect_task(self.cfg.prompt)
+                status = policy.cache_status()
+        except Exception as e:  # e.g. the library's disk is full: the cell keeps running
+            failed = f"{type(e).__name__}: {e}"
         finally:
-            self._policy_lock.release()
+            # The cache has started the next episode whatever happened (its reset ends the old one in a
+            # finally), and so does the node, even when a Ctrl-C cut the reset's write short: found in a
+            # loaded test run, the worker then ran one call on the frames from before the reset, counted
+            # in the next episode, and shutdown recorded it as a library episode of one call.
+            try:
+                with self._stats_lock:
+                    self.episode_id += 1
+                    self.chunk_id = 0
+                    episode = self.episode_id
+                    self.cache_status = status if status is not None else self.cache_status
+                self._seed_noise(episode)
+                if self._buffer is not None:
+                    # The new episode sees only messages that come after its reset: a camera's newest frame
+                    # may still show the scene before it for a frame period. Waiting for them is the
+                    # start-up wait's (no drop), as after an activation.
+                    self._buffer.clear()
+                    self._activated_at = time.monotonic()
+            finally:
+                self._policy_lock.release()
         if failed:
             note = f"recording episode {episode - 1} failed: {failed}"
             self._error("cache_reset", note)
