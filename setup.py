@@ -16,7 +16,9 @@ setup(
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
-        (f"share/{PACKAGE}/config", sorted(glob("config/*.yaml"))),
+        (f"share/{PACKAGE}/config", sorted(glob("config/*.yaml")) + sorted(glob("config/*.xml"))),
+        # the message definitions, which the bag tools read (rmuscle_ros/paths.py) where no source is beside
+        (f"share/{PACKAGE}/msg", sorted(glob("msg/*.msg"))),
         (f"share/{PACKAGE}/launch", sorted(glob("launch/*.launch.py"))),
         # pip ignores setup.cfg install_scripts; launch_ros looks for lib/<package>/<executable>.
         (f"lib/{PACKAGE}", ["libexec/rmuscle_node", "libexec/action_streamer", "libexec/aloha_sim"]),

@@ -7,7 +7,7 @@
 
 Parameters come from a profile (both nodes read their own section of the file); the topics are remapped
 onto an Interbotix ALOHA stack. With autostart (default) rmuscle_node is configured on start and
-activated once configuring succeeds, which is what `ros2 lifecycle set ... configure/activate` would do
+activated once its first configure succeeds, which is what `ros2 lifecycle set ... configure/activate` would do
 by hand. The streamer sends the follower arms position commands as soon as it is active and a chunk is
 due, so autostart only configures it: the operator activates it when the cell is ready
 (`ros2 lifecycle set /action_streamer activate`, `/<namespace>/action_streamer` under namespace:=), or
@@ -20,9 +20,10 @@ node it would start, stops the launch before any node starts (ROS would start th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ament_index_python.packages import get_package_share_directory
-from launch import LaunchDescription
+from launch import Event, LaunchDescription
 from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
 from launch.events import matches_action
 from launch.launch_context import LaunchContext
@@ -30,7 +31,7 @@ from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch.utilities import perform_substitutions
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
-from launch_ros.events.lifecycle import ChangeState
+from launch_ros.events.lifecycle import ChangeState, StateTransition
 from lifecycle_msgs.msg import Transition
 
 from rmuscle_ros.node.params_file import check_params_file  # no torch: see its docstring
@@ -55,9 +56,27 @@ STREAMER_REMAPPINGS = [
 ]
 
 
+def first_configure_succeeded(node: LifecycleNode) -> Callable[[Event], bool]:
+    """A matcher for the end of `node`'s first configure, if it succeeded. Only that one activates it: after
+    a later configure by hand (cleanup, a parameter set, configure again), or one after a failed first
+    (an operator fixing a parameter), the node stays inactive until told. Found in review: the streamer's
+    arms moved as soon as such a configure ended."""
+    ends: list[str] = []
+
+    def matches(event: Event) -> bool:
+        if not (
+            isinstance(event, StateTransition) and event.action == node and event.start_state == "configuring"
+        ):
+            return False
+        ends.append(event.goal_state)
+        return ends == ["inactive"]
+
+    return matches
+
+
 def autostarted(node: LifecycleNode, autostart: bool, activate: bool = True) -> list:
     """`node`, configured on start if `autostart`, and activated when that first configure succeeds if also
-    `activate` (not after a later configure by hand)."""
+    `activate` (first_configure_succeeded)."""
     if not autostart:
         return [node]
 
@@ -68,13 +87,8 @@ def autostarted(node: LifecycleNode, autostart: bool, activate: bool = True) -> 
 
     activate_when_configured = RegisterEventHandler(
         OnStateTransition(
-            target_lifecycle_node=node,
-            start_state="configuring",
-            goal_state="inactive",
+            matcher=first_configure_succeeded(node),
             entities=[change(Transition.TRANSITION_ACTIVATE)],
-            # Only the first successful configure: after a later one by hand (cleanup, a parameter set,
-            # configure again) the node stays inactive until told (found in review: the streamer's arms
-            # moved at once).
             handle_once=True,
         )
     )

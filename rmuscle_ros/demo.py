@@ -185,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))
-        except (
-            RuntimeError,
-            TimeoutError,
-        ) as e:  # the bag player failed, a service did not answer: no traceback
+        except (RuntimeError, OSError) as e:  # the bag player failed, a service timed out, a file missing
             print(f"[demo] error: {e}", file=sys.stderr)
             return 1
         print_summary(summary)

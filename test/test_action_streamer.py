@@ -587,6 +587,11 @@ def test_a_configured_streamer_refuses_a_parameter_change_saying_how_to_make_it(
         "max_step: read at configure; deactivate and clean"
     )
     assert c.node.get_parameter("max_step").value == 0.1 and c.node.cfg.max_step == 0.1
+    # The same value again, as `ros2 param load` of the profile sends it (a list arrives as an array): no
+    # change, taken.
+    limits = c.node.get_parameter("arm_joint_limits").value
+    again = Parameter.from_parameter_msg(Parameter("arm_joint_limits", value=list(limits)).to_parameter_msg())
+    assert not isinstance(again.value, list) and c.node.set_parameters([again])[0].successful
     assert c.transition(Transition.TRANSITION_CLEANUP)
     assert c.node.set_parameters([Parameter("max_step", value=0.01)])[0].successful
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.node.cfg.max_step == 0.01
@@ -600,6 +605,10 @@ def test_arms_without_grippers_take_an_empty_topic_list_and_another_nodes_names_
     assert c.node.get_parameter_or("gripper_command_topics").type_ == Parameter.Type.NOT_SET
     assert c.transition(Transition.TRANSITION_CONFIGURE), [m.msg for m in c.logs]
     assert c.node.cfg.gripper_command_topics == () and c.node.cfg.gripper_indices() == []
+    # A change to it while configured is refused like any other (it raised, ending the process: the
+    # closing review).
+    result = c.node.set_parameters([Parameter("gripper_command_topics", value=["a", "b"])])[0]
+    assert not result.successful and result.reason.startswith("gripper_command_topics: read at configure")
 
 
 def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatch) -> None:

@@ -61,20 +61,30 @@ def test_the_streamer_is_remapped_onto_the_policys_chunks_and_the_follower_arms(
 
 
 def test_autostart_activates_after_the_first_configure_only() -> None:
-    """The handler that activates a node once it is configured is one-shot: after a later configure by
-    hand (cleanup, a parameter set, configure again, as the nodes tell an operator to do) the node stays
+    """The handler that activates a node once it is configured matches only the end of its first
+    configure, if it succeeded, and once: after a later configure by hand (cleanup, a parameter set,
+    configure again, as the nodes tell an operator to do), or one after a failed first, the node stays
     inactive until told; the streamer's arms would otherwise move at once (found in review). Read from
-    the source, as launch_ros is not installable here; with the jazzy launch sources the handler reported
-    handle_once True (a one-off check in scratch)."""
-    tree = ast.parse(LAUNCH.read_text())
+    the source, as launch_ros is not installable here. Run through jazzy's launch 3.4.3 and launch_ros
+    0.26.6 sources (a one-off check in scratch): the matcher gave [True, False] for two successful
+    configures and [False, False] after a failed first; a launch whose streamer's configure failed, its
+    parameter then fixed and configured by hand, left it inactive."""
+    text = LAUNCH.read_text()
+    tree = ast.parse(text)
     handlers = [
         n
         for n in ast.walk(tree)
         if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "OnStateTransition"
     ]
     assert len(handlers) == 1
-    once = {k.arg: k.value for k in handlers[0].keywords}.get("handle_once")
+    keywords = {k.arg: k.value for k in handlers[0].keywords}
+    once, matcher = keywords.get("handle_once"), keywords.get("matcher")
     assert isinstance(once, ast.Constant) and once.value is True
+    assert isinstance(matcher, ast.Call) and getattr(matcher.func, "id", "") == "first_configure_succeeded"
+    function = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "first_configure_succeeded"
+    )
+    assert 'return ends == ["inactive"]' in (ast.get_source_segment(text, function) or "")
 
 
 @pytest.mark.skipif(

@@ -282,6 +282,19 @@ def test_a_reset_refills_for_the_prompt_the_next_episode_runs(harness, engine) -
     assert chunk.cache_mode == "cached", chunk.cache_mode
     assert node.stats()["errors"] == {}
 
+    # A recording that fails (a full disk) does not keep the next episode on the old task either.
+    assert node.set_parameters([Parameter("prompt", value="sort the screws")])[0].successful
+    reset = policy.reset_episode
+
+    def disk_full() -> int | None:
+        reset()
+        raise OSError(28, "No space left on device")
+
+    policy.reset_episode = disk_full
+    node.reset_episode()
+    assert policy.cache_status()["task"] == "sort the screws"
+    assert node.stats()["errors"] == {"cache_reset": 1}
+
 
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one

@@ -59,7 +59,13 @@ from rmuscle_ros.node.params import (
     flat_defaults,
     parameter_defaults,
 )
-from rmuscle_ros.node.spin import parameter_values, periodic_timer, spin_node, undeclared_overrides
+from rmuscle_ros.node.spin import (
+    parameter_values,
+    periodic_timer,
+    same_value,
+    spin_node,
+    undeclared_overrides,
+)
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
@@ -273,10 +279,9 @@ class ActionStreamerNode(LifecycleNode):
         review) a change was accepted and `get` showed it while the arms ran on the old value."""
         if self.cfg is None:
             return SetParametersResult(successful=True)
+        current = parameter_values(self, streamer_defaults(), strict=False)  # [] in a file reads as unset
         changed = sorted(
-            p.name
-            for p in params
-            if p.name in streamer_defaults() and p.value != self.get_parameter(p.name).value
+            p.name for p in params if p.name in current and not same_value(p.value, current[p.name])
         )
         if not changed:
             return SetParametersResult(successful=True)

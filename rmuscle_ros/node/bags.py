@@ -301,9 +301,10 @@ def recorded_qos(connections: Sequence[Any], default: Any) -> Any:
 
 
 def _message_class(msgtype: str) -> Any:
-    """The installed class of `pkg/kind/Name`: kind is msg, or srv / action for a service's event topic
-    (`…/_service_event`, `pkg/srv/X_Event`) and an action's feedback and status (found in review: always
-    read from msg, they were skipped as not installed)."""
+    """The installed class of `pkg/kind/Name`: kind is msg, or srv for a service's event topic
+    (`…/_service_event`, `pkg/srv/X_Event`; found in review: always read from msg, those were skipped as
+    not installed). An action's feedback topic (`pkg/action/X_FeedbackMessage`, which rosidl does not
+    export from pkg.action) is still skipped as not installed."""
     package, kind, name = msgtype.split("/")
     return getattr(importlib.import_module(f"{package}.{kind}"), name)
 
@@ -354,7 +355,9 @@ class BagPlayer:
                 raise BagRefused(f"bag {self.path}: holds no message")
             offset = 0 if start_ns is None else start_ns - reader.start_time
             first, last = reader.start_time + offset, reader.end_time + offset
-            if not 0 < first <= last < MAX_TIME_NS:  # before anything is published, /clock included
+            # before anything is published, /clock included (0 is a time: `ros2 bag record --use-sim-time`
+            # stamps what came before the first /clock with it)
+            if not 0 <= first <= last < MAX_TIME_NS:
                 raise BagRefused(
                     f"bag {self.path}: would play from {first} to {last} ns, outside ROS time (0 to "
                     f"{MAX_TIME_NS} ns: a builtin_interfaces/Time's seconds are int32); check --start-ns"
@@ -513,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rate must be > 0, got {args.rate:g}")
     try:  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
         bag_info(args.bag)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: this package's message definitions not found (paths)
         p.error(str(e))
     import rclpy
     from rclpy.qos import qos_profile_sensor_data
@@ -529,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                 start_ns=args.start_ns,
                 clock_subscribers=args.clock_subscribers,
             )
-        except BagRefused as e:
+        except (BagRefused, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if player.unmatched:

@@ -47,7 +47,13 @@ from rmuscle_ros.node.params import (
     parameter_defaults,
     state_sources,
 )
-from rmuscle_ros.node.spin import parameter_values, periodic_timer, spin_node, undeclared_overrides
+from rmuscle_ros.node.spin import (
+    parameter_values,
+    periodic_timer,
+    same_value,
+    spin_node,
+    undeclared_overrides,
+)
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
 
@@ -370,7 +376,9 @@ class RMuscleNode(LifecycleNode):
         otherwise be refused whichever came first. Configure checks the whole set."""
         defaults = parameter_defaults()
         current = parameter_values(self, defaults, strict=False)
-        changed = {p.name: p.value for p in params if p.name in current and p.value != current[p.name]}
+        changed = {
+            p.name: p.value for p in params if p.name in current and not same_value(p.value, current[p.name])
+        }
         if not changed:
             return SetParametersResult(successful=True)
         try:
@@ -633,12 +641,16 @@ class RMuscleNode(LifecycleNode):
         policy, status = self.policy, None
         try:
             if policy is not None:
-                recorded = policy.reset_episode()
-                if self.cfg is not None:  # a prompt changed during the episode: refill for its task
-                    policy.expect_task(self.cfg.prompt)
-                status = policy.cache_status()
-        except Exception as e:  # e.g. the library's disk is full: the cell keeps running
-            failed = f"{type(e).__name__}: {e}"
+                try:
+                    recorded = policy.reset_episode()
+                except Exception as e:  # e.g. the library's disk is full: the cell keeps running
+                    failed = f"{type(e).__name__}: {e}"
+                try:  # whatever became of the recording
+                    if self.cfg is not None:  # a prompt changed during the episode: refill for its task
+                        policy.expect_task(self.cfg.prompt)
+                    status = policy.cache_status()
+                except Exception as e:  # costs the next episode's first cached calls, not the reset
+                    self._error("cache_refill", f"{type(e).__name__}: {e}")
         finally:
             # The cache has started the next episode whatever happened (its reset ends the old one in a
             # finally), and so does the node, even when a Ctrl-C cut the reset's write short: found in a

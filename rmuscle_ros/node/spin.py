@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import difflib
 import re
 import signal
@@ -60,6 +61,15 @@ def parameter_values(node: Node, defaults: Mapping[str, Any], strict: bool = Tru
             else:
                 values[name] = default
     return values
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two parameter values are equal; a list arriving over the parameter service is an
+    array.array, which never equals the list a node holds (an unchanged `ros2 param load` was refused)."""
+    sequences = (list, tuple, array.array)
+    if isinstance(a, sequences) and isinstance(b, sequences):
+        return list(a) == list(b)
+    return bool(a == b)
 
 
 def undeclared_overrides(
