@@ -152,3 +152,70 @@ def test_what_cannot_be_removed_is_named_and_the_rest_goes(cache: Path, monkeypa
     freed, failed = engine_cache.prune(old)
     assert failed == [f"{stuck}: [Errno 13] Permission denied"] and freed > 0
     assert stuck.exists() and not (cache / "onnx" / ("a" * 16)).exists()
+
+
+def test_what_a_running_engine_leases_is_kept_however_old(cache: Path) -> None:
+    """A node that loaded its plans 40 days ago and runs on: its lease (engine_cache.hold, a file locked
+    for the engine's life) keeps its version from the prune (found in review: ranked by last use alone, it
+    went once a developer ran another model). A lease whose process is gone (a crash) is cleared."""
+    import subprocess
+    import sys
+
+    lease = engine_cache.hold(cache, "a" * 16)
+    assert lease is not None
+    held = engine_cache.leases(cache)
+    assert held == {("a" * 16, engine_cache.EXPORT_ONLY)}
+    old = engine_cache.to_prune(engine_cache.scan(cache), keep=1, held=held)
+    assert "a" * 16 not in [v.export for v in old] and "b" * 16 in [v.export for v in old]
+    lease.close()
+    assert engine_cache.leases(cache) == set() and not list((cache / engine_cache.INUSE).iterdir())
+
+    # Another process's lease, then that process killed: held while it lives, cleared after.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from rmuscle_ros.engine import engine_cache as c; "
+         "l = c.hold(sys.argv[1], 'b' * 16, 'abc'); print('held', flush=True); time.sleep(60)", str(cache)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert engine_cache.leases(cache) == {("b" * 16, "abc")}
+    finally:
+        holder.kill()
+        holder.wait()
+    assert engine_cache.leases(cache) == set()
+
+
+def test_a_plan_set_a_newer_one_replaced_goes_and_the_rest_of_its_version_stays(cache: Path) -> None:
+    """A TensorRT upgrade (or a change to tensorrt.py) builds a new plan set under the same export; the
+    old set is never loaded again. Prune removes it from the version it keeps (found in review: only
+    whole versions went, so the old plans stayed as long as the export), unless a lease names it; a set
+    for another GPU is not replaced by this one's."""
+    store = PlanCache(cache / "tensorrt")
+    now = time.time()
+
+    def build(tensorrt: str, gpu: str, age_days: float) -> list[Path]:
+        out = []
+        for stage in ("vision", "prefill", "denoise"):
+            key = PlanKey(2, "c" * 16, stage, tensorrt, gpu, "11.0", 64, 1 << 32, "b" * 16)
+            plan = store.store(key, b"q" * 100, 1.0)
+            os.utime(plan.with_suffix(".json"), (now - age_days * DAY, now - age_days * DAY))
+            out.append(plan)
+        return out
+
+    upgraded = build("10.3.0", "NVIDIA Thor", 90)  # before the JetPack upgrade
+    other_gpu = build("10.3.0", "NVIDIA RTX 4090", 90)
+    contents = engine_cache.scan(cache)
+    c = contents.versions[0]
+    assert c.export == "c" * 16 and len(c.plan_sets) == 3
+    old = engine_cache.to_prune(contents, keep=3)
+    replaced = [v for v in old if v.export == "c" * 16]
+    assert len(replaced) == 1 and sorted(replaced[0].plans) == sorted(upgraded)
+    assert replaced[0].export_dir is None, "the export stays"
+    set_id = engine_cache.plan_set(json.loads(upgraded[0].with_suffix(".json").read_text())["key"])
+    assert not [
+        v for v in engine_cache.to_prune(contents, keep=3, held={("c" * 16, set_id)}) if v.export == "c" * 16
+    ]
+    assert not [v for v in engine_cache.to_prune(contents, keep=3, unused_days=100) if v.export == "c" * 16]
+    engine_cache.prune(replaced)
+    left = engine_cache.scan(cache).versions[0]
+    assert len(left.plan_sets) == 2 and all(p.exists() for p in other_gpu)

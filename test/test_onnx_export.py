@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import random_inputs, rel_l2, tiny_model
 
-from rmuscle_ros.engine import create_engine, onnx_export
+from rmuscle_ros.engine import create_engine, engine_cache, onnx_export
 from rmuscle_ros.engine.onnx_export import ExportError, ensure_export, read_manifest
 from rmuscle_ros.engine.onnx_runtime import OnnxRuntimeEngine
 from rmuscle_ros.engine.tensorrt import PlanCache, PlanKey, import_tensorrt, profile_shapes
@@ -205,8 +205,9 @@ def test_an_export_is_found_by_content_and_a_damaged_one_is_replaced(
     policy.engine.warmup()
     assert policy.engine.export_dir == export_dir  # found by content, not exported again:
     assert (export_dir / "prefill.onnx").stat().st_mtime_ns == mtime
-    # and marked used, for `engine_cache prune` (test_engine_cache.py)
+    # and marked used, for `engine_cache prune` (test_engine_cache.py), and leased while the engine lives
     assert (export_dir / "manifest.json").stat().st_mtime > time.time() - 600
+    assert (export_dir.name, engine_cache.EXPORT_ONLY) in engine_cache.leases(export_cache)
     chunk = policy.infer(synthetic_observation(policy.cfg, "pick up the cube"))
     eager = Policy(PolicyConfig(backend="eager"))
     expected = eager.infer(synthetic_observation(eager.cfg, "pick up the cube"))

@@ -16,6 +16,7 @@ import json
 import math
 import sys
 import types
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 from conftest import random_inputs, rel_l2, tiny_model
 
-from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.engine import engine_cache, onnx_export
 from rmuscle_ros.engine.tensorrt import ALIGN, OPT_PROMPT_LEN, TensorRTEngine, aligned_empty
 from rmuscle_ros.models.pi05 import Pi05Model
 
@@ -365,6 +366,9 @@ def test_with_every_plan_cached_the_engine_runs_them_without_exporting(
     engine = engine_on_cpu(tmp_path)
     engine.warmup()
     assert trt.exports == 1
+    # The engine leases its version and plan set from `engine_cache prune` for its life.
+    key = asdict(engine._plan_keys()["vision"])
+    assert engine_cache.leases(tmp_path) == {(key["export"], engine_cache.plan_set(key))}
     inputs, noise = random_inputs(engine.cfg, seed=4)
     assert rel_l2(engine.sample_actions(inputs, noise), tiny_model().sample_actions(inputs, noise)) < 1e-5
     block_imports("onnx")

@@ -11,25 +11,36 @@ time its export was reused or one of its plans was loaded (each touches its mani
 read-only cache is not touched, and then its files' write times count).
 
 `prune` removes whole versions: all but the `--keep` most recently used, and with `--unused-days` only
-those not used for that long. Plans of a version are removed before its export, so an interrupted prune
-leaves an export that the next warmup reuses rather than plans without one. A running engine is not
-affected (it holds its plans in memory), and staging files of writers still at work are never touched
-(hidden names; those of dead writers go as the engines remove them, `remove_dead_writers_leftovers`).
-Entries that are neither (other files someone put there) are listed and kept.
+those not used for that long. Within a version it keeps, it removes the plan sets (a version's stage plans
+built together: one TensorRT version, builder code, GPU and profile) that a newer set for the same GPU has
+replaced (a TensorRT upgrade, a change to tensorrt.py). Plans of a version are removed before its export,
+so an interrupted prune leaves an export that the next warmup reuses rather than plans without one.
+
+What a running engine uses is never removed: each engine holds a lease for its version and plan set
+(`hold`: a file under `.inuse/` it keeps locked, shared, for its life; the lock goes with the process,
+crashed or not). Found in review: ranked by last use alone, a node that loaded its plans days before lost
+them to a prune after a developer ran another model, and rebuilt them at its next restart. Staging files
+of writers still at work are never touched (hidden names; those of dead writers go as the engines remove
+them, `remove_dead_writers_leftovers`). Entries that are neither (other files someone put there) are
+listed and kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 from rmuscle_ros.engine import onnx_export
 from rmuscle_ros.models.config import PRESETS
@@ -40,6 +51,59 @@ EXPORTS, PLANS = "onnx", "tensorrt"
 EXPORT_NAME = re.compile(r"^[0-9a-f]{16}$")  # onnx_export.ExportKey.digest()
 PLAN_NAME = re.compile(r"^(?P<stage>[a-z_]+)-(?P<digest>[0-9a-f]{20})\.plan$")  # tensorrt.PlanCache.path
 UNKNOWN = "?"  # the version of a plan whose sidecar cannot be read
+INUSE = ".inuse"  # engines' leases: <export digest>.<plan set or EXPORT_ONLY>.<pid>, each locked while held
+EXPORT_ONLY = "export"  # the plan set of a lease on the export alone (the onnxruntime backend)
+
+
+def plan_set(key: Mapping[str, Any]) -> str:
+    """A plan set's id: its plans' key without the stage (tensorrt.PlanKey as a dict), so that the three
+    stage plans built together share it, and a rebuild with another TensorRT, builder or profile does not."""
+    rest = {k: v for k, v in key.items() if k != "stage"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def hold(cache_dir: str | Path, export: str, plans: str = EXPORT_ONLY) -> TextIO | None:
+    """Lease `export`'s version (and plan set `plans`) for as long as the returned file stays open (the
+    engine keeps it): `prune` leaves what a lease names. None where the cache cannot be written (a
+    read-only volume; nothing can prune it either), logged."""
+    folder = Path(cache_dir) / INUSE
+    path = folder / f"{export}.{plans}.{os.getpid()}"
+    for _ in range(3):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lease = path.open("a")
+            fcntl.flock(lease, fcntl.LOCK_SH)
+            # A prune that found the file unlocked may have removed it between the open and the lock:
+            # then this lock is on a file nobody sees, and the lease is taken again.
+            if os.fstat(lease.fileno()).st_ino == path.stat().st_ino:
+                return lease
+            lease.close()
+        except OSError as e:
+            log.info("engine cache: cannot lease %s in %s (%s): prune may remove it", export, folder, e)
+            return None
+    return None
+
+
+def leases(cache_dir: str | Path) -> set[tuple[str, str]]:
+    """(export digest, plan set) of every lease a live process holds; the marks of processes gone (their
+    locks went with them) are removed."""
+    folder, held = Path(cache_dir) / INUSE, set()
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else ():
+        parts = entry.name.split(".")
+        if len(parts) != 3:
+            continue
+        try:
+            with entry.open("a") as mark:
+                try:
+                    fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    held.add((parts[0], parts[1]))
+                    continue
+                entry.unlink()
+        except OSError as e:
+            log.warning("engine cache: lease %s unreadable (%s): taken as held", entry, e)
+            held.add((parts[0], parts[1]))
+    return held
 
 
 @dataclass
@@ -49,6 +113,8 @@ class Version:
     export: str  # the export's digest, or UNKNOWN for plans whose sidecar cannot be read
     export_dir: Path | None = None
     plans: list[Path] = field(default_factory=list)  # .plan files; each sidecar beside it
+    # plan set (plan_set) -> its plans, their last use, and the GPU they were built for (name, capability)
+    plan_sets: dict[str, tuple[list[Path], float, str]] = field(default_factory=dict)
     bytes: int = 0
     last_used: float = 0.0  # seconds since the epoch
     about: str = ""  # the model, as the export's manifest or a plan's sidecar says
@@ -141,7 +207,13 @@ def scan(cache_dir: str | Path) -> Contents:
         v = version(export if isinstance(export, str) and EXPORT_NAME.match(export) else UNKNOWN)
         v.plans.append(entry)
         v.bytes += _size(entry) + _size(entry.with_suffix(".json"))
-        v.last_used = max(v.last_used, _mtime(entry.with_suffix(".json")) or _mtime(entry))
+        used = _mtime(entry.with_suffix(".json")) or _mtime(entry)
+        v.last_used = max(v.last_used, used)
+        if key is not None:
+            members, last, gpu = v.plan_sets.get(
+                plan_set(key), ([], 0.0, f"{key.get('gpu')} {key.get('capability')}")
+            )
+            v.plan_sets[plan_set(key)] = ([*members, entry], max(last, used), gpu)
         if not v.about and key is not None:
             v.about = f"TensorRT {key.get('tensorrt', '?')} on {key.get('gpu', '?')}"
     ordered = sorted(versions.values(), key=lambda v: (v.last_used, v.export), reverse=True)
@@ -149,23 +221,48 @@ def scan(cache_dir: str | Path) -> Contents:
 
 
 def to_prune(
-    contents: Contents, keep: int, unused_days: float | None = None, now: float | None = None
+    contents: Contents,
+    keep: int,
+    unused_days: float | None = None,
+    now: float | None = None,
+    held: Collection[tuple[str, str]] = (),
 ) -> list[Version]:
-    """The versions `prune` removes: all but the `keep` most recently used, and with `unused_days` only
-    those not used for that long; and plans whose sidecar cannot be read, an hour after their last write."""
+    """What `prune` removes: the versions all but the `keep` most recently used, and with `unused_days`
+    only those not used for that long; in each version kept, the plan sets a newer set for the same GPU
+    replaced (as Versions with those plans only); and plans whose sidecar cannot be read, an hour after
+    their last write. Nothing a lease in `held` (leases()) names: not its version, not its plan set."""
     if keep < 0:
         raise ValueError(f"keep must be >= 0, got {keep}")
     if unused_days is not None and not unused_days >= 0:
         raise ValueError(f"unused_days must be >= 0, got {unused_days}")
     now = time.time() if now is None else now
+
+    def unused(last_used: float) -> bool:
+        return unused_days is None or now - last_used >= unused_days * 86400.0
+
+    leased = {export for export, _ in held}
     known = [v for v in contents.versions if v.export != UNKNOWN]
-    old = known[keep:]
-    if unused_days is not None:
-        old = [v for v in old if now - v.last_used >= unused_days * 86400.0]
+    old = [v for v in known[keep:] if v.export not in leased and unused(v.last_used)]
+    replaced = []
+    for v in known:
+        if any(v is o for o in old):
+            continue
+        newest: dict[str, float] = {}
+        for _, last, gpu in v.plan_sets.values():
+            newest[gpu] = max(newest.get(gpu, 0.0), last)
+        stale = [
+            plan
+            for set_id, (plans, last, gpu) in sorted(v.plan_sets.items())
+            if last < newest[gpu] and (v.export, set_id) not in held and unused(last)
+            for plan in plans
+        ]
+        if stale:
+            replaced.append(Version(v.export, None, stale, sum(_size(p) + _size(p.with_suffix(".json")) for p in stale),
+                                    v.last_used, f"plans another set replaced, of {v.export}"))  # fmt: skip
     # Plans without a readable sidecar are never loaded (a rebuild writes over them); the quiet period
     # spares a plan whose sidecar is being renamed into place right now (PlanCache.store).
     unknown = [v for v in contents.versions if v.export == UNKNOWN]
-    return old + [v for v in unknown if now - v.last_used >= onnx_export.LEFTOVER_QUIET_S]
+    return old + replaced + [v for v in unknown if now - v.last_used >= onnx_export.LEFTOVER_QUIET_S]
 
 
 def prune(versions: Sequence[Version]) -> tuple[int, list[str]]:
@@ -195,13 +292,17 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "never"
 
 
-def _table(versions: Sequence[Version]) -> list[str]:
+def _table(versions: Sequence[Version], held: Collection[tuple[str, str]] = ()) -> list[str]:
+    leased = {export for export, _ in held}
     lines = []
     for v in versions:
-        stages = ", ".join(sorted(PLAN_NAME.match(p.name)["stage"] for p in v.plans)) or "none"  # type: ignore[index]
+        stages = ", ".join(sorted({PLAN_NAME.match(p.name)["stage"] for p in v.plans})) or "none"  # type: ignore[index]
+        sets = f"{len(v.plan_sets)} plan set(s)" if len(v.plan_sets) > 1 else "plans"
         export = "export" if v.export_dir is not None else "no export"
+        use = ", in use by a running engine" if v.export in leased else ""
         lines.append(
-            f"  {v.export}  last used {_when(v.last_used)}  {_gb(v.bytes):>9}  {export}; plans: {stages}  ({v.about})"
+            f"  {v.export}  last used {_when(v.last_used)}{use}  {_gb(v.bytes):>9}  {export}; {sets}: {stages}"
+            f"  ({v.about})"
         )
     return lines
 
@@ -223,23 +324,23 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"{root}: no such folder (engine_cache_dir); nothing cached", file=sys.stderr)
         return 1 if args.command == "prune" else 0
-    contents = scan(root)
+    contents, held = scan(root), leases(root)
     if args.command == "list":
         total = sum(v.bytes for v in contents.versions)
         print(f"{root}: {len(contents.versions)} version(s), {_gb(total)} (most recently used first)")
-        print("\n".join(_table(contents.versions)))
+        print("\n".join(_table(contents.versions, held)))
         for path in contents.other:
             print(f"  not an export or a plan, kept: {path}")
         return 0
     try:
-        old = to_prune(contents, args.keep, args.unused_days)
+        old = to_prune(contents, args.keep, args.unused_days, held=held)
     except ValueError as err:
         p.error(str(err))
-    kept = [v for v in contents.versions if v not in old]
+    kept = [v for v in contents.versions if not any(v is o for o in old)]
     print(f"{root}: keeping {len(kept)} version(s)")
-    print("\n".join(_table(kept)))
+    print("\n".join(_table(kept, held)))
     verb = "would remove" if args.dry_run else "removing"
-    print(f"{verb} {len(old)} version(s), {_gb(sum(v.bytes for v in old))}")
+    print(f"{verb} {len(old)} version(s) or plan set(s), {_gb(sum(v.bytes for v in old))}")
     print("\n".join(_table(old)))
     if args.dry_run or not old:
         return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.engine import engine_cache, onnx_export
 from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -83,6 +83,9 @@ class OnnxRuntimeEngine:
         """Export (or reuse a matching export), open one session per stage, run one call. Seconds each."""
         timings: dict[str, float] = {}
         start = time.perf_counter()
+        # The export stays out of `engine_cache prune` while this engine lives.
+        digest = onnx_export.export_key(self.cfg, self.weights, onnx_export.dtype_name(self.model)).digest()
+        self._lease = engine_cache.hold(self.cache_dir, digest)
         self.export_dir = onnx_export.ensure_export(
             self.model, self.cache_dir / "onnx", weights=self.weights, force=self.force_export
         )

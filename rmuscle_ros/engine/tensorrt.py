@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rmuscle_ros.engine import onnx_export
+from rmuscle_ros.engine import engine_cache, onnx_export
 from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir, missing_packages
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -314,6 +314,7 @@ class TensorRTEngine:
         self.model = model.to(device=device, dtype=torch.bfloat16).eval()
         self.buckets = onnx_export.prompt_buckets(self.cfg)
         self._stages: dict[str, _StageEngine] = {}
+        self._lease: Any = None  # engine_cache.hold's: this engine's version kept from pruning
 
     def _plan_key(self, export_digest: str, stage: str) -> PlanKey:
         major, minor = torch.cuda.get_device_capability(self.device)
@@ -353,6 +354,9 @@ class TensorRTEngine:
         timings: dict[str, float] = {}
         cache = PlanCache(self.cache_dir / "tensorrt")
         keys = self._plan_keys()
+        # This version and plan set stay out of `engine_cache prune` while this engine lives.
+        key = asdict(keys["vision"])
+        self._lease = engine_cache.hold(self.cache_dir, key["export"], engine_cache.plan_set(key))
         plans = {s: None if self.force_rebuild else cache.load(k) for s, k in keys.items()}
         export_dir: Path | None = None
         if any(plan is None for plan in plans.values()):
