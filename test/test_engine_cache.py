@@ -168,7 +168,29 @@ def test_what_a_running_engine_leases_is_kept_however_old(cache: Path) -> None:
     old = engine_cache.to_prune(engine_cache.scan(cache), keep=1, held=held)
     assert "a" * 16 not in [v.export for v in old] and "b" * 16 in [v.export for v in old]
     lease.close()
-    assert engine_cache.leases(cache) == set() and not list((cache / engine_cache.INUSE).iterdir())
+    assert engine_cache.leases(cache) == set()
+    assert [p.name for p in (cache / engine_cache.INUSE).iterdir()] == [".lock"], "the mark went with it"
+
+    # While a prune holds the cache's lock, an engine's lease waits for it (so no prune reads the leases,
+    # then removes what a lease taken after that names).
+    import threading
+
+    taken: list[object] = []
+    with engine_cache.exclusive(cache):
+        waiting = threading.Thread(target=lambda: taken.append(engine_cache.hold(cache, "c" * 16)))
+        waiting.start()
+        waiting.join(timeout=0.3)
+        assert waiting.is_alive() and not taken
+    waiting.join(timeout=10)
+    assert (
+        taken
+        and taken[0] is not None
+        and engine_cache.leases(cache) == {("c" * 16, engine_cache.EXPORT_ONLY)}
+    )
+    taken[0].close()  # type: ignore[attr-defined]
+    # A link planted in the leases' folder is not followed (nothing outside the cache is created).
+    (cache / engine_cache.INUSE / f"{'d' * 16}.export.1").symlink_to(cache.parent / "elsewhere")
+    assert engine_cache.leases(cache) == set() and not (cache.parent / "elsewhere").exists()
 
     # Another process's lease, then that process killed: held while it lives, cleared after.
     holder = subprocess.Popen(
@@ -216,6 +238,15 @@ def test_a_plan_set_a_newer_one_replaced_goes_and_the_rest_of_its_version_stays(
         v for v in engine_cache.to_prune(contents, keep=3, held={("c" * 16, set_id)}) if v.export == "c" * 16
     ]
     assert not [v for v in engine_cache.to_prune(contents, keep=3, unused_days=100) if v.export == "c" * 16]
-    engine_cache.prune(replaced)
+    # Through the command: listed as a plan set replaced, removed, the export and the other sets kept.
+    assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "3"]) == 0
     left = engine_cache.scan(cache).versions[0]
     assert len(left.plan_sets) == 2 and all(p.exists() for p in other_gpu)
+    assert not any(p.exists() for p in upgraded)
+
+    # Another profile (opt_prompt_len 32) on the same GPU is not a replacement: both sets stay.
+    for stage in ("vision", "prefill", "denoise"):
+        store.store(
+            PlanKey(2, "c" * 16, stage, "10.13.0", "NVIDIA Thor", "11.0", 32, 1 << 32, "b" * 16), b"r", 1.0
+        )
+    assert not [v for v in engine_cache.to_prune(engine_cache.scan(cache), keep=3) if v.export == "c" * 16]

@@ -28,6 +28,7 @@ listed and kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -37,7 +38,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -53,6 +54,10 @@ PLAN_NAME = re.compile(r"^(?P<stage>[a-z_]+)-(?P<digest>[0-9a-f]{20})\.plan$")  
 UNKNOWN = "?"  # the version of a plan whose sidecar cannot be read
 INUSE = ".inuse"  # engines' leases: <export digest>.<plan set or EXPORT_ONLY>.<pid>, each locked while held
 EXPORT_ONLY = "export"  # the plan set of a lease on the export alone (the onnxruntime backend)
+# A newer plan set replaces an older one of its version built for the same GPU and profile (so another
+# TensorRT, builder code or plan format): two profiles or two GPUs sharing the cache keep theirs (found
+# in review: grouped by GPU alone, a second launch profile's plans went).
+REPLACED_WITHIN = ("gpu", "capability", "opt_prompt_len", "workspace_bytes")
 
 
 def plan_set(key: Mapping[str, Any]) -> str:
@@ -62,47 +67,79 @@ def plan_set(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _cache_lock(cache_dir: str | Path, exclusive: bool) -> Iterator[bool]:
+    """`.inuse/.lock`, held shared while an engine takes its lease and exclusively while leases are read
+    and stale ones removed (and by `prune` until it is done), so that no lease is taken, or removed,
+    halfway (found in review: two scans, or a scan and a lease being taken, could drop a live lease).
+    Yields False where the folder cannot be written (nothing is locked then)."""
+    folder = Path(cache_dir) / INUSE
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".lock", os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield True
+    finally:
+        os.close(fd)
+
+
 def hold(cache_dir: str | Path, export: str, plans: str = EXPORT_ONLY) -> TextIO | None:
     """Lease `export`'s version (and plan set `plans`) for as long as the returned file stays open (the
     engine keeps it): `prune` leaves what a lease names. None where the cache cannot be written (a
-    read-only volume; nothing can prune it either), logged."""
+    read-only volume; nothing can prune it either), logged. The cache's folder must be on a local file
+    system (flock; NFS emulates it per process)."""
     folder = Path(cache_dir) / INUSE
     path = folder / f"{export}.{plans}.{os.getpid()}"
-    for _ in range(3):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            lease = path.open("a")
-            fcntl.flock(lease, fcntl.LOCK_SH)
-            # A prune that found the file unlocked may have removed it between the open and the lock:
-            # then this lock is on a file nobody sees, and the lease is taken again.
-            if os.fstat(lease.fileno()).st_ino == path.stat().st_ino:
-                return lease
-            lease.close()
-        except OSError as e:
-            log.info("engine cache: cannot lease %s in %s (%s): prune may remove it", export, folder, e)
-            return None
+    with _cache_lock(cache_dir, exclusive=False) as locked:
+        if locked:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # released when the file closes, or the process ends
+                return os.fdopen(fd)
+            except OSError as e:
+                error: OSError | None = e
+        else:
+            error = None
+    log.info("engine cache: cannot lease %s in %s (%s): prune may remove it", export, folder, error)
     return None
 
 
 def leases(cache_dir: str | Path) -> set[tuple[str, str]]:
     """(export digest, plan set) of every lease a live process holds; the marks of processes gone (their
-    locks went with them) are removed."""
+    locks went with them) are removed. Under the cache's lock (`exclusive`), taken here."""
+    with exclusive(cache_dir):
+        return _leases(cache_dir)
+
+
+def exclusive(cache_dir: str | Path) -> contextlib.AbstractContextManager[bool]:
+    """The cache's lock, exclusively: no engine takes a lease meanwhile (prune holds it while it runs)."""
+    return _cache_lock(cache_dir, exclusive=True)
+
+
+def _leases(cache_dir: str | Path) -> set[tuple[str, str]]:
     folder, held = Path(cache_dir) / INUSE, set()
     for entry in sorted(folder.iterdir()) if folder.is_dir() else ():
         parts = entry.name.split(".")
-        if len(parts) != 3:
+        if len(parts) != 3 or entry.is_symlink():
             continue
         try:
-            with entry.open("a") as mark:
-                try:
-                    fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    held.add((parts[0], parts[1]))
-                    continue
-                entry.unlink()
-        except OSError as e:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:  # another user's lease, say: kept, and its version with it
             log.warning("engine cache: lease %s unreadable (%s): taken as held", entry, e)
             held.add((parts[0], parts[1]))
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.add((parts[0], parts[1]))
+        else:
+            entry.unlink(missing_ok=True)  # its process is gone; no lease is taken while we hold the lock
+        finally:
+            os.close(fd)
     return held
 
 
@@ -113,7 +150,8 @@ class Version:
     export: str  # the export's digest, or UNKNOWN for plans whose sidecar cannot be read
     export_dir: Path | None = None
     plans: list[Path] = field(default_factory=list)  # .plan files; each sidecar beside it
-    # plan set (plan_set) -> its plans, their last use, and the GPU they were built for (name, capability)
+    # plan set (plan_set) -> its plans, their last use, and what a newer set must share to replace it
+    # (REPLACED_WITHIN's values)
     plan_sets: dict[str, tuple[list[Path], float, str]] = field(default_factory=dict)
     bytes: int = 0
     last_used: float = 0.0  # seconds since the epoch
@@ -211,7 +249,7 @@ def scan(cache_dir: str | Path) -> Contents:
         v.last_used = max(v.last_used, used)
         if key is not None:
             members, last, gpu = v.plan_sets.get(
-                plan_set(key), ([], 0.0, f"{key.get('gpu')} {key.get('capability')}")
+                plan_set(key), ([], 0.0, json.dumps([key.get(f) for f in REPLACED_WITHIN]))
             )
             v.plan_sets[plan_set(key)] = ([*members, entry], max(last, used), gpu)
         if not v.about and key is not None:
@@ -229,7 +267,7 @@ def to_prune(
 ) -> list[Version]:
     """What `prune` removes: the versions all but the `keep` most recently used, and with `unused_days`
     only those not used for that long; in each version kept, the plan sets a newer set for the same GPU
-    replaced (as Versions with those plans only); and plans whose sidecar cannot be read, an hour after
+    and profile replaced (REPLACED_WITHIN; as Versions with those plans only); and plans whose sidecar cannot be read, an hour after
     their last write. Nothing a lease in `held` (leases()) names: not its version, not its plan set."""
     if keep < 0:
         raise ValueError(f"keep must be >= 0, got {keep}")
@@ -257,8 +295,10 @@ def to_prune(
             for plan in plans
         ]
         if stale:
-            replaced.append(Version(v.export, None, stale, sum(_size(p) + _size(p.with_suffix(".json")) for p in stale),
-                                    v.last_used, f"plans another set replaced, of {v.export}"))  # fmt: skip
+            replaced.append(Version(
+                v.export, plans=stale, bytes=sum(_size(p) + _size(p.with_suffix(".json")) for p in stale),
+                last_used=v.last_used, about="plans another set replaced (the export stays)",
+            ))  # fmt: skip
     # Plans without a readable sidecar are never loaded (a rebuild writes over them); the quiet period
     # spares a plan whose sidecar is being renamed into place right now (PlanCache.store).
     unknown = [v for v in contents.versions if v.export == UNKNOWN]
@@ -324,27 +364,39 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"{root}: no such folder (engine_cache_dir); nothing cached", file=sys.stderr)
         return 1 if args.command == "prune" else 0
-    contents, held = scan(root), leases(root)
     if args.command == "list":
+        contents, held = scan(root), leases(root)
         total = sum(v.bytes for v in contents.versions)
         print(f"{root}: {len(contents.versions)} version(s), {_gb(total)} (most recently used first)")
         print("\n".join(_table(contents.versions, held)))
         for path in contents.other:
             print(f"  not an export or a plan, kept: {path}")
         return 0
-    try:
-        old = to_prune(contents, args.keep, args.unused_days, held=held)
-    except ValueError as err:
-        p.error(str(err))
-    kept = [v for v in contents.versions if not any(v is o for o in old)]
-    print(f"{root}: keeping {len(kept)} version(s)")
-    print("\n".join(_table(kept, held)))
-    verb = "would remove" if args.dry_run else "removing"
-    print(f"{verb} {len(old)} version(s) or plan set(s), {_gb(sum(v.bytes for v in old))}")
-    print("\n".join(_table(old)))
-    if args.dry_run or not old:
-        return 0
-    freed, failed = prune(old)
+    if args.keep < 0:
+        p.error(f"keep must be >= 0, got {args.keep}")
+    # Under the cache's lock from reading the leases to the last removal: an engine starting meanwhile
+    # waits to take its lease (found in review: one that took it after the read lost its plans).
+    with exclusive(root) as locked:
+        if not locked:
+            print(
+                f"{root}: cannot take {root / INUSE / '.lock'} (a read-only cache?); nothing removed",
+                file=sys.stderr,
+            )
+            return 1
+        contents, held = scan(root), _leases(root)
+        try:
+            old = to_prune(contents, args.keep, args.unused_days, held=held)
+        except ValueError as err:
+            p.error(str(err))
+        kept = [v for v in contents.versions if not any(v is o for o in old)]
+        print(f"{root}: keeping {len(kept)} version(s)")
+        print("\n".join(_table(kept, held)))
+        verb = "would remove" if args.dry_run else "removing"
+        print(f"{verb} {len(old)} version(s) or plan set(s), {_gb(sum(v.bytes for v in old))}")
+        print("\n".join(_table(old)))
+        if args.dry_run or not old:
+            return 0
+        freed, failed = prune(old)
     print(f"freed {_gb(freed)}")
     for problem in failed:
         print(f"could not remove {problem}", file=sys.stderr)
