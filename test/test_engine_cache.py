@@ -188,6 +188,23 @@ def test_what_a_running_engine_leases_is_kept_however_old(cache: Path) -> None:
         and engine_cache.leases(cache) == {("c" * 16, engine_cache.EXPORT_ONLY)}
     )
     taken[0].close()  # type: ignore[attr-defined]
+    # A stale lease that cannot be removed (a read-only volume) is kept and counted, not an error.
+    stale = engine_cache.hold(cache, "e" * 16)
+    assert stale is not None
+    stale.close()
+    unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self.name.startswith("e" * 16):
+            raise PermissionError(30, "Read-only file system")
+        unlink(self, missing_ok=missing_ok)
+
+    Path.unlink = refuse  # type: ignore[method-assign]
+    try:
+        assert engine_cache.leases(cache) == {("e" * 16, engine_cache.EXPORT_ONLY)}
+    finally:
+        Path.unlink = unlink  # type: ignore[method-assign]
+    assert engine_cache.leases(cache) == set()
     # A link planted in the leases' folder is not followed (nothing outside the cache is created).
     (cache / engine_cache.INUSE / f"{'d' * 16}.export.1").symlink_to(cache.parent / "elsewhere")
     assert engine_cache.leases(cache) == set() and not (cache.parent / "elsewhere").exists()

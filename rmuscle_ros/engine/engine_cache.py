@@ -81,7 +81,11 @@ def _cache_lock(cache_dir: str | Path, exclusive: bool) -> Iterator[bool]:
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except OSError:  # a file system without locks (ENOLCK)
+            yield False
+            return
         yield True
     finally:
         os.close(fd)
@@ -134,10 +138,12 @@ def _leases(cache_dir: str | Path) -> set[tuple[str, str]]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            entry.unlink(missing_ok=True)  # its process is gone; no lease is taken while we hold the lock
         except BlockingIOError:
             held.add((parts[0], parts[1]))
-        else:
-            entry.unlink(missing_ok=True)  # its process is gone; no lease is taken while we hold the lock
+        except OSError as e:  # no locks here, or a read-only folder: kept, and counted as held
+            log.warning("engine cache: lease %s not checked (%s): taken as held", entry, e)
+            held.add((parts[0], parts[1]))
         finally:
             os.close(fd)
     return held
