@@ -264,8 +264,13 @@ class Policy:
         self._check_open()
         check_prompt(prompt)
         if self.rmuscle is not None:
-            self.rmuscle.set_task(clean_task(self.rmuscle.cfg.task or prompt))
+            self._set_task(prompt)
             self.rmuscle.want_episode_starts()
+
+    def _set_task(self, prompt: str) -> None:
+        """Muscle memory is per task: the job named in the settings, else the prompt's instruction."""
+        assert self.rmuscle is not None
+        self.rmuscle.set_task(clean_task(self.rmuscle.cfg.task or prompt))
 
     def preprocess(self, obs: Observation) -> tuple[ModelInputs, int, bool]:
         """-> model inputs (batch 1), prompt token count, whether the prompt was truncated.
@@ -361,8 +366,7 @@ class Policy:
             noise = torch.randn(1, self.model_cfg.horizon, self.model_cfg.action_dim, generator=self._noise)
         t_model = time.perf_counter()
         if self.rmuscle is not None:
-            # Muscle memory is per task: the job named in the settings, else the prompt's instruction.
-            self.rmuscle.set_task(clean_task(self.rmuscle.cfg.task or obs.prompt))
+            self._set_task(obs.prompt)
             raw, info = self.rmuscle.infer(inputs, noise)
             span = self.rmuscle.last_gpu_span
         else:
