@@ -65,6 +65,7 @@ from rmuscle_ros.node.spin import (
     same_value,
     spin_node,
     undeclared_overrides,
+    unresolvable_topic,
 )
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
@@ -301,12 +302,11 @@ class ActionStreamerNode(LifecycleNode):
             if unknown:
                 raise ParameterError(f"{sorted(unknown)[0]}: not a parameter of action_streamer")
             cfg = streamer_config(parameter_values(self, streamer_defaults()))
-            for name in ("joint_state_topics", "arm_command_topics", "gripper_command_topics"):
-                for topic in getattr(cfg, name):
-                    try:
-                        self.resolve_topic_name(topic)
-                    except Exception as e:  # rclpy's message does not say which name
-                        raise ParameterError(f"{name}: {topic!r} is no topic name ROS takes ({e})") from None
+            bad = unresolvable_topic(
+                self, cfg, ("joint_state_topics", "arm_command_topics", "gripper_command_topics")
+            )
+            if bad:
+                raise ParameterError(bad)
             messages = import_command_messages()
         except (ParameterError, ImportError) as e:
             self.get_logger().error(f"configure failed: {e}")

@@ -53,6 +53,7 @@ from rmuscle_ros.node.spin import (
     same_value,
     spin_node,
     undeclared_overrides,
+    unresolvable_topic,
 )
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
@@ -264,14 +265,9 @@ class RMuscleNode(LifecycleNode):
             cfg = node_config(parameter_values(self, parameter_defaults()) | unknown)
         except ParameterError as e:
             return self._fail(f"configure: invalid parameter {e}")
-        for name in ("camera_topics", "joint_state_topics"):  # what ROS will not take, before the model loads
-            for topic in getattr(cfg, name):
-                try:
-                    self.resolve_topic_name(topic)
-                except Exception as e:  # rclpy's message does not say which name
-                    return self._fail(
-                        f"configure: invalid parameter {name}: {topic!r} is no topic name ROS takes ({e})"
-                    )
+        bad = unresolvable_topic(self, cfg, ("camera_topics", "joint_state_topics"))  # before the model loads
+        if bad:
+            return self._fail(f"configure: invalid parameter {bad}")
         from rmuscle_ros.cache.library import LibraryError
         from rmuscle_ros.msg import ActionChunk
         from rmuscle_ros.runtime.policy import Policy  # torch import: seconds, so only when configuring

@@ -63,6 +63,18 @@ def parameter_values(node: Node, defaults: Mapping[str, Any], strict: bool = Tru
     return values
 
 
+def unresolvable_topic(node: Node, cfg: Any, names: Iterable[str]) -> str:
+    """ "" if rclpy takes every topic of `cfg`'s lists `names`, else the first it refuses: "<name>: '<topic>'
+    is no topic name ROS takes (<rclpy's reason>)" (rclpy's own message does not say which name)."""
+    for name in names:
+        for topic in getattr(cfg, name):
+            try:
+                node.resolve_topic_name(topic)
+            except Exception as e:
+                return f"{name}: {topic!r} is no topic name ROS takes ({e})"
+    return ""
+
+
 def same_value(a: Any, b: Any) -> bool:
     """Whether two parameter values are equal; a list arriving over the parameter service is an
     array.array, which never equals the list a node holds (an unchanged `ros2 param load` was refused)."""
