@@ -27,7 +27,7 @@ def offer(s: ChunkSchedule, stamp_ns: int, actions: np.ndarray, now_ns: int, **f
     s.offer(stamp_ns=stamp_ns, actions=actions.reshape(-1), now_ns=now_ns, **msg)
 
 
-def schedule(max_step: float = 0.0, max_future_s: float = 0.05) -> ChunkSchedule:
+def schedule(max_step: float = 100.0, max_future_s: float = 0.05) -> ChunkSchedule:
     return ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=max_step, max_future_s=max_future_s))
 
 
@@ -64,7 +64,7 @@ def test_with_a_takeover_delay_every_chunk_takes_over_at_the_same_row_whatever_i
     """A fixed execution delay (takeover_delay_s 0.2 s, 10 rows): a fast call's chunk waits while the
     previous one goes on, so a fast and a slow call hand the arms the same rows; a call slower than the
     delay takes over on arrival."""
-    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, takeover_delay_s=0.2))
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=100.0, takeover_delay_s=0.2))
     offer(s, T0, rows(50), now_ns=T0 + 30 * MS)  # the first chunk waits for its delay too
     assert s.command(T0 + 180 * MS, AT_REST) is None
     assert s.command(T0 + 200 * MS, AT_REST).row == 10
@@ -80,7 +80,7 @@ def test_with_a_takeover_delay_every_chunk_takes_over_at_the_same_row_whatever_i
 
 
 def test_a_takeover_delay_past_a_chunks_rows_refuses_it_and_the_running_one_goes_on() -> None:
-    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, takeover_delay_s=0.2))
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=100.0, takeover_delay_s=0.2))
     offer(s, T0, rows(50), now_ns=T0)
     with pytest.raises(ChunkRefused, match=r"^expired: its 10 rows end before takeover_delay_s") as e:
         offer(s, T0 + 100 * MS, rows(10), now_ns=T0 + 110 * MS, chunk_id=1)
@@ -96,7 +96,7 @@ def test_no_joint_moves_more_than_max_step_per_command_starting_from_the_arm() -
     got = [s.command(T0 + k * 20 * MS, AT_REST) for k in range(6)]
     assert [c.action[0] for c in got] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
     assert [c.limited for c in got] == [True, True, True, False, False, False]
-    # Commands flow: the measured position no longer matters, the previous command does.
+    # Commands flow: the measured position no longer matters (no tracking bound), the previous command does.
     assert s.command(T0 + 120 * MS, np.full(2, -5.0)).action.tolist() == [1.0, 1.0]
 
 
@@ -106,7 +106,7 @@ def test_a_target_beyond_a_position_limit_is_commanded_at_the_limit_and_named() 
     carries it (3.5e-8 above) is not counted."""
     upper = math.radians(72)
     s = ChunkSchedule(
-        ScheduleConfig(JOINTS, 0.02, max_step=0.0, lower=(-0.5, -np.inf), upper=(upper, np.inf))
+        ScheduleConfig(JOINTS, 0.02, max_step=100.0, lower=(-0.5, -np.inf), upper=(upper, np.inf))
     )
     on_the_wire = float(np.float32(upper))
     assert on_the_wire > upper
@@ -145,9 +145,34 @@ def test_after_a_hold_commands_step_from_the_command_the_arm_held() -> None:
     assert s.command(T0 + 200 * MS, np.full(2, 0.6)).action.tolist() == pytest.approx([0.5, 0.5])
 
 
+def test_an_arm_joint_that_stopped_following_steps_from_where_it_is_not_back_toward_its_command() -> None:
+    """Torque went off and the arm sagged (or it was moved by hand, or stalled) while commands flowed: a
+    joint measured past its tracking bound from its last command steps from the measurement at max_step,
+    named in the command; a joint without a bound (a gripper closed on an object) steps from its command."""
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.1, max_tracking_error=(0.3, math.inf)))
+    offer(s, T0, np.full((50, 2), 0.5), now_ns=T0)
+    assert s.command(T0, np.array([0.45, 0.45])).action.tolist() == pytest.approx([0.5, 0.5])
+    near = s.command(T0 + 20 * MS, np.array([0.3, 0.3]))  # 0.2 behind: within the bound
+    assert near.action.tolist() == pytest.approx([0.5, 0.5]) and near.resynced == ()
+    sagged = s.command(T0 + 40 * MS, np.array([-0.5, -0.5]))  # 1 rad off its command
+    assert sagged.resynced == (0,)
+    assert sagged.action.tolist() == pytest.approx([-0.4, 0.5]), "from where joint a is, at max_step"
+    assert s.command(T0 + 60 * MS, np.array([-0.4, -0.5])).action.tolist() == pytest.approx([-0.3, 0.5])
+
+
+def test_joint_states_that_stop_coming_stop_the_commands() -> None:
+    """Mid-chunk, the arm's positions are no longer known (the joint states stopped, or are too old): the
+    arm holds its last command, and the next command steps from that once they come again."""
+    s = schedule(max_step=0.1)
+    offer(s, T0, np.full((50, 2), 1.0), now_ns=T0)
+    assert s.command(T0, AT_REST).action.tolist() == pytest.approx([0.1, 0.1])
+    assert s.command(T0 + 20 * MS, None) is None
+    assert s.command(T0 + 40 * MS, AT_REST).action.tolist() == pytest.approx([0.2, 0.2])
+
+
 def test_max_rows_bounds_how_much_of_a_chunk_is_followed() -> None:
     # A stalled policy: its last chunk is followed for max_rows rows, then the arm holds.
-    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.0, max_rows=25))
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=100.0, max_rows=25))
     offer(s, T0, rows(50), now_ns=T0)
     assert s.command(T0 + 480 * MS, AT_REST).row == 24
     assert s.command(T0 + 500 * MS, AT_REST) is None
@@ -266,7 +291,9 @@ def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
     [
         ({"joint_names": ("a", "a")}, r"^joint_names: needs distinct"),
         ({"control_period_s": 0.0}, r"^control_period_s: must be > 0"),
-        ({"max_step": -0.1}, r"^max_step: must be >= 0"),
+        ({"max_step": -0.1}, r"^max_step: must be > 0"),
+        ({"max_step": 0.0}, r"^max_step: must be > 0"),
+        ({"max_tracking_error": (0.1, 0.0)}, r"^max_tracking_error: each bound must be > 0"),
         ({"max_future_s": float("nan")}, r"^max_future_s: must be >= 0"),
         ({"max_rows": -1}, r"^max_rows: must be >= 0"),
         ({"takeover_delay_s": -0.02}, r"^takeover_delay_s: must be >= 0"),

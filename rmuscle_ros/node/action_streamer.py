@@ -8,7 +8,8 @@ row of the newest chunk that is due then (`chunk_schedule`: rows the call's late
 skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, no arm
 joint's target is past its position limit (`arm_joint_limits`, the ViperX 300 6DOF's by default), and no
 joint moves more than `max_step` per period, starting from the arm's measured position at activation and
-from the command the arm holds after a hold).
+from the command the arm holds after a hold, or from where an arm joint is measured when it strayed past
+`max_tracking_error` from its command; nothing is sent while the arms' joint states are not recent).
 
 Lifecycle: configure validates the parameters (FAILURE names the bad one) and checks that the Interbotix
 messages are importable; activate subscribes to the chunks and the arms' joint states and starts the
@@ -77,6 +78,11 @@ REFUSAL_WARN_S = 30.0
 ROUTINE_REFUSALS = frozenset({RefusalReason.BEFORE_START.value, RefusalReason.SAME_OBSERVATION.value})
 TAKEOVERS_KEPT = 100  # the takeover rows /diagnostics summarises: the latest chunks'
 CLAMP_LOG_PERIOD_S = 5.0  # at most one clamped command logged per this many seconds (each one is counted)
+RESYNC_LOG_PERIOD_S = 1.0  # at most one resynced command logged per this many seconds (each one is counted)
+# /diagnostics warns while at least this share of the commands since the last report were held at a
+# position limit (a policy asking past the arm's travel, in other units, miscalibrated), and for
+# REFUSAL_WARN_S after an arm joint strayed past max_tracking_error.
+CLAMP_WARN_SHARE = 0.5
 # [lower, upper] (rad) of the ViperX 300 6DOF's waist, shoulder, elbow, forearm_roll, wrist_angle and
 # wrist_rotate: Interbotix's aloha_vx300s.urdf.xacro (±(pi - 1e-5); -106, 72; -101, 92; -107, 128 degrees).
 _ROLL = math.pi - 1e-5
@@ -110,7 +116,7 @@ class StreamerConfig:
     # gripper action is its opening, 0 closed ... 1 open; [0, 1] sends the value as it is.
     gripper_command_range: tuple[float, float] = (0.0, 1.0)
     control_period_s: float = 0.02  # one command per arm per period; a chunk's period must be the same
-    max_step: float = 0.1  # the most one joint's command moves per period (command units: rad); 0: none
+    max_step: float = 0.1  # the most one joint's command moves per period (command units: rad); > 0
     # Each arm joint's position limits (rad), [lower, upper] per arm_joints entry in its order, for every
     # arm: a target beyond one is commanded at the limit and counted (`clamped`). The default is the
     # ALOHA's ViperX 300 6DOF follower (Interbotix aloha_vx300s URDF; gym-aloha's MuJoCo ranges are the
@@ -125,6 +131,12 @@ class StreamerConfig:
     # later chunk takes over on arrival and is counted, `chunks_late`). 0: as soon as it arrives.
     takeover_delay_s: float = 0.0
     max_joint_age_s: float = 0.1  # joint positions older than this do not count as where the arm is
+    # An arm joint measured further than this (rad) from its last command (torque off and the arm sagged,
+    # moved by hand, stalled against an obstacle, a motor restarted) is commanded on from where it is
+    # measured, at max_step a period, not sent back toward the command it stopped following; counted
+    # (`resynced`) and warned. The grippers are not checked (closed on an object, one measures open of its
+    # command). .inf: no check.
+    max_tracking_error: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("joint_names", "joint_state_topics", "arm_joints", "arm_command_topics"):
@@ -171,6 +183,10 @@ class StreamerConfig:
         for joint, lo, hi in zip(self.arm_joints, limits[::2], limits[1::2], strict=True):
             if not lo < hi:  # NaN fails too
                 raise ParameterError(f"arm_joint_limits: {joint} needs lower < upper, got [{lo!r}, {hi!r}]")
+        if not self.max_tracking_error > 0:  # NaN fails too
+            raise ParameterError(
+                f"max_tracking_error: must be > 0 (.inf: no check), got {self.max_tracking_error!r}"
+            )
         if not (self.max_joint_age_s > 0 and math.isfinite(self.max_joint_age_s)):
             raise ParameterError(f"max_joint_age_s: must be > 0, got {self.max_joint_age_s!r}")
         # As the node's (found in review: a period of 1e10 s configured, then activate failed silently).
@@ -193,7 +209,16 @@ class StreamerConfig:
             self.max_rows,
             self.takeover_delay_s,
             *self.position_limits(),
+            self.tracking_bounds(),
         )
+
+    def tracking_bounds(self) -> tuple[float, ...]:
+        """max_tracking_error per joint, in joint_names order: the arm joints', none (inf) for the rest."""
+        bounds = [math.inf] * len(self.joint_names)
+        for indices in self.arm_indices():
+            for i in indices:
+                bounds[i] = self.max_tracking_error
+        return tuple(bounds)
 
     def position_limits(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(lower, upper) in joint_names order: each arm's joints from arm_joint_limits, the rest unlimited."""
@@ -267,6 +292,9 @@ class ActionStreamerNode(LifecycleNode):
         self._waiting_reported = 0  # waiting_for_joints at the latest /diagnostics
         self._last_clamp = ""  # the latest command held at a position limit, what its chunk asked for
         self._last_clamp_logged = -math.inf
+        self._clamped_reported = self._commands_reported = 0  # the counts at the latest /diagnostics
+        self._last_resync = ""  # the latest command stepped from the measurement, and where the arm was
+        self._last_resync_at = self._last_resync_logged = -math.inf
         self._last_command: Any = None  # chunk_schedule.Command
         self._takeover_rows: deque[int] = deque(maxlen=TAKEOVERS_KEPT)  # each chunk's first executed row
         # The newest chunk that came before this node had a time (use_sim_time, no /clock yet): offered at
@@ -371,7 +399,8 @@ class ActionStreamerNode(LifecycleNode):
         assert self._schedule is not None
         # Chunks planned before now are refused: the arms may have been moved since (an episode reset).
         self._schedule.start(self.get_clock().now().nanoseconds)
-        self._last_fault_at = -math.inf  # a fault before the deactivation no longer warns (counts stay)
+        # a fault or a stray arm before the deactivation no longer warns (counts stay)
+        self._last_fault_at = self._last_resync_at = -math.inf
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_streaming()
@@ -527,7 +556,31 @@ class ActionStreamerNode(LifecycleNode):
         self._counts["limited"] += command.limited
         if command.clamped:
             self._note_clamped(command)
+        if command.resynced:
+            assert measured is not None
+            self._note_resynced(command, measured, last)
         self._last_command = command
+
+    def _note_resynced(self, command: Any, measured: np.ndarray, last: Any) -> None:
+        """Count and warn: an arm joint was measured past max_tracking_error from its last command (the arm
+        stopped following: torque off, moved by hand, stalled), so its command stepped from where it is."""
+        cfg = self.cfg
+        assert cfg is not None
+        self._counts["resynced"] += 1
+        before = last.action if last is not None else None
+        self._last_resync = ", ".join(
+            f"{cfg.joint_names[i]} measured {measured[i]:.4g}"
+            + (f", commanded {before[i]:.4g}" if before is not None else "")
+            for i in command.resynced
+        )
+        now = time.monotonic()
+        self._last_resync_at = now
+        if now - self._last_resync_logged >= RESYNC_LOG_PERIOD_S:
+            self._last_resync_logged = now
+            self.get_logger().warning(
+                f"the arm is not where it was commanded (max_tracking_error {cfg.max_tracking_error:g} rad): "
+                f"{self._last_resync}; commands go on from where it is ({self._counts['resynced']} so far)"
+            )
 
     def _note_clamped(self, command: Any) -> None:
         """Count a command held at a position limit; log it (at most every CLAMP_LOG_PERIOD_S) with what the
@@ -564,6 +617,9 @@ class ActionStreamerNode(LifecycleNode):
             # commands with a joint held at its position limit (arm_joint_limits), and the latest one's detail
             "clamped": self._counts["clamped"],
             "last_clamp": self._last_clamp,
+            # commands with an arm joint measured past max_tracking_error from its last command, and the latest
+            "resynced": self._counts["resynced"],
+            "last_resync": self._last_resync,
             "held": self._counts["held"],
             "waiting_for_joints": self._counts["waiting_for_joints"],
             "chunks_accepted": self._counts["chunks_accepted"],
@@ -592,7 +648,9 @@ class ActionStreamerNode(LifecycleNode):
     def _status(self, s: dict[str, Any]) -> tuple[bytes, str]:
         """/diagnostics' level and message: WARN while chunks come but no command can go out for want of
         joint states (a wrong remap sends nothing, silently otherwise), and for REFUSAL_WARN_S after a
-        chunk is refused for a fault (not for a routine refusal: every episode reset may bring one)."""
+        chunk is refused for a fault (not for a routine refusal: every episode reset may bring one) or an arm
+        joint strayed past max_tracking_error, and while most commands since the last report were held at
+        a position limit."""
         level = DiagnosticStatus.OK
         where = "no chunk yet" if s["last"] is None else "episode {} chunk {} row {}".format(*s["last"])
         message = f"{s['commands']} commands ({where})"
@@ -605,6 +663,15 @@ class ActionStreamerNode(LifecycleNode):
         if time.monotonic() - self._last_fault_at < REFUSAL_WARN_S:
             level = DiagnosticStatus.WARN
             message += f"; last refused: {self._last_fault}"
+        if time.monotonic() - self._last_resync_at < REFUSAL_WARN_S:
+            level = DiagnosticStatus.WARN
+            message += f"; the arm did not follow its commands: {self._last_resync}"
+        commands = s["commands"] - self._commands_reported
+        clamped = s["clamped"] - self._clamped_reported
+        self._commands_reported, self._clamped_reported = s["commands"], s["clamped"]
+        if commands and clamped >= CLAMP_WARN_SHARE * commands:
+            level = DiagnosticStatus.WARN
+            message += f"; {clamped} of {commands} commands held at a position limit: {s['last_clamp']}"
         return level, message
 
     def _publish_diagnostics(self) -> None:
@@ -613,7 +680,7 @@ class ActionStreamerNode(LifecycleNode):
         s = self.stats()
         status = DiagnosticStatus(name=f"{self.get_name()}: streaming", hardware_id="")
         status.level, status.message = self._status(s)
-        keys = ("commands", "limited", "clamped", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
+        keys = ("commands", "limited", "clamped", "resynced", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
                 "clock_jumps", "bad_joint_states", "takeover_row.p50", "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
@@ -622,6 +689,8 @@ class ActionStreamerNode(LifecycleNode):
             values["last_refusal"] = s["last_refusal"]
         if s["last_clamp"]:
             values["last_clamp"] = s["last_clamp"]
+        if s["last_resync"]:
+            values["last_resync"] = s["last_resync"]
         status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
         array = DiagnosticArray(status=[status])
         array.header.stamp = self.get_clock().now().to_msg()

@@ -24,6 +24,13 @@ gripper closed on an object measures open of its command, and starting from the 
 the command and loosen the grip. So nothing else may command the arms while the streamer is active (an
 episode reset deactivates it first).
 
+Every command needs the arm's measured positions (joint states that stopped coming stop the commands: the
+arm holds, and /diagnostics says why), and a joint with a tracking bound (`max_tracking_error`: the arm
+joints, not the grippers) measured further than it from its last command steps from where it is
+measured, not from that command (`Command.resynced`): an arm whose torque went off and sagged, one moved
+by hand or stalled against an obstacle comes back at `max_step` a period from where it is, instead of
+being sent straight back toward a command it stopped following.
+
 With position limits (`lower`, `upper`, per joint), a row's target beyond a joint's limit is commanded at
 the limit (`Command.clamped` names those joints): a policy in the wrong units, or one asking past the arm's
 travel, does not reach the motors' own limits, where an Interbotix arm's Dynamixel servos refuse the goal
@@ -73,7 +80,7 @@ class ChunkRefused(ValueError):
 class ScheduleConfig:
     joint_names: tuple[str, ...]  # the action order the streamer expects
     control_period_s: float = 0.02
-    max_step: float = 0.1  # largest change of one joint between consecutive commands (their units); 0: none
+    max_step: float = 0.1  # largest change of one joint between consecutive commands (their units); > 0
     max_future_s: float = 0.05  # how far ahead of this clock a chunk's stamp may be (clock disagreement)
     # Rows of a chunk executed at most, from its first: past them the arm holds until a newer chunk comes
     # (a stalled policy's plan is not followed to its end). 0: every row.
@@ -84,6 +91,10 @@ class ScheduleConfig:
     # Each joint's position limits, in joint_names order (their units; -inf / inf: none). (): no limits.
     lower: tuple[float, ...] = ()
     upper: tuple[float, ...] = ()
+    # Per joint, in joint_names order: how far its measured position may be from its last command before the
+    # next command steps from the measurement (inf: never; a gripper closed on an object measures open of
+    # its command). (): no joint is checked.
+    max_tracking_error: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.joint_names or len(set(self.joint_names)) != len(self.joint_names):
@@ -98,8 +109,21 @@ class ScheduleConfig:
                 raise ValueError(f"limits of {name}: need lower < upper, got [{lo!r}, {hi!r}]")
         if not (self.control_period_s > 0 and math.isfinite(self.control_period_s)):
             raise ValueError(f"control_period_s: must be > 0, got {self.control_period_s!r}")
-        if not (self.max_step >= 0 and math.isfinite(self.max_step)):
-            raise ValueError(f"max_step: must be >= 0 (0: no limit), got {self.max_step!r}")
+        # 0 was "no limit" before (found in review: an operator setting 0 as the safest value got the
+        # first command straight at the chunk's row); a large value is the way to ask for no ramp.
+        if not (self.max_step > 0 and math.isfinite(self.max_step)):
+            raise ValueError(
+                f"max_step: must be > 0 (the most a joint moves per period), got {self.max_step!r}"
+            )
+        if len(self.max_tracking_error) not in (0, len(self.joint_names)):
+            raise ValueError(
+                f"max_tracking_error: needs one bound per joint ({len(self.joint_names)}) or none, got "
+                f"{len(self.max_tracking_error)}"
+            )
+        if not all(e > 0 for e in self.max_tracking_error):  # NaN fails too
+            raise ValueError(
+                f"max_tracking_error: each bound must be > 0, got {list(self.max_tracking_error)}"
+            )
         if not (self.max_future_s >= 0 and math.isfinite(self.max_future_s)):
             raise ValueError(f"max_future_s: must be >= 0, got {self.max_future_s!r}")
         if self.max_rows < 0:
@@ -133,6 +157,9 @@ class Command:
     row: int  # the chunk's row it came from
     limited: bool  # max_step held back at least one joint
     clamped: tuple[int, ...] = ()  # the joints (indices) whose target lay beyond a position limit
+    # the joints (indices) measured further than max_tracking_error from their last command: stepped from
+    # the measurement
+    resynced: tuple[int, ...] = ()
 
 
 class ChunkSchedule:
@@ -266,8 +293,9 @@ class ChunkSchedule:
     def command(self, now_ns: int, measured: np.ndarray | None) -> Command | None:
         """What to command at `now_ns`, or None: no chunk due (hold), or no joint positions to start from.
 
-        `measured`: the arm's joint positions in joint_names order (None while some are unknown); used as
-        the previous command when commands start, so the first one is also limited by max_step.
+        `measured`: the arm's joint positions in joint_names order (None while some are unknown or not
+        recent: nothing is commanded); used as the previous command when commands start, so the first one
+        is also limited by max_step, and for a joint that strayed past max_tracking_error from its command.
         """
         self.clock(now_ns)
         self._drop_superseded(now_ns)
@@ -278,9 +306,15 @@ class ChunkSchedule:
             rows = min(rows, self.cfg.max_rows)
         if running is None or row >= rows:
             return None  # holding: the arm holds the last command, which the next one steps from
-        previous = self._last if self._last is not None else measured
-        if previous is None:
-            return None
+        if measured is None:
+            return None  # not where the arm is: the arm holds its last command until it is known again
+        previous, resynced = measured, ()
+        if self._last is not None:
+            previous = self._last
+            if self.cfg.max_tracking_error:
+                strayed = np.abs(measured - self._last) > np.asarray(self.cfg.max_tracking_error)
+                resynced = tuple(int(i) for i in np.flatnonzero(strayed))
+                previous = np.where(strayed, measured, self._last)
         target = running.actions[row]
         clamped: tuple[int, ...] = ()
         if self.cfg.lower:
@@ -291,13 +325,16 @@ class ChunkSchedule:
         step = self.cfg.max_step
         # A joint within a step of its target gets the target itself. The 1e-6 is for values that crossed
         # the wire as float32, a step whose remainder rounded a hair above max_step.
-        held_back = (
-            np.abs(target - previous) > step + 1e-6 if step > 0 else np.zeros(target.shape, dtype=bool)
-        )
+        held_back = np.abs(target - previous) > step + 1e-6
         action = np.where(held_back, previous + np.clip(target - previous, -step, step), target)
         self._last = action
         return Command(
-            action=action, chunk=running, row=int(row), limited=bool(held_back.any()), clamped=clamped
+            action=action,
+            chunk=running,
+            row=int(row),
+            limited=bool(held_back.any()),
+            clamped=clamped,
+            resynced=resynced,
         )
 
     @property
