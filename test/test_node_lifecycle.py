@@ -617,6 +617,28 @@ def test_an_activate_that_raises_fails_cleanly_and_the_next_one_runs(harness) ->
     assert h.transition(Transition.TRANSITION_ACTIVATE) and h.feed_until(lambda: len(h.chunks) >= 1)
 
 
+def test_use_sim_time_without_a_clock_is_reported_not_silent(harness, monkeypatch) -> None:
+    """use_sim_time set and nothing publishing /clock (a simulator stopped, a sim profile on a real cell): no
+    tick runs, so no chunk and no drop. /diagnostics (on the steady clock) turns ERROR naming /clock, and
+    the node logs it once (found in review: before, the node published nothing at all)."""
+    from rmuscle_ros.node import rmuscle_node
+
+    monkeypatch.setattr(rmuscle_node, "CLOCK_SILENT_S", 1.0)
+    h = harness(use_sim_time=True)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+
+    def reported() -> bool:
+        return any(
+            s.level == s.ERROR and "use_sim_time is set and /clock has not moved for" in s.message
+            for a in h.diagnostics
+            for s in a.status
+        )
+
+    assert h.wait_for(reported, timeout=10.0), [s.message for a in h.diagnostics for s in a.status]
+    assert h.wait_for(lambda: any("/clock has not moved" in log.msg for log in h.logs), timeout=5.0)
+    assert h.chunks == []
+
+
 def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(harness) -> None:
     """A hung call (a GPU that stops answering, a deadlock) gives no chunk and no drop: the ticks wait for
     the worker. /diagnostics says ERROR once a tick has waited stall_after_s, naming what the worker runs,

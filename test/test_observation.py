@@ -159,7 +159,9 @@ def test_each_refusal_has_its_reason() -> None:
     b.put_joint_state(joints(t, names=("a", "b")))
     assert reason(b, t) is DropReason.MISSING_JOINTS
     assert reason(full(t), t + 150 * MS) is DropReason.STALE_IMAGE
-    stale_joints = full(t)
+    stale_joints = buffer()
+    stale_joints.put_image(0, image(t))
+    stale_joints.put_image(1, image(t))
     stale_joints.put_joint_state(joints(t - 60 * MS))
     assert reason(stale_joints, t + 10 * MS) is DropReason.STALE_JOINTS
     skewed = full(t)
@@ -168,7 +170,7 @@ def test_each_refusal_has_its_reason() -> None:
     assert reason(skewed, t + 90 * MS) is DropReason.SKEW
     assert reason(full(t + 10**9), t) is DropReason.FUTURE_STAMP
     nan = full(t)
-    nan.put_joint_state(joints(t, value=float("nan")))
+    nan.put_joint_state(joints(t + 6 * MS, value=float("nan")))
     assert reason(nan, t + 10 * MS) is DropReason.BAD_STATE
     bad = full(t)
     bad.put_image(0, image(t, encoding="yuv422"))
@@ -193,3 +195,75 @@ def test_image_copy_is_independent_of_the_message() -> None:
     obs = b.observation(t + 20 * MS, "task", SLOTS)
     msg.data[:] = bytes(len(msg.data))  # the driver's next frame, into the same buffer
     assert np.all(obs.images["base_0_rgb"] == 7)
+
+
+def test_joint_positions_are_taken_where_the_cameras_saw_the_arm() -> None:
+    """A frame reaches the node ~40 ms after its capture (its stamp), joint states every 10 ms: the state is
+    the arm's position stamped nearest the frames, not the newest one, and the camera's delivery delay is
+    no skew (found in review: paired with the newest joint state, 40 ms of camera latency dropped most
+    ticks under a 20-50 ms max_skew_s)."""
+    b = ObservationBuffer(len(SLOTS), JOINTS, False, Limits(100 * MS, 50 * MS, 20 * MS))
+    t = 10**12
+    for k in range(-30, 5):  # 100 Hz, the arm moving: position = its stamp in ms after t
+        b.put_joint_state(joints(t + k * 10 * MS, value=k * 10.0))
+    b.put_image(0, image(t - 2 * MS))
+    b.put_image(1, image(t + 3 * MS))  # captured at t + 3 ms, here 40 ms later
+    obs = b.observation(t + 43 * MS, "task", SLOTS)
+    assert obs.stamp_ns == t + 3 * MS
+    assert obs.state.tolist() == [0.0, 0.0, 0.0], "the position stamped nearest the frames (t)"
+
+
+def test_an_older_message_does_not_replace_a_newer_one_but_a_clock_that_went_back_restarts() -> None:
+    """A second publisher on a topic (or a reordering transport) sends a message stamped before the one
+    held: not stored. One stamped more than a second back is a clock that went back (a bag played again):
+    it starts the source again."""
+    t = 10**12
+    b = full(t)  # images at t and t + 10 ms, joints at t + 5 ms
+    b.put_image(1, image(t + 2 * MS, value=99))
+    b.put_joint_state(joints(t + 1 * MS, value=9.0))
+    obs = b.observation(t + 20 * MS, "task", SLOTS)
+    assert obs.stamp_ns == t + 10 * MS and np.all(obs.images["left_wrist_0_rgb"] == 7)
+    assert obs.state.tolist() == [0.5, 0.5, 0.5]
+    back = t - 5 * 10**9
+    b.put_image(0, image(back, value=1))
+    b.put_image(1, image(back, value=1))
+    b.put_joint_state(joints(back, value=0.25))
+    obs = b.observation(back + 10 * MS, "task", SLOTS)
+    assert obs.stamp_ns == back and obs.state.tolist() == [0.25, 0.25, 0.25]
+
+
+def test_stamp_refusals_name_the_source_and_a_stamp_on_another_clock() -> None:
+    t = 10**12
+    topics = ("/cam_high/image", "/cam_left_wrist/image")
+    b = ObservationBuffer(len(SLOTS), JOINTS, False, Limits(100 * MS, 50 * MS, 30 * MS), topics)
+    b.put_image(0, image(t))
+    b.put_image(1, image(t + 40 * MS))
+    b.put_joint_state(joints(t + 40 * MS), "", "/follower_left/joint_states")
+    with pytest.raises(
+        ObservationUnavailable, match=r"stamps span 40 ms: base_0_rgb \(/cam_high/image\) oldest"
+    ):
+        b.observation(t + 50 * MS, "task", SLOTS)
+    b.put_image(0, image(t + 40 * MS))
+    with pytest.raises(
+        ObservationUnavailable, match=r"^stale_joints: /follower_left/joint_states \(a\) is 70 ms old$"
+    ):
+        b.observation(t + 110 * MS, "task", SLOTS)
+    with pytest.raises(ObservationUnavailable, match=r"^future_stamp: .* is stamped 1000 ms ahead"):
+        b.observation(t + 40 * MS - 1000 * MS, "task", SLOTS)
+    unset = ObservationBuffer(len(SLOTS), JOINTS, False, Limits(100 * MS, 50 * MS, 30 * MS), topics)
+    unset.put_image(0, image(0))
+    with pytest.raises(ObservationUnavailable, match=r"its stamp is 0: the publisher never set header.stamp"):
+        unset.observation(t, "task", SLOTS)
+    unset.put_image(0, image(t - 7200 * 10**9))
+    with pytest.raises(ObservationUnavailable, match=r"another clock"):
+        unset.observation(t, "task", SLOTS)
+
+
+def test_a_joint_state_without_positions_is_skipped() -> None:
+    """sensor_msgs/JointState allows empty arrays: a velocity- or effort-only message (a second publisher
+    on the topic) carries no position, is no fault, and leaves the positions held as they were."""
+    t = 10**12
+    b = full(t)
+    velocities = SimpleNamespace(header=header(t + 8 * MS), name=list(JOINTS), position=[])
+    assert not b.put_joint_state(velocities)
+    assert b.observation(t + 20 * MS, "task", SLOTS).state.tolist() == [0.5, 0.5, 0.5]

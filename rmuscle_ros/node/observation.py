@@ -1,14 +1,29 @@
 """Assembling one policy observation from the latest sensor messages, or saying why there is none.
 
-Pure Python (no rclpy): the node stores the newest message per topic here from its callbacks and the
-inference worker asks for an observation. Every refusal has a reason from `DropReason`, which the node
-counts, logs and reports on /diagnostics.
+Pure Python (no rclpy): the node stores the newest frame per camera and a short history of each joint's
+positions here from its callbacks, and the inference worker asks for an observation. Every refusal has a
+reason from `DropReason`, which the node counts, logs and reports on /diagnostics, naming the topic at
+fault.
+
+Which joint positions go with the frames: a camera frame is stamped when it is captured and reaches the
+node tens of ms later, while joint states come every 10-20 ms. Pairing the newest frames with the newest
+joint state measured the cameras' delivery delay as skew (found in review: at 40 ms of camera latency,
+84 % of ticks would have dropped under the cell profiles' 50 ms `max_skew_s`). So each joint keeps its
+latest JOINT_HISTORY_S of positions, and an observation takes, per joint, the position stamped nearest
+the newest frame: the arm where the cameras saw it.
+
+A message stamped before the one held for its camera or joint, by less than RESTART_NS (a second
+publisher on the topic, a reordering transport), is not stored: it would move the observation back in
+time. One stamped further back is a clock that went back (a bag played again, a simulator restarted):
+it starts that source's history again.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +32,13 @@ import numpy as np
 
 from rmuscle_ros.node.images import ImageConversionError, compressed_to_rgb, image_to_rgb
 from rmuscle_ros.runtime.policy import Observation
+
+JOINT_HISTORY_S = 0.5  # joint positions kept per joint, back from its newest: covers a camera's latency
+JOINT_HISTORY_MAX = 2000  # samples per joint at most (a 1 kHz driver: 2 s), whatever the stamps say
+# A stamp further than this from the node clock is not a late or early message but another clock (a
+# camera's hardware clock, a message never stamped, use_sim_time on one side only): said so in the reason.
+OTHER_CLOCK_NS = 3600 * 1_000_000_000
+RESTART_NS = 1_000_000_000  # a message this much older than the one held: its clock went back, a new run
 
 
 class DropReason(enum.Enum):
@@ -61,6 +83,15 @@ def stamp_ns(header: Any) -> int:
     return int(header.stamp.sec) * 1_000_000_000 + int(header.stamp.nanosec)
 
 
+def _clock_hint(stamp: int, now_ns: int) -> str:
+    """What a stamp far from the node clock most likely means, for a drop's reason ("" if near it)."""
+    if stamp == 0:
+        return " (its stamp is 0: the publisher never set header.stamp)"
+    if abs(now_ns - stamp) > OTHER_CLOCK_NS:
+        return " (another clock: a device's own clock, or use_sim_time set on one side only?)"
+    return ""
+
+
 class ObservationBuffer:
     """The newest camera frame per slot and joint state per topic, guarded by one lock."""
 
@@ -79,9 +110,12 @@ class ObservationBuffer:
         self._lock = threading.Lock()
         self._topics = tuple(camera_topics) if camera_topics is not None else None
         self._images: list[Any | None] = [None] * num_cameras
-        self._joints: dict[str, tuple[int, float]] = {}  # joint name -> (stamp ns, position)
-        # Per joint-state prefix (an arm's topic), what was wrong with its latest message, which was not
-        # stored: names and positions that do not pair up. Cleared by the arm's next well-formed message.
+        # joint name -> its (stamp ns, position) samples, oldest first, over JOINT_HISTORY_S
+        self._joints: dict[str, deque[tuple[int, float]]] = {}
+        self._joint_source: dict[str, str] = {}  # joint name -> the topic (or prefix) it came from
+        # Per joint-state topic (its prefix where the topic is not given), what was wrong with its latest
+        # message, which was not stored: names and positions that do not pair up. Cleared by the topic's
+        # next well-formed message (keyed by topic: two topics with one prefix do not clear each other's).
         self._joint_faults: dict[str, str] = {}
         self._joint_names = tuple(joint_names)
         sources, offset, scale = state_map or (
@@ -101,42 +135,64 @@ class ObservationBuffer:
     # joint's first position): what a start-up wait for the first messages looks out for.
     def put_image(self, slot: int, msg: Any) -> bool:
         with self._lock:
-            first = self._images[slot] is None
+            held = self._images[slot]
+            if held is not None and 0 < stamp_ns(held.header) - stamp_ns(msg.header) <= RESTART_NS:
+                return False  # older than the frame held: not stored (module docstring)
             self._images[slot] = msg
-        return first
+        return held is None
 
-    def put_joint_state(self, msg: Any, prefix: str = "") -> bool:
+    def put_joint_state(self, msg: Any, prefix: str = "", topic: str = "") -> bool:
         """Store each named position as `prefix + name` (the arm's topic decides the prefix: an Interbotix
-        ALOHA names both arms' joints alike). A message whose names and positions do not pair up (other
-        counts, a name twice) is not stored: which position belongs to which joint is not known, and the
-        next observation is a bad_state drop saying so, until the arm sends a well-formed one."""
+        ALOHA names both arms' joints alike); `topic` names the source in drop reasons. A message whose
+        names and positions do not pair up (other counts, a name twice) is not stored: which position
+        belongs to which joint is not known, and the next observation is a bad_state drop saying so, until
+        the arm sends a well-formed one. One without positions (velocities or efforts only, which the
+        message allows) carries nothing for the policy and is skipped."""
         t = stamp_ns(msg.header)
         names, positions = list(msg.name), list(msg.position)
+        if names and not positions:
+            return False
         fault = joint_state_fault(names, positions)
+        source = topic or prefix or "a joint state"
         with self._lock:
             if fault:
-                self._joint_faults[prefix] = fault
+                self._joint_faults[source] = fault
                 return False
-            self._joint_faults.pop(prefix, None)
-            held = len(self._joints)
+            self._joint_faults.pop(source, None)
+            new = False
             for name, position in zip(names, positions, strict=True):
-                self._joints[prefix + name] = (t, float(position))
-            return len(self._joints) > held
+                key = prefix + name
+                samples = self._joints.get(key)
+                if samples is None:
+                    samples = self._joints[key] = deque(maxlen=JOINT_HISTORY_MAX)
+                    new = True
+                elif t < samples[-1][0]:
+                    if samples[-1][0] - t <= RESTART_NS:
+                        continue  # older than the position held: not stored (module docstring)
+                    samples.clear()  # the clock went back: a new run
+                samples.append((t, float(position)))
+                self._joint_source[key] = source
+                while samples[0][0] < t - JOINT_HISTORY_S * 1e9:
+                    samples.popleft()
+            return new
 
     def clear(self) -> None:
         with self._lock:
             self._images = [None] * len(self._images)
             self._joints.clear()
+            self._joint_source.clear()
             self._joint_faults.clear()
 
     def observation(self, now_ns: int, prompt: str, slot_names: Sequence[str]) -> Observation:
         """The observation at `now_ns`, or ObservationUnavailable with the reason. Stamp = newest image."""
         with self._lock:
             images = list(self._images)
-            joints = dict(self._joints)
+            joints = {n: list(samples) for n, samples in self._joints.items()}
+            sources = dict(self._joint_source)
             faults = dict(self._joint_faults)
         lim = self.limits
         stamps: list[int] = []
+        named: list[tuple[int, str]] = []  # (stamp, what it is) of every message the observation uses
         rgb: dict[str, np.ndarray] = {}
         for slot, msg in enumerate(images):
             camera = (
@@ -147,17 +203,17 @@ class ObservationBuffer:
             t = stamp_ns(msg.header)
             if now_ns - t > lim.max_image_age_ns:
                 raise ObservationUnavailable(
-                    DropReason.STALE_IMAGE, f"{camera} is {(now_ns - t) / 1e6:.0f} ms old"
+                    DropReason.STALE_IMAGE,
+                    f"{camera} is {(now_ns - t) / 1e6:.0f} ms old{_clock_hint(t, now_ns)}",
                 )
             stamps.append(t)
+            named.append((t, camera))
             try:
                 rgb[slot_names[slot]] = self._decode(msg)
             except ImageConversionError as e:
                 raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{camera}: {e}") from None
         if faults:
-            said = "; ".join(
-                f"{prefix or 'a joint state'}: {fault}" for prefix, fault in sorted(faults.items())
-            )
+            said = "; ".join(f"{source}: {fault}" for source, fault in sorted(faults.items()))
             raise ObservationUnavailable(
                 DropReason.BAD_STATE, f"a joint state that does not add up, not used ({said})"
             )
@@ -166,26 +222,45 @@ class ObservationBuffer:
             # The names that did arrive show a naming mismatch (a prefix missing or doubled) at a glance.
             held = f"; received {sorted(joints)[:8]}{' ...' if len(joints) > 8 else ''}" if joints else ""
             raise ObservationUnavailable(DropReason.MISSING_JOINTS, f"no position yet for {missing}{held}")
-        raw = np.array([joints[n][1] for n in self._sources])
-        state = ((raw - self._offset) * self._scale).astype(np.float32)
-        joint_stamps = [joints[n][0] for n in self._sources]
-        oldest_joint = min(joint_stamps)
-        if now_ns - oldest_joint > lim.max_joint_age_ns:
+        # A joint whose newest position is too old: its driver stopped (whatever the frames' time).
+        stale = min(self._sources, key=lambda n: joints[n][-1][0])
+        newest_of_stale = joints[stale][-1][0]
+        if now_ns - newest_of_stale > lim.max_joint_age_ns:
             raise ObservationUnavailable(
-                DropReason.STALE_JOINTS, f"joint state is {(now_ns - oldest_joint) / 1e6:.0f} ms old"
+                DropReason.STALE_JOINTS,
+                f"{sources.get(stale, stale)} ({stale}) is {(now_ns - newest_of_stale) / 1e6:.0f} ms old"
+                + _clock_hint(newest_of_stale, now_ns),
             )
-        stamps += joint_stamps
-        if max(stamps) > now_ns + lim.max_skew_ns:
+        frames_at = max(stamps)
+        picked = [_nearest(joints[n], frames_at) for n in self._sources]
+        raw = np.array([p[1] for p in picked])
+        state = ((raw - self._offset) * self._scale).astype(np.float32)
+        for n, (t, _) in zip(self._sources, picked, strict=True):
+            named.append((t, f"{sources.get(n, n)} ({n})"))
+        newest, oldest = max(named), min(named)
+        if newest[0] > now_ns + lim.max_skew_ns:
             raise ObservationUnavailable(
                 DropReason.FUTURE_STAMP,
-                f"a stamp is {(max(stamps) - now_ns) / 1e6:.0f} ms ahead of the node clock",
+                f"{newest[1]} is stamped {(newest[0] - now_ns) / 1e6:.0f} ms ahead of the node clock"
+                + _clock_hint(newest[0], now_ns),
             )
-        if max(stamps) - min(stamps) > lim.max_skew_ns:
+        if newest[0] - oldest[0] > lim.max_skew_ns:
             raise ObservationUnavailable(
-                DropReason.SKEW, f"stamps span {(max(stamps) - min(stamps)) / 1e6:.0f} ms"
+                DropReason.SKEW,
+                f"stamps span {(newest[0] - oldest[0]) / 1e6:.0f} ms: {oldest[1]} oldest, {newest[1]} newest",
             )
         if not np.isfinite(state).all():
             bad = [n for n, v in zip(self._joint_names, state, strict=True) if not np.isfinite(v)]
             raise ObservationUnavailable(DropReason.BAD_STATE, f"non-finite position for {bad}")
-        newest_image = max(stamps[: len(images)])
-        return Observation(images=rgb, state=state, prompt=prompt, stamp_ns=newest_image)
+        return Observation(images=rgb, state=state, prompt=prompt, stamp_ns=frames_at)
+
+
+def _nearest(samples: list[tuple[int, float]], t: int) -> tuple[int, float]:
+    """The (stamp, position) stamped nearest `t` among samples in stamp order (the later one on a tie)."""
+    i = bisect.bisect_left(samples, t, key=lambda sample: sample[0])
+    if i == len(samples):
+        return samples[-1]
+    if i == 0:
+        return samples[0]
+    before, after = samples[i - 1], samples[i]
+    return before if t - before[0] < after[0] - t else after

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
+from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -57,6 +58,9 @@ from rmuscle_ros.node.spin import (
 )
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
+# With use_sim_time, a ROS clock that has not moved for this long while active is reported (ERROR: no tick
+# runs without it). A bag player pauses /clock between bags for well under this.
+CLOCK_SILENT_S = 5.0
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
@@ -193,6 +197,11 @@ class RMuscleNode(LifecycleNode):
         self._tick_waiting_since: float | None = None
         self._doing = ""  # what the worker is running ("": waiting for work), for the stall's report
         self._stall_logged = False  # the current stall was logged (once per stall)
+        # With use_sim_time: the ROS clock's latest reading seen by /diagnostics, and when (monotonic) it
+        # last moved; the silence was logged (once per silence)
+        self._ros_clock_seen = 0
+        self._ros_clock_moved_at = time.monotonic()
+        self._clock_silence_logged = False
         self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
@@ -481,19 +490,26 @@ class RMuscleNode(LifecycleNode):
                 )
             )
         for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
+            resolved = self.resolve_topic_name(topic)  # as remapped: the cell's name, named in drop reasons
             self._subs.append(
                 self.create_subscription(
                     JointState,
                     topic,
-                    lambda msg, prefix=prefix: self._stored(buffer.put_joint_state(msg, prefix)),
+                    lambda msg, prefix=prefix, resolved=resolved: self._stored(
+                        buffer.put_joint_state(msg, prefix, resolved)
+                    ),
                     qos_profile_sensor_data,
                 )
             )
         period = cfg.actions_per_inference * cfg.control_period_s
         self._infer_timer = periodic_timer(self, period, self._on_tick)
+        self._ros_clock_seen, self._ros_clock_moved_at = 0, time.monotonic()
         self._timers = [
             self._infer_timer,
-            periodic_timer(self, 1.0, self._publish_diagnostics),
+            # On the steady clock always: with use_sim_time and no /clock (a simulator stopped, a profile
+            # meant for one), a timer on the ROS clock never fires, and the node said nothing at all
+            # (found in review). Diagnostics then report the silent clock.
+            self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME)),
         ]
         if self._status_pub is not None:
             self._timers.append(periodic_timer(self, cfg.cache.status_period_s, self._publish_cache_status))
@@ -1090,6 +1106,17 @@ class RMuscleNode(LifecycleNode):
     def _publish_diagnostics(self) -> None:
         self._diag_pub.publish(self._diagnostics())
 
+    def _clock_silence_s(self) -> float:
+        """With use_sim_time while active: seconds since the ROS clock (/clock) last moved; else 0."""
+        if not self._timers or not self.get_clock().ros_time_is_active:
+            return 0.0
+        now = self.get_clock().now().nanoseconds
+        if now != self._ros_clock_seen:
+            self._ros_clock_seen, self._ros_clock_moved_at = now, time.monotonic()
+            self._clock_silence_logged = False
+            return 0.0
+        return time.monotonic() - self._ros_clock_moved_at
+
     def _diagnostics(self) -> DiagnosticArray:
         s = self.stats()
         status = DiagnosticStatus()
@@ -1125,6 +1152,16 @@ class RMuscleNode(LifecycleNode):
             status.message = (
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
             )
+        silent = self._clock_silence_s()
+        if silent >= CLOCK_SILENT_S:
+            status.level = DiagnosticStatus.ERROR  # no tick runs: no chunk, no drop
+            said = f"use_sim_time is set and /clock has not moved for {silent:.0f} s: no inference runs"
+            status.message = f"{said}; " + status.message
+            if not self._clock_silence_logged:
+                self._clock_silence_logged = True
+                self.get_logger().error(
+                    f"{said} (a simulator or bag player stopped, or use_sim_time is set by mistake)"
+                )
         keys = (
             "rate_hz",
             "latency_p50_ms",
