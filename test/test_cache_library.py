@@ -229,6 +229,23 @@ def test_bounded_size_evicts_the_least_recently_used(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(f"episode_{second:06d}*")), "evicted episode file still on disk"
 
 
+def test_a_library_evicting_all_day_keeps_no_record_of_files_it_deleted(tmp_path: Path) -> None:
+    """Evicted episodes whose files are gone leave nothing behind (found in review: their ids piled up for
+    the life of the process, each index write checking every one on disk), and the index lists none."""
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=2)
+    for seed in range(6):
+        lib.add(episode(seed=seed))
+    assert sorted(lib.entries) == [4, 5] and lib._removed == set()
+    # the index is written before the files go: it names only the latest eviction's, still on disk then
+    assert json.loads((tmp_path / "index.json").read_text())["removed"] == [3]
+
+
+def test_retrieval_needs_a_lookahead() -> None:
+    """lookahead 0 froze the alignment at the reference's first call (found in review)."""
+    with pytest.raises(ValueError, match="lookahead >= 1"):
+        RetrievalConfig(lookahead=0)
+
+
 def test_one_busy_task_evicts_its_own_episodes_not_another_tasks(tmp_path: Path) -> None:
     """A cell that runs one job all day and another now and then: past the bound, the task holding the
     most episodes gives up its least recently used one; the other job keeps its episodes, even older

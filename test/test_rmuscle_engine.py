@@ -329,3 +329,39 @@ def test_a_ramp_that_keeps_every_neuron_is_dense_bit_for_bit(model) -> None:
     cached = _run(engine, inputs, noise, "cached", "cached")
     assert torch.isfinite(cached).all() and not torch.equal(cached, dense)
     assert rel_l2(cached, dense) < 0.5
+
+
+@pytest.mark.parametrize("anchors", [1, 2])
+def test_masks_are_ranked_against_the_anchor_a_cached_call_adds_onto(model, monkeypatch, anchors) -> None:
+    """A cached step adds its selected neurons' change onto the last anchor step's activations, so a
+    recording ranks each later step's neurons by their change since that anchor: with 2 anchors, step 1's
+    activations, not step 0's (found in review: masks were ranked against step 0 whatever the anchors)."""
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(rho_n=0.5, anchors=anchors))
+    ops = engine.fused.ops
+    activations: list[
+        torch.Tensor
+    ] = []  # every linear_geglu output, in call order (step by step, layer by layer)
+    scored: list[torch.Tensor] = []  # the anchor each neuron_scores call ranks against
+    real_geglu, real_scores = ops.linear_geglu, ops.neuron_scores
+
+    def geglu(x, w, out, **kw):
+        result = real_geglu(x, w, out, **kw)
+        activations.append(out.clone())
+        return result
+
+    def scores(act, anchor, out):
+        scored.append(anchor.clone())
+        return real_scores(act, anchor, out)
+
+    monkeypatch.setattr(ops, "linear_geglu", geglu)
+    monkeypatch.setattr(ops, "neuron_scores", scores)
+    bucket = engine.load_inputs(*random_inputs(model.cfg, valid_tokens=15, pad_to=20))
+    engine.run_stage("vision", bucket)
+    engine.run_stage("prefill", bucket)
+    activations.clear()  # the prefill's FFNs: not the expert's
+    engine.run_stage("denoise", bucket, variant="record")
+    depth, steps = model.cfg.expert.depth, model.cfg.num_steps
+    assert len(activations) == steps * depth and len(scored) == (steps - anchors) * depth
+    last_anchor = activations[(anchors - 1) * depth : anchors * depth]
+    for k, anchor in enumerate(scored):
+        assert torch.equal(anchor, last_anchor[k % depth]), f"scoring call {k} ranked against another step"

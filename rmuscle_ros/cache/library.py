@@ -837,6 +837,9 @@ class ReferenceLibrary:
         for entry in entries:
             try:
                 (self.root / entry.file).unlink(missing_ok=True)
+                # Gone: nothing left for the next open to delete. Kept, the set grew for the life of the
+                # process and every index write checked each id on disk (found in review).
+                self._removed.discard(entry.id)
             except OSError as e:
                 log.warning("reference library %s: cannot delete %s, which the index no longer names (%s)",
                             self.root, entry.file, e)  # fmt: skip

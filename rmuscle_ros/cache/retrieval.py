@@ -24,8 +24,10 @@ class RetrievalConfig:
     threshold: float = 0.8
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.lookahead < 0:
-            raise ValueError(f"top_k must be >= 1 and lookahead >= 0, got {self.top_k}, {self.lookahead}")
+        # lookahead 0 froze the alignment at the reference's first call (found in review): the aligned
+        # position only moves on through the positions past it that retrieval looks at.
+        if self.top_k < 1 or self.lookahead < 1:
+            raise ValueError(f"top_k must be >= 1 and lookahead >= 1, got {self.top_k}, {self.lookahead}")
         if not -1.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold is a cosine similarity in [-1, 1], got {self.threshold}")
 

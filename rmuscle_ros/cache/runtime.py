@@ -308,6 +308,8 @@ KEY_SETTINGS = {
     "mask_neurons": MASK_SETTINGS,
     "mask_steps": MASK_SETTINGS,
     "anchors": "dense anchor steps (cache.anchors)",
+    "anchor_ranked": "dense anchor steps (cache.anchors; a library recorded before masks were ranked against "
+    "the last anchor)",
     "image_antialias": "image resizing (model.image_antialias)",
     "aloha_adapt_to_pi": "the state's convention in the prompt (model.aloha_adapt_to_pi)",
 }
@@ -334,7 +336,12 @@ def library_key(weights: str, engine: GraphEngine, inputs: Mapping[str, bool] | 
             ),
             # masks are recorded for the steps after the anchors only (the others stay zero): another
             # anchors would read zero masks as neuron 0 (found in review); 1, the default, keeps old keys
-            **({"anchors": engine.cache.anchors} if engine.cache.anchors != 1 else {}),
+            # since masks are ranked against the last anchor step (before, against step 0 whatever the anchors)
+            **(
+                {"anchors": engine.cache.anchors, "anchor_ranked": "last"}
+                if engine.cache.anchors != 1
+                else {}
+            ),
             **{name: True for name, on in (inputs or {}).items() if on},
         },
     )

@@ -613,14 +613,17 @@ class FusedPi05:
         action: ActionCache | None = None,
         record_masks: Tensor | None = None,
         record_counts: Sequence[int] | None = None,
+        record_anchors: int = 1,
         kv_ready: Sequence[torch.cuda.Event] | None = None,
     ) -> Tensor:
         """10 Euler steps of the action expert attending the prefix K/V. noise, out (horizon, action_dim) f32.
 
         action: run the expert FFNs with the Action Cache. record_masks (steps, depth, S) int32: run dense
-        and write, for every step s after the first, the record_counts[s] neurons (default S; none for a
-        step that keeps 0 or all of them) with the largest contribution score (|a_s − a_0| summed over the
-        chunk, times ‖W_down[:, j]‖), sorted, into record_masks[s, :, :count].
+        and write, for every step s after the first record_anchors (the Action Cache's dense anchor steps,
+        `ActionCache.anchors`), the record_counts[s] neurons (default S; none for a step that keeps 0 or all
+        of them) with the largest contribution score (|a_s − a_anchor| summed over the chunk, times
+        ‖W_down[:, j]‖; the anchor: the last anchor step, whose activations a cached step adds its change
+        onto), sorted, into record_masks[s, :, :count].
         kv_ready: the prefill's per-layer events (`prefill`), when the prefill is still running on another
         stream: the first step's layer i waits only for layer i's K/V, so the first step runs alongside the
         prefill instead of after it. Every later step comes after the first, hence after every event."""
@@ -636,7 +639,9 @@ class FusedPi05:
         if action is not None or record_masks is not None:
             if self.down_t is None:
                 raise RuntimeError("call prepare_action_cache() before running the Action Cache")
-            anchors = action.anchors if action is not None else 1
+            # Recording ranks against the anchor a cached call will use: with 2 anchors, step 1's (found in
+            # review: masks recorded against step 0 picked the neurons that moved since the wrong step).
+            anchors = action.anchors if action is not None else record_anchors
             if not 1 <= anchors < cfg.num_steps:
                 raise ValueError(f"Action Cache anchors must be in 1..{cfg.num_steps - 1}, got {anchors}")
             depth = len(self.expert_layers)

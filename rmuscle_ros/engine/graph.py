@@ -466,6 +466,7 @@ class GraphEngine:
             kw["action"] = ActionCache(self.neurons, self.cache.anchors, self.step_neurons)
         elif variant == "record":
             kw["record_masks"], kw["record_counts"] = self.recorded_masks, self.step_neurons
+            kw["record_anchors"] = self.cache.anchors
         self.fused.denoise(lane.noise, lane.layout[bucket], lane.kv, lane.actions, **kw)
 
     def _run_tail(self, lane: _Lane, bucket: int, variant: str) -> None:

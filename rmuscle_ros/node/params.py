@@ -112,7 +112,7 @@ class CacheParams:
 
     def _name_the_parameter(self, message: str) -> str:
         """RMuscleConfig's error -> "cache.<parameter>: <what is wrong>"."""
-        # Its messages may name several fields at once ("top_k must be >= 1 and lookahead >= 0"): trying
+        # Its messages may name several fields at once ("top_k must be >= 1 and lookahead >= 1"): trying
         # each value alone against the defaults finds the one that is wrong.
         for name, value in self.runtime_fields().items():
             try:
