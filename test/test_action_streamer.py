@@ -158,6 +158,10 @@ def cell() -> Iterator[Callable[..., Cell]]:
         yield make
 
 
+# Tests of which row goes out use cell(max_step=10.0, max_tracking_error=math.inf): no ramp and no tracking
+# bound, since the stand-in arm's joint states stay where they are while the rows move on.
+
+
 def rows(base: float = 0.0) -> np.ndarray:
     """Row t of a 50 x 14 chunk: joint j at base + t/1000 + j/100, so a command says its row and joint."""
     return base + np.arange(HORIZON)[:, None] / 1000 + np.arange(14)[None, :] / 100
@@ -171,7 +175,7 @@ def row_of(cmd: list[float], chunk: np.ndarray, columns: list[int]) -> int:
 
 
 def test_each_arm_gets_its_joints_and_gripper_from_the_row_due_now(cell) -> None:
-    c = cell(max_step=10.0)
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     assert c.state() == State.PRIMARY_STATE_ACTIVE
     chunk = rows()
@@ -193,7 +197,7 @@ def test_each_arm_gets_its_joints_and_gripper_from_the_row_due_now(cell) -> None
 
 
 def test_a_newer_chunk_takes_over_and_streaming_holds_when_chunks_run_out(cell) -> None:
-    c = cell(max_step=10.0)
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     short = rows()[:10]  # 200 ms of actions
     c.publish_chunk(short, c.now_ns())
@@ -213,7 +217,7 @@ def test_a_newer_chunk_takes_over_and_streaming_holds_when_chunks_run_out(cell) 
 def test_diagnostics_say_which_row_each_chunk_took_over_at(cell) -> None:
     """The rows a chunk's call latency cost: a chunk stamped 10 periods ago takes over at about its row 10,
     fresh ones near row 0; /diagnostics reports the median and the maximum of the latest takeovers."""
-    c = cell(max_step=10.0)
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.keep_joints_coming(timeout=0.3)  # a stamp 10 periods back must not predate the activation
     c.publish_chunk(rows(), c.now_ns() - 10 * 20_000_000)
@@ -231,7 +235,7 @@ def test_diagnostics_say_which_row_each_chunk_took_over_at(cell) -> None:
 def test_with_a_takeover_delay_fresh_chunks_take_over_at_its_row_and_late_ones_are_counted(cell) -> None:
     """takeover_delay_s 0.2 s (10 periods): a chunk that arrives at once still takes over at about its row
     10; one whose call took 15 periods takes over on arrival and counts in `chunks_late`."""
-    c = cell(max_step=10.0, takeover_delay_s=0.2)
+    c = cell(max_step=10.0, max_tracking_error=math.inf, takeover_delay_s=0.2)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.keep_joints_coming(timeout=0.4)  # a stamp 15 periods back must not predate the activation
     c.publish_chunk(rows(), c.now_ns())
@@ -257,10 +261,10 @@ def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
     assert c.node.stats()["limited"] == 5
 
 
-def test_an_arm_that_stopped_following_is_commanded_on_from_where_it_is_and_warned(cell) -> None:
+def test_an_arm_that_stopped_following_is_not_commanded_away_from_where_it_is_and_warned(cell) -> None:
     """Commands flow toward 0.4; then the left arm is measured 1 rad away (its torque went off and it sagged,
-    or it was moved by hand): its next commands step from where it is at max_step, not back toward the
-    command it stopped following, and /diagnostics warns naming the joints. The right arm's commands go on."""
+    or it was moved by hand): its commands move toward it at max_step until within max_tracking_error of
+    it, never on toward 0.4, and /diagnostics warns naming the joints. The right arm's commands go on."""
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 
     c = cell(max_step=0.05)
@@ -271,14 +275,13 @@ def test_an_arm_that_stopped_following_is_commanded_on_from_where_it_is_and_warn
     assert c.keep_joints_coming(value=0.3, until=lambda: len(c.arm["left"]) >= 3)
     assert c.arm["left"][-1].cmd[0] == pytest.approx(0.4, abs=1e-6) and c.node.stats()["resynced"] == 0
     sent = len(c.arm["left"])
-    assert c.keep_joints_coming(value=(-0.6, 0.3), until=lambda: len(c.arm["left"]) >= sent + 3)
-    after = [m.cmd[0] for m in c.arm["left"][sent + 1 :]]  # the first may have gone before the -0.6 came
-    # from -0.6 at max_step, and never further than max_tracking_error + max_step from where the arm is
-    assert after[0] == pytest.approx(-0.55, abs=1e-6) or after[0] == pytest.approx(-0.5, abs=1e-6), after
-    assert all(v <= -0.6 + 0.3 + 0.05 + 1e-6 for v in after), f"sent back toward 0.4: {after}"
+    assert c.keep_joints_coming(value=(-0.6, 0.3), until=lambda: len(c.arm["left"]) >= sent + 20)
+    after = [m.cmd[0] for m in c.arm["left"][sent - 1 :]]
+    assert max(np.abs(np.diff(after))) <= 0.05 + 1e-6 and all(np.diff(after) <= 1e-6), after
+    assert after[-1] == pytest.approx(-0.3, abs=1e-6), f"not brought within 0.3 rad of the arm: {after}"
     assert c.arm["right"][-1].cmd[0] == pytest.approx(0.4, abs=1e-6)
     stats = c.node.stats()
-    assert stats["resynced"] >= 1 and "left_waist measured -0.6, commanded 0.4" in stats["last_resync"], stats
+    assert stats["resynced"] >= 1 and "left_waist measured -0.6, commanded" in stats["last_resync"], stats
 
     def warned() -> bool:
         return any(
@@ -311,7 +314,7 @@ def test_a_target_past_the_arms_travel_is_commanded_at_its_limit_and_reported(ce
     """The default limits are the ViperX 300 6DOF's: a chunk asking for the left shoulder at 2.0 rad (its
     upper limit is 72 degrees, 1.2566 rad) commands it at the limit; the count and the chunk's value are
     on /diagnostics. The Dynamixel servos would refuse the goal and leave the arm where it was."""
-    c = cell(max_step=10.0)
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     chunk = np.zeros((HORIZON, 14))
     chunk[:, 1], chunk[:, 8] = 2.0, -0.5  # left shoulder past its limit; right shoulder within
@@ -350,7 +353,7 @@ def test_a_joint_state_whose_names_and_positions_do_not_pair_up_is_not_taken_as_
 def test_the_gripper_command_maps_the_policys_opening_onto_the_joints_range(cell) -> None:
     # An ALOHA policy's gripper action is its opening, 0 closed ... 1 open; the follower's gripper joint
     # takes a position between its closed and open commands (gripper_command_range).
-    c = cell(max_step=10.0, gripper_command_range=[0.6, 1.6])
+    c = cell(max_step=10.0, max_tracking_error=math.inf, gripper_command_range=[0.6, 1.6])
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     chunk = np.zeros((HORIZON, 14))
     chunk[:, 6], chunk[:, 13], chunk[:, 0] = 0.25, 1.0, 0.5
@@ -375,7 +378,7 @@ def test_nothing_is_sent_until_both_arms_positions_are_known(cell) -> None:
 
 
 def test_a_bad_chunk_is_refused_with_its_reason_and_the_running_one_goes_on(cell) -> None:
-    c = cell(max_step=10.0)
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     good = rows()
     c.publish_chunk(good, c.now_ns())
@@ -581,7 +584,7 @@ def test_deactivate_stops_the_commands_at_once(cell) -> None:
 def test_after_a_reactivation_a_chunk_planned_before_it_is_refused(cell) -> None:
     """A cell deactivates the streamer while it resets the scene and sends the arms home. A chunk planned
     before that (a call in flight at the reset) must not move the arms back toward the old scene."""
-    c = cell(max_step=10.0)
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.publish_chunk(rows(), c.now_ns())
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)

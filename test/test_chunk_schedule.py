@@ -145,19 +145,44 @@ def test_after_a_hold_commands_step_from_the_command_the_arm_held() -> None:
     assert s.command(T0 + 200 * MS, np.full(2, 0.6)).action.tolist() == pytest.approx([0.5, 0.5])
 
 
-def test_an_arm_joint_that_stopped_following_steps_from_where_it_is_not_back_toward_its_command() -> None:
+def test_an_arm_joint_that_stopped_following_is_not_commanded_further_than_its_bound_from_the_arm() -> None:
     """Torque went off and the arm sagged (or it was moved by hand, or stalled) while commands flowed: a
-    joint measured past its tracking bound from its last command steps from the measurement at max_step,
-    named in the command; a joint without a bound (a gripper closed on an object) steps from its command."""
+    joint measured past its tracking bound from its last command has its command moved toward it, at
+    max_step, to the bound's edge, not on toward the row, and is named in the command; a joint without a
+    bound (a gripper closed on an object) goes on toward its row."""
     s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=0.1, max_tracking_error=(0.3, math.inf)))
     offer(s, T0, np.full((50, 2), 0.5), now_ns=T0)
     assert s.command(T0, np.array([0.45, 0.45])).action.tolist() == pytest.approx([0.5, 0.5])
     near = s.command(T0 + 20 * MS, np.array([0.3, 0.3]))  # 0.2 behind: within the bound
     assert near.action.tolist() == pytest.approx([0.5, 0.5]) and near.resynced == ()
-    sagged = s.command(T0 + 40 * MS, np.array([-0.5, -0.5]))  # 1 rad off its command
-    assert sagged.resynced == (0,)
-    assert sagged.action.tolist() == pytest.approx([-0.4, 0.5]), "from where joint a is, at max_step"
-    assert s.command(T0 + 60 * MS, np.array([-0.4, -0.5])).action.tolist() == pytest.approx([-0.3, 0.5])
+    sagged = np.array([-0.5, -0.5])  # 1 rad off its command, and stays there
+    got = [s.command(T0 + (40 + 20 * k) * MS, sagged) for k in range(10)]
+    assert [c.action[0] for c in got] == pytest.approx(
+        [0.4, 0.3, 0.2, 0.1, 0.0, -0.1, -0.2, -0.2, -0.2, -0.2]
+    )
+    assert [c.resynced for c in got] == [(0,)] * 7 + [()] * 3
+    assert all(c.action[1] == pytest.approx(0.5) for c in got), "the unbounded joint is left alone"
+
+
+def test_a_slow_arm_is_led_by_at_most_the_bound_and_no_command_jumps() -> None:
+    """The ALOHA profile's max_step (0.1 rad a period, 5 rad/s) is faster than a ViperX (3.1 rad/s), and
+    joint states arrive some periods late: the commands run ahead of the measured arm. They stay within the
+    bound of it, and consecutive commands never differ by more than max_step (found in review: stepping
+    from the measurement instead made a sawtooth that jumped back 0.2 rad every few periods)."""
+    step, bound, speed, late = 0.1, 0.3, 0.062, 2  # the arm: 3.1 rad/s at 50 Hz; its states 2 periods late
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=step, max_tracking_error=(bound, bound)))
+    offer(s, T0, np.full((50, 2), 2.0), now_ns=T0)
+    arm, seen, commands = 0.0, [0.0] * (late + 1), []
+    for k in range(40):
+        measured = seen[-1 - late]
+        c = s.command(T0 + 20 * MS * k, np.full(2, measured))
+        commands.append(c.action[0])
+        assert c.action[0] - measured <= bound + step + 1e-9
+        arm += float(np.clip(c.action[0] - arm, -speed, speed))
+        seen.append(arm)
+    jumps = np.abs(np.diff(commands))
+    assert jumps.max() <= step + 1e-9, commands
+    assert commands[-1] == pytest.approx(2.0), "it gets there"
 
 
 def test_joint_states_that_stop_coming_stop_the_commands() -> None:

@@ -620,7 +620,8 @@ def test_an_activate_that_raises_fails_cleanly_and_the_next_one_runs(harness) ->
 def test_use_sim_time_without_a_clock_is_reported_not_silent(harness, monkeypatch) -> None:
     """use_sim_time set and nothing publishing /clock (a simulator stopped, a sim profile on a real cell): no
     tick runs, so no chunk and no drop. /diagnostics (on the steady clock) turns ERROR naming /clock, and
-    the node logs it once (found in review: before, the node published nothing at all)."""
+    the node logs it once (found in review: before, the node published nothing at all). A /clock that
+    stops after it ran (a player paused, between bags) is a WARN after CLOCK_PAUSED_S (10 s)."""
     from rmuscle_ros.node import rmuscle_node
 
     monkeypatch.setattr(rmuscle_node, "CLOCK_SILENT_S", 1.0)
@@ -629,14 +630,29 @@ def test_use_sim_time_without_a_clock_is_reported_not_silent(harness, monkeypatc
 
     def reported() -> bool:
         return any(
-            s.level == s.ERROR and "use_sim_time is set and /clock has not moved for" in s.message
+            s.level == s.ERROR and "use_sim_time is set and no /clock has come in" in s.message
             for a in h.diagnostics
             for s in a.status
         )
 
     assert h.wait_for(reported, timeout=10.0), [s.message for a in h.diagnostics for s in a.status]
-    assert h.wait_for(lambda: any("/clock has not moved" in log.msg for log in h.logs), timeout=5.0)
+    assert h.wait_for(lambda: any("no /clock has come in" in log.msg for log in h.logs), timeout=5.0)
     assert h.chunks == []
+    monkeypatch.setattr(rmuscle_node, "CLOCK_PAUSED_S", 1.0)
+    from builtin_interfaces.msg import Time
+    from rosgraph_msgs.msg import Clock
+
+    h.peer.create_publisher(Clock, "/clock", 10).publish(Clock(clock=Time(sec=1_700_000_000)))
+    heard = len(h.diagnostics)
+
+    def paused() -> bool:
+        return any(
+            s.level == s.WARN and "/clock has not moved for" in s.message
+            for a in h.diagnostics[heard:]
+            for s in a.status
+        )
+
+    assert h.wait_for(paused, timeout=10.0), [s.message for a in h.diagnostics[heard:] for s in a.status]
 
 
 def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(harness) -> None:

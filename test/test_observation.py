@@ -198,25 +198,52 @@ def test_image_copy_is_independent_of_the_message() -> None:
 
 
 def test_joint_positions_are_taken_where_the_cameras_saw_the_arm() -> None:
-    """A frame reaches the node ~40 ms after its capture (its stamp), joint states every 10 ms: the state is
-    the arm's position stamped nearest the frames, not the newest one, and the camera's delivery delay is
-    no skew (found in review: paired with the newest joint state, 40 ms of camera latency dropped most
-    ticks under a 20-50 ms max_skew_s)."""
-    b = ObservationBuffer(len(SLOTS), JOINTS, False, Limits(100 * MS, 50 * MS, 20 * MS))
+    """Frames reach the node ~40 ms after their capture (their stamps), joint states every 10 ms: the state
+    is the arm's position stamped nearest the newest frame, not the newest position, and the cameras'
+    delivery delay is no skew (found in review: paired with the newest joint state, 40 ms of camera
+    latency dropped most ticks under a 50 ms max_skew_s)."""
+    b = ObservationBuffer(len(SLOTS), JOINTS, False, Limits(100 * MS, 50 * MS, 60 * MS))
     t = 10**12
-    for k in range(-30, 5):  # 100 Hz, the arm moving: position = its stamp in ms after t
+    for k in range(-30, 5):  # 100 Hz up to t + 40 ms, the arm moving: position = its stamp in ms after t
         b.put_joint_state(joints(t + k * 10 * MS, value=k * 10.0))
-    b.put_image(0, image(t - 2 * MS))
-    b.put_image(1, image(t + 3 * MS))  # captured at t + 3 ms, here 40 ms later
-    obs = b.observation(t + 43 * MS, "task", SLOTS)
-    assert obs.stamp_ns == t + 3 * MS
-    assert obs.state.tolist() == [0.0, 0.0, 0.0], "the position stamped nearest the frames (t)"
+    b.put_image(0, image(t - 40 * MS))
+    b.put_image(1, image(t + 7 * MS))  # captured at t + 7 ms, here 40 ms later
+    obs = b.observation(t + 47 * MS, "task", SLOTS)
+    assert obs.stamp_ns == t + 7 * MS
+    assert obs.state.tolist() == [10.0, 10.0, 10.0], "the position stamped nearest the newest frame"
+    # With only the newest position (t + 40 ms) the stamps would span 80 ms, past max_skew_s.
+
+
+def test_of_positions_stamped_alike_the_last_received_is_taken() -> None:
+    """A simulator whose /clock ticks slower than its joint states stamps several positions alike: the
+    newest of them is the arm's position."""
+    t = 10**12
+    b = full(t)  # frames at t and t + 10 ms, joints at t + 5 ms
+    for value in (0.625, 0.75, 0.875):  # stamped as the newest frame
+        b.put_joint_state(joints(t + 10 * MS, value=value))
+    assert b.observation(t + 20 * MS, "task", SLOTS).state.tolist() == [0.875, 0.875, 0.875]
+
+
+def test_joint_states_stamped_ahead_of_the_node_clock_are_refused_naming_the_topic() -> None:
+    """A joint-state host whose clock runs 200 ms ahead: its positions are not taken (the one nearest the
+    frames would be the arm long before them), whatever position is picked."""
+    t = 10**12
+    b = buffer()
+    b.put_image(0, image(t))
+    b.put_image(1, image(t))
+    b.put_joint_state(joints(t - 10 * MS), "", "/follower_left/joint_states")
+    b.put_joint_state(joints(t + 200 * MS), "", "/follower_left/joint_states")
+    with pytest.raises(
+        ObservationUnavailable,
+        match=r"^future_stamp: /follower_left/joint_states \(\w\) is stamped 190 ms ahead",
+    ):
+        b.observation(t + 10 * MS, "task", SLOTS)
 
 
 def test_an_older_message_does_not_replace_a_newer_one_but_a_clock_that_went_back_restarts() -> None:
     """A second publisher on a topic (or a reordering transport) sends a message stamped before the one
-    held: not stored. One stamped more than a second back is a clock that went back (a bag played again):
-    it starts the source again."""
+    held: not stored. One stamped more than 0.1 s back is a clock that went back (a bag played again): it
+    starts the source again."""
     t = 10**12
     b = full(t)  # images at t and t + 10 ms, joints at t + 5 ms
     b.put_image(1, image(t + 2 * MS, value=99))

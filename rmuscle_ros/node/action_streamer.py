@@ -8,8 +8,8 @@ row of the newest chunk that is due then (`chunk_schedule`: rows the call's late
 skipped, a newer chunk takes over from its due row, nothing is sent once the newest has run out, no arm
 joint's target is past its position limit (`arm_joint_limits`, the ViperX 300 6DOF's by default), and no
 joint moves more than `max_step` per period, starting from the arm's measured position at activation and
-from the command the arm holds after a hold, or from where an arm joint is measured when it strayed past
-`max_tracking_error` from its command; nothing is sent while the arms' joint states are not recent).
+from the command the arm holds after a hold; no arm joint is commanded further than `max_tracking_error`
+from where it is measured; nothing is sent while the arms' joint states are not recent).
 
 Lifecycle: configure validates the parameters (FAILURE names the bad one) and checks that the Interbotix
 messages are importable; activate subscribes to the chunks and the arms' joint states and starts the
@@ -131,10 +131,10 @@ class StreamerConfig:
     # later chunk takes over on arrival and is counted, `chunks_late`). 0: as soon as it arrives.
     takeover_delay_s: float = 0.0
     max_joint_age_s: float = 0.1  # joint positions older than this do not count as where the arm is
-    # An arm joint measured further than this (rad) from its last command (torque off and the arm sagged,
-    # moved by hand, stalled against an obstacle, a motor restarted) is commanded on from where it is
-    # measured, at max_step a period, not sent back toward the command it stopped following; counted
-    # (`resynced`) and warned. The grippers are not checked (closed on an object, one measures open of its
+    # No arm joint is commanded further than this (rad) from where it is measured: one that strayed past it
+    # from its last command (torque off and the arm sagged, moved by hand, stalled against an obstacle, a
+    # motor restarted, or an arm slower than its commands) has its command moved toward it, at most
+    # max_step a period, instead of on toward the row; counted (`resynced`) and warned. The grippers are not checked (closed on an object, one measures open of its
     # command). .inf: no check.
     max_tracking_error: float = 0.3
 
@@ -293,7 +293,7 @@ class ActionStreamerNode(LifecycleNode):
         self._last_clamp = ""  # the latest command held at a position limit, what its chunk asked for
         self._last_clamp_logged = -math.inf
         self._clamped_reported = self._commands_reported = 0  # the counts at the latest /diagnostics
-        self._last_resync = ""  # the latest command stepped from the measurement, and where the arm was
+        self._last_resync = ""  # the latest command moved toward the arm, and where the arm was
         self._last_resync_at = self._last_resync_logged = -math.inf
         self._last_command: Any = None  # chunk_schedule.Command
         self._takeover_rows: deque[int] = deque(maxlen=TAKEOVERS_KEPT)  # each chunk's first executed row
@@ -563,7 +563,8 @@ class ActionStreamerNode(LifecycleNode):
 
     def _note_resynced(self, command: Any, measured: np.ndarray, last: Any) -> None:
         """Count and warn: an arm joint was measured past max_tracking_error from its last command (the arm
-        stopped following: torque off, moved by hand, stalled), so its command stepped from where it is."""
+        stopped following: torque off, moved by hand, stalled, or slower than its commands), so its command
+        moved toward where it is."""
         cfg = self.cfg
         assert cfg is not None
         self._counts["resynced"] += 1
@@ -579,7 +580,7 @@ class ActionStreamerNode(LifecycleNode):
             self._last_resync_logged = now
             self.get_logger().warning(
                 f"the arm is not where it was commanded (max_tracking_error {cfg.max_tracking_error:g} rad): "
-                f"{self._last_resync}; commands go on from where it is ({self._counts['resynced']} so far)"
+                f"{self._last_resync}; its commands move toward where it is ({self._counts['resynced']} so far)"
             )
 
     def _note_clamped(self, command: Any) -> None:

@@ -26,10 +26,13 @@ episode reset deactivates it first).
 
 Every command needs the arm's measured positions (joint states that stopped coming stop the commands: the
 arm holds, and /diagnostics says why), and a joint with a tracking bound (`max_tracking_error`: the arm
-joints, not the grippers) measured further than it from its last command steps from where it is
-measured, not from that command (`Command.resynced`): an arm whose torque went off and sagged, one moved
-by hand or stalled against an obstacle comes back at `max_step` a period from where it is, instead of
-being sent straight back toward a command it stopped following.
+joints, not the grippers) is never commanded further than that from where it is measured
+(`Command.resynced` names a joint whose last command was): its command moves toward the arm, at most
+`max_step` a period, until it is within the bound, instead of on toward the row. An arm whose torque
+went off and sagged, one moved by hand or stalled against an obstacle, is then not snapped back toward a
+command it stopped following when it moves again; an arm slower than its commands (or whose joint
+states lag them) is led by at most the bound, a speed limit that follows the arm. A command still never
+moves more than `max_step` from the one before.
 
 With position limits (`lower`, `upper`, per joint), a row's target beyond a joint's limit is commanded at
 the limit (`Command.clamped` names those joints): a policy in the wrong units, or one asking past the arm's
@@ -157,7 +160,8 @@ class Command:
     row: int  # the chunk's row it came from
     limited: bool  # max_step held back at least one joint
     clamped: tuple[int, ...] = ()  # the joints (indices) whose target lay beyond a position limit
-    # the joints (indices) measured further than max_tracking_error from their last command: stepped from
+    # the joints (indices) measured further than max_tracking_error from their last command: moved toward
+    # the arm instead of toward the row
     # the measurement
     resynced: tuple[int, ...] = ()
 
@@ -295,7 +299,7 @@ class ChunkSchedule:
 
         `measured`: the arm's joint positions in joint_names order (None while some are unknown or not
         recent: nothing is commanded); used as the previous command when commands start, so the first one
-        is also limited by max_step, and for a joint that strayed past max_tracking_error from its command.
+        is also limited by max_step, and to keep each joint within max_tracking_error of it.
         """
         self.clock(now_ns)
         self._drop_superseded(now_ns)
@@ -308,13 +312,7 @@ class ChunkSchedule:
             return None  # holding: the arm holds the last command, which the next one steps from
         if measured is None:
             return None  # not where the arm is: the arm holds its last command until it is known again
-        previous, resynced = measured, ()
-        if self._last is not None:
-            previous = self._last
-            if self.cfg.max_tracking_error:
-                strayed = np.abs(measured - self._last) > np.asarray(self.cfg.max_tracking_error)
-                resynced = tuple(int(i) for i in np.flatnonzero(strayed))
-                previous = np.where(strayed, measured, self._last)
+        previous = self._last if self._last is not None else measured
         target = running.actions[row]
         clamped: tuple[int, ...] = ()
         if self.cfg.lower:
@@ -325,8 +323,16 @@ class ChunkSchedule:
         step = self.cfg.max_step
         # A joint within a step of its target gets the target itself. The 1e-6 is for values that crossed
         # the wire as float32, a step whose remainder rounded a hair above max_step.
+        strayed = np.zeros(len(previous), dtype=bool)
+        if self.cfg.max_tracking_error:
+            # Within the bound of the arm: the target clipped to it. A command already outside it (the arm
+            # stopped following) moves toward it from there, at max_step like any command.
+            bound = np.asarray(self.cfg.max_tracking_error)
+            strayed = np.abs(measured - previous) > bound + 1e-9
+            target = np.clip(target, measured - bound, measured + bound)
         held_back = np.abs(target - previous) > step + 1e-6
         action = np.where(held_back, previous + np.clip(target - previous, -step, step), target)
+        resynced = tuple(int(i) for i in np.flatnonzero(strayed))
         self._last = action
         return Command(
             action=action,

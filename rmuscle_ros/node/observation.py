@@ -12,7 +12,7 @@ joint state measured the cameras' delivery delay as skew (found in review: at 40
 latest JOINT_HISTORY_S of positions, and an observation takes, per joint, the position stamped nearest
 the newest frame: the arm where the cameras saw it.
 
-A message stamped before the one held for its camera or joint, by less than RESTART_NS (a second
+A message stamped before the one held for its camera or joint, by up to RESTART_NS (a second
 publisher on the topic, a reordering transport), is not stored: it would move the observation back in
 time. One stamped further back is a clock that went back (a bag played again, a simulator restarted):
 it starts that source's history again.
@@ -38,7 +38,9 @@ JOINT_HISTORY_MAX = 2000  # samples per joint at most (a 1 kHz driver: 2 s), wha
 # A stamp further than this from the node clock is not a late or early message but another clock (a
 # camera's hardware clock, a message never stamped, use_sim_time on one side only): said so in the reason.
 OTHER_CLOCK_NS = 3600 * 1_000_000_000
-RESTART_NS = 1_000_000_000  # a message this much older than the one held: its clock went back, a new run
+# A message more than this older than the one held: its clock went back, a new run. Short, so that a clock
+# stepped back a little (a simulator restarted, a bag seeked) holds the observations back no longer than it.
+RESTART_NS = 100_000_000
 
 
 class DropReason(enum.Enum):
@@ -237,13 +239,16 @@ class ObservationBuffer:
         state = ((raw - self._offset) * self._scale).astype(np.float32)
         for n, (t, _) in zip(self._sources, picked, strict=True):
             named.append((t, f"{sources.get(n, n)} ({n})"))
-        newest, oldest = max(named), min(named)
+        # Ahead of the node clock: every source's newest message, not only the positions picked (a joint
+        # state host whose clock runs ahead, found in review).
+        newest = max([*named, *((joints[n][-1][0], f"{sources.get(n, n)} ({n})") for n in self._sources)])
         if newest[0] > now_ns + lim.max_skew_ns:
             raise ObservationUnavailable(
                 DropReason.FUTURE_STAMP,
                 f"{newest[1]} is stamped {(newest[0] - now_ns) / 1e6:.0f} ms ahead of the node clock"
                 + _clock_hint(newest[0], now_ns),
             )
+        newest, oldest = max(named), min(named)
         if newest[0] - oldest[0] > lim.max_skew_ns:
             raise ObservationUnavailable(
                 DropReason.SKEW,
@@ -256,8 +261,11 @@ class ObservationBuffer:
 
 
 def _nearest(samples: list[tuple[int, float]], t: int) -> tuple[int, float]:
-    """The (stamp, position) stamped nearest `t` among samples in stamp order (the later one on a tie)."""
-    i = bisect.bisect_left(samples, t, key=lambda sample: sample[0])
+    """The (stamp, position) stamped nearest `t` among samples in stamp order: of several with one stamp,
+    the last received; on a tie between an earlier and a later stamp, the later."""
+    i = bisect.bisect_right(
+        samples, t, key=lambda sample: sample[0]
+    )  # samples[i - 1]: the last at or before t
     if i == len(samples):
         return samples[-1]
     if i == 0:

@@ -852,7 +852,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"{d.get('chunks_accepted', 0)} chunks executed; "
             f"commands received: {arms}, every {streamed['interval_p50_ms']:.1f} ms (median); "
             f"{d.get('limited', 0)} held back by max_step, {d.get('clamped', 0)} at a joint's position limit, "
-            f"{d.get('resynced', 0)} from an arm measured off its command (max_tracking_error); "
+            f"{d.get('resynced', 0)} moved toward an arm that did not follow (max_tracking_error); "
             f"{d.get('held', 0)} ticks with no chunk due; "
             f"chunks took over at row {d.get('takeover_row.p50', 0)} (median; max {d.get('takeover_row.max', 0)}); "
             f"chunks refused: {refused or 'none'}"

@@ -58,9 +58,11 @@ from rmuscle_ros.node.spin import (
 )
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
-# With use_sim_time, a ROS clock that has not moved for this long while active is reported (ERROR: no tick
-# runs without it). A bag player pauses /clock between bags for well under this.
+# With use_sim_time while active: no /clock at all for this long is an ERROR (no tick runs: a simulator or
+# player that never started, or use_sim_time set by mistake) ...
 CLOCK_SILENT_S = 5.0
+# ... and a /clock that stopped for this long a WARN (a player paused or between bags, a simulator stopped).
+CLOCK_PAUSED_S = 10.0
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
@@ -1153,15 +1155,25 @@ class RMuscleNode(LifecycleNode):
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
             )
         silent = self._clock_silence_s()
-        if silent >= CLOCK_SILENT_S:
-            status.level = DiagnosticStatus.ERROR  # no tick runs: no chunk, no drop
-            said = f"use_sim_time is set and /clock has not moved for {silent:.0f} s: no inference runs"
+        never = self._ros_clock_seen == 0
+        if silent >= (CLOCK_SILENT_S if never else CLOCK_PAUSED_S):
+            # no tick runs meanwhile: no chunk, no drop
+            status.level = max(status.level, DiagnosticStatus.ERROR if never else DiagnosticStatus.WARN)
+            said = (
+                f"use_sim_time is set and no /clock has come in {silent:.0f} s: no inference runs (a simulator "
+                "or bag player not started, or use_sim_time set by mistake)"
+                if never
+                else f"/clock has not moved for {silent:.0f} s (use_sim_time): no inference runs until it does "
+                "(a bag player paused or between bags, a simulator stopped)"
+            )
             status.message = f"{said}; " + status.message
             if not self._clock_silence_logged:
                 self._clock_silence_logged = True
-                self.get_logger().error(
-                    f"{said} (a simulator or bag player stopped, or use_sim_time is set by mistake)"
-                )
+                # (one call site per severity: rclpy refuses a call site whose severity changes)
+                if never:
+                    self.get_logger().error(said)
+                else:
+                    self.get_logger().warning(said)
         keys = (
             "rate_hz",
             "latency_p50_ms",
