@@ -617,6 +617,32 @@ def test_an_activate_that_raises_fails_cleanly_and_the_next_one_runs(harness) ->
     assert h.transition(Transition.TRANSITION_ACTIVATE) and h.feed_until(lambda: len(h.chunks) >= 1)
 
 
+def test_two_publishers_on_an_input_topic_are_reported(harness) -> None:
+    """A second source on a joint-state topic (a joint_state_publisher beside the arm's driver, a bag player
+    left running): the node would mix both in its observations. /diagnostics warns naming the topic and
+    both nodes, and the node logs it once (found in review: nothing said so)."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+    other = rclpy.create_node("stale_joint_publisher", context=h.context)
+    try:
+        other.create_publisher(JointState, JOINT_TOPICS[0], qos_profile_sensor_data)
+
+        def warned() -> bool:
+            return any(
+                s.level == s.WARN
+                and f"2 publishers on /{JOINT_TOPICS[0]}" in s.message
+                and "/stale_joint_publisher" in s.message
+                for a in h.diagnostics
+                for s in a.status
+            )
+
+        assert h.feed_until(warned), [s.message for a in h.diagnostics[-3:] for s in a.status]
+        assert any(f"publishers on /{JOINT_TOPICS[0]}" in log.msg for log in h.logs)
+    finally:
+        other.destroy_node()
+
+
 def test_use_sim_time_without_a_clock_is_reported_not_silent(harness, monkeypatch) -> None:
     """use_sim_time set and nothing publishing /clock (a simulator stopped, a sim profile on a real cell): no
     tick runs, so no chunk and no drop. /diagnostics (on the steady clock) turns ERROR naming /clock, and

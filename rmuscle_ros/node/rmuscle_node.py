@@ -204,6 +204,7 @@ class RMuscleNode(LifecycleNode):
         self._ros_clock_seen = 0
         self._ros_clock_moved_at = time.monotonic()
         self._clock_silence_logged = False
+        self._crowded_logged: set[str] = set()  # input topics whose several publishers were logged
         self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
@@ -506,6 +507,7 @@ class RMuscleNode(LifecycleNode):
         period = cfg.actions_per_inference * cfg.control_period_s
         self._infer_timer = periodic_timer(self, period, self._on_tick)
         self._ros_clock_seen, self._ros_clock_moved_at = 0, time.monotonic()
+        self._crowded_logged: set[str] = set()
         self._timers = [
             self._infer_timer,
             # On the steady clock always: with use_sim_time and no /clock (a simulator stopped, a profile
@@ -1108,6 +1110,23 @@ class RMuscleNode(LifecycleNode):
     def _publish_diagnostics(self) -> None:
         self._diag_pub.publish(self._diagnostics())
 
+    def _crowded_inputs(self) -> dict[str, list[str]]:
+        """While active: each camera or joint-state topic with more than one publisher, and their nodes. The
+        node takes each message as it comes, so two sources on one topic (a bag player left running beside
+        the camera driver, a joint_state_publisher beside the arm's driver) mix in its observations (found
+        in review: nothing said so)."""
+        if not self._subs or self.cfg is None:
+            return {}
+        crowded = {}
+        for topic in (*self.cfg.camera_topics, *self.cfg.joint_state_topics):
+            resolved = self.resolve_topic_name(topic)
+            publishers = self.get_publishers_info_by_topic(resolved)
+            if len(publishers) > 1:
+                crowded[resolved] = sorted(
+                    f"{p.node_namespace.rstrip('/')}/{p.node_name}" for p in publishers
+                )
+        return crowded
+
     def _clock_silence_s(self) -> float:
         """With use_sim_time while active: seconds since the ROS clock (/clock) last moved; else 0."""
         if not self._timers or not self.get_clock().ros_time_is_active:
@@ -1154,6 +1173,19 @@ class RMuscleNode(LifecycleNode):
             status.message = (
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
             )
+        crowded = self._crowded_inputs()
+        if crowded:
+            status.level = max(status.level, DiagnosticStatus.WARN)
+            said = "; ".join(
+                f"{len(nodes)} publishers on {topic} ({', '.join(nodes)})" for topic, nodes in crowded.items()
+            )
+            status.message = f"{said}: their messages mix in the observations; " + status.message
+            for topic in crowded.keys() - self._crowded_logged:
+                self._crowded_logged.add(topic)
+                self.get_logger().warning(
+                    f"{len(crowded[topic])} publishers on {topic} ({', '.join(crowded[topic])}): the node takes "
+                    "each message as it comes, so their messages mix in the observations"
+                )
         silent = self._clock_silence_s()
         never = self._ros_clock_seen == 0
         if silent >= (CLOCK_SILENT_S if never else CLOCK_PAUSED_S):
