@@ -134,8 +134,8 @@ class StreamerConfig:
     # No arm joint is commanded further than this (rad) from where it is measured: one that strayed past it
     # from its last command (torque off and the arm sagged, moved by hand, stalled against an obstacle, a
     # motor restarted, or an arm slower than its commands) has its command moved toward it, at most
-    # max_step a period, instead of on toward the row; counted (`resynced`) and warned. The grippers are not checked (closed on an object, one measures open of its
-    # command). .inf: no check.
+    # max_step a period, instead of on toward the row; counted (`resynced`) and warned. The grippers are
+    # not checked (closed on an object, one measures open of its command). .inf: no check.
     max_tracking_error: float = 0.3
 
     def __post_init__(self) -> None:

@@ -94,9 +94,9 @@ class ScheduleConfig:
     # Each joint's position limits, in joint_names order (their units; -inf / inf: none). (): no limits.
     lower: tuple[float, ...] = ()
     upper: tuple[float, ...] = ()
-    # Per joint, in joint_names order: how far its measured position may be from its last command before the
-    # next command steps from the measurement (inf: never; a gripper closed on an object measures open of
-    # its command). (): no joint is checked.
+    # Per joint, in joint_names order: how far from its measured position a joint may be commanded (see the
+    # module docstring; inf: any distance, for a gripper closed on an object, which measures open of its
+    # command). (): no joint is bounded.
     max_tracking_error: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -162,7 +162,6 @@ class Command:
     clamped: tuple[int, ...] = ()  # the joints (indices) whose target lay beyond a position limit
     # the joints (indices) measured further than max_tracking_error from their last command: moved toward
     # the arm instead of toward the row
-    # the measurement
     resynced: tuple[int, ...] = ()
 
 

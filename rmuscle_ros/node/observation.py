@@ -193,7 +193,6 @@ class ObservationBuffer:
             sources = dict(self._joint_source)
             faults = dict(self._joint_faults)
         lim = self.limits
-        stamps: list[int] = []
         named: list[tuple[int, str]] = []  # (stamp, what it is) of every message the observation uses
         rgb: dict[str, np.ndarray] = {}
         for slot, msg in enumerate(images):
@@ -208,7 +207,6 @@ class ObservationBuffer:
                     DropReason.STALE_IMAGE,
                     f"{camera} is {(now_ns - t) / 1e6:.0f} ms old{_clock_hint(t, now_ns)}",
                 )
-            stamps.append(t)
             named.append((t, camera))
             try:
                 rgb[slot_names[slot]] = self._decode(msg)
@@ -233,7 +231,7 @@ class ObservationBuffer:
                 f"{sources.get(stale, stale)} ({stale}) is {(now_ns - newest_of_stale) / 1e6:.0f} ms old"
                 + _clock_hint(newest_of_stale, now_ns),
             )
-        frames_at = max(stamps)
+        frames_at = max(t for t, _ in named)  # only the frames so far: the observation's stamp
         picked = [_nearest(joints[n], frames_at) for n in self._sources]
         raw = np.array([p[1] for p in picked])
         state = ((raw - self._offset) * self._scale).astype(np.float32)
@@ -263,9 +261,8 @@ class ObservationBuffer:
 def _nearest(samples: list[tuple[int, float]], t: int) -> tuple[int, float]:
     """The (stamp, position) stamped nearest `t` among samples in stamp order: of several with one stamp,
     the last received; on a tie between an earlier and a later stamp, the later."""
-    i = bisect.bisect_right(
-        samples, t, key=lambda sample: sample[0]
-    )  # samples[i - 1]: the last at or before t
+    # samples[i - 1]: the last at or before t
+    i = bisect.bisect_right(samples, t, key=lambda sample: sample[0])
     if i == len(samples):
         return samples[-1]
     if i == 0:

@@ -205,6 +205,7 @@ class RMuscleNode(LifecycleNode):
         self._ros_clock_moved_at = time.monotonic()
         self._clock_silence_logged = False
         self._crowded_logged: set[str] = set()  # input topics whose several publishers were logged
+        self._input_topics: tuple[str, ...] = ()  # while active: the camera and joint topics, as remapped
         self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
@@ -483,6 +484,11 @@ class RMuscleNode(LifecycleNode):
         cfg, buffer = self.cfg, self._buffer
         assert cfg is not None and buffer is not None
         image_type = CompressedImage if cfg.compressed_images else Image
+        # as remapped: the cell's names, in drop reasons and /diagnostics
+        self._input_topics = tuple(
+            self.resolve_topic_name(t) for t in (*cfg.camera_topics, *cfg.joint_state_topics)
+        )
+        joint_topics = self._input_topics[len(cfg.camera_topics) :]
         for slot, topic in enumerate(cfg.camera_topics):
             self._subs.append(
                 self.create_subscription(
@@ -492,8 +498,9 @@ class RMuscleNode(LifecycleNode):
                     qos_profile_sensor_data,
                 )
             )
-        for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
-            resolved = self.resolve_topic_name(topic)  # as remapped: the cell's name, named in drop reasons
+        for topic, prefix, resolved in zip(
+            cfg.joint_state_topics, cfg.joint_name_prefixes, joint_topics, strict=True
+        ):
             self._subs.append(
                 self.create_subscription(
                     JointState,
@@ -507,7 +514,7 @@ class RMuscleNode(LifecycleNode):
         period = cfg.actions_per_inference * cfg.control_period_s
         self._infer_timer = periodic_timer(self, period, self._on_tick)
         self._ros_clock_seen, self._ros_clock_moved_at = 0, time.monotonic()
-        self._crowded_logged: set[str] = set()
+        self._crowded_logged = set()
         self._timers = [
             self._infer_timer,
             # On the steady clock always: with use_sim_time and no /clock (a simulator stopped, a profile
@@ -1115,16 +1122,13 @@ class RMuscleNode(LifecycleNode):
         node takes each message as it comes, so two sources on one topic (a bag player left running beside
         the camera driver, a joint_state_publisher beside the arm's driver) mix in its observations (found
         in review: nothing said so)."""
-        if not self._subs or self.cfg is None:
+        if not self._subs:
             return {}
         crowded = {}
-        for topic in (*self.cfg.camera_topics, *self.cfg.joint_state_topics):
-            resolved = self.resolve_topic_name(topic)
-            publishers = self.get_publishers_info_by_topic(resolved)
+        for topic in self._input_topics:
+            publishers = self.get_publishers_info_by_topic(topic)
             if len(publishers) > 1:
-                crowded[resolved] = sorted(
-                    f"{p.node_namespace.rstrip('/')}/{p.node_name}" for p in publishers
-                )
+                crowded[topic] = sorted(f"{p.node_namespace.rstrip('/')}/{p.node_name}" for p in publishers)
         return crowded
 
     def _clock_silence_s(self) -> float:
