@@ -44,7 +44,8 @@ ALOHA_REMAPPINGS = [
     ("joint_states/left", "/follower_left/joint_states"),
     ("joint_states/right", "/follower_right/joint_states"),
 ]
-# The streamer's topics -> the policy node's chunks and the follower arms' state and command topics.
+# The streamer's topics -> the policy node's chunks and the follower arms' state and command topics, and
+# its services -> the follower arms' drivers' (xs_sdk's) get_robot_info.
 STREAMER_REMAPPINGS = [
     ("action_chunk", "rmuscle_node/action_chunk"),
     ("joint_states/left", "/follower_left/joint_states"),
@@ -53,6 +54,8 @@ STREAMER_REMAPPINGS = [
     ("commands/left/joint_single", "/follower_left/commands/joint_single"),
     ("commands/right/joint_group", "/follower_right/commands/joint_group"),
     ("commands/right/joint_single", "/follower_right/commands/joint_single"),
+    ("get_robot_info/left", "/follower_left/get_robot_info"),
+    ("get_robot_info/right", "/follower_right/get_robot_info"),
 ]
 
 

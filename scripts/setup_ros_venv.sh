@@ -8,7 +8,8 @@
 #      machine that built them;
 #   3. builds this package's interfaces (msg/) with CMake into build/ros and installs them into VENV,
 #      with -DRMUSCLE_INSTALL_PYTHON=OFF because pip owns the Python package;
-#   4. builds the tests' stand-in for the Interbotix command messages (test/interfaces/interbotix_xs_msgs).
+#   4. builds the tests' stand-in for the Interbotix command messages and RobotInfo service
+#      (test/interfaces/interbotix_xs_msgs).
 # Idempotent: steps 1, 3 and 4 are skipped while the stamps under VENV/.setup_ros_venv match their inputs,
 # so a second run takes well under a second. RMUSCLE_BUILD_JOBS (default 2) sets the build parallelism.
 set -euo pipefail
@@ -152,7 +153,7 @@ if [[ $(cat "$stamps/interfaces" 2>/dev/null) != "$interfaces_key" ]] ||
   echo "$interfaces_key" >"$stamps/interfaces"
 fi
 
-# 3. The tests' stand-in for the two Interbotix command messages the action streamer publishes
+# 3. The tests' stand-in for the Interbotix command messages and RobotInfo service the action streamer uses
 # (test/interfaces/interbotix_xs_msgs; the Interbotix packages are not on PyPI). A cell has the real ones.
 stand_in="$repo/test/interfaces/interbotix_xs_msgs"
 if [[ -d $stand_in ]]; then
@@ -182,9 +183,10 @@ if ! check=$(cd / && AMENT_PREFIX_PATH="$venv" "$py" -c '
 import rmuscle_ros, rmuscle_ros.runtime
 from rmuscle_ros.msg import ActionChunk, CacheStatus
 from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand
-ActionChunk(); CacheStatus(); JointGroupCommand(); JointSingleCommand()
+from interbotix_xs_msgs.srv import RobotInfo
+ActionChunk(); CacheStatus(); JointGroupCommand(); JointSingleCommand(); RobotInfo.Response()
 print(list(rmuscle_ros.__path__))' 2>&1); then
   echo "$check" >&2
-  die "cannot import rmuscle_ros.msg or interbotix_xs_msgs.msg in $venv (see the error above)"
+  die "cannot import rmuscle_ros.msg or interbotix_xs_msgs in $venv (see the error above)"
 fi
-log "ok: rmuscle_ros.msg and the stand-in interbotix_xs_msgs.msg importable in $venv"
+log "ok: rmuscle_ros.msg and the stand-in interbotix_xs_msgs importable in $venv"

@@ -1,8 +1,9 @@
 """action_streamer with the real middleware: chunks in, Interbotix arm and gripper commands out.
 
 The node runs in this process on one SingleThreadedExecutor, a peer node stands in for the policy node and
-the arms (it publishes chunks and joint states and records the commands), over real DDS on loopback. The
-Interbotix command messages are the tests' stand-in package (test/interfaces/interbotix_xs_msgs, built into
+the arms (it publishes chunks and joint states, records the commands and answers get_robot_info as an
+ALOHA follower's driver), over real DDS on loopback. The Interbotix messages and service are the tests'
+stand-in package (test/interfaces/interbotix_xs_msgs, built into
 the venv by scripts/setup_ros_venv.sh), with the field layout of the real ones.
 """
 
@@ -27,6 +28,7 @@ interbotix = pytest.importorskip(
     reason="the stand-in Interbotix messages are not built (scripts/setup_ros_venv.sh)",
 )
 
+from interbotix_driver import Driver, serve  # noqa: E402
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Log  # noqa: E402
@@ -61,7 +63,8 @@ class Cell:
     gripper: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
     logs: list = field(default_factory=list)
 
-    def setup(self) -> None:
+    def setup(self, drivers: dict[str, Driver | None]) -> None:
+        """`drivers`: per side, what its get_robot_info answers (None: no such service)."""
         name = self.node.get_name()
         self._change = self.peer.create_client(ChangeState, f"/{name}/change_state")
         self._get = self.peer.create_client(GetState, f"/{name}/get_state")
@@ -78,6 +81,9 @@ class Cell:
                 interbotix.JointSingleCommand, f"commands/{s}/joint_single", self.gripper[s].append, 100
             )
         self.peer.create_subscription(Log, "/rosout", self.logs.append, 100)
+        for s, driver in drivers.items():
+            if driver is not None:
+                serve(self.peer, f"get_robot_info/{s}", driver)
 
     def transition(self, transition_id: int) -> bool:
         req = ChangeState.Request()
@@ -125,7 +131,9 @@ class Cell:
 def cells() -> Iterator[Callable[..., Cell]]:
     made: list[tuple[Cell, BackgroundSpin]] = []
 
-    def make(**params: Any) -> Cell:
+    def make(drivers: dict[str, Driver | None] | None = None, **params: Any) -> Cell:
+        """A streamer with `params`, and a peer whose arms' drivers answer as `drivers` (default: as ALOHA
+        followers' do)."""
         context = rclpy.Context()
         rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
         n = next(_IDS)
@@ -137,7 +145,7 @@ def cells() -> Iterator[Callable[..., Cell]]:
         executor.add_node(peer)
         spinning = BackgroundSpin(executor)
         cell = Cell(context, node, peer, executor)
-        cell.setup()
+        cell.setup(drivers if drivers is not None else {s: Driver() for s in SIDES})
         made.append((cell, spinning))
         return cell
 
@@ -619,6 +627,7 @@ def test_after_a_reactivation_a_chunk_planned_before_it_is_refused(cell) -> None
         ({"control_period_s": 1e10}, "control_period_s: must be at most 3600 s"),
         ({"joint_state_topics": ["joint states/left", "joint_states/right"]}, "joint_state_topics: 'joint states/left' is no topic name ROS takes"),
         ({"max_step": None}, "max_step: has no value (null in the params file?)"),
+        ({"robot_info_services": ["get robot info", "x"]}, "robot_info_services: 'get robot info' is no service name ROS takes"),
     ],
 )  # fmt: skip
 def test_configure_fails_naming_the_bad_parameter(cell, params: dict, message: str) -> None:
@@ -694,6 +703,11 @@ def test_configure_says_where_the_interbotix_messages_come_from(cell, monkeypatc
         ({"gripper_command_range": [1.0, 1.0]}, r"^gripper_command_range: needs \[closed, open\]"),
         ({"speed": 1.0}, r"^speed: unknown parameter"),
         (
+            {"robot_info_services": ["a"]},
+            r"^robot_info_services: needs one distinct, non-empty service per arm \(joint_name_prefixes has 2\), or \[\]",
+        ),
+        ({"robot_info_services": ["a", "a"]}, r"^robot_info_services: needs one distinct"),
+        (
             {"arm_joints": ["shoulder", "waist", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate"]},
             r"^arm_joint_limits: the default is the ViperX 300 6DOF's, for its joints \['waist', 'shoulder'",
         ),
@@ -742,3 +756,131 @@ def test_infinite_limits_leave_the_joints_unlimited() -> None:
 def test_no_gripper_needs_no_gripper_topics() -> None:
     cfg = action_streamer.streamer_config({"gripper_joint": "", "gripper_command_topics": ["unused"]})
     assert cfg.gripper_indices() == [] and cfg.arm_indices() == [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]
+
+
+# -- the arms' drivers: get_robot_info at each activation ------------------------------------------------
+
+SHOULDER_FIRST = ("shoulder", "waist", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate")
+
+
+@pytest.mark.parametrize(
+    ("driver", "problem"),
+    [
+        (Driver(), ""),
+        (Driver(mode="ext_position", gripper_mode="position"), ""),  # other position modes
+        (Driver(lower=(-4.0,) * 6, upper=(4.0,) * 6), ""),  # the configured limits are within the driver's
+        (Driver(joint_names=()), "the driver has no joint group 'arm' (arm_group_name)"),
+        (
+            Driver(joint_names=SHOULDER_FIRST),
+            "the driver's group 'arm' has the joints ['shoulder', 'waist', 'elbow', 'forearm_roll', 'wrist_angle', "
+            "'wrist_rotate'], arm_joints says ['waist', 'shoulder',",
+        ),
+        (Driver(mode="velocity"), "the driver's group 'arm' is in 'velocity' mode, which would take the position"),
+        (Driver(mode="pwm"), "is in 'pwm' mode"),
+        (Driver(gripper_mode="pwm"), "the driver's 'gripper' is in 'pwm' mode"),
+        (Driver(gripper_mode="linear_position"), "the driver's 'gripper' is in 'linear_position' mode"),
+        (
+            Driver(upper=(3.0, 1.0, 1.6057, 3.0, 2.234, 3.0)),
+            "arm_joint_limits: waist [-3.1416, 3.1416] reaches past the driver's limits [-3.1416, 3",
+        ),
+        (Driver(lower=(-1.0,) * 5), "the driver's answer has 5 lower and 6 upper limits for 6 joints"),
+    ],
+)  # fmt: skip
+def test_what_a_driver_says_is_checked_against_the_parameters(driver: Driver, problem: str) -> None:
+    from interbotix_xs_msgs.srv import RobotInfo
+
+    def ask(cmd_type: str, name: str) -> Any:
+        return driver.answer(RobotInfo.Request(cmd_type=cmd_type, name=name), RobotInfo.Response())
+
+    cfg = action_streamer.StreamerConfig()
+    # The answers cross as the service's types: the limits in float32, as a driver sends them (the ALOHA
+    # URDF's limits, which are the defaults, still pass).
+    found = action_streamer.robot_info_problem(cfg, ask("group", "arm"), ask("single", "gripper"))
+    assert problem in found if problem else found == "", found
+    if "gripper" in problem:  # arms without a gripper command (gripper_joint "") do not ask for it
+        no_gripper = action_streamer.StreamerConfig(gripper_joint="", gripper_command_topics=())
+        assert action_streamer.robot_info_problem(no_gripper, ask("group", "arm"), None) == ""
+
+
+def test_a_driver_whose_arm_group_is_in_another_order_gets_no_command_until_fixed_and_activated_again(
+    cell,
+) -> None:
+    """A JointGroupCommand carries positions in the group's joint order: a driver whose group lists the joints
+    in another order would turn the waist's target into the shoulder's. Nothing goes out, /diagnostics says
+    ERROR naming it, the log says so; once the driver is fixed and the streamer activated again, it runs."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    wrong = Driver(joint_names=SHOULDER_FIRST)
+    c = cell(drivers={"left": Driver(), "right": wrong}, max_step=10.0, max_tracking_error=math.inf)
+    seen: list[Any] = []
+    c.peer.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(m.status), 10)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    assert c.keep_joints_coming(
+        until=lambda: c.node.stats()["drivers"] != "waiting for /get_robot_info/left, /get_robot_info/right"
+    )
+    c.publish_chunk(rows(), c.now_ns())
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
+    assert c.arm["left"] == c.arm["right"] == c.gripper["left"] == []  # neither arm: one policy drives both
+    problem = "/get_robot_info/right: the driver's group 'arm' has the joints ['shoulder', 'waist',"
+    assert c.node.stats()["drivers"].startswith(problem)
+    assert any(m.msg.startswith(problem) and m.level == 40 for m in c.logs), [m.msg for m in c.logs]
+    assert c.keep_joints_coming(until=lambda: any(s.level == b"\x02" for s in seen), timeout=3.0)
+    status = next(s for s in seen if s.level == b"\x02")
+    assert "nothing is sent until the streamer is activated again: " + problem in status.message
+    assert c.state() == State.PRIMARY_STATE_ACTIVE  # the node runs on; only the arms are not commanded
+
+    # The group fixed on the driver (its config), then the streamer activated again: it runs.
+    c.peer.destroy_node()
+    c.peer = rclpy.create_node("cell_fixed", context=c.context)
+    c.executor.add_node(c.peer)
+    c.arm = {s: [] for s in SIDES}
+    c.gripper = {s: [] for s in SIDES}
+    c.setup({s: Driver() for s in SIDES})
+    assert c.transition(Transition.TRANSITION_DEACTIVATE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"] == "checked")
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["right"]) >= 5 and len(c.gripper["left"]) >= 5)
+
+
+def test_no_command_goes_out_until_the_drivers_answer_and_a_driver_that_never_does_is_named(
+    cell, monkeypatch
+) -> None:
+    """The arms' drivers not up yet (or a wrong remap): the streamer waits for their answer with the arms
+    holding, logs and warns naming the services after ROBOT_INFO_WARN_S, and starts once they answer."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    monkeypatch.setattr(action_streamer, "ROBOT_INFO_WARN_S", 0.5)
+    c = cell(drivers={"left": Driver(), "right": None}, max_step=10.0, max_tracking_error=math.inf)
+    seen: list[Any] = []
+    c.peer.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(m.status), 10)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    assert c.keep_joints_coming(until=lambda: any(s.level == b"\x01" for s in seen), timeout=4.0)
+    assert c.arm["left"] == []
+    status = next(s for s in seen if s.level == b"\x01")
+    assert "nothing is sent: no answer from the arms' drivers (/get_robot_info/right)" in status.message
+    assert c.node.stats()["drivers"] == "waiting for /get_robot_info/right"
+    warned = "no answer from /get_robot_info/right (the arm driver's get_robot_info)"
+    assert any(m.msg.startswith(warned) for m in c.logs), [m.msg for m in c.logs]
+
+    serve(c.peer, "get_robot_info/right")  # the driver comes up: the streamer goes on by itself
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["right"]) >= 5, timeout=10.0)
+    assert c.node.stats()["drivers"] == "checked"
+
+
+def test_with_no_robot_info_services_the_drivers_are_not_asked(cell) -> None:
+    """`robot_info_services: []`: arms whose driver has no get_robot_info (or a replayed bag, no driver) are
+    commanded without asking, and configure says they are not checked."""
+    c = cell(
+        drivers={"left": None, "right": None},
+        robot_info_services=None,  # what rclpy makes of `robot_info_services: []` in a params file
+        max_step=10.0,
+        max_tracking_error=math.inf,
+    )
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 5)
+    assert c.node.stats()["drivers"] == "not asked"
+    assert any("robot_info_services is []: the arms' joint order and operating modes are not checked" in m.msg
+               for m in c.logs)  # fmt: skip

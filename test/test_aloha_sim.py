@@ -305,9 +305,11 @@ def test_the_camera_schedule_does_not_drift_over_hours() -> None:
 
 
 def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> None:
-    """Over DDS: the sim's clock, cameras and joint states arrive on the ALOHA's topics; a command moves
-    the arm; commands for another group or joint are refused and counted while the simulation goes on;
-    ~/reset reports the ended episode and starts the next at the start pose."""
+    """Over DDS: the sim's clock, cameras and joint states arrive on the ALOHA's topics; its drivers'
+    get_robot_info answers pass the streamer's check with the ALOHA profile's parameters, an unknown group
+    gets an empty answer; a command moves the arm; commands for another group or joint are refused and
+    counted while the simulation goes on; ~/reset reports the ended episode and starts the next at the
+    start pose."""
     interbotix = _ros_or_skip()
     import time
 
@@ -343,6 +345,11 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
     arm = peer.create_publisher(interbotix.JointGroupCommand, "/follower_left/commands/joint_group", 10)
     gripper = peer.create_publisher(interbotix.JointSingleCommand, "/follower_left/commands/joint_single", 10)
     reset = peer.create_client(Trigger, "/aloha_sim/reset")
+    from interbotix_xs_msgs.srv import RobotInfo
+
+    from rmuscle_ros.node.action_streamer import robot_info_problem, streamer_config
+
+    robot_info = peer.create_client(RobotInfo, "/follower_right/get_robot_info")
 
     def wait_for(condition, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -362,6 +369,16 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
             640,
             "rgb8",
             "left_wrist",
+        )
+        group = call_service(robot_info, RobotInfo.Request(cmd_type="group", name="arm"))
+        single = call_service(robot_info, RobotInfo.Request(cmd_type="single", name="gripper"))
+        aloha = streamer_config(load_params_file(CONFIG / "rmuscle_aloha.yaml", "action_streamer"))
+        assert (group.mode, single.mode) == ("position", "current_based_position")
+        assert robot_info_problem(aloha, group, single) == ""
+        unknown = call_service(robot_info, RobotInfo.Request(cmd_type="group", name="arms"))
+        assert (
+            robot_info_problem(aloha, unknown, single)
+            == "the driver has no joint group 'arm' (arm_group_name)"
         )
         wait_for(lambda: arm.get_subscription_count() and gripper.get_subscription_count())
         arm.publish(interbotix.JointGroupCommand(name="arm", cmd=list(POSE)))

@@ -52,12 +52,14 @@ def test_the_streamer_is_remapped_onto_the_policys_chunks_and_the_follower_arms(
         *cfg.joint_state_topics,
         *cfg.arm_command_topics,
         *cfg.gripper_command_topics,
+        *cfg.robot_info_services,
     }
     assert pairs["action_chunk"] == "rmuscle_node/action_chunk"  # the policy node's ~/action_chunk
     for side in ("left", "right"):
         assert pairs[f"joint_states/{side}"] == f"/follower_{side}/joint_states"
         assert pairs[f"commands/{side}/joint_group"] == f"/follower_{side}/commands/joint_group"
         assert pairs[f"commands/{side}/joint_single"] == f"/follower_{side}/commands/joint_single"
+        assert pairs[f"get_robot_info/{side}"] == f"/follower_{side}/get_robot_info"
 
 
 def test_autostart_activates_after_the_first_configure_only() -> None:
@@ -168,7 +170,8 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     streamer on the ALOHA profile's section, configured and activated through their lifecycle services. A
     stand-in for the Interbotix stack publishes on the ALOHA's own topics (cameras, both followers' joint
     states, with the names an Interbotix arm uses) and listens on the followers' command topics, which must
-    then carry the policy's actions."""
+    then carry the policy's actions; it answers get_robot_info on each follower's driver service as an ALOHA
+    follower's driver does, which the streamer asks before it sends anything."""
     rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
     pytest.importorskip(
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
@@ -181,6 +184,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     import time
 
     import numpy as np
+    from interbotix_driver import serve
     from lifecycle_msgs.msg import Transition
     from lifecycle_msgs.srv import ChangeState
     from rclpy.executors import SingleThreadedExecutor
@@ -221,6 +225,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
                 interbotix.JointSingleCommand, f"/follower_{side}/commands/joint_single",
                 commands[f"{side}_gripper"].append, 100,
             )  # fmt: skip
+            serve(cell, f"/follower_{side}/get_robot_info")  # an ALOHA follower's driver's answers
         cameras = [cell.create_publisher(Image, to, qos_profile_sensor_data)
                    for frm, to in remappings("ALOHA_REMAPPINGS") if frm.startswith("images/")]  # fmt: skip
         arms = [cell.create_publisher(JointState, f"/follower_{side}/joint_states", qos_profile_sensor_data)

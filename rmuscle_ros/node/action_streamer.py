@@ -12,17 +12,26 @@ from the command the arm holds after a hold; no arm joint is commanded further t
 from where it is measured; nothing is sent while the arms' joint states are not recent).
 
 Lifecycle: configure validates the parameters (FAILURE names the bad one) and checks that the Interbotix
-messages are importable; activate subscribes to the chunks and the arms' joint states and starts the
-control timer; deactivate stops sending at once and forgets the chunks (the next activation starts from
-the arm again, and refuses chunks stamped before it). Between episodes a cell deactivates it while the
-scene is reset and the arms go home, and activates it again after: otherwise the chunk in hand, planned
-for the episode that ended, goes on driving the arms for up to a chunk's length. A refused chunk (bad
-shape, other joints, another period, non-finite values, stale, expired, stamped ahead of this clock or
-before the activation) is logged with its reason and counted on /diagnostics; the chunk in execution goes
-on. /diagnostics also says at which row the latest chunks took over (`takeover_row.p50` / `.max`, of the
-latest TAKEOVERS_KEPT): the rows their calls' latency cost, in control periods, which is what a slower
-policy costs the arms. With `takeover_delay_s` every chunk takes over at the same row, its call's
-latency permitting (`chunks_late` counts those that came after it): a fixed execution delay.
+messages are importable; activate subscribes to the chunks and the arms' joint states, starts the control
+timer and asks each arm's driver what it is (`robot_info_services`, below); deactivate stops sending at
+once and forgets the chunks (the next activation starts from the arm again, and refuses chunks stamped
+before it). Between episodes a cell deactivates it while the scene is reset and the arms go home, and
+activates it again after: otherwise the chunk in hand, planned for the episode that ended, goes on
+driving the arms for up to a chunk's length. A refused chunk (bad shape, other joints, another period,
+non-finite values, stale, expired, stamped ahead of this clock or before the activation) is logged with
+its reason and counted on /diagnostics; the chunk in execution goes on. /diagnostics also says at which
+row the latest chunks took over (`takeover_row.p50` / `.max`, of the latest TAKEOVERS_KEPT): the rows
+their calls' latency cost, in control periods, which is what a slower policy costs the arms. With
+`takeover_delay_s` every chunk takes over at the same row, its call's latency permitting (`chunks_late`
+counts those that came after it): a fixed execution delay.
+
+What the drivers are asked, at every activation (the modes can be changed while the streamer is inactive):
+the arm group `arm_group_name` must have `arm_joints` in that order (JointGroupCommand carries positions
+in the group's order only: another order would send each value to another joint), be in a position mode
+(in `velocity`, `pwm` or `current` mode the driver would take the positions as those), and
+`arm_joint_limits` must lie within its limits (its URDF's); the gripper joint must be in a position mode. Until every
+arm has answered, nothing is sent (the arms hold) and /diagnostics warns; a mismatch is logged as an
+error, /diagnostics says ERROR naming it, and nothing is sent until the next activation.
 
 The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
 node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag). A clock that
@@ -38,7 +47,8 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -70,6 +80,15 @@ from rmuscle_ros.node.spin import (
 )
 
 COMMAND_MESSAGES = "interbotix_xs_msgs.msg"  # JointGroupCommand, JointSingleCommand
+INFO_SERVICES = "interbotix_xs_msgs.srv"  # RobotInfo, the xs_sdk's get_robot_info
+# The xs_sdk's operating modes in which a joint's command is a position in rad; the others take it as a
+# velocity, a PWM, a current, or (linear_position, a gripper's) a finger position in m.
+POSITION_MODES = ("position", "ext_position", "current_based_position")
+# The drivers answer in float32: a limit within this (rad) of the configured one is the same.
+LIMIT_TOLERANCE = 1e-4
+ROBOT_INFO_POLL_S = 0.1  # while an arm's answer is awaited: how often the service is looked for
+ROBOT_INFO_RETRY_S = 2.0  # a request unanswered this long is sent again
+ROBOT_INFO_WARN_S = 2.0  # an arm that has not answered this long after activation is logged and warned
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
 # /diagnostics warns for this long after a chunk is refused (then OK again: the counts stay). Routine, never
 # warning: a chunk planned before the latest activation (a call in flight at an episode reset), and one
@@ -137,6 +156,11 @@ class StreamerConfig:
     # max_step a period, instead of on toward the row; counted (`resynced`) and warned. The grippers are
     # not checked (closed on an object, one measures open of its command). .inf: no check.
     max_tracking_error: float = 0.3
+    # Per arm, its driver's get_robot_info service (interbotix_xs_msgs/RobotInfo: the xs_sdk's
+    # `<robot_name>/get_robot_info`), asked at each activation: nothing is sent until each answer says the
+    # group has arm_joints in that order, in a position mode, within its limits, and the gripper joint is
+    # in a position mode. []: not asked (a driver without the service; a replayed bag has no driver).
+    robot_info_services: tuple[str, ...] = ("get_robot_info/left", "get_robot_info/right")
 
     def __post_init__(self) -> None:
         for name in ("joint_names", "joint_state_topics", "arm_joints", "arm_command_topics"):
@@ -158,6 +182,12 @@ class StreamerConfig:
             raise ParameterError(
                 f"gripper_command_topics: needs one topic per arm (joint_name_prefixes has {arms}), "
                 f"got {list(self.gripper_command_topics)}"
+            )
+        services = self.robot_info_services
+        if services and (len(services) != arms or any(not v for v in services) or len(set(services)) != arms):
+            raise ParameterError(
+                f"robot_info_services: needs one distinct, non-empty service per arm (joint_name_prefixes has "
+                f"{arms}), or [] not to ask the drivers, got {list(services)}"
             )
         if not self.arm_group_name:
             raise ParameterError("arm_group_name: must not be empty")
@@ -267,6 +297,69 @@ def import_command_messages() -> tuple[type, type]:
     return module.JointGroupCommand, module.JointSingleCommand
 
 
+def import_robot_info() -> type:
+    """RobotInfo (the service's type), or ImportError saying where it comes from."""
+    try:
+        return importlib.import_module(INFO_SERVICES).RobotInfo
+    except (ImportError, AttributeError) as e:
+        raise ImportError(
+            f"{INFO_SERVICES}.RobotInfo is not importable ({e}): it comes with the cell's Interbotix workspace "
+            "(interbotix_ros_core); source it, or set robot_info_services: [] for arms whose driver has none"
+        ) from None
+
+
+def robot_info_problem(cfg: StreamerConfig, group: Any, gripper: Any | None) -> str:
+    """What in one arm's driver's answers (RobotInfo responses: its group `cfg.arm_group_name`, its joint
+    `cfg.gripper_joint` or None without a gripper) would make the streamer's commands wrong; "" if nothing."""
+    name = cfg.arm_group_name
+    joints = list(group.joint_names)
+    if not joints:
+        return f"the driver has no joint group {name!r} (arm_group_name)"
+    if joints != list(cfg.arm_joints):
+        return (
+            f"the driver's group {name!r} has the joints {joints}, arm_joints says {list(cfg.arm_joints)}: a "
+            "command carries positions in the group's order, so they would go to other joints"
+        )
+    if group.mode not in POSITION_MODES:
+        return (
+            f"the driver's group {name!r} is in {group.mode!r} mode, which would take the position commands as "
+            f"{group.mode} commands; set it to one of {list(POSITION_MODES)}"
+        )
+    lower, upper = list(group.joint_lower_limits), list(group.joint_upper_limits)
+    if len(lower) != len(joints) or len(upper) != len(joints):
+        return f"the driver's answer has {len(lower)} lower and {len(upper)} upper limits for {len(joints)} joints"
+    limits = cfg.arm_joint_limits
+    for k, joint in enumerate(joints):
+        lo, hi = limits[2 * k], limits[2 * k + 1]
+        if lo < lower[k] - LIMIT_TOLERANCE or hi > upper[k] + LIMIT_TOLERANCE:
+            return (
+                f"arm_joint_limits: {joint} [{lo:.5g}, {hi:.5g}] reaches past the driver's limits "
+                f"[{lower[k]:.5g}, {upper[k]:.5g}] (its URDF's); set them within"
+            )
+    if gripper is not None:
+        if not list(gripper.joint_names):
+            return f"the driver has no joint {cfg.gripper_joint!r} (gripper_joint)"
+        if gripper.mode not in POSITION_MODES:
+            return (
+                f"the driver's {cfg.gripper_joint!r} is in {gripper.mode!r} mode, which would take its position "
+                f"commands as {gripper.mode} commands; set it to one of {list(POSITION_MODES)}"
+            )
+    return ""
+
+
+@dataclass
+class _DriverCheck:
+    """One arm's get_robot_info: its client, and this activation's answers and verdict."""
+
+    service: str  # resolved
+    client: Any
+    answers: dict[str, Any] = field(default_factory=dict)  # "group" / "gripper" -> the driver's response
+    futures: list[Any] = field(default_factory=list)  # the latest requests'
+    sent_at: float = -math.inf  # time.monotonic() of the latest request
+    problem: str = ""  # what the answers showed to be wrong
+    passed: bool = False
+
+
 class ActionStreamerNode(LifecycleNode):
     def __init__(self, node_name: str = "action_streamer", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
@@ -300,6 +393,11 @@ class ActionStreamerNode(LifecycleNode):
         # The newest chunk that came before this node had a time (use_sim_time, no /clock yet): offered at
         # the first tick, which comes with the clock, instead of refused as stamped ~55 years ahead.
         self._before_clock: Any = None
+        self._robot_info: Any = None  # RobotInfo, with robot_info_services
+        self._checks: list[_DriverCheck] = []  # per arm, with robot_info_services
+        self._activation = 0  # counts activations: an answer to an earlier one's request is not this one's
+        self._activated_at = -math.inf  # time.monotonic()
+        self._drivers_wait_logged = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
@@ -331,15 +429,19 @@ class ActionStreamerNode(LifecycleNode):
                 raise ParameterError(f"{sorted(unknown)[0]}: not a parameter of action_streamer")
             cfg = streamer_config(parameter_values(self, streamer_defaults()))
             bad = unresolvable_topic(
-                self, cfg, ("joint_state_topics", "arm_command_topics", "gripper_command_topics")
+                self,
+                cfg,
+                ("joint_state_topics", "arm_command_topics", "gripper_command_topics"),
+                services=("robot_info_services",),
             )
             if bad:
                 raise ParameterError(bad)
             messages = import_command_messages()
+            robot_info = import_robot_info() if cfg.robot_info_services else None
         except (ParameterError, ImportError) as e:
             self.get_logger().error(f"configure failed: {e}")
             return TransitionCallbackReturn.FAILURE
-        self.cfg, self._messages = cfg, messages
+        self.cfg, self._messages, self._robot_info = cfg, messages, robot_info
         self._schedule = ChunkSchedule(cfg.schedule())
         group, single = messages
         try:
@@ -350,6 +452,9 @@ class ActionStreamerNode(LifecycleNode):
             ):  # none: no gripper
                 self._gripper_pubs.append((self.create_lifecycle_publisher(single, t, 10), index))
             self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+            for service in cfg.robot_info_services:
+                client = self.create_client(robot_info, service)
+                self._checks.append(_DriverCheck(self.resolve_service_name(service), client))
         except Exception as e:  # a clean FAILURE, the node unconfigured with nothing left made
             self._release()
             self.get_logger().error(f"configure failed: {type(e).__name__}: {e}")
@@ -362,6 +467,11 @@ class ActionStreamerNode(LifecycleNode):
                 for j, lo, hi in zip(
                     cfg.arm_joints, cfg.arm_joint_limits[::2], cfg.arm_joint_limits[1::2], strict=True
                 )
+            )
+            + (
+                f"; at each activation the arms' drivers are asked ({', '.join(c.service for c in self._checks)})"
+                if self._checks
+                else "; robot_info_services is []: the arms' joint order and operating modes are not checked"
             )
         )
         return super().on_configure(state)
@@ -391,11 +501,26 @@ class ActionStreamerNode(LifecycleNode):
                     qos_profile_sensor_data,
                 )
             )
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
         self._timers = [
             periodic_timer(self, cfg.control_period_s, self._on_tick),
             # On the wall clock: a replayed bag's /clock stops between bags, the diagnostics should not.
-            self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME)),
+            self.create_timer(1.0, self._publish_diagnostics, clock=steady),
         ]
+        # The drivers are asked again: their modes may have been changed while this node was inactive.
+        self._activation += 1
+        self._activated_at = time.monotonic()
+        self._drivers_wait_logged = False
+        for check in self._checks:
+            check.answers, check.futures, check.sent_at, check.problem, check.passed = (
+                {},
+                [],
+                -math.inf,
+                "",
+                False,
+            )
+        if self._checks:
+            self._timers.append(self.create_timer(ROBOT_INFO_POLL_S, self._ask_drivers, clock=steady))
         assert self._schedule is not None
         # Chunks planned before now are refused: the arms may have been moved since (an episode reset).
         self._schedule.start(self.get_clock().now().nanoseconds)
@@ -427,11 +552,91 @@ class ActionStreamerNode(LifecycleNode):
         self._last_command = self._before_clock = None
 
     def _release(self) -> None:
+        for check in self._checks:
+            self.destroy_client(check.client)
+        self._checks = []
         pubs = [pub for pub, _ in (*self._arm_pubs, *self._gripper_pubs)]
         for pub in (*pubs, *([self._diag_pub] if self._diag_pub else [])):
             self.destroy_lifecycle_publisher(pub)
         self._arm_pubs, self._gripper_pubs, self._diag_pub = [], [], None
-        self.cfg = self._schedule = self._messages = None
+        self.cfg = self._schedule = self._messages = self._robot_info = None
+
+    # -- the drivers' answers -----------------------------------------------------------------------------
+    def _ask_drivers(self) -> None:
+        """While an arm's driver has not answered this activation: ask it once its service is there, again
+        if unanswered after ROBOT_INFO_RETRY_S; log once if one has not answered after ROBOT_INFO_WARN_S."""
+        cfg, robot_info = self.cfg, self._robot_info
+        pending = [c for c in self._checks if not c.passed and not c.problem]
+        if cfg is None or robot_info is None or not pending:
+            return
+        now = time.monotonic()
+        requests = [("group", "group", cfg.arm_group_name)]
+        if cfg.gripper_joint:
+            requests.append(("gripper", "single", cfg.gripper_joint))
+        for check in pending:
+            if now - check.sent_at < ROBOT_INFO_RETRY_S or not check.client.service_is_ready():
+                continue
+            for future in check.futures:  # unanswered ones are not kept for ever
+                check.client.remove_pending_request(future)
+            check.sent_at, check.answers, check.futures = now, {}, []
+            for kind, cmd_type, name in requests:
+                future = check.client.call_async(robot_info.Request(cmd_type=cmd_type, name=name))
+                check.futures.append(future)
+                future.add_done_callback(
+                    partial(self._on_answer, check, kind, self._activation, len(requests))
+                )
+        if now - self._activated_at >= ROBOT_INFO_WARN_S and not self._drivers_wait_logged:
+            self._drivers_wait_logged = True
+            self.get_logger().warning(
+                f"no answer from {', '.join(c.service for c in pending)} (the arm driver's get_robot_info) "
+                f"{now - self._activated_at:.1f} s after activation: nothing is sent to the arms until it answers. "
+                "Is the driver running, the remap right? robot_info_services: [] skips the check for a driver "
+                "without that service"
+            )
+
+    def _on_answer(self, check: _DriverCheck, kind: str, activation: int, want: int, future: Any) -> None:
+        """One of an arm's driver's answers: once it has given all, check them against the parameters."""
+        cfg = self.cfg
+        if cfg is None or activation != self._activation or check.passed or check.problem:
+            return  # an answer to a request of an earlier activation, or after the verdict
+        try:
+            answer = future.result()
+        except Exception as e:  # asked again after ROBOT_INFO_RETRY_S
+            self.get_logger().warning(f"{check.service}: the request failed ({e!r}); asking again")
+            return
+        if answer is None:  # a request removed unanswered
+            return
+        check.answers[kind] = answer
+        if len(check.answers) < want:
+            return
+        problem = robot_info_problem(cfg, check.answers["group"], check.answers.get("gripper"))
+        if problem:
+            check.problem = f"{check.service}: {problem}"
+            self.get_logger().error(
+                f"{check.problem}. Nothing is sent to the arms until the streamer is activated again"
+            )
+            return
+        check.passed = True
+        group, gripper = check.answers["group"], check.answers.get("gripper")
+        self.get_logger().info(
+            f"{check.service}: group {cfg.arm_group_name!r} has {list(cfg.arm_joints)} in {group.mode!r} mode, "
+            "within its limits"
+            + (f"; {cfg.gripper_joint!r} in {gripper.mode!r} mode" if gripper is not None else "")
+        )
+
+    def _drivers_ok(self) -> bool:
+        """Every arm's driver has answered this activation, and its answers match the parameters."""
+        return all(check.passed for check in self._checks)
+
+    def _drivers_state(self) -> str:
+        """For /diagnostics: "not asked", "checked", "waiting for <services>", or the first problem."""
+        if not self._checks:
+            return "not asked"
+        problems = [c.problem for c in self._checks if c.problem]
+        if problems:
+            return problems[0]
+        waiting = [c.service for c in self._checks if not c.passed]
+        return f"waiting for {', '.join(waiting)}" if waiting else "checked"
 
     # -- callbacks ---------------------------------------------------------------------------------------
     def _on_joints(self, msg: JointState, prefix: str) -> None:
@@ -537,11 +742,14 @@ class ActionStreamerNode(LifecycleNode):
             self._on_chunk(early)
         now = self.get_clock().now().nanoseconds
         self._note_clock(now)
-        measured = self._measured(now)
+        drivers_ok = self._drivers_ok()
+        measured = self._measured(now) if drivers_ok else None  # None: nothing is commanded
         command = schedule.command(now, measured)
         if command is None:
-            in_hand = schedule.chunk_in_hand is not None
-            self._counts["held" if measured is not None or not in_hand else "waiting_for_joints"] += 1
+            if schedule.chunk_in_hand is None or measured is not None:
+                self._counts["held"] += 1
+            else:
+                self._counts["waiting_for_joints" if drivers_ok else "waiting_for_drivers"] += 1
             return
         last = self._last_command
         if last is None or command.chunk is not last.chunk:
@@ -623,6 +831,9 @@ class ActionStreamerNode(LifecycleNode):
             "last_resync": self._last_resync,
             "held": self._counts["held"],
             "waiting_for_joints": self._counts["waiting_for_joints"],
+            # ticks a chunk was due but the arms' drivers had not answered, or answered wrong (robot_info_services)
+            "waiting_for_drivers": self._counts["waiting_for_drivers"],
+            "drivers": self._drivers_state(),
             "chunks_accepted": self._counts["chunks_accepted"],
             # with takeover_delay_s: chunks that arrived after their takeover time and took over on arrival
             "chunks_late": self._counts["chunks_late"],
@@ -647,7 +858,9 @@ class ActionStreamerNode(LifecycleNode):
         return missing
 
     def _status(self, s: dict[str, Any]) -> tuple[bytes, str]:
-        """/diagnostics' level and message: WARN while chunks come but no command can go out for want of
+        """/diagnostics' level and message: ERROR while an arm's driver answered what would make the commands
+        wrong (robot_info_services); WARN while one has not answered ROBOT_INFO_WARN_S after activation, while
+        chunks come but no command can go out for want of
         joint states (a wrong remap sends nothing, silently otherwise), and for REFUSAL_WARN_S after a
         chunk is refused for a fault (not for a routine refusal: every episode reset may bring one) or an arm
         joint strayed past max_tracking_error, and while most commands since the last report were held at
@@ -664,6 +877,10 @@ class ActionStreamerNode(LifecycleNode):
         if time.monotonic() - self._last_fault_at < REFUSAL_WARN_S:
             level = DiagnosticStatus.WARN
             message += f"; last refused: {self._last_fault}"
+        drivers = s["drivers"]
+        if drivers.startswith("waiting") and time.monotonic() - self._activated_at >= ROBOT_INFO_WARN_S:
+            level = DiagnosticStatus.WARN
+            message += f"; nothing is sent: no answer from the arms' drivers ({drivers.removeprefix('waiting for ')})"
         if time.monotonic() - self._last_resync_at < REFUSAL_WARN_S:
             level = DiagnosticStatus.WARN
             message += f"; the arm did not follow its commands: {self._last_resync}"
@@ -673,6 +890,9 @@ class ActionStreamerNode(LifecycleNode):
         if commands and clamped >= CLAMP_WARN_SHARE * commands:
             level = DiagnosticStatus.WARN
             message += f"; {clamped} of {commands} commands held at a position limit: {s['last_clamp']}"
+        if drivers not in ("checked", "not asked") and not drivers.startswith("waiting"):
+            level = DiagnosticStatus.ERROR
+            message += f"; nothing is sent until the streamer is activated again: {drivers}"
         return level, message
 
     def _publish_diagnostics(self) -> None:
@@ -681,8 +901,9 @@ class ActionStreamerNode(LifecycleNode):
         s = self.stats()
         status = DiagnosticStatus(name=f"{self.get_name()}: streaming", hardware_id="")
         status.level, status.message = self._status(s)
-        keys = ("commands", "limited", "clamped", "resynced", "held", "waiting_for_joints", "chunks_accepted", "chunks_late",
-                "clock_jumps", "bad_joint_states", "takeover_row.p50", "takeover_row.max")  # fmt: skip
+        keys = ("commands", "limited", "clamped", "resynced", "held", "waiting_for_joints", "waiting_for_drivers",
+                "drivers", "chunks_accepted", "chunks_late", "clock_jumps", "bad_joint_states", "takeover_row.p50",
+                "takeover_row.max")  # fmt: skip
         values = {k: s[k] for k in keys}
         values |= {f"refused.{r.value}": s["refused"].get(r.value, 0) for r in RefusalReason}
         values["refused.error"] = s["refused"].get("error", 0)

@@ -10,6 +10,10 @@ run in closed loop, with the launch file's remappings, as they would on the cell
   `arm`, six positions) and `.../joint_single` (`JointSingleCommand`, joint `gripper`); each arm holds
   its last command, as a position-controlled arm does. A bad command is refused, counted and logged;
   the simulation goes on;
+- answers `/follower_{left,right}/get_robot_info` (`interbotix_xs_msgs/RobotInfo`) as the Interbotix
+  driver does, for the group `arm` (position mode, the model's joint ranges) and the joint `gripper`
+  (current_based_position mode, as an ALOHA follower's; given as its `left_finger`, as the driver does);
+  another name gets an empty answer. action_streamer checks them at each activation;
 - is the clock: it publishes `/clock` at every step (run the other nodes with use_sim_time), paced to
   `real_time_factor` of the wall clock (0: as fast as it can). A step that takes longer (one that renders
   the cameras) is not made up by a burst of steps: simulated time runs slower than the wall clock instead,
@@ -51,16 +55,18 @@ from rosgraph_msgs.msg import Clock as ClockMsg
 from sensor_msgs.msg import Image, JointState
 from std_srvs.srv import Trigger
 
-from rmuscle_ros.node.action_streamer import import_command_messages
+from rmuscle_ros.node.action_streamer import import_command_messages, import_robot_info
 from rmuscle_ros.node.bags import (
     ALOHA_ARM_COMMAND_TOPIC,
     ALOHA_CAMERA_TOPICS,
     ALOHA_GRIPPER_COMMAND_TOPIC,
     ALOHA_JOINT_STATE_TOPIC,
+    ALOHA_ROBOT_INFO_SERVICE,
 )
 from rmuscle_ros.node.params import ParameterError, flat_config, flat_defaults
 from rmuscle_ros.node.spin import spin_node
 from rmuscle_ros.sim.aloha import (
+    ARM_JOINTS,
     CONTROL_PERIOD_S,
     DEFAULT_CAMERAS,
     JOINT_STATE_NAMES,
@@ -76,6 +82,7 @@ from rmuscle_ros.sim.aloha import (
 CAMERA_TOPICS = ALOHA_CAMERA_TOPICS[:3]
 ARM_GROUP = "arm"  # the Interbotix group of an ALOHA follower's six arm joints
 GRIPPER_JOINT = "gripper"
+GRIPPER_MODE = "current_based_position"  # an ALOHA follower's gripper's (its setup in Interbotix's aloha)
 REFUSAL_LOG_PERIOD_S = 1.0
 RESET_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 60.0  # the simulation thread's first frames (making the renderer: ~0.2 s here)
@@ -174,7 +181,9 @@ class AlohaSimNode(Node):
         # to fail, and a simulated cell that is not running is better found at once.
         self.cfg = sim_node_config({name: self.get_parameter(name).value for name in sim_defaults()})
         group, single = import_command_messages()
+        robot_info = import_robot_info()
         self.sim = AlohaSim(self.cfg.sim())
+        self._arm_limits = {side: self.sim.arm_joint_limits(side) for side in SIDES}  # get_robot_info's
         self.episode = 0
         self._pending: deque[tuple[str, str, Any]] = (
             deque()
@@ -213,6 +222,11 @@ class AlohaSimNode(Node):
                 ALOHA_GRIPPER_COMMAND_TOPIC.format(side=side),
                 lambda m, s=side: self._on_gripper(s, m),
                 10,
+            )
+            self.create_service(
+                robot_info,
+                ALOHA_ROBOT_INFO_SERVICE.format(side=side),
+                lambda request, response, s=side: self._on_robot_info(s, request, response),
             )
         self.create_service(Trigger, "~/reset", self._on_reset)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -255,6 +269,28 @@ class AlohaSimNode(Node):
             self._refuse(f"{side} arm: joint {msg.name!r} is not its gripper ({GRIPPER_JOINT!r})")
             return
         self._pending.append((side, "gripper", float(msg.cmd)))
+
+    def _on_robot_info(self, side: str, request: Any, response: Any) -> Any:
+        """What an Interbotix driver answers about its arm group or its gripper joint; empty for another name
+        (no Dynamixel IDs, velocity limits or sleep positions: the simulated arm has none)."""
+        if request.cmd_type == "group" and request.name == ARM_GROUP:
+            response.mode, response.profile_type = "position", "time"
+            response.joint_names = list(ARM_JOINTS)
+            limits = self._arm_limits[side]
+            response.joint_lower_limits = [lo for lo, _ in limits]
+            response.joint_upper_limits = [hi for _, hi in limits]
+            response.joint_state_indices = [JOINT_STATE_NAMES.index(j) for j in ARM_JOINTS]
+        elif request.cmd_type == "single" and request.name == GRIPPER_JOINT:
+            response.mode, response.profile_type = GRIPPER_MODE, "time"
+            response.joint_names = ["left_finger"]
+            closed, opened = self.cfg.finger_range
+            response.joint_lower_limits, response.joint_upper_limits = [closed], [opened]
+            response.joint_state_indices = [JOINT_STATE_NAMES.index("left_finger")]
+        else:
+            return response
+        response.num_joints = len(response.joint_names)
+        response.name = [request.name]
+        return response
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         response.success = False

@@ -48,6 +48,7 @@ ALOHA_CAMERA_TOPICS = (
 ALOHA_JOINT_STATE_TOPIC = "/follower_{side}/joint_states"
 ALOHA_ARM_COMMAND_TOPIC = "/follower_{side}/commands/joint_group"  # JointGroupCommand, group "arm"
 ALOHA_GRIPPER_COMMAND_TOPIC = "/follower_{side}/commands/joint_single"  # JointSingleCommand, "gripper"
+ALOHA_ROBOT_INFO_SERVICE = "/follower_{side}/get_robot_info"  # interbotix_xs_msgs/RobotInfo, the driver's
 ALOHA_JOINT_TOPICS = tuple(ALOHA_JOINT_STATE_TOPIC.format(side=side) for side in ("left", "right"))
 ALOHA_ARM_JOINTS = ("waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate", "gripper")
 # What an Interbotix follower arm's joint_states carries: the same names on both arms (the topic tells the

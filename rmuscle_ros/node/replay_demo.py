@@ -57,6 +57,7 @@ from rmuscle_ros.node.bags import (
     ALOHA_CAMERA_TOPICS,
     ALOHA_GRIPPER_COMMAND_TOPIC,
     ALOHA_JOINT_TOPICS,
+    ALOHA_ROBOT_INFO_SERVICE,
     BagInfo,
     bag_info,
     read_messages,
@@ -125,12 +126,13 @@ def run(
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(config_file(CONFIG))
-    streamer_params: dict[str, Any] = {}
+    # A replayed bag has no arm driver to ask what its arms are (the simulated cell answers as one).
+    streamer_params: dict[str, Any] = {} if sim else {"robot_info_services": []}
     if sim:  # the simulated arms speak a real ALOHA's gripper units: the node and streamer convert as on one
         node_aloha = load_params_file(config_file(ALOHA_CONFIG))
         params |= {k: node_aloha[k] for k in ("gripper_state_joint", "gripper_state_range")}
         streamer_aloha = load_params_file(config_file(ALOHA_CONFIG), "action_streamer")
-        streamer_params = {"gripper_command_range": streamer_aloha["gripper_command_range"]}
+        streamer_params["gripper_command_range"] = streamer_aloha["gripper_command_range"]
     streamer_params |= dict(streamer_overrides or {})
     params |= dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
@@ -520,6 +522,7 @@ class _SimCell:
         for side in ("left", "right"):
             remaps[ALOHA_ARM_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_group"
             remaps[ALOHA_GRIPPER_COMMAND_TOPIC.format(side=side)] = f"commands/{side}/joint_single"
+            remaps[ALOHA_ROBOT_INFO_SERVICE.format(side=side)] = f"get_robot_info/{side}"
         command = [sys.executable, "-m", "rmuscle_ros.node.aloha_sim", "--ros-args"]
         for name, value in settings.items():
             command += ["-p", f"{name}:={json.dumps(value)}"]

@@ -63,15 +63,20 @@ def parameter_values(node: Node, defaults: Mapping[str, Any], strict: bool = Tru
     return values
 
 
-def unresolvable_topic(node: Node, cfg: Any, names: Iterable[str]) -> str:
-    """ "" if rclpy takes every topic of `cfg`'s lists `names`, else the first it refuses: "<name>: '<topic>'
-    is no topic name ROS takes (<rclpy's reason>)" (rclpy's own message does not say which name)."""
-    for name in names:
-        for topic in getattr(cfg, name):
-            try:
-                node.resolve_topic_name(topic)
-            except Exception as e:
-                return f"{name}: {topic!r} is no topic name ROS takes ({e})"
+def unresolvable_topic(node: Node, cfg: Any, names: Iterable[str], services: Iterable[str] = ()) -> str:
+    """ "" if rclpy takes every topic of `cfg`'s lists `names` and every service of its lists `services`, else
+    the first it refuses: "<name>: '<topic>' is no topic name ROS takes (<rclpy's reason>)" (rclpy's own
+    message does not say which name)."""
+    for kind, resolve, lists in (
+        ("topic", node.resolve_topic_name, names),
+        ("service", node.resolve_service_name, services),
+    ):
+        for name in lists:
+            for value in getattr(cfg, name):
+                try:
+                    resolve(value)
+                except Exception as e:
+                    return f"{name}: {value!r} is no {kind} name ROS takes ({e})"
     return ""
 
 

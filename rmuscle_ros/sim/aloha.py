@@ -251,6 +251,14 @@ class AlohaSim:
         velocities = [*qvel[:6], rate * (opened - closed), finger_rate, -finger_rate]
         return [float(v) for v in positions], [float(v) for v in velocities]
 
+    def arm_joint_limits(self, side: str) -> list[tuple[float, float]]:
+        """One arm's six joints' [lower, upper] (rad, ARM_JOINTS order): the MuJoCo model's joint ranges."""
+        model = self.physics.model.ptr
+        self._side(side)
+        return [
+            (float(lo), float(hi)) for lo, hi in (model.joint(f"vx300s_{side}/{j}").range for j in ARM_JOINTS)
+        ]
+
     def targets(self, side: str) -> np.ndarray:
         """One arm's current targets: six joints (rad), then the gripper opening (0 closed ... 1 open)."""
         start = self._side(side) * 7
