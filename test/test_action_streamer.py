@@ -62,6 +62,7 @@ class Cell:
     arm: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
     gripper: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
     logs: list = field(default_factory=list)
+    others: list = field(default_factory=list)  # more nodes a test made in its context (drivers)
 
     def setup(self, drivers: dict[str, Driver | None]) -> None:
         """`drivers`: per side, what its get_robot_info answers (None: no such service)."""
@@ -155,8 +156,8 @@ def cells() -> Iterator[Callable[..., Cell]]:
         for c, spinning in made:
             c.node.on_shutdown(None)
             spinning.stop()
-            c.node.destroy_node()
-            c.peer.destroy_node()
+            for n in (c.node, c.peer, *c.others):
+                n.destroy_node()
             rclpy.shutdown(context=c.context)
 
 
@@ -884,3 +885,38 @@ def test_with_no_robot_info_services_the_drivers_are_not_asked(cell) -> None:
     assert c.node.stats()["drivers"] == "not asked"
     assert any("robot_info_services is []: the arms' joint order and operating modes are not checked" in m.msg
                for m in c.logs)  # fmt: skip
+
+
+@pytest.mark.parametrize("crossed", [False, True])
+def test_command_remaps_crossed_between_the_arms_drivers_send_nothing(cell, crossed: bool) -> None:
+    """Each arm's driver its own node, as on an ALOHA (one xs_sdk per follower). With the command remaps
+    crossed, the left arm's commands would reach the node that answers the right arm's get_robot_info (both
+    arms' groups have the same joints, so the answers alone cannot tell): nothing is sent, and the error
+    names the topic and the node. Wired right, the commands go out."""
+    c = cell(drivers={}, max_step=10.0, max_tracking_error=math.inf)
+    for side in SIDES:
+        driver = rclpy.create_node(f"driver_{side}", context=c.context)
+        c.others.append(driver)
+        c.executor.add_node(driver)
+        serve(driver, f"get_robot_info/{side}")
+        takes = SIDES[1 - SIDES.index(side)] if crossed else side
+        driver.create_subscription(
+            interbotix.JointGroupCommand, f"commands/{takes}/joint_group", lambda m: None, 10
+        )
+        driver.create_subscription(
+            interbotix.JointSingleCommand, f"commands/{takes}/joint_single", lambda m: None, 10
+        )
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    if not crossed:
+        assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 5)
+        assert c.node.stats()["drivers"] == "checked"
+        return
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
+    problem = (
+        "/commands/left/joint_group, the arm's topic beside /get_robot_info/left, is taken by /driver_right, "
+        "which answers /get_robot_info/right (another arm's): crossed remaps"
+    )
+    assert c.node.stats()["drivers"] == problem
+    assert c.arm["left"] == c.arm["right"] == []
+    assert any(m.msg.startswith(problem) and m.level == 40 for m in c.logs), [m.msg for m in c.logs]

@@ -29,7 +29,8 @@ What the drivers are asked, at every activation (the modes can be changed while 
 the arm group `arm_group_name` must have `arm_joints` in that order (JointGroupCommand carries positions
 in the group's order only: another order would send each value to another joint), be in a position mode
 (in `velocity`, `pwm` or `current` mode the driver would take the positions as those), and
-`arm_joint_limits` must lie within its limits (its URDF's); the gripper joint must be in a position mode. Until every
+`arm_joint_limits` must lie within its limits (its URDF's); the gripper joint must be in a position mode;
+and no arm's command or joint-state topic may be another arm's driver's (crossed remaps: `_crossed_remaps`). Until every
 arm has answered, nothing is sent (the arms hold) and /diagnostics warns; a mismatch is logged as an
 error, /diagnostics says ERROR naming it, and nothing is sent until the next activation.
 
@@ -347,6 +348,11 @@ def robot_info_problem(cfg: StreamerConfig, group: Any, gripper: Any | None) -> 
     return ""
 
 
+def _full_name(node: tuple[str, str]) -> str:
+    name, namespace = node
+    return f"{namespace.rstrip('/')}/{name}"
+
+
 @dataclass
 class _DriverCheck:
     """One arm's get_robot_info: its client, and this activation's answers and verdict."""
@@ -623,6 +629,52 @@ class ActionStreamerNode(LifecycleNode):
             "within its limits"
             + (f"; {cfg.gripper_joint!r} in {gripper.mode!r} mode" if gripper is not None else "")
         )
+        if all(c.passed for c in self._checks):
+            crossed = self._crossed_remaps()
+            if crossed:
+                check.passed, check.problem = False, crossed
+                self.get_logger().error(
+                    f"{crossed}. Nothing is sent to the arms until the streamer is activated again"
+                )
+
+    def _crossed_remaps(self) -> str:
+        """ "" unless an arm's command or joint-state topic is another arm's: taken (or published) by the node
+        that answers another arm's get_robot_info and not by the one that answers its own (crossed remaps
+        would send the left arm's plan to the right arm). A topic between the streamer and a driver (a relay,
+        a safety filter) is no evidence either way, nor is one node that drives every arm."""
+        cfg = self.cfg
+        assert cfg is not None
+        servers = [self._serving_node(check.service) for check in self._checks]
+        if None in servers or len(set(servers)) < len(servers):
+            return ""
+        for i, (check, server) in enumerate(zip(self._checks, servers, strict=True)):
+            topics = [(cfg.arm_command_topics[i], self.get_subscriptions_info_by_topic, "taken")]
+            if cfg.gripper_joint:
+                topics.append((cfg.gripper_command_topics[i], self.get_subscriptions_info_by_topic, "taken"))
+            topics.append((cfg.joint_state_topics[i], self.get_publishers_info_by_topic, "published"))
+            for topic, endpoints, verb in topics:
+                resolved = self.resolve_topic_name(topic)
+                nodes = {(e.node_name, e.node_namespace) for e in endpoints(resolved)}
+                others = [j for j, other in enumerate(servers) if j != i and other in nodes]
+                if others and server not in nodes:
+                    j = others[0]
+                    return (
+                        f"{resolved}, the arm's topic beside {check.service}, is {verb} by "
+                        f"{_full_name(servers[j])}, which answers {self._checks[j].service} (another arm's): "
+                        "crossed remaps"
+                    )
+        return ""
+
+    def _serving_node(self, service: str) -> tuple[str, str] | None:
+        """(name, namespace) of the node that serves `service` (resolved), if the graph shows one."""
+        for name, namespace in self.get_node_names_and_namespaces():
+            try:
+                services = self.get_service_names_and_types_by_node(name, namespace)
+            except Exception:  # the node left meanwhile
+                continue
+            if any(found == service for found, _ in services):
+                return name, namespace
+        return None
 
     def _drivers_ok(self) -> bool:
         """Every arm's driver has answered this activation, and its answers match the parameters."""
