@@ -62,6 +62,7 @@ class Cell:
     arm: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
     gripper: dict[str, list] = field(default_factory=lambda: {s: [] for s in SIDES})
     logs: list = field(default_factory=list)
+    services: dict = field(default_factory=dict)  # side -> the peer's get_robot_info service, as its driver
     others: list = field(default_factory=list)  # more nodes a test made in its context (drivers)
 
     def setup(self, drivers: dict[str, Driver | None]) -> None:
@@ -84,7 +85,12 @@ class Cell:
         self.peer.create_subscription(Log, "/rosout", self.logs.append, 100)
         for s, driver in drivers.items():
             if driver is not None:
-                serve(self.peer, f"get_robot_info/{s}", driver)
+                self.services[s] = serve(self.peer, f"get_robot_info/{s}", driver)
+
+    def driver_becomes(self, side: str, driver: Driver) -> None:
+        """The peer's driver of `side` answers as `driver` from now on (its service made again)."""
+        self.peer.destroy_service(self.services[side])
+        self.services[side] = serve(self.peer, f"get_robot_info/{side}", driver)
 
     def transition(self, transition_id: int) -> bool:
         req = ChangeState.Request()
@@ -785,6 +791,7 @@ SHOULDER_FIRST = ("shoulder", "waist", "elbow", "forearm_roll", "wrist_angle", "
             "arm_joint_limits: waist [-3.1416, 3.1416] reaches past the driver's limits [-3.1416, 3",
         ),
         (Driver(lower=(-1.0,) * 5), "the driver's answer has 5 lower and 6 upper limits for 6 joints"),
+        (Driver(lower=(), upper=()), ""),  # a driver without a robot_description: no limits (logged)
     ],
 )  # fmt: skip
 def test_what_a_driver_says_is_checked_against_the_parameters(driver: Driver, problem: str) -> None:
@@ -816,16 +823,16 @@ def test_a_driver_whose_arm_group_is_in_another_order_gets_no_command_until_fixe
     seen: list[Any] = []
     c.peer.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(m.status), 10)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
-    assert c.keep_joints_coming(
-        until=lambda: c.node.stats()["drivers"] != "waiting for /get_robot_info/left, /get_robot_info/right"
-    )
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"].startswith("/get_robot_info/right: "))
     c.publish_chunk(rows(), c.now_ns())
     assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
-    assert c.arm["left"] == c.arm["right"] == c.gripper["left"] == []  # neither arm: one policy drives both
+    assert (
+        c.arm["left"] == c.arm["right"] == c.gripper["left"] == c.gripper["right"] == []
+    )  # one plan, both arms
     problem = "/get_robot_info/right: the driver's group 'arm' has the joints ['shoulder', 'waist',"
     assert c.node.stats()["drivers"].startswith(problem)
     assert any(m.msg.startswith(problem) and m.level == 40 for m in c.logs), [m.msg for m in c.logs]
-    assert c.keep_joints_coming(until=lambda: any(s.level == b"\x02" for s in seen), timeout=3.0)
+    assert c.keep_joints_coming(until=lambda: any(s.level == b"\x02" for s in seen), timeout=8.0)
     status = next(s for s in seen if s.level == b"\x02")
     assert "nothing is sent until the streamer is activated again: " + problem in status.message
     assert c.state() == State.PRIMARY_STATE_ACTIVE  # the node runs on; only the arms are not commanded
@@ -856,7 +863,7 @@ def test_no_command_goes_out_until_the_drivers_answer_and_a_driver_that_never_do
     c.peer.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(m.status), 10)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.publish_chunk(rows(), c.now_ns())
-    assert c.keep_joints_coming(until=lambda: any(s.level == b"\x01" for s in seen), timeout=4.0)
+    assert c.keep_joints_coming(until=lambda: any(s.level == b"\x01" for s in seen), timeout=8.0)
     assert c.arm["left"] == []
     status = next(s for s in seen if s.level == b"\x01")
     assert "nothing is sent: no answer from the arms' drivers (/get_robot_info/right)" in status.message
@@ -920,3 +927,51 @@ def test_command_remaps_crossed_between_the_arms_drivers_send_nothing(cell, cros
     assert c.node.stats()["drivers"] == problem
     assert c.arm["left"] == c.arm["right"] == []
     assert any(m.msg.startswith(problem) and m.level == 40 for m in c.logs), [m.msg for m in c.logs]
+
+
+def test_a_driver_changed_between_activations_or_restarted_is_asked_again_before_more_is_sent(cell) -> None:
+    """The drivers' answers hold for one activation while the arms' joint states keep coming. A mode changed
+    while the streamer was inactive is found at the next activation. A driver that restarts (its joint
+    states stop, then come back: an ALOHA follower's comes back with its gripper in linear_position, which
+    takes metres) is asked again before anything more is sent to either arm."""
+    c = cell(max_step=10.0, max_tracking_error=math.inf)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
+
+    assert c.transition(Transition.TRANSITION_DEACTIVATE)
+    n = len(c.arm["left"]) + len(c.arm["right"])
+    c.driver_becomes("left", Driver(mode="velocity"))
+    assert c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
+    assert c.node.stats()["drivers"].startswith(
+        "/get_robot_info/left: the driver's group 'arm' is in 'velocity'"
+    )
+    assert "set_operating_modes" in c.node.stats()["drivers"]
+    assert len(c.arm["left"]) + len(c.arm["right"]) == n  # nothing since the deactivation
+    n = len(c.arm["left"])
+
+    assert c.transition(Transition.TRANSITION_DEACTIVATE)
+    c.driver_becomes("left", Driver())
+    assert c.transition(Transition.TRANSITION_ACTIVATE)
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=2)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
+
+    # The left driver restarts: no joint states for 1.5 s, then it is back with its launch modes.
+    time.sleep(0.5)
+    c.driver_becomes("left", Driver(gripper_mode="linear_position"))
+    time.sleep(1.0)
+    n = {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES}
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=3)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"].startswith("/get_robot_info/left: "))
+    problem = "/get_robot_info/left: the driver's 'gripper' is in 'linear_position' mode, which would take"
+    assert (
+        c.node.stats()["drivers"].startswith(problem)
+        and "current_based_position" in c.node.stats()["drivers"]
+    )
+    c.keep_joints_coming(timeout=0.3)
+    assert {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES} == n  # nothing more to either arm
+    assert any(
+        m.msg.startswith("/get_robot_info/left: its joint states stopped for 1 s or more") for m in c.logs
+    ), [m.msg for m in c.logs]

@@ -32,7 +32,9 @@ in the group's order only: another order would send each value to another joint)
 `arm_joint_limits` must lie within its limits (its URDF's); the gripper joint must be in a position mode;
 and no arm's command or joint-state topic may be another arm's driver's (crossed remaps: `_crossed_remaps`). Until every
 arm has answered, nothing is sent (the arms hold) and /diagnostics warns; a mismatch is logged as an
-error, /diagnostics says ERROR naming it, and nothing is sent until the next activation.
+error, /diagnostics says ERROR naming it, and nothing is sent until the next activation. While active, an
+arm whose driver's service goes away or whose joint states stop for DRIVER_RECHECK_S (a driver restarting
+comes back with its launch modes) is asked again, and nothing is sent meanwhile.
 
 The chunk stamps are observation times, so this node's clock must be the one the cameras and the policy
 node stamp with (the system clock on a cell; /clock with use_sim_time when replaying a bag). A clock that
@@ -89,7 +91,10 @@ POSITION_MODES = ("position", "ext_position", "current_based_position")
 LIMIT_TOLERANCE = 1e-4
 ROBOT_INFO_POLL_S = 0.1  # while an arm's answer is awaited: how often the service is looked for
 ROBOT_INFO_RETRY_S = 2.0  # a request unanswered this long is sent again
-ROBOT_INFO_WARN_S = 2.0  # an arm that has not answered this long after activation is logged and warned
+ROBOT_INFO_WARN_S = 2.0  # an arm that has not answered this long after it was asked is logged and warned
+# An arm whose joint states stopped this long after its check passed (a driver restarting: it comes back with
+# its launch modes, an ALOHA follower's gripper in linear_position) is asked again before more is sent.
+DRIVER_RECHECK_S = 1.0
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
 # /diagnostics warns for this long after a chunk is refused (then OK again: the counts stay). Routine, never
 # warning: a chunk planned before the latest activation (a call in flight at an episode reset), and one
@@ -321,16 +326,22 @@ def robot_info_problem(cfg: StreamerConfig, group: Any, gripper: Any | None) -> 
             f"the driver's group {name!r} has the joints {joints}, arm_joints says {list(cfg.arm_joints)}: a "
             "command carries positions in the group's order, so they would go to other joints"
         )
+    set_mode = (
+        "with the driver's set_operating_modes service (interbotix_xs_msgs/srv/OperatingModes) or its modes "
+        "file, then activate the streamer again"
+    )
     if group.mode not in POSITION_MODES:
         return (
             f"the driver's group {name!r} is in {group.mode!r} mode, which would take the position commands as "
-            f"{group.mode} commands; set it to one of {list(POSITION_MODES)}"
+            f"{group.mode} commands; set it to one of {list(POSITION_MODES)} {set_mode}"
         )
     lower, upper = list(group.joint_lower_limits), list(group.joint_upper_limits)
-    if len(lower) != len(joints) or len(upper) != len(joints):
+    if not lower and not upper:
+        pass  # a driver without a robot_description: no limits to check against (logged)
+    elif len(lower) != len(joints) or len(upper) != len(joints):
         return f"the driver's answer has {len(lower)} lower and {len(upper)} upper limits for {len(joints)} joints"
     limits = cfg.arm_joint_limits
-    for k, joint in enumerate(joints):
+    for k, joint in enumerate(joints if lower else ()):
         lo, hi = limits[2 * k], limits[2 * k + 1]
         if lo < lower[k] - LIMIT_TOLERANCE or hi > upper[k] + LIMIT_TOLERANCE:
             return (
@@ -341,9 +352,16 @@ def robot_info_problem(cfg: StreamerConfig, group: Any, gripper: Any | None) -> 
         if not list(gripper.joint_names):
             return f"the driver has no joint {cfg.gripper_joint!r} (gripper_joint)"
         if gripper.mode not in POSITION_MODES:
+            launch = (
+                " (an ALOHA follower's modes file starts its gripper in linear_position, metres between the "
+                "fingers; Interbotix aloha's follower setup puts it in current_based_position)"
+                if gripper.mode == "linear_position"
+                else ""
+            )
             return (
                 f"the driver's {cfg.gripper_joint!r} is in {gripper.mode!r} mode, which would take its position "
-                f"commands as {gripper.mode} commands; set it to one of {list(POSITION_MODES)}"
+                f"commands (rad) as {gripper.mode} commands{launch}; set it to one of {list(POSITION_MODES)} "
+                f"{set_mode}"
             )
     return ""
 
@@ -364,6 +382,16 @@ class _DriverCheck:
     sent_at: float = -math.inf  # time.monotonic() of the latest request
     problem: str = ""  # what the answers showed to be wrong
     passed: bool = False
+    asked_since: float = -math.inf  # time.monotonic() since when an answer is wanted
+    wait_logged: bool = False  # that no answer came within ROBOT_INFO_WARN_S
+    had_joints: bool = False  # the arm's joint states were recent since the check passed
+
+    def reset(self, now: float) -> None:
+        """Ask again: what the driver answered before no longer counts (its requests are dropped)."""
+        for future in self.futures:
+            self.client.remove_pending_request(future)
+        self.answers, self.futures, self.sent_at, self.problem, self.passed = {}, [], -math.inf, "", False
+        self.asked_since, self.wait_logged, self.had_joints = now, False, False
 
 
 class ActionStreamerNode(LifecycleNode):
@@ -401,9 +429,8 @@ class ActionStreamerNode(LifecycleNode):
         self._before_clock: Any = None
         self._robot_info: Any = None  # RobotInfo, with robot_info_services
         self._checks: list[_DriverCheck] = []  # per arm, with robot_info_services
-        self._activation = 0  # counts activations: an answer to an earlier one's request is not this one's
-        self._activated_at = -math.inf  # time.monotonic()
-        self._drivers_wait_logged = False
+        # Counts activations and deactivations: an answer to a request of an earlier activation is not this one's.
+        self._activation = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
@@ -515,16 +542,8 @@ class ActionStreamerNode(LifecycleNode):
         ]
         # The drivers are asked again: their modes may have been changed while this node was inactive.
         self._activation += 1
-        self._activated_at = time.monotonic()
-        self._drivers_wait_logged = False
         for check in self._checks:
-            check.answers, check.futures, check.sent_at, check.problem, check.passed = (
-                {},
-                [],
-                -math.inf,
-                "",
-                False,
-            )
+            check.reset(time.monotonic())
         if self._checks:
             self._timers.append(self.create_timer(ROBOT_INFO_POLL_S, self._ask_drivers, clock=steady))
         assert self._schedule is not None
@@ -556,6 +575,9 @@ class ActionStreamerNode(LifecycleNode):
             self._schedule.reset()
         self._joints.clear()
         self._last_command = self._before_clock = None
+        self._activation += 1  # an answer that comes now is not the next activation's
+        for check in self._checks:
+            check.reset(-math.inf)
 
     def _release(self) -> None:
         for check in self._checks:
@@ -569,48 +591,70 @@ class ActionStreamerNode(LifecycleNode):
 
     # -- the drivers' answers -----------------------------------------------------------------------------
     def _ask_drivers(self) -> None:
-        """While an arm's driver has not answered this activation: ask it once its service is there, again
-        if unanswered after ROBOT_INFO_RETRY_S; log once if one has not answered after ROBOT_INFO_WARN_S."""
+        """Every ROBOT_INFO_POLL_S while active. An arm's driver whose answers are wanted is asked once its
+        service is there, again if unanswered after ROBOT_INFO_RETRY_S, and named in the log once it has not
+        answered for ROBOT_INFO_WARN_S. An arm that passed is asked again when its driver's service goes
+        away, or its joint states stop for DRIVER_RECHECK_S (a driver that restarted comes back with the
+        modes of its launch)."""
         cfg, robot_info = self.cfg, self._robot_info
-        pending = [c for c in self._checks if not c.passed and not c.problem]
-        if cfg is None or robot_info is None or not pending:
+        if cfg is None or robot_info is None:
             return
         now = time.monotonic()
+        for arm, check in enumerate(self._checks):
+            if check.passed:
+                gone = self._driver_gone(arm, check)
+                if gone:
+                    check.reset(now)
+                    self.get_logger().warning(
+                        f"{check.service}: {gone}; nothing is sent to the arms until its driver answers again"
+                    )
+        pending = [c for c in self._checks if not c.passed and not c.problem]
         requests = [("group", "group", cfg.arm_group_name)]
         if cfg.gripper_joint:
             requests.append(("gripper", "single", cfg.gripper_joint))
         for check in pending:
-            if now - check.sent_at < ROBOT_INFO_RETRY_S or not check.client.service_is_ready():
-                continue
-            for future in check.futures:  # unanswered ones are not kept for ever
-                check.client.remove_pending_request(future)
-            check.sent_at, check.answers, check.futures = now, {}, []
-            for kind, cmd_type, name in requests:
-                future = check.client.call_async(robot_info.Request(cmd_type=cmd_type, name=name))
-                check.futures.append(future)
-                future.add_done_callback(
-                    partial(self._on_answer, check, kind, self._activation, len(requests))
+            if now - check.sent_at >= ROBOT_INFO_RETRY_S and check.client.service_is_ready():
+                for future in check.futures:  # unanswered ones are not kept for ever
+                    check.client.remove_pending_request(future)
+                check.sent_at, check.answers, check.futures = now, {}, []
+                for kind, cmd_type, name in requests:
+                    future = check.client.call_async(robot_info.Request(cmd_type=cmd_type, name=name))
+                    check.futures.append(future)
+                    future.add_done_callback(
+                        partial(self._on_answer, check, kind, self._activation, len(requests))
+                    )
+            if now - check.asked_since >= ROBOT_INFO_WARN_S and not check.wait_logged:
+                check.wait_logged = True
+                self.get_logger().warning(
+                    f"no answer from {check.service} (the arm driver's get_robot_info) for "
+                    f"{now - check.asked_since:.1f} s: nothing is sent to the arms until it answers. Is the "
+                    "driver running, the remap right? robot_info_services: [] skips the check for a driver "
+                    "without that service"
                 )
-        if now - self._activated_at >= ROBOT_INFO_WARN_S and not self._drivers_wait_logged:
-            self._drivers_wait_logged = True
-            self.get_logger().warning(
-                f"no answer from {', '.join(c.service for c in pending)} (the arm driver's get_robot_info) "
-                f"{now - self._activated_at:.1f} s after activation: nothing is sent to the arms until it answers. "
-                "Is the driver running, the remap right? robot_info_services: [] skips the check for a driver "
-                "without that service"
-            )
+
+    def _driver_gone(self, arm: int, check: _DriverCheck) -> str:
+        """Why an arm's passed check no longer holds ("" while it does): its service went away, or its joint
+        states, recent since the check passed, stopped for DRIVER_RECHECK_S."""
+        cfg = self.cfg
+        assert cfg is not None
+        if not check.client.service_is_ready():
+            return "its get_robot_info went away (the driver stopped?)"
+        prefix = cfg.joint_name_prefixes[arm]
+        stamps = [self._joints[n][0] for n in cfg.joint_names if n.startswith(prefix) and n in self._joints]
+        age_s = (self.get_clock().now().nanoseconds - max(stamps)) / 1e9 if stamps else math.inf
+        if age_s <= cfg.max_joint_age_s:
+            check.had_joints = True
+        elif check.had_joints and age_s >= DRIVER_RECHECK_S:
+            return f"its joint states stopped for {DRIVER_RECHECK_S:g} s or more (the driver restarted?)"
+        return ""
 
     def _on_answer(self, check: _DriverCheck, kind: str, activation: int, want: int, future: Any) -> None:
         """One of an arm's driver's answers: once it has given all, check them against the parameters."""
         cfg = self.cfg
         if cfg is None or activation != self._activation or check.passed or check.problem:
             return  # an answer to a request of an earlier activation, or after the verdict
-        try:
-            answer = future.result()
-        except Exception as e:  # asked again after ROBOT_INFO_RETRY_S
-            self.get_logger().warning(f"{check.service}: the request failed ({e!r}); asking again")
-            return
-        if answer is None:  # a request removed unanswered
+        answer = future.result()
+        if answer is None:  # cancelled
             return
         check.answers[kind] = answer
         if len(check.answers) < want:
@@ -624,9 +668,13 @@ class ActionStreamerNode(LifecycleNode):
             return
         check.passed = True
         group, gripper = check.answers["group"], check.answers.get("gripper")
+        if not list(group.joint_lower_limits):
+            self.get_logger().warning(
+                f"{check.service}: the driver gave no joint limits (started without a robot_description?): "
+                "arm_joint_limits are not checked against the arm's"
+            )
         self.get_logger().info(
-            f"{check.service}: group {cfg.arm_group_name!r} has {list(cfg.arm_joints)} in {group.mode!r} mode, "
-            "within its limits"
+            f"{check.service}: group {cfg.arm_group_name!r} has {list(cfg.arm_joints)} in {group.mode!r} mode"
             + (f"; {cfg.gripper_joint!r} in {gripper.mode!r} mode" if gripper is not None else "")
         )
         if all(c.passed for c in self._checks):
@@ -930,7 +978,8 @@ class ActionStreamerNode(LifecycleNode):
             level = DiagnosticStatus.WARN
             message += f"; last refused: {self._last_fault}"
         drivers = s["drivers"]
-        if drivers.startswith("waiting") and time.monotonic() - self._activated_at >= ROBOT_INFO_WARN_S:
+        waited = [time.monotonic() - c.asked_since for c in self._checks if not c.passed and not c.problem]
+        if drivers.startswith("waiting") and max(waited, default=0.0) >= ROBOT_INFO_WARN_S:
             level = DiagnosticStatus.WARN
             message += f"; nothing is sent: no answer from the arms' drivers ({drivers.removeprefix('waiting for ')})"
         if time.monotonic() - self._last_resync_at < REFUSAL_WARN_S:
