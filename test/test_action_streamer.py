@@ -919,11 +919,12 @@ def test_command_remaps_crossed_between_the_arms_drivers_send_nothing(cell, cros
         assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 5)
         assert c.node.stats()["drivers"] == "checked"
         return
-    assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
     problem = (
         "/commands/left/joint_group, the arm's topic beside /get_robot_info/left, is taken by /driver_right, "
         "which answers /get_robot_info/right (another arm's): crossed remaps"
     )
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"] == problem)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
     assert c.node.stats()["drivers"] == problem
     assert c.arm["left"] == c.arm["right"] == []
     assert any(m.msg.startswith(problem) and m.level == 40 for m in c.logs), [m.msg for m in c.logs]
@@ -932,9 +933,12 @@ def test_command_remaps_crossed_between_the_arms_drivers_send_nothing(cell, cros
 def test_a_driver_changed_between_activations_or_restarted_is_asked_again_before_more_is_sent(cell) -> None:
     """The drivers' answers hold for one activation while the arms' joint states keep coming. A mode changed
     while the streamer was inactive is found at the next activation. A driver that restarts (its joint
-    states stop, then come back: an ALOHA follower's comes back with its gripper in linear_position, which
-    takes metres) is asked again before anything more is sent to either arm."""
-    c = cell(max_step=10.0, max_tracking_error=math.inf)
+    states stop, then come back) is asked again before anything more is sent to either arm, and commands
+    start again from where the arm is then (it may have dropped with its torque off), not from the last
+    command; one that comes back with an ALOHA follower's launch modes (the gripper in linear_position,
+    metres) gets nothing."""
+    step = 0.05
+    c = cell(max_step=step, max_tracking_error=math.inf)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.publish_chunk(rows(), c.now_ns())
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
@@ -944,34 +948,61 @@ def test_a_driver_changed_between_activations_or_restarted_is_asked_again_before
     c.driver_becomes("left", Driver(mode="velocity"))
     assert c.transition(Transition.TRANSITION_ACTIVATE)
     c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
-    assert c.keep_joints_coming(until=lambda: c.node.stats()["waiting_for_drivers"] >= 10)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"].startswith("/get_robot_info/left: "))
     assert c.node.stats()["drivers"].startswith(
         "/get_robot_info/left: the driver's group 'arm' is in 'velocity'"
     )
     assert "set_operating_modes" in c.node.stats()["drivers"]
+    c.keep_joints_coming(timeout=0.3)
     assert len(c.arm["left"]) + len(c.arm["right"]) == n  # nothing since the deactivation
-    n = len(c.arm["left"])
 
     assert c.transition(Transition.TRANSITION_DEACTIVATE)
     c.driver_becomes("left", Driver())
     assert c.transition(Transition.TRANSITION_ACTIVATE)
     c.publish_chunk(rows(), c.now_ns(), chunk_id=2)
-    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 10)
 
-    # The left driver restarts: no joint states for 1.5 s, then it is back with its launch modes.
-    time.sleep(0.5)
-    c.driver_becomes("left", Driver(gripper_mode="linear_position"))
-    time.sleep(1.0)
-    n = {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES}
+    def rechecks() -> int:
+        """The streamer's warnings that it asks the left driver again (its joint states stopped, or its
+        service went away while the test made it again)."""
+        return sum(
+            m.msg.startswith("/get_robot_info/left: its joint states stopped for 1 s or more")
+            or m.msg.startswith("/get_robot_info/left: its get_robot_info went away")
+            for m in c.logs
+        )
+
+    def restart(driver: Driver, comes_back_at: float) -> None:
+        """The left driver stops (no joint states for 1.5 s or more) and comes back answering as `driver`,
+        its arm at `comes_back_at`."""
+        before = rechecks()
+        time.sleep(0.5)
+        c.driver_becomes("left", driver)
+        time.sleep(1.0)
+        deadline = time.monotonic() + 10
+        while rechecks() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rechecks() > before, [m.msg for m in c.logs]
+        assert c.keep_joints_coming(
+            comes_back_at, until=lambda: not c.node.stats()["drivers"].startswith("waiting")
+        )
+
+    # Back with the right modes, its arm dropped to 0.8 meanwhile: the first command steps from there.
+    restart(Driver(), comes_back_at=0.8)
+    assert c.node.stats()["drivers"] == "checked"
+    n = len(c.arm["left"])
     c.publish_chunk(rows(), c.now_ns(), chunk_id=3)
-    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"].startswith("/get_robot_info/left: "))
+    assert c.keep_joints_coming(0.8, until=lambda: len(c.arm["left"]) >= n + 1)
+    first = np.asarray(c.arm["left"][n].cmd)
+    assert np.abs(first - 0.8).max() <= step + 1e-6, first  # not from the command before the restart (~0.1)
+
+    # Back with its gripper in linear_position: nothing more to either arm.
+    restart(Driver(gripper_mode="linear_position"), comes_back_at=0.8)
+    n = {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES}
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=4)
     problem = "/get_robot_info/left: the driver's 'gripper' is in 'linear_position' mode, which would take"
     assert (
         c.node.stats()["drivers"].startswith(problem)
         and "current_based_position" in c.node.stats()["drivers"]
     )
-    c.keep_joints_coming(timeout=0.3)
-    assert {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES} == n  # nothing more to either arm
-    assert any(
-        m.msg.startswith("/get_robot_info/left: its joint states stopped for 1 s or more") for m in c.logs
-    ), [m.msg for m in c.logs]
+    c.keep_joints_coming(0.8, timeout=0.3)
+    assert {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES} == n

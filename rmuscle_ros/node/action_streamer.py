@@ -95,6 +95,10 @@ ROBOT_INFO_WARN_S = 2.0  # an arm that has not answered this long after it was a
 # An arm whose joint states stopped this long after its check passed (a driver restarting: it comes back with
 # its launch modes, an ALOHA follower's gripper in linear_position) is asked again before more is sent.
 DRIVER_RECHECK_S = 1.0
+# How long the ROS graph may take to show which nodes serve the drivers' services and take the arms' topics
+# (discovery can lag the service's answer) before the crossed-remaps check is given up, with a warning.
+GRAPH_WAIT_S = 2.0
+UNKNOWN_NODE = "_NODE_NAME_UNKNOWN_"  # rmw's name for an endpoint whose node is not known yet
 REFUSAL_LOG_PERIOD_S = 1.0  # at most one refusal logged per this many seconds (each one is counted)
 # /diagnostics warns for this long after a chunk is refused (then OK again: the counts stay). Routine, never
 # warning: a chunk planned before the latest activation (a call in flight at an episode reset), and one
@@ -381,17 +385,22 @@ class _DriverCheck:
     futures: list[Any] = field(default_factory=list)  # the latest requests'
     sent_at: float = -math.inf  # time.monotonic() of the latest request
     problem: str = ""  # what the answers showed to be wrong
-    passed: bool = False
+    passed_at: float | None = None  # time.monotonic() when the answers passed; None: they have not
     asked_since: float = -math.inf  # time.monotonic() since when an answer is wanted
     wait_logged: bool = False  # that no answer came within ROBOT_INFO_WARN_S
-    had_joints: bool = False  # the arm's joint states were recent since the check passed
+    generation: int = 0  # counts resets: an answer to a request made before the latest one is dropped
+
+    @property
+    def passed(self) -> bool:
+        return self.passed_at is not None
 
     def reset(self, now: float) -> None:
         """Ask again: what the driver answered before no longer counts (its requests are dropped)."""
         for future in self.futures:
             self.client.remove_pending_request(future)
-        self.answers, self.futures, self.sent_at, self.problem, self.passed = {}, [], -math.inf, "", False
-        self.asked_since, self.wait_logged, self.had_joints = now, False, False
+        self.answers, self.futures, self.sent_at, self.problem, self.passed_at = {}, [], -math.inf, "", None
+        self.asked_since, self.wait_logged = now, False
+        self.generation += 1
 
 
 class ActionStreamerNode(LifecycleNode):
@@ -429,8 +438,11 @@ class ActionStreamerNode(LifecycleNode):
         self._before_clock: Any = None
         self._robot_info: Any = None  # RobotInfo, with robot_info_services
         self._checks: list[_DriverCheck] = []  # per arm, with robot_info_services
-        # Counts activations and deactivations: an answer to a request of an earlier activation is not this one's.
-        self._activation = 0
+        # The ROS graph's verdict on crossed remaps, once every arm's answers passed: "pending", "ok" or the
+        # problem; and since when it is wanted (time.monotonic()).
+        self._graph = "pending"
+        self._graph_since = -math.inf
+        self._joints_arrived: list[float] = []  # per arm: time.monotonic() of its latest joint states
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
@@ -525,12 +537,14 @@ class ActionStreamerNode(LifecycleNode):
         cfg = self.cfg
         assert cfg is not None
         self._subs.append(self.create_subscription(ActionChunk, "action_chunk", self._on_chunk, 10))
-        for topic, prefix in zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True):
+        for arm, (topic, prefix) in enumerate(
+            zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True)
+        ):
             self._subs.append(
                 self.create_subscription(
                     JointState,
                     topic,
-                    lambda msg, prefix=prefix: self._on_joints(msg, prefix),
+                    lambda msg, prefix=prefix, arm=arm: self._on_joints(msg, prefix, arm),
                     qos_profile_sensor_data,
                 )
             )
@@ -541,9 +555,10 @@ class ActionStreamerNode(LifecycleNode):
             self.create_timer(1.0, self._publish_diagnostics, clock=steady),
         ]
         # The drivers are asked again: their modes may have been changed while this node was inactive.
-        self._activation += 1
         for check in self._checks:
             check.reset(time.monotonic())
+        self._graph = "pending"
+        self._joints_arrived = [-math.inf] * len(cfg.joint_state_topics)
         if self._checks:
             self._timers.append(self.create_timer(ROBOT_INFO_POLL_S, self._ask_drivers, clock=steady))
         assert self._schedule is not None
@@ -575,8 +590,7 @@ class ActionStreamerNode(LifecycleNode):
             self._schedule.reset()
         self._joints.clear()
         self._last_command = self._before_clock = None
-        self._activation += 1  # an answer that comes now is not the next activation's
-        for check in self._checks:
+        for check in self._checks:  # an answer that comes now is not the next activation's
             check.reset(-math.inf)
 
     def _release(self) -> None:
@@ -601,13 +615,20 @@ class ActionStreamerNode(LifecycleNode):
             return
         now = time.monotonic()
         for arm, check in enumerate(self._checks):
-            if check.passed:
-                gone = self._driver_gone(arm, check)
-                if gone:
-                    check.reset(now)
-                    self.get_logger().warning(
-                        f"{check.service}: {gone}; nothing is sent to the arms until its driver answers again"
-                    )
+            gone = self._driver_gone(arm, check, now) if check.passed else ""
+            if gone:
+                check.reset(now)
+                if self._graph == "ok":
+                    self._graph = "pending"
+                # As after an activation: the arm may have moved meanwhile (a driver that restarted after a
+                # fault, its torque off), so commands start again from where it is, with chunks planned after.
+                assert self._schedule is not None
+                self._schedule.start(self.get_clock().now().nanoseconds)
+                self._last_command = None
+                self.get_logger().warning(
+                    f"{check.service}: {gone}; nothing is sent to the arms until its driver answers again"
+                )
+        self._check_graph(now)
         pending = [c for c in self._checks if not c.passed and not c.problem]
         requests = [("group", "group", cfg.arm_group_name)]
         if cfg.gripper_joint:
@@ -621,7 +642,7 @@ class ActionStreamerNode(LifecycleNode):
                     future = check.client.call_async(robot_info.Request(cmd_type=cmd_type, name=name))
                     check.futures.append(future)
                     future.add_done_callback(
-                        partial(self._on_answer, check, kind, self._activation, len(requests))
+                        partial(self._on_answer, check, kind, check.generation, len(requests))
                     )
             if now - check.asked_since >= ROBOT_INFO_WARN_S and not check.wait_logged:
                 check.wait_logged = True
@@ -632,31 +653,24 @@ class ActionStreamerNode(LifecycleNode):
                     "without that service"
                 )
 
-    def _driver_gone(self, arm: int, check: _DriverCheck) -> str:
+    def _driver_gone(self, arm: int, check: _DriverCheck, now: float) -> str:
         """Why an arm's passed check no longer holds ("" while it does): its service went away, or its joint
-        states, recent since the check passed, stopped for DRIVER_RECHECK_S."""
-        cfg = self.cfg
-        assert cfg is not None
+        states, which came this activation, have not come for DRIVER_RECHECK_S since the check passed or
+        since the latest (on the wall clock: a simulated or replayed clock may jump)."""
         if not check.client.service_is_ready():
             return "its get_robot_info went away (the driver stopped?)"
-        prefix = cfg.joint_name_prefixes[arm]
-        stamps = [self._joints[n][0] for n in cfg.joint_names if n.startswith(prefix) and n in self._joints]
-        age_s = (self.get_clock().now().nanoseconds - max(stamps)) / 1e9 if stamps else math.inf
-        if age_s <= cfg.max_joint_age_s:
-            check.had_joints = True
-        elif check.had_joints and age_s >= DRIVER_RECHECK_S:
+        arrived = self._joints_arrived[arm]
+        assert check.passed_at is not None
+        if arrived > -math.inf and now - max(arrived, check.passed_at) >= DRIVER_RECHECK_S:
             return f"its joint states stopped for {DRIVER_RECHECK_S:g} s or more (the driver restarted?)"
         return ""
 
-    def _on_answer(self, check: _DriverCheck, kind: str, activation: int, want: int, future: Any) -> None:
+    def _on_answer(self, check: _DriverCheck, kind: str, generation: int, want: int, future: Any) -> None:
         """One of an arm's driver's answers: once it has given all, check them against the parameters."""
         cfg = self.cfg
-        if cfg is None or activation != self._activation or check.passed or check.problem:
-            return  # an answer to a request of an earlier activation, or after the verdict
-        answer = future.result()
-        if answer is None:  # cancelled
-            return
-        check.answers[kind] = answer
+        if cfg is None or generation != check.generation or check.passed or check.problem:
+            return  # an answer to a request made before the check was reset, or after the verdict
+        check.answers[kind] = future.result()
         if len(check.answers) < want:
             return
         problem = robot_info_problem(cfg, check.answers["group"], check.answers.get("gripper"))
@@ -666,7 +680,7 @@ class ActionStreamerNode(LifecycleNode):
                 f"{check.problem}. Nothing is sent to the arms until the streamer is activated again"
             )
             return
-        check.passed = True
+        check.passed_at = time.monotonic()
         group, gripper = check.answers["group"], check.answers.get("gripper")
         if not list(group.joint_lower_limits):
             self.get_logger().warning(
@@ -677,25 +691,44 @@ class ActionStreamerNode(LifecycleNode):
             f"{check.service}: group {cfg.arm_group_name!r} has {list(cfg.arm_joints)} in {group.mode!r} mode"
             + (f"; {cfg.gripper_joint!r} in {gripper.mode!r} mode" if gripper is not None else "")
         )
-        if all(c.passed for c in self._checks):
-            crossed = self._crossed_remaps()
-            if crossed:
-                check.passed, check.problem = False, crossed
-                self.get_logger().error(
-                    f"{crossed}. Nothing is sent to the arms until the streamer is activated again"
-                )
+        self._graph_since = check.passed_at
+        self._check_graph(check.passed_at)
 
-    def _crossed_remaps(self) -> str:
-        """ "" unless an arm's command or joint-state topic is another arm's: taken (or published) by the node
-        that answers another arm's get_robot_info and not by the one that answers its own (crossed remaps
-        would send the left arm's plan to the right arm). A topic between the streamer and a driver (a relay,
-        a safety filter) is no evidence either way, nor is one node that drives every arm."""
+    def _check_graph(self, now: float) -> None:
+        """Once every arm's answers passed: the crossed-remaps check, again at each poll while the graph does
+        not yet show the nodes (given up after GRAPH_WAIT_S, with a warning)."""
+        if self._graph != "pending" or not self._checks or not all(c.passed for c in self._checks):
+            return
+        crossed, settled = self._crossed_remaps()
+        if crossed:
+            self._graph = crossed
+            self.get_logger().error(
+                f"{crossed}. Nothing is sent to the arms until the streamer is activated again"
+            )
+        elif settled:
+            self._graph = "ok"
+        elif now - self._graph_since >= GRAPH_WAIT_S:
+            self._graph = "ok"
+            self.get_logger().warning(
+                f"the ROS graph did not show which nodes serve {', '.join(c.service for c in self._checks)} and "
+                f"take the arms' topics within {GRAPH_WAIT_S:g} s: crossed remaps between the arms not checked"
+            )
+
+    def _crossed_remaps(self) -> tuple[str, bool]:
+        """(problem, settled): the problem is "" unless an arm's command or joint-state topic is another arm's:
+        taken (or published) by the node that answers another arm's get_robot_info (crossed remaps would send
+        the left arm's plan to the right arm). A topic between the streamer and a driver (a relay, a safety
+        filter) is no evidence, nor is one node that drives every arm. Not settled while the graph does not
+        yet name a service's node or a topic's endpoint's."""
         cfg = self.cfg
         assert cfg is not None
         servers = [self._serving_node(check.service) for check in self._checks]
-        if None in servers or len(set(servers)) < len(servers):
-            return ""
-        for i, (check, server) in enumerate(zip(self._checks, servers, strict=True)):
+        if None in servers:
+            return "", False
+        if len(set(servers)) < len(servers):
+            return "", True
+        settled = True
+        for i, check in enumerate(self._checks):
             topics = [(cfg.arm_command_topics[i], self.get_subscriptions_info_by_topic, "taken")]
             if cfg.gripper_joint:
                 topics.append((cfg.gripper_command_topics[i], self.get_subscriptions_info_by_topic, "taken"))
@@ -703,15 +736,17 @@ class ActionStreamerNode(LifecycleNode):
             for topic, endpoints, verb in topics:
                 resolved = self.resolve_topic_name(topic)
                 nodes = {(e.node_name, e.node_namespace) for e in endpoints(resolved)}
+                settled = settled and all(name != UNKNOWN_NODE for name, _ in nodes)
                 others = [j for j, other in enumerate(servers) if j != i and other in nodes]
-                if others and server not in nodes:
+                if others:
                     j = others[0]
-                    return (
+                    problem = (
                         f"{resolved}, the arm's topic beside {check.service}, is {verb} by "
                         f"{_full_name(servers[j])}, which answers {self._checks[j].service} (another arm's): "
                         "crossed remaps"
                     )
-        return ""
+                    return problem, True
+        return "", settled
 
     def _serving_node(self, service: str) -> tuple[str, str] | None:
         """(name, namespace) of the node that serves `service` (resolved), if the graph shows one."""
@@ -725,21 +760,26 @@ class ActionStreamerNode(LifecycleNode):
         return None
 
     def _drivers_ok(self) -> bool:
-        """Every arm's driver has answered this activation, and its answers match the parameters."""
-        return all(check.passed for check in self._checks)
+        """Every arm's driver has answered, its answers match the parameters, and the remaps are not crossed."""
+        return not self._checks or (all(check.passed for check in self._checks) and self._graph == "ok")
 
     def _drivers_state(self) -> str:
-        """For /diagnostics: "not asked", "checked", "waiting for <services>", or the first problem."""
+        """For /diagnostics: "not asked", "checked", "waiting for <what>", or the first problem."""
         if not self._checks:
             return "not asked"
         problems = [c.problem for c in self._checks if c.problem]
         if problems:
             return problems[0]
         waiting = [c.service for c in self._checks if not c.passed]
-        return f"waiting for {', '.join(waiting)}" if waiting else "checked"
+        if waiting:
+            return f"waiting for {', '.join(waiting)}"
+        if self._graph == "pending":
+            return "waiting for the ROS graph to show the drivers' nodes"
+        return "checked" if self._graph == "ok" else self._graph
 
     # -- callbacks ---------------------------------------------------------------------------------------
-    def _on_joints(self, msg: JointState, prefix: str) -> None:
+    def _on_joints(self, msg: JointState, prefix: str, arm: int) -> None:
+        self._joints_arrived[arm] = time.monotonic()  # its driver is publishing (for _driver_gone)
         names, positions = list(msg.name), list(msg.position)
         if joint_state_fault(names, positions):
             # which position is which joint's is not known: not taken as where the arm is (counted)
@@ -959,8 +999,8 @@ class ActionStreamerNode(LifecycleNode):
 
     def _status(self, s: dict[str, Any]) -> tuple[bytes, str]:
         """/diagnostics' level and message: ERROR while an arm's driver answered what would make the commands
-        wrong (robot_info_services); WARN while one has not answered ROBOT_INFO_WARN_S after activation, while
-        chunks come but no command can go out for want of
+        wrong, or the remaps are crossed (robot_info_services); WARN while one has not answered for
+        ROBOT_INFO_WARN_S since it was asked, while chunks come but no command can go out for want of
         joint states (a wrong remap sends nothing, silently otherwise), and for REFUSAL_WARN_S after a
         chunk is refused for a fault (not for a routine refusal: every episode reset may bring one) or an arm
         joint strayed past max_tracking_error, and while most commands since the last report were held at
