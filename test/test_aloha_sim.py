@@ -905,7 +905,7 @@ def test_the_sim_demo_runs_a_dense_warm_up_then_a_cached_repeat(tmp_path, capsys
     )
     # A chunk planned before the streamer started again after the reset (a call in flight) is refused.
     assert "action_streamer (own process, the sim's clock): " in out
-    assert re.search(r"chunks refused: (none|before_start 1)\n", out), out
+    assert re.search(r"chunks refused: (none|before_start 1); the arms' drivers: checked\n", out), out
     assert "[demo] aloha_sim episode 1 (transfer_cube, seed 7, " in out
     chunks = [m for _, m in read_messages(tmp_path / "action_chunks", "/rmuscle_node/action_chunk")]
     assert {c.cache_mode for c in chunks if c.episode_id == 0} == {ActionChunk.CACHE_DENSE}

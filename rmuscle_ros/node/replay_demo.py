@@ -478,6 +478,8 @@ class _Streaming:
             "interval_p50_ms": float(np.median(np.concatenate(intervals))) if intervals else 0.0,
             "streamer": {k: int(v) for k, v in d.items() if v.isdigit()},
             "streamer_message": self.message,
+            # what its check of the arms' drivers (get_robot_info) said last: "checked", "not asked", a problem
+            "drivers": d.get("drivers", ""),
         }
 
     def close(self) -> None:
@@ -858,7 +860,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"{d.get('resynced', 0)} moved toward an arm that did not follow (max_tracking_error); "
             f"{d.get('held', 0)} ticks with no chunk due; "
             f"chunks took over at row {d.get('takeover_row.p50', 0)} (median; max {d.get('takeover_row.max', 0)}); "
-            f"chunks refused: {refused or 'none'}"
+            f"chunks refused: {refused or 'none'}; the arms' drivers: {streamed.get('drivers') or 'unknown'}"
         )
     simulated = summary.get("sim")
     if simulated:
