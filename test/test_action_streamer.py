@@ -487,7 +487,7 @@ def test_diagnostics_warn_while_nothing_can_be_sent_and_after_a_faulty_chunk_not
     assert status.level == b"\x01" and "last refused: episode 0 chunk 5 refused: non_finite" in status.message
     time.sleep(4.0)
     status = next_status()
-    assert status.level == b"\x00", status
+    assert status.level == b"\x00", status.message
     assert any(v.key == "refused.non_finite" and v.value == "1" for v in status.values)
 
 
