@@ -8,7 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
+from rmuscle_ros.node.chunk_schedule import (
+    ChunkRefused,
+    ChunkSchedule,
+    RefusalReason,
+    ScheduleConfig,
+    tick_time,
+)
 
 MS = 1_000_000
 T0 = 10**15  # a clock reading, ns
@@ -37,35 +43,40 @@ AT_REST = np.zeros(2)
 def test_a_tick_commands_the_row_due_now_skipping_those_the_call_took() -> None:
     s = schedule()
     offer(s, T0, rows(50), now_ns=T0 + 70 * MS)  # arrived 70 ms after its observation
-    for k in range(47):  # the control timer's ticks, every 20 ms from the chunk's arrival
-        cmd = s.command(T0 + (70 + 20 * k) * MS, AT_REST)
-        assert cmd is not None and cmd.row == 3 + k and cmd.action.tolist() == rows(50)[3 + k].tolist()
-    assert s.command(T0 + 1010 * MS, AT_REST) is None  # ran out: hold
-
-
-@pytest.mark.parametrize("drift_ppm", [0, 500])
-def test_ticks_a_little_late_or_early_at_a_rows_boundary_take_consecutive_rows(drift_ppm: int) -> None:
-    """A tick's callback runs when the executor gets to it, a millisecond or so late, early on the next: at
-    a row's boundary the row taken at the callback's time repeated one row and skipped the next (~2 % of
-    rows at ±1 ms, found in review). Each chunk's rows are counted from its first tick; a clock slewed
-    against the timer's (NTP: at most 500 ppm) changes nothing within a chunk's second."""
-    s = schedule()
-    rng = np.random.default_rng(0)
-    taken: dict[int, list[int]] = {}  # chunk id -> the rows its ticks took
-    for k in range(2000):  # 40 s of ticks, each due on a row's boundary, jittered by up to ±1 ms
-        now = T0 + round(k * 20 * MS * (1 + drift_ppm * 1e-6)) + int(rng.uniform(-1, 1) * MS)
-        if k % 50 == 0:  # a new chunk every second, stamped on the same grid (the worst case), just now
-            offer(s, T0 + k * 20 * MS, rows(50), now_ns=now, chunk_id=k // 50)
+    for now, row in ((T0 + 70 * MS, 3), (T0 + 79 * MS, 3), (T0 + 80 * MS, 4), (T0 + 980 * MS, 49)):
         cmd = s.command(now, AT_REST)
-        # At a chunk's end one tick may hold: the next one's time has not come, the previous took its first
-        # row a tick late (row 1) and has run out.
-        assert cmd is not None or k % 50 == 0, k
-        if cmd is not None:
-            taken.setdefault(cmd.chunk.chunk_id, []).append(cmd.row)
-    assert len(taken) == 40
-    for chunk_id, taken_rows in taken.items():  # one row a tick, none repeated or skipped
-        assert taken_rows == list(range(taken_rows[0], taken_rows[0] + len(taken_rows))), chunk_id
-        assert len(taken_rows) >= 48, (chunk_id, taken_rows)
+        assert cmd is not None and cmd.row == row and cmd.action.tolist() == rows(50)[row].tolist()
+    assert s.command(T0 + 1000 * MS, AT_REST) is None  # ran out: hold
+
+
+def test_rows_are_taken_when_the_tick_was_due_so_late_callbacks_neither_repeat_nor_skip_one() -> None:
+    """The control timer's callbacks run late by whatever the executor was doing (never early). With ticks due
+    just before a row's boundary (here 1 ms, each callback 0–2 ms late), rows taken at the callback's time
+    repeated one row and skipped the next (found in review); taken at the tick's due time (`tick_time`, from
+    the timer's time until its next tick) they are consecutive."""
+    period = 20 * MS
+    rng = np.random.default_rng(0)
+    at_callback, at_due = schedule(), schedule()
+    for s in (at_callback, at_due):
+        offer(s, T0, rows(50), now_ns=T0)
+    taken: dict[str, list[int]] = {"callback": [], "due": []}
+    for k in range(1, 50):
+        due = T0 + k * period - 1 * MS
+        now = due + int(rng.uniform(0, 2) * MS)  # the callback, up to 2 ms late
+        until_next = due + period - now  # what the timer says in the callback
+        taken["callback"].append(at_callback.command(now, AT_REST).row)
+        taken["due"].append(at_due.command(tick_time(now, until_next, period), AT_REST).row)
+    assert taken["due"] == list(range(49))
+    repeats = sum(a == b for a, b in zip(taken["callback"][:-1], taken["callback"][1:], strict=True))
+    assert repeats > 10  # the defect this guards against: about half the rows at this phase
+
+
+def test_tick_time_is_the_callbacks_time_when_the_timer_cannot_say() -> None:
+    period = 20 * MS
+    assert tick_time(T0, 20 * MS - 1300, period) == T0 - 1300  # 1.3 µs late
+    assert tick_time(T0, None, period) == T0  # a canceled timer
+    assert tick_time(T0, 25 * MS, period) == T0  # off the grid (the timer was reset): as it is
+    assert tick_time(T0, 0, period) == T0  # overdue by a whole period: as it is
 
 
 def test_a_newer_chunk_takes_over_from_its_due_row() -> None:

@@ -62,7 +62,13 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import JointState
 
-from rmuscle_ros.node.chunk_schedule import ChunkRefused, ChunkSchedule, RefusalReason, ScheduleConfig
+from rmuscle_ros.node.chunk_schedule import (
+    ChunkRefused,
+    ChunkSchedule,
+    RefusalReason,
+    ScheduleConfig,
+    tick_time,
+)
 from rmuscle_ros.node.observation import joint_state_fault, stamp_ns
 from rmuscle_ros.node.params import (
     ALOHA_JOINTS,
@@ -443,6 +449,7 @@ class ActionStreamerNode(LifecycleNode):
         self._graph = "pending"
         self._graph_since = -math.inf
         self._joints_arrived: list[float] = []  # per arm: time.monotonic() of its latest joint states
+        self._control_timer: Any = None  # while active
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
@@ -549,8 +556,9 @@ class ActionStreamerNode(LifecycleNode):
                 )
             )
         steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self._control_timer = periodic_timer(self, cfg.control_period_s, self._on_tick)
         self._timers = [
-            periodic_timer(self, cfg.control_period_s, self._on_tick),
+            self._control_timer,
             # On the wall clock: a replayed bag's /clock stops between bags, the diagnostics should not.
             self.create_timer(1.0, self._publish_diagnostics, clock=steady),
         ]
@@ -585,7 +593,7 @@ class ActionStreamerNode(LifecycleNode):
             self.destroy_timer(timer)
         for sub in self._subs:
             self.destroy_subscription(sub)
-        self._timers, self._subs = [], []
+        self._timers, self._subs, self._control_timer = [], [], None
         if self._schedule is not None:
             self._schedule.reset()
         self._joints.clear()
@@ -884,7 +892,12 @@ class ActionStreamerNode(LifecycleNode):
         self._note_clock(now)
         drivers_ok = self._drivers_ok()
         measured = self._measured(now) if drivers_ok else None  # None: nothing is commanded
-        command = schedule.command(now, measured)
+        # The rows due when this tick was, not when its callback runs (a busy executor makes it late).
+        timer = self._control_timer
+        tick = tick_time(
+            now, timer.time_until_next_call() if timer is not None else None, schedule.cfg.period_ns
+        )
+        command = schedule.command(tick, measured)
         if command is None:
             if schedule.chunk_in_hand is None or measured is not None:
                 self._counts["held"] += 1

@@ -3,8 +3,8 @@
 An `ActionChunk` says: row t of `actions` is due at `stamp + t * control_period_s`, where the stamp is the
 time of the observation it was computed from. By the time a chunk arrives its first rows are already past
 (the call took its latency), so a tick at time `now` commands row `(now - stamp) // period` of the newest
-chunk that has started; later ticks count on from it, one row a period (`_row`: a tick's jitter next to a
-row's boundary then neither repeats nor skips a row). A newer chunk takes over from its first due row; one stamped slightly ahead of
+chunk that has started. `now` is the time the tick was due (`tick_time`), not the time its callback ran:
+a callback a millisecond late next to a row's boundary would repeat one row and skip the next. A newer chunk takes over from its first due row; one stamped slightly ahead of
 this clock waits for its time while the previous one goes on. When the newest chunk has run out, nothing
 is commanded: a position-controlled arm holds its last command.
 
@@ -166,6 +166,19 @@ class Command:
     resynced: tuple[int, ...] = ()
 
 
+def tick_time(now_ns: int, until_next_ns: int | None, period_ns: int) -> int:
+    """When a periodic timer's tick was due, from its callback's time `now_ns` and the timer's time until
+    its next tick (rclpy's `Timer.time_until_next_call()`, read in the callback): the callback runs
+    late by `period_ns - until_next_ns` (the executor was busy), never early. Ticks' due times are a
+    period apart, so the rows taken at them are consecutive, where those taken at `now_ns` repeated one
+    row and skipped the next when callbacks ran late next to a row's boundary (~2 % of rows at ±1 ms: found
+    in review). `now_ns` as it is when the timer cannot say (canceled: None; or an answer off the grid)."""
+    if until_next_ns is None:
+        return now_ns
+    late = period_ns - until_next_ns
+    return now_ns - late if 0 <= late < period_ns else now_ns
+
+
 class ChunkSchedule:
     """The chunks in hand and the last command. Not thread-safe: the streamer calls it from one executor."""
 
@@ -175,14 +188,11 @@ class ChunkSchedule:
         self._last: np.ndarray | None = None  # the previous command, since commands started
         self._started_ns = 0  # chunks stamped before this are refused
         self._now_ns: int | None = None  # the latest time this schedule was asked at (`clock`)
-        # The running chunk's first tick: (chunk, its time, the row it took), which later ticks count from.
-        self._anchor: tuple[Chunk, int, int] | None = None
 
     def reset(self) -> None:
         """Forget the chunks and the last command (deactivation): the next command starts from the arm."""
         self._chunks.clear()
         self._last = None
-        self._anchor = None
 
     def start(self, now_ns: int) -> None:
         """Commands start at `now_ns` (an activation): forget what was in hand, and refuse chunks stamped
@@ -291,22 +301,6 @@ class ChunkSchedule:
         self._drop_superseded(now_ns)
         return chunk
 
-    def _row(self, chunk: Chunk, now_ns: int) -> int:
-        """The row of `chunk` due at this tick. Its first tick takes the row due then; each later tick the row
-        as many periods on as the ticks are apart, rounded: a tick's callback runs when the executor gets to
-        it, a millisecond or so late, early on the next, and next to a row's boundary the row due at the
-        callback's time repeated one row and skipped the next (~2 % of rows at ±1 ms: found in review).
-        Counted from the chunk's first tick, consecutive ticks take consecutive rows; ticks the executor
-        missed are skipped as their time says."""
-        period = self.cfg.period_ns
-        anchor = self._anchor
-        if anchor is None or anchor[0] is not chunk:
-            row = (now_ns - chunk.start_ns) // period
-            self._anchor = (chunk, now_ns, row)
-            return row
-        _, first_ns, first_row = anchor
-        return first_row + math.floor((now_ns - first_ns) / period + 0.5)
-
     def _drop_superseded(self, now_ns: int) -> None:
         """Keep the newest chunk that has taken over and any that wait for their time."""
         started = [i for i, c in enumerate(self._chunks) if c.takeover_ns <= now_ns]
@@ -323,7 +317,7 @@ class ChunkSchedule:
         self.clock(now_ns)
         self._drop_superseded(now_ns)
         running = self._chunks[0] if self._chunks and self._chunks[0].takeover_ns <= now_ns else None
-        row = -1 if running is None else self._row(running, now_ns)
+        row = -1 if running is None else (now_ns - running.start_ns) // self.cfg.period_ns
         rows = len(running.actions) if running is not None else 0
         if self.cfg.max_rows:
             rows = min(rows, self.cfg.max_rows)
