@@ -1006,3 +1006,15 @@ def test_a_driver_changed_between_activations_or_restarted_is_asked_again_before
     )
     c.keep_joints_coming(0.8, timeout=0.3)
     assert {s: len(c.arm[s]) + len(c.gripper[s]) for s in SIDES} == n
+
+
+def test_joint_states_that_stay_away_ask_the_driver_again_once_not_every_second(cell) -> None:
+    """An arm's joint states stop: its driver is asked again (it may have restarted); while they stay away
+    after it answers, it is not asked again and again (a warning each second, found in review)."""
+    c = cell()
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    assert c.keep_joints_coming(until=lambda: c.node.stats()["drivers"] == "checked")
+    c.keep_joints_coming(timeout=0.3)
+    time.sleep(3.5)  # no joint states
+    stopped = [m.msg for m in c.logs if "its joint states stopped" in m.msg]
+    assert len(stopped) == 2 and c.node.stats()["drivers"] == "checked", stopped  # once per arm

@@ -663,13 +663,17 @@ class ActionStreamerNode(LifecycleNode):
 
     def _driver_gone(self, arm: int, check: _DriverCheck, now: float) -> str:
         """Why an arm's passed check no longer holds ("" while it does): its service went away, or its joint
-        states, which came this activation, have not come for DRIVER_RECHECK_S since the check passed or
-        since the latest (on the wall clock: a simulated or replayed clock may jump)."""
+        states, which came up to DRIVER_RECHECK_S before the check passed or since, have not come for
+        DRIVER_RECHECK_S since the pass or the latest (on the wall clock: a simulated or replayed clock may
+        jump)."""
         if not check.client.service_is_ready():
             return "its get_robot_info went away (the driver stopped?)"
         arrived = self._joints_arrived[arm]
         assert check.passed_at is not None
-        if arrived > -math.inf and now - max(arrived, check.passed_at) >= DRIVER_RECHECK_S:
+        # Joint states that came around the pass and stopped: not ones already gone before it (a driver that
+        # answers with its arm's states still missing is not asked again every second).
+        flowing = arrived >= check.passed_at - DRIVER_RECHECK_S
+        if flowing and now - max(arrived, check.passed_at) >= DRIVER_RECHECK_S:
             return f"its joint states stopped for {DRIVER_RECHECK_S:g} s or more (the driver restarted?)"
         return ""
 
