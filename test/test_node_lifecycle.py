@@ -1065,8 +1065,10 @@ def _rss_mb() -> float:
 
 
 def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
-    """100 configure-activate-deactivate-cleanup cycles, one in five running inference calls while active
-    (found in review: with no sensor messages no call, no worker job ever ran)."""
+    """50 configure-activate-deactivate-cleanup cycles after 10 to warm up, one in five running inference
+    calls while active (found in review: with no sensor messages no call, no worker job ever ran). Memory
+    may grow at most 0.4 MB a cycle, as before (100 cycles until 1d2e560: 100 s of the suite's 12 min). Over
+    the 20 cycles after the warm-up it grew 0.1-0.3 MB a cycle, mostly in those with calls (one-off)."""
     h = harness()
 
     def cycle(with_calls: bool) -> None:
@@ -1081,10 +1083,10 @@ def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
     for k in range(10):  # allocator pools, DDS entities and caches reach their steady state
         cycle(with_calls=k % 5 == 0)
     threads, rss = _threads(), _rss_mb()
-    for k in range(100):
+    for k in range(50):
         cycle(with_calls=k % 5 == 0)
-    assert _threads() <= threads, "threads grew over 100 lifecycle cycles"
-    assert _rss_mb() - rss < 40.0, f"memory grew {_rss_mb() - rss:.1f} MB over 100 cycles"
+    assert _threads() <= threads, "threads grew over 50 lifecycle cycles"
+    assert _rss_mb() - rss < 20.0, f"memory grew {_rss_mb() - rss:.1f} MB over 50 cycles"
 
 
 @pytest.mark.parametrize("engine", ENGINES)
