@@ -30,8 +30,8 @@ the arm group `arm_group_name` must have `arm_joints` in that order (JointGroupC
 in the group's order only: another order would send each value to another joint), be in a position mode
 (in `velocity`, `pwm` or `current` mode the driver would take the positions as those), and
 `arm_joint_limits` must lie within its limits (its URDF's); the gripper joint must be in a position mode;
-and no arm's command or joint-state topic may be another arm's driver's (crossed remaps: `_crossed_remaps`). Until every
-arm has answered, nothing is sent (the arms hold) and /diagnostics warns; a mismatch is logged as an
+and no arm's command or joint-state topic may be another arm's driver's (crossed remaps: `_crossed_remaps`).
+Until every arm has answered, nothing is sent (the arms hold) and /diagnostics warns; a mismatch is logged as an
 error, /diagnostics says ERROR naming it, and nothing is sent until the next activation. While active, an
 arm whose driver's service goes away or whose joint states stop for DRIVER_RECHECK_S (a driver restarting
 comes back with its launch modes) is asked again, and nothing is sent meanwhile.
@@ -80,6 +80,7 @@ from rmuscle_ros.node.params import (
     parameter_defaults,
 )
 from rmuscle_ros.node.spin import (
+    node_full_name,
     parameter_values,
     periodic_timer,
     same_value,
@@ -346,18 +347,17 @@ def robot_info_problem(cfg: StreamerConfig, group: Any, gripper: Any | None) -> 
             f"{group.mode} commands; set it to one of {list(POSITION_MODES)} {set_mode}"
         )
     lower, upper = list(group.joint_lower_limits), list(group.joint_upper_limits)
-    if not lower and not upper:
-        pass  # a driver without a robot_description: no limits to check against (logged)
-    elif len(lower) != len(joints) or len(upper) != len(joints):
-        return f"the driver's answer has {len(lower)} lower and {len(upper)} upper limits for {len(joints)} joints"
-    limits = cfg.arm_joint_limits
-    for k, joint in enumerate(joints if lower else ()):
-        lo, hi = limits[2 * k], limits[2 * k + 1]
-        if lo < lower[k] - LIMIT_TOLERANCE or hi > upper[k] + LIMIT_TOLERANCE:
-            return (
-                f"arm_joint_limits: {joint} [{lo:.5g}, {hi:.5g}] reaches past the driver's limits "
-                f"[{lower[k]:.5g}, {upper[k]:.5g}] (its URDF's); set them within"
-            )
+    if lower or upper:  # none from a driver without a robot_description: nothing to check against (logged)
+        if len(lower) != len(joints) or len(upper) != len(joints):
+            return f"the driver's answer has {len(lower)} lower and {len(upper)} upper limits for {len(joints)} joints"
+        limits = cfg.arm_joint_limits
+        for k, joint in enumerate(joints):
+            lo, hi = limits[2 * k], limits[2 * k + 1]
+            if lo < lower[k] - LIMIT_TOLERANCE or hi > upper[k] + LIMIT_TOLERANCE:
+                return (
+                    f"arm_joint_limits: {joint} [{lo:.5g}, {hi:.5g}] reaches past the driver's limits "
+                    f"[{lower[k]:.5g}, {upper[k]:.5g}] (its URDF's); set them within"
+                )
     if gripper is not None:
         if not list(gripper.joint_names):
             return f"the driver has no joint {cfg.gripper_joint!r} (gripper_joint)"
@@ -374,11 +374,6 @@ def robot_info_problem(cfg: StreamerConfig, group: Any, gripper: Any | None) -> 
                 f"{set_mode}"
             )
     return ""
-
-
-def _full_name(node: tuple[str, str]) -> str:
-    name, namespace = node
-    return f"{namespace.rstrip('/')}/{name}"
 
 
 @dataclass
@@ -400,11 +395,16 @@ class _DriverCheck:
     def passed(self) -> bool:
         return self.passed_at is not None
 
-    def reset(self, now: float) -> None:
-        """Ask again: what the driver answered before no longer counts (its requests are dropped)."""
+    def drop_requests(self) -> None:
+        """Forget the requests in flight (their answers would never be taken) and the answers so far."""
         for future in self.futures:
             self.client.remove_pending_request(future)
-        self.answers, self.futures, self.sent_at, self.problem, self.passed_at = {}, [], -math.inf, "", None
+        self.futures, self.answers = [], {}
+
+    def reset(self, now: float) -> None:
+        """Ask again: what the driver answered before no longer counts (its requests are dropped)."""
+        self.drop_requests()
+        self.sent_at, self.problem, self.passed_at = -math.inf, "", None
         self.asked_since, self.wait_logged = now, False
         self.generation += 1
 
@@ -544,14 +544,12 @@ class ActionStreamerNode(LifecycleNode):
         cfg = self.cfg
         assert cfg is not None
         self._subs.append(self.create_subscription(ActionChunk, "action_chunk", self._on_chunk, 10))
-        for arm, (topic, prefix) in enumerate(
-            zip(cfg.joint_state_topics, cfg.joint_name_prefixes, strict=True)
-        ):
+        for arm, topic in enumerate(cfg.joint_state_topics):
             self._subs.append(
                 self.create_subscription(
                     JointState,
                     topic,
-                    lambda msg, prefix=prefix, arm=arm: self._on_joints(msg, prefix, arm),
+                    lambda msg, arm=arm: self._on_joints(msg, arm),
                     qos_profile_sensor_data,
                 )
             )
@@ -643,9 +641,8 @@ class ActionStreamerNode(LifecycleNode):
             requests.append(("gripper", "single", cfg.gripper_joint))
         for check in pending:
             if now - check.sent_at >= ROBOT_INFO_RETRY_S and check.client.service_is_ready():
-                for future in check.futures:  # unanswered ones are not kept for ever
-                    check.client.remove_pending_request(future)
-                check.sent_at, check.answers, check.futures = now, {}, []
+                check.drop_requests()  # unanswered ones are not kept for ever
+                check.sent_at = now
                 for kind, cmd_type, name in requests:
                     future = check.client.call_async(robot_info.Request(cmd_type=cmd_type, name=name))
                     check.futures.append(future)
@@ -754,7 +751,7 @@ class ActionStreamerNode(LifecycleNode):
                     j = others[0]
                     problem = (
                         f"{resolved}, the arm's topic beside {check.service}, is {verb} by "
-                        f"{_full_name(servers[j])}, which answers {self._checks[j].service} (another arm's): "
+                        f"{node_full_name(*servers[j])}, which answers {self._checks[j].service} (another arm's): "
                         "crossed remaps"
                     )
                     return problem, True
@@ -775,22 +772,32 @@ class ActionStreamerNode(LifecycleNode):
         """Every arm's driver has answered, its answers match the parameters, and the remaps are not crossed."""
         return not self._checks or (all(check.passed for check in self._checks) and self._graph == "ok")
 
+    def _drivers_problem(self) -> str:
+        """What an arm's driver answered wrong, or the crossed remaps ("" if nothing, so far)."""
+        problems = [c.problem for c in self._checks if c.problem]
+        if self._graph not in ("pending", "ok"):
+            problems.append(self._graph)
+        return problems[0] if problems else ""
+
     def _drivers_state(self) -> str:
         """For /diagnostics: "not asked", "checked", "waiting for <what>", or the first problem."""
         if not self._checks:
             return "not asked"
-        problems = [c.problem for c in self._checks if c.problem]
-        if problems:
-            return problems[0]
+        problem = self._drivers_problem()
+        if problem:
+            return problem
         waiting = [c.service for c in self._checks if not c.passed]
         if waiting:
             return f"waiting for {', '.join(waiting)}"
         if self._graph == "pending":
             return "waiting for the ROS graph to show the drivers' nodes"
-        return "checked" if self._graph == "ok" else self._graph
+        return "checked"
 
     # -- callbacks ---------------------------------------------------------------------------------------
-    def _on_joints(self, msg: JointState, prefix: str, arm: int) -> None:
+    def _on_joints(self, msg: JointState, arm: int) -> None:
+        """One arm's joint states (`joint_state_topics[arm]`), its names prefixed with its prefix."""
+        assert self.cfg is not None
+        prefix = self.cfg.joint_name_prefixes[arm]
         self._joints_arrived[arm] = time.monotonic()  # its driver is publishing (for _driver_gone)
         names, positions = list(msg.name), list(msg.position)
         if joint_state_fault(names, positions):
@@ -1048,7 +1055,7 @@ class ActionStreamerNode(LifecycleNode):
         if commands and clamped >= CLAMP_WARN_SHARE * commands:
             level = DiagnosticStatus.WARN
             message += f"; {clamped} of {commands} commands held at a position limit: {s['last_clamp']}"
-        if drivers not in ("checked", "not asked") and not drivers.startswith("waiting"):
+        if self._drivers_problem():
             level = DiagnosticStatus.ERROR
             message += f"; nothing is sent until the streamer is activated again: {drivers}"
         return level, message

@@ -49,6 +49,7 @@ from rmuscle_ros.node.params import (
     state_sources,
 )
 from rmuscle_ros.node.spin import (
+    node_full_name,
     parameter_values,
     periodic_timer,
     same_value,
@@ -1128,7 +1129,7 @@ class RMuscleNode(LifecycleNode):
         for topic in self._input_topics:
             publishers = self.get_publishers_info_by_topic(topic)
             if len(publishers) > 1:
-                crowded[topic] = sorted(f"{p.node_namespace.rstrip('/')}/{p.node_name}" for p in publishers)
+                crowded[topic] = sorted(node_full_name(p.node_name, p.node_namespace) for p in publishers)
         return crowded
 
     def _clock_silence_s(self) -> float:

@@ -80,6 +80,11 @@ def unresolvable_topic(node: Node, cfg: Any, names: Iterable[str], services: Ite
     return ""
 
 
+def node_full_name(name: str, namespace: str) -> str:
+    """A node's name as `ros2 node list` gives it, from the graph's (name, namespace): "/ns/name"."""
+    return f"{namespace.rstrip('/')}/{name}"
+
+
 def same_value(a: Any, b: Any) -> bool:
     """Whether two parameter values are equal; a list arriving over the parameter service is an
     array.array, which never equals the list a node holds (an unchanged `ros2 param load` was refused)."""
