@@ -39,6 +39,11 @@ COPY launch ./launch
 COPY libexec ./libexec
 COPY rmuscle_ros ./rmuscle_ros
 # The base's torch stays: --no-deps for the package, then only what it needs beyond the base.
-RUN pip install --no-cache-dir --no-deps -e . \
-    && pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "pillow>=10" "simplejpeg>=1.7" "sentencepiece>=0.2" \
-       "onnx>=1.17" "onnxscript>=0.3"
+# NGC images since 25.03 pin every package they ship in /etc/pip/constraint.txt, and pip applies it to
+# build dependencies too: the package's build needs setuptools>=77 (pyproject.toml), which a pinned older
+# one would refuse. PIP_CONSTRAINT= empties it for these two installs only (found in review; not built here).
+# onnx, onnxscript and onnx-ir: the versions the export's tests ran with on 2026-12-03 (dev machine); another
+# exporter version may emit other ops than the ones checked against TensorRT's ONNX parser.
+RUN PIP_CONSTRAINT= pip install --no-cache-dir --no-deps -e . \
+    && PIP_CONSTRAINT= pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "pillow>=10" "simplejpeg>=1.7" \
+       "sentencepiece>=0.2" "onnx==1.23.2" "onnxscript==0.7.2" "onnx-ir==1.1.0"

@@ -18,7 +18,7 @@ import sys
 import types
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -50,7 +50,7 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
     trt = types.ModuleType("tensorrt")
     trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
     trt.__version__ = "10.13.0-stand-in"
-    trt.fail, trt.built, trt.log, trt.addresses = set(), [], [], []
+    trt.fail, trt.built, trt.log, trt.addresses, trt.loggers = set(), [], [], [], []
 
     class Logger:
         WARNING = 2
@@ -79,6 +79,7 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
 
         def __init__(self, network: types.SimpleNamespace, logger: Logger) -> None:
             self.network = network
+            trt.loggers.append(logger)
 
         def parse_from_file(self, path: str) -> bool:
             self.network.stage = Path(path).name.removesuffix(".onnx")
@@ -86,7 +87,7 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
 
     class Builder:
         def __init__(self, logger: Logger) -> None:
-            pass
+            trt.loggers.append(logger)
 
         def create_network(self, flags: int) -> types.SimpleNamespace:
             return types.SimpleNamespace(stage=None)
@@ -109,7 +110,7 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
 
     class Runtime:
         def __init__(self, logger: Logger) -> None:
-            pass
+            trt.loggers.append(logger)
 
         def deserialize_cuda_engine(self, plan: bytes) -> Engine | None:
             if trt.refuse_plans:  # TensorRT's answer to a plan it cannot load, or to no memory for it
@@ -189,18 +190,34 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
 
 
 class _Stream:
-    """torch.cuda's stream API on the CPU: every operation here is already done when it returns."""
+    """torch.cuda's stream API on the CPU: every operation here is already done when it returns. Which
+    stream is current follows `torch.cuda.stream(...)` as in torch (the caller's default stream outside
+    it), and each wait is recorded as (waiting, waited on) in `waits`."""
 
     cuda_stream = 0
+    waits: ClassVar[list[tuple[_Stream, _Stream]]] = []
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def wait_stream(self, other: _Stream) -> None:
-        pass
+        _Stream.waits.append((self, other))
 
     def synchronize(self) -> None:
         pass
+
+
+_CALLERS_STREAM = _Stream()
+_current: list[_Stream] = [_CALLERS_STREAM]
+
+
+@contextlib.contextmanager
+def _on_stream(stream: _Stream) -> Any:
+    _current.append(stream)
+    try:
+        yield
+    finally:
+        _current.pop()
 
 
 @pytest.fixture
@@ -212,8 +229,9 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Thor (stand-in)")
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", _on_stream)
+    _Stream.waits.clear()
     fake.exports = 0
     fake.refuse_plans = False
 
@@ -248,6 +266,26 @@ def test_each_denoising_step_and_batch_item_is_bound_on_a_256_byte_boundary(trt,
     steps = [step for stage, _, step in trt.log if stage == "denoise"]
     assert steps == list(range(model.cfg.num_steps)) * 2
     assert trt.addresses and all(a % ALIGN == 0 for a in trt.addresses)
+
+
+def test_a_call_starts_after_the_callers_stream_and_the_caller_waits_for_it(trt, tmp_path: Path) -> None:
+    """The engine's stream waits for the caller's (the policy's preprocessing queued the images there)
+    before its input copies, and the caller's waits for the engine's before it reads the actions (found
+    in review: the first wait was made inside the engine's stream context, where it waited on itself)."""
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    model = tiny_model()
+    inputs, noise = random_inputs(model.cfg, valid_tokens=20, pad_to=200, seed=1)
+    _Stream.waits.clear()
+    engine.sample_actions(inputs, noise)
+    assert _Stream.waits == [(engine._stream, _CALLERS_STREAM), (_CALLERS_STREAM, engine._stream)]
+
+
+def test_every_builder_parser_and_runtime_gets_the_one_logger(trt, tmp_path: Path) -> None:
+    """TensorRT keeps the first logger it was given per process and warns at each other one."""
+    engine_on_cpu(tmp_path).warmup()
+    assert len(trt.loggers) == 7  # a builder and a parser per stage, and the runtime
+    assert all(logger is trt.loggers[0] for logger in trt.loggers)
 
 
 def test_a_shape_or_address_tensorrt_refuses_is_an_error_naming_the_tensor(trt, tmp_path: Path) -> None:
@@ -374,3 +412,40 @@ def test_with_every_plan_cached_the_engine_runs_them_without_exporting(
     block_imports("onnx")
     with pytest.raises(RuntimeError, match=r"backend 'tensorrt' needs onnx, not installed here"):
         engine_on_cpu(tmp_path)
+
+
+def test_the_policy_builds_its_engines_for_the_prompt_length_it_is_given(
+    trt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`model.trt_opt_prompt_len` (PolicyConfig) reaches the engines' profiles; its default is the engine's
+    own, and a length the preset cannot take is refused naming the setting. (The backend needs CUDA: here
+    the policy's engine is made on the CPU with the options the policy passes.)"""
+    from rmuscle_ros.runtime import policy as policy_module
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
+
+    monkeypatch.setattr(
+        policy_module,
+        "create_engine",
+        lambda name, model, device, **options: TensorRTEngine(model, device=torch.device("cpu"), **options),
+    )
+
+    assert PolicyConfig().trt_opt_prompt_len == OPT_PROMPT_LEN
+    with pytest.raises(ValueError, match=r"^trt_opt_prompt_len: must be in 1\.\.200"):
+        PolicyConfig(trt_opt_prompt_len=201)
+    policy = Policy(PolicyConfig(backend="tensorrt", engine_cache_dir=str(tmp_path), trt_opt_prompt_len=96))
+    policy.engine.warmup()
+    plan = json.loads(next((tmp_path / "tensorrt").glob("prefill-*.plan")).read_bytes())
+    assert plan["profile"]["tokens"] == [[1, 1], [1, 96], [1, 200]]
+
+
+def test_the_node_says_which_bucket_its_prompt_runs_at_and_what_to_set() -> None:
+    from rmuscle_ros.node.rmuscle_node import prompt_bucket_note
+
+    buckets = onnx_export.prompt_buckets(tiny_model().cfg)
+    assert prompt_bucket_note(40, buckets, 64) == (
+        True,
+        "the prompt takes 40 tokens with the state and runs at the 64-token bucket, the length the TensorRT "
+        "engines are tuned for",
+    )
+    tuned, note = prompt_bucket_note(70, buckets, 64)
+    assert not tuned and "runs at the 96-token bucket" in note and "set it to 96" in note

@@ -10,7 +10,8 @@ the engines and checks the result against eager bfloat16.
 
 How a call runs: the observation is copied into input buffers of the engine's own, the three engines run
 on one CUDA stream, vision, prefill, then the denoise step engine `num_steps` times, ping-ponging its
-state between two buffers, with one synchronisation at the end. The prompt runs at its 32-token bucket
+state between two buffers; the engine's stream starts after the caller's and the caller's stream waits
+for it at the end (no host synchronisation: the caller's read of the actions is the one). The prompt runs at its 32-token bucket
 (`onnx_export.trim_prompt`), not at the 200 slots the policy pads it to; one optimisation profile covers
 1..`max_token_len` tokens, tuned for `opt_prompt_len`. Every buffer is allocated once at the longest
 prompt, each tensor TensorRT is given starting on a 256-byte boundary (`setTensorAddress`'s contract), and
@@ -56,8 +57,8 @@ ALIGN = 256
 # prompt runs at its 32-token bucket, so opt is a bucket: 64 holds prompts of 33 to 64 tokens, which is
 # where the 50-token prompt our benchmarks use falls, and where we expect an ALOHA prompt (task, 14
 # discretised joint values at 1-2 PaliGemma tokens each, "Action:") to fall. That count is an estimate:
-# PaliGemma's tokenizer is not on our machines. On a cell, `Policy.prompt_tokens(task)` counts it; pass
-# its bucket as `opt_prompt_len` if it is another.
+# PaliGemma's tokenizer is not on our machines. On a cell the node says at configure which bucket its
+# prompt runs at (`Policy.prompt_tokens`); the node's `model.trt_opt_prompt_len` sets this (the same default).
 OPT_PROMPT_LEN = 64
 
 
@@ -68,6 +69,18 @@ def import_tensorrt() -> Any:
     except ImportError as err:  # the same words as the engine's check at construction
         raise onnx_export.missing_packages_error("backend 'tensorrt'", ["tensorrt"]) from err
     return tensorrt
+
+
+_LOGGER: tuple[Any, Any] | None = None  # (the tensorrt module, its logger)
+
+
+def trt_logger(trt: Any) -> Any:
+    """The process's one TensorRT logger (warnings and errors): TensorRT keeps the first logger a builder or
+    runtime was given and warns when a later one differs (found in review: each build made its own)."""
+    global _LOGGER
+    if _LOGGER is None or _LOGGER[0] is not trt:
+        _LOGGER = (trt, trt.Logger(trt.Logger.WARNING))
+    return _LOGGER[1]
 
 
 # ─────────────────────────────────────────────── the engine cache ───────────────────────────────────────────
@@ -169,7 +182,7 @@ def build_plan(
     trt: Any, onnx_path: Path, shapes: dict[str, tuple[tuple[int, ...], ...]], workspace_bytes: int
 ) -> bytes:
     """Parse one exported stage and build its engine as a strongly typed network. Raises on any error."""
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = trt_logger(trt)
     builder = trt.Builder(logger)
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)  # always on in 11
     network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
@@ -365,7 +378,7 @@ class TensorRTEngine:
                 self.model, self.cache_dir / "onnx", weights=self.weights, force=self.force_rebuild
             )
             timings["export"] = time.perf_counter() - start
-        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        runtime = trt.Runtime(trt_logger(trt))
         stages: dict[str, _StageEngine] = {}
         for stage, key in keys.items():
             start = time.perf_counter()
@@ -489,8 +502,11 @@ class TensorRTEngine:
             for i in range(noise.shape[0])
         ]
         chunks = []
+        # The caller's stream, asked before the context below makes the engine's stream current (inside it,
+        # the engine's stream waited on itself, and the input copies were not ordered after the caller's
+        # preprocessing: found in review).
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
             for i, item in enumerate(items):
                 chunks.append(self._call(item, noise[i : i + 1]))
         torch.cuda.current_stream(self.device).wait_stream(self._stream)

@@ -108,6 +108,19 @@ def _prompt_too_long(policy: Any, prompt: str) -> str:
     )
 
 
+def prompt_bucket_note(tokens: int, buckets: list[int], opt: int) -> tuple[bool, str]:
+    """(whether a prompt of `tokens` runs at the length `opt` the TensorRT engines are tuned for, what to
+    say): it runs at the smallest of `buckets` that holds it."""
+    bucket = min(b for b in buckets if b >= tokens)
+    note = f"the prompt takes {tokens} tokens with the state and runs at the {bucket}-token bucket"
+    if bucket == opt:
+        return True, f"{note}, the length the TensorRT engines are tuned for"
+    return False, (
+        f"{note}; the TensorRT engines are tuned for {opt} (model.trt_opt_prompt_len): set it to {bucket} and "
+        "configure again to build engines for this prompt"
+    )
+
+
 def _limits(cfg: NodeConfig) -> Limits:
     """The observation's age and skew limits, in ns."""
     return Limits(int(cfg.max_image_age_s * 1e9), int(cfg.max_joint_age_s * 1e9), int(cfg.max_skew_s * 1e9))
@@ -314,6 +327,8 @@ class RMuscleNode(LifecycleNode):
             f"({', '.join(f'{k} {v:.2f}' for k, v in policy.load_timings.items())})"
             + (f", warm-up {warm.get('warmup_total', 0.0):.2f} s" if warm else "")
         )
+        if cfg.model.backend == "tensorrt":
+            self._log_prompt_bucket(policy, cfg)
         if status is not None:
             where = status["library_path"] or "a temporary folder"
             self.get_logger().info(
@@ -466,6 +481,21 @@ class RMuscleNode(LifecycleNode):
                 policy.close()
             except Exception as e:  # the configure error is what matters; this one is only logged
                 self.get_logger().warning(f"configure: closing the failed policy: {e}")
+
+    def _log_prompt_bucket(self, policy: Any, cfg: NodeConfig) -> None:
+        """The TensorRT engines are tuned for one prompt length (model.trt_opt_prompt_len); say which the
+        prompt runs at, and warn where the two differ (the call runs, perhaps slower than it could)."""
+        from rmuscle_ros.engine.onnx_export import prompt_buckets
+
+        tokens, _ = policy.prompt_tokens(cfg.prompt)
+        tuned, note = prompt_bucket_note(
+            tokens, prompt_buckets(cfg.model.model), cfg.model.trt_opt_prompt_len
+        )
+        # one call site per severity: rclpy refuses a call site whose severity changes
+        if tuned:
+            self.get_logger().info(f"configure: {note}")
+        else:
+            self.get_logger().warning(f"configure: {note}")
 
     def _fail(self, message: str) -> TransitionCallbackReturn:
         self.last_error = message

@@ -77,6 +77,9 @@ class PolicyConfig:
     # graph backend: its compiled Triton kernels go to <engine_cache_dir>/triton (unless TRITON_CACHE_DIR is
     # set); None = Triton's default, ~/.triton/cache
     engine_cache_dir: str | None = None
+    # tensorrt backend: the prompt length (tokens, with the state) its engines are tuned for; prompts of
+    # 1..max_token_len all run. Set it to the bucket the node logs at configure when that differs.
+    trt_opt_prompt_len: int = 64
     cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
     # Shrink the images as the checkpoint's training did: openpi resizes with PIL's bilinear filter, which
     # smooths while shrinking (True: within 1 of 255 of PIL's pixels); LeRobot with PyTorch's plain
@@ -103,6 +106,11 @@ class PolicyConfig:
         except RuntimeError as e:
             raise ValueError(f"device: {e}") from None
         model = get_preset(self.preset)
+        if not 1 <= self.trt_opt_prompt_len <= model.max_token_len:
+            raise ValueError(
+                f"trt_opt_prompt_len: must be in 1..{model.max_token_len} (preset {self.preset!r}'s prompt "
+                f"length), got {self.trt_opt_prompt_len}"
+            )
         if not 1 <= len(self.cameras) <= model.num_cameras or len(set(self.cameras)) != len(self.cameras):
             raise ValueError(
                 f"cameras: need 1..{model.num_cameras} distinct names (π0.5 slots), got {list(self.cameras)}"
@@ -207,6 +215,8 @@ class Policy:
         options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
         if cfg.backend in EXPORTED:
             options["cache_dir"] = cfg.engine_cache_dir
+        if cfg.backend == "tensorrt":
+            options["opt_prompt_len"] = cfg.trt_opt_prompt_len
         if cfg.backend == "graph" and cfg.engine_cache_dir:
             options["kernel_cache_dir"] = str(Path(cfg.engine_cache_dir) / "triton")
         if cache is not None:
