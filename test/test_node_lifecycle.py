@@ -489,6 +489,27 @@ def test_non_finite_actions_are_never_published_and_the_node_goes_on(harness) ->
     )
 
 
+def test_an_unexpected_error_in_a_ticks_call_counts_toward_error_and_the_worker_goes_on(harness) -> None:
+    """Anything a tick's call raises that the call does not expect (here the observation's assembly) is a
+    worker error and that tick's drop: /diagnostics turns ERROR after error_after_drops such ticks (it
+    stayed WARN, the worker's errors counting apart from the ticks: found in review)."""
+    h = harness(error_after_drops=2)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    buffer = h.node._buffer
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a decoder library's own fault")
+
+    buffer.observation = broken
+    assert h.feed_until(lambda: h.drops().get("inference_error", 0) >= 2), h.node.stats()
+    status = h.node._diagnostics().status[0]
+    assert status.level == status.ERROR, status.message
+    assert "the worker raised RuntimeError: a decoder library's own fault" in status.message
+    assert h.node.stats()["errors"]["worker"] >= 2
+    del buffer.observation
+    assert h.feed_until(lambda: len(h.chunks) > 0), f"the node stopped publishing: {h.drops()}"
+
+
 def test_a_profile_loaded_one_parameter_at_a_time_is_taken_by_an_unconfigured_node(harness) -> None:
     """`ros2 param load` sets a file's parameters one at a time, each checked against the others. Before
     (noted in review), the ALOHA profile's `model.preset: pi05` was refused because its checkpoint was
@@ -964,6 +985,41 @@ def test_bad_input_gives_no_chunk_and_the_node_stays_active(harness, bad: dict, 
     assert h.chunks == [] and h.state() == State.PRIMARY_STATE_ACTIVE
     # Good input afterwards gives chunks again.
     assert h.feed_until(lambda: len(h.chunks) > 0)
+
+
+def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after_its_window(harness) -> None:
+    """A tick whose observation is refused for its messages' timing (here skew: one camera's frame 200 ms
+    newer than the others') waits for a later message for half the period before it counts as a drop:
+    one late or dropped camera frame no longer costs the whole period's chunk (found in review). Served,
+    it is a chunk and `late_served`; not served in time, the drop it would have been."""
+    h = harness(actions_per_inference=50, max_skew_s=0.05, max_image_age_s=5.0, max_joint_age_s=5.0)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) > 0), f"drops {h.drops()}"
+
+    def skewed() -> None:
+        """Cameras 1 and 2 and the joints stamped 200 ms back, camera 0 now."""
+        time.sleep(0.3)  # past everything held, so that the older stamps are stored
+        h.publish_observation(stamp_offset_s=-0.2)
+        frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
+        frame.header.stamp = h.now().to_msg()
+        h.image_pubs[0].publish(frame)
+
+    # Not served: the drop, once the window has passed.
+    skewed()
+    assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
+    waited_since = time.monotonic()
+    assert h.wait_for(lambda: h.drops().get("skew", 0) == 1, timeout=5.0), h.node.stats()
+    assert time.monotonic() - waited_since > 0.2, "dropped before the window (0.5 s) had passed"
+    assert h.node.stats()["late_served"] == {}
+    # Served: a whole new set of messages while the tick waits is its chunk.
+    skewed()
+    assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
+    chunks, dropped = len(h.chunks), h.drops().get("skew", 0)
+    h.publish_observation()
+    assert h.wait_for(lambda: len(h.chunks) > chunks, timeout=5.0), h.node.stats()
+    s = h.node.stats()
+    assert s["late_served"] == {"skew": 1} and s["drops"].get("skew", 0) == dropped, s
+    assert s["failing_ticks"] == 0, s
 
 
 def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_over(harness) -> None:

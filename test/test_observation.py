@@ -177,6 +177,22 @@ def test_each_refusal_has_its_reason() -> None:
     assert reason(bad, t + 10 * MS) is DropReason.BAD_IMAGE
 
 
+def test_an_observation_refused_for_timing_decodes_no_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node tries a tick refused for timing again at each new message: such a refusal must cost no
+    decoding, so the images are decoded only once every other check has passed."""
+    t = 10**12
+    skewed = full(t)
+    skewed.put_image(1, image(t + 90 * MS, encoding="yuv422"))  # undecodable, and 90 ms after camera 0
+    skewed.put_joint_state(joints(t + 45 * MS))
+    stale = full(t)
+    decoded: list[object] = []
+    for b in (skewed, stale):
+        monkeypatch.setattr(b, "_decode", decoded.append)
+    assert reason(skewed, t + 90 * MS) is DropReason.SKEW
+    assert reason(stale, t + 150 * MS) is DropReason.STALE_IMAGE
+    assert decoded == []
+
+
 def test_clear_forgets_everything() -> None:
     t = 10**12
     b = full(t)

@@ -194,7 +194,7 @@ class ObservationBuffer:
             faults = dict(self._joint_faults)
         lim = self.limits
         named: list[tuple[int, str]] = []  # (stamp, what it is) of every message the observation uses
-        rgb: dict[str, np.ndarray] = {}
+        cameras: list[str] = []
         for slot, msg in enumerate(images):
             camera = (
                 slot_names[slot] if self._topics is None else f"{slot_names[slot]} ({self._topics[slot]})"
@@ -208,10 +208,7 @@ class ObservationBuffer:
                     f"{camera} is {(now_ns - t) / 1e6:.0f} ms old{_clock_hint(t, now_ns)}",
                 )
             named.append((t, camera))
-            try:
-                rgb[slot_names[slot]] = self._decode(msg)
-            except ImageConversionError as e:
-                raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{camera}: {e}") from None
+            cameras.append(camera)
         if faults:
             said = "; ".join(f"{source}: {fault}" for source, fault in sorted(faults.items()))
             raise ObservationUnavailable(
@@ -255,6 +252,14 @@ class ObservationBuffer:
         if not np.isfinite(state).all():
             bad = [n for n, v in zip(self._joint_names, state, strict=True) if not np.isfinite(v)]
             raise ObservationUnavailable(DropReason.BAD_STATE, f"non-finite position for {bad}")
+        # Decoded last: an observation refused for its timing costs no decoding (the node tries again at
+        # each new message while a tick waits for a later one).
+        rgb: dict[str, np.ndarray] = {}
+        for slot, (msg, camera) in enumerate(zip(images, cameras, strict=True)):
+            try:
+                rgb[slot_names[slot]] = self._decode(msg)
+            except ImageConversionError as e:
+                raise ObservationUnavailable(DropReason.BAD_IMAGE, f"{camera}: {e}") from None
         return Observation(images=rgb, state=state, prompt=prompt, stamp_ns=frames_at)
 
 

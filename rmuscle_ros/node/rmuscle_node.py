@@ -18,6 +18,7 @@ while the arm executes the chunk.
 from __future__ import annotations
 
 import array
+import dataclasses
 import gc
 import statistics
 import sys
@@ -77,6 +78,14 @@ SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
 WAKE_SWITCH_INTERVAL_S = 0.0005
 # A sensor that has not delivered yet: a wait, not a drop, for sensor_startup_timeout_s after activation.
 STARTUP_REASONS = (DropReason.MISSING_CAMERA, DropReason.MISSING_JOINTS)
+# A tick's observation refused for its messages' timing (a frame dropped or late: at 30 Hz one dropped frame
+# makes a camera's newest 66 ms old, past the cell profiles' 50 ms max_skew_s) is tried again at each new
+# message, for up to LATE_RETRY_SHARE of the inference period after the tick, before it counts as a drop:
+# otherwise one late frame cost the whole period's chunk (found in review).
+LATE_REASONS = (DropReason.SKEW, DropReason.STALE_IMAGE, DropReason.STALE_JOINTS)
+LATE_RETRY_SHARE = 0.5
+# What the worker runs for a tick until its chunk is out (`_doing`): an error there is the tick's drop.
+TICK_JOBS = ("a call", "a retry on a later message")
 # Parameters a configured node applies from its next call on (`ros2 param set`). The others are read at
 # configure: the model and its graphs' shapes, the library, topics, publishers and timers.
 LIVE_PARAMETERS = {
@@ -106,6 +115,17 @@ def _prompt_too_long(policy: Any, prompt: str) -> str:
         f"prompt: {tokens} tokens with the state, the model takes {most}: the state and 'Action:' at its end "
         "would be cut off; shorten the instruction"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _LateTick:
+    """A tick whose observation was refused for its messages' timing (LATE_REASONS), tried again at each
+    new message until `until`; monotonic seconds."""
+
+    tick_at: float
+    until: float
+    reason: DropReason
+    detail: str
 
 
 def prompt_bucket_note(tokens: int, buckets: list[int], opt: int) -> tuple[bool, str]:
@@ -225,6 +245,10 @@ class RMuscleNode(LifecycleNode):
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
         # first message arrives, so the first chunk follows the last sensor to come up, not a period later.
         self._start_wait = threading.Event()
+        # A tick whose observation a later message may still serve (LATE_REASONS): until when (monotonic)
+        # it is tried again, and why it was refused last; None: none pending. Worker-owned; the executor
+        # only reads whether one is pending, to wake the worker at each message meanwhile.
+        self._late: _LateTick | None = None
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         # Serialises every call into the policy: the worker's infer/rebuild and the executor's episode
@@ -254,6 +278,8 @@ class RMuscleNode(LifecycleNode):
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
             self._last_drop = ""  # the latest drop's reason and detail
+            # ticks whose observation was refused for timing and served by a later message (LATE_REASONS)
+            self.late_served: Counter[str] = Counter()
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
@@ -560,11 +586,13 @@ class RMuscleNode(LifecycleNode):
         gc.callbacks.append(self._gc)
         self._activated_at = time.monotonic()
         self._start_wait.clear()
+        self._late = None
         with self._stats_lock:
             self.waiting_for = ""
             # What /diagnostics reports "since activation" starts over (found in review: an operator who
             # deactivated, fixed a camera and activated again got ERROR at once, with the old reason).
             self.drops.clear()
+            self.late_served.clear()
             self._failing_ticks = 0
             self._last_drop = ""
             self._slowest = []
@@ -818,14 +846,16 @@ class RMuscleNode(LifecycleNode):
 
     def _stored(self, first: bool) -> None:
         """A sensor message was stored; one that brought a camera's first frame or a joint's first position
-        wakes the worker while a start-up tick waits for the first messages (`_start_wait`)."""
-        if first and self._start_wait.is_set():
+        wakes the worker while a start-up tick waits for the first messages (`_start_wait`), and any message
+        while a tick waits for a later one (`_late`)."""
+        if (first and self._start_wait.is_set()) or self._late is not None:
             self._wake.set()
 
     def _inference_loop(self) -> None:
         while True:
             self._doing = ""
-            self._wake.wait()
+            late = self._late
+            self._wake.wait(None if late is None else max(0.0, late.until - time.monotonic()))
             self._wake.clear()
             sys.setswitchinterval(self._switch_interval_s)
             if self._stop.is_set():
@@ -833,17 +863,24 @@ class RMuscleNode(LifecycleNode):
             try:
                 if self._take_tick() is not None:
                     self._refill.clear()  # the call's own motion window follows it
+                    self._end_late_tick()  # a tick still waiting for a later message is a drop now
                     self._doing = "a call"
                     self._infer_once()
                 elif self._start_wait.is_set():
                     self._doing = "a start-up retry"
-                    self._infer_once(retry=True)
+                    self._infer_once(kind="startup")
+                elif self._late is not None:
+                    self._doing = "a retry on a later message"
+                    self._infer_once(kind="late")
                 elif self._refill.is_set():
                     self._refill.clear()
                     self._doing = "the refill after a reset or an activation"
                     self._refill_for_next_episode()
             except Exception as e:  # nothing may end the worker: the node would look alive and be silent
                 self._error("worker", f"{type(e).__name__}: {e}")
+                if self._doing in TICK_JOBS:  # the tick gave no chunk: counted toward ERROR (found in review)
+                    self._late = None
+                    self._drop(DropReason.INFERENCE_ERROR, f"the worker raised {type(e).__name__}: {e}")
 
     def _refill_for_next_episode(self) -> None:
         """A motion window right after an episode reset, or an activation: the window is refilled with the
@@ -859,10 +896,17 @@ class RMuscleNode(LifecycleNode):
         if cfg is not None and policy is not None and cfg.cache.enabled:
             self._rebuild_cache(policy, estimate=False)
 
-    def _infer_once(self, retry: bool = False) -> None:
-        """One call on the latest observation: at a tick, or (`retry`) when a sensor a start-up tick waited
-        for has sent its first message. A retry that still finds no observation is not a drop: the next
-        tick says what is missing."""
+    def _end_late_tick(self) -> None:
+        """A tick waiting for a later message (`_late`) that none served: its drop, with the latest reason."""
+        late, self._late = self._late, None
+        if late is not None:
+            self._drop(late.reason, late.detail)
+
+    def _infer_once(self, kind: str = "tick") -> None:
+        """One call on the latest observation: at a tick; when a sensor a start-up tick waited for has sent
+        its first message (`startup`: one that still finds no observation is not a drop, the next tick says
+        what is missing); or when a message came while a tick's observation, refused for its timing, waits
+        for a later one (`late`: LATE_REASONS, until LATE_RETRY_SHARE of the period after the tick)."""
         from rmuscle_ros.runtime.policy import NonFiniteActions  # loaded at configure: a dict lookup
 
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
@@ -873,7 +917,7 @@ class RMuscleNode(LifecycleNode):
         with self._policy_lock:
             now_ns = self.get_clock().now().nanoseconds
             tick_at = self._tick_at
-            if not retry and tick_at is not None:  # what held the call back: motion-window work, a reset
+            if kind == "tick" and tick_at is not None:  # what held the call back: motion-window work, a reset
                 with self._stats_lock:
                     self._tick_waits_ms.append((time.monotonic() - tick_at) * 1e3)
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
@@ -884,13 +928,27 @@ class RMuscleNode(LifecycleNode):
             except ObservationUnavailable as e:
                 # A wait, not a drop: retried when a sensor's first message comes.
                 if starting and e.reason in STARTUP_REASONS:
+                    self._late = None  # an episode reset emptied the buffer meanwhile
                     self._wait_for_sensor(e.detail)
                     return
                 self._start_wait.clear()
-                if not retry:
-                    self._wait_for_sensor("")
-                    self._drop(e.reason, e.detail)
+                if kind == "startup":
+                    return
+                self._wait_for_sensor("")
+                if e.reason in LATE_REASONS and kind == "tick" and tick_at is not None:
+                    period = cfg.actions_per_inference * cfg.control_period_s
+                    self._late = _LateTick(tick_at, tick_at + LATE_RETRY_SHARE * period, e.reason, e.detail)
+                    return
+                late = self._late
+                if e.reason in LATE_REASONS and late is not None and time.monotonic() < late.until:
+                    self._late = dataclasses.replace(late, reason=e.reason, detail=e.detail)
+                    return
+                self._late = None
+                self._drop(e.reason, e.detail)
                 return
+            late, self._late = self._late, None
+            if late is not None:
+                self._served_late(late)
             self._start_wait.clear()
             self._wait_for_sensor("")
             try:
@@ -1040,6 +1098,19 @@ class RMuscleNode(LifecycleNode):
         if count == 1 or count % 50 == 0:  # throttled like the drops: a broken disk must not flood the log
             self.get_logger().error(f"{kind} error ({count}x): {detail}")
 
+    def _served_late(self, late: _LateTick) -> None:
+        """A tick refused for its messages' timing that a later message served: counted (stats
+        `late_served`, /diagnostics) and logged, throttled like the drops."""
+        waited_ms = (time.monotonic() - late.tick_at) * 1e3
+        with self._stats_lock:
+            self.late_served[late.reason.value] += 1
+            count = self.late_served[late.reason.value]
+        if count == 1 or count % 50 == 0:
+            self.get_logger().info(
+                f"a tick's observation was refused ({late.reason.value}: {late.detail}); a message {waited_ms:.0f} "
+                f"ms after the tick served it ({count}x)"
+            )
+
     def _wait_for_sensor(self, detail: str) -> None:
         """Set what the node is waiting for during start-up ("": nothing). A tick that waits for a sensor's
         first message is not a drop; the wait is logged once per sensor."""
@@ -1102,6 +1173,7 @@ class RMuscleNode(LifecycleNode):
             by_mode = {mode: statistics.median(v) for mode, v in self._latencies_by_mode.items() if v}
             times = list(self._chunk_times)
             drops = dict(self.drops)
+            late_served = dict(self.late_served)
             slowest = [dict(c) for c in self._slowest]
             chunks = self.chunk_id
             cache = dict(self.cache_status) if self.cache_status is not None else None
@@ -1138,6 +1210,9 @@ class RMuscleNode(LifecycleNode):
             "slowest_calls": slowest,
             "chunks": chunks,
             "drops": drops,
+            # since activation, by reason: ticks refused for their messages' timing that a later message
+            # served within LATE_RETRY_SHARE of the period (a chunk, later; not a drop)
+            "late_served": late_served,
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
             "errors": errors,
             "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
@@ -1261,6 +1336,7 @@ class RMuscleNode(LifecycleNode):
         if s["slowest_calls"]:
             values["slowest_call"] = describe_call(s["slowest_calls"][0])
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
+        values |= {f"late_served.{k}": v for k, v in s["late_served"].items()}
         if s["waiting_for"]:
             values["waiting_for"] = s["waiting_for"]
         if cache is not None:
