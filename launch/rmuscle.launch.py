@@ -4,6 +4,7 @@
     ros2 launch rmuscle_ros rmuscle.launch.py params_file:=/path/to/cell.yaml autostart:=false
     ros2 launch rmuscle_ros rmuscle.launch.py stream_actions:=false   # chunks only, the arms untouched
     ros2 launch rmuscle_ros rmuscle.launch.py activate_streamer:=true # the arms move once chunks come
+    ros2 launch rmuscle_ros rmuscle.launch.py use_sim_time:=true      # on a bag's or simulator's /clock
 
 Parameters come from a profile (both nodes read their own section of the file); the topics are remapped
 onto an Interbotix ALOHA stack. With autostart (default) rmuscle_node is configured on start and
@@ -15,6 +16,7 @@ activate_streamer:=true does it at start (a bare launch otherwise moved the arms
 chunk came, tens of seconds after the command while the kernels compiled; found in review). With
 stream_actions:=false it is not started. A params file that is not there, or that has no section for a
 node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
+A profile with `compressed_images: true` has the cameras remapped onto their `/compressed` subtopics.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState, StateTransition
 from lifecycle_msgs.msg import Transition
 
-from rmuscle_ros.node.params_file import check_params_file  # no torch: see its docstring
+from rmuscle_ros.node.params_file import (  # no torch: see its docstring
+    camera_remappings,
+    check_params_file,
+    node_parameter,
+)
 
-# The policy node's topics (π0.5 slot order) -> the Interbotix ALOHA stack's topics.
+# The policy node's topics (π0.5 slot order) -> the Interbotix ALOHA stack's topics. With the profile's
+# `compressed_images: true` the cameras' go to each topic's `/compressed` (image_transport's JPEG frames).
 ALOHA_REMAPPINGS = [
     ("images/base", "/cam_high/camera/color/image_rect_raw"),
     ("images/left_wrist", "/cam_left_wrist/camera/color/image_rect_raw"),
@@ -114,9 +121,12 @@ def nodes(context: LaunchContext) -> list:
     params_file = perform_substitutions(context, [LaunchConfiguration("params_file")])
     stream_actions, autostart = true(context, "stream_actions"), true(context, "autostart")
     activate_streamer = true(context, "activate_streamer")
+    # Only when true: false leaves the profile's own use_sim_time as it is.
+    overrides = [{"use_sim_time": True}] if true(context, "use_sim_time") else []
     namespace = perform_substitutions(context, [LaunchConfiguration("namespace")])
     names = ("rmuscle_node", "action_streamer") if stream_actions else ("rmuscle_node",)
     check_params_file(params_file, names, namespace)
+    compressed = node_parameter(params_file, "rmuscle_node", "compressed_images", namespace) is True
 
     def lifecycle_node(executable: str, remappings: list[tuple[str, str]]) -> LifecycleNode:
         return LifecycleNode(
@@ -125,11 +135,12 @@ def nodes(context: LaunchContext) -> list:
             name=executable,
             namespace=LaunchConfiguration("namespace"),
             output="screen",
-            parameters=[params_file],
+            parameters=[params_file, *overrides],
             remappings=remappings,
         )
 
-    entities = autostarted(lifecycle_node("rmuscle_node", ALOHA_REMAPPINGS), autostart)
+    policy_node = lifecycle_node("rmuscle_node", camera_remappings(ALOHA_REMAPPINGS, compressed))
+    entities = autostarted(policy_node, autostart)
     if stream_actions:
         streamer = lifecycle_node("action_streamer", STREAMER_REMAPPINGS)
         entities += autostarted(streamer, autostart, activate=activate_streamer)
@@ -166,6 +177,12 @@ def generate_launch_description() -> LaunchDescription:
                 description="with autostart, also activate action_streamer (the arms then move once chunks "
                 "come); otherwise it waits, configured, for `ros2 lifecycle set /action_streamer activate` "
                 "(/<namespace>/action_streamer with namespace:=)",
+            ),
+            DeclareLaunchArgument(
+                "use_sim_time",
+                default_value="false",
+                description="true: both nodes on the /clock of a bag played with `ros2 bag play --clock` or "
+                "a simulator (false leaves the profile's setting)",
             ),
             OpaqueFunction(function=nodes),
         ]

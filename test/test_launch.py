@@ -98,7 +98,7 @@ def test_launch_description_builds() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     description = module.generate_launch_description()
-    assert len(description.entities) == 7  # 6 arguments, then the nodes once their params file is checked
+    assert len(description.entities) == 8  # 7 arguments, then the nodes once their params file is checked
 
 
 def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_defaults(tmp_path) -> None:
@@ -134,6 +134,34 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
     # and the launch file calls it, with the streamer's section asked for only when it starts the streamer
     source = LAUNCH.read_text()
     assert "check_params_file(" in source and "OpaqueFunction(function=nodes)" in source
+
+
+def test_a_profile_taking_compressed_images_has_the_cameras_remapped_onto_their_compressed_topics(
+    tmp_path,
+) -> None:
+    """image_transport publishes a camera's JPEG frames on `<topic>/compressed`; the launch file remapped
+    the cameras onto the raw topics whatever the profile said, and a node taking CompressedImage there
+    received nothing (found in review). It reads the profile's `compressed_images` (the most specific
+    section that sets it) and remaps the cameras, and only them, onto `/compressed`."""
+    from rmuscle_ros.node.params_file import camera_remappings, node_parameter
+
+    config = LAUNCH.parents[1] / "config"
+    assert node_parameter(config / "rmuscle_default.yaml", "rmuscle_node", "compressed_images") is False
+    assert node_parameter(config / "rmuscle_aloha.yaml", "rmuscle_node", "compressed_images") is None
+    (tmp_path / "cell.yaml").write_text(
+        "/**/rmuscle_node:\n  ros__parameters:\n    compressed_images: false\n"
+        "/cell1/rmuscle_node:\n  ros__parameters:\n    compressed_images: true\n"
+    )
+    assert node_parameter(tmp_path / "cell.yaml", "rmuscle_node", "compressed_images") is False
+    assert node_parameter(tmp_path / "cell.yaml", "rmuscle_node", "compressed_images", "cell1") is True
+    table = remappings("ALOHA_REMAPPINGS")
+    assert camera_remappings(table, False) == table
+    moved = dict(camera_remappings(table, True))
+    assert moved["images/base"] == "/cam_high/camera/color/image_rect_raw/compressed"
+    assert moved["joint_states/left"] == "/follower_left/joint_states"
+    source = LAUNCH.read_text()
+    assert "camera_remappings(ALOHA_REMAPPINGS, compressed)" in source
+    assert 'node_parameter(params_file, "rmuscle_node", "compressed_images", namespace)' in source
 
 
 def test_what_the_launch_file_imports_of_this_package_needs_no_torch() -> None:

@@ -664,6 +664,34 @@ def test_two_publishers_on_an_input_topic_are_reported(harness) -> None:
         other.destroy_node()
 
 
+def test_a_camera_topic_carrying_another_type_is_an_error_naming_both_types(harness) -> None:
+    """compressed_images set while a camera's topic carries raw images (a launch remapping onto
+    `image_rect_raw`, found in review): nothing arrives, and the ticks only said `missing_camera`.
+    /diagnostics says ERROR naming the topic and both types, and the node logs it once per topic. (The raw
+    publisher is in a context of its own, as a camera driver is another process: one DDS participant
+    cannot hold one topic under two types.)"""
+    h = harness(compressed=True, camera_topics=[*CAMERAS[:2], "images/raw_camera"])
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
+    driver = rclpy.create_node("raw_camera_driver", context=context)
+    try:
+        driver.create_publisher(Image, "/images/raw_camera", qos_profile_sensor_data)
+        said = (
+            "/images/raw_camera carries sensor_msgs/msg/Image, the node takes sensor_msgs/msg/CompressedImage"
+        )
+
+        def reported() -> bool:
+            return any(s.level == s.ERROR and said in s.message for a in h.diagnostics for s in a.status)
+
+        assert h.feed_until(reported), [s.message for a in h.diagnostics[-3:] for s in a.status]
+        assert sum(said in log.msg for log in h.logs) == 1
+        assert h.chunks == []
+    finally:
+        driver.destroy_node()
+        rclpy.shutdown(context=context)
+
+
 def test_use_sim_time_without_a_clock_is_reported_not_silent(harness, monkeypatch) -> None:
     """use_sim_time set and nothing publishing /clock (a simulator stopped, a sim profile on a real cell): no
     tick runs, so no chunk and no drop. /diagnostics (on the steady clock) turns ERROR naming /clock, and

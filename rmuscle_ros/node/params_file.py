@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["check_params_file", "section_keys"]
+__all__ = ["camera_remappings", "check_params_file", "node_parameter", "section_keys"]
 
 
 def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
@@ -29,12 +29,8 @@ def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
     return tuple(keys)
 
 
-def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...], namespace: str = "") -> None:
-    """ValueError unless `path` is a params file with a section that ROS applies to each of `node_names`
-    in `namespace` (`section_keys`). The launch file calls it before it starts anything: ROS only warns
-    about a params file that is not there and starts the node on its defaults (the tiny demo model, random
-    weights), and a node whose section it does not apply (none, or `rmuscle_node:` under a namespace) would
-    too; the streamer would then send that model's actions to the arms (found in review)."""
+def _document(path: str | os.PathLike[str]) -> dict:
+    """The params file's YAML, or ValueError saying why it is not one."""
     file = Path(path)
     if not file.is_file():
         what = "a folder" if file.is_dir() else "not there"
@@ -47,6 +43,39 @@ def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...],
         raise ValueError(f"params file {file}: not a ROS params file ({e})") from None
     if not isinstance(document, dict):
         raise ValueError(f"params file {file}: not a ROS params file (no node sections)")
+    return document
+
+
+def node_parameter(path: str | os.PathLike[str], node_name: str, name: str, namespace: str = "") -> object:
+    """The value a params file gives `node_name`'s top-level parameter `name` (None: not set), from the most
+    specific of its sections that sets it (`section_keys`, the fully qualified name before `/**/`)."""
+    document = _document(path)
+    for key in sorted(section_keys(node_name, namespace), key=lambda k: ("/**/" in k, "/*/" in k)):
+        section = document.get(key)
+        params = section.get("ros__parameters") if isinstance(section, dict) else None
+        if isinstance(params, dict) and name in params:
+            return params[name]
+    return None
+
+
+def camera_remappings(remappings: list[tuple[str, str]], compressed: bool) -> list[tuple[str, str]]:
+    """`remappings` with each camera's (`images/...`) target moved to its `/compressed` subtopic when
+    `compressed`: image_transport publishes a camera's JPEG frames there, beside the raw topic, and a node
+    taking CompressedImage on the raw topic's name receives nothing (found in review)."""
+    return [
+        (frm, f"{to}/compressed" if compressed and frm.startswith("images/") else to)
+        for frm, to in remappings
+    ]
+
+
+def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...], namespace: str = "") -> None:
+    """ValueError unless `path` is a params file with a section that ROS applies to each of `node_names`
+    in `namespace` (`section_keys`). The launch file calls it before it starts anything: ROS only warns
+    about a params file that is not there and starts the node on its defaults (the tiny demo model, random
+    weights), and a node whose section it does not apply (none, or `rmuscle_node:` under a namespace) would
+    too; the streamer would then send that model's actions to the arms (found in review)."""
+    file = Path(path)
+    document = _document(file)
     missing = []
     for name in node_names:
         keys = section_keys(name, namespace)

@@ -239,6 +239,7 @@ class RMuscleNode(LifecycleNode):
         self._ros_clock_moved_at = time.monotonic()
         self._clock_silence_logged = False
         self._crowded_logged: set[str] = set()  # input topics whose several publishers were logged
+        self._mistyped_logged: set[str] = set()  # input topics whose publishers' other type was logged
         self._input_topics: tuple[str, ...] = ()  # while active: the camera and joint topics, as remapped
         self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
@@ -571,7 +572,7 @@ class RMuscleNode(LifecycleNode):
         period = cfg.actions_per_inference * cfg.control_period_s
         self._infer_timer = periodic_timer(self, period, self._on_tick)
         self._ros_clock_seen, self._ros_clock_moved_at = 0, time.monotonic()
-        self._crowded_logged = set()
+        self._crowded_logged, self._mistyped_logged = set(), set()
         self._timers = [
             self._infer_timer,
             # On the steady clock always: with use_sim_time and no /clock (a simulator stopped, a profile
@@ -1223,19 +1224,29 @@ class RMuscleNode(LifecycleNode):
     def _publish_diagnostics(self) -> None:
         self._diag_pub.publish(self._diagnostics())
 
-    def _crowded_inputs(self) -> dict[str, list[str]]:
-        """While active: each camera or joint-state topic with more than one publisher, and their nodes. The
-        node takes each message as it comes, so two sources on one topic (a bag player left running beside
-        the camera driver, a joint_state_publisher beside the arm's driver) mix in its observations (found
-        in review: nothing said so)."""
-        if not self._subs:
-            return {}
-        crowded = {}
-        for topic in self._input_topics:
+    def _input_publishers(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """While active, from the ROS graph: (each camera or joint-state topic with more than one publisher,
+        and their nodes; each one whose publishers all send another type than the node takes, and those
+        types).
+        - Several publishers: the node takes each message as it comes, so two sources on one topic (a bag
+          player left running beside the camera driver, a joint_state_publisher beside the arm's driver)
+          mix in its observations (found in review: nothing said so).
+        - Another type: nothing arrives, and the ticks only said `missing_camera: no image yet` (found in
+          review: `compressed_images` set while a camera's topic carries raw images, or the reverse)."""
+        if not self._subs or self.cfg is None:
+            return {}, {}
+        cameras = len(self.cfg.camera_topics)
+        image_type = "sensor_msgs/msg/" + ("CompressedImage" if self.cfg.compressed_images else "Image")
+        crowded, mistyped = {}, {}
+        for i, topic in enumerate(self._input_topics):
             publishers = self.get_publishers_info_by_topic(topic)
             if len(publishers) > 1:
                 crowded[topic] = sorted(node_full_name(p.node_name, p.node_namespace) for p in publishers)
-        return crowded
+            wanted = image_type if i < cameras else "sensor_msgs/msg/JointState"
+            types = sorted({p.topic_type for p in publishers})
+            if types and wanted not in types:
+                mistyped[topic] = [*types, wanted]
+        return crowded, mistyped
 
     def _clock_silence_s(self) -> float:
         """With use_sim_time while active: seconds since the ROS clock (/clock) last moved; else 0."""
@@ -1283,7 +1294,20 @@ class RMuscleNode(LifecycleNode):
             status.message = (
                 f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
             )
-        crowded = self._crowded_inputs()
+        crowded, mistyped = self._input_publishers()
+        if mistyped:  # nothing of its can arrive: the node cannot run
+            status.level = DiagnosticStatus.ERROR
+            said = "; ".join(
+                f"{topic} carries {', '.join(types[:-1])}, the node takes {types[-1]}"
+                for topic, types in mistyped.items()
+            )
+            status.message = f"{said} (compressed_images, or the remapping?); " + status.message
+            for topic in mistyped.keys() - self._mistyped_logged:
+                self._mistyped_logged.add(topic)
+                self.get_logger().error(
+                    f"{topic} carries {', '.join(mistyped[topic][:-1])}, the node takes {mistyped[topic][-1]}: "
+                    "nothing it sends arrives (compressed_images, or the topic's remapping?)"
+                )
         if crowded:
             status.level = max(status.level, DiagnosticStatus.WARN)
             said = "; ".join(
