@@ -360,10 +360,13 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
                     # how long calls waited after their tick for the worker (nothing else to do here)
                     waited = 0 <= float(values["tick_wait_p50_ms"]) <= float(values["tick_wait_max_ms"])
                     dense = float(values["latency_p50_ms.dense"]) > 0
-                    return 0 < pre < latency and dense and gc_pauses and waited
+                    # each camera's frame size (the policy letterboxes any aspect without a word)
+                    sized = values.get("image_size.base_0_rgb") == "64x48"
+                    return 0 < pre < latency and dense and gc_pauses and waited and sized
         return False
 
     assert h.wait_for(reported, timeout=10.0), "diagnostics never reported chunks, latency and the drop"
+    assert sum(log.msg == "camera base_0_rgb: 64x48 frames" for log in h.logs) == 1
 
 
 def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:

@@ -281,6 +281,7 @@ class RMuscleNode(LifecycleNode):
             self._last_drop = ""  # the latest drop's reason and detail
             # ticks whose observation was refused for timing and served by a later message (LATE_REASONS)
             self.late_served: Counter[str] = Counter()
+            self._image_sizes: dict[str, str] = {}  # camera slot -> its latest frame's size, "WxH"
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
@@ -594,6 +595,7 @@ class RMuscleNode(LifecycleNode):
             # deactivated, fixed a camera and activated again got ERROR at once, with the old reason).
             self.drops.clear()
             self.late_served.clear()
+            self._image_sizes.clear()
             self._failing_ticks = 0
             self._last_drop = ""
             self._slowest = []
@@ -952,6 +954,7 @@ class RMuscleNode(LifecycleNode):
                 self._served_late(late)
             self._start_wait.clear()
             self._wait_for_sensor("")
+            self._note_image_sizes(obs.images)
             try:
                 chunk = policy.infer(obs)
             except NonFiniteActions as e:  # never published: a robot must not get NaN or Inf targets
@@ -1099,6 +1102,23 @@ class RMuscleNode(LifecycleNode):
         if count == 1 or count % 50 == 0:  # throttled like the drops: a broken disk must not flood the log
             self.get_logger().error(f"{kind} error ({count}x): {detail}")
 
+    def _note_image_sizes(self, images: Any) -> None:
+        """Each camera's frame size (W×H), logged when first seen since activation and when it changes, and
+        kept for /diagnostics (`image_size.<slot>`): the policy letterboxes any aspect to its square input
+        without a word, so a camera on another profile than the training data's (ALOHA recorded 640×480)
+        is seen here (found in review)."""
+        for slot, rgb in images.items():
+            size = f"{rgb.shape[1]}x{rgb.shape[0]}"
+            held = self._image_sizes.get(slot)
+            if held == size:
+                continue
+            with self._stats_lock:
+                self._image_sizes[slot] = size
+            if held is None:
+                self.get_logger().info(f"camera {slot}: {size} frames")
+            else:
+                self.get_logger().warning(f"camera {slot}: frames changed from {held} to {size}")
+
     def _served_late(self, late: _LateTick) -> None:
         """A tick refused for its messages' timing that a later message served: counted (stats
         `late_served`, /diagnostics) and logged, throttled like the drops."""
@@ -1175,6 +1195,7 @@ class RMuscleNode(LifecycleNode):
             times = list(self._chunk_times)
             drops = dict(self.drops)
             late_served = dict(self.late_served)
+            image_sizes = dict(self._image_sizes)
             slowest = [dict(c) for c in self._slowest]
             chunks = self.chunk_id
             cache = dict(self.cache_status) if self.cache_status is not None else None
@@ -1214,6 +1235,7 @@ class RMuscleNode(LifecycleNode):
             # since activation, by reason: ticks refused for their messages' timing that a later message
             # served within LATE_RETRY_SHARE of the period (a chunk, later; not a drop)
             "late_served": late_served,
+            "image_sizes": image_sizes,  # camera slot -> its latest frame's WxH, since activation
             "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
             "errors": errors,
             "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
@@ -1361,6 +1383,7 @@ class RMuscleNode(LifecycleNode):
             values["slowest_call"] = describe_call(s["slowest_calls"][0])
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
         values |= {f"late_served.{k}": v for k, v in s["late_served"].items()}
+        values |= {f"image_size.{k}": v for k, v in s["image_sizes"].items()}
         if s["waiting_for"]:
             values["waiting_for"] = s["waiting_for"]
         if cache is not None:
