@@ -141,8 +141,9 @@ def test_a_profile_taking_compressed_images_has_the_cameras_remapped_onto_their_
 ) -> None:
     """image_transport publishes a camera's JPEG frames on `<topic>/compressed`; the launch file remapped
     the cameras onto the raw topics whatever the profile said, and a node taking CompressedImage there
-    received nothing (found in review). It reads the profile's `compressed_images` (the most specific
-    section that sets it) and remaps the cameras, and only them, onto `/compressed`."""
+    received nothing (found in review). It reads the profile's `compressed_images` as ROS applies the file
+    (every section that applies, in the file's order) and remaps the cameras, and only them, onto
+    `/compressed`."""
     from rmuscle_ros.node.params_file import camera_remappings, node_parameter
 
     config = LAUNCH.parents[1] / "config"
@@ -151,9 +152,39 @@ def test_a_profile_taking_compressed_images_has_the_cameras_remapped_onto_their_
     (tmp_path / "cell.yaml").write_text(
         "/**/rmuscle_node:\n  ros__parameters:\n    compressed_images: false\n"
         "/cell1/rmuscle_node:\n  ros__parameters:\n    compressed_images: true\n"
+        "/cell2/rmuscle_node:\n  ros__parameters:\n    compressed_images: true\n"
+        "/**:\n  ros__parameters:\n    compressed_images: false\n"
     )
     assert node_parameter(tmp_path / "cell.yaml", "rmuscle_node", "compressed_images") is False
+    assert node_parameter(tmp_path / "cell.yaml", "rmuscle_node", "compressed_images", "cell1") is False
+    (tmp_path / "cell.yaml").write_text(
+        "/**:\n  ros__parameters:\n    compressed_images: false\n"
+        "/**/rmuscle_node:\n  ros__parameters:\n    prompt: pick\n"
+        "/cell1/rmuscle_node:\n  ros__parameters:\n    compressed_images: true\n"
+    )
     assert node_parameter(tmp_path / "cell.yaml", "rmuscle_node", "compressed_images", "cell1") is True
+    assert node_parameter(tmp_path / "cell.yaml", "rmuscle_node", "compressed_images", "cell2") is False
+    # the same answers as rclpy's own reading of the files (rcl's YAML parser), where ROS is installed
+    rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
+    for layout in (
+        "/cell1/rmuscle_node:\n  ros__parameters:\n    compressed_images: true\n"
+        "/**:\n  ros__parameters:\n    compressed_images: false\n",
+        "/**:\n  ros__parameters:\n    compressed_images: false\n"
+        "/cell1/rmuscle_node:\n  ros__parameters:\n    compressed_images: true\n",
+    ):
+        (tmp_path / "order.yaml").write_text(layout)
+        context = rclpy.Context()
+        rclpy.init(args=["--ros-args", "--params-file", str(tmp_path / "order.yaml")], context=context)
+        try:
+            node = rclpy.create_node(
+                "rmuscle_node", namespace="cell1", context=context,
+                automatically_declare_parameters_from_overrides=True,
+            )  # fmt: skip
+            ros = node.get_parameter("compressed_images").value
+            node.destroy_node()
+        finally:
+            rclpy.shutdown(context=context)
+        assert node_parameter(tmp_path / "order.yaml", "rmuscle_node", "compressed_images", "cell1") is ros
     table = remappings("ALOHA_REMAPPINGS")
     assert camera_remappings(table, False) == table
     moved = dict(camera_remappings(table, True))

@@ -438,7 +438,7 @@ def test_a_first_frame_stored_while_the_tick_reads_the_buffer_still_wakes_the_re
             if not delivered:  # camera 2's first frame arrives mid-read, through the node's own hook
                 frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
                 frame.header.stamp = h.now().to_msg()
-                delivered.append(h.node._stored(buffer.put_image(2, frame)))
+                delivered.append(h.node._stored(buffer.put_image(2, frame), "image"))
             raise
 
     buffer.observation = observation
@@ -1051,6 +1051,26 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     s = h.node.stats()
     assert s["late_served"] == {"skew": 1} and s["drops"].get("skew", 0) == dropped, s
     assert s["failing_ticks"] == 0, s
+    # Served, but its call fails: the tick's drop, not also a served tick (found in review).
+    skewed()
+    assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
+    engine = h.node.policy.engine
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the model failed")
+
+    engine.sample_actions = failing
+    h.publish_observation()
+    assert h.wait_for(lambda: h.drops().get("inference_error", 0) == 1, timeout=5.0), h.node.stats()
+    assert h.node.stats()["late_served"] == {"skew": 1}
+    del engine.sample_actions
+    # An episode reset ends a waiting tick without a drop: its retries took the reset's wake, and the
+    # cache's refill for the next episode never ran (found in review).
+    skewed()
+    assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
+    dropped = dict(h.drops())
+    h.node.reset_episode()
+    assert h.node._late is None and h.drops() == dropped
 
 
 def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_over(harness) -> None:

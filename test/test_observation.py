@@ -193,6 +193,37 @@ def test_an_observation_refused_for_timing_decodes_no_image(monkeypatch: pytest.
     assert decoded == []
 
 
+def test_a_timing_refusal_names_the_kind_of_message_that_can_end_it() -> None:
+    """The node wakes a waiting tick only on messages of that kind (`cure`): the stale source's, or the
+    oldest of a skew's; other refusals have none."""
+
+    def cure(b: ObservationBuffer, now: int) -> str:
+        with pytest.raises(ObservationUnavailable) as e:
+            b.observation(now, "task", SLOTS)
+        return e.value.cure
+
+    t = 10**12
+    assert cure(full(t), t + 150 * MS) == "image"  # stale_image
+    stale_joints = buffer()
+    stale_joints.put_image(0, image(t))
+    stale_joints.put_image(1, image(t))
+    stale_joints.put_joint_state(joints(t - 60 * MS))
+    assert cure(stale_joints, t + 10 * MS) == "joints"
+    camera_behind = full(t)
+    camera_behind.put_image(1, image(t + 90 * MS))
+    camera_behind.put_joint_state(joints(t + 45 * MS))
+    assert cure(camera_behind, t + 90 * MS) == "image"  # camera 0, at t, is the oldest
+    # the frames stamped 40 ms ahead of the node's clock (within max_skew_s), the joints' newest 45 ms
+    # behind it (not yet stale): 85 ms apart
+    joints_behind = buffer()
+    joints_behind.put_image(0, image(t + 40 * MS))
+    joints_behind.put_image(1, image(t + 40 * MS))
+    joints_behind.put_joint_state(joints(t - 45 * MS))
+    assert reason(joints_behind, t) is DropReason.SKEW
+    assert cure(joints_behind, t) == "joints"
+    assert cure(buffer(), t) == ""  # missing_camera: not a timing refusal
+
+
 def test_clear_forgets_everything() -> None:
     t = 10**12
     b = full(t)

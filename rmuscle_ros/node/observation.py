@@ -68,10 +68,14 @@ def joint_state_fault(names: list[str], positions: list[float]) -> str:
 
 
 class ObservationUnavailable(Exception):
-    def __init__(self, reason: DropReason, detail: str) -> None:
+    """Why there is no observation. `cure`: the kind of message that could end a timing refusal ("image"
+    or "joints": the stale source's, or the oldest of a skew's), "" for the others."""
+
+    def __init__(self, reason: DropReason, detail: str, cure: str = "") -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.cure = cure
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ class ObservationBuffer:
             sources = dict(self._joint_source)
             faults = dict(self._joint_faults)
         lim = self.limits
-        named: list[tuple[int, str]] = []  # (stamp, what it is) of every message the observation uses
+        # (stamp, what it is, "image" or "joints") of every message the observation uses
+        named: list[tuple[int, str, str]] = []
         cameras: list[str] = []
         for slot, msg in enumerate(images):
             camera = (
@@ -206,8 +211,9 @@ class ObservationBuffer:
                 raise ObservationUnavailable(
                     DropReason.STALE_IMAGE,
                     f"{camera} is {(now_ns - t) / 1e6:.0f} ms old{_clock_hint(t, now_ns)}",
+                    cure="image",
                 )
-            named.append((t, camera))
+            named.append((t, camera, "image"))
             cameras.append(camera)
         if faults:
             said = "; ".join(f"{source}: {fault}" for source, fault in sorted(faults.items()))
@@ -227,16 +233,19 @@ class ObservationBuffer:
                 DropReason.STALE_JOINTS,
                 f"{sources.get(stale, stale)} ({stale}) is {(now_ns - newest_of_stale) / 1e6:.0f} ms old"
                 + _clock_hint(newest_of_stale, now_ns),
+                cure="joints",
             )
-        frames_at = max(t for t, _ in named)  # only the frames so far: the observation's stamp
+        frames_at = max(t for t, _, _ in named)  # only the frames so far: the observation's stamp
         picked = [_nearest(joints[n], frames_at) for n in self._sources]
         raw = np.array([p[1] for p in picked])
         state = ((raw - self._offset) * self._scale).astype(np.float32)
         for n, (t, _) in zip(self._sources, picked, strict=True):
-            named.append((t, f"{sources.get(n, n)} ({n})"))
+            named.append((t, f"{sources.get(n, n)} ({n})", "joints"))
         # Ahead of the node clock: every source's newest message, not only the positions picked (a joint
         # state host whose clock runs ahead, found in review).
-        newest = max([*named, *((joints[n][-1][0], f"{sources.get(n, n)} ({n})") for n in self._sources)])
+        newest = max(
+            [*named, *((joints[n][-1][0], f"{sources.get(n, n)} ({n})", "joints") for n in self._sources)]
+        )
         if newest[0] > now_ns + lim.max_skew_ns:
             raise ObservationUnavailable(
                 DropReason.FUTURE_STAMP,
@@ -248,6 +257,7 @@ class ObservationBuffer:
             raise ObservationUnavailable(
                 DropReason.SKEW,
                 f"stamps span {(newest[0] - oldest[0]) / 1e6:.0f} ms: {oldest[1]} oldest, {newest[1]} newest",
+                cure=oldest[2],
             )
         if not np.isfinite(state).all():
             bad = [n for n, v in zip(self._joint_names, state, strict=True) if not np.isfinite(v)]

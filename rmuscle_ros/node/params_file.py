@@ -47,15 +47,16 @@ def _document(path: str | os.PathLike[str]) -> dict:
 
 
 def node_parameter(path: str | os.PathLike[str], node_name: str, name: str, namespace: str = "") -> object:
-    """The value a params file gives `node_name`'s top-level parameter `name` (None: not set), from the most
-    specific of its sections that sets it (`section_keys`, the fully qualified name before `/**/`)."""
-    document = _document(path)
-    for key in sorted(section_keys(node_name, namespace), key=lambda k: ("/**/" in k, "/*/" in k)):
-        section = document.get(key)
-        params = section.get("ros__parameters") if isinstance(section, dict) else None
+    """The value a params file gives `node_name`'s top-level parameter `name` (None: not set): as ROS
+    applies the file, every section that applies to the node (`section_keys`, and `/**` for every node) in
+    the file's order, the last to set it winning."""
+    keys = {*section_keys(node_name, namespace), "/**"}
+    value = None
+    for key, section in _document(path).items():
+        params = section.get("ros__parameters") if key in keys and isinstance(section, dict) else None
         if isinstance(params, dict) and name in params:
-            return params[name]
-    return None
+            value = params[name]
+    return value
 
 
 def camera_remappings(remappings: list[tuple[str, str]], compressed: bool) -> list[tuple[str, str]]:

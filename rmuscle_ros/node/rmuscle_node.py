@@ -120,12 +120,16 @@ def _prompt_too_long(policy: Any, prompt: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class _LateTick:
     """A tick whose observation was refused for its messages' timing (LATE_REASONS), tried again at each
-    new message until `until`; monotonic seconds."""
+    new message of the kind that can cure it (`cure`: "image" or "joints") until `until`; monotonic
+    seconds. `reason`/`detail`: the tick's own refusal (what a served tick counts and logs); `latest`: the
+    latest try's (its drop, if none serves it)."""
 
     tick_at: float
     until: float
     reason: DropReason
     detail: str
+    cure: str
+    latest: ObservationUnavailable
 
 
 def prompt_bucket_note(tokens: int, buckets: list[int], opt: int) -> tuple[bool, str]:
@@ -515,10 +519,13 @@ class RMuscleNode(LifecycleNode):
         prompt runs at, and warn where the two differ (the call runs, perhaps slower than it could)."""
         from rmuscle_ros.engine.onnx_export import prompt_buckets
 
-        tokens, _ = policy.prompt_tokens(cfg.prompt)
-        tuned, note = prompt_bucket_note(
-            tokens, prompt_buckets(cfg.model.model), cfg.model.trt_opt_prompt_len
-        )
+        try:  # advice only: nothing here may fail a configure that loaded the policy
+            tokens, _ = policy.prompt_tokens(cfg.prompt)
+            buckets = prompt_buckets(cfg.model.model)
+        except Exception as e:
+            self.get_logger().warning(f"configure: the prompt's token count for TensorRT's tuning: {e}")
+            return
+        tuned, note = prompt_bucket_note(tokens, buckets, cfg.model.trt_opt_prompt_len)
         # one call site per severity: rclpy refuses a call site whose severity changes
         if tuned:
             self.get_logger().info(f"configure: {note}")
@@ -553,7 +560,7 @@ class RMuscleNode(LifecycleNode):
                 self.create_subscription(
                     image_type,
                     topic,
-                    lambda msg, slot=slot: self._stored(buffer.put_image(slot, msg)),
+                    lambda msg, slot=slot: self._stored(buffer.put_image(slot, msg), "image"),
                     qos_profile_sensor_data,
                 )
             )
@@ -565,7 +572,7 @@ class RMuscleNode(LifecycleNode):
                     JointState,
                     topic,
                     lambda msg, prefix=prefix, resolved=resolved: self._stored(
-                        buffer.put_joint_state(msg, prefix, resolved)
+                        buffer.put_joint_state(msg, prefix, resolved), "joints"
                     ),
                     qos_profile_sensor_data,
                 )
@@ -754,6 +761,10 @@ class RMuscleNode(LifecycleNode):
                     # start-up wait's (no drop), as after an activation.
                     self._buffer.clear()
                     self._activated_at = time.monotonic()
+                # A tick still waiting for a later message belongs to the finished episode: ended without
+                # a drop, as the reset's own wait is none; left pending, its retry took the reset's wake and
+                # the refill for the next episode never ran (found in review).
+                self._late = None
             finally:
                 self._policy_lock.release()
         if failed:
@@ -847,11 +858,14 @@ class RMuscleNode(LifecycleNode):
         since = self._tick_waiting_since
         return time.monotonic() - since if since is not None else 0.0
 
-    def _stored(self, first: bool) -> None:
-        """A sensor message was stored; one that brought a camera's first frame or a joint's first position
-        wakes the worker while a start-up tick waits for the first messages (`_start_wait`), and any message
-        while a tick waits for a later one (`_late`)."""
-        if (first and self._start_wait.is_set()) or self._late is not None:
+    def _stored(self, first: bool, kind: str) -> None:
+        """A sensor message of `kind` ("image" or "joints") was stored. One that brought a camera's first
+        frame or a joint's first position wakes the worker while a start-up tick waits for the first
+        messages (`_start_wait`); one of the kind that can cure a tick's timing refusal, while that tick
+        waits for a later message (`_late`: not every message, found in review: at an ALOHA's ~600 messages
+        a second each retry copied every joint's history)."""
+        late = self._late
+        if (first and self._start_wait.is_set()) or (late is not None and late.cure == kind):
             self._wake.set()
 
     def _inference_loop(self) -> None:
@@ -903,7 +917,7 @@ class RMuscleNode(LifecycleNode):
         """A tick waiting for a later message (`_late`) that none served: its drop, with the latest reason."""
         late, self._late = self._late, None
         if late is not None:
-            self._drop(late.reason, late.detail)
+            self._drop(late.latest.reason, late.latest.detail)
 
     def _infer_once(self, kind: str = "tick") -> None:
         """One call on the latest observation: at a tick; when a sensor a start-up tick waited for has sent
@@ -940,18 +954,17 @@ class RMuscleNode(LifecycleNode):
                 self._wait_for_sensor("")
                 if e.reason in LATE_REASONS and kind == "tick" and tick_at is not None:
                     period = cfg.actions_per_inference * cfg.control_period_s
-                    self._late = _LateTick(tick_at, tick_at + LATE_RETRY_SHARE * period, e.reason, e.detail)
+                    until = tick_at + LATE_RETRY_SHARE * period
+                    self._late = _LateTick(tick_at, until, e.reason, e.detail, e.cure, e)
                     return
                 late = self._late
                 if e.reason in LATE_REASONS and late is not None and time.monotonic() < late.until:
-                    self._late = dataclasses.replace(late, reason=e.reason, detail=e.detail)
+                    self._late = dataclasses.replace(late, cure=e.cure, latest=e)
                     return
                 self._late = None
                 self._drop(e.reason, e.detail)
                 return
-            late, self._late = self._late, None
-            if late is not None:
-                self._served_late(late)
+            late, self._late = self._late, None  # counted as served once its chunk is out
             self._start_wait.clear()
             self._wait_for_sensor("")
             self._note_image_sizes(obs.images)
@@ -984,9 +997,13 @@ class RMuscleNode(LifecycleNode):
                 if len(self._slowest) < SLOWEST_KEPT or latency_ms > self._slowest[-1]["ms"]:
                     self._slowest = sorted([*self._slowest, call], key=lambda c: -c["ms"])[:SLOWEST_KEPT]
                 recent = list(self.latencies_ms)
+        # The tick has its chunk (counted above): an error from here on is not that tick's drop (TICK_JOBS).
+        self._doing = "publishing a chunk"
         if self._stop.is_set():
             return
         self._publish_chunk(cfg, chunk, episode, chunk_id)
+        if late is not None:
+            self._served_late(late)
         self._log_if_slow(call, recent)
         if cfg.cache.enabled:
             self._doing = "an audit"
