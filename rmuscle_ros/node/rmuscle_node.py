@@ -1287,6 +1287,20 @@ class RMuscleNode(LifecycleNode):
                 mistyped[topic] = [*types, wanted]
         return crowded, mistyped
 
+    def _say_per_topic(
+        self, status: DiagnosticStatus, said: dict[str, str], why: str, logged: set[str], error: bool
+    ) -> None:
+        """What is wrong with each input topic (`said`) and what that means (`why`), put before the
+        diagnostics' message; each topic logged once while active (`logged`), as an error or a warning."""
+        status.message = f"{'; '.join(said.values())}: {why}; " + status.message
+        for topic in said.keys() - logged:
+            logged.add(topic)
+            # one call site per severity: rclpy refuses a call site whose severity changes
+            if error:
+                self.get_logger().error(f"{said[topic]}: {why}")
+            else:
+                self.get_logger().warning(f"{said[topic]}: {why}")
+
     def _clock_silence_s(self) -> float:
         """With use_sim_time while active: seconds since the ROS clock (/clock) last moved; else 0."""
         if not self._timers or not self.get_clock().ros_time_is_active:
@@ -1336,29 +1350,17 @@ class RMuscleNode(LifecycleNode):
         crowded, mistyped = self._input_publishers()
         if mistyped:  # nothing of its can arrive: the node cannot run
             status.level = DiagnosticStatus.ERROR
-            said = "; ".join(
-                f"{topic} carries {', '.join(types[:-1])}, the node takes {types[-1]}"
-                for topic, types in mistyped.items()
-            )
-            status.message = f"{said} (compressed_images, or the remapping?); " + status.message
-            for topic in mistyped.keys() - self._mistyped_logged:
-                self._mistyped_logged.add(topic)
-                self.get_logger().error(
-                    f"{topic} carries {', '.join(mistyped[topic][:-1])}, the node takes {mistyped[topic][-1]}: "
-                    "nothing it sends arrives (compressed_images, or the topic's remapping?)"
-                )
+            said = {
+                t: f"{t} carries {', '.join(types[:-1])}, the node takes {types[-1]}"
+                for t, types in mistyped.items()
+            }
+            why = "nothing it sends arrives (compressed_images, or the remapping?)"
+            self._say_per_topic(status, said, why, self._mistyped_logged, error=True)
         if crowded:
             status.level = max(status.level, DiagnosticStatus.WARN)
-            said = "; ".join(
-                f"{len(nodes)} publishers on {topic} ({', '.join(nodes)})" for topic, nodes in crowded.items()
-            )
-            status.message = f"{said}: their messages mix in the observations; " + status.message
-            for topic in crowded.keys() - self._crowded_logged:
-                self._crowded_logged.add(topic)
-                self.get_logger().warning(
-                    f"{len(crowded[topic])} publishers on {topic} ({', '.join(crowded[topic])}): the node takes "
-                    "each message as it comes, so their messages mix in the observations"
-                )
+            said = {t: f"{len(nodes)} publishers on {t} ({', '.join(nodes)})" for t, nodes in crowded.items()}
+            why = "their messages mix in the observations"
+            self._say_per_topic(status, said, why, self._crowded_logged, error=False)
         silent = self._clock_silence_s()
         never = self._ros_clock_seen == 0
         if silent >= (CLOCK_SILENT_S if never else CLOCK_PAUSED_S):
