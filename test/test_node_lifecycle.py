@@ -423,6 +423,27 @@ def test_after_a_reset_the_first_chunk_comes_from_messages_after_it(harness) -> 
     assert stamp_ns(first.header) == fresh > old and h.drops() == {}
 
 
+def test_a_start_up_retry_refused_for_timing_waits_for_a_later_message_as_a_tick_does(harness) -> None:
+    """The last camera's first frame ends the start-up wait, but 200 ms behind the others' (past max_skew_s):
+    the retry waits for a later message as a tick refused for timing does, instead of leaving the first
+    chunk to the next tick, a period later."""
+    h = harness(sensor_startup_timeout_s=30.0, actions_per_inference=50, control_period_s=0.06,  # 3 s
+                max_skew_s=0.05, max_image_age_s=5.0, max_joint_age_s=5.0)  # fmt: skip
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: "images/right_wrist" in h.node.stats()["waiting_for"], skip_camera=2)
+    h.publish_observation(skip_camera=2)
+    frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
+    frame.header.stamp = (h.now() - rclpy.duration.Duration(seconds=0.2)).to_msg()
+    h.image_pubs[2].publish(frame)
+    assert h.wait_for(lambda: h.node._late is not None, timeout=2.0), h.node.stats()
+    h.publish_observation()
+    assert h.wait_for(lambda: len(h.chunks) >= 1, timeout=1.4), (
+        f"not before the window's end: {h.node.stats()}"
+    )
+    s = h.node.stats()
+    assert s["late_served"] == {"skew": 1} and s["drops"] == {} and s["waiting_for"] == "", s
+
+
 def test_a_first_frame_stored_while_the_tick_reads_the_buffer_still_wakes_the_retry(harness) -> None:
     # The frame lands between the tick's read of the buffer and its decision to wait. The retry is armed
     # before the read, so that frame still wakes it; armed after, the first chunk would slip a period.

@@ -922,8 +922,9 @@ class RMuscleNode(LifecycleNode):
     def _infer_once(self, kind: str = "tick") -> None:
         """One call on the latest observation: at a tick; when a sensor a start-up tick waited for has sent
         its first message (`startup`: one that still finds no observation is not a drop, the next tick says
-        what is missing); or when a message came while a tick's observation, refused for its timing, waits
-        for a later one (`late`: LATE_REASONS, until LATE_RETRY_SHARE of the period after the tick)."""
+        what is missing, unless it was refused for timing: then it waits as a tick does); or when a message
+        came while a tick's observation, refused for its timing, waits for a later one (`late`:
+        LATE_REASONS, until LATE_RETRY_SHARE of the period after the tick)."""
         from rmuscle_ros.runtime.policy import NonFiniteActions  # loaded at configure: a dict lookup
 
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
@@ -949,13 +950,16 @@ class RMuscleNode(LifecycleNode):
                     self._wait_for_sensor(e.detail)
                     return
                 self._start_wait.clear()
-                if kind == "startup":
+                if kind == "startup" and e.reason not in LATE_REASONS:
                     return
                 self._wait_for_sensor("")
-                if e.reason in LATE_REASONS and kind == "tick" and tick_at is not None:
+                # A tick's first refusal for timing, or a start-up retry's once the last sensor came up
+                # (its frames may be a frame period apart: the window counts from then)
+                since = tick_at if kind == "tick" else time.monotonic() if kind == "startup" else None
+                if e.reason in LATE_REASONS and since is not None:
                     period = cfg.actions_per_inference * cfg.control_period_s
-                    until = tick_at + LATE_RETRY_SHARE * period
-                    self._late = _LateTick(tick_at, until, e.reason, e.detail, e.cure, e)
+                    until = since + LATE_RETRY_SHARE * period
+                    self._late = _LateTick(since, until, e.reason, e.detail, e.cure, e)
                     return
                 late = self._late
                 if e.reason in LATE_REASONS and late is not None and time.monotonic() < late.until:
