@@ -78,6 +78,11 @@ def config_file(name: str) -> Path:
     return package_file("config", name)
 
 
+# The node's start-up wait for a replayed episode's first messages (sensor_startup_timeout_s, 5 s in the
+# demo's profile): each bag plays from a process of its own, started after the episode's reset, which took
+# 3.8 s to deliver its first frames on the 2-core development machine, and once more than 5 s (the replay test
+# then saw a missing_camera drop). A cell's cameras are already up at a reset; a replay's are not.
+REPLAY_STARTUP_S = 20.0
 START_NS = 1_700_000_000 * 10**9  # bag time of the first episode
 # Between two recorded episodes on the replay's clock. The clock stands still between two plays (the
 # player publishes it), so this only puts the next bag's first message after the last one: 10 ms, one
@@ -134,6 +139,8 @@ def run(
         streamer_aloha = load_params_file(config_file(ALOHA_CONFIG), "action_streamer")
         streamer_params["gripper_command_range"] = streamer_aloha["gripper_command_range"]
     streamer_params |= dict(streamer_overrides or {})
+    if not sim:  # under the demo's own overrides: a user's value still wins
+        params["sensor_startup_timeout_s"] = max(params["sensor_startup_timeout_s"], REPLAY_STARTUP_S)
     params |= dict(overrides or {}) | {"use_sim_time": True}
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
