@@ -43,7 +43,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -92,6 +92,11 @@ def default_buckets(max_tokens: int, step: int) -> list[int]:
     """Prompt lengths a graph is captured for: step, 2·step, … up to max_tokens rounded up to 16."""
     top = round_up(max_tokens, 16)
     return sorted({min(b, top) for b in range(step, top + step, step)})
+
+
+def bucket_for(buckets: Sequence[int], n: int) -> int | None:
+    """The smallest of `buckets` (ascending) that holds a prompt of `n` tokens; None if none does."""
+    return next((b for b in buckets if b >= n), None)
 
 
 def _cublaslt_gelu_is_tanh(device: torch.device) -> bool:
@@ -650,7 +655,7 @@ class GraphEngine:
     def _bucket(self, mask_row: np.ndarray) -> int:
         """The smallest prompt bucket holding the prompt's valid tokens; ValueError if none does."""
         n = int(np.count_nonzero(mask_row))
-        bucket = next((b for b in self.buckets if b >= n), None)
+        bucket = bucket_for(self.buckets, n)
         # max_token_len too: the RoPE tables hold that many prompt rows, and the top bucket (rounded up
         # to 16) may hold more (201-208 of 200 ran past them; found in review)
         if n > self.cfg.max_token_len:

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from rmuscle_ros.engine.eager import DTYPES
-from rmuscle_ros.engine.graph import default_buckets
+from rmuscle_ros.engine.graph import bucket_for, default_buckets
 from rmuscle_ros.models.config import Pi05Config
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model, PrefixCache, euler_times
 
@@ -345,9 +345,10 @@ def trim_prompt(inputs: ModelInputs, buckets: Sequence[int]) -> ModelInputs:
         raise ValueError(f"trim_prompt takes one observation, got batch {inputs.tokens.shape[0]}")
     valid = inputs.token_mask[0].nonzero()
     last = int(valid[-1]) + 1 if valid.numel() else 0
-    if last > buckets[-1]:
+    bucket = bucket_for(buckets, last)
+    if bucket is None:
         raise ValueError(f"the prompt's last valid token is number {last}, past the longest ({buckets[-1]})")
-    width = min(next(b for b in buckets if b >= last), inputs.tokens.shape[1])
+    width = min(bucket, inputs.tokens.shape[1])
     return ModelInputs(
         inputs.images, inputs.image_masks, inputs.tokens[:, :width], inputs.token_mask[:, :width]
     )

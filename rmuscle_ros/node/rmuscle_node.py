@@ -134,8 +134,11 @@ class _LateTick:
 
 def prompt_bucket_note(tokens: int, buckets: list[int], opt: int) -> tuple[bool, str]:
     """(whether a prompt of `tokens` runs at the length `opt` the TensorRT engines are tuned for, what to
-    say): it runs at the smallest of `buckets` that holds it."""
-    bucket = min(b for b in buckets if b >= tokens)
+    say): it runs at the smallest of `buckets` that holds it (`bucket_for`; the node refuses a prompt
+    longer than the model takes before it gets here)."""
+    from rmuscle_ros.engine.graph import bucket_for
+
+    bucket = bucket_for(buckets, tokens)
     note = f"the prompt takes {tokens} tokens with the state and runs at the {bucket}-token bucket"
     if bucket == opt:
         return True, f"{note}, the length the TensorRT engines are tuned for"
