@@ -8,14 +8,14 @@ tests), and the engine cache's keys and files. What has not run anywhere: `build
 `docker/Dockerfile.thor`, `python -m rmuscle_ros.engine.tensorrt --preset pi05 --checkpoint ...` builds
 the engines and checks the result against eager bfloat16.
 
-How a call runs: the observation is copied into input buffers of the engine's own, the three engines run
-on one CUDA stream, vision, prefill, then the denoise step engine `num_steps` times, ping-ponging its
-state between two buffers; the engine's stream starts after the caller's and the caller's stream waits
-for it at the end (no host synchronisation: the caller's read of the actions is the one). The prompt runs at its 32-token bucket
-(`onnx_export.trim_prompt`), not at the 200 slots the policy pads it to; one optimisation profile covers
-1..`max_token_len` tokens, tuned for `opt_prompt_len`. Every buffer is allocated once at the longest
-prompt, each tensor TensorRT is given starting on a 256-byte boundary (`setTensorAddress`'s contract), and
-every shape and address TensorRT refuses is an error naming the tensor.
+How a call runs: the observation is copied into input buffers of the engine's own, the three engines run on
+one CUDA stream, vision, prefill, then the denoise step engine `num_steps` times, ping-ponging its state
+between two buffers; the engine's stream starts after the caller's and the caller's stream waits for it at
+the end (no host synchronisation: the caller's read of the actions is the one). The prompt runs at its
+32-token bucket (`onnx_export.trim_prompt`), not at the 200 slots the policy pads it to; one optimisation
+profile covers 1..`max_token_len` tokens, tuned for `opt_prompt_len`. Every buffer is allocated once at the
+longest prompt, each tensor TensorRT is given starting on a 256-byte boundary (`setTensorAddress`'s
+contract), and every shape and address TensorRT refuses is an error naming the tensor.
 
 The ONNX graphs are exported in bfloat16 and built as strongly typed networks, so TensorRT keeps the
 exported types (bfloat16 weights and activations, float32 attention softmax and norms, as `eager`

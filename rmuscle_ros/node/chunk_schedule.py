@@ -3,10 +3,11 @@
 An `ActionChunk` says: row t of `actions` is due at `stamp + t * control_period_s`, where the stamp is the
 time of the observation it was computed from. By the time a chunk arrives its first rows are already past
 (the call took its latency), so a tick at time `now` commands row `(now - stamp) // period` of the newest
-chunk that has started. `now` is the time the tick was due (`tick_time`), not the time its callback ran:
-a callback a millisecond late next to a row's boundary would repeat one row and skip the next. A newer
-chunk takes over from its first due row; one stamped slightly ahead of this clock waits for its time while the previous one goes on. When the newest chunk has run out, nothing
-is commanded: a position-controlled arm holds its last command.
+chunk that has started. `now` is the time the tick was due (`tick_time`), not the time its callback ran: a
+callback a millisecond late next to a row's boundary would repeat one row and skip the next. A newer chunk
+takes over from its first due row; one stamped slightly ahead of this clock waits for its time while the
+previous one goes on. When the newest chunk has run out, nothing is commanded: a position-controlled arm
+holds its last command.
 
 With `takeover_delay_s` > 0 a newer chunk takes over only at `stamp + takeover_delay_s` (from the row due
 then), the previous one going on until then, however early it arrived; one that arrives later takes over

@@ -120,15 +120,13 @@ def _prompt_too_long(policy: Any, prompt: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class _LateTick:
     """A tick whose observation was refused for its messages' timing (LATE_REASONS), tried again at each
-    new message of the kind that can cure it (`cure`: "image" or "joints") until `until`; monotonic
-    seconds. `reason`/`detail`: the tick's own refusal (what a served tick counts and logs); `latest`: the
-    latest try's (its drop, if none serves it)."""
+    new message of the kind that can end the latest refusal (its `cure`) until `until`; monotonic seconds.
+    `first`: the tick's own refusal (what a served tick counts and logs); `latest`: the latest try's (its
+    drop, if none serves it)."""
 
     tick_at: float
     until: float
-    reason: DropReason
-    detail: str
-    cure: str
+    first: ObservationUnavailable
     latest: ObservationUnavailable
 
 
@@ -868,7 +866,7 @@ class RMuscleNode(LifecycleNode):
         waits for a later message (`_late`: not every message, found in review: at an ALOHA's ~600 messages
         a second each retry copied every joint's history)."""
         late = self._late
-        if (first and self._start_wait.is_set()) or (late is not None and late.cure == kind):
+        if (first and self._start_wait.is_set()) or (late is not None and late.latest.cure == kind):
             self._wake.set()
 
     def _inference_loop(self) -> None:
@@ -962,11 +960,11 @@ class RMuscleNode(LifecycleNode):
                 if e.reason in LATE_REASONS and since is not None:
                     period = cfg.actions_per_inference * cfg.control_period_s
                     until = since + LATE_RETRY_SHARE * period
-                    self._late = _LateTick(since, until, e.reason, e.detail, e.cure, e)
+                    self._late = _LateTick(since, until, first=e, latest=e)
                     return
                 late = self._late
                 if e.reason in LATE_REASONS and late is not None and time.monotonic() < late.until:
-                    self._late = dataclasses.replace(late, cure=e.cure, latest=e)
+                    self._late = dataclasses.replace(late, latest=e)
                     return
                 self._late = None
                 self._drop(e.reason, e.detail)
@@ -1147,13 +1145,14 @@ class RMuscleNode(LifecycleNode):
         """A tick refused for its messages' timing that a later message served: counted (stats
         `late_served`, /diagnostics) and logged, throttled like the drops."""
         waited_ms = (time.monotonic() - late.tick_at) * 1e3
+        reason = late.first.reason.value
         with self._stats_lock:
-            self.late_served[late.reason.value] += 1
-            count = self.late_served[late.reason.value]
+            self.late_served[reason] += 1
+            count = self.late_served[reason]
         if count == 1 or count % 50 == 0:
             self.get_logger().info(
-                f"a tick's observation was refused ({late.reason.value}: {late.detail}); a message {waited_ms:.0f} "
-                f"ms after the tick served it ({count}x)"
+                f"a tick's observation was refused ({late.first}); a message {waited_ms:.0f} ms after the tick "
+                f"served it ({count}x)"
             )
 
     def _wait_for_sensor(self, detail: str) -> None:
