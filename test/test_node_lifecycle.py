@@ -55,7 +55,7 @@ from rmuscle_ros.node.bags import (  # noqa: E402
     write_aloha_episode,
     write_messages,
 )
-from rmuscle_ros.node.observation import ObservationUnavailable, stamp_ns  # noqa: E402
+from rmuscle_ros.node.observation import DropReason, ObservationUnavailable, stamp_ns  # noqa: E402
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
 from rmuscle_ros.node.replay_demo import START_NS, call_service  # noqa: E402
 from rmuscle_ros.node.rmuscle_node import RMuscleNode  # noqa: E402
@@ -1092,6 +1092,47 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     dropped = dict(h.drops())
     h.node.reset_episode()
     assert h.node._late is None and h.drops() == dropped
+
+
+def test_a_message_stored_while_a_refused_tick_reads_the_buffer_still_wakes_its_retry(harness) -> None:
+    """A tick refused for skew, whose curing messages land between its read of the buffer and its decision
+    to wait: nothing was waiting when they were stored, so they woke nothing, and the tick was served only
+    at its window's end, 1.5 s later here (found in review). Now it is retried at once."""
+    h = harness(actions_per_inference=50, control_period_s=0.06,  # a 3 s period, a 1.5 s window
+                max_skew_s=0.05, max_image_age_s=5.0, max_joint_age_s=5.0)  # fmt: skip
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) > 0), f"drops {h.drops()}"
+    buffer, node = h.node._buffer, h.node
+    read, refused_at = buffer.observation, []
+
+    def observation(*args: Any) -> Any:
+        try:
+            return read(*args)
+        except ObservationUnavailable as e:
+            if e.reason is DropReason.SKEW and not refused_at:  # a whole fresh set arrives mid-read, over DDS
+                stored = dict(node._stored_counts)
+                h.publish_observation()
+                assert h.wait_for(
+                    lambda: (
+                        node._stored_counts["image"] >= stored["image"] + len(CAMERAS)
+                        and node._stored_counts["joints"] >= stored["joints"] + len(JOINT_TOPICS)
+                    ),
+                    timeout=2.0,
+                ), node._stored_counts
+                refused_at.append(time.monotonic())
+            raise
+
+    buffer.observation = observation
+    time.sleep(0.3)  # past everything held, so that the older stamps below are stored
+    h.publish_observation(stamp_offset_s=-0.2)
+    frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
+    frame.header.stamp = h.now().to_msg()
+    h.image_pubs[0].publish(frame)
+    chunks = len(h.chunks)
+    assert h.wait_for(lambda: bool(refused_at), timeout=5.0), h.node.stats()
+    assert h.wait_for(lambda: len(h.chunks) > chunks, timeout=5.0), h.node.stats()
+    assert time.monotonic() - refused_at[0] < 1.0, "served at the window's end, not at once"
+    assert h.node.stats()["late_served"] == {"skew": 1}, h.node.stats()
 
 
 def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_over(harness) -> None:

@@ -255,6 +255,9 @@ class RMuscleNode(LifecycleNode):
         # it is tried again, and why it was refused last; None: none pending. Worker-owned; the executor
         # only reads whether one is pending, to wake the worker at each message meanwhile.
         self._late: _LateTick | None = None
+        # Messages stored so far, by kind ("image", "joints"; written by the executor only): a message stored
+        # between a try's buffer read and its decision to wait wakes the retry (`_retry_if_stored`).
+        self._stored_counts = {"image": 0, "joints": 0}
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         # Serialises every call into the policy: the worker's infer/rebuild and the executor's episode
@@ -865,8 +868,17 @@ class RMuscleNode(LifecycleNode):
         messages (`_start_wait`); one of the kind that can cure a tick's timing refusal, while that tick
         waits for a later message (`_late`: not every message, found in review: at an ALOHA's ~600 messages
         a second each retry copied every joint's history)."""
+        self._stored_counts[kind] += 1
         late = self._late
         if (first and self._start_wait.is_set()) or (late is not None and late.latest.cure == kind):
+            self._wake.set()
+
+    def _retry_if_stored(self, seen: dict[str, int]) -> None:
+        """The worker has just set `_late`: a message of its cure's kind stored after the try's buffer read
+        (`seen`, the counts then) found no tick waiting and woke nothing, so wake the retry now (found in
+        review: it waited for the next such message, or until the window's end)."""
+        late = self._late
+        if late is not None and self._stored_counts.get(late.latest.cure, 0) != seen.get(late.latest.cure, 0):
             self._wake.set()
 
     def _inference_loop(self) -> None:
@@ -942,6 +954,7 @@ class RMuscleNode(LifecycleNode):
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
             if starting:  # set before the buffer is read: a first message from then on wakes a retry
                 self._start_wait.set()
+            seen = dict(self._stored_counts)
             try:
                 obs = buffer.observation(now_ns, cfg.prompt, cfg.model.cameras)
             except ObservationUnavailable as e:
@@ -961,10 +974,12 @@ class RMuscleNode(LifecycleNode):
                     period = cfg.actions_per_inference * cfg.control_period_s
                     until = since + LATE_RETRY_SHARE * period
                     self._late = _LateTick(since, until, first=e, latest=e)
+                    self._retry_if_stored(seen)
                     return
                 late = self._late
                 if e.reason in LATE_REASONS and late is not None and time.monotonic() < late.until:
                     self._late = dataclasses.replace(late, latest=e)
+                    self._retry_if_stored(seen)
                     return
                 self._late = None
                 self._drop(e.reason, e.detail)
