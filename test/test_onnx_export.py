@@ -349,27 +349,35 @@ def test_the_engine_cache_keeps_plans_by_key_and_rejects_altered_ones(
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_what_a_killed_writer_left_is_removed_and_a_live_writers_files_are_not(tmp_path: Path) -> None:
+def test_what_a_killed_writer_left_is_removed_and_a_live_writers_files_are_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A process killed while it wrote a plan or an export left its staging files for good (found in
     review: an export's is 6.5 GB at full size). The next store or export removes the entries written
     before this boot, and those an hour quiet whose pid is gone or is this process's (a container's runs
     are each pid 1); a fresh entry of a pid not seen here may be a live writer in another pid namespace
-    and stays, as do live writers' (the closing review found the bare pid test wrong both ways)."""
+    and stays, as do live writers' (the closing review found the bare pid test wrong both ways).
+    The host is taken to have booted two hours ago: on one up for less than an hour (a fresh CI machine)
+    an hour-quiet entry is also one written before the boot (a fresh clone's run failed so, 20 minutes after
+    its machine booted)."""
     import os
     import subprocess
     import time
 
+    from rmuscle_ros.cache import lock
     from rmuscle_ros.engine.onnx_export import LEFTOVER_QUIET_S, remove_dead_writers_leftovers
 
     gone = subprocess.Popen(["true"])
     gone.wait()
     dead, me = gone.pid, os.getpid()
+    booted = time.time() - 2 * LEFTOVER_QUIET_S
+    monkeypatch.setattr(lock, "boot_time", lambda: booted)
     quiet = time.time() - LEFTOVER_QUIET_S - 60
     entries = {
         f".vision-abc.plan.{dead}.tmp": quiet,  # a killed writer's, an hour quiet: removed
         f".0123abcd.{dead}.k2j4x9q1": quiet,  # a killed export's staging folder: removed
         f".prefill-abc.plan.{me}.tmp": quiet,  # an earlier run that had this pid: removed
-        ".denoise-abc.plan.1.tmp": 1.0,  # written before this boot (pid 1 lives on): removed
+        ".denoise-abc.plan.1.tmp": booted - 60,  # written before this boot (pid 1 lives on): removed
         f".vision-abc.json.{dead}.tmp": None,  # fresh, pid not seen here: another namespace's, kept
         f".0123abcd.{me}.m3n4p5q6": None,  # this process's, being written: kept
         ".denoise-abc.json.1.tmp": quiet,  # pid 1 is alive here: kept
