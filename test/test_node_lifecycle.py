@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -1863,6 +1864,63 @@ def test_the_player_moves_a_messages_header_stamp_and_nothing_else() -> None:
                         position=np.zeros(0), velocity=np.zeros(0), effort=np.zeros(0))  # fmt: skip
     raw = bytes(store.serialize_cdr(unset, "sensor_msgs/msg/JointState"))
     assert shift_header_stamp(raw, 10**9) == raw
+    # XCDR2 little-endian (0x0007, another middleware's) is little-endian too (found in review: only 0x0001
+    # was, so the stamp was read and written big-endian)
+    xcdr2 = b"\x00\x07" + bytes(store.serialize_cdr(msg, "sensor_msgs/msg/JointState"))[2:]
+    assert struct.unpack_from("<iI", shift_header_stamp(xcdr2, 10**9), 4) == (msg.header.stamp.sec + 1, 1)
+
+
+def test_the_player_takes_relative_remaps_and_refuses_what_it_cannot_play_by_name(harness, tmp_path) -> None:
+    """Found in review, each silent or a traceback before: a relative `--remap FROM` (as `ros2 bag play`
+    takes it) matched nothing; a NaN rate played unpaced; header stamps on another clock than the log
+    times (a simulator's, a device's) raised a ValueError mid-replay with --start-ns; a second play reported
+    the first one's unmatched topics."""
+    from rclpy.qos import qos_profile_sensor_data
+
+    from rmuscle_ros.node import bags
+
+    assert bags.parse_remaps(["follower_left/joint_states:=joints_rel"]) == {
+        "/follower_left/joint_states": "joints_rel"
+    }
+    episode = tmp_path / "episode"
+    write_aloha_episode(episode, seconds=0.2)
+    peer = harness().peer
+    received: list[Any] = []
+    peer.create_subscription(JointState, "/joints_rel", received.append, qos_profile_sensor_data)
+    relative = ALOHA_JOINT_TOPICS[0].lstrip("/")
+    player = BagPlayer(peer, episode, qos_profile_sensor_data, remap={relative: "/joints_rel"})
+    player.play(wait_for_subscribers_s=5.0, clock_subscribers=0)
+    assert player.unmatched == [] and received, f"unmatched {player.unmatched}, received {len(received)}"
+    for rate in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="rate must be a finite number > 0"):
+            player.play(rate)
+    # A stale report: nobody subscribes to /nobody; a play after it that waits for nobody reports nothing.
+    lonely = BagPlayer(peer, episode, qos_profile_sensor_data, remap={ALOHA_JOINT_TOPICS[1]: "/nobody"})
+    lonely.play(wait_for_subscribers_s=0.2, clock_subscribers=0)
+    assert lonely.unmatched == ["/nobody"]
+    lonely.play()  # no wait, so nothing unmatched
+    assert lonely.unmatched == []
+    # Joint states stamped on a device's clock (5 s since its start), logged on the host's (2026).
+    store, logged = typestore(), 1_796_000_000 * 10**9
+    Header, Time = store.types["std_msgs/msg/Header"], store.types["builtin_interfaces/msg/Time"]
+    JointStateT = store.types["sensor_msgs/msg/JointState"]
+    device = tmp_path / "device_clock"
+
+    def joint_state(nanosec: int) -> bytes:
+        stamp = Header(stamp=Time(sec=5, nanosec=nanosec), frame_id="")
+        msg = JointStateT(
+            header=stamp, name=["a"], position=np.zeros(1), velocity=np.zeros(0), effort=np.zeros(0)
+        )
+        return bytes(store.serialize_cdr(msg, "sensor_msgs/msg/JointState"))
+
+    raws = [joint_state(k * 10**7) for k in range(3)]
+    write_messages(
+        device, "/joints", "sensor_msgs/msg/JointState", [(logged + k * 10**7, r) for k, r in enumerate(raws)]
+    )
+    with pytest.raises(
+        bags.BagRefused, match=r"device_clock: /joints: .* not on the clock its messages were logged"
+    ):
+        BagPlayer(peer, device, qos_profile_sensor_data).play(start_ns=logged - 86_400 * 10**9)
 
 
 def test_replay_demo_replays_recorded_episodes_on_one_clock(
@@ -1947,7 +2005,12 @@ def test_the_bag_player_command_refuses_bad_arguments_by_name(
     for args, says in (
         ([str(tmp_path / "missing")], "no such file or folder"),
         ([str(tmp_path), "--remap", "/a/b"], "expected FROM:=TO"),
-        ([str(tmp_path), "--rate", "0"], "--rate must be > 0"),
+        ([str(tmp_path), "--rate", "0"], "--rate must be a finite number > 0"),
+        ([str(tmp_path), "--rate", "nan"], "--rate must be a finite number > 0, got nan"),
+        (
+            [str(tmp_path), "--wait-for-subscribers", "-1"],
+            "--wait-for-subscribers must be a finite number ≥ 0",
+        ),
         ([str(tmp_path)], f"bag {tmp_path}: cannot be read"),  # a folder that is no bag
     ):
         with pytest.raises(SystemExit) as exit_:

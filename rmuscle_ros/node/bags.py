@@ -256,9 +256,9 @@ def _shift_times(msg: Any, offset_ns: int) -> None:
 def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
     """A CDR-serialised message that begins with a std_msgs/Header, its stamp moved by `offset_ns`. The
     stamp is the first thing after CDR's 4-byte encapsulation: int32 sec, uint32 nanosec, in the byte
-    order the encapsulation names (0x0001: little-endian). A zero stamp (never set by its publisher) stays
-    zero."""
-    order = "<" if raw[1] == 1 else ">"
+    order the encapsulation names (odd identifiers, 0x0001 CDR or 0x0007 XCDR2 among them: little-endian;
+    found in review: only 0x0001 was taken as such). A zero stamp (never set by its publisher) stays zero."""
+    order = "<" if raw[1] & 1 else ">"
     sec, nanosec = struct.unpack_from(f"{order}iI", raw, 4)
     if sec == 0 and nanosec == 0:
         return raw
@@ -316,7 +316,10 @@ class BagPlayer:
     def __init__(self, node: Any, path: Path, qos: Any, remap: Mapping[str, str] | None = None) -> None:
         from rosgraph_msgs.msg import Clock
 
-        self.node, self.path, self.remap = node, path, dict(remap or {})
+        # Keys as the bag names its topics (absolute): `ros2 bag play` resolves a relative FROM in the root
+        # namespace (found in review: `follower_left/joint_states:=…` matched nothing here, silently).
+        self.node, self.path = node, path
+        self.remap = {absolute_topic(frm): to for frm, to in (remap or {}).items()}
         self._clock_pub = node.create_publisher(Clock, "/clock", 10)
         self._clock_type = Clock
         self._qos = qos  # each topic's QoS where its recording says none (`recorded_qos`)
@@ -351,6 +354,9 @@ class BagPlayer:
         time order is refused (`BagRefused`) when the player reaches that point."""
         if self._clock_pub is None:
             raise RuntimeError("this BagPlayer is closed")
+        if not (math.isfinite(rate) and rate > 0):  # NaN passed `rate <= 0` and played unpaced (review)
+            raise ValueError(f"rate must be a finite number > 0, got {rate}")
+        self.unmatched = []  # this play's (found in review: a second play reported the first one's)
         with _reader(self.path) as reader:
             if not reader.message_count:
                 raise BagRefused(f"bag {self.path}: holds no message")
@@ -430,7 +436,14 @@ class BagPlayer:
                     self._publish_clock(t + offset)
                     where = stamps[connection.topic]
                     if where == "header":
-                        raw = shift_header_stamp(raw, offset)
+                        try:
+                            raw = shift_header_stamp(raw, offset)
+                        except ValueError as e:  # a traceback mid-replay before (found in review)
+                            raise BagRefused(
+                                f"bag {self.path}: {connection.topic}: {e}; its header stamps are not on the "
+                                "clock its messages were logged on (a simulator's or a device's own?), so they "
+                                "cannot move with --start-ns"
+                            ) from None
                     elif where == "nested":
                         msg = reader.typestore.deserialize_cdr(raw, connection.msgtype)
                         _shift_times(msg, offset)
@@ -473,15 +486,20 @@ def read_messages(path: Path, topic: str) -> list[tuple[int, Any]]:
         ]
 
 
+def absolute_topic(topic: str) -> str:
+    """A topic name as resolved in the root namespace, where the node and the player run here."""
+    return "/" + topic.lstrip("/")
+
+
 def parse_remaps(items: Iterable[str]) -> dict[str, str]:
-    """`--remap FROM:=TO` arguments (as `ros2 bag play --remap` takes them) -> {FROM: TO}; ValueError
-    naming the first malformed one."""
+    """`--remap FROM:=TO` arguments (as `ros2 bag play --remap` takes them) -> {FROM: TO}, FROM made
+    absolute (`absolute_topic`: a bag names its topics so); ValueError naming the first malformed one."""
     remap = {}
     for item in items:
         frm, sep, to = item.partition(":=")
-        if not sep or not frm or not to:
+        if not sep or not frm.strip("/") or not to:
             raise ValueError(f"--remap {item!r}: expected FROM:=TO")
-        remap[frm] = to
+        remap[absolute_topic(frm)] = to
     return remap
 
 
@@ -513,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if not args.bag.exists():
         p.error(f"bag {args.bag}: no such file or folder")
-    if args.rate <= 0:
-        p.error(f"--rate must be > 0, got {args.rate:g}")
+    if not (math.isfinite(args.rate) and args.rate > 0):
+        p.error(f"--rate must be a finite number > 0, got {args.rate:g}")
+    if not (math.isfinite(args.wait_for_subscribers) and args.wait_for_subscribers >= 0):
+        p.error(f"--wait-for-subscribers must be a finite number ≥ 0, got {args.wait_for_subscribers:g}")
     try:  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
         bag_info(args.bag)
     except (ValueError, OSError) as e:  # OSError: this package's message definitions not found (paths)

@@ -59,6 +59,7 @@ from rmuscle_ros.node.bags import (
     ALOHA_JOINT_TOPICS,
     ALOHA_ROBOT_INFO_SERVICE,
     BagInfo,
+    absolute_topic,
     bag_info,
     read_messages,
     write_aloha_episode,
@@ -609,9 +610,11 @@ class _SimCell:
 
 def merge_remaps(defaults: Mapping[str, str], user: Mapping[str, str]) -> dict[str, str]:
     """The ALOHA topics' remaps onto the node's, with the user's --remap over them: a user's remap onto a
-    node topic replaces the default one onto it (found in review: both cameras then fed one slot)."""
-    claimed = {_absolute(to) for to in user.values()}
-    return {frm: to for frm, to in defaults.items() if _absolute(to) not in claimed} | dict(user)
+    node topic replaces the default one onto it (found in review: both cameras then fed one slot). A
+    relative FROM is the root namespace's topic, as the bag names it."""
+    claimed = {absolute_topic(to) for to in user.values()}
+    kept = {frm: to for frm, to in defaults.items() if absolute_topic(to) not in claimed}
+    return kept | {absolute_topic(frm): to for frm, to in user.items()}
 
 
 IMAGE, COMPRESSED, JOINTS = (
@@ -630,14 +633,16 @@ def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -
         raise ValueError(f"bag {bag}: no such file or folder")
     info = bag_info(bag)
     image = COMPRESSED if params["compressed_images"] else IMAGE
-    wanted = {_absolute(t): image for t in params["camera_topics"]}
-    wanted |= {_absolute(t): JOINTS for t in params["joint_state_topics"]}
+    wanted = {absolute_topic(t): image for t in params["camera_topics"]}
+    wanted |= {absolute_topic(t): JOINTS for t in params["joint_state_topics"]}
     sources: dict[str, list[tuple[str, str]]] = {}
     for topic, (msgtype, count) in sorted(info.topics.items()):
         if count:  # a topic registered but never published (a camera that died before the recording)
-            sources.setdefault(_absolute(remap.get(topic, topic)), []).append((topic, msgtype))
+            sources.setdefault(absolute_topic(remap.get(topic, topic)), []).append((topic, msgtype))
     missing = [
-        t for t in [*params["camera_topics"], *params["joint_state_topics"]] if _absolute(t) not in sources
+        t
+        for t in [*params["camera_topics"], *params["joint_state_topics"]]
+        if absolute_topic(t) not in sources
     ]
     if missing:
         raise ValueError(
@@ -660,11 +665,6 @@ def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -
                 f"bag {bag}: {topic} holds {recorded}; the node's {node_topic} takes {msgtype}{hint}"
             )
     return info
-
-
-def _absolute(topic: str) -> str:
-    """A topic name as resolved in the root namespace, where the node and the player run here."""
-    return "/" + topic.lstrip("/")
 
 
 def _play(
