@@ -1921,6 +1921,11 @@ def test_the_player_takes_relative_remaps_and_refuses_what_it_cannot_play_by_nam
         bags.BagRefused, match=r"device_clock: /joints: .* not on the clock its messages were logged"
     ):
         BagPlayer(peer, device, qos_profile_sensor_data).play(start_ns=logged - 86_400 * 10**9)
+    # A stamp inside a message (a /tf transform's, a Time field) is checked the same way.
+    stamp = Time(sec=5, nanosec=0)
+    with pytest.raises(ValueError, match="falls outside ROS time"):
+        bags._shift_times(stamp, -86_400 * 10**9)
+    assert (stamp.sec, stamp.nanosec) == (5, 0), "left as it was"
 
 
 def test_replay_demo_replays_recorded_episodes_on_one_clock(

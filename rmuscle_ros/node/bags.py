@@ -239,10 +239,13 @@ def _field_type(field: Any) -> str:
 
 def _shift_times(msg: Any, offset_ns: int) -> None:
     """Move every builtin_interfaces/Time inside a deserialised message by `offset_ns` (zero stamps, never
-    set, stay zero), in place."""
+    set, stay zero), in place; ValueError for one moved outside ROS time, as `shift_header_stamp`."""
     if getattr(msg, "__msgtype__", "") == TIME:
         if msg.sec or msg.nanosec:
-            msg.sec, msg.nanosec = divmod(msg.sec * 10**9 + msg.nanosec + offset_ns, 10**9)
+            sec, nanosec = divmod(msg.sec * 10**9 + msg.nanosec + offset_ns, 10**9)
+            if not 0 <= sec < 2**31:
+                raise ValueError(f"a stamp moved by {offset_ns} ns falls outside ROS time ({sec} s)")
+            msg.sec, msg.nanosec = sec, nanosec
         return
     if not dataclasses.is_dataclass(msg):
         return
@@ -435,19 +438,19 @@ class BagPlayer:
                             self._publish_clock(min(now, t) + offset)
                     self._publish_clock(t + offset)
                     where = stamps[connection.topic]
-                    if where == "header":
-                        try:
+                    try:
+                        if where == "header":
                             raw = shift_header_stamp(raw, offset)
-                        except ValueError as e:  # a traceback mid-replay before (found in review)
-                            raise BagRefused(
-                                f"bag {self.path}: {connection.topic}: {e}; its header stamps are not on the "
-                                "clock its messages were logged on (a simulator's or a device's own?), so they "
-                                "cannot move with --start-ns"
-                            ) from None
-                    elif where == "nested":
-                        msg = reader.typestore.deserialize_cdr(raw, connection.msgtype)
-                        _shift_times(msg, offset)
-                        raw = reader.typestore.serialize_cdr(msg, connection.msgtype)
+                        elif where == "nested":
+                            msg = reader.typestore.deserialize_cdr(raw, connection.msgtype)
+                            _shift_times(msg, offset)
+                            raw = reader.typestore.serialize_cdr(msg, connection.msgtype)
+                    except ValueError as e:  # a traceback mid-replay before (found in review)
+                        raise BagRefused(
+                            f"bag {self.path}: {connection.topic}: {e}; its stamps are not on the clock its "
+                            "messages were logged on (a simulator's or a device's own?), so they cannot move "
+                            "with --start-ns"
+                        ) from None
                     pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
                     self.published += 1
             finally:  # a refusal, a failed read, Ctrl-C: the caller's node keeps no publisher of ours
