@@ -237,15 +237,20 @@ def _field_type(field: Any) -> str:
     return ""
 
 
+def _moved_stamp(sec: int, nanosec: int, offset_ns: int) -> tuple[int, int]:
+    """(sec, nanosec) moved by `offset_ns`; ValueError for a time outside ROS time (`MAX_TIME_NS`)."""
+    total = sec * 10**9 + nanosec + offset_ns
+    if not 0 <= total < MAX_TIME_NS:
+        raise ValueError(f"a stamp moved by {offset_ns} ns falls outside ROS time ({total // 10**9} s)")
+    return divmod(total, 10**9)
+
+
 def _shift_times(msg: Any, offset_ns: int) -> None:
     """Move every builtin_interfaces/Time inside a deserialised message by `offset_ns` (zero stamps, never
     set, stay zero), in place; ValueError for one moved outside ROS time, as `shift_header_stamp`."""
     if getattr(msg, "__msgtype__", "") == TIME:
         if msg.sec or msg.nanosec:
-            sec, nanosec = divmod(msg.sec * 10**9 + msg.nanosec + offset_ns, 10**9)
-            if not 0 <= sec < 2**31:
-                raise ValueError(f"a stamp moved by {offset_ns} ns falls outside ROS time ({sec} s)")
-            msg.sec, msg.nanosec = sec, nanosec
+            msg.sec, msg.nanosec = _moved_stamp(msg.sec, msg.nanosec, offset_ns)
         return
     if not dataclasses.is_dataclass(msg):
         return
@@ -265,9 +270,7 @@ def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
     sec, nanosec = struct.unpack_from(f"{order}iI", raw, 4)
     if sec == 0 and nanosec == 0:
         return raw
-    sec, nanosec = divmod(sec * 10**9 + nanosec + offset_ns, 10**9)
-    if not 0 <= sec < 2**31:
-        raise ValueError(f"a header stamp moved by {offset_ns} ns falls outside ROS time ({sec} s)")
+    sec, nanosec = _moved_stamp(sec, nanosec, offset_ns)
     out = bytearray(raw)
     struct.pack_into(f"{order}iI", out, 4, sec, nanosec)
     return bytes(out)
