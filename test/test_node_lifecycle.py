@@ -1071,6 +1071,15 @@ def test_bad_input_gives_no_chunk_and_the_node_stays_active(harness, bad: dict, 
     assert h.feed_until(lambda: len(h.chunks) > 0)
 
 
+def _publish_skewed(h: Harness) -> None:
+    """Cameras 1 and 2 and the joints stamped 200 ms back, camera 0 now: a skew of 200 ms."""
+    time.sleep(0.3)  # past everything held, so that the older stamps are stored
+    h.publish_observation(stamp_offset_s=-0.2)
+    frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
+    frame.header.stamp = h.now().to_msg()
+    h.image_pubs[0].publish(frame)
+
+
 def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after_its_window(harness) -> None:
     """A tick whose observation is refused for its messages' timing (here skew: one camera's frame 200 ms
     newer than the others') waits for a later message for half the period before it counts as a drop:
@@ -1080,23 +1089,15 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) > 0), f"drops {h.drops()}"
 
-    def skewed() -> None:
-        """Cameras 1 and 2 and the joints stamped 200 ms back, camera 0 now."""
-        time.sleep(0.3)  # past everything held, so that the older stamps are stored
-        h.publish_observation(stamp_offset_s=-0.2)
-        frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
-        frame.header.stamp = h.now().to_msg()
-        h.image_pubs[0].publish(frame)
-
     # Not served: the drop, once the window has passed.
-    skewed()
+    _publish_skewed(h)
     assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
     waited_since = time.monotonic()
     assert h.wait_for(lambda: h.drops().get("skew", 0) == 1, timeout=5.0), h.node.stats()
     assert time.monotonic() - waited_since > 0.2, "dropped before the window (0.5 s) had passed"
     assert h.node.stats()["late_served"] == {}
     # Served: a whole new set of messages while the tick waits is its chunk.
-    skewed()
+    _publish_skewed(h)
     assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
     chunks, dropped = len(h.chunks), h.drops().get("skew", 0)
     h.publish_observation()
@@ -1105,7 +1106,7 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     assert s["late_served"] == {"skew": 1} and s["drops"].get("skew", 0) == dropped, s
     assert s["failing_ticks"] == 0, s
     # Served, but its call fails: the tick's drop, not also a served tick (found in review).
-    skewed()
+    _publish_skewed(h)
     assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
     engine = h.node.policy.engine
 
@@ -1119,7 +1120,7 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     del engine.sample_actions
     # An episode reset ends a waiting tick without a drop: its retries took the reset's wake, and the
     # cache's refill for the next episode never ran (found in review).
-    skewed()
+    _publish_skewed(h)
     assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
     dropped = dict(h.drops())
     h.node.reset_episode()
@@ -1155,11 +1156,7 @@ def test_a_message_stored_while_a_refused_tick_reads_the_buffer_still_wakes_its_
             raise
 
     buffer.observation = observation
-    time.sleep(0.3)  # past everything held, so that the older stamps below are stored
-    h.publish_observation(stamp_offset_s=-0.2)
-    frame = Image(height=48, width=64, encoding="rgb8", step=64 * 3, data=bytes(48 * 64 * 3))
-    frame.header.stamp = h.now().to_msg()
-    h.image_pubs[0].publish(frame)
+    _publish_skewed(h)
     chunks = len(h.chunks)
     assert h.wait_for(lambda: bool(refused_at), timeout=5.0), h.node.stats()
     assert h.wait_for(lambda: len(h.chunks) > chunks, timeout=5.0), h.node.stats()
