@@ -161,27 +161,30 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         if remap and args.bags is None:
             p.error("--remap: only with --bags (the demo's own bags use the node's topics)")
-        if args.sim:
-            print(
-                f"[demo] rmuscle_node (config/rmuscle_default.yaml) driving a simulated ALOHA (transfer_cube) in closed "
-                f"loop through action_streamer: {args.episodes} episode(s) of {args.seconds:g} s on one scene, a dense "
-                "warm-up, then repeats served by rMuscle"
-            )
-        elif args.bags is not None:
-            print(
-                f"[demo] rmuscle_node (config/rmuscle_default.yaml) on {len(args.bags)} recorded episode(s)"
-            )
-        else:
-            print(
-                f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
-                f"replayed {args.episodes} time(s): a dense warm-up, then {args.episodes - 1} repeat(s) "
-                "served by rMuscle"
-            )
+
+        def banner() -> None:  # once run() has checked the arguments
+            if args.sim:
+                print(
+                    f"[demo] rmuscle_node (config/rmuscle_default.yaml) driving a simulated ALOHA (transfer_cube) in closed "
+                    f"loop through action_streamer: {args.episodes} episode(s) of {args.seconds:g} s on one scene, a dense "
+                    "warm-up, then repeats served by rMuscle"
+                )
+            elif args.bags is not None:
+                print(
+                    f"[demo] rmuscle_node (config/rmuscle_default.yaml) on {len(args.bags)} recorded episode(s)"
+                )
+            else:
+                print(
+                    f"[demo] rmuscle_node (config/rmuscle_default.yaml) on a {args.seconds:g} s ALOHA-like episode, "
+                    f"replayed {args.episodes} time(s): a dense warm-up, then {args.episodes - 1} repeat(s) "
+                    "served by rMuscle"
+                )
+
         try:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
                 episodes=args.episodes, bags=args.bags, remap=remap, stream=not args.no_stream, sim=args.sim,
-                sim_params=sim_params,
+                sim_params=sim_params, announce=banner,
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))

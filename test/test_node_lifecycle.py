@@ -1413,6 +1413,9 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
 
 
 def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each refused before anything is written or started, and before the banner (found in review: a value
+    configure refuses, e.g. ρp = 3, was refused only once the streamer's process and the node were up, 3 s
+    later; `--episodes 0` printed "then -1 repeat(s)" above its refusal)."""
     from rmuscle_ros.demo import main
 
     for param, says in (
@@ -1425,7 +1428,8 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         with pytest.raises(SystemExit) as exit_:
             main(["--seconds", "1", "--param", param, "--out", str(tmp_path)])
         assert exit_.value.code == 2
-        assert says in capsys.readouterr().err, param
+        printed = capsys.readouterr()
+        assert says in printed.err and printed.out == "", (param, printed)
     for option, says in (
         (["--episodes", "0"], "episodes: at least 1"),
         (["--seconds", "0"], "seconds: an episode"),
@@ -1438,7 +1442,9 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         with pytest.raises(SystemExit) as exit_:
             main([*option, "--out", str(tmp_path)])
         assert exit_.value.code == 2
-        assert says in capsys.readouterr().err, option
+        printed = capsys.readouterr()
+        assert says in printed.err and printed.out == "", (option, printed)
+    assert not any(tmp_path.iterdir()), "a refused demo wrote into --out"
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as exit_:
         main(["--out", str(tmp_path / "a_file")])

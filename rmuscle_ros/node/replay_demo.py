@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,13 @@ from rmuscle_ros.node.bags import (
     write_aloha_episode,
     write_messages,
 )
-from rmuscle_ros.node.params import MAX_SECONDS, load_params_file, parameter_defaults
+from rmuscle_ros.node.params import (
+    MAX_SECONDS,
+    ParameterError,
+    load_params_file,
+    node_config,
+    parameter_defaults,
+)
 from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 from rmuscle_ros.node.spin import BackgroundSpin, parameter_type_hint
 from rmuscle_ros.paths import package_file
@@ -117,6 +123,7 @@ def run(
     sim_params: Mapping[str, Any] | None = None,
     discard_failed: bool = False,
     streamer_overrides: Mapping[str, Any] | None = None,
+    announce: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
@@ -128,7 +135,9 @@ def run(
     aloha_sim parameters over the demo's (e.g. a trained policy's cameras and placement_spread);
     `discard_failed`: each simulated episode that did not succeed is kept out of the cache's library
     (`discard_episode`), as a cell with a success detector does (bench/sim_success.py's node stage).
-    `streamer_overrides`: action_streamer parameters over the demo's (e.g. `takeover_delay_s`)."""
+    `streamer_overrides`: action_streamer parameters over the demo's (e.g. `takeover_delay_s`).
+    `announce`: called once every argument has been checked, before anything is written or started (the
+    command's banner: before, `--episodes 0` printed "then -1 repeat(s)" above its refusal)."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
         raise ValueError(f"domain id: 0 to 232, got {domain_id}")
     params = load_params_file(config_file(CONFIG))
@@ -146,6 +155,10 @@ def run(
     unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
+    try:  # the values as configure checks them: refused before the streamer's process starts (3 s sooner)
+        node_config({k: v for k, v in params.items() if k != "use_sim_time"})
+    except ParameterError as e:
+        raise ValueError(f"invalid parameter {e}") from None
     topics = parameter_defaults() | params
     aloha = dict(zip(ALOHA_CAMERA_TOPICS[:3], topics["camera_topics"], strict=False)) | dict(
         zip(ALOHA_JOINT_TOPICS, topics["joint_state_topics"], strict=False)
@@ -171,6 +184,8 @@ def run(
     # is judged at `seconds` of the sim's clock (episode_s): the last one's reset comes later than the
     # others', after the streamer's report (it read 7.0 s against 6.0 in the demo).
     sim_settings = _SimCell.settings({"episode_s": seconds} | dict(sim_params or {})) if sim else {}
+    if announce is not None:
+        announce()
     out_dir.mkdir(parents=True, exist_ok=True)
     if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
         starts = [infos[0].start_ns]
