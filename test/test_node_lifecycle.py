@@ -1631,6 +1631,82 @@ def test_a_moved_bag_moves_every_stamp_and_plays_its_own_clock_not_the_recorded_
     assert all(sec // 10**8 == 18 for secs in seconds.values() for sec in secs), seconds
 
 
+def test_a_simulators_bag_recorded_without_sim_time_plays_on_its_own_clock(
+    harness, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bag recorded from a simulator by a recorder on the wall clock: log times on the wall clock, header
+    stamps and the recorded /clock on the simulator's (here 0.8 of real time, a day back). On the player's
+    clock (from the log times) the node would find every observation a day old; `recorded_clock` replays
+    the bag's own /clock (as `ros2 bag play` without --clock does), moved with the stamps by `start_ns`,
+    and the node serves chunks from it. The command says so when the clocks differ; a bag without /clock
+    is refused for it by name."""
+    from rosbags.highlevel import AnyReader
+    from rosbags.rosbag2 import Writer
+    from rosgraph_msgs.msg import Clock
+
+    from rmuscle_ros.node import bags
+
+    sim0, wall0, moved = 1_700_000_000 * 10**9, 1_700_086_400 * 10**9, 1_800_000_000 * 10**9
+    sim_bag, bag = tmp_path / "sim_clock", tmp_path / "recorded"
+    written = write_aloha_episode(sim_bag, seconds=2.0, cameras=3, start_ns=sim0)
+    store = typestore()
+    ClockT, Time = store.types["rosgraph_msgs/msg/Clock"], store.types["builtin_interfaces/msg/Time"]
+
+    def logged(t: int) -> int:  # the simulator ran at 0.8 of real time
+        return wall0 + round((t - sim0) / 0.8)
+
+    with (
+        AnyReader([sim_bag]) as reader,
+        Writer(bag, version=9, storage_plugin=bags.STORAGE["mcap"]) as writer,
+    ):
+        out = {
+            c.topic: writer.add_connection(c.topic, c.msgtype, typestore=store) for c in reader.connections
+        }
+        clock = writer.add_connection("/clock", ClockT.__msgtype__, typestore=store)
+        events = [(logged(t), out[c.topic], bytes(raw)) for c, t, raw in reader.messages()]
+        for t in range(sim0, sim0 + 2 * 10**9, 10**7):  # a /clock every 10 ms of the simulator's time
+            at = ClockT(clock=Time(sec=t // 10**9, nanosec=t % 10**9))
+            events.append((logged(t), clock, bytes(store.serialize_cdr(at, ClockT.__msgtype__))))
+        for t, connection, raw in sorted(events, key=lambda e: e[0]):
+            writer.write(connection, t, raw)
+    assert bags.recorded_clock(bag) == bags.RecordedClock(sim0, sim0, sim0 + 1_990_000_000, wall0 - sim0)
+
+    h = harness(use_sim_time=True, actions_per_inference=25, max_image_age_s=0.25, max_joint_age_s=0.1,
+                max_skew_s=0.1)  # fmt: skip
+    clocks: list[int] = []
+    h.peer.create_subscription(
+        Clock, "/clock", lambda m: clocks.append(m.clock.sec * 10**9 + m.clock.nanosec), 100
+    )
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], CAMERAS, strict=True)) | dict(
+        zip(ALOHA_JOINT_TOPICS, JOINT_TOPICS, strict=True)
+    )
+    player = BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap)
+    player.play(start_ns=moved, recorded_clock=True)
+    assert player.skipped == {} and player.published == sum(len(v) for v in written.values())
+    assert h.wait_for(lambda: len(h.chunks) >= 2, timeout=3.0), f"{len(h.chunks)} chunks; drops {h.drops()}"
+    assert not {"stale_image", "future_stamp", "stale_joints"} & set(h.drops()), h.drops()
+    image_stamps = {t - sim0 + moved for t in written[ALOHA_CAMERA_TOPICS[0]]}
+    assert all(stamp_ns(c.header) in image_stamps for c in h.chunks), "not stamped with a frame's time"
+    assert h.wait_for(lambda: clocks and max(clocks) == moved + 1_990_000_000, timeout=2.0), clocks[-3:]
+    assert min(clocks) == moved
+    assert clocks == sorted(clocks), "the recorded /clock went back"
+
+    episode = tmp_path / "no_clock"
+    write_aloha_episode(episode, seconds=0.1, cameras=1, joint_topics=())
+    with pytest.raises(bags.BagRefused, match=r"no_clock: recorded no /clock to replay"):
+        BagPlayer(h.peer, episode, qos_profile_sensor_data).play(recorded_clock=True)
+    # The command notes the other clock; here it then refuses a start outside ROS time before playing.
+    assert bags.main(["play", str(bag), "--start-ns=-5000000000", "--wait-for-subscribers=0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "note: the bag's own /clock is 8.64e+04 s behind its log times" in err and "outside ROS time" in err
+    )
+    assert bags.main(["play", str(bag), "--recorded-clock", "--start-ns=-1", "--wait-for-subscribers=0"]) == 2
+    err = capsys.readouterr().err
+    assert "note:" not in err and "would play from -1 to 1989999999 ns, outside ROS time" in err
+
+
 def test_recordings_a_recorder_left_unclosed_or_out_of_order_are_refused_saying_so(harness, tmp_path) -> None:
     """A recorder that crashed leaves no metadata.yaml, or an MCAP file without its end: each refusal says
     the recording was not closed and what repairs it. An unindexed MCAP (rosbag2's fastwrite preset writes

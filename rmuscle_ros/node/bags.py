@@ -5,7 +5,9 @@
 - `BagPlayer` publishes a bag's messages (their CDR bytes, unchanged) on their topics at the recorded
   pace, with /clock, which is what `ros2 bag play --clock` does; nodes run with use_sim_time. With
   `start_ns` it moves the bag in time: /clock and every header stamp shifted by the same offset, so that
-  episodes recorded on other days replay one after another on one clock.
+  episodes recorded on other days replay one after another on one clock. With `recorded_clock` it
+  replays the bag's own /clock instead (what `ros2 bag play` without `--clock` does): a simulator's bag
+  recorded without `--use-sim-time` has its header stamps on that clock, not on the log times.
 - `bag_info` says what a bag holds (time span, topics with their types and counts), to check it first.
 - `write_messages` records received messages (e.g. the node's ActionChunks) into a bag.
 
@@ -13,7 +15,7 @@ As a command, what `ros2 bag play --clock` does, in a process of its own (as on 
 is not the node's process):
 
     python -m rmuscle_ros.node.bags play BAG [--remap FROM:=TO ...] [--rate R] [--wait-for-subscribers S]
-                                             [--start-ns NS]
+                                             [--start-ns NS] [--recorded-clock]
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ ALOHA_JOINT_STATE_NAMES = (*ALOHA_ARM_JOINTS, "left_finger", "right_finger")
 STORAGE = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 CLOCK_HZ = 100.0  # /clock messages per wall-clock second between a bag's messages (BagPlayer.play)
 MAX_TIME_NS = 2**31 * 10**9  # builtin_interfaces/Time holds int32 seconds: a stamp must stay below
+# A recorded /clock further than this from the log times is taken for another clock (the command's note)
+CLOCK_HINT_NS = 10**9
 
 
 def typestore(with_interfaces: bool = False) -> Any:
@@ -203,6 +207,44 @@ def _reader(path: Path) -> AnyReader:
     return reader
 
 
+@dataclass(frozen=True)
+class RecordedClock:
+    """What a bag's own /clock says (a simulator's, recorded with the rest)."""
+
+    first_ns: int  # the first /clock message's time
+    min_ns: int
+    max_ns: int
+    log_ahead_ns: int  # the first /clock message's log time minus its clock: ~0 when both are one clock
+
+
+def _clock_ns(raw: bytes) -> int:
+    """A CDR-serialised rosgraph_msgs/Clock's time (ns): its Time is the first thing after the
+    encapsulation, in the byte order it names (as `shift_header_stamp` reads a header's)."""
+    sec, nanosec = struct.unpack_from("<iI" if raw[1] & 1 else ">iI", raw, 4)
+    return sec * 10**9 + nanosec
+
+
+def _recorded_clock(reader: AnyReader) -> RecordedClock | None:
+    connections = [c for c in reader.connections if c.topic == "/clock"]
+    if not connections:
+        return None
+    first = log_first = lo = hi = None
+    for _, t, raw in reader.messages(connections):
+        ns = _clock_ns(raw)
+        if first is None:
+            first, log_first, lo, hi = ns, t, ns, ns
+        lo, hi = min(lo, ns), max(hi, ns)
+    if first is None or log_first is None or lo is None or hi is None:
+        return None
+    return RecordedClock(first, lo, hi, log_first - first)
+
+
+def recorded_clock(path: Path) -> RecordedClock | None:
+    """The bag's own /clock, or None if it recorded none (reads only the /clock messages)."""
+    with _reader(path) as reader:
+        return _recorded_clock(reader)
+
+
 HEADER, TIME = "std_msgs/msg/Header", "builtin_interfaces/msg/Time"
 
 
@@ -341,6 +383,7 @@ class BagPlayer:
         start_ns: int | None = None,
         clock_subscribers: int = 1,
         clock_hz: float = CLOCK_HZ,
+        recorded_clock: bool = False,
     ) -> None:
         """Blocks until every message has been published at its recorded time (scaled by `rate`).
         `wait_for_subscribers_s`: first wait up to this long for every topic to have a subscriber, and
@@ -357,7 +400,12 @@ class BagPlayer:
         /clock also moves between messages, `clock_hz` times a second of wall time (as `ros2 bag play
         --clock` does): a gap in the recording (a camera that stopped) does not stop the bag's time, so
         timers on it run on and a node can see its inputs go stale. A bag whose messages cannot be read in
-        time order is refused (`BagRefused`) when the player reaches that point."""
+        time order is refused (`BagRefused`) when the player reaches that point.
+
+        `recorded_clock`: publish the bag's own /clock messages, at their recorded pace, instead of a clock
+        made from the log times (no ticks between them: a simulator publishes one every step). `start_ns`
+        then moves that clock to start there, and the header stamps with it. A bag without /clock is
+        refused."""
         if self._clock_pub is None:
             raise RuntimeError("this BagPlayer is closed")
         if not (math.isfinite(rate) and rate > 0):  # NaN passed `rate <= 0` and played unpaced (review)
@@ -366,8 +414,18 @@ class BagPlayer:
         with _reader(self.path) as reader:
             if not reader.message_count:
                 raise BagRefused(f"bag {self.path}: holds no message")
-            offset = 0 if start_ns is None else start_ns - reader.start_time
-            first, last = reader.start_time + offset, reader.end_time + offset
+            if recorded_clock:  # the stamps are on the bag's /clock: it starts at start_ns
+                clock = _recorded_clock(reader)
+                if clock is None:
+                    raise BagRefused(
+                        f"bag {self.path}: recorded no /clock to replay; play it on the player's clock (made "
+                        "from the log times) instead"
+                    )
+                offset = 0 if start_ns is None else start_ns - clock.first_ns
+                first, last = clock.min_ns + offset, clock.max_ns + offset
+            else:
+                offset = 0 if start_ns is None else start_ns - reader.start_time
+                first, last = reader.start_time + offset, reader.end_time + offset
             # before anything is published, /clock included (0 is a time: `ros2 bag record --use-sim-time`
             # stamps what came before the first /clock with it)
             if not 0 <= first <= last < MAX_TIME_NS:
@@ -382,8 +440,9 @@ class BagPlayer:
                 for c in reader.connections:
                     if c.topic in pubs or c.topic in self.skipped:
                         continue
-                    if c.topic == "/clock":  # this player publishes the clock itself, shifted with the stamps
-                        self.skipped[c.topic] = c.msgtype
+                    if c.topic == "/clock":  # the recorded one, or this player's own, shifted with the stamps
+                        if not recorded_clock:
+                            self.skipped[c.topic] = c.msgtype
                         continue
                     try:
                         message_class = _message_class(c.msgtype)
@@ -421,7 +480,8 @@ class BagPlayer:
                 time.sleep(0.5)  # discovery: let subscribers match before the first message
                 tick_s = 1.0 / clock_hz if clock_hz > 0 else math.inf
                 wall0, bag0 = time.monotonic(), None
-                messages = reader.messages([c for c in reader.connections if c.topic in pubs])
+                played = set(pubs) | ({"/clock"} if recorded_clock else set())
+                messages = reader.messages([c for c in reader.connections if c.topic in played])
                 while True:
                     try:
                         connection, t, raw = next(messages)
@@ -436,10 +496,15 @@ class BagPlayer:
                     due = wall0 + (t - bag0) / 1e9 / rate
                     while (delay := due - time.monotonic()) > 0:
                         time.sleep(min(delay, tick_s))
-                        if time.monotonic() < due:  # the bag's time between messages
+                        if not recorded_clock and time.monotonic() < due:  # the bag's time between messages
                             now = bag0 + round((time.monotonic() - wall0) * rate * 1e9)
                             self._publish_clock(min(now, t) + offset)
-                    self._publish_clock(t + offset)
+                    if recorded_clock:
+                        if connection.topic == "/clock":
+                            self._publish_clock(_clock_ns(raw) + offset)  # within [first, last]: checked
+                            continue
+                    else:
+                        self._publish_clock(t + offset)
                     where = stamps[connection.topic]
                     try:
                         if where == "header":
@@ -449,10 +514,15 @@ class BagPlayer:
                             _shift_times(msg, offset)
                             raw = reader.typestore.serialize_cdr(msg, connection.msgtype)
                     except ValueError as e:  # a traceback mid-replay before (found in review)
+                        why = (
+                            "its stamps are not on the bag's /clock"
+                            if recorded_clock
+                            else "its stamps are not on the clock its messages were logged on (a simulator's "
+                            "or a device's own? --recorded-clock replays a recorded /clock)"
+                        )
                         raise BagRefused(
-                            f"bag {self.path}: {connection.topic}: {e}; its stamps are not on the clock its "
-                            "messages were logged on (a simulator's or a device's own?), so they cannot move "
-                            "with --start-ns"
+                            f"bag {self.path}: {connection.topic}: {e}; {why}, so they cannot move with "
+                            "--start-ns"
                         ) from None
                     pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
                     self.published += 1
@@ -530,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
         "--start-ns", type=int, default=None, metavar="NS",
         help="move the bag in time to start at NS (ROS time, ns): /clock and header stamps shift together",
     )  # fmt: skip
+    play.add_argument(
+        "--recorded-clock", action="store_true",
+        help="replay the bag's own /clock (a simulator's, recorded without --use-sim-time) instead of a "
+        "clock made from the log times",
+    )  # fmt: skip
     args = p.parse_args(argv)
     try:
         remap = parse_remaps(args.remap)
@@ -543,8 +618,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--wait-for-subscribers must be a finite number ≥ 0, got {args.wait_for_subscribers:g}")
     try:  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
         bag_info(args.bag)
+        clock = recorded_clock(args.bag)
     except (ValueError, OSError) as e:  # OSError: this package's message definitions not found (paths)
         p.error(str(e))
+    if clock is not None and not args.recorded_clock and abs(clock.log_ahead_ns) > CLOCK_HINT_NS:
+        # Its stamps are then likely on that clock, and every node on the player's clock would find them
+        # hours or years old (the node drops such observations): say how to play it.
+        print(
+            f"note: the bag's own /clock is {abs(clock.log_ahead_ns) / 1e9:.3g} s "
+            f"{'behind' if clock.log_ahead_ns > 0 else 'ahead of'} its log times (a simulator's, recorded "
+            "without --use-sim-time?); if its stamps are on that clock, --recorded-clock replays it",
+            file=sys.stderr,
+        )
     import rclpy
     from rclpy.qos import qos_profile_sensor_data
 
@@ -558,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                 wait_for_subscribers_s=args.wait_for_subscribers,
                 start_ns=args.start_ns,
                 clock_subscribers=args.clock_subscribers,
+                recorded_clock=args.recorded_clock,
             )
         except (BagRefused, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
@@ -570,7 +656,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"published {player.published} messages from {args.bag}")
         for topic, msgtype in sorted(player.skipped.items()):
-            why = "the player publishes its own /clock" if topic == "/clock" else "not installed here"
+            why = (
+                "the player publishes its own /clock (--recorded-clock: the bag's)"
+                if topic == "/clock"
+                else "not installed here"
+            )
             print(f"skipped {topic} ({msgtype}): {why}")
     finally:
         node.destroy_node()
