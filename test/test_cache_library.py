@@ -1684,3 +1684,149 @@ def test_a_filesystem_without_locks_fails_the_open_saying_how_to_mount_it(
     with pytest.raises(LibraryError, match=r"No locks available\): its filesystem keeps no locks") as e:
         ReferenceLibrary.open(tmp_path, KEY)
     assert "local_lock=flock" in str(e.value) and "point library_path at a local folder" in str(e.value)
+
+
+def test_a_closed_library_writes_nothing_and_a_damaged_index_is_refused_naming_it(tmp_path: Path) -> None:
+    """Found in review, each reproduced: a closed library's remove() rewrote the index from its own memory
+    without the lock, dropping the episode of the process that had opened it since; an index listing one
+    episode twice served it and left it out at once, and a remove then lost its file; an unknown field in
+    the key read as a shape mismatch naming no shape (and advising to delete a matching library); a lone
+    surrogate in a task name (JSON's \\udc80) made `list` die; an index nested past Python's recursion
+    limit escaped as a RecursionError."""
+    first = ReferenceLibrary.open(tmp_path, KEY)
+    first.add(episode(seed=0))
+    first.add(episode(seed=1))
+    first.close()
+    second = ReferenceLibrary.open(tmp_path, KEY)
+    kept = second.add(episode(seed=2))
+    with pytest.raises(LibraryError, match="cannot remove episodes: the library was closed"):
+        first.remove([0])
+    with pytest.raises(LibraryError, match="cannot write its index: the library was closed"):
+        first.save_index()
+    first.touch(1)
+    first.close()  # a second close: the use is not written either
+    second.close()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0, 1, kept]
+
+    def edited(change) -> str:  # the index edited by `change`, then opened: the error's text
+        index_path = tmp_path / "index.json"
+        good = index_path.read_text()
+        index = json.loads(good)
+        change(index)
+        index_path.write_text(json.dumps(index))
+        try:
+            with pytest.raises(LibraryError) as refused:
+                ReferenceLibrary.open(tmp_path, KEY)
+            return str(refused.value)
+        finally:
+            index_path.write_text(good)
+
+    said = edited(lambda index: index["episodes"].append(dict(index["episodes"][0], sha256="0" * 64)))
+    assert "episode entry 3: episode 0 is listed twice" in said
+    said = edited(lambda index: index["key"].update(note="x"))
+    assert "unreadable library index (key has unknown field(s) ['note'])" in said
+    said = edited(lambda index: index["episodes"][0].update(meta={"task": "\udc80"}))
+    assert "meta is {'task': '\\udc80'}, not an object of strings (UTF-8)" in said
+    good = (tmp_path / "index.json").read_text()
+    (tmp_path / "index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LibraryError, match=r"unreadable library index .*recursion"):
+        ReferenceLibrary.open(tmp_path, KEY)
+    (tmp_path / "index.json").write_text(good)
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0, 1, kept]
+
+
+def test_a_reindex_killed_before_its_new_index_is_in_place_leaves_the_old_one(tmp_path: Path) -> None:
+    """Found in review: reindex renamed a refused index aside before writing the new one, so a kill between
+    the two left no index.json, and the next open found an empty library, saying nothing. The index now
+    stays in place (a copy is set aside) until the new one replaces it."""
+    import subprocess
+    import sys
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(seed=0))
+    lib.add(episode(seed=1))
+    lib.close()
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["episodes"][0]["calls"] = -1  # a hand edit: refused at open, rebuilt by reindex
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    killed = (
+        "import os, sys\n"
+        "from rmuscle_ros.cache.library import ReferenceLibrary\n"
+        "real = os.replace\n"
+        "def replace(src, dst, *a, **k):\n"
+        "    if str(dst).endswith('index.json'):\n"
+        "        os._exit(9)  # killed as the new index is renamed into place\n"
+        "    real(src, dst, *a, **k)\n"
+        "os.replace = replace\n"
+        "ReferenceLibrary.reindex(sys.argv[1])\n"
+    )
+    assert subprocess.run([sys.executable, "-c", killed, str(tmp_path)], timeout=120).returncode == 9
+    assert list(tmp_path.glob("index.json.corrupt-*")), "the refused index was not set aside"
+    with pytest.raises(LibraryError, match="calls is -1"):  # still refused, never an empty library
+        ReferenceLibrary.open(tmp_path, KEY)
+    _, notes, ok = ReferenceLibrary.reindex(tmp_path)
+    assert ok and "set aside as index.json.corrupt-" in " ".join(notes)
+    assert len(list(tmp_path.glob("index.json.corrupt-*"))) == 1, "the same index set aside twice"
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0, 1]
+
+
+def test_reindex_names_episode_files_that_do_not_load_as_numbers(tmp_path: Path) -> None:
+    """Found in review: a file whose descriptors were 0-d, or of bfloat16 (numpy has none), escaped reindex
+    as an IndexError or a TypeError; each is now skipped, named."""
+    import struct
+
+    from safetensors.numpy import save_file
+
+    ReferenceLibrary.open(tmp_path, KEY).add(episode())
+    stamp = {"key": json.dumps(KEY.to_json())}
+    tensors = episode().tensors()
+    tensors["descriptors"] = np.array(1.0, np.float32)
+    save_file(tensors, str(tmp_path / "episode_000005.safetensors"), metadata=stamp)
+    header = json.dumps(
+        {"descriptors": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}, "__metadata__": stamp}
+    ).encode()
+    (tmp_path / "episode_000007.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    indexed, notes, ok = ReferenceLibrary.reindex(tmp_path)
+    assert indexed == [] and not ok
+    assert any(n.startswith("episode_000005.safetensors: does not load (IndexError") for n in notes), notes
+    assert any(n.startswith("episode_000007.safetensors: does not load (TypeError") for n in notes), notes
+
+
+def test_the_lock_is_never_followed_through_a_link_and_an_interrupted_close_gives_it_up(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Found in review: a `.lock` that was a symbolic link had the file it named emptied (this process's
+    name is written into the lock file); an interrupt (Ctrl-C) during close kept the lock for the rest of
+    the process, so a lifecycle cleanup then configure could never open the library again. And a library
+    whose one episode is larger than a lowered max bytes said "evicted []" and rewrote its index."""
+    import logging
+
+    from rmuscle_ros.cache import lock as lock_module
+
+    victim = tmp_path / "notes.txt"
+    victim.write_text("keep me")
+    root = tmp_path / "lib"
+    root.mkdir()
+    (root / ".lock").symlink_to(victim)
+    with pytest.raises(LibraryError, match="lock file is a symbolic link; remove it"):
+        ReferenceLibrary.open(root, KEY)
+    assert victim.read_text() == "keep me"
+    (root / ".lock").unlink()
+
+    lib = ReferenceLibrary.open(root, KEY)
+    lib.add(episode())
+
+    def interrupted(fd: int, length: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lock_module.os, "ftruncate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lib.close()
+    monkeypatch.undo()
+    size = (root / "episode_000000.safetensors").stat().st_size
+    index_before = (root / "index.json").read_bytes()
+    with caplog.at_level(logging.WARNING):
+        again = ReferenceLibrary.open(root, KEY, max_bytes=size // 2)
+    assert sorted(again.entries) == [0] and (root / "index.json").read_bytes() == index_before
+    assert "its one episode" in caplog.text and "is larger than max bytes" in caplog.text
+    assert "evicted episode(s) []" not in caplog.text

@@ -268,6 +268,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _utf8(value: Any) -> bool:
+    """A string that UTF-8 can write: JSON's \\udc80 escape reads as a lone surrogate, which printing or
+    saving it again fails on (found in review: `list` died on one in a task name)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # Each field of an episode entry: what it must be, and how that reads in a message.
 _FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "id": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -278,10 +290,8 @@ _FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "created": (_is_number, "a time in seconds"),
     "last_used": (_is_number, "a time in seconds"),
     "meta": (
-        lambda v: (
-            isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
-        ),
-        "an object of strings",
+        lambda v: isinstance(v, dict) and all(_utf8(k) and _utf8(x) for k, x in v.items()),
+        "an object of strings (UTF-8)",
     ),
 }
 
@@ -312,6 +322,11 @@ def _entries(index_path: Path, episodes: Any) -> list[EpisodeEntry]:
                 f"{index_path}: unreadable library index (episode entry {i}: file {entry.file!r} is not "
                 f"episode {entry.id}'s file, episode_{entry.id:06d}.safetensors in the library's folder)"
             )
+        if any(e.id == entry.id for e in entries):  # served and left out at once, then lost at a remove
+            raise LibraryError(
+                f"{index_path}: unreadable library index (episode entry {i}: episode {entry.id} is listed "
+                "twice)"
+            )
         entries.append(entry)
     return entries
 
@@ -326,6 +341,8 @@ def _stored_key(index_path: Path, raw: Any) -> LibraryKey:
 
     if not isinstance(raw, dict) or not {"weights", "shapes"} <= set(raw):
         problem = "key is not an object of weights and shapes"
+    elif set(raw) - {"weights", "shapes"}:  # found in review: reported as a shape mismatch, naming none
+        problem = f"key has unknown field(s) {sorted(map(str, set(raw) - {'weights', 'shapes'}))}"
     elif not isinstance(raw["weights"], str):
         problem = f"key weights is {raw['weights']!r}, not a string"
     elif not isinstance(raw["shapes"], dict):
@@ -355,7 +372,7 @@ def _read_index(index_path: Path) -> _Index:
     try:
         index = json.loads(index_path.read_text())
         version, raw_key, episodes = index["version"], index["key"], index["episodes"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested deep
         raise LibraryError(
             f"{index_path}: unreadable library index ({e}); it was left untouched ({REINDEX_HINT})"
         ) from None
@@ -381,7 +398,7 @@ def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEnt
         return None, {}, 0, set(), ""
     try:
         raw = json.loads(index_path.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return None, {}, 0, set(), f"not JSON ({e})"
     if isinstance(raw, dict) and "version" in raw:
         _check_version(index_path, raw["version"])
@@ -408,7 +425,7 @@ def _episode_entry(
             metadata = f.metadata() or {}
         tensors = load_file(str(path))
         episode = Episode.from_tensors(tensors)
-    except (OSError, SafetensorError, KeyError, ValueError) as e:
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError, IndexError) as e:  # e.g. bfloat16, 0-d
         return f"{name}: does not load ({type(e).__name__}: {e}); skipped"
     if "key" not in metadata:
         return f"{name}: recorded before episode files carried their library's key; skipped"
@@ -529,6 +546,21 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _keep_aside(index_path: Path) -> Path:
+    """A copy of an index that cannot be used, as `index.json.corrupt-<time>`, written before the new index
+    replaces it: index.json never goes missing (found in review: renamed aside first, a kill before the new
+    one was in place left no index, and the next open found an empty library). The same content is kept
+    once: a copy already there of it is returned."""
+    data = index_path.read_bytes()
+    for kept in sorted(index_path.parent.glob(f"{INDEX}.corrupt-*")):
+        with contextlib.suppress(OSError):
+            if kept.stat().st_size == len(data) and kept.read_bytes() == data:
+                return kept
+    aside = index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}")
+    _write_atomic(aside, data)
+    return aside
+
+
 def _unnamed(root: Path, indexed: set[int]) -> dict[int, str]:
     """Episode files in `root` whose id the index does not hold: id -> file name."""
     files = root.glob("episode_*.safetensors") if root.is_dir() else ()
@@ -595,6 +627,7 @@ class ReferenceLibrary:
         # Gives the lock up at `close`, or when this object is collected unclosed (`LibraryLock.release`).
         self._finalizer: weakref.finalize | None = None
         self._bounded = False  # the opener passed bounds: they apply at open (`_apply_bounds`)
+        self._closed = False  # close() ran: nothing more is written
 
     @property
     def next_id(self) -> int:
@@ -664,6 +697,13 @@ class ReferenceLibrary:
             return
         before = dict(self.entries)
         evicted = self._evict(keep=-1)
+        if not evicted:  # one episode, larger than max bytes: eviction keeps the last (found in review)
+            log.warning(
+                "reference library %s: its one episode (%.1f MiB) is larger than max bytes (%.1f MiB); kept, "
+                "as eviction keeps the last episode: raise max_library_mb, or remove it",
+                self.root, size / 2**20, self.max_bytes / 2**20,
+            )  # fmt: skip
+            return
 
         def undo() -> None:
             self.entries.clear()
@@ -761,16 +801,21 @@ class ReferenceLibrary:
                 self.save_index()
             except OSError as e:
                 log.warning("reference library %s: its episodes' last use was not saved (%s)", self.root, e)
+        self._closed = True
         self._give_up_lock()
 
     def _not_writable(self) -> str:
-        """Why this library may not be written ("" if it may): opened read-only (`LibraryLock.take`), or
-        opened by the process this one is a fork of (the lock is that one's)."""
+        """Why this library may not be written ("" if it may): opened read-only (`LibraryLock.take`),
+        closed (found in review: a closed library's remove() rewrote the index from its own memory, dropping
+        the episodes of the process that had opened it since), or opened by the process this one is a fork
+        of (the lock is that one's)."""
         if self.read_only:
             return (
                 f"the library was opened read-only ({self.read_only}); make the folder writable, or point "
                 "library_path at a writable one"
             )
+        if self._closed:
+            return "the library was closed; open it again"
         if self._lock is not None and self._lock.pid != os.getpid():
             return (
                 f"the library was opened by process {self._lock.pid}, of which this one is a fork (the lock is "
@@ -788,13 +833,15 @@ class ReferenceLibrary:
         """Atomically replace index.json with the current entries (episode files are already on disk). The
         corrupt episodes open() left out stay in it: every open reports them until they are removed, and
         their ids stay taken, so that no new episode's file overwrites one kept for inspection."""
+        if self._closed:
+            raise LibraryError(f"{self.root}: cannot write its index: the library was closed; open it again")
         self.root.mkdir(parents=True, exist_ok=True)
         index_path = self.root / INDEX
         if index_path.exists():
             try:
                 json.loads(index_path.read_text())
-            except ValueError:  # never overwrite what we could not read: keep it for inspection
-                index_path.rename(index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}"))
+            except (ValueError, RecursionError):  # never overwrite what we could not read: keep it aside
+                _keep_aside(index_path)
         index = {
             "version": LIBRARY_VERSION,
             "key": self.key.to_json(),
@@ -951,8 +998,7 @@ class ReferenceLibrary:
                 ok = False
             elif indexed and key is not None:
                 if broken:
-                    aside = index_path.with_name(f"{INDEX}.corrupt-{int(time.time())}")
-                    index_path.rename(aside)
+                    aside = _keep_aside(index_path)
                     notes.append(
                         f"{INDEX}: {broken}; set aside as {aside.name}, rebuilt from the episode files"
                     )

@@ -110,8 +110,15 @@ class LibraryLock:
             ) from None
         with _LOCKS_GUARD:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # Not through a symbolic link: its name is written into the file (found in review: a .lock
+                # linked to another file emptied that file).
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise LibraryError(
+                        f"{path}: the library's lock file is a symbolic link; remove it (the library makes its "
+                        "own)"
+                    ) from None
                 if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise LibraryError(f"{path}: cannot open the library's lock file ({e})") from None
                 why = f"its lock file {path} cannot be opened for writing: {e.strerror}"
@@ -150,12 +157,14 @@ class LibraryLock:
                 with contextlib.suppress(OSError):  # gone, or the folder renamed: the next opener removes it
                     if marker.read_text() == self.marker:
                         marker.unlink()
-            with contextlib.suppress(OSError):  # the name only: the lock file itself stays
-                os.ftruncate(self.fd, 0)
-            with contextlib.suppress(OSError):  # for every copy of the descriptor (a fork that kept one)
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
+            try:
+                with contextlib.suppress(OSError):  # the name only: the lock file itself stays
+                    os.ftruncate(self.fd, 0)
+                with contextlib.suppress(OSError):  # for every copy of the descriptor (a fork that kept one)
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+            finally:  # an interrupt above (Ctrl-C) kept the lock for the process's life before (review)
+                os.close(self.fd)
+                self.fd = -1
 
 
 def holder(root: Path) -> str | None:
