@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--bags: a bag topic onto one of the node's (repeatable; ALOHA topics are mapped by default)",
     )  # fmt: skip
     p.add_argument(
+        "--recorded-clock", action="store_true",
+        help="--bags: play each on its own recorded /clock (a simulator's, recorded without --use-sim-time)",
+    )  # fmt: skip
+    p.add_argument(
         "--domain-id", type=int, default=77, metavar="N",
         help="bag demo: the DDS domain of its node and player (default 77, away from a robot's usual 0)",
     )  # fmt: skip
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
                 episodes=args.episodes, bags=args.bags, remap=remap, stream=not args.no_stream, sim=args.sim,
-                sim_params=sim_params, announce=banner,
+                sim_params=sim_params, announce=banner, bags_clock=args.recorded_clock,
             )  # fmt: skip
         except ValueError as e:
             p.error(str(e))

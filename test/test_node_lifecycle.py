@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -1631,6 +1633,40 @@ def test_a_moved_bag_moves_every_stamp_and_plays_its_own_clock_not_the_recorded_
     assert all(sec // 10**8 == 18 for secs in seconds.values() for sec in secs), seconds
 
 
+def _simulator_recorded(
+    bag: Path, seconds: float, sim0: int, wall0: int, **topics: Any
+) -> dict[str, list[int]]:
+    """An ALOHA-like episode as a simulator's cell records it with a recorder on the wall clock: header
+    stamps and a /clock (every 10 ms) on the simulator's clock from `sim0`, which ran at 0.8 of real time;
+    log times on the wall clock from `wall0`. Returns the header stamps per topic."""
+    from rosbags.highlevel import AnyReader
+    from rosbags.rosbag2 import Writer
+
+    from rmuscle_ros.node.bags import STORAGE
+
+    on_sim_time = bag.with_name(bag.name + "_on_sim_time")
+    written = write_aloha_episode(on_sim_time, seconds=seconds, cameras=3, start_ns=sim0, **topics)
+    store = typestore()
+    ClockT, Time = store.types["rosgraph_msgs/msg/Clock"], store.types["builtin_interfaces/msg/Time"]
+
+    def logged(t: int) -> int:
+        return wall0 + round((t - sim0) / 0.8)
+
+    with AnyReader([on_sim_time]) as reader, Writer(bag, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        out = {
+            c.topic: writer.add_connection(c.topic, c.msgtype, typestore=store) for c in reader.connections
+        }
+        clock = writer.add_connection("/clock", ClockT.__msgtype__, typestore=store)
+        events = [(logged(t), out[c.topic], bytes(raw)) for c, t, raw in reader.messages()]
+        for t in range(sim0, sim0 + round(seconds * 1e9), 10**7):
+            at = ClockT(clock=Time(sec=t // 10**9, nanosec=t % 10**9))
+            events.append((logged(t), clock, bytes(store.serialize_cdr(at, ClockT.__msgtype__))))
+        for t, connection, raw in sorted(events, key=lambda e: e[0]):
+            writer.write(connection, t, raw)
+    shutil.rmtree(on_sim_time)
+    return written
+
+
 def test_a_simulators_bag_recorded_without_sim_time_plays_on_its_own_clock(
     harness, tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1640,35 +1676,13 @@ def test_a_simulators_bag_recorded_without_sim_time_plays_on_its_own_clock(
     the bag's own /clock (as `ros2 bag play` without --clock does), moved with the stamps by `start_ns`,
     and the node serves chunks from it. The command says so when the clocks differ; a bag without /clock
     is refused for it by name."""
-    from rosbags.highlevel import AnyReader
-    from rosbags.rosbag2 import Writer
     from rosgraph_msgs.msg import Clock
 
     from rmuscle_ros.node import bags
 
     sim0, wall0, moved = 1_700_000_000 * 10**9, 1_700_086_400 * 10**9, 1_800_000_000 * 10**9
-    sim_bag, bag = tmp_path / "sim_clock", tmp_path / "recorded"
-    written = write_aloha_episode(sim_bag, seconds=2.0, cameras=3, start_ns=sim0)
-    store = typestore()
-    ClockT, Time = store.types["rosgraph_msgs/msg/Clock"], store.types["builtin_interfaces/msg/Time"]
-
-    def logged(t: int) -> int:  # the simulator ran at 0.8 of real time
-        return wall0 + round((t - sim0) / 0.8)
-
-    with (
-        AnyReader([sim_bag]) as reader,
-        Writer(bag, version=9, storage_plugin=bags.STORAGE["mcap"]) as writer,
-    ):
-        out = {
-            c.topic: writer.add_connection(c.topic, c.msgtype, typestore=store) for c in reader.connections
-        }
-        clock = writer.add_connection("/clock", ClockT.__msgtype__, typestore=store)
-        events = [(logged(t), out[c.topic], bytes(raw)) for c, t, raw in reader.messages()]
-        for t in range(sim0, sim0 + 2 * 10**9, 10**7):  # a /clock every 10 ms of the simulator's time
-            at = ClockT(clock=Time(sec=t // 10**9, nanosec=t % 10**9))
-            events.append((logged(t), clock, bytes(store.serialize_cdr(at, ClockT.__msgtype__))))
-        for t, connection, raw in sorted(events, key=lambda e: e[0]):
-            writer.write(connection, t, raw)
+    bag = tmp_path / "recorded"
+    written = _simulator_recorded(bag, 2.0, sim0, wall0)
     assert bags.recorded_clock(bag) == bags.RecordedClock(sim0, sim0, sim0 + 1_990_000_000, wall0 - sim0)
 
     h = harness(use_sim_time=True, actions_per_inference=25, max_image_age_s=0.25, max_joint_age_s=0.1,
@@ -2062,6 +2076,33 @@ def test_replay_demo_replays_recorded_episodes_on_one_clock(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["monday", "out", "sunday"], "the bags are kept"
 
 
+def test_replay_demo_plays_a_simulators_bags_on_their_own_clock(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--bags … --recorded-clock`: two episodes a simulator's cell recorded on the wall clock (stamps on
+    the simulator's, which ran at 0.8 of real time), the second 100 s of simulated time after the first.
+    Each plays on its own /clock, moved to follow the one before on it: the second is served from the
+    first one's memory, and every chunk is stamped on the simulator's clock."""
+    from rmuscle_ros.demo import main
+
+    sim0, wall0 = 1_700_000_000 * 10**9, 1_796_000_000 * 10**9
+    bags = [tmp_path / "sim_a", tmp_path / "sim_b"]
+    for k, bag in enumerate(bags):
+        _simulator_recorded(bag, 3.0, sim0 + k * 100 * 10**9, wall0 + k * 200 * 10**9)
+    out = tmp_path / "out"
+    args = ["--bags", *map(str, bags), "--recorded-clock", "--param", "actions_per_inference=50"]
+    assert main([*args, "--out", str(out), *DEMO_DOMAIN]) == 0
+    printed = capsys.readouterr().out
+    chunks = [m for _, m in read_messages(out / "action_chunks", "/rmuscle_node/action_chunk")]
+    first = [stamp_ns(c.header) for c in chunks if c.episode_id == 0]
+    second = [c for c in chunks if c.episode_id == 1]
+    assert first and second, printed
+    assert ActionChunk.CACHE_CACHED in {c.cache_mode for c in second}, printed
+    assert sim0 <= min(first) and max(first) < min(stamp_ns(c.header) for c in second) < sim0 + 10 * 10**9
+    summary = json.loads((out / "summary.json").read_text())
+    assert "stale_image" not in summary["drops"] and "future_stamp" not in summary["drops"], summary["drops"]
+
+
 def test_replay_of_recorded_bags_refuses_what_the_node_could_not_run_naming_it(
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -2082,6 +2123,13 @@ def test_replay_of_recorded_bags_refuses_what_the_node_could_not_run_naming_it(
     with pytest.raises(SystemExit):
         main(["--remap", "/a:=images/base", "--out", str(tmp_path / "out")])
     assert "--remap: only with --bags" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a bag without /clock of its own
+        main(["--bags", str(bag), "--remap", "/a:=images/base", "--remap", "/b:=images/left_wrist",
+              "--remap", "/c:=images/right_wrist", "--recorded-clock", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert "episode: recorded no /clock to replay (--recorded-clock)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--recorded-clock", "--out", str(tmp_path / "out")])
+    assert "--recorded-clock: only with --bags" in capsys.readouterr().err
 
 
 def test_the_bag_player_command_refuses_bad_arguments_by_name(

@@ -26,6 +26,7 @@ other days replay as one shift on one clock.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -62,6 +63,7 @@ from rmuscle_ros.node.bags import (
     absolute_topic,
     bag_info,
     read_messages,
+    recorded_clock,
     write_aloha_episode,
     write_messages,
 )
@@ -124,6 +126,7 @@ def run(
     discard_failed: bool = False,
     streamer_overrides: Mapping[str, Any] | None = None,
     announce: Callable[[], None] | None = None,
+    bags_clock: bool = False,
 ) -> dict[str, Any]:
     """Replay a warm-up episode, then `episodes` - 1 repeats, with a reset before each; returns the
     summary. Files land in `out_dir`. `overrides`: node parameters (dotted names, e.g. "cache.rho_p")
@@ -136,6 +139,8 @@ def run(
     `discard_failed`: each simulated episode that did not succeed is kept out of the cache's library
     (`discard_episode`), as a cell with a success detector does (bench/sim_success.py's node stage).
     `streamer_overrides`: action_streamer parameters over the demo's (e.g. `takeover_delay_s`).
+    `bags_clock`: play each bag on its own recorded /clock (`bags.BagPlayer.play`'s `recorded_clock`: a
+    simulator's bags recorded without --use-sim-time), one after another on it as on the log times.
     `announce`: called once every argument has been checked, before anything is written or started (the
     command's banner: before, `--episodes 0` printed "then -1 repeat(s)" above its refusal)."""
     if not 0 <= domain_id <= 232:  # Fast DDS derives ports from it; above 232 they overflow
@@ -174,6 +179,17 @@ def run(
             raise ValueError("bags: at least one episode to replay")
         bags, episodes = [Path(b) for b in bags], len(bags)
         infos = [_check_bag(b, remap, topics) for b in bags]
+        # How long each plays, for the player's time limit: the log times' span (a slow simulator's bag
+        # plays longer than its clock's).
+        lengths = [info.seconds for info in infos]
+        if bags_clock:  # the stamps are on each bag's /clock: the bags follow each other on it
+            for k, bag in enumerate(bags):
+                clock = recorded_clock(bag)
+                if clock is None:
+                    raise ValueError(f"bag {bag}: recorded no /clock to replay (--recorded-clock)")
+                infos[k] = dataclasses.replace(infos[k], start_ns=clock.first_ns, end_ns=clock.max_ns)
+    elif bags_clock:
+        raise ValueError("--recorded-clock: only with --bags")
     if episodes < 1:
         raise ValueError(f"episodes: at least 1 (the warm-up), got {episodes}")
     if not recorded and not 0 < seconds <= MAX_SECONDS:  # inf, nan: a clear error, not an overflow
@@ -191,7 +207,6 @@ def run(
         starts = [infos[0].start_ns]
         for info in infos[:-1]:
             starts.append(starts[-1] + info.end_ns - info.start_ns + BAG_GAP_NS)
-        lengths = [info.seconds for info in infos]
     else:
         # A repeat is the same task (the same frames and joint motion) one episode later: its bag starts
         # where the one before ends, so the node's clock runs on as on a cell and no frame goes stale.
@@ -275,7 +290,7 @@ def run(
                 resets.append(_reset(reset))
             # Every node on the bag's clock hears it from the first message: the node, and the streamer.
             clocks = 1 + (streaming.process is not None)
-            _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks)
+            _play(bags[k], remap, domain_id, lengths[k], starts[k] if recorded else None, clocks, bags_clock)
             time.sleep(1.0)  # the last inference
             if not recorded and 0 < k < episodes - 1:
                 shutil.rmtree(bags[k])  # the same frames as the first and the last, at other times
@@ -689,6 +704,7 @@ def _play(
     seconds: float,
     start_ns: int | None = None,
     clock_subscribers: int = 1,
+    bags_clock: bool = False,
 ) -> None:
     """Replay `bag` from a process of its own (`python -m rmuscle_ros.node.bags play`), as `ros2 bag play`
     runs on a cell: in this process its reading and publishing (~80 MB/s of frames) would compete with the
@@ -697,7 +713,7 @@ def _play(
     command = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag)]
     command += [f"--remap={frm}:={to}" for frm, to in remap.items()]
     command += [] if start_ns is None else [f"--start-ns={start_ns}"]
-    command += [f"--clock-subscribers={clock_subscribers}"]
+    command += [f"--clock-subscribers={clock_subscribers}"] + (["--recorded-clock"] if bags_clock else [])
     env = os.environ | {"ROS_DOMAIN_ID": str(domain_id)}
     # The player publishes 0.9 MB frames: shared-memory segments that hold them (unless the caller chose a
     # Fast DDS profile), as a camera driver on the node's host should (config/fastdds_shm_large_frames.xml).
@@ -714,7 +730,7 @@ def _play(
     for (
         line
     ) in done.stderr.splitlines():  # what it warns of (no subscriber matched): not lost (found in review)
-        if line.startswith("no subscriber matched"):
+        if line.startswith(("no subscriber matched", "note:")):  # note: a /clock of its own (bags.main)
             print(f"[demo] the bag player on {bag.name}: {line}", file=sys.stderr)
 
 
