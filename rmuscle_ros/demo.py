@@ -19,6 +19,7 @@ they are not an ALOHA cell's (/cam_high/camera/color/image_rect_raw, ..., /follo
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -73,6 +74,10 @@ def parse_param(name: str, text: str, defaults: dict[str, Any]) -> Any:
     return value
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--synthetic", action="store_true", help="policy only, synthetic observations, no ROS")
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--sim-param", action="append", default=[], metavar="NAME=VALUE",
-        help="--sim: an aloha_sim parameter, e.g. placement_spread=0.25 or cameras=[top] (repeatable)",
+        help="--sim: an aloha_sim parameter, e.g. placement_spread=0.25 or seed=3 (repeatable)",
     )  # fmt: skip
     args = p.parse_args(argv)
     try:
@@ -184,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                     "served by rMuscle"
                 )
 
+        # SIGTERM (`kill`, `timeout`, a CI runner) ends the run as Ctrl-C does, through run()'s cleanup:
+        # before (found in review) it ended this process at once and left aloha_sim and action_streamer
+        # running, re-parented, the sim still publishing /clock.
+        previous = signal.signal(signal.SIGTERM, _terminated)
         try:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
@@ -195,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, OSError) as e:  # the bag player failed, a service timed out, a file missing
             print(f"[demo] error: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the processes it started are stopped
+            print("[demo] interrupted: the processes it started were stopped", file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         print_summary(summary)
         return 0 if summary["chunks"] > 0 else 1
     if not args.config.is_file():

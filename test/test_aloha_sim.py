@@ -287,6 +287,17 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
     assert sim_node_config({"camera_rate_hz": 50.0, "real_time_factor": 0.0}).camera_rate_hz == 50.0
 
 
+def test_the_sim_executable_refuses_a_bad_value_in_one_line_with_status_2(capsys) -> None:
+    """As a wrong type is refused: found in review, a value out of range ended `aloha_sim` with a
+    traceback and status 1, the status of a simulation that died."""
+    _ros_or_skip()
+    from rmuscle_ros.node import aloha_sim
+
+    assert aloha_sim.main(["aloha_sim", "--ros-args", "-p", "camera_rate_hz:=0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: invalid parameter camera_rate_hz: must be in (0, 50] Hz" in err and "Traceback" not in err
+
+
 def test_the_camera_schedule_does_not_drift_over_hours() -> None:
     """Frame k goes out at the first step at or after k / rate s from the first step's. A float schedule
     advanced frame by frame drifted by a step after 1-2 h (50 Hz skipped a frame, 25 Hz sent two in a row)."""

@@ -1353,6 +1353,11 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     # a 3 s repeat was once served all dense. One chunk a second (4 per episode) leaves the motion window
     # room for several entries: with a busy-loop process beside it, 3 of 4 were cached in each of 3 runs.
     # The first repeat's first call is always dense. Two repeats: a shift goes on past the first.
+    # What an earlier run of more episodes left: its last bag and its summary go (a review found them
+    # left); a folder of the user's stays.
+    write_aloha_episode(tmp_path / "aloha_episode_5", seconds=0.1, cameras=1, joint_topics=())
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "aloha_episode_notes").mkdir()
     args = [
         *DEMO_DOMAIN,
         "--seconds",
@@ -1414,7 +1419,43 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert [b.name for b in sorted(tmp_path.glob("aloha_episode_*"))] == [
         "aloha_episode_0",
         "aloha_episode_2",
+        "aloha_episode_notes",
     ]
+
+
+def test_replay_demo_stopped_by_sigterm_stops_the_processes_it_started(tmp_path) -> None:
+    """`kill`, `timeout` or a CI runner's SIGTERM ends the demo as Ctrl-C does: its action_streamer and
+    bag player are stopped, not left running (found in review: SIGTERM ended the demo at once, and the
+    streamer, or with --sim the simulator still publishing /clock, ran on re-parented)."""
+    import signal
+
+    def children(pid: int) -> set[int]:
+        found: set[int] = set()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found |= {int(c) for c in (task / "children").read_text().split()}
+        return found
+
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "rmuscle_ros.demo", "--seconds", "10", "--out", str(tmp_path), *DEMO_DOMAIN],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline, started = time.monotonic() + 60.0, set()
+        while time.monotonic() < deadline and len(started) < 2:  # the streamer, then the bag's player
+            started |= children(demo.pid)
+            time.sleep(0.2)
+        assert len(started) >= 2, f"the demo started {started}"
+        demo.send_signal(signal.SIGTERM)
+        _, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 130 and "[demo] interrupted" in err, (demo.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    for pid in started:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
 
 
 def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1443,6 +1484,10 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         (["--synthetic", "--param", "prompt=x"], "--param / --sim-param: for the node"),
         (["--synthetic", "--config", str(tmp_path / "absent.yaml")], "no such file"),
         (["--domain-id", "233"], "domain id: 0 to 232, got 233"),
+        (
+            ["--sim", "--sim-param", "cameras=[top]"],
+            "--sim-param cameras: ['top'] for the node's 3 camera_topics",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_:
             main([*option, "--out", str(tmp_path)])
@@ -1450,6 +1495,13 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         printed = capsys.readouterr()
         assert says in printed.err and printed.out == "", (option, printed)
     assert not any(tmp_path.iterdir()), "a refused demo wrote into --out"
+    # run() from Python with an int where the sim declares a float: passed on as a float (`-p episode_s:=6`
+    # was an INTEGER to rclpy, and the sim refused it at start-up; found in review)
+    from rmuscle_ros.node.replay_demo import _SimCell
+
+    settings = _SimCell.settings({"episode_s": 6, "finger_range": [0, 1], "seed": 3})
+    assert settings["episode_s"] == 6.0 and isinstance(settings["episode_s"], float)
+    assert settings["finger_range"] == [0.0, 1.0] and isinstance(settings["seed"], int)
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as exit_:
         main(["--out", str(tmp_path / "a_file")])

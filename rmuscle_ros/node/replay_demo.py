@@ -106,6 +106,20 @@ MODE_NAMES = {
 MODE_COLOURS = {"dense": "tab:blue", "cached": "tab:green", "fallback": "tab:red"}
 
 
+def _clear_previous_run(out_dir: Path, keep: Sequence[Path]) -> None:
+    """Remove what an earlier run left in `out_dir`: its summary, plot and recorded chunks, and the episode
+    bags it wrote (`aloha_episode_<k>`; a recording passed in `keep` stays). Found in review: a run that
+    failed left the earlier run's summary and plot beside its own first bag, and a run of fewer episodes
+    left the earlier run's later bags (~160 MB a second of episode)."""
+    kept = {Path(b).resolve() for b in keep}
+    for name in ("summary.json", "demo.png"):
+        (out_dir / name).unlink(missing_ok=True)
+    for path in [out_dir / "action_chunks", *out_dir.glob("aloha_episode_*")]:
+        written = path.name == "action_chunks" or path.name.removeprefix("aloha_episode_").isdigit()
+        if written and path.is_dir() and path.resolve() not in kept and (path / "metadata.yaml").exists():
+            shutil.rmtree(path)
+
+
 def _fresh(path: Path) -> Path:
     if path.exists():
         shutil.rmtree(path)
@@ -200,9 +214,21 @@ def run(
     # is judged at `seconds` of the sim's clock (episode_s): the last one's reset comes later than the
     # others', after the streamer's report (it read 7.0 s against 6.0 in the demo).
     sim_settings = _SimCell.settings({"episode_s": seconds} | dict(sim_params or {})) if sim else {}
+    if sim:  # its cameras go out in order on the node's camera topics (found in review: `cameras=[top]`
+        # against the profile's three ran with no chunk and, in a short episode, no drop to say why)
+        from rmuscle_ros.node.aloha_sim import sim_node_config
+
+        cameras, wanted = sim_node_config(sim_settings).cameras, topics["camera_topics"]
+        if len(cameras) != len(wanted):
+            raise ValueError(
+                f"--sim-param cameras: {list(cameras)} for the node's {len(wanted)} camera_topics "
+                f"{list(wanted)}; give the node one topic per camera, in the same order (--param "
+                "camera_topics=[...], and a model of as many cameras)"
+            )
     if announce is not None:
         announce()
     out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_previous_run(out_dir, keep=bags if recorded else [])
     if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
         starts = [infos[0].start_ns]
         for info in infos[:-1]:
@@ -538,11 +564,23 @@ class _SimCell:
     def settings(cls, params: Mapping[str, Any]) -> dict[str, Any]:
         """The sim's parameters: the demo's, then `params` over them, checked as the sim node checks them
         (ParameterError, a ValueError, naming a bad one)."""
-        from rmuscle_ros.node.aloha_sim import sim_node_config
+        from rmuscle_ros.node.aloha_sim import sim_defaults, sim_node_config
 
         settings = {"camera_rate_hz": cls.CAMERA_RATE_HZ, "seed_step": 0} | dict(params)
         sim_node_config(settings)
-        return settings
+        # As floats where the sim declares floats: `-p episode_s:=6` is an INTEGER to rclpy, and the sim
+        # refused it at start-up (found in review: run(seconds=6, sim=True) from Python)
+        defaults = sim_defaults()
+
+        def as_declared(name: str, value: Any) -> Any:
+            default = defaults.get(name)
+            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(default, list) and default and isinstance(default[0], float):
+                return [float(v) for v in value]  # checked numbers above (sim_node_config)
+            return value
+
+        return {k: as_declared(k, v) for k, v in settings.items()}
 
     def __init__(
         self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path, settings: Mapping[str, Any]

@@ -133,11 +133,17 @@ def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) ->
 
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
     """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`."""
+    from rmuscle_ros.node.params import ParameterError
+
     rclpy.init(args=argv if argv is not None else sys.argv)
     try:
         node = make_node()
     except InvalidParameterTypeException as e:  # a params file's `1` for a float parameter: which, and how
         print(f"error: {e} ({parameter_type_hint(e)})", file=sys.stderr)
+        rclpy.shutdown()
+        return 2
+    except ParameterError as e:  # a node that checks its values at construction (aloha_sim): one line, 2
+        print(f"error: invalid parameter {e}", file=sys.stderr)  # (a traceback and 1 before: review)
         rclpy.shutdown()
         return 2
     executor = SingleThreadedExecutor()
