@@ -192,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM (`kill`, `timeout`, a CI runner) ends the run as Ctrl-C does, through run()'s cleanup:
         # before (found in review) it ended this process at once and left aloha_sim and action_streamer
         # running, re-parented, the sim still publishing /clock.
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        # Only where nobody else handles it: rclpy installs its own (in C, so Python's table reads SIG_DFL)
+        # when its default context is initialised, and restoring SIG_DFL after would remove that (review).
+        import rclpy
+
+        ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not rclpy.ok()
+        previous = signal.signal(signal.SIGTERM, _terminated) if ours else None
         try:
             summary = run(
                 args.out, seconds=args.seconds, domain_id=args.domain_id, overrides=overrides,
@@ -208,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             print("[demo] interrupted: the processes it started were stopped", file=sys.stderr)
             return 130
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if ours:
+                signal.signal(signal.SIGTERM, previous)
         print_summary(summary)
         return 0 if summary["chunks"] > 0 else 1
     if not args.config.is_file():

@@ -1771,6 +1771,16 @@ def test_a_simulators_bag_recorded_without_sim_time_plays_on_its_own_clock(
     assert bags.main(["play", str(bag), "--recorded-clock", "--start-ns=-1", "--wait-for-subscribers=0"]) == 2
     err = capsys.readouterr().err
     assert "note:" not in err and "would play from -1 to 1989999999 ns, outside ROS time" in err
+    # A /clock that cannot be read (here a truncated message; an unindexed MCAP out of time order alike) is
+    # refused by name, with or without the option (found in review: a traceback).
+    damaged = tmp_path / "damaged_clock"
+    write_messages(damaged, "/clock", "rosgraph_msgs/msg/Clock", [(wall0, b"\x00\x01\x00\x00\x01\x00")])
+    with pytest.raises(SystemExit) as usage:  # read for the note: a usage error, before rclpy starts
+        bags.main(["play", str(damaged), "--wait-for-subscribers=0"])
+    assert usage.value.code == 2
+    assert "damaged_clock: its /clock cannot be read (error: " in capsys.readouterr().err
+    assert bags.main(["play", str(damaged), "--recorded-clock", "--wait-for-subscribers=0"]) == 2
+    assert "damaged_clock: its /clock cannot be read (error: " in capsys.readouterr().err
 
 
 def test_recordings_a_recorder_left_unclosed_or_out_of_order_are_refused_saying_so(harness, tmp_path) -> None:

@@ -52,6 +52,11 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ),
         ({"cache.top_k": 0}, r"^cache\.top_k"),
         ({"cache.lookahead": -1}, r"^cache\.lookahead"),
+        # found in review: accepted, then the window's allocation failed (4 TB) at configure
+        (
+            {"cache.top_k": 100000},
+            r"^cache\.top_k: a window of top_k × \(lookahead \+ 1\) = 500000 entries is more than 256",
+        ),
         ({"cache.max_library_mb": 0}, r"^cache\.max_library_mb: must be >= 1"),
         ({"cache.max_episodes": 0}, r"^cache\.max_episodes: must be >= 1"),
         ({"cache.rebuilds_per_tick": 0}, r"^cache\.rebuilds_per_tick: must be >= 1"),

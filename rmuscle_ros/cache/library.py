@@ -909,6 +909,7 @@ class ReferenceLibrary:
         name = _episode_file(episode_id)
         path = self.root / name
         tmp = _temporary(path)
+        ours = None  # the written file's identity, once known
         try:
             now = time.time()
             save_file(tensors, str(tmp), metadata=self._file_metadata(episode_id, meta, now))
@@ -919,7 +920,13 @@ class ReferenceLibrary:
                 os.chmod(tmp, mode)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            self._refuse_too_large(episode, tmp.stat().st_size)
+            size = tmp.stat().st_size
+            self._refuse_too_large(episode, size)
+            # Read before the file takes its name: from there to the index's write nothing reads the disk
+            # (found in review: an interrupt while hashing the placed file left it unindexed, the runtime
+            # recorded the episode again, and `reindex` then adopted the first copy too)
+            digest = _sha256(tmp)
+            ours = _identity(tmp)
             _place_new(tmp, path)  # on disk before the index that names it
         except FileExistsError:
             tmp.unlink(missing_ok=True)
@@ -929,9 +936,11 @@ class ReferenceLibrary:
             ) from None
         except BaseException:  # a full disk: the partial file must not keep holding the space
             tmp.unlink(missing_ok=True)
+            if ours is not None and _identity(path) == ours:  # placed, then interrupted (the folder's sync)
+                path.unlink(missing_ok=True)
             raise
         self.entries[episode_id] = EpisodeEntry(
-            episode_id, name, _sha256(path), episode.calls, path.stat().st_size, now, now, dict(meta or {})
+            episode_id, name, digest, episode.calls, size, now, now, dict(meta or {})
         )
         evicted = self._evict(keep=episode_id)
 

@@ -73,6 +73,19 @@ AUDITS_KEPT = 100  # the latest audits' errors, for the median and maximum repor
 FILE_OVERHEAD = 64 << 10
 
 
+# RMuscleConfig's integer fields, and the most window entries it may ask for (the default is 20).
+COUNTS = (
+    "anchors",
+    "top_k",
+    "lookahead",
+    "max_library_mb",
+    "max_episodes",
+    "rebuilds_per_tick",
+    "rebuild_slices",
+)
+MAX_WINDOW = 256
+
+
 @dataclass(frozen=True)
 class RMuscleConfig:
     """rMuscle settings of a deployment (validated)."""
@@ -132,6 +145,18 @@ class RMuscleConfig:
     audit_max_error: float = 0.0
 
     def __post_init__(self) -> None:
+        # Counts are integers (found in review: top_k 2.5 or max_library_mb 1.5 passed and failed at the
+        # first call or recording with a TypeError; NaN rebuilds_per_tick never rebuilt, so nothing was
+        # ever served cached)
+        for name in COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.window_size > MAX_WINDOW:  # 100000 × 101 entries passed, then failed allocating 4 TB
+            raise ValueError(
+                f"a window of top_k × (lookahead + 1) = {self.window_size} entries is more than {MAX_WINDOW}: each "
+                "holds a reference's expanded states on the device (~100 MB at pi05)"
+            )
         self.shapes()  # validates rho_p, rho_n, anchors, neuron_schedule, rebuild_slices
         RetrievalConfig(self.top_k, self.lookahead, self.threshold)  # validates those three
         for name in ("max_library_mb", "max_episodes", "rebuilds_per_tick"):

@@ -224,25 +224,37 @@ def _clock_ns(raw: bytes) -> int:
     return sec * 10**9 + nanosec
 
 
-def _recorded_clock(reader: AnyReader) -> RecordedClock | None:
+def _recorded_clock(reader: AnyReader, path: Path, first_only: bool = False) -> RecordedClock | None:
+    """The bag's own /clock (None if it recorded none). A whole pass over an MCAP whose /clock is
+    interleaved with the frames; `first_only`: its first message alone (min and max are then that one's).
+    BagRefused for a bag that cannot be read so, as the player refuses it (found in review: a traceback)."""
     connections = [c for c in reader.connections if c.topic == "/clock"]
     if not connections:
         return None
     first = log_first = lo = hi = None
-    for _, t, raw in reader.messages(connections):
-        ns = _clock_ns(raw)
-        if first is None:
-            first, log_first, lo, hi = ns, t, ns, ns
-        lo, hi = min(lo, ns), max(hi, ns)
+    try:
+        for _, t, raw in reader.messages(connections):
+            ns = _clock_ns(raw)
+            if first is None:
+                first, log_first, lo, hi = ns, t, ns, ns
+                if first_only:
+                    break
+            lo, hi = min(lo, ns), max(hi, ns)
+    except Exception as e:  # rosbags' ReaderError (out of time order), struct.error (a truncated Clock)
+        raise BagRefused(
+            f"bag {path}: its /clock cannot be read ({type(e).__name__}: {e}); `mcap recover` or `ros2 bag "
+            "reindex` may repair it"
+        ) from None
     if first is None or log_first is None or lo is None or hi is None:
         return None
     return RecordedClock(first, lo, hi, log_first - first)
 
 
-def recorded_clock(path: Path) -> RecordedClock | None:
-    """The bag's own /clock, or None if it recorded none (reads only the /clock messages)."""
+def recorded_clock(path: Path, first_only: bool = False) -> RecordedClock | None:
+    """The bag's own /clock, or None if it recorded none (reads only the /clock messages; `first_only`: the
+    first). BagRefused if they cannot be read."""
     with _reader(path) as reader:
-        return _recorded_clock(reader)
+        return _recorded_clock(reader, path, first_only)
 
 
 HEADER, TIME = "std_msgs/msg/Header", "builtin_interfaces/msg/Time"
@@ -415,7 +427,7 @@ class BagPlayer:
             if not reader.message_count:
                 raise BagRefused(f"bag {self.path}: holds no message")
             if recorded_clock:  # the stamps are on the bag's /clock: it starts at start_ns
-                clock = _recorded_clock(reader)
+                clock = _recorded_clock(reader, self.path)
                 if clock is None:
                     raise BagRefused(
                         f"bag {self.path}: recorded no /clock to replay; play it on the player's clock (made "
@@ -618,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--wait-for-subscribers must be a finite number ≥ 0, got {args.wait_for_subscribers:g}")
     try:  # a folder that is no bag, a ROS 1 bag, an empty one: said plainly, not a traceback
         bag_info(args.bag)
-        clock = recorded_clock(args.bag)
+        clock = None if args.recorded_clock else recorded_clock(args.bag, first_only=True)  # for the note
     except (ValueError, OSError) as e:  # OSError: this package's message definitions not found (paths)
         p.error(str(e))
     if clock is not None and not args.recorded_clock and abs(clock.log_ahead_ns) > CLOCK_HINT_NS:

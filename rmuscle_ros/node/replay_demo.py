@@ -106,17 +106,22 @@ MODE_NAMES = {
 MODE_COLOURS = {"dense": "tab:blue", "cached": "tab:green", "fallback": "tab:red"}
 
 
-def _clear_previous_run(out_dir: Path, keep: Sequence[Path]) -> None:
-    """Remove what an earlier run left in `out_dir`: its summary, plot and recorded chunks, and the episode
-    bags it wrote (`aloha_episode_<k>`; a recording passed in `keep` stays). Found in review: a run that
-    failed left the earlier run's summary and plot beside its own first bag, and a run of fewer episodes
-    left the earlier run's later bags (~160 MB a second of episode)."""
-    kept = {Path(b).resolve() for b in keep}
+def _clear_previous_run(out_dir: Path, bags_too: bool) -> None:
+    """Remove what an earlier run left in `out_dir`: its summary, plot and recorded chunks, and with
+    `bags_too` (a run that writes its own episodes) the episode bags such a run wrote, `aloha_episode_<k>`.
+    Found in review: a run that failed left the earlier run's summary and plot beside its own first bag,
+    and a run of fewer episodes left the earlier run's later bags (~160 MB a second of episode). A run on
+    recorded bags or the simulator removes no bag: a user's recording may bear that name (a review found
+    `--bags out/aloha_episode_5/…mcap` deleted). Links are left alone."""
     for name in ("summary.json", "demo.png"):
-        (out_dir / name).unlink(missing_ok=True)
-    for path in [out_dir / "action_chunks", *out_dir.glob("aloha_episode_*")]:
-        written = path.name == "action_chunks" or path.name.removeprefix("aloha_episode_").isdigit()
-        if written and path.is_dir() and path.resolve() not in kept and (path / "metadata.yaml").exists():
+        path = out_dir / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+    written = [out_dir / "action_chunks"]
+    if bags_too:
+        written += [p for p in out_dir.glob("aloha_episode_*") if p.name[len("aloha_episode_") :].isdigit()]
+    for path in written:
+        if path.is_dir() and not path.is_symlink() and (path / "metadata.yaml").exists():
             shutil.rmtree(path)
 
 
@@ -228,7 +233,7 @@ def run(
     if announce is not None:
         announce()
     out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_previous_run(out_dir, keep=bags if recorded else [])
+    _clear_previous_run(out_dir, bags_too=not recorded and not sim)
     if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
         starts = [infos[0].start_ns]
         for info in infos[:-1]:
@@ -758,7 +763,7 @@ def _play(
     env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(config_file(FASTDDS_LARGE_FRAMES)))
     # The episode's length, the player's wait for subscribers (10 s) and its start-up: a player that
     # hangs stops the demo with this error instead of holding it.
-    limit_s = seconds + 60.0
+    limit_s = seconds * (2 if bags_clock else 1) + 60.0  # with its /clock, one more pass before it plays
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=limit_s)
     except subprocess.TimeoutExpired as e:
