@@ -425,10 +425,12 @@ def run(
     resets_at = [(start - starts[0]) / 1e9 for start in starts[1:]]
     # The same figures for a program: e.g. hit rates compared across a cell's recordings or between runs.
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    title = f"{episodes} recorded episode(s)" if recorded else "a replayed episode and its repeat"
+    repeats = f"an episode and {episodes - 1} repeat(s)" if episodes != 2 else "an episode and its repeat"
+    title = f"{episodes} recorded episode(s)" if recorded else f"a replayed episode: {repeats}"
     if sim:
-        title = "a simulated ALOHA in closed loop, an episode and its repeat"
-    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})")
+        title = f"a simulated ALOHA in closed loop: {repeats}"
+    clock = "the simulation's time" if sim else "bag time"  # the stamps' clock (review: 'bag time' for --sim)
+    _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})", clock)
     return summary
 
 
@@ -829,6 +831,7 @@ def _plot(
     chunks: list[Any],
     resets_at: list[float],
     what: str,
+    clock: str = "bag time",
 ) -> None:
     import matplotlib
 
@@ -846,7 +849,7 @@ def _plot(
     if resets_at:
         ax_lat.text(resets_at[0], ax_lat.get_ylim()[1], " reset: the next episode", va="top", fontsize=8)
     ax_lat.legend(title="cache mode", loc="best", fontsize=8)
-    ax_lat.set_xlabel("bag time of the observation (s)")
+    ax_lat.set_xlabel(f"{clock} of the observation (s)")
     ax_lat.set_ylabel("inference latency (ms)")
     ax_lat.set_title(f"rmuscle_node on {what}")
     for c, start in zip(chunks, t, strict=True):
