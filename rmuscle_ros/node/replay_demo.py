@@ -425,10 +425,10 @@ def run(
     resets_at = [(start - starts[0]) / 1e9 for start in starts[1:]]
     # The same figures for a program: e.g. hit rates compared across a cell's recordings or between runs.
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    repeats = f"an episode and {episodes - 1} repeat(s)" if episodes != 2 else "an episode and its repeat"
-    title = f"{episodes} recorded episode(s)" if recorded else f"a replayed episode: {repeats}"
+    repeats = "its repeat" if episodes == 2 else f"{episodes - 1} repeat(s)"
+    title = f"{episodes} recorded episode(s)" if recorded else f"a replayed episode and {repeats}"
     if sim:
-        title = f"a simulated ALOHA in closed loop: {repeats}"
+        title = f"a simulated ALOHA in closed loop, an episode and {repeats}"
     clock = "the simulation's time" if sim else "bag time"  # the stamps' clock (review: 'bag time' for --sim)
     _plot(out_dir / "demo.png", stamps - t0, latencies, modes, chunks, resets_at, f"{title} ({what})", clock)
     return summary
@@ -851,7 +851,7 @@ def _plot(
     ax_lat.legend(title="cache mode", loc="best", fontsize=8)
     ax_lat.set_xlabel(f"{clock} of the observation (s)")
     ax_lat.set_ylabel("inference latency (ms)")
-    ax_lat.set_title(f"rmuscle_node on {what}")
+    ax_lat.set_title(f"rmuscle_node on {what}".replace(" (", "\n(", 1), fontsize=10)  # 2 lines: fits
     for c, start in zip(chunks, t, strict=True):
         actions = np.asarray(c.actions, dtype=np.float32).reshape(c.horizon, c.action_dim)
         steps = start + np.arange(c.horizon) * c.control_period_s
