@@ -323,8 +323,8 @@ def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
     [
         {"type": "pi05", "chunk_size": 50, "num_inference_steps": 10, "tokenizer_max_length": 200},
         {"type": "pi05"},  # fields it does not hold are not checked
-        # another step count is an inference choice, a shorter trained prompt is padded and masked here:
-        # neither changes what the model computes as trained (a second review found both refused)
+        # another step count is an inference choice, and a shorter trained prompt changes no weight (a
+        # second review found both refused); the Policy cuts prompts at it (the next test)
         {"type": "pi05", "num_inference_steps": 5, "tokenizer_max_length": 48},
         {"type": "pi0", "chunk_size": 10},  # another policy's config.json is not read
         {"dims": {"horizon": 10}},  # not a policy config at all
@@ -370,3 +370,49 @@ def test_weights_fingerprint_is_the_same_on_the_gpu(monkeypatch: pytest.MonkeyPa
     model = tiny_model()
     on_cpu = weights_fingerprint(model)
     assert weights_fingerprint(model.to("cuda")) == on_cpu
+
+
+def test_prompts_are_cut_where_the_checkpoints_training_cut_them(saved, tmp_path: Path) -> None:
+    """LeRobot's tokenizer step truncates at its config's tokenizer_max_length, in training and in its own
+    inference. Found in review: a checkpoint trained at 48 tokens ran a 94-token prompt whole here, the
+    model seeing tokens and positions it never saw; the node now refuses such a prompt (its tail, the state,
+    would be cut), and a Policy's calls are cut at 48."""
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+
+    path, _ = saved
+    ckpt = _beside(path, tmp_path / "trained_at_48", {"type": "pi05", "tokenizer_max_length": 48})
+    policy = Policy(PolicyConfig(checkpoint=str(ckpt)))
+    long_task = "pick up the red cube and place it in the bin"
+    tokens, most = policy.prompt_tokens(long_task)
+    assert most == 48 and tokens > 48
+    chunk = policy.infer(synthetic_observation(policy.cfg, long_task))
+    assert chunk.prompt_truncated and 48 < chunk.prompt_tokens <= tokens
+    inputs, _, truncated = policy.preprocess(synthetic_observation(policy.cfg, long_task))
+    assert truncated and int(inputs.token_mask.sum()) == 48 and inputs.tokens.shape[-1] == 200
+    plain = Policy(PolicyConfig(checkpoint=str(path)))  # no config.json: the preset's 200
+    assert plain.prompt_tokens(long_task) == (tokens, 200)
+
+
+def test_a_zip_that_is_no_torch_save_is_not_called_a_pickle_and_policy_paths_are_typed(
+    tmp_path: Path,
+) -> None:
+    """Found in review: any zip (an .npz) was called "a pickle file (torch.save's)"; PolicyConfig took
+    cameras="top" (three cameras t, o, p, refused only at the first call) and a checkpoint of 123 (a bare
+    TypeError from pathlib)."""
+    import numpy as np
+
+    from rmuscle_ros.runtime.policy import PolicyConfig
+
+    npz = tmp_path / "model.safetensors"
+    with npz.open("wb") as f:
+        np.savez(f, w=np.zeros(2))
+    with pytest.raises(CheckpointError, match=r"is a zip archive \(an \.npz\?\), not safetensors"):
+        load_model(get_preset("tiny"), npz)
+    for bad, says in (
+        ({"cameras": "top"}, "cameras: a list of camera names"),
+        ({"cameras": (1, 2)}, "cameras: a list of camera names"),
+        ({"checkpoint": 123}, "checkpoint: a path or None, got 123"),
+        ({"trt_opt_prompt_len": True}, "trt_opt_prompt_len: an int, got True"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            PolicyConfig(**bad)

@@ -252,3 +252,51 @@ def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
         load_norm_stats(pickled)
     with pytest.raises(ValueError, match=re.escape("missing.json does not exist")):
         load_norm_stats(tmp_path / "missing.json")
+
+
+def test_what_a_review_found_in_norm_stats_files_is_read_or_refused_by_name(tmp_path: Path) -> None:
+    """Found in review, each reproduced: a LeRobot normalizer saved in bfloat16 (its stats cast to a bf16
+    pipeline's dtype) ended in a bare TypeError from numpy; a pipeline norm_map that does not name STATE
+    (LeRobot then leaves the state unnormalised) was taken for QUANTILES; boolean quantiles loaded as 0/1;
+    a 5,000-digit number in openpi's JSON escaped naming no file."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    bf16 = tmp_path / "bf16" / "normalizer_processor.safetensors"
+    bf16.parent.mkdir()
+    save_torch(
+        {
+            "observation.state.q01": torch.tensor([-1.0, 0.0], dtype=torch.bfloat16),
+            "observation.state.q99": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+            "action.q01": torch.tensor([0.0, -3.0], dtype=torch.bfloat16),
+            "action.q99": torch.tensor([1.0, 3.0], dtype=torch.bfloat16),
+        },
+        str(bf16),
+    )
+    stats = load_norm_stats(bf16)
+    np.testing.assert_array_equal(stats.state.q99, [1.0, 2.0])
+    assert stats.actions.q01.dtype == np.float32
+
+    path = _write_lerobot(tmp_path / "policy_preprocessor_step_3_normalizer_processor.safetensors")
+    steps = [{"registry_name": "normalizer_processor", "state_file": path.name,
+              "config": {"norm_map": {"VISUAL": "IDENTITY", "ACTION": "QUANTILES"}}}]  # fmt: skip
+    (tmp_path / "policy_preprocessor.json").write_text(json.dumps({"steps": steps}))
+    with pytest.raises(ValueError, match="normalises STATE with IDENTITY; only QUANTILES"):
+        load_norm_stats(path)
+
+    flags = tmp_path / "flags.safetensors"
+    save_torch(
+        {"observation.state.q01": torch.tensor([True, False]), "observation.state.q99": torch.ones(2),
+         "action.q01": torch.zeros(1), "action.q99": torch.ones(1)},
+        str(flags),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"observation.state.q01 is torch.bool, not floating point"):
+        load_norm_stats(flags)
+    document = _openpi_document()
+    document["norm_stats"]["actions"]["q01"] = [True]
+    (tmp_path / "bools.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=r"norm_stats.actions.q01 holds booleans, not quantiles"):
+        load_norm_stats(tmp_path / "bools.json")
+    (tmp_path / "digits.json").write_text('{"norm_stats": {"state": {"q01": [' + "9" * 5001 + "]}}}")
+    with pytest.raises(ValueError, match=r"digits.json is not valid JSON"):
+        load_norm_stats(tmp_path / "digits.json")

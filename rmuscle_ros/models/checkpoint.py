@@ -52,8 +52,9 @@ ACCEPTED_DTYPES = ("F32", "BF16", "F16")
 LISTED = 3  # keys named per kind of mismatch in one error
 # `config.json` fields beside a checkpoint against what our presets fix: (its field, Pi05Config field, rule).
 # "equal": the model was trained on it (the horizon: the action tokens attend to each other, so another
-# count changes every action); "at_most": prompts it was trained with must fit (a shorter trained length
-# is padded and masked here: the same actions); "note": an inference choice, logged (the step count).
+# count changes every action); "at_most": prompts it was trained with must fit (a shorter trained length:
+# prompts are cut at it, as training cut them, `trained_prompt_len`); "note": an inference choice, logged
+# (the step count).
 # LeRobot's names are PI05Config's (lerobot/policies/pi05/configuration_pi05.py, policy type "pi05");
 # openpi's PyTorch converter writes {action_dim, action_horizon, paligemma_variant, …} and no "type".
 LEROBOT_POLICY_TYPE = "pi05"
@@ -106,14 +107,25 @@ def _not_safetensors(path: Path) -> str | None:
         return "is a git-lfs pointer, not the weights; run `git lfs pull` in its repository"
     if len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 1 << 30:
         return None  # a safetensors header (its length, then JSON): truncated or corrupt, not a pickle
-    if head.startswith(b"PK\x03\x04") or (
-        head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
-    ):
-        # torch.save's zip archive, or a bare pickle (its PROTO opcode and protocol 2 to 5)
-        return (
-            "is a pickle file (torch.save's .bin / .pt), not safetensors: a pickle checkpoint is refused; "
-            "convert it to safetensors"
-        )
+    pickled = (
+        "is a pickle file (torch.save's .bin / .pt), not safetensors: a pickle checkpoint is refused; "
+        "convert it to safetensors"
+    )
+    if head.startswith(b"PK\x03\x04"):
+        # torch.save's zip archive holds a data.pkl; any other zip (an .npz) is not a pickle (review). The
+        # names are read from the archive's directory: nothing is unpickled.
+        import zipfile
+
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (OSError, zipfile.BadZipFile):
+            names = []
+        if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            return pickled
+        return "is a zip archive (an .npz?), not safetensors; convert it to safetensors"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return pickled  # a bare pickle (its PROTO opcode and protocol 2 to 5)
     return None
 
 
@@ -197,6 +209,44 @@ def _architecture_hint(unexpected: list[str]) -> str:
     )
 
 
+def _recorded_config(checkpoint: Path) -> tuple[Path, dict, tuple[tuple[str, str, str], ...]] | None:
+    """The `config.json` beside a checkpoint file, its fields and the rules they fall under; None without
+    one, or for another policy type. CheckpointError if it cannot be read."""
+    config_file = checkpoint.parent / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        recorded = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{config_file} (beside {checkpoint.name}) cannot be read as JSON: {e}") from e
+    if not isinstance(recorded, dict):
+        return None
+    if recorded.get("type") == LEROBOT_POLICY_TYPE:
+        return config_file, recorded, LEROBOT_FIXED_FIELDS
+    if "type" not in recorded and "action_horizon" in recorded:
+        return config_file, recorded, OPENPI_FIXED_FIELDS
+    return None
+
+
+def trained_prompt_len(path: str | os.PathLike[str], cfg: Pi05Config) -> int:
+    """The prompt length (tokens) the checkpoint at `path` was trained with, from its `config.json`, where
+    shorter than the preset's `max_token_len` (which it is otherwise). Training cut longer prompts there
+    (LeRobot's tokenizer truncates at tokenizer_max_length), so running them uncut would show the model
+    tokens and positions it never saw (found in review: a 94-token prompt ran whole against a trained 48)."""
+    found = _recorded_config(_checkpoint_file(Path(path)))
+    if found is not None:
+        _, recorded, fields = found
+        for theirs, ours, _rule in fields:
+            value = recorded.get(theirs)
+            if ours == "max_token_len" and _is_count(value) and value < cfg.max_token_len:
+                return int(value)
+    return cfg.max_token_len
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
     """Refuse a checkpoint whose `config.json` records another horizon, or a longer prompt, than the preset
     runs; log another step count (FIXED_FIELDS' rules).
@@ -207,27 +257,19 @@ def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
     converter's (no "type"; action_horizon, max_token_len). Only the fields it holds are checked; no
     `config.json`, another policy type or a missing field means no check.
     """
-    config_file = checkpoint.parent / "config.json"
-    if not config_file.is_file():
+    found = _recorded_config(checkpoint)
+    if found is None:
         return
-    try:
-        recorded = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{config_file} (beside {checkpoint.name}) cannot be read as JSON: {e}") from e
-    if not isinstance(recorded, dict):
-        return
-    if recorded.get("type") == LEROBOT_POLICY_TYPE:
-        fields = LEROBOT_FIXED_FIELDS
-    elif "type" not in recorded and "action_horizon" in recorded:
-        fields = OPENPI_FIXED_FIELDS
-    else:
-        return
+    config_file, recorded, fields = found
     for theirs, ours, rule in fields:
         if theirs not in recorded or recorded[theirs] == getattr(cfg, ours):
             continue
         value, fixed = recorded[theirs], getattr(cfg, ours)
-        if rule == "note" or (rule == "at_most" and isinstance(value, int) and value <= fixed):
-            log.info("%s: recorded %s %r; this model runs %s = %r", config_file, theirs, value, ours, fixed)
+        if rule == "note" or (rule == "at_most" and _is_count(value) and value <= fixed):
+            cut = "; prompts are cut at the recorded length, as in training" if rule == "at_most" else ""
+            log.info(
+                "%s: recorded %s %r; this model runs %s = %r%s", config_file, theirs, value, ours, fixed, cut
+            )
             continue
         raise CheckpointError(
             f"{config_file}: the policy was trained with {theirs} {value!r}, the model preset fixes {ours} = "

@@ -203,7 +203,16 @@ def load_norm_stats(path: str | os.PathLike[str]) -> NormStats:
 
 
 def _as_quantile_vector(file: Path, key: str, value: Any) -> np.ndarray:
-    """One q01/q99 entry as a (dim,) float32 array; the error names the file and key."""
+    """One q01/q99 entry as a (dim,) float32 array; the error names the file and key. Booleans are not
+    quantiles (found in review: JSON true/false or a BOOL tensor loaded as 0/1)."""
+
+    def booleans(v: Any) -> bool:
+        if isinstance(v, np.ndarray):
+            return v.dtype == np.bool_
+        return isinstance(v, bool) or (isinstance(v, (list, tuple)) and any(booleans(x) for x in v))
+
+    if booleans(value):
+        raise ValueError(f"norm stats file {file}: {key} holds booleans, not quantiles")
     try:
         array = np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError) as error:
@@ -231,13 +240,22 @@ def _quantile_stats(file: Path, prefix: str, q01: Any, q99: Any, convention: Con
 
 
 def _load_lerobot_stats(file: Path) -> NormStats:
+    import torch
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(file))
+        loaded = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as error:
         raise ValueError(f"norm stats file {file} is not a readable safetensors file: {error}") from error
+    # Through torch, which reads bfloat16 (numpy does not: a bare TypeError before, found in review; a
+    # LeRobot normalizer cast to a bf16 pipeline's dtype saves its stats so); floating point only.
+    tensors: dict[str, np.ndarray] = {}
+    for key, tensor in loaded.items():
+        if tensor.dtype.is_floating_point:
+            tensors[key] = tensor.to(torch.float32).numpy()
+        elif key.endswith((".q01", ".q99")):
+            raise ValueError(f"norm stats file {file}: {key} is {tensor.dtype}, not floating point quantiles")
 
     def feature(prefix: str) -> QuantileStats:
         for stat in ("q01", "q99"):
@@ -264,7 +282,13 @@ def _check_lerobot_norm_modes(file: Path) -> None:
         except (OSError, ValueError, AttributeError, KeyError, TypeError, StopIteration):
             continue  # another JSON (config.json, ...), or a step without a mode
         for kind in ("STATE", "ACTION"):
-            mode = norm_map.get(kind, "QUANTILES") if isinstance(norm_map, dict) else "QUANTILES"
+            # LeRobot leaves a feature type its norm_map does not name unnormalised (IDENTITY): so here
+            # (found in review: taken for QUANTILES, where the same map written out was refused)
+            mode = (
+                norm_map.get(kind, "IDENTITY")
+                if isinstance(norm_map, dict)
+                else f"an unreadable norm_map {norm_map!r}"
+            )
             if mode != "QUANTILES":
                 raise ValueError(
                     f"norm stats file {file}: {pipeline.name} normalises {kind} with {mode}; only QUANTILES "
@@ -275,7 +299,7 @@ def _check_lerobot_norm_modes(file: Path) -> None:
 def _load_openpi_stats(file: Path) -> NormStats:
     try:
         document = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: JSON's, a 5,000-digit number's
         raise ValueError(f"norm stats file {file} is not valid JSON: {error}") from error
     if not isinstance(document, dict) or not isinstance(document.get("norm_stats"), dict):
         raise ValueError(f"norm stats file {file} has no key norm_stats (an object)")

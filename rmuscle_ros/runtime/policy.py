@@ -14,6 +14,7 @@ Nothing here imports rclpy: the ROS node (next layer up) only converts messages 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 
 from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig, relative_l2
 from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
-from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
+from rmuscle_ros.models.checkpoint import load_model, trained_prompt_len, weights_fingerprint
 from rmuscle_ros.models.config import PALIGEMMA_VOCAB_SIZE, PRESETS, Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs
 from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
@@ -105,6 +106,16 @@ class PolicyConfig:
             torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device: {e}") from None
+        # Types first (found in review: cameras="top" ran as cameras t, o, p until the first call; a
+        # checkpoint of 123 raised a bare TypeError from pathlib)
+        for name in ("checkpoint", "norm_stats", "tokenizer", "engine_cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name}: a path or None, got {value!r}")
+        if isinstance(self.cameras, str) or not all(isinstance(c, str) and c for c in self.cameras):
+            raise ValueError(f"cameras: a list of camera names (π0.5 slots), got {self.cameras!r}")
+        if isinstance(self.trt_opt_prompt_len, bool) or not isinstance(self.trt_opt_prompt_len, int):
+            raise ValueError(f"trt_opt_prompt_len: an int, got {self.trt_opt_prompt_len!r}")
         model = get_preset(self.preset)
         if not 1 <= self.trt_opt_prompt_len <= model.max_token_len:
             raise ValueError(
@@ -210,6 +221,12 @@ class Policy:
             )
         start = time.perf_counter()
         model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
+        # Prompts are cut where the checkpoint's training cut them (its config.json), else at the preset's
+        self.prompt_len = (
+            trained_prompt_len(cfg.checkpoint, self.model_cfg)
+            if cfg.checkpoint
+            else self.model_cfg.max_token_len
+        )
         # Seconds each part of loading took (the node logs them at configure): weights, engine, fingerprint.
         self.load_timings: dict[str, float] = {"weights": time.perf_counter() - start}
         options: dict[str, object] = {"dtype": cfg.dtype} if cfg.backend == "eager" else {}
@@ -334,7 +351,7 @@ class Policy:
                 f"{stats.q01[bad].tolist()}, q99 {stats.q99[bad].tolist()}: check the joint units and model.norm_stats"
             )
         prompt = build_prompt(obs.prompt, discretize_state(normalized))
-        tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len)
+        tok = tokenize_prompt(self.tokenizer, prompt, self.model_cfg.max_token_len, keep=self.prompt_len)
         # The images where the engine runs, the rest as host tensors: each engine places them (the graph
         # engine packs the prompt on the host, so a device copy here would only be read back).
         inputs = ModelInputs(
@@ -348,12 +365,10 @@ class Policy:
         (the state and "Action:") would be cut off, as the reference does (`tokenize_prompt`)."""
         dim = self.cfg.state_dim
         count = max(
-            tokenize_prompt(
-                self.tokenizer, build_prompt(task, np.full(dim, b)), self.model_cfg.max_token_len
-            ).num_tokens
+            tokenize_prompt(self.tokenizer, build_prompt(task, np.full(dim, b)), self.prompt_len).num_tokens
             for b in (-1, 0, 128, 255)
         )
-        return count, self.model_cfg.max_token_len
+        return count, self.prompt_len
 
     def postprocess(self, actions: torch.Tensor, model_state: np.ndarray | None = None) -> np.ndarray:
         """(1, horizon, padded action dim) normalised -> (horizon, action_dim) robot units, float32.

@@ -304,9 +304,9 @@ class TokenizedPrompt:
 
     tokens: (max_len,) int64, right-padded with the tokenizer's pad id.
     mask: (max_len,) bool, True for real tokens (a prefix of the row).
-    truncated: the prompt had more than max_len tokens and its tail was dropped.
+    truncated: the prompt had more tokens than were kept (max_len, or a shorter `keep`): its tail was dropped.
     num_tokens: token count of the full prompt before truncation (so it can exceed max_len);
-        the kept count is `mask.sum()` = min(num_tokens, max_len).
+        the kept count is `mask.sum()`, at most min(num_tokens, max_len).
     """
 
     tokens: np.ndarray
@@ -321,31 +321,42 @@ class TokenizedPrompt:
             )
         if self.mask.shape != self.tokens.shape or self.mask.dtype != np.bool_:
             raise ValueError(f"mask must be bool with shape {self.tokens.shape}, got {self.mask.shape}")
-        max_len = self.tokens.shape[0]
-        if self.num_tokens < 0 or self.truncated != (self.num_tokens > max_len):
+        max_len, kept = self.tokens.shape[0], int(self.mask.sum())
+        if (
+            self.num_tokens < 0
+            or kept > min(self.num_tokens, max_len)
+            or self.truncated != (self.num_tokens > kept)
+        ):
             raise ValueError(
-                f"inconsistent truncated={self.truncated} for num_tokens={self.num_tokens}, max_len={max_len}"
+                f"inconsistent truncated={self.truncated} for num_tokens={self.num_tokens}, {kept} kept, "
+                f"max_len={max_len}"
             )
-        if int(self.mask.sum()) != min(self.num_tokens, max_len) or not self.mask[: self.num_tokens].all():
-            raise ValueError("mask must be True exactly on the first min(num_tokens, max_len) slots")
+        if not self.mask[:kept].all():
+            raise ValueError("mask must be True exactly on the first slots, one per kept token")
 
 
-def tokenize_prompt(tokenizer: Tokenizer, prompt: str, max_len: int) -> TokenizedPrompt:
-    """Tokenise `prompt` (BOS included) into exactly `max_len` slots.
+def tokenize_prompt(
+    tokenizer: Tokenizer, prompt: str, max_len: int, keep: int | None = None
+) -> TokenizedPrompt:
+    """Tokenise `prompt` (BOS included) into exactly `max_len` slots, of which at most `keep` (default
+    `max_len`: a checkpoint trained with shorter prompts is cut where its training cut them) hold tokens.
 
-    Longer prompts are truncated to `max_len` like openpi does, and `truncated` is set so that the
-    caller can log or count it instead of silently losing the end of the state.
+    Longer prompts are truncated like openpi does, and `truncated` is set so that the caller can log or
+    count it instead of silently losing the end of the state.
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    keep = max_len if keep is None else keep
+    for name, value in (("max_len", max_len), ("keep", keep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    keep = min(keep, max_len)
     ids = tokenizer.encode(prompt)
     num_tokens = len(ids)
-    kept = min(num_tokens, max_len)
+    kept = min(num_tokens, keep)
     tokens = np.full(max_len, tokenizer.pad_id, dtype=np.int64)
     tokens[:kept] = ids[:kept]
     mask = np.zeros(max_len, dtype=np.bool_)
     mask[:kept] = True
-    return TokenizedPrompt(tokens=tokens, mask=mask, truncated=num_tokens > max_len, num_tokens=num_tokens)
+    return TokenizedPrompt(tokens=tokens, mask=mask, truncated=num_tokens > keep, num_tokens=num_tokens)
 
 
 def pad_to_dim(x: np.ndarray, dim: int) -> np.ndarray:
