@@ -429,3 +429,92 @@ def test_rmuscle_is_refused_on_the_exported_backends() -> None:
 
     with pytest.raises(ValueError, match=r"rMuscle needs backend 'graph' .* not 'onnxruntime'"):
         Policy(PolicyConfig(backend="onnxruntime"), cache=RMuscleConfig())
+
+
+def test_two_exporters_of_one_model_export_it_once_and_prune_clears_killed_writers_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: two nodes starting on an empty cache each exported, and the second deleted the
+    first's export while the first's TensorRT build read it (or failed renaming onto it). One exporter of
+    a digest at a time now: the second waits and finds the first's. And `engine_cache prune` removes what
+    writers killed mid-export left (6.5 GB at full size), which only a later export did before, and none
+    comes once the export is made."""
+    import threading
+    from dataclasses import asdict
+
+    from rmuscle_ros.cache import lock
+
+    calls: list[str] = []
+
+    def stub_export(model, out, *, weights):  # a valid-looking export, slowly
+        out = Path(out)
+        out.mkdir(parents=True)
+        calls.append(threading.current_thread().name)
+        time.sleep(0.5)
+        key = onnx_export.export_key(model.cfg, weights, onnx_export.dtype_name(model))
+        files = {}
+        for stage in onnx_export.STAGES:
+            path = out / f"{stage}.onnx"
+            path.write_bytes(f"{stage} by {threading.current_thread().name}".encode())
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": onnx_export._sha256(path)}
+        manifest = {"key": asdict(key), "digest": key.digest(), "files": files}
+        (out / onnx_export.MANIFEST).write_text(json.dumps(manifest))
+        return out
+
+    monkeypatch.setattr(onnx_export, "export_model", stub_export)
+    model, got = tiny_model(), {}
+
+    def export(name: str) -> None:
+        got[name] = ensure_export(model, tmp_path / "onnx", weights="sha256:w")
+
+    threads = [threading.Thread(target=export, args=(n,), name=n) for n in ("first", "second")]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1 and got["first"] == got["second"], (calls, got)
+    assert (got["first"] / "vision.onnx").read_text() == f"vision by {calls[0]}"
+
+    quiet = time.time() - onnx_export.LEFTOVER_QUIET_S - 60
+    monkeypatch.setattr(lock, "boot_time", lambda: quiet - 3600)
+    killed = tmp_path / "onnx" / f".{got['first'].name}.{2**22 + 17}.k2j4x9q1"  # a pid not alive here
+    killed.mkdir()
+    (killed / "vision.onnx").write_bytes(b"half")
+    os.utime(killed, (quiet, quiet))
+    assert engine_cache.main(["--cache-dir", str(tmp_path), "prune", "--keep", "1"]) == 0
+    assert not killed.exists() and got["first"].exists()
+    assert f"removed 1 leftover(s) of writers that are gone: {killed.name}" in capsys.readouterr().out
+
+
+def test_a_noise_batch_other_than_the_inputs_is_refused_as_eager_refuses_it(ort_engine) -> None:
+    """Found in review: batch-2 inputs with batch-1 noise returned one chunk through ONNX Runtime (and, by
+    reading, TensorRT), where eager raises: every engine now checks the noise's shape the same way."""
+    inputs, noise = random_inputs(ort_engine.cfg, batch=2)
+    with pytest.raises(ValueError, match=r"noise must be \(2, 50, 32\) \(batch, horizon, action_dim\)"):
+        ort_engine.sample_actions(inputs, noise[:1])
+
+
+def test_the_export_and_engine_commands_refuse_bad_arguments_before_loading_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: an existing --out and an unknown --preset ended in tracebacks, the first after the
+    model's load (minutes at full size); the TensorRT command loaded the model before finding no TensorRT
+    (or, without CUDA, died loading it). Each is a usage error now, before any load."""
+    from rmuscle_ros.engine import tensorrt
+
+    for argv, says in (
+        (["--out", str(tmp_path)], "exists; name a new directory"),
+        (["--out", str(tmp_path / "new"), "--preset", "pi6"], "argument --preset: invalid choice: 'pi6'"),
+    ):
+        with pytest.raises(SystemExit) as usage:
+            onnx_export.main(argv)
+        assert usage.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        tensorrt.main(["--preset", "tiny", "--opt-prompt-len", "0"])
+    assert usage.value.code == 2 and "--opt-prompt-len: must be in 1..200, got 0" in capsys.readouterr().err
+    if not tensorrt.missing_packages(("tensorrt",)):
+        return  # a machine with TensorRT (a Thor) goes on to build
+    with pytest.raises(SystemExit) as usage:
+        tensorrt.main(["--preset", "tiny"])
+    assert usage.value.code == 2 and "the tensorrt backend needs tensorrt" in capsys.readouterr().err

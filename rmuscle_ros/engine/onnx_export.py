@@ -27,6 +27,8 @@ that looks complete.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -37,7 +39,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -295,6 +297,7 @@ class ExportKey:
     torch: str
     onnx: str
     onnxscript: str  # it translates torch's graph to ONNX
+    onnx_ir: str  # torch.onnx's exporter and its optimisation passes are built on it (review: not keyed)
     # sha256 of the source files that define the exported graphs (GRAPH_SOURCES): a code update that
     # changes them makes a new export, and new engines, instead of reusing the old ones (found in review)
     code: str
@@ -369,6 +372,7 @@ def export_key(cfg: Pi05Config, weights: str, dtype: str) -> ExportKey:
         torch.__version__,
         package_version("onnx"),
         package_version("onnxscript"),
+        package_version("onnx-ir"),
         graph_code_digest(),
     )
 
@@ -507,28 +511,54 @@ def ensure_export(
     key = export_key(model.cfg, weights, dtype_name(model))
     root = Path(cache_dir)
     target = root / key.digest()
-    if target.exists() and not force:
+
+    def usable() -> bool:
+        if not target.exists():
+            return False
         try:
             manifest = read_manifest(target)
-            if manifest["key"] == asdict(key):
-                mark_used(target / MANIFEST)
-                return target
-            log.warning("%s was exported for another model or toolchain; exporting again", target)
         except ExportError as err:
             log.warning("%s; exporting again", err)
-    root.mkdir(parents=True, exist_ok=True)
-    remove_dead_writers_leftovers(root)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.{os.getpid()}.", dir=root))
-    staging.rmdir()
-    try:
-        export_model(model, staging, weights=weights)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+            return False
+        if manifest["key"] != asdict(key):
+            log.warning("%s was exported for another model or toolchain; exporting again", target)
+            return False
+        mark_used(target / MANIFEST)
+        return True
+
+    if not force and usable():
+        return target
+    # One exporter of a digest at a time (found in review: two nodes starting on an empty cache each
+    # exported, and the second deleted the first's folder while its TensorRT build read it, or failed to
+    # rename onto it): the second waits, then finds the first's export.
+    with _export_lock(root, key.digest()):
+        if not force and usable():
+            return target
+        remove_dead_writers_leftovers(root)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.{os.getpid()}.", dir=root))
+        staging.rmdir()
+        try:
+            export_model(model, staging, weights=weights)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
     return target
+
+
+@contextlib.contextmanager
+def _export_lock(root: Path, digest: str) -> Iterator[None]:
+    """An exclusive lock on `root/.<digest>.lock` (a hidden name: neither an export nor a writer's
+    leftover to `engine_cache`), held while one process checks, exports and renames that digest."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / f".{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def mark_used(path: Path) -> None:
@@ -588,17 +618,26 @@ def remove_dead_writers_leftovers(root: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     from rmuscle_ros.models.checkpoint import load_model, weights_fingerprint
-    from rmuscle_ros.models.config import get_preset
+    from rmuscle_ros.models.config import PRESETS, get_preset
 
     p = argparse.ArgumentParser(description="Export π0.5's vision, prefill and denoise stages to ONNX.")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--checkpoint", help="model.safetensors (LeRobot/openpi); random weights when absent")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True, help="a new directory")
     args = p.parse_args(argv)
+    # Before the model loads (minutes at full size); found in review: tracebacks after it
+    if Path(args.out).exists():
+        p.error(f"--out {args.out}: exists; name a new directory")
+    missing = missing_packages(EXPORT_PACKAGES)
+    if missing:
+        p.error(str(missing_packages_error("the export", missing)))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    model = load_model(get_preset(args.preset), args.checkpoint, device=args.device)
+    try:
+        model = load_model(get_preset(args.preset), args.checkpoint, device=args.device)
+    except (ValueError, OSError, RuntimeError) as e:  # CheckpointError, a missing file, no such device
+        p.error(str(e))
     weights = weights_fingerprint(model)  # of the loaded weights, before any dtype conversion
     model = model.to(DTYPES[args.dtype])
     out = export_model(model, args.out, weights=weights)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rmuscle_ros.engine import engine_cache, onnx_export
+from rmuscle_ros.engine.eager import check_noise
 from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -102,6 +103,7 @@ class OnnxRuntimeEngine:
 
     @torch.no_grad()
     def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
+        check_noise(inputs, noise, self.cfg.horizon, self.cfg.action_dim)
         if not self._sessions:
             self.warmup()
         inputs = inputs.to(self.device)

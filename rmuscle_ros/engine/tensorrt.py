@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from rmuscle_ros.engine import engine_cache, onnx_export
+from rmuscle_ros.engine.eager import check_noise
 from rmuscle_ros.engine.onnx_export import batch_item, default_cache_dir, missing_packages
 from rmuscle_ros.models.checkpoint import weights_fingerprint
 from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
@@ -490,11 +491,8 @@ class TensorRTEngine:
         Each observation runs alone, its prompt at its bucket (`onnx_export.trim_prompt`)."""
         if not self._stages:
             self.warmup()
+        check_noise(inputs, noise, self.cfg.horizon, self.cfg.action_dim)
         noise = noise.to(self.device, torch.float32)
-        if noise.shape[1:] != (self.cfg.horizon, self.cfg.action_dim):
-            raise ValueError(
-                f"noise must be (B, {self.cfg.horizon}, {self.cfg.action_dim}), got {tuple(noise.shape)}"
-            )
         # Trimmed where the prompt is (the policy's is on the host), then moved as before: the copies into
         # the engine's buffers below are then device to device, queued on its stream without a host wait.
         items = [
@@ -522,12 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     """Build the engines for a checkpoint and compare one call with eager bfloat16 (run on the Thor).
     Exit status 1 when the relative L2 error is above --max-error (or not finite), 0 otherwise."""
     from rmuscle_ros.models.checkpoint import load_model
-    from rmuscle_ros.models.config import get_preset
+    from rmuscle_ros.models.config import PRESETS, get_preset
 
     p = argparse.ArgumentParser(
         description="Build π0.5's TensorRT engines and check them against eager bf16."
     )
-    p.add_argument("--preset", default="pi05")
+    p.add_argument("--preset", default="pi05", choices=sorted(PRESETS))
     p.add_argument("--checkpoint", help="model.safetensors (LeRobot/openpi); random weights when absent")
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
     p.add_argument("--opt-prompt-len", type=int, default=OPT_PROMPT_LEN)
@@ -539,10 +537,19 @@ def main(argv: list[str] | None = None) -> int:
         help=f"fail (exit 1) above this relative L2 against eager bf16 (default {MAX_ERROR:g})",
     )
     args = p.parse_args(argv)
+    # What would fail after the model's load (minutes at full size), first (found in review: a traceback
+    # there, or on a machine without CUDA an AssertionError while loading)
+    cfg = get_preset(args.preset)
+    if not 1 <= args.opt_prompt_len <= cfg.max_token_len:
+        p.error(f"--opt-prompt-len: must be in 1..{cfg.max_token_len}, got {args.opt_prompt_len}")
+    missing = missing_packages(("tensorrt", *onnx_export.EXPORT_PACKAGES))
+    if missing:
+        p.error(str(onnx_export.missing_packages_error("the tensorrt backend", missing)))
+    if not torch.cuda.is_available():
+        p.error("the tensorrt backend needs a CUDA GPU; none is visible here")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rmuscle_ros.engine.eager import EagerEngine
 
-    cfg = get_preset(args.preset)
     device = torch.device("cuda")
     engine = TensorRTEngine(
         load_model(cfg, args.checkpoint, device="cuda"),
