@@ -1158,12 +1158,15 @@ def test_a_message_stored_while_a_refused_tick_reads_the_buffer_still_wakes_its_
             raise
 
     buffer.observation = observation
+    # A tick of the warm-up above may have been served late already (a fresh clone's run on a loaded
+    # machine counted 2 here): this tick's is counted on top of those.
+    served_before = h.node.stats()["late_served"].get("skew", 0)
     _publish_skewed(h)
     chunks = len(h.chunks)
     assert h.wait_for(lambda: bool(refused_at), timeout=5.0), h.node.stats()
     assert h.wait_for(lambda: len(h.chunks) > chunks, timeout=5.0), h.node.stats()
     assert time.monotonic() - refused_at[0] < 1.0, "served at the window's end, not at once"
-    assert h.node.stats()["late_served"] == {"skew": 1}, h.node.stats()
+    assert h.node.stats()["late_served"].get("skew", 0) == served_before + 1, h.node.stats()
 
 
 def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_over(harness) -> None:
