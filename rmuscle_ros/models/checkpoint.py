@@ -167,6 +167,39 @@ class _Reader:
     def names(self) -> set[str]:
         return set(self._names)
 
+    def check_saved_config(self, cfg: Pi05Config) -> None:
+        """A checkpoint `save_checkpoint` wrote records its model's config in the file's metadata: a field
+        that changes no tensor's shape (the horizon, RoPE's base, the time embedding's periods) and differs
+        from `cfg` would run the weights as they were not trained, so it is refused, naming each field (found
+        in review: never compared). The step count is an inference choice and a shorter prompt length fits
+        (as `check_recorded_config` rules); fields the record lacks (an earlier build's) are not compared."""
+        try:
+            recorded = json.loads((self._file.metadata() or {}).get("rmuscle_ros_config", "null"))
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{self.path}: its recorded model config is not JSON: {e}") from None
+        if not isinstance(recorded, dict):
+            return
+
+        def flat(d: dict, prefix: str = "") -> dict[str, object]:
+            out: dict[str, object] = {}
+            for k, v in d.items():
+                out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+            return out
+
+        ours, theirs = flat(cfg.to_dict()), flat(recorded)
+        differ = [
+            f"{name} {theirs[name]!r} (this model: {ours[name]!r})"
+            for name in sorted(set(ours) & set(theirs))
+            if _json_value(theirs[name]) != _json_value(ours[name])
+            and name != "num_steps"
+            and not (name == "max_token_len" and _is_count(theirs[name]) and theirs[name] <= ours[name])
+        ]
+        if differ:
+            raise CheckpointError(
+                f"{self.path}: saved from a model of another config: {_listed('', differ).strip()}; load it "
+                "with the preset it was saved from"
+            )
+
     def __contains__(self, key: str) -> bool:
         return key in self._names
 
@@ -243,6 +276,11 @@ def trained_prompt_len(path: str | os.PathLike[str], cfg: Pi05Config) -> int:
     return cfg.max_token_len
 
 
+def _json_value(value: object) -> object:
+    """A config value as JSON holds it (tuples as lists), for comparing a recorded config with a live one."""
+    return json.loads(json.dumps(value))
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -286,6 +324,7 @@ def load_state(model: Pi05Model, path: str | os.PathLike[str]) -> None:
     file = _checkpoint_file(Path(path))
     check_recorded_config(file, model.cfg)
     reader = _Reader(file)
+    reader.check_saved_config(model.cfg)
     params = dict(model.named_parameters())
     plan: dict[str, str] = {}
     missing: list[str] = []
