@@ -267,3 +267,23 @@ def test_a_plan_set_a_newer_one_replaced_goes_and_the_rest_of_its_version_stays(
             PlanKey(2, "c" * 16, stage, "10.13.0", "NVIDIA Thor", "11.0", 32, 1 << 32, "b" * 16), b"r", 1.0
         )
     assert not [v for v in engine_cache.to_prune(engine_cache.scan(cache), keep=3) if v.export == "c" * 16]
+
+
+def test_a_sidecar_whose_plan_is_gone_is_pruned_not_kept_as_another_file(cache: Path) -> None:
+    """Found in review: a sidecar left without its plan (a prune interrupted between the two) was listed as
+    "not an export or a plan, kept" and never removed. It goes as a plan without a readable sidecar does,
+    once quiet (a store writes the plan before its sidecar, so none is being written)."""
+    stale = time.time() - 2 * DAY
+    plan = PlanCache(cache / "tensorrt").store(
+        PlanKey(2, "e" * 16, "denoise", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16), b"y", 1.0
+    )
+    plan.unlink()
+    os.utime(plan.with_suffix(".json"), (stale, stale))
+    contents = engine_cache.scan(cache)
+    assert contents.other == [cache / "onnx" / "notes.txt"]
+    unknown = next(v for v in contents.versions if v.export == engine_cache.UNKNOWN)
+    assert plan in unknown.plans
+    old = engine_cache.to_prune(contents, keep=3)
+    assert [v.export for v in old] == [engine_cache.UNKNOWN]
+    _, failed = engine_cache.prune(old)
+    assert failed == [] and not plan.with_suffix(".json").exists()

@@ -241,6 +241,17 @@ def scan(cache_dir: str | Path) -> Contents:
     for entry in sorted(plans.iterdir()) if plans.is_dir() else ():
         if entry.name.startswith(".") or (entry.suffix == ".json" and entry.with_suffix(".plan").exists()):
             continue  # staging files; sidecars go with their plan
+        orphan = entry.with_suffix(".plan")
+        if entry.suffix == ".json" and PLAN_NAME.match(orphan.name) and entry.is_file():
+            # A sidecar whose plan is gone (a prune interrupted between the two; a store writes the plan
+            # first): nothing loads it. Pruned as a plan without a readable sidecar is, after the quiet
+            # period (found in review: listed as another file and kept for good).
+            v = version(UNKNOWN)
+            v.plans.append(orphan)
+            v.bytes += _size(entry)
+            v.last_used = max(v.last_used, _mtime(entry))
+            v.about = v.about or "sidecars of plans that are gone"
+            continue
         match = PLAN_NAME.match(entry.name)
         if match is None or not entry.is_file():
             other.append(entry)
