@@ -512,7 +512,10 @@ def test_the_export_and_engine_commands_refuse_bad_arguments_before_loading_the_
         assert usage.value.code == 2 and says in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:
         tensorrt.main(["--preset", "tiny", "--opt-prompt-len", "0"])
-    assert usage.value.code == 2 and "--opt-prompt-len: must be in 1..200, got 0" in capsys.readouterr().err
+    assert (
+        usage.value.code == 2
+        and "--opt-prompt-len: opt_prompt_len must be in 1..200, got 0" in capsys.readouterr().err
+    )
     if not tensorrt.missing_packages(("tensorrt",)):
         return  # a machine with TensorRT (a Thor) goes on to build
     with pytest.raises(SystemExit) as usage:

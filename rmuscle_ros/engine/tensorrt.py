@@ -165,6 +165,15 @@ class PlanCache:
 # ─────────────────────────────────────────────── building ───────────────────────────────────────────────────
 
 
+def _missing_packages_error(what: str) -> RuntimeError | None:
+    """The error naming what `what` needs that is not installed here, None if nothing is missing:
+    TensorRT, and onnx and onnxscript even with every plan cached (the plans are found by the export's key,
+    which holds onnx's version, read from its installed metadata; a second review found the key changed,
+    and every cached plan missed, once onnx was uninstalled)."""
+    missing = missing_packages(("tensorrt", *onnx_export.EXPORT_PACKAGES))
+    return onnx_export.missing_packages_error(what, missing) if missing else None
+
+
 def profile_shapes(cfg: Any, stage: str, opt_prompt_len: int) -> dict[str, tuple[tuple[int, ...], ...]]:
     """(min, opt, max) shapes of each dynamic input of `stage` (cfg: Pi05Config); the rest are static."""
     if not 1 <= opt_prompt_len <= cfg.max_token_len:
@@ -310,12 +319,9 @@ class TensorRTEngine:
 
         Raises RuntimeError naming what is missing of TensorRT, onnx and onnxscript (the export's key,
         which finds the cached plans, holds onnx's version)."""
-        # onnx and onnxscript even with every plan cached: the plans are found by the export's key, which
-        # holds onnx's version (read from its installed metadata; a second review found the key changed,
-        # and every cached plan missed, once onnx was uninstalled).
-        missing = missing_packages(("tensorrt", *onnx_export.EXPORT_PACKAGES))
-        if missing:
-            raise onnx_export.missing_packages_error("backend 'tensorrt'", missing)
+        missing = _missing_packages_error("backend 'tensorrt'")
+        if missing is not None:
+            raise missing
         self.trt = import_tensorrt()
         self.device = device
         self.cfg = model.cfg
@@ -540,11 +546,13 @@ def main(argv: list[str] | None = None) -> int:
     # What would fail after the model's load (minutes at full size), first (found in review: a traceback
     # there, or on a machine without CUDA an AssertionError while loading)
     cfg = get_preset(args.preset)
-    if not 1 <= args.opt_prompt_len <= cfg.max_token_len:
-        p.error(f"--opt-prompt-len: must be in 1..{cfg.max_token_len}, got {args.opt_prompt_len}")
-    missing = missing_packages(("tensorrt", *onnx_export.EXPORT_PACKAGES))
-    if missing:
-        p.error(str(onnx_export.missing_packages_error("the tensorrt backend", missing)))
+    try:
+        profile_shapes(cfg, "prefill", args.opt_prompt_len)  # validates it, as the engine does
+    except ValueError as e:
+        p.error(f"--opt-prompt-len: {e}")
+    missing = _missing_packages_error("the tensorrt backend")
+    if missing is not None:
+        p.error(str(missing))
     if not torch.cuda.is_available():
         p.error("the tensorrt backend needs a CUDA GPU; none is visible here")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

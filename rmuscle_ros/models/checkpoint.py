@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -187,12 +188,12 @@ class _Reader:
             return out
 
         ours, theirs = flat(cfg.to_dict()), flat(recorded)
+        rules = {field: rule for _, field, rule in LEROBOT_FIXED_FIELDS}  # the others: "equal"
         differ = [
             f"{name} {theirs[name]!r} (this model: {ours[name]!r})"
             for name in sorted(set(ours) & set(theirs))
             if _json_value(theirs[name]) != _json_value(ours[name])
-            and name != "num_steps"
-            and not (name == "max_token_len" and _is_count(theirs[name]) and theirs[name] <= ours[name])
+            and not _fits(rules.get(name, "equal"), theirs[name], ours[name])
         ]
         if differ:
             raise CheckpointError(
@@ -281,8 +282,15 @@ def _json_value(value: object) -> object:
     return json.loads(json.dumps(value))
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _fits(rule: str, recorded: object, fixed: object) -> bool:
+    """Whether a recorded value other than the model's is accepted under its FIXED_FIELDS rule."""
+    return rule == "note" or (
+        rule == "at_most" and _is_count(recorded) and _is_count(fixed) and recorded <= fixed
+    )
 
 
 def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
@@ -303,7 +311,7 @@ def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
         if theirs not in recorded or recorded[theirs] == getattr(cfg, ours):
             continue
         value, fixed = recorded[theirs], getattr(cfg, ours)
-        if rule == "note" or (rule == "at_most" and _is_count(value) and value <= fixed):
+        if _fits(rule, value, fixed):
             cut = "; prompts are cut at the recorded length, as in training" if rule == "at_most" else ""
             log.info(
                 "%s: recorded %s %r; this model runs %s = %r%s", config_file, theirs, value, ours, fixed, cut

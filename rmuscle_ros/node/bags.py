@@ -217,10 +217,19 @@ class RecordedClock:
     log_ahead_ns: int  # the first /clock message's log time minus its clock: ~0 when both are one clock
 
 
+def _leading_time(raw: bytes) -> tuple[str, int, int]:
+    """The Time a CDR-serialised message begins with (a header's stamp, a rosgraph_msgs/Clock's clock): the
+    first thing after CDR's 4-byte encapsulation, int32 sec and uint32 nanosec in the byte order the
+    encapsulation names (odd identifiers, 0x0001 CDR or 0x0007 XCDR2 among them: little-endian; found in
+    review: only 0x0001 was taken as such). Returns (struct byte order, sec, nanosec)."""
+    order = "<" if raw[1] & 1 else ">"
+    sec, nanosec = struct.unpack_from(f"{order}iI", raw, 4)
+    return order, sec, nanosec
+
+
 def _clock_ns(raw: bytes) -> int:
-    """A CDR-serialised rosgraph_msgs/Clock's time (ns): its Time is the first thing after the
-    encapsulation, in the byte order it names (as `shift_header_stamp` reads a header's)."""
-    sec, nanosec = struct.unpack_from("<iI" if raw[1] & 1 else ">iI", raw, 4)
+    """A CDR-serialised rosgraph_msgs/Clock's time (ns)."""
+    _, sec, nanosec = _leading_time(raw)
     return sec * 10**9 + nanosec
 
 
@@ -231,12 +240,13 @@ def _recorded_clock(reader: AnyReader, path: Path, first_only: bool = False) -> 
     connections = [c for c in reader.connections if c.topic == "/clock"]
     if not connections:
         return None
-    first = log_first = lo = hi = None
+    first: tuple[int, int] | None = None  # (clock, log time) of the first message
+    lo = hi = 0
     try:
         for _, t, raw in reader.messages(connections):
             ns = _clock_ns(raw)
             if first is None:
-                first, log_first, lo, hi = ns, t, ns, ns
+                first, lo, hi = (ns, t), ns, ns
                 if first_only:
                     break
             lo, hi = min(lo, ns), max(hi, ns)
@@ -245,9 +255,9 @@ def _recorded_clock(reader: AnyReader, path: Path, first_only: bool = False) -> 
             f"bag {path}: its /clock cannot be read ({type(e).__name__}: {e}); `mcap recover` or `ros2 bag "
             "reindex` may repair it"
         ) from None
-    if first is None or log_first is None or lo is None or hi is None:
+    if first is None:
         return None
-    return RecordedClock(first, lo, hi, log_first - first)
+    return RecordedClock(first[0], lo, hi, first[1] - first[0])
 
 
 def recorded_clock(path: Path, first_only: bool = False) -> RecordedClock | None:
@@ -316,12 +326,9 @@ def _shift_times(msg: Any, offset_ns: int) -> None:
 
 
 def shift_header_stamp(raw: bytes, offset_ns: int) -> bytes:
-    """A CDR-serialised message that begins with a std_msgs/Header, its stamp moved by `offset_ns`. The
-    stamp is the first thing after CDR's 4-byte encapsulation: int32 sec, uint32 nanosec, in the byte
-    order the encapsulation names (odd identifiers, 0x0001 CDR or 0x0007 XCDR2 among them: little-endian;
-    found in review: only 0x0001 was taken as such). A zero stamp (never set by its publisher) stays zero."""
-    order = "<" if raw[1] & 1 else ">"
-    sec, nanosec = struct.unpack_from(f"{order}iI", raw, 4)
+    """A CDR-serialised message that begins with a std_msgs/Header, its stamp (`_leading_time`) moved by
+    `offset_ns`. A zero stamp (never set by its publisher) stays zero."""
+    order, sec, nanosec = _leading_time(raw)
     if sec == 0 and nanosec == 0:
         return raw
     sec, nanosec = _moved_stamp(sec, nanosec, offset_ns)
@@ -633,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         clock = None if args.recorded_clock else recorded_clock(args.bag, first_only=True)  # for the note
     except (ValueError, OSError) as e:  # OSError: this package's message definitions not found (paths)
         p.error(str(e))
-    if clock is not None and not args.recorded_clock and abs(clock.log_ahead_ns) > CLOCK_HINT_NS:
+    if clock is not None and abs(clock.log_ahead_ns) > CLOCK_HINT_NS:
         # Its stamps are then likely on that clock, and every node on the player's clock would find them
         # hours or years old (the node drops such observations): say how to play it.
         print(

@@ -70,6 +70,7 @@ from rmuscle_ros.node.bags import (
 from rmuscle_ros.node.params import (
     MAX_SECONDS,
     ParameterError,
+    check_type,
     load_params_file,
     node_config,
     parameter_defaults,
@@ -575,19 +576,11 @@ class _SimCell:
 
         settings = {"camera_rate_hz": cls.CAMERA_RATE_HZ, "seed_step": 0} | dict(params)
         sim_node_config(settings)
-        # As floats where the sim declares floats: `-p episode_s:=6` is an INTEGER to rclpy, and the sim
-        # refused it at start-up (found in review: run(seconds=6, sim=True) from Python)
+        # As the sim declares them (check_type: floats where it declares floats): `-p episode_s:=6` is an
+        # INTEGER to rclpy, and the sim refused it at start-up (found in review: run(seconds=6, sim=True))
         defaults = sim_defaults()
-
-        def as_declared(name: str, value: Any) -> Any:
-            default = defaults.get(name)
-            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-                return float(value)
-            if isinstance(default, list) and default and isinstance(default[0], float):
-                return [float(v) for v in value]  # checked numbers above (sim_node_config)
-            return value
-
-        return {k: as_declared(k, v) for k, v in settings.items()}
+        declared = {k: check_type(k, v, defaults[k]) for k, v in settings.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in declared.items()}
 
     def __init__(
         self, peer: Any, domain_id: int, remap: Mapping[str, str], out_dir: Path, settings: Mapping[str, Any]
