@@ -443,3 +443,28 @@ def test_the_config_a_saved_checkpoint_records_is_compared_with_the_model(saved,
     assert torch.equal(_actions(saved_with(recorded | {"num_steps": 3}, "steps")), expected)
     older = {k: v for k, v in recorded.items() if k != "horizon"}
     assert torch.equal(_actions(saved_with(older, "older")), expected)
+
+
+def test_a_shorter_prompt_length_recorded_by_save_checkpoint_cuts_prompts(saved, tmp_path: Path) -> None:
+    """A checkpoint `save_checkpoint` wrote from a model of a shorter `max_token_len` loads (a shorter
+    prompt fits), and its prompts are cut there, as they are at a `config.json`'s `tokenizer_max_length`
+    (noticed last session: accepted, not applied); the shortest of the two wins."""
+    from safetensors import safe_open
+
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
+
+    path, _ = saved
+    with safe_open(str(path), framework="pt") as f:
+        recorded = json.loads(f.metadata()["rmuscle_ros_config"])
+    out = tmp_path / "saved_at_40" / "model.safetensors"
+    out.parent.mkdir()
+    config = recorded | {"max_token_len": 40}
+    save_file(
+        load_file(str(path)), str(out), metadata={"format": "pt", "rmuscle_ros_config": json.dumps(config)}
+    )
+    long_task = "pick up the red cube and place it in the bin"
+    assert Policy(PolicyConfig(checkpoint=str(out))).prompt_tokens(long_task)[1] == 40
+    (out.parent / "config.json").write_text(json.dumps({"type": "pi05", "tokenizer_max_length": 48}))
+    assert Policy(PolicyConfig(checkpoint=str(out))).prompt_tokens(long_task)[1] == 40
+    (out.parent / "config.json").write_text(json.dumps({"type": "pi05", "tokenizer_max_length": 32}))
+    assert Policy(PolicyConfig(checkpoint=str(out))).prompt_tokens(long_task)[1] == 32

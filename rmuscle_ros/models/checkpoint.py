@@ -174,11 +174,8 @@ class _Reader:
         from `cfg` would run the weights as they were not trained, so it is refused, naming each field (found
         in review: never compared). The step count is an inference choice and a shorter prompt length fits
         (as `check_recorded_config` rules); fields the record lacks (an earlier build's) are not compared."""
-        try:
-            recorded = json.loads((self._file.metadata() or {}).get("rmuscle_ros_config", "null"))
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"{self.path}: its recorded model config is not JSON: {e}") from None
-        if not isinstance(recorded, dict):
+        recorded = self.saved_config()
+        if recorded is None:
             return
 
         def flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -200,6 +197,14 @@ class _Reader:
                 f"{self.path}: saved from a model of another config: {_listed('', differ).strip()}; load it "
                 "with the preset it was saved from"
             )
+
+    def saved_config(self) -> dict | None:
+        """The model config `save_checkpoint` recorded in the file's metadata (None: not one of ours)."""
+        try:
+            recorded = json.loads((self._file.metadata() or {}).get("rmuscle_ros_config", "null"))
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{self.path}: its recorded model config is not JSON: {e}") from None
+        return recorded if isinstance(recorded, dict) else None
 
     def __contains__(self, key: str) -> bool:
         return key in self._names
@@ -266,15 +271,17 @@ def trained_prompt_len(path: str | os.PathLike[str], cfg: Pi05Config) -> int:
     """The prompt length (tokens) the checkpoint at `path` was trained with, from its `config.json`, where
     shorter than the preset's `max_token_len` (which it is otherwise). Training cut longer prompts there
     (LeRobot's tokenizer truncates at tokenizer_max_length), so running them uncut would show the model
-    tokens and positions it never saw (found in review: a 94-token prompt ran whole against a trained 48)."""
-    found = _recorded_config(_checkpoint_file(Path(path)))
+    tokens and positions it never saw (found in review: a 94-token prompt ran whole against a trained 48).
+    A shorter length `save_checkpoint` recorded in the file's metadata cuts them too; the shortest wins
+    (found in review: only `config.json`'s did, the metadata's was accepted and not applied)."""
+    file = _checkpoint_file(Path(path))
+    lengths = [cfg.max_token_len]
+    found = _recorded_config(file)
     if found is not None:
         _, recorded, fields = found
-        for theirs, ours, _rule in fields:
-            value = recorded.get(theirs)
-            if ours == "max_token_len" and _is_count(value) and value < cfg.max_token_len:
-                return int(value)
-    return cfg.max_token_len
+        lengths += [recorded.get(theirs) for theirs, ours, _rule in fields if ours == "max_token_len"]
+    lengths.append((_Reader(file).saved_config() or {}).get("max_token_len"))
+    return min(int(n) for n in lengths if _is_count(n))
 
 
 def _json_value(value: object) -> object:
