@@ -296,6 +296,14 @@ def test_the_sim_executable_refuses_a_bad_value_in_one_line_with_status_2(capsys
     assert aloha_sim.main(["aloha_sim", "--ros-args", "-p", "camera_rate_hz:=0.0"]) == 2
     err = capsys.readouterr().err
     assert "error: invalid parameter camera_rate_hz: must be in (0, 50] Hz" in err and "Traceback" not in err
+    # The scene's own checks too (a later review: a traceback and status 1 for these).
+    for param, says in (
+        ("cameras:=['nope']", "cameras: ['nope'] not in the transfer_cube scene"),
+        ("height:=4000", "height"),
+    ):
+        assert aloha_sim.main(["aloha_sim", "--ros-args", "-p", param]) == 2, param
+        err = capsys.readouterr().err
+        assert f"error: invalid parameter {says}" in err and "Traceback" not in err, err
 
 
 def test_the_camera_schedule_does_not_drift_over_hours() -> None:

@@ -182,7 +182,10 @@ class AlohaSimNode(Node):
         self.cfg = sim_node_config({name: self.get_parameter(name).value for name in sim_defaults()})
         group, single = import_command_messages()
         robot_info = import_robot_info()
-        self.sim = AlohaSim(self.cfg.sim())
+        try:  # the scene's own checks (its camera names, the render buffer's size): one line, status 2
+            self.sim = AlohaSim(self.cfg.sim())
+        except ValueError as e:  # (a traceback and status 1, the dead simulation thread's, before: review)
+            raise ParameterError(str(e)) from None
         self._arm_limits = {side: self.sim.arm_joint_limits(side) for side in SIDES}  # get_robot_info's
         self.episode = 0
         self._pending: deque[tuple[str, str, Any]] = (
