@@ -397,7 +397,12 @@ def test_fallback_is_sticky_until_the_episode_resets(tmp_path) -> None:
     assert policy.infer(live[0]).cache_mode == "fallback"
     retriever.cfg = type(retriever.cfg)(4, 4, threshold)  # ...and comes back within the same episode
     assert [c.cache_mode for c in run(policy, live[1:])] == ["fallback"] * 3, "sticky for the episode"
+    assert policy.cache_status()["mode"] == "fallback"
     assert policy.reset_episode() == 1, "an all-dense (fallback) episode becomes a new reference"
+    # Until its first call the new episode's status is no call's (found in review: the finished episode's
+    # FALLBACK, which CacheStatus calls sticky until the reset, was shown through the scene reset).
+    status = policy.cache_status()
+    assert (status["mode"], status["similarity"], status["hit_rate"]) == ("dense", 0.0, 0.0), status
     assert [c.cache_mode for c in run(policy, episode(3, offset=0.1))][1:] == ["cached"] * 2
 
 

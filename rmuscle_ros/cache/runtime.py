@@ -205,6 +205,9 @@ class CallInfo:
     reason: str = ""  # why a call was not cached
 
 
+NO_CALL_YET = CallInfo("dense", 0.0, reason="no call yet")  # the status before an episode's first call
+
+
 @dataclass(frozen=True)
 class Audit:
     """One cached call checked against the same call run dense (`RMuscle.audit`)."""
@@ -454,7 +457,7 @@ class RMuscle:
         # The latest call's GPU work on the live stream, from its start (after the waits) to its end: timing
         # events, read once the call's result has been synchronised. None on a CPU.
         self.last_gpu_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self.last = CallInfo("dense", 0.0, reason="no call yet")
+        self.last = NO_CALL_YET
         self._fallback_reason = ""  # why this episode fell back, when not its similarity (fall_back)
         # Audits (`audit`): the call due for one, cached calls until the next, and what they found.
         self._bucket = 0  # the latest call's prompt bucket
@@ -580,6 +583,9 @@ class RMuscle:
                 self.audits_missed += 1
             self.episode_id += 1
             self.calls = self.cached_calls = 0
+            # The status until the new episode's first call (the finished one's mode before: a FALLBACK
+            # shown through the whole scene reset, found in review)
+            self.last = NO_CALL_YET
             self._wanted = self._episode_starts(served_from)
 
     def _episode_starts(self, served_from: list[int]) -> list[tuple[int, int]]:
@@ -620,7 +626,7 @@ class RMuscle:
         self.retriever.reset()
         self._fallback_reason = ""
         self._audit_due = None
-        self.last = CallInfo("dense", 0.0, reason="no call yet")
+        self.last = NO_CALL_YET
 
     def fall_back(self, reason: str) -> bool:
         """Dense for the rest of the episode (sticky until the reset, as a similarity fallback); returns
