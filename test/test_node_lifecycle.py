@@ -881,6 +881,21 @@ def feed(node, peer):
     if when == "during_reset":  # the reset's write of episode 0 is under way on the executor's thread
         reset.publish(Empty())
         time.sleep(0.7)
+    if when in ("during_cleanup", "during_shutdown"):  # a transition's write, asked for by an operator
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+        from rclpy.executors import SingleThreadedExecutor
+        spinner = SingleThreadedExecutor()
+        spinner.add_node(peer)
+        threading.Thread(target=spinner.spin, daemon=True).start()
+        change = peer.create_client(ChangeState, "/rmuscle_node/change_state")
+        steps = ([Transition.TRANSITION_DEACTIVATE, Transition.TRANSITION_CLEANUP] if when == "during_cleanup"
+                 else [Transition.TRANSITION_ACTIVE_SHUTDOWN])
+        for step in steps:
+            done = change.call_async(ChangeState.Request(transition=Transition(id=step)))
+            while step != steps[-1] and not done.done():
+                time.sleep(0.02)
+        time.sleep(0.7)
     os.kill(os.getpid(), signum)
     if when == "twice":  # again, while the shutdown writes the episode
         time.sleep(0.7)
@@ -926,7 +941,14 @@ def test_a_reset_cut_short_still_starts_the_next_episode_on_fresh_observations(h
 
 @pytest.mark.parametrize(
     ("signal_name", "when"),
-    [("SIGINT", "once"), ("SIGTERM", "once"), ("SIGINT", "twice"), ("SIGINT", "during_reset")],
+    [
+        ("SIGINT", "once"),
+        ("SIGTERM", "once"),
+        ("SIGINT", "twice"),
+        ("SIGINT", "during_reset"),
+        ("SIGINT", "during_cleanup"),
+        ("SIGTERM", "during_shutdown"),
+    ],
 )
 def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_name: str, when: str) -> None:
     """Ctrl-C, or ros2 launch's SIGINT/SIGTERM, while the node is active mid-episode: the node ends as its
@@ -934,7 +956,9 @@ def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_
     ran none of that, and the recording was lost; found in review). Found in a later review: a second
     Ctrl-C while the shutdown wrote the episode ended the write (lost, a traceback, no teardown), now it is
     said and ignored; and a Ctrl-C during a reset's write lost the finished episode, now written at
-    shutdown."""
+    shutdown. A third: a signal during the cleanup or shutdown transition's write (an operator's
+    `ros2 lifecycle set`, then Ctrl-C) lost the episode without a word; it now takes effect after the
+    write."""
     library = tmp_path / "library"
     script = tmp_path / "node.py"
     script.write_text(_STOPPED_BY_A_SIGNAL)
@@ -954,6 +978,13 @@ def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_
         assert "episode 0, whose write was interrupted, written as library episode 1" in run.stderr
     else:
         assert "episode in progress recorded as library episode 0" in run.stderr, run.stderr[-2000:]
+    if when.startswith("during_") and when != "during_reset":
+        transition = when.removeprefix("during_")
+        assert f"{transition}: episode in progress recorded as library episode 0" in run.stderr
+        assert (
+            f"rmuscle_node: {signal_name} held until the {transition} has recorded the episode in progress"
+            in run.stderr
+        ), run.stderr[-2000:]
     if when == "twice":
         assert "rmuscle_node: SIGINT ignored: shutting down, recording the episode in progress" in run.stderr
 
@@ -1172,9 +1203,11 @@ def test_a_message_stored_while_a_refused_tick_reads_the_buffer_still_wakes_its_
 def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_over(harness) -> None:
     """The bad_image drop names the camera's topic as the other drops do; after a deactivation (an
     operator fixing the camera) the drops, the ticks without a chunk and the last drop that /diagnostics
-    reports "since activation" start over (both found in review: ERROR at once with the old reason)."""
+    reports "since activation" start over (both found in review: ERROR at once with the old reason), and
+    so does the chunk rate (a later review: the time spent inactive was counted in it, for 200 chunks)."""
     h = harness()
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2) and h.node.stats()["rate_hz"] > 0
     assert h.feed_until(
         lambda: h.drops().get("bad_image", 0) > 0, image_edit=lambda m: setattr(m, "encoding", "yuv422")
     )
@@ -1184,6 +1217,7 @@ def test_a_bad_image_is_named_by_its_topic_and_an_activation_starts_the_counts_o
     assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_ACTIVATE)
     s = h.node.stats()
     assert (s["drops"], s["failing_ticks"], s["last_drop"], s["slowest_calls"]) == ({}, 0, "", []), s
+    assert s["rate_hz"] == 0.0, s
     assert h.feed_until(lambda: len(h.chunks) > 0)
 
 

@@ -54,6 +54,7 @@ from rmuscle_ros.node.spin import (
     parameter_values,
     periodic_timer,
     same_value,
+    signals_deferred,
     spin_node,
     undeclared_overrides,
     unresolvable_topic,
@@ -381,7 +382,7 @@ class RMuscleNode(LifecycleNode):
         try:
             self._set_up(cfg)
         except Exception as e:  # a name rclpy refuses (a topic with a space), ...: a clean FAILURE, not ERROR
-            self._release()  # the model and what was made; the node is unconfigured, and can be fixed
+            self._release("configure")  # the model and what was made; the node is unconfigured: fixable
             return self._fail(f"configure: {type(e).__name__}: {e}")
         # A full garbage collection walks every object the process holds, and every thread waits for it.
         # With torch, the model and ROS loaded, one took 130-270 ms on a 2-core CPU (gc.callbacks in the
@@ -610,6 +611,7 @@ class RMuscleNode(LifecycleNode):
             self._failing_ticks = 0
             self._last_drop = ""
             self._slowest = []
+            self._chunk_times.clear()  # rate_hz: the time spent inactive is no gap between chunks
         if cfg.cache.enabled:
             # A motion window before the first tick, as at a reset: the episode's next calls (on a first
             # activation, the likely first calls of a library recorded before) are rebuilt while the node
@@ -633,7 +635,7 @@ class RMuscleNode(LifecycleNode):
         try:
             self._stop_activity()  # shutdown may come from any state: undo activate, then configure
         finally:  # whatever stopping raised, the episode in progress is recorded and the model freed
-            self._release()
+            self._release("shutdown")
         return TransitionCallbackReturn.SUCCESS
 
     def destroy_node(self) -> None:
@@ -673,10 +675,15 @@ class RMuscleNode(LifecycleNode):
         self._refill.clear()
         sys.setswitchinterval(self._switch_interval_s)  # a tick may have come after the worker's last wake
 
-    def _release(self) -> None:
+    def _release(self, transition: str = "cleanup") -> None:
         """Undo on_configure: the cache (recording the episode in progress), publishers, services, the
         model and its (GPU) memory. The recording goes first: at Ctrl-C the ROS context may be gone
-        already (spin_node), and no ROS handle may stand between the cell and its recorded episode."""
+        already (spin_node), and no ROS handle may stand between the cell and its recorded episode. A
+        Ctrl-C or SIGTERM meanwhile takes effect once it is done (`signals_deferred`)."""
+        with signals_deferred(self.get_name(), f"the {transition} has recorded the episode in progress"):
+            self._release_now(transition)
+
+    def _release_now(self, transition: str) -> None:
         if self.policy is not None:
             with self._policy_lock:
                 try:
@@ -686,7 +693,7 @@ class RMuscleNode(LifecycleNode):
                 else:
                     if recorded is not None:
                         self.get_logger().info(
-                            f"cleanup: episode in progress recorded as library episode {recorded}"
+                            f"{transition}: episode in progress recorded as library episode {recorded}"
                         )
         for pub in (self._chunk_pub, self._trajectory_pub, self._diag_pub, self._status_pub):
             if pub is not None:
