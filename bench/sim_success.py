@@ -59,6 +59,7 @@ import statistics
 import sys
 import time
 import zlib
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,9 @@ def train(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     demos = load_demos(data)
     out.mkdir(parents=True, exist_ok=True)
+    # training.json, written last, marks a finished policy: a retrain cut short (a timeout, Ctrl-C) must
+    # not leave the new stats beside the old model looking like one (found in review: evaluate ran the pair).
+    (out / "training.json").unlink(missing_ok=True)
     norm_path = out / "norm_stats.json"
     write_norm_stats(demos["state"], demos["actions"], norm_path)
     # A policy only to preprocess: its images, prompt and tokens are what the deployed policy makes.
@@ -398,7 +402,10 @@ def episode(
     modes: list[str] = []
     errors: list[float] = []
     audits: list[float | None] = []  # per call: the audit's error, None where none ran
-    pending: tuple[np.ndarray, int] | None = None  # the latest chunk's rows and its observation's step
+    # Chunks not yet executing, oldest first: rows and their observation's step. A chunk takes over
+    # `latency` steps after its observation; with latency >= replan the next chunk arrives before that
+    # (found in review: one pending slot, each chunk replaced before its turn, and the arms never moved).
+    pending: deque[tuple[np.ndarray, int]] = deque()
     current: tuple[np.ndarray, int] | None = None  # the chunk the arms execute, likewise
     policy.rebuild_cache(wait=True)  # the node's refill at a reset: the likely first entries (no-op: dense)
     for step in range(EPISODE_STEPS):
@@ -406,7 +413,7 @@ def episode(
             obs = Observation({CAMERA: sim.render(CAMERA)}, measured_state(sim), PROMPT)
             noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
             chunk = policy.infer(obs, noise=noise)
-            pending = (chunk.actions, step)
+            pending.append((chunk.actions, step))
             # The motion window, as the node runs it: the audit if one is due, then the window's refill.
             audit = policy.audit_cache()
             audits.append(None if audit is None else audit.error)
@@ -415,8 +422,8 @@ def episode(
             if shadow is not None:
                 ref = shadow.infer(obs, noise=noise).actions
                 errors.append(relative_l2(torch.from_numpy(chunk.actions), torch.from_numpy(ref)))
-        if pending is not None and step >= pending[1] + latency:
-            current, pending = pending, None
+        while pending and step >= pending[0][1] + latency:
+            current = pending.popleft()
         if current is not None:
             command(sim, current[0][step - current[1]])
         try:
@@ -581,6 +588,9 @@ def through_node(args: argparse.Namespace) -> dict[str, Any]:
     for name, group in (("--seeds", seeds), ("--warmup-seeds", warm)):
         if group != list(range(group[0], group[0] + len(group))):
             raise SystemExit(f"{name}: one range of consecutive seeds (aloha_sim steps through them)")
+        if group[0] < 1:  # found in review: seed -1, refused by aloha_sim once the run had started
+            raise SystemExit(f"{name}: from 1 with --node (aloha_sim's episode 0, the wait for the nodes, "
+                             f"takes the seed before the first), got {group[0]}")  # fmt: skip
     folder = Path(args.policy)
     base = {
         "model.checkpoint": str(folder / "model.safetensors"),
@@ -909,7 +919,12 @@ def main(argv: list[str] | None = None) -> None:
             args.preset,
         )
     else:
-        training = json.loads((Path(args.policy) / "training.json").read_text())
+        finished = Path(args.policy) / "training.json"
+        if not finished.is_file():
+            raise SystemExit(
+                f"--policy: {finished} is missing: not a policy `sim_success train` finished (one cut short?)"
+            )
+        training = json.loads(finished.read_text())
         # The model and the scenes it was trained on.
         args.preset = training.get("preset", "tiny")
         args.placement_spread = training.get("placement_spread", 1.0)

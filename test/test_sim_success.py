@@ -32,6 +32,22 @@ def test_seeds_parse_as_ranges_and_lists() -> None:
     assert sim_success.parse_seeds("0-3,7,10-11") == [0, 1, 2, 3, 7, 10, 11]
 
 
+def test_evaluate_refuses_an_unfinished_policy_and_a_node_run_from_seed_0(tmp_path) -> None:
+    """Found in review: a retrain cut short left its new norm stats beside the old model, and evaluate ran
+    the pair (training.json, written last, now marks a finished policy); `--node --seeds 0-…` gave
+    aloha_sim seed -1, refused once the run had started."""
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    evaluate = ["evaluate", "--policy", str(policy), "--results", str(tmp_path / "results")]
+    with pytest.raises(
+        SystemExit, match=r"training\.json is missing: not a policy `sim_success train` finished"
+    ):
+        sim_success.main(evaluate)
+    (policy / "training.json").write_text(json.dumps({"preset": "tiny"}))
+    with pytest.raises(SystemExit, match=r"--seeds: from 1 with --node .*, got 0"):
+        sim_success.main([*evaluate, "--node", "--seeds", "0-3", "--warmup-seeds", "10-11"])
+
+
 @pytest.mark.slow
 def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
     """The three stages end to end at toy sizes: the demonstrations round-trip through their file, the
@@ -123,5 +139,11 @@ def test_latency_steps_let_the_previous_chunk_run_on(monkeypatch) -> None:
         executed.clear()
         sim_success.episode(sim, _CountingPolicy(), 0, 25)
         assert executed[0] == 0 and executed[24] == 24 and executed[25] == 1000 and executed[49] == 1024
+        # A delay as long as the replanning period or longer: each chunk still takes its turn (found in
+        # review: one pending slot, each chunk replaced by the next before its turn, nothing commanded).
+        executed.clear()
+        sim_success.episode(sim, _CountingPolicy(), 0, 10, latency=25)
+        assert 24 not in executed and executed[25] == 25 and executed[34] == 34
+        assert executed[35] == 1025 and executed[45] == 2025
     finally:
         sim.close()
