@@ -181,7 +181,8 @@ def generate_launch_description() -> LaunchDescription:
             DeclareLaunchArgument(
                 "use_sim_time",
                 default_value="false",
-                description="true: both nodes on the /clock of a bag played with `ros2 bag play --clock` or "
+                description="true: both nodes on the /clock of a bag played with `ros2 bag play --clock 100` "
+                "(a bare --clock is 40 Hz, below the 50 Hz control rate) or "
                 "a simulator (false leaves the profile's setting)",
             ),
             OpaqueFunction(function=nodes),
