@@ -115,6 +115,19 @@ def test_with_a_takeover_delay_every_chunk_takes_over_at_the_same_row_whatever_i
     assert cmd.chunk.chunk_id == 2 and cmd.row == 15
 
 
+def test_a_chunk_taking_over_between_a_ticks_due_time_and_its_callback_leaves_no_gap() -> None:
+    """A tick's command is for its due time, a few ms before its callback runs; a chunk handed over in
+    between whose takeover falls there: the tick still sends the running chunk's row (found in review: the
+    chunk's arrival dropped the running one at the arrival's time, and that tick sent nothing)."""
+    s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=100.0, takeover_delay_s=0.06))
+    offer(s, T0, rows(50), now_ns=T0 + 70 * MS)
+    assert s.command(T0 + 140 * MS, AT_REST).row == 7
+    offer(s, T0 + 103 * MS, rows(50, base=1.0), now_ns=T0 + 165 * MS, chunk_id=1)  # takes over at T0 + 163
+    cmd = s.command(T0 + 160 * MS, AT_REST)  # the tick due at T0 + 160, run at T0 + 166
+    assert cmd is not None and cmd.chunk.chunk_id == 0 and cmd.row == 8
+    assert s.command(T0 + 180 * MS, AT_REST).chunk.chunk_id == 1
+
+
 def test_a_takeover_delay_past_a_chunks_rows_refuses_it_and_the_running_one_goes_on() -> None:
     s = ChunkSchedule(ScheduleConfig(JOINTS, 0.02, max_step=100.0, takeover_delay_s=0.2))
     offer(s, T0, rows(50), now_ns=T0)
