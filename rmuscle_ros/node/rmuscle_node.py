@@ -206,6 +206,9 @@ class GcPauses:
 
 
 class RMuscleNode(LifecycleNode):
+    # What spin_node tells a signal that comes while the node shuts down (it is held, not acted on)
+    SHUTDOWN_SAYS = "shutting down, recording the episode in progress into the library"
+
     def __init__(self, node_name: str = "rmuscle_node", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
         for name, default in parameter_defaults().items():

@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import rclpy
@@ -17,8 +18,11 @@ import rclpy.signals
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import InvalidHandle, InvalidParameterTypeException, ParameterUninitializedException
 from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
+from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy_impl
 from rclpy.node import Node
 from rclpy.timer import Timer
+
+RCLError = _rclpy_impl.RCLError  # what rclpy's C layer raises (a RuntimeError)
 
 # What to say with rclpy's refusal of a value of another type than the parameter's (made as the node is
 # made), by the type it expected: rclpy names it in its message ("expecting type 'Type.DOUBLE'").
@@ -135,6 +139,16 @@ def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) ->
 
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
     """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`."""
+    first = _FirstInterrupt()
+    installed = first.install()  # before rclpy.init, which chains its SIGINT handler onto the one in place
+    try:
+        return _spin_node(make_node, argv, first)
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _FirstInterrupt) -> int:
     from rmuscle_ros.node.params import ParameterError
 
     rclpy.init(args=argv if argv is not None else sys.argv)
@@ -148,20 +162,30 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
         print(f"error: invalid parameter {e}", file=sys.stderr)  # (a traceback and 1 before: review)
         rclpy.shutdown()
         return 2
+    name = node.get_name()
+    doing = getattr(node, "SHUTDOWN_SAYS", "shutting down")  # what a signal during the shutdown is told
+    first.name, first.doing = name, doing
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RCLError:
+        # A signal shut the context down while the executor built its wait set ("the given context is not
+        # valid"; found in review: a launch's Ctrl-C ended the streamer with a traceback and status 1).
+        if rclpy.ok():
+            raise
     finally:
         # Ctrl-C or SIGTERM (ros2 launch stopping) ends a lifecycle node as its shutdown transition would:
         # destroy_node alone runs none of it, and rmuscle_node would lose the episode in progress, which
         # its shutdown records into the library. Run again after a shutdown transition, it does nothing.
         # A second Ctrl-C meanwhile (the write of a long episode takes a while) is said and ignored: it
-        # ended the write, the episode and the teardown (SIGKILL still ends the process).
-        name = node.get_name()
-        held = _hold_signals(name)
+        # ended the write, the episode and the teardown (SIGKILL still ends the process). Held from the
+        # first interrupt on (_FirstInterrupt), not only from here: ros2 launch's SIGINT and a terminal's
+        # come together, and the second once landed before this point (found in review: no shutdown ran).
+        first.spinning = False
+        held = _hold_signals(name, doing)
         try:
             shutdown = getattr(node, "on_shutdown", None)
             if callable(shutdown):
@@ -178,21 +202,51 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
     return 0
 
 
-def _hold_signals(name: str) -> dict[int, Any]:
+class _FirstInterrupt:
+    """SIGINT's Python handler while `spin_node` runs: the first interrupt raises KeyboardInterrupt, as
+    Python's own handler does, and holds SIGINT and SIGTERM from that moment on (`_hold_signals`), so that
+    a second one cannot cut the shutdown short before it has begun. Once the spin has ended, none raises."""
+
+    def __init__(self) -> None:
+        self.name, self.doing = Path(sys.argv[0]).name or "node", "shutting down"
+        self.spinning = True
+
+    def install(self) -> bool:
+        """In place of Python's own handler, on the main thread (only there may handlers be set)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return False  # a program's own handler: left alone
+        signal.signal(signal.SIGINT, self)
+        return True
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if not self.spinning:  # the shutdown is under way
+            _say_ignored(self.name, self.doing, signum)
+            return
+        self.spinning = False
+        _hold_signals(self.name, self.doing)
+        raise KeyboardInterrupt
+
+
+def _hold_signals(name: str, doing: str = "shutting down") -> dict[int, Any]:
     """Until _restore_signals: SIGINT and SIGTERM print what the node is doing instead of interrupting it.
     Only the main thread may set handlers; elsewhere nothing is held."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def say(signum: int, _frame: object) -> None:
-        print(
-            f"{name}: {signal.Signals(signum).name} ignored: shutting down, recording the episode in progress "
-            "into the library (SIGKILL ends the process without it)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say_ignored(name, doing, signum)
 
     return {s: signal.signal(s, say) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _say_ignored(name: str, doing: str, signum: int) -> None:
+    print(
+        f"{name}: {signal.Signals(signum).name} ignored: {doing} (SIGKILL ends the process without it)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @contextmanager
