@@ -468,3 +468,24 @@ def test_a_shorter_prompt_length_recorded_by_save_checkpoint_cuts_prompts(saved,
     assert Policy(PolicyConfig(checkpoint=str(out))).prompt_tokens(long_task)[1] == 40
     (out.parent / "config.json").write_text(json.dumps({"type": "pi05", "tokenizer_max_length": 32}))
     assert Policy(PolicyConfig(checkpoint=str(out))).prompt_tokens(long_task)[1] == 32
+
+
+def test_a_checkpoint_trained_on_relative_actions_is_not_run_absolute(saved, tmp_path: Path) -> None:
+    """LeRobot (≥ 0.5.1) records `use_relative_actions` in config.json. Found in review: a relative
+    checkpoint loaded and ran absolute, its offsets commanded as joint positions. Either mismatch is refused
+    before the weights load, naming the setting; the matching one loads; a config without it is unchecked."""
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
+
+    path, _ = saved
+    arms = (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12)  # delta_joint_actions' dims: the grippers stay absolute
+    relative = _beside(path, tmp_path / "relative", {"type": "pi05", "use_relative_actions": True})
+    with pytest.raises(CheckpointError, match=r"use_relative_actions true .* set delta_joint_actions: true"):
+        Policy(PolicyConfig(checkpoint=str(relative)))
+    assert Policy(PolicyConfig(checkpoint=str(relative), delta_actions=arms)).cfg.delta_actions == arms
+    absolute = _beside(path, tmp_path / "absolute", {"type": "pi05", "use_relative_actions": False})
+    with pytest.raises(
+        CheckpointError, match=r"use_relative_actions false .* set delta_joint_actions: false"
+    ):
+        Policy(PolicyConfig(checkpoint=str(absolute), delta_actions=arms))
+    unrecorded = _beside(path, tmp_path / "unrecorded", {"type": "pi05"})
+    Policy(PolicyConfig(checkpoint=str(unrecorded), delta_actions=arms))

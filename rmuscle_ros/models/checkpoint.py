@@ -284,6 +284,31 @@ def trained_prompt_len(path: str | os.PathLike[str], cfg: Pi05Config) -> int:
     return min(int(n) for n in lengths if _is_count(n))
 
 
+def check_relative_actions(path: str | os.PathLike[str], delta_actions: bool) -> None:
+    """Refuse a LeRobot checkpoint whose `config.json` records `use_relative_actions` (LeRobot ≥ 0.5.1:
+    the joints predicted as offsets from the state) other than the policy runs it (`delta_actions` set or
+    not; the node's `delta_joint_actions`). Found in review: a relative checkpoint loaded and ran absolute,
+    its "stay where you are" offsets commanded as joint positions near 0. Not recorded: not checked."""
+    found = _recorded_config(_checkpoint_file(Path(path)))
+    if found is None or found[2] is not LEROBOT_FIXED_FIELDS:
+        return
+    config_file, recorded, _ = found
+    relative = recorded.get("use_relative_actions")
+    if not isinstance(relative, bool) or relative == delta_actions:
+        return
+    if relative:
+        raise CheckpointError(
+            f"{config_file}: the policy was trained with use_relative_actions true (joints predicted as "
+            "offsets from the state), and this policy runs its actions as absolute joint positions; set "
+            "delta_joint_actions: true (the node; PolicyConfig.delta_actions)"
+        )
+    raise CheckpointError(
+        f"{config_file}: the policy was trained with use_relative_actions false (absolute joint positions), "
+        "and this policy adds the state to its actions as offsets; set delta_joint_actions: false (the node; "
+        "PolicyConfig.delta_actions empty)"
+    )
+
+
 def _json_value(value: object) -> object:
     """A config value as JSON holds it (tuples as lists), for comparing a recorded config with a live one."""
     return json.loads(json.dumps(value))

@@ -25,7 +25,12 @@ import torch
 
 from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig, relative_l2
 from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
-from rmuscle_ros.models.checkpoint import load_model, trained_prompt_len, weights_fingerprint
+from rmuscle_ros.models.checkpoint import (
+    check_relative_actions,
+    load_model,
+    trained_prompt_len,
+    weights_fingerprint,
+)
 from rmuscle_ros.models.config import PALIGEMMA_VOCAB_SIZE, PRESETS, Pi05Config, get_preset
 from rmuscle_ros.models.pi05 import ModelInputs
 from rmuscle_ros.models.tokenizer import Tokenizer, load_tokenizer
@@ -219,6 +224,8 @@ class Policy:
                 f"tokenizer: {cfg.tokenizer} has {vocab} pieces; a π0.5 checkpoint reads PaliGemma's "
                 f"{model_vocab} (its tokenizer.model)"
             )
+        if cfg.checkpoint:
+            check_relative_actions(cfg.checkpoint, bool(cfg.delta_actions))
         start = time.perf_counter()
         model = load_model(self.model_cfg, cfg.checkpoint, seed=cfg.seed, device=cfg.device)
         # Prompts are cut where the checkpoint's training cut them (its config.json), else at the preset's
