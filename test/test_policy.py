@@ -85,6 +85,10 @@ def test_reused_image_buffer_carries_nothing_over(policy: Policy) -> None:
         ),
         (lambda o: Observation(o.images, o.state > 0, o.prompt), "state must be real numbers .* dtype bool"),
         (lambda o: Observation(o.images, o.state.astype(str), o.prompt), "state must be real numbers"),
+        (  # found in review: called "NaN or Inf", with numpy's overflow warning
+            lambda o: Observation(o.images, np.r_[o.state[:13].astype(np.float64), 1e300], o.prompt),
+            r"state has values beyond float32's range \(±3\.4e38\): \[.*1e\+300\]",
+        ),
         (
             lambda o: Observation(o.images, np.r_[o.state[:13], 3e38].astype(np.float32), o.prompt),
             r"state dimension\(s\) \[13\] \(in the model's convention\) \[3\.0.*e\+38\] normalise past float32's",
@@ -92,8 +96,28 @@ def test_reused_image_buffer_carries_nothing_over(policy: Policy) -> None:
     ],
 )
 def test_bad_observations_are_rejected_clearly(policy: Policy, edit, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        policy.infer(edit(synthetic_observation(policy.cfg, "x")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clear error, not a numpy warning beside it
+        with pytest.raises(ValueError, match=message):
+            policy.infer(edit(synthetic_observation(policy.cfg, "x")))
+
+
+def test_a_callers_noise_is_checked_and_warm_up_leaves_the_seeded_stream_alone(policy: Policy) -> None:
+    """Found in review: integer noise ran truncated (the chunk up to 2.45 off), noise without its batch axis
+    was refused as a batch mismatch, and the warm-up drew from the policy's noise stream, so with warm-up
+    on a seed no longer gave the same chunks."""
+    obs = synthetic_observation(policy.cfg, "x")
+    horizon, dim = policy.model_cfg.horizon, policy.model_cfg.action_dim
+    for noise, says in (
+        (torch.ones(1, horizon, dim, dtype=torch.int64), "noise must be a floating-point torch.Tensor"),
+        (np.ones((1, horizon, dim)), "noise must be a floating-point torch.Tensor .* got ndarray"),
+        (torch.ones(horizon, dim), r"noise must be \(1, .*\) \(batch, horizon, action_dim\), got \("),
+    ):
+        with pytest.raises(ValueError, match=says):
+            policy.infer(obs, noise=noise)  # type: ignore[arg-type]
+    cold, warm = Policy(PolicyConfig(cameras=CAMERAS)), Policy(PolicyConfig(cameras=CAMERAS))
+    warm.warmup()
+    assert np.array_equal(cold.infer(obs).actions, warm.infer(obs).actions)
 
 
 def test_a_closed_policy_refuses_calls() -> None:

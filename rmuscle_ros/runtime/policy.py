@@ -281,7 +281,11 @@ class Policy:
         """Backend warm-up (graph capture) plus one full inference on a synthetic observation (seconds)."""
         start = time.perf_counter()
         timings = dict(self.engine.warmup())
-        self.infer(synthetic_observation(self.cfg, prompt))
+        # Its own noise: drawn from the policy's stream, the warm-up moved every later call's noise, and
+        # a seed no longer fixed the chunks with warm-up on (found in review).
+        cfg = self.model_cfg
+        noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=torch.Generator().manual_seed(0))
+        self.infer(synthetic_observation(self.cfg, prompt), noise=noise)
         if self.rmuscle is not None:
             self.rmuscle.discard_recording()
             self.rmuscle.warm_up_retrieval()
@@ -342,11 +346,14 @@ class Policy:
             if slot not in present:
                 images[0, slot].fill_(-1.0)  # missing slot = black, masked out
         masks = torch.from_numpy(np.isin(np.arange(self.model_cfg.num_cameras), list(present)))[None]
-        state = raw_state.astype(np.float32)
-        if state.shape != (self.cfg.state_dim,):
-            raise ValueError(f"state must have shape ({self.cfg.state_dim},), got {state.shape}")
-        if not np.isfinite(state).all():
-            raise ValueError(f"state contains NaN or Inf: {state.tolist()}")
+        if raw_state.shape != (self.cfg.state_dim,):
+            raise ValueError(f"state must have shape ({self.cfg.state_dim},), got {raw_state.shape}")
+        if not np.isfinite(raw_state).all():
+            raise ValueError(f"state contains NaN or Inf: {raw_state.tolist()}")
+        with np.errstate(over="ignore"):
+            state = raw_state.astype(np.float32)
+        if not np.isfinite(state).all():  # found in review: reported as NaN or Inf, with numpy's warning
+            raise ValueError(f"state has values beyond float32's range (±3.4e38): {raw_state.tolist()}")
         model_state = self.space.state_to_model(state)
         with np.errstate(over="ignore", invalid="ignore"):  # checked just below, naming the dimensions
             normalized = self.stats.state.normalize(model_state)
@@ -392,6 +399,8 @@ class Policy:
     @torch.no_grad()
     def infer(self, obs: Observation, noise: torch.Tensor | None = None) -> ActionChunk:
         start = time.perf_counter()
+        if noise is not None:
+            self._check_noise(noise)
         inputs, num_tokens, truncated, model_state = self._prepare(obs)
         self._model_state = model_state  # for an audit of this call (_robot_error)
         if noise is None:
@@ -423,6 +432,16 @@ class Policy:
             cache_mode=info.mode,
             cache_similarity=info.similarity,
         )
+
+    def _check_noise(self, noise: object) -> None:
+        """A caller's noise: one observation's, as floats (found in review: integer noise ran truncated, and
+        the fused engine named a batch where the shape lacked its batch axis)."""
+        want = (1, self.model_cfg.horizon, self.model_cfg.action_dim)
+        if not isinstance(noise, torch.Tensor) or not noise.is_floating_point():
+            kind = noise.dtype if isinstance(noise, torch.Tensor) else type(noise).__name__
+            raise ValueError(f"noise must be a floating-point torch.Tensor of shape {want}, got {kind}")
+        if tuple(noise.shape) != want:
+            raise ValueError(f"noise must be {want} (batch, horizon, action_dim), got {tuple(noise.shape)}")
 
     def _refuse(self, actions: np.ndarray, info: CallInfo) -> None:
         """A chunk with NaN or Inf: raise NonFiniteActions naming where, and (with the cache) keep the
