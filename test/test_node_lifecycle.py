@@ -2262,3 +2262,33 @@ def test_the_bag_player_command_refuses_bad_arguments_by_name(
     for start in ("-5000000000", str(2**31 * 10**9)):
         assert main(["play", str(bag), f"--start-ns={start}", "--wait-for-subscribers=0"]) == 2
         assert "outside ROS time" in capsys.readouterr().err, start
+
+
+def test_a_transition_that_raises_is_logged_and_the_node_released(harness, tmp_path) -> None:
+    """rclpy turns an exception in a transition into error processing without a word of it, and its own
+    on_error released nothing (found in review: e.g. a GPU fault in cleanup's empty_cache). The exception
+    is logged and kept in last_error; error processing stops the worker, records the episode in progress
+    and frees the model; the node is unconfigured, and configures again."""
+    library = tmp_path / "library"
+    h = harness(**{"cache.enabled": True, "model.backend": "fused", "cache.library_path": str(library)})
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 3)
+    node, stop = h.node, h.node._stop_activity
+    failed: list[bool] = []
+
+    def stop_failing_once() -> None:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a stand-in fault")
+        stop()
+
+    node._stop_activity = stop_failing_once  # type: ignore[method-assign]
+    assert not h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
+    assert node.last_error == "deactivate: RuntimeError: a stand-in fault"
+    said = "deactivate: RuntimeError: a stand-in fault (the node goes through error processing"
+    assert h.wait_for(lambda: any(said in log.msg for log in h.logs), timeout=5.0)
+    assert node._worker is None and node.policy is None
+    index = json.loads((library / "index.json").read_text())
+    assert len(index["episodes"]) == 1 and index["episodes"][0]["calls"] >= 3, index["episodes"]
+    assert h.transition(Transition.TRANSITION_CONFIGURE), node.last_error

@@ -18,6 +18,7 @@ while the arm executes the chunk.
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import gc
 import statistics
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -627,19 +629,49 @@ class RMuscleNode(LifecycleNode):
         self.get_logger().info(f"activate: one chunk every {period * 1e3:.0f} ms")
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop_activity()
+        with self._saying_why("deactivate"):
+            self._stop_activity()
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._release()
+        with self._saying_why("cleanup"):
+            self._release()
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        try:
-            self._stop_activity()  # shutdown may come from any state: undo activate, then configure
-        finally:  # whatever stopping raised, the episode in progress is recorded and the model freed
-            self._release("shutdown")
+        with self._saying_why("shutdown"):
+            try:
+                self._stop_activity()  # shutdown may come from any state: undo activate, then configure
+            finally:  # whatever stopping raised, the episode in progress is recorded and the model freed
+                self._release("shutdown")
         return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """A transition raised (logged by `_saying_why`): what the node still holds is released, the episode
+        in progress recorded, and the node goes unconfigured, to be configured again. rclpy's own handling
+        said nothing and released nothing (found in review)."""
+        try:
+            self._stop_activity()
+        except Exception as e:
+            self.get_logger().error(f"error processing: stopping: {type(e).__name__}: {e}")
+        try:
+            self._release("error processing")
+        except Exception as e:
+            self.get_logger().error(f"error processing: releasing: {type(e).__name__}: {e}")
+        return TransitionCallbackReturn.SUCCESS
+
+    @contextlib.contextmanager
+    def _saying_why(self, transition: str) -> Iterator[None]:
+        """An exception out of a transition is logged and kept in `last_error`, then raised on: rclpy turns
+        it into error processing (on_error) without a word of what it was."""
+        try:
+            yield
+        except Exception as e:
+            self.last_error = f"{transition}: {type(e).__name__}: {e}"
+            self.get_logger().error(
+                f"{self.last_error} (the node goes through error processing to unconfigured)"
+            )
+            raise
 
     def destroy_node(self) -> None:
         """Destroyed while configured or active (a program's teardown without the shutdown transition): the
