@@ -156,7 +156,9 @@ class StreamerConfig:
     # Each arm joint's position limits (rad), [lower, upper] per arm_joints entry in its order, for every
     # arm: a target beyond one is commanded at the limit and counted (`clamped`). The default is the
     # ALOHA's ViperX 300 6DOF follower (Interbotix aloha_vx300s URDF; gym-aloha's MuJoCo ranges are the
-    # same). -.inf / .inf: no limit. The gripper is not limited here (gripper_command_range maps it).
+    # same). -.inf / .inf: no limit, only without the activation's driver check (robot_info_services [],
+    # or a driver without a robot_description), which refuses limits past the driver's. The gripper is not
+    # limited here (gripper_command_range maps it).
     arm_joint_limits: tuple[float, ...] = VX300S_LIMITS
     max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
     # Rows of each chunk executed at most (past them the arms hold until a newer chunk): bounds how long a
