@@ -985,10 +985,11 @@ def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_
     if when.startswith("during_") and when != "during_reset":
         transition = when.removeprefix("during_")
         assert f"{transition}: episode in progress recorded as library episode 0" in run.stderr
-        assert (
-            f"rmuscle_node: {signal_name} held until the {transition} has recorded the episode in progress"
-            in run.stderr
-        ), run.stderr[-2000:]
+        if (
+            signal_name == "SIGINT"
+        ):  # a SIGTERM only shuts the context down (rclpy's handler): nothing to hold
+            said = f"rmuscle_node: SIGINT held until the {transition} has recorded the episode in progress"
+            assert said in run.stderr, run.stderr[-2000:]
     if when == "twice":
         assert "rmuscle_node: SIGINT ignored: shutting down, recording the episode in progress" in run.stderr
 
@@ -2286,8 +2287,8 @@ def test_a_transition_that_raises_is_logged_and_the_node_released(harness, tmp_p
     assert not h.transition(Transition.TRANSITION_DEACTIVATE)
     assert h.state() == State.PRIMARY_STATE_UNCONFIGURED
     assert node.last_error == "deactivate: RuntimeError: a stand-in fault"
-    said = "deactivate: RuntimeError: a stand-in fault (the node goes through error processing"
-    assert h.wait_for(lambda: any(said in log.msg for log in h.logs), timeout=5.0)
+    for said in ("deactivate: RuntimeError: a stand-in fault", "error processing: stopping the worker"):
+        assert h.wait_for(lambda said=said: any(said in log.msg for log in h.logs), timeout=5.0), said
     assert node._worker is None and node.policy is None
     index = json.loads((library / "index.json").read_text())
     assert len(index["episodes"]) == 1 and index["episodes"][0]["calls"] >= 3, index["episodes"]

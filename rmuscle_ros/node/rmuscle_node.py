@@ -325,6 +325,10 @@ class RMuscleNode(LifecycleNode):
         self.get_logger().info(f"configure: PyTorch uses {wanted} CPU thread(s)")
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        with self._saying_why("configure"):
+            return self._configure()
+
+    def _configure(self) -> TransitionCallbackReturn:
         # A name the params file or -p gives that the node does not declare (a misspelt key) is otherwise
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
         unknown, others = undeclared_overrides(self, parameter_defaults(), prefixes=("model.", "cache."))
@@ -553,7 +557,8 @@ class RMuscleNode(LifecycleNode):
         except Exception as e:  # a topic name rclpy refuses, ...: a clean FAILURE, the node stays configured
             self._stop_activity()
             return self._fail(f"activate: {type(e).__name__}: {e}")
-        return super().on_activate(state)
+        with self._saying_why("activate"):
+            return super().on_activate(state)
 
     def _start_activity(self) -> None:
         """Activate's subscriptions, timers and worker thread."""
@@ -650,6 +655,10 @@ class RMuscleNode(LifecycleNode):
         """A transition raised (logged by `_saying_why`): what the node still holds is released, the episode
         in progress recorded, and the node goes unconfigured, to be configured again. rclpy's own handling
         said nothing and released nothing (found in review)."""
+        self.get_logger().error(
+            "error processing: stopping the worker, recording the episode in progress and releasing the model; "
+            "the node goes unconfigured"
+        )
         try:
             self._stop_activity()
         except Exception as e:
@@ -668,9 +677,7 @@ class RMuscleNode(LifecycleNode):
             yield
         except Exception as e:
             self.last_error = f"{transition}: {type(e).__name__}: {e}"
-            self.get_logger().error(
-                f"{self.last_error} (the node goes through error processing to unconfigured)"
-            )
+            self.get_logger().error(self.last_error)
             raise
 
     def destroy_node(self) -> None:
@@ -715,7 +722,7 @@ class RMuscleNode(LifecycleNode):
         model and its (GPU) memory. The recording goes first: at Ctrl-C the ROS context may be gone
         already (spin_node), and no ROS handle may stand between the cell and its recorded episode. A
         Ctrl-C or SIGTERM meanwhile takes effect once it is done (`signals_deferred`)."""
-        with signals_deferred(self.get_name(), f"the {transition} has recorded the episode in progress"):
+        with signals_deferred(f"the {transition} has recorded the episode in progress"):
             self._release_now(transition)
 
     def _release_now(self, transition: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import rclpy
 import rclpy.signals
+import rclpy.utilities
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import InvalidHandle, InvalidParameterTypeException, ParameterUninitializedException
 from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
@@ -140,12 +141,15 @@ def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) ->
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
     """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`."""
     first = _FirstInterrupt()
-    installed = first.install()  # before rclpy.init, which chains its SIGINT handler onto the one in place
+    # Python's handlers as they were, put back at the end (found in review: SIGTERM stayed ignored after a
+    # Ctrl-C had ended the spin). Installed before rclpy.init, which chains its handlers onto those in place.
+    original = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    installed = first.install()
     try:
         return _spin_node(make_node, argv, first)
     finally:
         if installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _restore_signals(original)
 
 
 def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _FirstInterrupt) -> int:
@@ -196,8 +200,10 @@ def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _Fi
         finally:
             executor.shutdown()
             node.destroy_node()
-            if rclpy.ok():
-                rclpy.shutdown()
+            # Also when a signal shut the context down already: a fresh default context, so that a later
+            # init in this process can run (found in review: it could not). That later spin's signals are
+            # not rclpy's (Python's handlers displaced them here); the executables spin once.
+            rclpy.utilities.try_shutdown()
             _restore_signals(held)
     return 0
 
@@ -205,11 +211,14 @@ def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _Fi
 class _FirstInterrupt:
     """SIGINT's Python handler while `spin_node` runs: the first interrupt raises KeyboardInterrupt, as
     Python's own handler does, and holds SIGINT and SIGTERM from that moment on (`_hold_signals`), so that
-    a second one cannot cut the shutdown short before it has begun. Once the spin has ended, none raises."""
+    a second one cannot cut the shutdown short before it has begun. Once the spin has ended, none raises;
+    inside `signals_deferred` it waits for the block's end."""
 
     def __init__(self) -> None:
         self.name, self.doing = Path(sys.argv[0]).name or "node", "shutting down"
         self.spinning = True
+        self.deferring = ""  # what a `signals_deferred` block is doing; "" outside one
+        self.deferred = False  # an interrupt came during it
 
     def install(self) -> bool:
         """In place of Python's own handler, on the main thread (only there may handlers be set)."""
@@ -223,6 +232,15 @@ class _FirstInterrupt:
     def __call__(self, signum: int, _frame: object) -> None:
         if not self.spinning:  # the shutdown is under way
             _say_ignored(self.name, self.doing, signum)
+            return
+        if self.deferring:
+            self.deferred = True
+            print(
+                f"{self.name}: {signal.Signals(signum).name} held until {self.deferring} (SIGKILL ends the "
+                "process without it)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self.spinning = False
         _hold_signals(self.name, self.doing)
@@ -250,39 +268,27 @@ def _say_ignored(name: str, doing: str, signum: int) -> None:
 
 
 @contextmanager
-def signals_deferred(name: str, doing: str) -> Iterator[None]:
-    """SIGINT and SIGTERM that arrive inside wait until it ends, then take effect as they would have (a
-    Ctrl-C's KeyboardInterrupt, rclpy's shutdown). For what must not be cut short: a lifecycle transition
+def signals_deferred(doing: str) -> Iterator[None]:
+    """A Ctrl-C inside waits until the block ends. For what must not be cut short: a lifecycle transition
     recording the episode in progress into the library runs on the executor's thread, the main thread in
-    `spin_node`, where a Ctrl-C landed inside the write and the episode was lost (found in review). Only the
-    main thread may set handlers; elsewhere it defers nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    `spin_node`, where a Ctrl-C's KeyboardInterrupt landed inside the write and the episode was lost (found
+    in review). rclpy's own handler has shut the context down meanwhile (as for a SIGTERM, which never
+    interrupts Python code), so the spin ends once the block is done; without rclpy's handlers the
+    interrupt is raised at the end. Only under `spin_node`'s handler (`_FirstInterrupt`); elsewhere (a
+    program's own handling, another thread) it defers nothing."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not isinstance(handler, _FirstInterrupt) or handler.deferring:
         yield
         return
-    caught: list[int] = []
-
-    def later(signum: int, _frame: object) -> None:
-        if signum not in caught:
-            caught.append(signum)
-        print(
-            f"{name}: {signal.Signals(signum).name} held until {doing} ends (SIGKILL ends the process "
-            "without it)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    # rclpy's own handlers (C, chained onto Python's) go first and come back last, so that a held SIGTERM
-    # still shuts the context down rather than ending the process at once.
-    options = rclpy.signals.get_current_signal_handlers_options()
-    rclpy.signals.uninstall_signal_handlers()
-    held = {s: signal.signal(s, later) for s in (signal.SIGINT, signal.SIGTERM)}
+    handler.deferring, handler.deferred = doing, False
     try:
         yield
     finally:
-        _restore_signals(held)
-        rclpy.signals.install_signal_handlers(options)
-        for signum in caught:
-            signal.raise_signal(signum)
+        handler.deferring = ""
+        if handler.deferred and handler.spinning and rclpy.ok():
+            handler.spinning = False
+            _hold_signals(handler.name, handler.doing)
+            raise KeyboardInterrupt
 
 
 def _restore_signals(held: dict[int, Any]) -> None:
