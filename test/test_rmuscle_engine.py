@@ -308,6 +308,66 @@ def test_a_ramp_records_each_steps_own_count_of_neurons(model) -> None:
         assert torch.equal(ramp.recorded_masks[step, :, :c], uniform.recorded_masks[step])
 
 
+@torch.no_grad()
+def _action_cache_reference(model, inputs, noise, neurons, counts, anchors: int) -> torch.Tensor:
+    """DESIGN §4's Action Cache in plain torch on the model's own modules, the prefill dense: steps before
+    `anchors` run dense, the last one's GeGLU activations and FFN output kept; a later step s with
+    counts[s] < F recomputes only neurons[s, i, :counts[s]] of layer i and adds W_down[:, S] (a_s[S] −
+    a_anchor[S]) onto the anchor's FFN output (0 neurons: the anchor's output as it is); F runs dense."""
+    from rmuscle_ros.models.pi05 import euler_times, gated_residual, gelu_tanh, masked_attention
+
+    cfg = model.cfg
+    prefix = model.prefill(*model.embed_prefix(inputs))
+    x_t, act, out = noise.float(), {}, {}
+    for s, t in enumerate(euler_times(cfg.num_steps)):
+        cond = model.time_conditioning(torch.full((1,), t))
+        x = model.action_in_proj(x_t)
+        horizon = x.shape[1]
+        positions = prefix.valid_len[:, None] + torch.arange(horizon)
+        mask = torch.cat([prefix.pad_mask, prefix.pad_mask.new_ones(1, horizon)], 1)[:, None, :]
+        mask = mask.expand(1, horizon, -1)
+        layers = zip(model.expert.layers, prefix.keys, prefix.values, strict=True)
+        for i, (layer, k_prefix, v_prefix) in enumerate(layers):
+            q, k, v, gate = layer.attention_inputs(x, positions, cond)
+            k, v = torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2)
+            x = gated_residual(x, layer.self_attn.o_proj(masked_attention(q, k, v, mask)), gate)
+            h, gate = layer.post_attention_layernorm(x, cond)
+            mlp = layer.mlp
+            if s < anchors or counts[s] == cfg.expert.mlp_dim:
+                a = gelu_tanh(mlp.gate_proj(h)) * mlp.up_proj(h)
+                y = mlp.down_proj(a)
+                if s < anchors:
+                    act[i], out[i] = a, y
+            else:
+                chosen = neurons[s, i, : counts[s]].long()
+                a = gelu_tanh(h @ mlp.gate_proj.weight[chosen].T) * (h @ mlp.up_proj.weight[chosen].T)
+                y = out[i] + (a - act[i][..., chosen]) @ mlp.down_proj.weight[:, chosen].T
+            x = gated_residual(x, y, gate)
+        x, _ = model.expert.norm(x, cond)
+        x_t = x_t - model.action_out_proj(x).float() / cfg.num_steps
+    return x_t[0]
+
+
+@pytest.mark.parametrize(("schedule", "anchors"), [("ramp", 1), ("ramp", 2), ("uniform", 1)])
+def test_the_action_cache_is_its_design_computed_plainly(model, schedule: str, anchors: int) -> None:
+    """The cached denoise against a plain-torch reference of DESIGN §4's Action Cache (the prefill dense, to
+    see the Action Cache alone), with the reference's recorded masks. Found in review: the ramp's step of 0
+    neurons (the first after the anchor, the default schedule) dropped each layer's FFN output instead of
+    reusing the anchor's (0.022 from this reference then)."""
+    cfg = model.cfg
+    engine = create_engine(
+        "fused", model, "cpu", cache=CacheShapes(rho_n=0.5, neuron_schedule=schedule, anchors=anchors)
+    )
+    assert schedule != "ramp" or 0 in engine.step_neurons  # the step this test is about
+    entry, masks = _reference(engine, *random_inputs(cfg, valid_tokens=9, pad_to=20, seed=4))
+    engine.load_reference(entry, masks)
+    inputs, noise = random_inputs(cfg, valid_tokens=15, pad_to=20, seed=5)
+    cached = _run(engine, inputs, noise, "dense", "cached")
+    reference = _action_cache_reference(model, inputs, noise, masks, engine.step_neurons, anchors)
+    assert rel_l2(cached, reference) < 1e-5, rel_l2(cached, reference)
+    assert rel_l2(cached, _run(engine, inputs, noise, "dense", "dense")) > 1e-3  # an approximation, served
+
+
 def test_a_ramp_that_keeps_every_neuron_is_dense_bit_for_bit(model) -> None:
     """Through the Action Cache's code path: steps that keep all neurons run the dense FFN, so a schedule of
     only those gives the dense actions exactly; a served ramp call is close to dense, not equal."""

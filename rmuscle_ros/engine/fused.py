@@ -715,7 +715,9 @@ class FusedPi05:
                         y = ops.linear(act_anchor[i], layer.down_w, self.down_splits)
                         ops.add_norm(res, y, h, y_store=y_anchor[i], **norm)
                     elif cached and counts[s] == 0:  # the anchor's FFN output as it is
-                        ops.add_norm(res, None, h, y_base=y_anchor[i], **norm)
+                        # as y: y_base without y added nothing, and the step dropped the layer's FFN output
+                        # (found in review; the ramp's first step after the anchor, the default schedule)
+                        ops.add_norm(res, y_anchor[i], h, **norm)
                     elif cached:  # only the selected neurons, added onto the anchor
                         c = counts[s]
                         idx = action.neurons[s, i, :c]

@@ -56,6 +56,8 @@ def add_norm(
     """
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
+    if y is None and (y_base is not None or y_store is not None):
+        raise ValueError("add_norm: y_base and y_store go with y (without it nothing is added or stored)")
     if ref_slot is not None:  # pick the reference entry on the device (no host read of the slot)
         y_alt = None if y_alt is None else y_alt.index_select(0, ref_slot)[0]
         drift_ref = None if drift_ref is None else drift_ref.index_select(0, ref_slot)[0]

@@ -357,6 +357,8 @@ def add_norm(
     n, d = res.shape
     if y_rows is not None and y_alt is None:
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
+    if y is None and (y_base is not None or y_store is not None):
+        raise ValueError("add_norm: y_base and y_store go with y (without it nothing is added or stored)")
     rowwise = (res, y, out, y_base, y_store, y_rows, y_alt, drift_ref, drift_out)
     stacks = [t for t in (y_alt, drift_ref) if t is not None and ref_slot is not None]
     if any(t is not None and t.stride(-1) != 1 for t in rowwise) or len({t.stride(0) for t in stacks}) > 1:
