@@ -606,8 +606,15 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    # The bar's setting (ρ 0.4 / 0.5), with the first schedule asked for: the runtime's default first.
-    main_key = next((k for k in results if k.startswith("rmuscle_p0.4_n0.5")), None)
+    # The bar's setting (ρ 0.4 / 0.5) with the runtime's default schedule, else the first one run (found in
+    # review: the first row run, uniform in the 7B run, stood for it whatever the default)
+    schedule = RMuscleConfig().neuron_schedule
+    default = "rmuscle_p0.4_n0.5" + ("" if schedule == "uniform" else f"_{schedule}")
+    main_key = (
+        default
+        if default in results
+        else next((k for k in results if k.startswith("rmuscle_p0.4_n0.5")), None)
+    )
     if main_key is not None:
         results["rmuscle"] = dict(results[main_key])
     flops_peak, bw = ceilings["bf16_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12
