@@ -73,6 +73,8 @@ format: venv
 # send to, or hear from, other machines on the network (and need no network at all).
 test: export ROS_DOMAIN_ID := $(ROS_TEST_DOMAIN_ID)
 test: export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
+# The nodes' log files (~470 a run) under build/, not the user's ~/.ros/log (found in review)
+test: export ROS_LOG_DIR := $(CURDIR)/build/ros_log
 test: lint
 	timeout -k 10 $(PYTEST_TIMEOUT_S) $(PY) -m pytest -q
 

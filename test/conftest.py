@@ -15,6 +15,10 @@ import torch
 # imported (its own library functions are decorated then): set it before any test module imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# ROS tests stay on this machine and off the default domain 0 when run without `make test` (which sets
+# both): found in review, a plain `pytest` ran nodes on domain 0 with subnet-wide discovery.
+os.environ.setdefault("ROS_DOMAIN_ID", "42")
+os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 from safetensors.torch import load_file
 
 from rmuscle_ros.models.checkpoint import init_random_
@@ -125,3 +129,9 @@ def block_imports(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.delitem(sys.modules, name, raising=False)
 
     return block
+
+
+def ros_domain(offset: int = 0) -> int:
+    """The test run's DDS domain (ROS_DOMAIN_ID) moved by `offset`, for tests that keep their nodes apart,
+    within 0..232 (Fast DDS refuses higher ones by ending the process without a word; found in review)."""
+    return (int(os.environ.get("ROS_DOMAIN_ID", "42")) + offset) % 233

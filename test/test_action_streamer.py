@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import ros_domain
 
 rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
 pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
@@ -142,7 +142,7 @@ def cells() -> Iterator[Callable[..., Cell]]:
         """A streamer with `params`, and a peer whose arms' drivers answer as `drivers` (default: as ALOHA
         followers' do)."""
         context = rclpy.Context()
-        rclpy.init(context=context, domain_id=int(os.environ.get("ROS_DOMAIN_ID", "42")))
+        rclpy.init(context=context, domain_id=ros_domain())
         n = next(_IDS)
         overrides = [Parameter(k, value=v) for k, v in params.items()]
         node = ActionStreamerNode(f"streamer_test_{n}", context=context, parameter_overrides=overrides)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ros_domain
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch" / "rmuscle.launch.py"
 
@@ -86,7 +87,37 @@ def test_autostart_activates_after_the_first_configure_only() -> None:
     function = next(
         n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "first_configure_succeeded"
     )
-    assert 'return ends == ["inactive"]' in (ast.get_source_segment(text, function) or "")
+
+    # The matcher itself, run on stand-in events (found in review: only its text was checked, and a matcher
+    # that never matched passed): launch_ros's StateTransition carries action, start_state and goal_state.
+    class StateTransition:
+        def __init__(self, action: object, start: str, goal: str) -> None:
+            self.action, self.start_state, self.goal_state = action, start, goal
+
+    scope: dict = {
+        "StateTransition": StateTransition,
+        "Callable": object,
+        "Event": object,
+        "LifecycleNode": object,
+    }
+    exec(compile(ast.Module([function], type_ignores=[]), str(LAUNCH), "exec"), scope)
+    streamer, other = object(), object()
+
+    def run(events: list[tuple[object, str, str]]) -> list[bool]:
+        matches = scope["first_configure_succeeded"](streamer)
+        return [matches(StateTransition(*e)) for e in events]
+
+    configured = (streamer, "configuring", "inactive")
+    assert run([configured, configured]) == [True, False]  # the first configure only
+    assert run([(streamer, "configuring", "unconfigured"), configured]) == [
+        False,
+        False,
+    ]  # after a failed one
+    assert run([(other, "configuring", "inactive"), (streamer, "activating", "active"), configured]) == [
+        False,
+        False,
+        True,
+    ]  # another node's, or another transition, do not count
 
 
 @pytest.mark.skipif(
@@ -255,7 +286,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     from rmuscle_ros.node.spin import BackgroundSpin
 
     config = LAUNCH.parents[1] / "config"
-    domain = int(os.environ.get("ROS_DOMAIN_ID", "42")) + 50  # away from the other tests' nodes
+    domain = ros_domain(50)  # away from the other tests' nodes
     env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
 
     processes = [
