@@ -508,7 +508,14 @@ def context_probe(
             for rho in rhos:
                 captured[rho][i].append(
                     captured_change(
-                        now.ffn_in[i], then.ffn_in[i], then.ffn_out[i], w_gate, w_up, w.down_w, rho
+                        now.ffn_in[i],
+                        then.ffn_in[i],
+                        then.ffn_out[i],
+                        w_gate,
+                        w_up,
+                        w.down_w,
+                        rho,
+                        scale=fused.ffn_in_scale[i],  # the engine's rule: the FFN input's own drift
                     )
                 )
                 k = math.ceil(rho * change.shape[0])

@@ -7,6 +7,8 @@ from the same observation is what the dense prefill computed.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import random_inputs, rel_l2, tiny_model
@@ -425,3 +427,56 @@ def test_masks_are_ranked_against_the_anchor_a_cached_call_adds_onto(model, monk
     last_anchor = activations[(anchors - 1) * depth : anchors * depth]
     for k, anchor in enumerate(scored):
         assert torch.equal(anchor, last_anchor[k % depth]), f"scoring call {k} ranked against another step"
+
+
+@torch.no_grad()
+def _first_ffn_inputs(model, inputs) -> torch.Tensor:
+    """The first prefix layer's FFN input, norm(res) · (1 + w), from the model's own modules: (Lp, W)."""
+    from rmuscle_ros.models.pi05 import gated_residual, masked_attention
+
+    embs, pad = model.embed_prefix(inputs)
+    positions, mask = pad.cumsum(-1) - 1, pad[:, None, :] & pad[:, :, None]
+    layer = model.llm.layers[0]
+    q, k, v, gate = layer.attention_inputs(embs.float(), positions, None)
+    x = gated_residual(embs.float(), layer.self_attn.o_proj(masked_attention(q, k, v, mask)), gate)
+    return layer.post_attention_layernorm(x)[0][0]
+
+
+def test_the_context_cache_ranks_the_drift_of_the_ffn_input_itself() -> None:
+    """DESIGN §4: the visual tokens whose FFN input drifted most are recomputed. The engine's normalised rows
+    lack the pre-FFN norm's (1 + w) (folded into the FFN's weights); found in review, it ranked them
+    unscaled, which with uneven norm weights (a trained Gemma's) picks other tokens. The first layer's choice
+    (its residual is the dense one's) against the top ρp of the FFN inputs' drift computed plainly."""
+    model = tiny_model(seed=11)
+    with torch.no_grad():
+        for layer in model.llm.layers:
+            layer.post_attention_layernorm.weight.normal_(
+                0.0, 2.0, generator=torch.Generator().manual_seed(1)
+            )
+    cfg, nv = model.cfg, model.cfg.image_tokens
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=0.4, rho_n=1.0))
+    reference = random_inputs(cfg, valid_tokens=9, pad_to=20, seed=4)
+    entry, masks = _reference(engine, *reference)
+    engine.load_reference(entry, masks)
+    live, noise = random_inputs(cfg, valid_tokens=15, pad_to=20, seed=5)
+    ops, chosen = engine.fused.ops, []
+
+    def select(drift, keep, num_rows, rows_out, inv_out):
+        ops.context_select(drift, keep, num_rows, rows_out, inv_out)
+        chosen.append(set(rows_out[:keep].tolist()))
+
+    engine.fused.ops = SimpleNamespace(**{n: getattr(ops, n) for n in dir(ops) if not n.startswith("__")})
+    engine.fused.ops.context_select = select
+    try:
+        _run(engine, live, noise, "cached", "dense")
+    finally:
+        engine.fused.ops = ops
+    drift = (_first_ffn_inputs(model, live)[:nv] - _first_ffn_inputs(model, reference[0])[:nv]).pow(2).sum(-1)
+    want = set(torch.topk(drift, engine.keep_tokens).indices.tolist())
+    assert len(chosen[0] & want) >= 0.99 * len(want), len(chosen[0] & want) / len(want)
+    # the ranking without the scale, for contrast: it picks other tokens
+    h_live, h_ref = _first_ffn_inputs(model, live)[:nv], _first_ffn_inputs(model, reference[0])[:nv]
+    scale = 1.0 + model.llm.layers[0].post_attention_layernorm.weight
+    unscaled = ((h_live - h_ref) / scale).pow(2).sum(-1)
+    other = set(torch.topk(unscaled, engine.keep_tokens).indices.tolist())
+    assert len(other & want) < 0.95 * len(want)

@@ -188,25 +188,31 @@ def test_neuron_scores_sum_each_neurons_change_over_the_rows(m: int, no_fallback
     assert rel(out[:300], expected) < 1e-6 and (out[300:] == -1).all()
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_add_norm_measures_the_context_cache_drift(out_dtype: torch.dtype, no_fallback) -> None:
-    """drift_out[r] = ‖out[r] − drift_ref[r]‖² over the first Nv rows, from out as stored (rounded to its
-    dtype); the other rows write nothing. (The interpreter rounds to bf16 by truncation, the GPU to
-    nearest: so bf16 outputs are compared loosely, the drift exactly against the kernel's own output.)"""
+def test_add_norm_measures_the_context_cache_drift(out_dtype: torch.dtype, scaled: bool, no_fallback) -> None:
+    """drift_out[r] = ‖(out[r] − drift_ref[r]) · drift_scale‖² over the first Nv rows, from out as stored
+    (rounded to its dtype); the other rows write nothing. (The interpreter rounds to bf16 by truncation, the
+    GPU to nearest: so bf16 outputs are compared loosely, the drift exactly against the kernel's own
+    output.) drift_scale: the pre-FFN norm's (1 + w), so that the drift is the FFN input's own."""
     n, nv, d = 9, 5, 48
     res, y = torch.randn(n, d), torch.randn(n, d)
     drift_ref = torch.randn(nv, d).to(out_dtype)
+    scale = 1.0 + 2.0 * torch.randn(d) if scaled else None
     outs = []
     for impl in (ops, triton_ops):
         if impl is triton_ops:
             no_fallback()
         r, out, drift = res.clone(), torch.empty(n, d, dtype=out_dtype), torch.full((nv + 2,), -1.0)
-        impl.add_norm(r, y, out, eps=1e-6, rms=True, drift_ref=drift_ref, drift_out=drift[:nv])
+        impl.add_norm(
+            r, y, out, eps=1e-6, rms=True, drift_ref=drift_ref, drift_out=drift[:nv], drift_scale=scale
+        )
         outs.append((r, out, drift))
     (r_ref, out_ref, drift_want), (r, out, drift) = outs
     tol = 1e-5 if out_dtype == torch.float32 else 1e-2
     assert rel(r, r_ref) < 1e-6 and rel(out.float(), out_ref.float()) < tol
-    assert rel(drift[:nv], (out[:nv].float() - drift_ref.float()).pow(2).sum(-1)) < 1e-6
+    diff = out[:nv].float() - drift_ref.float()
+    assert rel(drift[:nv], (diff if scale is None else diff * scale).pow(2).sum(-1)) < 1e-6
     assert rel(drift[:nv], drift_want[:nv]) < tol
     assert (drift[nv:] == -1).all()
 

@@ -31,10 +31,15 @@ def dense_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor
 # ── Context Cache ────────────────────────────────────────────────────────────────────────────────────
 
 
-def select_drifted_tokens(x_visual: Tensor, ref_visual: Tensor, rho: float) -> Tensor:
-    """Indices of the ceil(ρ·N) visual tokens whose FFN input moved most (L2) from the reference. (N, W) -> (k,)."""
+def select_drifted_tokens(
+    x_visual: Tensor, ref_visual: Tensor, rho: float, scale: Tensor | None = None
+) -> Tensor:
+    """Indices of the ceil(ρ·N) visual tokens whose FFN input moved most (L2) from the reference. (N, W) -> (k,).
+    `scale` (W,): a per-channel factor of the FFN input not in `x` (the engine's normalised rows lack the
+    norm's (1 + w), folded into the FFN's weights)."""
     k = max(1, int(torch.ceil(torch.tensor(rho * x_visual.shape[0])).item()))
-    drift = (x_visual.float() - ref_visual.float()).norm(dim=-1)
+    diff = x_visual.float() - ref_visual.float()
+    drift = (diff if scale is None else diff * scale.float()).norm(dim=-1)
     return torch.topk(drift, k, sorted=False).indices.sort().values
 
 
@@ -61,12 +66,19 @@ def context_cached_ffn(
 
 
 def captured_change(
-    x: Tensor, ref_in: Tensor, ref_out: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, rho: float
+    x: Tensor,
+    ref_in: Tensor,
+    ref_out: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    rho: float,
+    scale: Tensor | None = None,
 ) -> float:
     """Fidelity probe: the fraction of the visual tokens' FFN-output change (‖out − ref_out‖²) that the top-ρ
     drifted tokens account for (published: top 40 % capture ≈ 80 %)."""
     change = (dense_ffn(x, w_gate, w_up, w_down) - ref_out).float().pow(2).sum(-1)
-    selected = select_drifted_tokens(x, ref_in, rho)
+    selected = select_drifted_tokens(x, ref_in, rho, scale)
     return (change[selected].sum() / change.sum().clamp_min(1e-30)).item()
 
 

@@ -13,7 +13,8 @@ computes K/V: nothing reads its attention or MLP output.
 rMuscle (DESIGN.md §4) enters here as optional arguments, so the cached computation is the dense one with
 a few operators swapped, on any backend:
 - `prefill(context=...)`: the Context Cache. Per layer, the visual tokens whose FFN input drifted least
-  (squared L2) from the reference entry copy the reference's FFN output; the top ρp (ties to the earlier
+  (squared L2, the pre-FFN norm's (1 + w) scale included) from the reference entry copy the reference's
+  FFN output; the top ρp (ties to the earlier
   token), and every prompt token, are recomputed. The norm before the FFN also measures the drift,
   `context_select` ranks it, the FFN runs on the gathered rows only, and the norm after it reads each
   row's output from that compact result or from the reference. `prefill(record=...)` writes a reference
@@ -403,6 +404,13 @@ class FusedPi05:
 
         self.embed = self._to(model.llm.embed_tokens.weight)
         self.prefix_layers = []
+        # Each prefix layer's pre-FFN norm scale (1 + w), folded into gate_up_w: the Context Cache scales its
+        # drift by it, so that it ranks the FFN input's own change (DESIGN §4; found in review: it ranked the
+        # normalised residual's, before the scale)
+        self.ffn_in_scale = [
+            self._to(1.0 + f32(layer.post_attention_layernorm.weight), torch.float32)
+            for layer in model.llm.layers
+        ]
         for layer in model.llm.layers:
             att, mlp = layer.self_attn, layer.mlp
             qkv, _ = _stack_rows(att.q_proj, att.k_proj, att.v_proj)
@@ -575,7 +583,7 @@ class FusedPi05:
                 ref_out = context.ref.ffn_out[i] if context.slot is None else context.ref.ffn_out[:, i]
                 ops.add_norm(
                     res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True,
-                    drift_ref=ref_in, drift_out=drift, **pick,
+                    drift_ref=ref_in, drift_out=drift, drift_scale=self.ffn_in_scale[i], **pick,
                 )  # fmt: skip
                 y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv)
                 # the rows not recomputed read the reference's

@@ -38,6 +38,7 @@ def add_norm(
     drift_out: Tensor | None = None,
     ref_slot: Tensor | None = None,
     res_ready: bool = False,
+    drift_scale: Tensor | None = None,
 ) -> Tensor:
     """Residual update then normalisation, in one pass over the row.
 
@@ -52,6 +53,9 @@ def add_norm(
     rows r < Nv may be negative). With drift_ref (Nv, D) and drift_out (Nv,) float32: drift_out[r] =
     Σ_d (out[r, d] − drift_ref[r, d])², from out as stored (in its dtype), for the first Nv rows. With
     ref_slot (1,) int64: y_alt and drift_ref are stacks (S, Nv, D) and slot ref_slot[0] is the one read.
+    drift_scale (D,) float32: each channel's difference is scaled by it before squaring (the Context Cache
+    measures the drift of the FFN input itself, norm(res) · (1 + w), whose (1 + w) is folded into the FFN's
+    weights and so not in `out`).
     res_ready: a scheduling hint for the Triton kernel (res may be read before its PDL wait); no effect here.
     """
     if y_rows is not None and y_alt is None:
@@ -89,7 +93,10 @@ def add_norm(
     out.copy_(h)
     if drift_ref is not None:
         nv = drift_ref.shape[0]
-        drift_out.copy_((out[:nv].float() - drift_ref.float()).pow(2).sum(-1))
+        diff = out[:nv].float() - drift_ref.float()
+        if drift_scale is not None:
+            diff = diff * drift_scale.float()
+        drift_out.copy_(diff.pow(2).sum(-1))
     return out
 
 

@@ -259,6 +259,8 @@ def _add_norm_kernel(
     stride_ref_slot,
     REF_SLOT: tl.constexpr,
     RES_EARLY: tl.constexpr,
+    drift_scale_ptr,
+    DRIFT_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -275,6 +277,8 @@ def _add_norm_kernel(
         add = tl.load(add_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_BASE:
         base = tl.load(base_ptr + row * stride_base + cols, mask=valid, other=0.0)
+    if DRIFT_SCALE:  # a weight: loaded before the wait
+        drift_scale = tl.load(drift_scale_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     if RES_EARLY:  # the caller says the residual was last written two or more kernels back: finished by now
         x = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0).to(tl.float32)
     if PDL:
@@ -327,6 +331,8 @@ def _add_norm_kernel(
             drift_ref_ptr + ref_off + row * stride_drift_ref + cols, mask=valid & is_visual, other=0.0
         )
         diff = tl.where(valid, h_out.to(tl.float32) - ref.to(tl.float32), 0.0)
+        if DRIFT_SCALE:
+            diff *= drift_scale
         tl.store(drift_out_ptr + row, tl.sum(diff * diff, axis=0), mask=is_visual)
 
 
@@ -349,6 +355,7 @@ def add_norm(
     drift_out: Tensor | None = None,
     ref_slot: Tensor | None = None,
     res_ready: bool = False,
+    drift_scale: Tensor | None = None,
 ) -> Tensor:
     """ops.add_norm in one kernel per row (see it for the terms). res_ready: `res` was last written two or
     more kernels before this one, so under PDL it may be read before the wait. (A kernel starts only once
@@ -359,13 +366,13 @@ def add_norm(
         raise ValueError("add_norm: y_rows needs y_alt, the rows read where y_rows is negative")
     if y is None and (y_base is not None or y_store is not None):
         raise ValueError("add_norm: y_base and y_store go with y (without it nothing is added or stored)")
-    rowwise = (res, y, out, y_base, y_store, y_rows, y_alt, drift_ref, drift_out)
+    rowwise = (res, y, out, y_base, y_store, y_rows, y_alt, drift_ref, drift_out, drift_scale)
     stacks = [t for t in (y_alt, drift_ref) if t is not None and ref_slot is not None]
     if any(t is not None and t.stride(-1) != 1 for t in rowwise) or len({t.stride(0) for t in stacks}) > 1:
         return ops.add_norm(
             res, y, out, eps=eps, rms=rms, y_bias=y_bias, gate=gate, mul=mul, add=add, y_base=y_base,
             y_store=y_store, y_rows=y_rows, y_alt=y_alt, drift_ref=drift_ref, drift_out=drift_out,
-            ref_slot=ref_slot,
+            ref_slot=ref_slot, drift_scale=drift_scale,
         )  # fmt: skip
     y_rows = None if y is None else y_rows  # nothing to read without y
     block = triton.next_power_of_2(d)
@@ -412,6 +419,8 @@ def add_norm(
         stride_ref_slot=stacks[0].stride(0) if stacks else 0,
         REF_SLOT=bool(stacks),
         RES_EARLY=res_ready,
+        drift_scale_ptr=res if drift_scale is None or drift_ref is None else drift_scale,
+        DRIFT_SCALE=drift_scale is not None and drift_ref is not None,
         num_warps=4 if block <= 1024 else 8,
         **_launch_opts(),
     )
