@@ -68,7 +68,8 @@ def engine_calls() -> None:
     ref_in, ref_out = t(2, nv, g.width), t(2, nv, g.width)
     slot = torch.zeros(1, dtype=i64)
     drift, rows, inv = t(nv, dtype=f32), torch.zeros(keep + lp - nv, dtype=i64), t(lp, dtype=i32)
-    T.add_norm(res, t(lp, g.width), h, eps=1e-6, rms=True, drift_ref=ref_in, drift_out=drift, ref_slot=slot)
+    T.add_norm(res, t(lp, g.width), h, eps=1e-6, rms=True, drift_ref=ref_in, drift_out=drift, ref_slot=slot,
+               drift_scale=t(g.width, dtype=f32))  # fmt: skip
     T.context_select(drift, keep, lp, rows, inv)
     # the match stage's pick among 20 window entries
     T.window_match(t(cfg.num_cameras, g.width, dtype=f32), t(20, cfg.num_cameras * g.width, dtype=f32),
@@ -111,6 +112,9 @@ def engine_calls() -> None:
     T.linear_geglu(h, gate_up, delta, neurons=idx, anchor=act_anchor)
     y = T.linear(delta, down_t, gather_splits(sel), neurons=idx)
     T.add_norm(res, y, h, eps=1e-6, rms=True, y_base=y_anchor, **gate)
+    T.add_norm(
+        res, y_anchor, h, eps=1e-6, rms=True, **gate
+    )  # the ramp's step of 0 neurons: the anchor's output
 
 
 def record_launches() -> list[tuple[JITFunction, dict[str, object], dict[str, object]]]:

@@ -448,11 +448,10 @@ def test_the_context_cache_ranks_the_drift_of_the_ffn_input_itself() -> None:
     unscaled, which with uneven norm weights (a trained Gemma's) picks other tokens. The first layer's choice
     (its residual is the dense one's) against the top ρp of the FFN inputs' drift computed plainly."""
     model = tiny_model(seed=11)
-    with torch.no_grad():
-        for layer in model.llm.layers:
-            layer.post_attention_layernorm.weight.normal_(
-                0.0, 2.0, generator=torch.Generator().manual_seed(1)
-            )
+    with torch.no_grad():  # uneven, and each layer's its own (a wrong layer's scale would pick others)
+        for n, layer in enumerate(model.llm.layers):
+            gen = torch.Generator().manual_seed(1 + n)
+            layer.post_attention_layernorm.weight.normal_(0.0, 2.0, generator=gen)
     cfg, nv = model.cfg, model.cfg.image_tokens
     engine = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=0.4, rho_n=1.0))
     reference = random_inputs(cfg, valid_tokens=9, pad_to=20, seed=4)

@@ -97,7 +97,9 @@ class StepModulation:
 @dataclass
 class ContextRef:
     """One reference entry of the Context Cache: per prefix layer that has an FFN (depth − 1), the FFN
-    input (post-attention norm) and FFN output of the visual tokens, in the engine's dtype."""
+    input as the engine holds it (normalised, before the pre-FFN norm's (1 + w), which is folded into the
+    FFN's weights; the drift scales by it, `FusedPi05.ffn_in_scale`) and the FFN output of the visual
+    tokens, in the engine's dtype."""
 
     ffn_in: Tensor  # (depth − 1, C·256, W)
     ffn_out: Tensor
