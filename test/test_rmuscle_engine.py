@@ -470,11 +470,11 @@ def test_the_context_cache_ranks_the_drift_of_the_ffn_input_itself() -> None:
         _run(engine, live, noise, "cached", "dense")
     finally:
         engine.fused.ops = ops
-    drift = (_first_ffn_inputs(model, live)[:nv] - _first_ffn_inputs(model, reference[0])[:nv]).pow(2).sum(-1)
+    h_live, h_ref = _first_ffn_inputs(model, live)[:nv], _first_ffn_inputs(model, reference[0])[:nv]
+    drift = (h_live - h_ref).pow(2).sum(-1)
     want = set(torch.topk(drift, engine.keep_tokens).indices.tolist())
     assert len(chosen[0] & want) >= 0.99 * len(want), len(chosen[0] & want) / len(want)
     # the ranking without the scale, for contrast: it picks other tokens
-    h_live, h_ref = _first_ffn_inputs(model, live)[:nv], _first_ffn_inputs(model, reference[0])[:nv]
     scale = 1.0 + model.llm.layers[0].post_attention_layernorm.weight
     unscaled = ((h_live - h_ref) / scale).pow(2).sum(-1)
     other = set(torch.topk(unscaled, engine.keep_tokens).indices.tolist())

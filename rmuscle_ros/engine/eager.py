@@ -9,10 +9,11 @@ from rmuscle_ros.models.pi05 import ModelInputs, Pi05Model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check_noise(inputs: ModelInputs, noise: torch.Tensor, horizon: int, action_dim: int) -> None:
-    """ValueError unless `noise` is (the inputs' batch, horizon, action_dim): every engine's check (found in
-    review: the exported engines returned fewer chunks than observations for a shorter noise batch)."""
-    want = (inputs.tokens.shape[0], horizon, action_dim)
+def check_noise(noise: torch.Tensor, batch: int, horizon: int, action_dim: int) -> None:
+    """ValueError unless `noise` is (batch, horizon, action_dim), batch the inputs' observations: every
+    engine's check, and the Policy's (found in review: the exported engines returned fewer chunks than
+    observations for a shorter noise batch)."""
+    want = (batch, horizon, action_dim)
     if tuple(noise.shape) != want:  # another horizon ran and returned that many rows (found in review)
         raise ValueError(f"noise must be {want} (batch, horizon, action_dim), got {tuple(noise.shape)}")
 
@@ -31,5 +32,5 @@ class EagerEngine:
 
     @torch.no_grad()
     def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
-        check_noise(inputs, noise, self.model.cfg.horizon, self.model.cfg.action_dim)
+        check_noise(noise, inputs.tokens.shape[0], self.model.cfg.horizon, self.model.cfg.action_dim)
         return self.model.sample_actions(inputs.to(self.device), noise.to(self.device))

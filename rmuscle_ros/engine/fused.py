@@ -409,12 +409,12 @@ class FusedPi05:
         # Each prefix layer's pre-FFN norm scale (1 + w), folded into gate_up_w: the Context Cache scales its
         # drift by it, so that it ranks the FFN input's own change (DESIGN §4; found in review: it ranked the
         # normalised residual's, before the scale)
-        self.ffn_in_scale = [
-            self._to(1.0 + f32(layer.post_attention_layernorm.weight), torch.float32)
-            for layer in model.llm.layers
-        ]
+        self.ffn_in_scale: list[Tensor] = []
         for layer in model.llm.layers:
             att, mlp = layer.self_attn, layer.mlp
+            self.ffn_in_scale.append(
+                self._to(1.0 + f32(layer.post_attention_layernorm.weight), torch.float32)
+            )
             qkv, _ = _stack_rows(att.q_proj, att.k_proj, att.v_proj)
             gate_up, _ = _stack_rows(mlp.gate_proj, mlp.up_proj)
             self.prefix_layers.append(

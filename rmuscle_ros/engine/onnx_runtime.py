@@ -103,7 +103,7 @@ class OnnxRuntimeEngine:
 
     @torch.no_grad()
     def sample_actions(self, inputs: ModelInputs, noise: torch.Tensor) -> torch.Tensor:
-        check_noise(inputs, noise, self.cfg.horizon, self.cfg.action_dim)
+        check_noise(noise, inputs.tokens.shape[0], self.cfg.horizon, self.cfg.action_dim)
         if not self._sessions:
             self.warmup()
         inputs = inputs.to(self.device)

@@ -497,7 +497,7 @@ class TensorRTEngine:
         Each observation runs alone, its prompt at its bucket (`onnx_export.trim_prompt`)."""
         if not self._stages:
             self.warmup()
-        check_noise(inputs, noise, self.cfg.horizon, self.cfg.action_dim)
+        check_noise(noise, inputs.tokens.shape[0], self.cfg.horizon, self.cfg.action_dim)
         noise = noise.to(self.device, torch.float32)
         # Trimmed where the prompt is (the policy's is on the host), then moved as before: the copies into
         # the engine's buffers below are then device to device, queued on its stream without a host wait.

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import rclpy
-import rclpy.signals
 import rclpy.utilities
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import InvalidHandle, InvalidParameterTypeException, ParameterUninitializedException
@@ -231,17 +230,16 @@ class _FirstInterrupt:
 
     def __call__(self, signum: int, _frame: object) -> None:
         if not self.spinning:  # the shutdown is under way
-            _say_ignored(self.name, self.doing, signum)
+            _say(self.name, signum, f"ignored: {self.doing}")
             return
         if self.deferring:
             self.deferred = True
-            print(
-                f"{self.name}: {signal.Signals(signum).name} held until {self.deferring} (SIGKILL ends the "
-                "process without it)",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(self.name, signum, f"held until {self.deferring}")
             return
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """The interrupt itself: from now on the spin is ending, and later signals are held."""
         self.spinning = False
         _hold_signals(self.name, self.doing)
         raise KeyboardInterrupt
@@ -254,14 +252,15 @@ def _hold_signals(name: str, doing: str = "shutting down") -> dict[int, Any]:
         return {}
 
     def say(signum: int, _frame: object) -> None:
-        _say_ignored(name, doing, signum)
+        _say(name, signum, f"ignored: {doing}")
 
     return {s: signal.signal(s, say) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _say_ignored(name: str, doing: str, signum: int) -> None:
+def _say(name: str, signum: int, what: str) -> None:
+    """What became of a signal, on stderr: ignored, or held until something ends."""
     print(
-        f"{name}: {signal.Signals(signum).name} ignored: {doing} (SIGKILL ends the process without it)",
+        f"{name}: {signal.Signals(signum).name} {what} (SIGKILL ends the process without it)",
         file=sys.stderr,
         flush=True,
     )
@@ -286,9 +285,7 @@ def signals_deferred(doing: str) -> Iterator[None]:
     finally:
         handler.deferring = ""
         if handler.deferred and handler.spinning and rclpy.ok():
-            handler.spinning = False
-            _hold_signals(handler.name, handler.doing)
-            raise KeyboardInterrupt
+            handler.interrupt()
 
 
 def _restore_signals(held: dict[int, Any]) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig, relative_l2
 from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
+from rmuscle_ros.engine.eager import check_noise
 from rmuscle_ros.models.checkpoint import (
     check_relative_actions,
     load_model,
@@ -436,12 +437,13 @@ class Policy:
     def _check_noise(self, noise: object) -> None:
         """A caller's noise: one observation's, as floats (found in review: integer noise ran truncated, and
         the fused engine named a batch where the shape lacked its batch axis)."""
-        want = (1, self.model_cfg.horizon, self.model_cfg.action_dim)
+        horizon, action_dim = self.model_cfg.horizon, self.model_cfg.action_dim
         if not isinstance(noise, torch.Tensor) or not noise.is_floating_point():
             kind = noise.dtype if isinstance(noise, torch.Tensor) else type(noise).__name__
-            raise ValueError(f"noise must be a floating-point torch.Tensor of shape {want}, got {kind}")
-        if tuple(noise.shape) != want:
-            raise ValueError(f"noise must be {want} (batch, horizon, action_dim), got {tuple(noise.shape)}")
+            raise ValueError(
+                f"noise must be a floating-point torch.Tensor of shape {(1, horizon, action_dim)}, got {kind}"
+            )
+        check_noise(noise, 1, horizon, action_dim)
 
     def _refuse(self, actions: np.ndarray, info: CallInfo) -> None:
         """A chunk with NaN or Inf: raise NonFiniteActions naming where, and (with the cache) keep the
