@@ -70,7 +70,7 @@ def engine_calls() -> None:
     drift, rows, inv = t(nv, dtype=f32), torch.zeros(keep + lp - nv, dtype=i64), t(lp, dtype=i32)
     T.add_norm(res, t(lp, g.width), h, eps=1e-6, rms=True, drift_ref=ref_in, drift_out=drift, ref_slot=slot,
                drift_scale=t(g.width, dtype=f32))  # fmt: skip
-    T.context_select(drift, keep, lp, rows, inv)
+    T.context_select(drift, keep, lp, rows, inv, t(lp, dtype=f32))  # with the call's key bias, as the engine
     # the match stage's pick among 20 window entries
     T.window_match(t(cfg.num_cameras, g.width, dtype=f32), t(20, cfg.num_cameras * g.width, dtype=f32),
                    torch.ones(20, dtype=torch.bool), slot, t(2, dtype=f32))  # fmt: skip

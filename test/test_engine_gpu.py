@@ -361,13 +361,17 @@ def test_context_cache_kernels_match_definition(triton_ops, ties: bool) -> None:
 
     if ties:  # a few distinct values: the order among equal drifts decides
         drift = torch.randint(0, 40, (nv,), device=CUDA, generator=gen).float()
-    selections = []
-    for impl in (ops, triton_ops):
-        rows = torch.full((keep + lp - nv,), -7, device=CUDA, dtype=torch.long)
-        inv = torch.full((lp,), -7, device=CUDA, dtype=torch.int32)
-        impl.context_select(drift, keep, lp, rows, inv)
-        selections.append((rows, inv))
-    assert torch.equal(selections[1][0], selections[0][0]) and torch.equal(selections[1][1], selections[0][1])
+    key_bias = torch.zeros(lp, device=CUDA)
+    key_bias[nv // 3 : 2 * nv // 3] = -1e30  # a camera missing from the call: its rows rank last
+    for bias in (key_bias, None):
+        selections = []
+        for impl in (ops, triton_ops):
+            rows = torch.full((keep + lp - nv,), -7, device=CUDA, dtype=torch.long)
+            inv = torch.full((lp,), -7, device=CUDA, dtype=torch.int32)
+            impl.context_select(drift, keep, lp, rows, inv, bias)
+            selections.append((rows, inv))
+        assert torch.equal(selections[1][0], selections[0][0])
+        assert torch.equal(selections[1][1], selections[0][1])
     rows, inv = selections[1]
     assert drift[rows[:keep]].min() >= drift[inv[:nv] < 0].max()
 

@@ -166,6 +166,56 @@ def test_context_cache_recomputes_the_most_drifted_rows_ties_to_the_earlier(mode
     assert rel_l2(prefill_kv(ContextCache(entry, len(drifted) + 1)), dense) > 1e-2
 
 
+def test_a_camera_missing_from_the_call_never_takes_the_context_caches_budget(model) -> None:
+    """The rows of a masked camera are attended by nothing, so recomputing them buys nothing. Found in
+    review: they were ranked with the rest, and in the one-camera sim they took a median 233 of a layer's
+    308 recomputed rows. Here camera 1 is missing and its rows drifted most (and hold garbage); the
+    present rows S drifted less. With keep = |S| + 2 the prefill recomputes S and rows 0, 1, and the
+    attended rows' K/V are the dense ones."""
+    cfg, tpi = model.cfg, model.cfg.vision.tokens_per_image
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes())
+    inputs, noise = random_inputs(cfg, valid_tokens=12, pad_to=20)
+    inputs.image_masks[0, 1] = False
+    entry, _ = _reference(engine, inputs, noise)
+    bucket = engine.load_inputs(inputs, noise)
+    engine.run_stage("vision", bucket)
+    lp = cfg.image_tokens + bucket
+    attended = engine.layout[bucket].key_bias[:lp] == 0
+    assert not attended[tpi : 2 * tpi].any() and attended[:tpi].all()
+
+    def prefill_kv(context: ContextCache | None = None) -> torch.Tensor:
+        layout = engine.layout[bucket]
+        engine.fused.prefill(engine.visual, engine.tokens[bucket], layout, engine.kv, context=context)
+        return torch.cat([engine.kv.keys[-1][:, :lp][:, attended], engine.kv.values[-1][:, :lp][:, attended]])
+
+    dense = prefill_kv()
+    drifted = torch.tensor([5, 2 * tpi + 3, 3 * tpi - 1])
+    entry.ffn_in[:, drifted] += 1.0
+    entry.ffn_in[:, tpi : 2 * tpi] += 50.0  # the missing camera's rows: far more drift
+    entry.ffn_out[:, drifted] = 1e3
+    entry.ffn_out[:, :2] = 1e3
+    entry.ffn_out[:, tpi : 2 * tpi] = 1e3
+    assert rel_l2(prefill_kv(ContextCache(entry, len(drifted) + 2)), dense) < 1e-5
+    assert rel_l2(prefill_kv(ContextCache(entry, len(drifted) + 1)), dense) > 1e-2
+
+
+def test_rho_p_counts_the_rows_of_the_cameras_a_cell_has() -> None:
+    """CacheShapes.cameras (the policy's cameras): ρp is a fraction of those slots' rows; keeping all of
+    them is the dense prefill (ρp = 1 stays exact with slots unfilled); a count beyond the model's slots,
+    or not an int, is refused."""
+    cfg = tiny_model().cfg
+    tpi = cfg.vision.tokens_per_image
+    assert CacheShapes(rho_p=0.4).keep_tokens(cfg) == rho_count(0.4, cfg.image_tokens)
+    assert CacheShapes(rho_p=0.4, cameras=1).keep_tokens(cfg) == rho_count(0.4, tpi) < tpi
+    assert CacheShapes(rho_p=0.4, cameras=2).keep_tokens(cfg) == rho_count(0.4, 2 * tpi)
+    assert CacheShapes(rho_p=1.0, cameras=1).keep_tokens(cfg) == cfg.image_tokens
+    with pytest.raises(ValueError, match="cameras: the model has 3 image slots, got 4"):
+        CacheShapes(cameras=4).keep_tokens(cfg)
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="cameras must be an int"):
+            CacheShapes(cameras=bad)
+
+
 def test_cached_call_differs_from_dense_only_by_the_approximation(model) -> None:
     """A similar observation served from a reference: finite, the right shape, close to dense."""
     cfg = model.cfg
@@ -460,8 +510,8 @@ def test_the_context_cache_ranks_the_drift_of_the_ffn_input_itself() -> None:
     live, noise = random_inputs(cfg, valid_tokens=15, pad_to=20, seed=5)
     ops, chosen = engine.fused.ops, []
 
-    def select(drift, keep, num_rows, rows_out, inv_out):
-        ops.context_select(drift, keep, num_rows, rows_out, inv_out)
+    def select(drift, keep, num_rows, rows_out, inv_out, key_bias):
+        ops.context_select(drift, keep, num_rows, rows_out, inv_out, key_bias)
         chosen.append(set(rows_out[:keep].tolist()))
 
     engine.fused.ops = SimpleNamespace(**{n: getattr(ops, n) for n in dir(ops) if not n.startswith("__")})

@@ -357,6 +357,31 @@ def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
         assert all(np.array_equal(c.actions, w) for c, w in zip(chunks, want, strict=True))
 
 
+def test_a_one_camera_cell_counts_rho_p_over_its_camera_and_rho_one_stays_dense() -> None:
+    """A cell with fewer cameras than the model's slots (the sim's one): ρp counts the rows of the cameras
+    it has (before, the empty slots' rows took most of the budget), and ρ = 1 is still dense bit for bit."""
+    from rmuscle_ros.engine.fused import rho_count
+
+    one = dataclasses.replace(CFG, cameras=CFG.cameras[:1])
+    policy = Policy(one, RMuscleConfig(rho_p=0.4))
+    tpi = policy.model_cfg.vision.tokens_per_image
+    assert policy.engine.keep_tokens == rho_count(0.4, tpi)
+    policy.close()
+    dense = Policy(one)
+    exact = Policy(one, RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=FULL_REBUILD))
+    warm = [dataclasses.replace(o, images={one.cameras[0]: o.images[one.cameras[0]]}) for o in episode(4)]
+    run(exact, warm)
+    exact.reset_episode()
+    live = [
+        dataclasses.replace(o, images={one.cameras[0]: o.images[one.cameras[0]]})
+        for o in episode(4, offset=0.1, noise=2.0)
+    ]
+    got = run(exact, live)
+    assert [c.cache_mode for c in got][1:] == ["cached"] * 3
+    want = [c.actions for c in run(dense, live)]
+    assert all(np.array_equal(c.actions, w) for c, w in zip(got, want, strict=True))
+
+
 def test_a_repeats_first_call_is_served_cached_once_the_reset_refilled_the_window() -> None:
     """At a reset the runtime wants the first calls of the episodes the next one will likely repeat (those
     the finished one was served from, best first, then the most recently used), and a motion window then

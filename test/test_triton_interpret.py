@@ -253,6 +253,40 @@ def test_context_select_ranks_by_drift_ties_to_the_lower_row(nv: int, keep: int,
         assert key[chosen].min() >= key[~chosen].max()
 
 
+# (Nv, keep, Lp, missing rows): fewer kept than present; more kept than present; several chunks
+@pytest.mark.parametrize(
+    ("nv", "keep", "lp", "missing"),
+    [(12, 3, 15, range(4, 8)), (12, 10, 15, range(4, 8)), (300, 100, 333, range(0, 256))],
+)
+def test_context_select_ranks_a_missing_cameras_rows_last(nv, keep, lp, missing, no_fallback):
+    """Rows whose keys nothing attends (key bias < 0: a camera missing from the call) rank after every
+    attended row, whatever their drift (here the largest, and a NaN), ties to the lower row."""
+    drift = torch.randint(0, 6, (nv,)).float()
+    drift[list(missing)] = 100.0
+    drift[missing[0]] = float("nan")
+    key_bias = torch.zeros(lp + 5)  # the layout's: longer than the prefix (actions, padding)
+    key_bias[list(missing)] = -1e30
+    key = torch.nan_to_num(drift, nan=float("inf"))
+    key[list(missing)] = -float("inf")
+    rank = _ranks_by_spec(key)
+    want_rows = [0] * keep + list(range(nv, lp))
+    want_inv = [-1] * nv + list(range(keep, keep + lp - nv))
+    for r in range(nv):
+        if rank[r] < keep:
+            want_rows[rank[r]], want_inv[r] = r, rank[r]
+    present = nv - len(missing)
+    assert set(want_rows[: min(keep, present)]).isdisjoint(missing)
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        rows = torch.full((keep + lp - nv,), -7, dtype=torch.int64)
+        inv = torch.full((lp,), -7, dtype=torch.int32)
+        impl.context_select(drift, keep, lp, rows, inv, key_bias)
+        assert rows.tolist() == want_rows and inv.tolist() == want_inv, impl.__name__
+    with pytest.raises(ValueError, match="key_bias must be 1-D over at least the"):
+        ops.context_select(drift, keep, lp, rows, inv, key_bias[: nv - 1])
+
+
 # entries 0 and 2 are the descriptor itself (tied), entry 1 its opposite, the rest random
 @pytest.mark.parametrize(
     ("entries", "usable", "nan", "want"),

@@ -90,7 +90,7 @@ MAX_WINDOW = 256
 class RMuscleConfig:
     """rMuscle settings of a deployment (validated)."""
 
-    rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per prefill layer
+    rho_p: float = 0.4  # Context Cache: fraction of the cameras' visual tokens recomputed per prefill layer
     rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated after the anchor step, on average
     anchors: int = 1  # dense denoising steps per call
     # How ρn spreads over the denoising steps after the anchor: "ramp" (a share rising linearly, 0 → all at
@@ -178,7 +178,9 @@ class RMuscleConfig:
         ):
             raise ValueError(f"audit_max_error must be a finite number >= 0 (0: never trips), got {bound!r}")
 
-    def shapes(self) -> CacheShapes:
+    def shapes(self, cameras: int = 0) -> CacheShapes:
+        """The engine's cache shapes; `cameras`: the image slots the cell fills (0: all the model's), what
+        ρp counts (the policy's cameras)."""
         return CacheShapes(
             self.rho_p,
             self.rho_n,
@@ -187,6 +189,7 @@ class RMuscleConfig:
             window=self.window_size,
             match=self.match_on_gpu,
             rebuild_slices=self.rebuild_slices,
+            cameras=cameras,
         )
 
     @property
@@ -395,7 +398,7 @@ class RMuscle:
         self, engine: GraphEngine, cfg: RMuscleConfig, weights: str, inputs: Mapping[str, bool] | None = None
     ) -> None:
         """`inputs`: the preprocessing settings in the library's key (library_key)."""
-        if engine.cache is None or engine.cache != cfg.shapes():
+        if engine.cache is None or engine.cache != cfg.shapes(engine.cache.cameras):
             raise ValueError(f"the engine must be built with cache={cfg.shapes()}, got {engine.cache}")
         self.engine, self.cfg = engine, cfg
         self._tmp = None

@@ -14,8 +14,8 @@ rMuscle (DESIGN.md §4) enters here as optional arguments, so the cached computa
 a few operators swapped, on any backend:
 - `prefill(context=...)`: the Context Cache. Per layer, the visual tokens whose FFN input drifted least
   (squared L2, the pre-FFN norm's (1 + w) scale included) from the reference entry copy the reference's
-  FFN output; the top ρp (ties to the earlier
-  token), and every prompt token, are recomputed. The norm before the FFN also measures the drift,
+  FFN output; the top `keep` (ties to the earlier
+  token; the visual rows of a camera missing from the call last), and every prompt token, are recomputed. The norm before the FFN also measures the drift,
   `context_select` ranks it, the FFN runs on the gathered rows only, and the norm after it reads each
   row's output from that compact result or from the reference. `prefill(record=...)` writes a reference
   entry (the FFN inputs and outputs of the visual tokens) instead, from a dense call: that is how the
@@ -587,7 +587,7 @@ class FusedPi05:
                     res, attn @ layer.o_w.t(), h, eps=g.rms_norm_eps, rms=True,
                     drift_ref=ref_in, drift_out=drift, drift_scale=self.ffn_in_scale[i], **pick,
                 )  # fmt: skip
-                y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv)
+                y = self._context_cached_ffn(h, layer, drift, context.keep, rows, inv, key_bias)
                 # the rows not recomputed read the reference's
                 y_rows = {"y_rows": inv, "y_alt": ref_out, **pick}
             if record is not None:
@@ -601,16 +601,24 @@ class FusedPi05:
         return self.ops.linear_geglu(x, layer.gate_up_w, act) @ layer.down_w.t()
 
     def _context_cached_ffn(
-        self, h: Tensor, layer: GemmaLayerWeights, drift: Tensor, keep: int, rows: Tensor, inv: Tensor
+        self,
+        h: Tensor,
+        layer: GemmaLayerWeights,
+        drift: Tensor,
+        keep: int,
+        rows: Tensor,
+        inv: Tensor,
+        key_bias: Tensor,
     ) -> Tensor:
         """The FFN of the rows the Context Cache recomputes, compact: (keep + Lp − Nv, W).
 
         h (Lp, W) = [visual; prompt] FFN inputs; drift (Nv,) the visual rows' squared-L2 drift from the
         reference's FFN inputs. Recomputed: the `keep` visual rows that drifted most, then every prompt row
         (`ops.context_select` writes their indices into rows, and each row of h's position among them,
-        or −1, into inv: what the next add_norm reads y through).
+        or −1, into inv: what the next add_norm reads y through). key_bias (Lp,), the call's: the rows of
+        a camera missing from the call rank last (nothing attends them).
         """
-        self.ops.context_select(drift, keep, h.shape[0], rows, inv)
+        self.ops.context_select(drift, keep, h.shape[0], rows, inv, key_bias)
         return self._prefix_ffn(torch.index_select(h, 0, rows), layer)
 
     def denoise(

@@ -126,6 +126,9 @@ class CacheShapes:
     # A rebuild in this many graphs, each a bounded wait for a live call queued behind it: vision, then
     # the prefill's layers in even groups (`rebuild_slices`); 1: one graph per entry.
     rebuild_slices: int = 1
+    # The image slots a cell fills (the policy's cameras, slots 0..n−1); 0: all the model's. ρp counts the
+    # visual rows of these: a slot no camera fills is masked in every call and never recomputed.
+    cameras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("rho_p", "rho_n"):
@@ -144,9 +147,17 @@ class CacheShapes:
             raise ValueError("matching on the GPU needs a window (window >= 1)")
         if self.rebuild_slices < 1:
             raise ValueError(f"rebuild_slices must be >= 1, got {self.rebuild_slices}")
+        if isinstance(self.cameras, bool) or not isinstance(self.cameras, int) or self.cameras < 0:
+            raise ValueError(f"cameras must be an int >= 0 (0: all the model's slots), got {self.cameras!r}")
 
     def keep_tokens(self, cfg: Pi05Config) -> int:
-        return rho_count(self.rho_p, cfg.image_tokens)
+        """Visual rows the Context Cache recomputes per layer: ceil(ρp · the filled slots' rows); with all of
+        those, every visual row (the dense prefill: ρp = 1 stays bit-for-bit dense with slots unfilled)."""
+        if self.cameras > cfg.num_cameras:
+            raise ValueError(f"cameras: the model has {cfg.num_cameras} image slots, got {self.cameras}")
+        rows = (self.cameras or cfg.num_cameras) * cfg.vision.tokens_per_image
+        keep = rho_count(self.rho_p, rows)
+        return cfg.image_tokens if keep >= rows else keep
 
     def step_neurons(self, cfg: Pi05Config) -> tuple[int, ...]:
         """Expert neurons each denoising step updates (F: the step runs dense)."""

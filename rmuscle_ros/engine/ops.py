@@ -100,7 +100,9 @@ def add_norm(
     return out
 
 
-def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+def context_select(
+    drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor, key_bias: Tensor | None = None
+) -> None:
     """The Context Cache's choice of rows to recompute: the `keep` visual rows that drifted most, then
     every prompt row.
 
@@ -110,10 +112,16 @@ def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, in
     rows_out (keep + Lp − Nv,) int64: rows_out[rank(r)] = r for the visual rows of rank < keep, then
     rows_out[keep + t] = Nv + t. inv_out (Lp,) int32: row r's position in rows_out, −1 for the visual rows
     not chosen (`add_norm(y_rows=...)` reads those from the reference instead).
+    key_bias: the call's layout's key bias over (at least) the visual rows; a row not attended (< 0: its
+    camera is missing from the call, or no camera fills its slot) ranks after every attended row, as if its
+    drift were −inf: nothing reads its keys, so recomputing it would only take budget from the cameras
+    that are there (found in review: in the one-camera sim, 233 of a layer's 308 recomputed rows).
     """
     nv = drift.shape[0]
-    _check_context_select(nv, keep, num_rows, rows_out, inv_out)
+    _check_context_select(nv, keep, num_rows, rows_out, inv_out, key_bias)
     key = torch.nan_to_num(drift.float(), nan=math.inf)
+    if key_bias is not None:
+        key = torch.where(key_bias[:nv] < 0, -math.inf, key)
     rows_out[:keep] = torch.sort(key, descending=True, stable=True).indices[:keep]
     rows_out[keep:] = torch.arange(nv, num_rows, device=drift.device)
     inv_out.fill_(-1)
@@ -138,9 +146,15 @@ def window_match(
     torch.stack([best.float(), sims.max()], out=match_out)
 
 
-def _check_context_select(nv: int, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+def _check_context_select(
+    nv: int, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor, key_bias: Tensor | None
+) -> None:
     if not 0 <= keep <= nv <= num_rows:
         raise ValueError(f"context_select needs 0 <= keep <= Nv <= num_rows, got {keep}, {nv}, {num_rows}")
+    if key_bias is not None and (key_bias.dim() != 1 or key_bias.shape[0] < nv):
+        raise ValueError(
+            f"context_select: key_bias must be 1-D over at least the {nv} visual rows, got {tuple(key_bias.shape)}"
+        )
     if rows_out.shape != (keep + num_rows - nv,) or inv_out.shape != (num_rows,):
         raise ValueError(
             f"context_select: rows_out must be ({keep + num_rows - nv},) and inv_out ({num_rows},), "

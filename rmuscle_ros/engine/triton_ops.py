@@ -429,8 +429,8 @@ def add_norm(
 
 @triton.jit
 def _context_select_kernel(
-    drift_ptr, rows_ptr, inv_ptr, keep, num_rows,
-    NV: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+    drift_ptr, bias_ptr, rows_ptr, inv_ptr, keep, num_rows,
+    NV: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ops.context_select for BLOCK_R rows of the prefix. No sort: a visual row's rank is the number of
     visual rows ranked before it, counted against all Nv drifts CHUNK at a time; ranks are distinct, so
@@ -441,11 +441,15 @@ def _context_select_kernel(
     is_visual = r < NV
     d_r = tl.load(drift_ptr + r, mask=is_visual, other=0.0)
     d_r = tl.where(d_r != d_r, float("inf"), d_r)  # NaN ranks as +inf (a total order, as in the definition)
+    if HAS_BIAS:  # a row nothing attends ranks after every attended one (ops.context_select)
+        d_r = tl.where(tl.load(bias_ptr + r, mask=is_visual, other=0.0) < 0, float("-inf"), d_r)
     rank = tl.zeros([BLOCK_R], tl.int32)
     for j0 in range(0, NV, CHUNK):  # a static trip count: Nv is fixed per engine (768 at full size)
         j = j0 + tl.arange(0, CHUNK)
         d_j = tl.load(drift_ptr + j, mask=j < NV, other=0.0)
         d_j = tl.where(d_j != d_j, float("inf"), d_j)
+        if HAS_BIAS:
+            d_j = tl.where(tl.load(bias_ptr + j, mask=j < NV, other=0.0) < 0, float("-inf"), d_j)
         ahead = (d_j[None, :] > d_r[:, None]) | ((d_j[None, :] == d_r[:, None]) & (j[None, :] < r[:, None]))
         rank += tl.sum((ahead & (j < NV)[None, :]).to(tl.int32), axis=1)
     pos = tl.where(is_visual, tl.where(rank < keep, rank, -1), keep + r - NV)  # prompt rows: all, in order
@@ -454,18 +458,22 @@ def _context_select_kernel(
     tl.store(rows_ptr + pos, r.to(rows_ptr.dtype.element_ty), mask=in_prefix & (pos >= 0))
 
 
-def context_select(drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor) -> None:
+def context_select(
+    drift: Tensor, keep: int, num_rows: int, rows_out: Tensor, inv_out: Tensor, key_bias: Tensor | None = None
+) -> None:
     """ops.context_select in one kernel: ranks by comparison counting, every row's rank in parallel."""
-    _check_context_select(drift.shape[0], keep, num_rows, rows_out, inv_out)
-    if drift.stride(0) != 1 or rows_out.stride(0) != 1 or inv_out.stride(0) != 1:
-        return ops.context_select(drift, keep, num_rows, rows_out, inv_out)
+    _check_context_select(drift.shape[0], keep, num_rows, rows_out, inv_out, key_bias)
+    strides = [t.stride(0) for t in (drift, rows_out, inv_out, key_bias) if t is not None]
+    if any(st != 1 for st in strides):
+        return ops.context_select(drift, keep, num_rows, rows_out, inv_out, key_bias)
     # Small row blocks and all drifts in one chunk (up to 1,024): one pass, ~100 programs at full size,
     # instead of a serial loop of loads and counts.
     nv = drift.shape[0]
     block_r, chunk = 8, min(1024, triton.next_power_of_2(nv))
     _context_select_kernel[(triton.cdiv(num_rows, block_r),)](
-        drift, rows_out, inv_out, keep, num_rows,
-        NV=nv, BLOCK_R=block_r, CHUNK=chunk, PDL=_pdl, num_warps=4, **_launch_opts(),
+        drift, drift if key_bias is None else key_bias, rows_out, inv_out, keep, num_rows,
+        NV=nv, BLOCK_R=block_r, CHUNK=chunk, HAS_BIAS=key_bias is not None, PDL=_pdl, num_warps=4,
+        **_launch_opts(),
     )  # fmt: skip
 
 

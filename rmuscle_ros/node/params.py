@@ -62,7 +62,7 @@ class CacheParams:
     """
 
     enabled: bool = False
-    rho_p: float = 0.4  # fraction of visual tokens whose prefill FFN is recomputed
+    rho_p: float = 0.4  # fraction of the configured cameras' visual tokens whose prefill FFN is recomputed
     rho_n: float = 0.5  # fraction of expert MLP neurons updated after the anchor step
     anchors: int = 1  # dense denoising steps per call
     neuron_schedule: str = "ramp"  # how rho_n spreads over the steps: "ramp" or "uniform" (RMuscleConfig)

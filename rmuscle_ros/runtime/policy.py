@@ -245,7 +245,8 @@ class Policy:
         if cfg.backend == "graph" and cfg.engine_cache_dir:
             options["kernel_cache_dir"] = str(Path(cfg.engine_cache_dir) / "triton")
         if cache is not None:
-            options["cache"] = cache.shapes()
+            # ρp counts the configured cameras' rows: a slot no camera fills never takes the budget
+            options["cache"] = cache.shapes(cameras=len(cfg.cameras))
         start = time.perf_counter()
         self.engine: Engine = create_engine(cfg.backend, model, self.device, **options)
         self.load_timings["engine"] = time.perf_counter() - start
