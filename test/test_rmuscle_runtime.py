@@ -924,3 +924,20 @@ def test_settings_that_fix_no_shape_change_between_calls_and_the_rest_are_refuse
     assert rm.cfg.threshold == 0.9 and rm.cfg.rho_p == 0.4, "a refused change changes nothing"
     run(policy, episode(2))
     assert policy.reset_episode() is None, "recording is off"
+
+
+def test_an_engine_of_other_cache_shapes_is_refused_naming_the_shapes_it_needs() -> None:
+    """RMuscle checks the engine against its settings, for the cameras the engine was built for (a
+    one-camera policy's), and names the shapes it needs with those cameras (found in review: it named
+    them for every slot)."""
+    from rmuscle_ros.cache.runtime import RMuscle
+    from rmuscle_ros.engine import create_engine
+    from rmuscle_ros.models.config import get_preset
+    from rmuscle_ros.models.pi05 import Pi05Model
+
+    cfg = RMuscleConfig(rebuilds_per_tick=FULL_REBUILD)
+    model = Pi05Model(get_preset("tiny")).eval()
+    engine = create_engine("fused", model, "cpu", cache=dataclasses.replace(cfg.shapes(1), rho_p=0.5))
+    with pytest.raises(ValueError, match=r"built with cache=CacheShapes\(rho_p=0\.4, .*cameras=1\), got"):
+        RMuscle(engine, cfg, "weights")
+    RMuscle(create_engine("fused", model, "cpu", cache=cfg.shapes(1)), cfg, "weights").close()

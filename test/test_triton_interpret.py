@@ -285,6 +285,20 @@ def test_context_select_ranks_a_missing_cameras_rows_last(nv, keep, lp, missing,
         assert rows.tolist() == want_rows and inv.tolist() == want_inv, impl.__name__
     with pytest.raises(ValueError, match="key_bias must be 1-D over at least the"):
         ops.context_select(drift, keep, lp, rows, inv, key_bias[: nv - 1])
+    with pytest.raises(ValueError, match=r"key_bias must be the layout's float key bias, got torch\.bool"):
+        ops.context_select(drift, keep, lp, rows, inv, key_bias == 0)  # a mask, True = attended
+
+
+def test_context_select_ranks_nan_and_inf_alike_ties_to_the_lower_row(no_fallback):
+    """NaN counts as +inf, and an overflowed drift (+inf) stays +inf: found in review, nan_to_num's default
+    made +inf float32's max in the PyTorch definition, below a NaN, while the kernel tied them."""
+    drift = torch.tensor([float("inf"), float("nan"), 1.0, float("inf")])
+    for impl in (ops, triton_ops):
+        if impl is triton_ops:
+            no_fallback()
+        rows, inv = torch.empty(2, dtype=torch.int64), torch.empty(5, dtype=torch.int32)
+        impl.context_select(drift, 1, 5, rows, inv)
+        assert rows.tolist() == [0, 4] and inv.tolist() == [0, -1, -1, -1, 1], impl.__name__
 
 
 # entries 0 and 2 are the descriptor itself (tied), entry 1 its opposite, the rest random

@@ -399,7 +399,8 @@ class RMuscle:
     ) -> None:
         """`inputs`: the preprocessing settings in the library's key (library_key)."""
         if engine.cache is None or engine.cache != cfg.shapes(engine.cache.cameras):
-            raise ValueError(f"the engine must be built with cache={cfg.shapes()}, got {engine.cache}")
+            want = cfg.shapes(engine.cache.cameras if engine.cache is not None else 0)
+            raise ValueError(f"the engine must be built with cache={want}, got {engine.cache}")
         self.engine, self.cfg = engine, cfg
         self._tmp = None
         if cfg.library_path:

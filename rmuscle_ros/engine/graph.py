@@ -117,7 +117,7 @@ def _cublaslt_gelu_is_tanh(device: torch.device) -> bool:
 class CacheShapes:
     """What fixes the cached graphs' shapes: keep fractions and the number of dense anchor steps."""
 
-    rho_p: float = 0.4  # Context Cache: fraction of visual tokens recomputed per layer
+    rho_p: float = 0.4  # Context Cache: fraction of the filled slots' visual tokens recomputed per layer
     rho_n: float = 0.5  # Action Cache: fraction of expert neurons updated per step, on average
     anchors: int = 1  # dense denoising steps before the Action Cache takes over
     neuron_schedule: str = "uniform"  # how ρn spreads over the steps (`step_neuron_counts`)
@@ -127,7 +127,7 @@ class CacheShapes:
     # the prefill's layers in even groups (`rebuild_slices`); 1: one graph per entry.
     rebuild_slices: int = 1
     # The image slots a cell fills (the policy's cameras, slots 0..n−1); 0: all the model's. ρp counts the
-    # visual rows of these: a slot no camera fills is masked in every call and never recomputed.
+    # visual rows of these; rows of a slot not filled in a call rank last (recomputed only past the rest).
     cameras: int = 0
 
     def __post_init__(self) -> None:

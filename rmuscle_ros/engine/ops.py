@@ -119,7 +119,8 @@ def context_select(
     """
     nv = drift.shape[0]
     _check_context_select(nv, keep, num_rows, rows_out, inv_out, key_bias)
-    key = torch.nan_to_num(drift.float(), nan=math.inf)
+    # posinf kept +inf (nan_to_num's default makes it float32's max, below a NaN: found in review)
+    key = torch.nan_to_num(drift.float(), nan=math.inf, posinf=math.inf)
     if key_bias is not None:
         key = torch.where(key_bias[:nv] < 0, -math.inf, key)
     rows_out[:keep] = torch.sort(key, descending=True, stable=True).indices[:keep]
@@ -151,6 +152,12 @@ def _check_context_select(
 ) -> None:
     if not 0 <= keep <= nv <= num_rows:
         raise ValueError(f"context_select needs 0 <= keep <= Nv <= num_rows, got {keep}, {nv}, {num_rows}")
+    if key_bias is not None and not key_bias.is_floating_point():  # a bool mask would mask nothing
+        raise ValueError(
+            f"context_select: key_bias must be the layout's float key bias, got {key_bias.dtype}"
+        )
+    if key_bias is not None and key_bias.device != rows_out.device:
+        raise ValueError(f"context_select: key_bias is on {key_bias.device}, the rows on {rows_out.device}")
     if key_bias is not None and (key_bias.dim() != 1 or key_bias.shape[0] < nv):
         raise ValueError(
             f"context_select: key_bias must be 1-D over at least the {nv} visual rows, got {tuple(key_bias.shape)}"
