@@ -734,6 +734,12 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
     with pytest.raises(LibraryMismatch, match=r"anchors: library absent, model 2") as e:
         Policy(CFG, RMuscleConfig(library_path=lib, anchors=2))
     assert "dense anchor steps (cache.anchors)" in str(e.value)
+    # A cell with fewer cameras records descriptors without the empty slots: a library of all three is
+    # refused when a camera is taken out (found in review: it was served), naming the setting.
+    fewer = dataclasses.replace(CFG, cameras=CFG.cameras[:2])
+    with pytest.raises(LibraryMismatch, match=r"cameras_filled: library absent, model 2") as e:
+        Policy(fewer, RMuscleConfig(library_path=lib))
+    assert "the node's camera_topics" in str(e.value)
 
 
 def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path) -> None:
@@ -924,6 +930,42 @@ def test_settings_that_fix_no_shape_change_between_calls_and_the_rest_are_refuse
     assert rm.cfg.threshold == 0.9 and rm.cfg.rho_p == 0.4, "a refused change changes nothing"
     run(policy, episode(2))
     assert policy.reset_episode() is None, "recording is off"
+
+
+def test_the_retrieval_descriptor_leaves_out_a_missing_camera() -> None:
+    """A missing camera's descriptor row is 0: its black filler is the same in every call, and counted it
+    made any two scenes of a one-camera cell look alike (found in review: scene cosine c gave (c + 3.74) /
+    4.74, so the 0.8 threshold passed any c >= 0.05). With it out, a one-camera cell's similarity is its
+    camera's own cosine, and a call missing a camera its reference had scores lower."""
+    one = dataclasses.replace(CFG, cameras=CFG.cameras[:1])
+    policy = Policy(one, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    cam = one.cameras[0]
+    rows = []
+    for t in (0.0, 1.0):
+        obs = episode(2)[0]
+        obs = dataclasses.replace(obs, images={cam: scene(t, light=0.3 + t)})
+        policy.infer(obs)
+        d = policy.engine.descriptor().cpu().numpy()
+        assert d[0].any() and not d[1:].any(), "the empty slots' rows are 0"
+        rows.append(d[0])
+    policy.close()
+    # the recorded descriptors' similarity is the camera's own cosine, not pulled toward 1
+    from rmuscle_ros.cache.retrieval import unit_rows
+
+    u = unit_rows(np.stack(rows))
+    cos = float(rows[0] @ rows[1] / np.linalg.norm(rows[0]) / np.linalg.norm(rows[1]))
+    assert float(u[0] @ u[1]) == pytest.approx(cos, abs=1e-6)
+    # three cameras, the same scene: one camera missing from the call scores below the full call
+    full = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    obs = episode(2)[0]
+    full.infer(obs)
+    d_full = full.engine.descriptor().cpu().numpy().copy()
+    full.infer(dataclasses.replace(obs, images={c: obs.images[c] for c in CFG.cameras[:2]}))
+    d_two = full.engine.descriptor().cpu().numpy()
+    assert not d_two[2].any() and np.array_equal(d_two[:2], d_full[:2])
+    u = unit_rows(np.stack([d_full, d_two]))
+    assert float(u[0] @ u[1]) < 0.9
+    full.close()
 
 
 def test_an_engine_of_other_cache_shapes_is_refused_naming_the_shapes_it_needs() -> None:

@@ -330,6 +330,8 @@ MASK_SETTINGS = (
 KEY_SETTINGS = {
     "weights": "weights (model.checkpoint)",
     "cameras": "cameras (model.cameras; the node's camera_topics)",
+    "cameras_filled": "the cameras a cell has (model.cameras; the node's camera_topics; a library recorded with "
+    "fewer cameras than the model's slots before 2026-12-04 counted the empty slots in its descriptors)",
     "descriptor_dim": "model (model.preset)",
     "image_size": "model (model.preset)",
     "max_tokens": "model (model.preset)",
@@ -355,6 +357,12 @@ def library_key(weights: str, engine: GraphEngine, inputs: Mapping[str, bool] | 
         weights,
         {
             "cameras": cfg.num_cameras,
+            # a cell filling fewer slots records descriptors without the empty slots' rows (found in review:
+            # they were counted, and a library of all slots was served after a camera was taken out of
+            # camera_topics); a cell filling them all keeps the key it had
+            **(
+                {"cameras_filled": engine.cache.cameras} if 0 < engine.cache.cameras < cfg.num_cameras else {}
+            ),
             "descriptor_dim": cfg.vlm.width,
             "image_size": cfg.vision.image_size,
             "max_tokens": cfg.max_token_len,

@@ -308,6 +308,9 @@ class _Lane:
         self.actions = zeros(cfg.horizon, cfg.action_dim)
         self.visual = zeros(c * per_image, cfg.vlm.width, dtype=dtype)
         self.descriptor = zeros(c, cfg.vlm.width)  # retrieval descriptor: mean visual token per camera
+        # 1 for each camera the call has, 0 for a missing one: loaded with the images (the vision and match
+        # stages run before the rest of the call's inputs arrive), so the descriptor leaves out missing ones
+        self.present = zeros(c)
         # The per-call inputs but the images, written on the host by the engine's _load: noise, image mask,
         # and per prompt bucket the packed prompt and the call's layout (where its tokens sit).
         specs = {"noise": ((cfg.horizon, cfg.action_dim), torch.float32), "image_mask": ((c,), torch.bool)}
@@ -471,6 +474,10 @@ class GraphEngine:
         torch.mean(
             lane.visual.view(c, -1, lane.visual.shape[-1]), 1, dtype=torch.float32, out=lane.descriptor
         )
+        # A missing camera's row is 0: its black filler image is the same in every call, and counted it added
+        # the same agreement to every similarity (found in review: a one-camera cell's scene cosine c gave
+        # (c + 3.74) / 4.74, so the 0.8 threshold passed any c >= 0.05).
+        lane.descriptor.mul_(lane.present[:, None])
 
     def _run_prefill(self, lane: _Lane, bucket: int, variant: str, **kw: Any) -> None:
         if variant == "cached" and self.keep_tokens < self.cfg.image_tokens:
@@ -658,9 +665,13 @@ class GraphEngine:
             )
         bucket = self._bucket(mask_row)
         lane.images.copy_(inputs.images[0], non_blocking=True)  # from pinned memory: a DMA, no host wait
+        image_mask = _host_array(inputs.image_masks[0])
+        if self.cache is not None:  # the descriptor's cameras, beside the images (from pageable memory: a
+            # few bytes the driver stages at once, so the array may go as soon as this returns)
+            lane.present.copy_(torch.from_numpy(image_mask.astype(np.float32)), non_blocking=True)
         if usable is not None:
             self.set_usable(usable)
-        lane.pending = _Pending(bucket, token_row, mask_row, _host_array(inputs.image_masks[0]), noise)
+        lane.pending = _Pending(bucket, token_row, mask_row, image_mask, noise)
         return bucket
 
     def _bucket(self, mask_row: np.ndarray) -> int:
