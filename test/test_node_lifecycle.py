@@ -404,6 +404,34 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
     assert sum(log.msg == "camera base_0_rgb: 64x48 frames" for log in h.logs) == 1
 
 
+def test_each_camera_outage_is_logged_naming_the_camera_and_its_end(harness, monkeypatch) -> None:
+    """A camera that stops delivering frames mid-run: the node logs the outage's start at warn level naming
+    the camera, and its end when chunks come back, for every outage (found in review: only the first drop
+    of a reason since activation was logged, so later outages went unnamed), and /diagnostics names the
+    latest drop's reason (`last_drop`)."""
+    from rmuscle_ros.node import rmuscle_node
+
+    monkeypatch.setattr(rmuscle_node, "OUTAGE_LOG_INTERVAL_S", 0.0)  # each outage here lasts well under 5 s
+    h = harness(max_image_age_s=0.4, max_skew_s=0.2, max_joint_age_s=0.4)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    for slot, topic in ((1, "images/left_wrist"), (2, "images/right_wrist"), (1, "images/left_wrist")):
+        first = len(h.logs)
+        assert h.feed_until(lambda: h.node.stats()["failing_ticks"] >= 2, skip_camera=slot), h.drops()
+        assert topic in h.node.stats()["last_drop"]
+        values = {kv.key: kv.value for kv in h.node._diagnostics().status[0].values}
+        assert topic in values["last_drop"], values
+        sent = len(h.chunks)
+        assert h.feed_until(lambda sent=sent: len(h.chunks) > sent), h.drops()
+
+        def said(level: int, text: str, first: int = first) -> bool:
+            return any(log.level == level and text in log.msg for log in h.logs[first:])
+
+        assert h.wait_for(lambda t=topic: said(Log.WARN, t) and said(Log.INFO, "chunks again after"), 5.0), [
+            (log.level, log.msg) for log in h.logs[first:]
+        ]
+
+
 def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
     # Camera drivers come up at their own pace: ticks before a sensor's first message are a wait, said once
     # on /rosout and on /diagnostics, not drops that would leave the node in WARN for the rest of its run.

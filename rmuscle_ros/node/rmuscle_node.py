@@ -21,6 +21,7 @@ import array
 import contextlib
 import dataclasses
 import gc
+import math
 import statistics
 import sys
 import threading
@@ -70,6 +71,9 @@ CLOCK_SILENT_S = 5.0
 CLOCK_PAUSED_S = 10.0
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
+# An outage (ticks in a row without a chunk) is logged when it starts, naming why (which camera), and when
+# chunks come back; at most once in this many seconds, so that a flapping camera does not flood the log.
+OUTAGE_LOG_INTERVAL_S = 5.0
 SLOWEST_KEPT = 3  # the slowest calls since activation, with where their time went (stats, /diagnostics)
 # A call this much slower than the window's median is logged with its breakdown (at most every 5 s).
 SLOW_CALL_FACTOR, SLOW_CALL_MARGIN_MS, SLOW_CALL_MIN_CALLS = 3.0, 20.0, 20
@@ -293,6 +297,8 @@ class RMuscleNode(LifecycleNode):
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
             self._last_drop = ""  # the latest drop's reason and detail
+            self._outage_logged_at = -math.inf  # when an outage's start was last logged (monotonic s)
+            self._outage_logged = False  # whether the outage in progress was (its end is then logged too)
             # ticks whose observation was refused for timing and served by a later message (LATE_REASONS)
             self.late_served: Counter[str] = Counter()
             self._image_sizes: dict[str, str] = {}  # camera slot -> its latest frame's size, "WxH"
@@ -620,6 +626,7 @@ class RMuscleNode(LifecycleNode):
             self._image_sizes.clear()
             self._failing_ticks = 0
             self._last_drop = ""
+            self._outage_logged_at, self._outage_logged = -math.inf, False
             self._slowest = []
             self._chunk_times.clear()  # rate_hz: the time spent inactive is no gap between chunks
         if cfg.cache.enabled:
@@ -1055,7 +1062,8 @@ class RMuscleNode(LifecycleNode):
             with self._stats_lock:
                 episode, chunk_id = self.episode_id, self.chunk_id
                 self.chunk_id += 1
-                self._failing_ticks = 0
+                outage = (self._failing_ticks, self._last_drop) if self._outage_logged else None
+                self._failing_ticks, self._outage_logged = 0, False
                 latency_ms = chunk.latency_s * 1e3
                 self.latencies_ms.append(latency_ms)
                 self._preprocess_ms.append(chunk.timings_s.get("preprocess", 0.0) * 1e3)
@@ -1071,6 +1079,10 @@ class RMuscleNode(LifecycleNode):
         if self._stop.is_set():
             return
         self._publish_chunk(cfg, chunk, episode, chunk_id)
+        if outage is not None:  # the outage's start was logged: so is its end
+            self.get_logger().info(
+                f"chunks again after {outage[0]} tick(s) without one (the last: {outage[1]})"
+            )
         if late is not None:
             self._served_late(late)
         self._log_if_slow(call, recent)
@@ -1230,13 +1242,22 @@ class RMuscleNode(LifecycleNode):
             self.get_logger().info(f"waiting for the first messages: {detail}")
 
     def _drop(self, reason: DropReason, detail: str) -> None:
+        now = time.monotonic()
         with self._stats_lock:
             self.drops[reason.value] += 1
             count = self.drops[reason.value]
+            said = False
+            if (
+                self._failing_ticks == 0
+            ):  # an outage starts: said, unless one was just now (a flapping source)
+                said = self._outage_logged = now - self._outage_logged_at >= OUTAGE_LOG_INTERVAL_S
+                if said:
+                    self._outage_logged_at = now
             self._failing_ticks += 1
             self._last_drop = f"{reason.value}: {detail}"
-        # First occurrence at warn level, then throttled: a camera that died must not flood the log.
-        if count == 1 or count % 50 == 0:
+        # Each outage's start at warn level (found in review: only the first drop of a reason since activation
+        # was, so a camera that died later went unnamed), the first of a reason, then every 50th.
+        if said or count == 1 or count % 50 == 0:
             self.get_logger().warning(f"no chunk ({reason.value}, {count}x): {detail}")
 
     def _publish_chunk(self, cfg: NodeConfig, chunk: Any, episode: int, chunk_id: int) -> None:
@@ -1475,6 +1496,8 @@ class RMuscleNode(LifecycleNode):
         values |= {f"image_size.{k}": v for k, v in s["image_sizes"].items()}
         if s["waiting_for"]:
             values["waiting_for"] = s["waiting_for"]
+        if s["last_drop"]:  # why the latest tick without a chunk had none: which camera, since activation
+            values["last_drop"] = s["last_drop"]
         if cache is not None:
             status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
