@@ -223,6 +223,17 @@ def _ranks_by_spec(drift: torch.Tensor) -> list[int]:
     return [sum(d[j] > d[r] or (d[j] == d[r] and j < r) for j in range(len(d))) for r in range(len(d))]
 
 
+def _selection_by_spec(key: torch.Tensor, keep: int, lp: int) -> tuple[list[int], list[int]]:
+    """context_select's rows_out and inv_out by the spec, from each visual row's rank by `key`."""
+    nv, rank = key.shape[0], _ranks_by_spec(key)
+    want_rows = [0] * keep + list(range(nv, lp))
+    want_inv = [-1] * nv + list(range(keep, keep + lp - nv))
+    for r in range(nv):
+        if rank[r] < keep:
+            want_rows[rank[r]], want_inv[r] = r, rank[r]
+    return want_rows, want_inv
+
+
 # (Nv, keep, Lp): one row block; keep = 1; keep = Nv; no prompt rows; several row blocks and drift chunks
 @pytest.mark.parametrize(
     ("nv", "keep", "lp"), [(5, 2, 9), (5, 1, 9), (7, 7, 10), (1, 1, 1), (130, 130, 130), (300, 120, 333)]
@@ -231,12 +242,7 @@ def test_context_select_ranks_by_drift_ties_to_the_lower_row(nv: int, keep: int,
     drift = torch.randint(0, 6, (nv,)).float()  # few distinct values: many ties
     if nv > 3:
         drift[3] = float("nan")
-    rank = _ranks_by_spec(drift)
-    want_rows = [0] * keep + list(range(nv, lp))
-    want_inv = [-1] * nv + list(range(keep, keep + lp - nv))
-    for r in range(nv):
-        if rank[r] < keep:
-            want_rows[rank[r]], want_inv[r] = r, rank[r]
+    want_rows, want_inv = _selection_by_spec(drift, keep, lp)
     for impl in (ops, triton_ops):
         if impl is triton_ops:
             no_fallback()
@@ -268,12 +274,7 @@ def test_context_select_ranks_a_missing_cameras_rows_last(nv, keep, lp, missing,
     key_bias[list(missing)] = -1e30
     key = torch.nan_to_num(drift, nan=float("inf"))
     key[list(missing)] = -float("inf")
-    rank = _ranks_by_spec(key)
-    want_rows = [0] * keep + list(range(nv, lp))
-    want_inv = [-1] * nv + list(range(keep, keep + lp - nv))
-    for r in range(nv):
-        if rank[r] < keep:
-            want_rows[rank[r]], want_inv[r] = r, rank[r]
+    want_rows, want_inv = _selection_by_spec(key, keep, lp)
     present = nv - len(missing)
     assert set(want_rows[: min(keep, present)]).isdisjoint(missing)
     for impl in (ops, triton_ops):
