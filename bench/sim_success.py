@@ -45,7 +45,7 @@ folder, bench/_dev_sim/; the device tool carries them there and back):
         --out /tmp/policy_fixtured --minutes 6.3 --lr 5e-4 --state-noise 0.3             # H200, ~6.5 min
     # `small`'s model.safetensors (41.7 MB) is over the device's 16 MiB a file that comes back from $OUT:
     # `split -b 15M` it into $OUT with the folder's sha256 (and copy its two JSON files), then here `cat`
-    # the parts into bench/_dev_sim/policy_fixtured/ and `sha256sum -c` (as on 2026-12-04: 394 s in all).
+    # the parts into bench/_dev_sim/policy_fixtured/ and `sha256sum -c` (2026-12-04: a 394 s device call).
     .venv/bin/python bench/sim_success.py evaluate --policy bench/_dev_sim/policy_fixtured \\
         --seeds 1000-1049 --warmup-seeds 2000-2007 --rho 0.4,0.5 0.2,0.3 --commit $(git rev-parse --short HEAD)
 
