@@ -432,6 +432,29 @@ def test_each_camera_outage_is_logged_naming_the_camera_and_its_end(harness, mon
         ]
 
 
+def test_a_stale_camera_wakes_no_retry_on_the_other_cameras_frames(harness, monkeypatch) -> None:
+    """A tick refused because one camera's frame is too old waits for that camera's next frame only (found
+    in review: every healthy camera's frame woke a retry, each reading the whole buffer, ~30 a tick at
+    2 × 60 fps while a camera was dead)."""
+    h = harness(max_image_age_s=0.4, max_skew_s=0.2, max_joint_age_s=0.4)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    assert h.feed_until(lambda: h.node.stats()["failing_ticks"] >= 1, skip_camera=1), h.drops()
+    buffer, reads = h.node._buffer, []
+    read = buffer.observation
+
+    def observation(*args: Any) -> Any:
+        reads.append(time.monotonic())
+        return read(*args)
+
+    monkeypatch.setattr(buffer, "observation", observation)  # undone at teardown
+    dropped = sum(h.drops().values())
+    h.feed_until(lambda: False, timeout=1.5, skip_camera=1)  # the other cameras and the joints at ~30 Hz
+    ticks = sum(h.drops().values()) - dropped
+    # each tick: its try, and one more at the end of its wait (LATE_RETRY_SHARE); before, ~3 here (30 Hz)
+    assert ticks >= 5 and len(reads) <= 2 * ticks + 4, f"{len(reads)} buffer reads for {ticks} ticks"
+
+
 def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
     # Camera drivers come up at their own pace: ticks before a sensor's first message are a wait, said once
     # on /rosout and on /diagnostics, not drops that would leave the node in WARN for the rest of its run.
@@ -1216,8 +1239,11 @@ def test_a_message_stored_while_a_refused_tick_reads_the_buffer_still_wakes_its_
                 h.publish_observation()
                 assert h.wait_for(
                     lambda: (
-                        node._stored_counts["image"] >= stored["image"] + len(CAMERAS)
-                        and node._stored_counts["joints"] >= stored["joints"] + len(JOINT_TOPICS)
+                        all(
+                            node._stored_counts[f"image:{i}"] > stored.get(f"image:{i}", 0)
+                            for i in range(len(CAMERAS))
+                        )
+                        and node._stored_counts["joints"] >= stored.get("joints", 0) + len(JOINT_TOPICS)
                     ),
                     timeout=2.0,
                 ), node._stored_counts

@@ -203,7 +203,7 @@ def test_a_timing_refusal_names_the_kind_of_message_that_can_end_it() -> None:
         return e.value.cure
 
     t = 10**12
-    assert cure(full(t), t + 150 * MS) == "image"  # stale_image
+    assert cure(full(t), t + 150 * MS) == "image:0"  # stale_image: camera 0 is checked first
     stale_joints = buffer()
     stale_joints.put_image(0, image(t))
     stale_joints.put_image(1, image(t))
@@ -212,7 +212,10 @@ def test_a_timing_refusal_names_the_kind_of_message_that_can_end_it() -> None:
     camera_behind = full(t)
     camera_behind.put_image(1, image(t + 90 * MS))
     camera_behind.put_joint_state(joints(t + 45 * MS))
-    assert cure(camera_behind, t + 90 * MS) == "image"  # camera 0, at t, is the oldest
+    assert cure(camera_behind, t + 90 * MS) == "image:0"  # camera 0, at t, is the oldest
+    stale_second = full(t + 150 * MS)
+    stale_second.put_image(1, image(t))
+    assert cure(stale_second, t + 150 * MS) == "image:1"  # only camera 1's next frame can end it
     # the frames stamped 40 ms ahead of the node's clock (within max_skew_s), the joints' newest 45 ms
     # behind it (not yet stale): 85 ms apart
     joints_behind = buffer()

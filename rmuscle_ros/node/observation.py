@@ -68,8 +68,8 @@ def joint_state_fault(names: list[str], positions: list[float]) -> str:
 
 
 class ObservationUnavailable(Exception):
-    """Why there is no observation. `cure`: the kind of message that could end a timing refusal ("image"
-    or "joints": the stale source's, or the oldest of a skew's), "" for the others."""
+    """Why there is no observation. `cure`: the kind of message that could end a timing refusal ("image:<slot>",
+    that camera's frame, or "joints": the stale source's, or the oldest of a skew's), "" for the others."""
 
     def __init__(self, reason: DropReason, detail: str, cure: str = "") -> None:
         super().__init__(f"{reason.value}: {detail}")
@@ -211,9 +211,9 @@ class ObservationBuffer:
                 raise ObservationUnavailable(
                     DropReason.STALE_IMAGE,
                     f"{camera} is {(now_ns - t) / 1e6:.0f} ms old{_clock_hint(t, now_ns)}",
-                    cure="image",
+                    cure=f"image:{slot}",  # only this camera's next frame can end it
                 )
-            named.append((t, camera, "image"))
+            named.append((t, camera, f"image:{slot}"))
             cameras.append(camera)
         if faults:
             said = "; ".join(f"{source}: {fault}" for source, fault in sorted(faults.items()))

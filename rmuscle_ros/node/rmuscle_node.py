@@ -267,7 +267,7 @@ class RMuscleNode(LifecycleNode):
         self._late: _LateTick | None = None
         # Messages stored so far, by kind ("image", "joints"; written by the executor only): a message stored
         # between a try's buffer read and its decision to wait wakes the retry (`_retry_if_stored`).
-        self._stored_counts = {"image": 0, "joints": 0}
+        self._stored_counts: Counter[str] = Counter()  # by kind: "image:<slot>", "joints"
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         # Serialises every call into the policy: the worker's infer/rebuild and the executor's episode
@@ -581,7 +581,7 @@ class RMuscleNode(LifecycleNode):
                 self.create_subscription(
                     image_type,
                     topic,
-                    lambda msg, slot=slot: self._stored(buffer.put_image(slot, msg), "image"),
+                    lambda msg, slot=slot: self._stored(buffer.put_image(slot, msg), f"image:{slot}"),
                     qos_profile_sensor_data,
                 )
             )
@@ -919,11 +919,12 @@ class RMuscleNode(LifecycleNode):
         return time.monotonic() - since if since is not None else 0.0
 
     def _stored(self, first: bool, kind: str) -> None:
-        """A sensor message of `kind` ("image" or "joints") was stored. One that brought a camera's first
+        """A sensor message of `kind` ("image:<slot>" or "joints") was stored. One that brought a camera's first
         frame or a joint's first position wakes the worker while a start-up tick waits for the first
         messages (`_start_wait`); one of the kind that can cure a tick's timing refusal, while that tick
         waits for a later message (`_late`: not every message, found in review: at an ALOHA's ~600 messages
-        a second each retry copied every joint's history)."""
+        a second each retry copied every joint's history; nor every camera's frame while one camera is
+        stale, found in review: ~30 futile reads a tick at 2 × 60 fps)."""
         self._stored_counts[kind] += 1
         late = self._late
         if (first and self._start_wait.is_set()) or (late is not None and late.latest.cure == kind):
