@@ -406,8 +406,8 @@ class RMuscle:
         self, engine: GraphEngine, cfg: RMuscleConfig, weights: str, inputs: Mapping[str, bool] | None = None
     ) -> None:
         """`inputs`: the preprocessing settings in the library's key (library_key)."""
-        if engine.cache is None or engine.cache != cfg.shapes(engine.cache.cameras):
-            want = cfg.shapes(engine.cache.cameras if engine.cache is not None else 0)
+        want = cfg.shapes(engine.cache.cameras if engine.cache is not None else 0)
+        if engine.cache != want:
             raise ValueError(f"the engine must be built with cache={want}, got {engine.cache}")
         self.engine, self.cfg = engine, cfg
         self._tmp = None

@@ -14,8 +14,8 @@ rMuscle (DESIGN.md §4) enters here as optional arguments, so the cached computa
 a few operators swapped, on any backend:
 - `prefill(context=...)`: the Context Cache. Per layer, the visual tokens whose FFN input drifted least
   (squared L2, the pre-FFN norm's (1 + w) scale included) from the reference entry copy the reference's
-  FFN output; the top `keep` (ties to the earlier
-  token; the visual rows of a camera missing from the call last), and every prompt token, are recomputed. The norm before the FFN also measures the drift,
+  FFN output; the top `keep` (ties to the earlier token; the visual rows of a camera missing from the
+  call last), and every prompt token, are recomputed. The norm before the FFN also measures the drift,
   `context_select` ranks it, the FFN runs on the gathered rows only, and the norm after it reads each
   row's output from that compact result or from the reference. `prefill(record=...)` writes a reference
   entry (the FFN inputs and outputs of the visual tokens) instead, from a dense call: that is how the

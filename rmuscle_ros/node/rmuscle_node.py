@@ -1248,9 +1248,8 @@ class RMuscleNode(LifecycleNode):
             self.drops[reason.value] += 1
             count = self.drops[reason.value]
             said = False
-            if (
-                self._failing_ticks == 0
-            ):  # an outage starts: said, unless one was just now (a flapping source)
+            # an outage starts: said, unless one was just now (a flapping source)
+            if self._failing_ticks == 0:
                 said = self._outage_logged = now - self._outage_logged_at >= OUTAGE_LOG_INTERVAL_S
                 if said:
                     self._outage_logged_at = now
