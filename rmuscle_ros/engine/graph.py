@@ -309,18 +309,20 @@ class _Lane:
         self.visual = zeros(c * per_image, cfg.vlm.width, dtype=dtype)
         self.descriptor = zeros(c, cfg.vlm.width)  # retrieval descriptor: mean visual token per camera
         # 1 for each camera the call has, 0 for a missing one: loaded with the images (the vision and match
-        # stages run before the rest of the call's inputs arrive), so the descriptor leaves out missing ones
+        # stages run before the rest of the call's inputs arrive), so the descriptor leaves out missing ones.
+        # The device's only copy of the call's camera flags: the kernels see missing cameras through the
+        # layout's key bias, which the host builds from its own copy.
         self.present = zeros(c)
-        # The per-call inputs but the images, written on the host by the engine's _load: noise, image mask,
-        # and per prompt bucket the packed prompt and the call's layout (where its tokens sit).
-        specs = {"noise": ((cfg.horizon, cfg.action_dim), torch.float32), "image_mask": ((c,), torch.bool)}
+        # The per-call inputs but the images, written on the host by the engine's _load: the noise, and per
+        # prompt bucket the packed prompt and the call's layout (where its tokens sit).
+        specs = {"noise": ((cfg.horizon, cfg.action_dim), torch.float32)}
         for b in buckets:
             lp_h = c * per_image + b + cfg.horizon
             specs |= {f"tokens{b}": ((b,), torch.long), f"token_mask{b}": ((b,), torch.bool),
                       f"rope_rows{b}": ((lp_h,), torch.long), f"key_bias{b}": ((round_up(lp_h, KV_ALIGN),), torch.float32)}  # fmt: skip
         self.staging = _Staging(specs, device)
         v = self.staging.on_device
-        self.noise, self.image_mask = v["noise"], v["image_mask"]
+        self.noise = v["noise"]
         self.tokens = {b: v[f"tokens{b}"] for b in buckets}
         self.token_mask = {b: v[f"token_mask{b}"] for b in buckets}
         self.layout = {b: CallLayout(v[f"rope_rows{b}"], v[f"key_bias{b}"]) for b in buckets}
@@ -382,7 +384,7 @@ class GraphEngine:
 
         self.live = _Lane(cfg, self.buckets, device, self.dtype)
         # Names of the live buffers kept as attributes: the benchmark and tests read them directly.
-        self.images, self.image_mask, self.noise = self.live.images, self.live.image_mask, self.live.noise
+        self.images, self.noise = self.live.images, self.live.noise
         self.actions, self.visual, self.kv = self.live.actions, self.live.visual, self.live.kv
         self.tokens, self.token_mask, self.layout = self.live.tokens, self.live.token_mask, self.live.layout
 
@@ -644,9 +646,9 @@ class GraphEngine:
             raise ValueError(
                 f"noise must be (1, {', '.join(map(str, lane.noise.shape))}), got {tuple(noise.shape)}"
             )
-        if inputs.image_masks.shape[1:] != lane.image_mask.shape:
+        if inputs.image_masks.shape[1:] != lane.present.shape:
             raise ValueError(
-                f"image_masks must be (1, {lane.image_mask.shape[0]}), got {tuple(inputs.image_masks.shape)}"
+                f"image_masks must be (1, {lane.present.shape[0]}), got {tuple(inputs.image_masks.shape)}"
             )
         if inputs.images.shape[1:] != lane.images.shape:
             raise ValueError(
@@ -695,10 +697,8 @@ class GraphEngine:
         lane.pending = None
         host, b = lane.staging.writable(), p.bucket
         pack_prompt_into(p.token_row, p.mask_row, host[f"tokens{b}"], host[f"token_mask{b}"])
-        image_mask = host["image_mask"]
-        image_mask[:] = p.image_mask
         pad_mask = np.concatenate(
-            [np.repeat(image_mask, self.cfg.vision.tokens_per_image), host[f"token_mask{b}"]]
+            [np.repeat(p.image_mask.astype(bool), self.cfg.vision.tokens_per_image), host[f"token_mask{b}"]]
         )
         call_layout_into(pad_mask, self.cfg.horizon, host[f"rope_rows{b}"], host[f"key_bias{b}"])
         noise_on_host = p.noise is not None and not p.noise.is_cuda
