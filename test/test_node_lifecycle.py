@@ -470,7 +470,7 @@ def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
 
     assert h.wait_for(waiting_reported, timeout=5.0), "diagnostics never said what the node waits for"
     said = [log.msg for log in h.logs if "waiting for the first messages" in log.msg]
-    assert len(said) == 1 and "images/right_wrist" in said[0], said
+    assert len(said) == 1 and "since the activation" in said[0] and "images/right_wrist" in said[0], said
     # The camera comes up: chunks flow, nothing was dropped, the wait is over.
     assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
     assert h.drops() == {} and h.node.stats()["waiting_for"] == ""
@@ -507,6 +507,28 @@ def test_after_a_reset_the_first_chunk_comes_from_messages_after_it(harness) -> 
     assert h.wait_for(lambda: any(c.episode_id == 1 for c in h.chunks), timeout=10.0), f"drops {h.drops()}"
     first = next(c for c in h.chunks if c.episode_id == 1)
     assert stamp_ns(first.header) == fresh > old and h.drops() == {}
+
+
+def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_drop(harness) -> None:
+    """A reset empties the buffer, so for sensor_startup_timeout_s every sensor's first message is waited
+    for, as after an activation. A camera already out before the reset is named as what the new episode
+    waits for, said as such (found in review: it read "waiting for the first messages", as if the node were
+    starting), /diagnostics stays ERROR while no chunk goes out, and past the timeout it is a drop again."""
+    h = harness(sensor_startup_timeout_s=1.0, max_image_age_s=0.4, max_skew_s=0.2, max_joint_age_s=0.4)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
+    error_after = h.node.cfg.error_after_drops
+    assert h.feed_until(lambda: h.node.stats()["failing_ticks"] >= error_after, skip_camera=2), h.drops()
+    first = len(h.logs)
+    assert h.call(h.reset, Trigger.Request()).message.startswith("episode 1")
+    assert h.feed_until(lambda: "images/right_wrist" in h.node.stats()["waiting_for"], skip_camera=2)
+    said = [log.msg for log in h.logs[first:] if "waiting for the first messages" in log.msg]
+    assert len(said) == 1 and "since the episode reset" in said[0] and "images/right_wrist" in said[0], said
+    status = h.node._diagnostics().status[0]
+    assert status.level == status.ERROR and "since the episode reset" in status.message, status.message
+    dropped = sum(h.drops().values())
+    assert h.feed_until(lambda: sum(h.drops().values()) > dropped, skip_camera=2), h.node.stats()
+    assert h.node.stats()["waiting_for"] == "" and not any(c.episode_id == 1 for c in h.chunks)
 
 
 def test_a_start_up_retry_refused_for_timing_waits_for_a_later_message_as_a_tick_does(harness) -> None:

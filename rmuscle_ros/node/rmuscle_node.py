@@ -237,6 +237,7 @@ class RMuscleNode(LifecycleNode):
         self._buffer: ObservationBuffer | None = None
         self._worker: threading.Thread | None = None
         self._activated_at = 0.0  # time.monotonic() at the latest activation or episode reset
+        self._waits_since = "activation"  # which of the two: named in the wait's log and /diagnostics
         self._wake = threading.Event()  # the worker has something to do: one of the three below
         self._tick = threading.Event()  # the inference timer fired: an observation is due
         # when it last fired (monotonic): what the call's wait for the worker is measured from
@@ -614,7 +615,7 @@ class RMuscleNode(LifecycleNode):
         self._stop.clear()
         self._gc = GcPauses()
         gc.callbacks.append(self._gc)
-        self._activated_at = time.monotonic()
+        self._activated_at, self._waits_since = time.monotonic(), "activation"
         self._start_wait.clear()
         self._late = None
         with self._stats_lock:
@@ -820,7 +821,7 @@ class RMuscleNode(LifecycleNode):
                     # may still show the scene before it for a frame period. Waiting for them is the
                     # start-up wait's (no drop), as after an activation.
                     self._buffer.clear()
-                    self._activated_at = time.monotonic()
+                    self._activated_at, self._waits_since = time.monotonic(), "episode reset"
                 # A tick still waiting for a later message belongs to the finished episode: ended without
                 # a drop, as the reset's own wait is none; left pending, its retry took the reset's wake and
                 # the refill for the next episode never ran (found in review).
@@ -1239,8 +1240,8 @@ class RMuscleNode(LifecycleNode):
             return
         with self._stats_lock:
             self.waiting_for = detail
-        if detail:
-            self.get_logger().info(f"waiting for the first messages: {detail}")
+        if detail:  # after a reset too: a camera out since before it is named here, then as a drop
+            self.get_logger().info(f"waiting for the first messages since the {self._waits_since}: {detail}")
 
     def _drop(self, reason: DropReason, detail: str) -> None:
         now = time.monotonic()
@@ -1436,7 +1437,8 @@ class RMuscleNode(LifecycleNode):
                 self.get_logger().error(f"inference {stalled}: no chunks until it returns")
         if s["waiting_for"]:
             status.message = (
-                f"starting: waiting for the first messages ({s['waiting_for']}); " + status.message
+                f"waiting for the first messages since the {self._waits_since} ({s['waiting_for']}); "
+                + status.message
             )
         crowded, mistyped = self._input_publishers()
         if mistyped:  # nothing of its can arrive: the node cannot run
