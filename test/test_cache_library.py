@@ -656,6 +656,31 @@ def test_fallback_is_sticky_until_reset() -> None:
     assert r.query(walk(0)[0])[0].position == 0
 
 
+@pytest.mark.parametrize("threshold, x, y", [(0.8, 4.0, 3.0), (0.6, 3.0, 4.0), (0.7, 7.0, math.sqrt(51.0))])
+def test_a_similarity_exactly_at_the_threshold_serves_on_the_host_and_in_the_gpu_pick(
+    threshold: float, x: float, y: float
+) -> None:
+    """A cosine exactly at the threshold is no fallback, whichever the threshold: compared in float32, as
+    the similarity is computed (found in review: 0.7 is 0.699999988 in float32, below the float 0.7, and
+    sent the episode dense for good, where 0.8 and 0.6 passed). The GPU's pick (`window_match`, run here
+    in its PyTorch definition) is held to the same comparison (`RMuscle._pick`)."""
+    from rmuscle_ros.cache.retrieval import reaches
+    from rmuscle_ros.engine import ops
+
+    reference = np.zeros((1, 3, 16), np.float32)
+    reference[0, 0, 0] = 1.0
+    live = np.zeros((3, 16), np.float32)
+    live[0, :2] = x, y  # cosine x / |(x, y)| with the reference: 0.8, 0.6, 0.7
+    r = Retriever(RetrievalConfig(threshold=threshold), {0: reference})
+    assert r.query(live) and not r.fallback, r.last_similarity
+    picked = torch.zeros(2)
+    keys, usable = torch.from_numpy(reference.reshape(1, -1)), torch.ones(1, dtype=torch.bool)
+    ops.window_match(torch.from_numpy(live), keys, usable, torch.zeros(1, dtype=torch.int64), picked)
+    assert reaches(float(picked[1]), threshold)
+    assert not reaches(float(np.nextafter(np.float32(threshold), np.float32(0))), threshold)
+    assert not reaches(math.nan, threshold)
+
+
 def _reference_query(library: dict, aligned: dict, descriptor: np.ndarray, cfg: RetrievalConfig):
     """Retrieval as DESIGN §4 words it, one episode at a time: (sorted [(similarity, id, position)], new
     alignment). The Retriever computes the same for the whole library at once."""

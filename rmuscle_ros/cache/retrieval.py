@@ -181,7 +181,7 @@ class Retriever:
         order = order[self._allowed[order]]  # the episodes searched (some are, checked above)
         # a NaN live descriptor reports NaN, also beside other tasks' episodes (their -inf came first)
         self.last_similarity = float(best_sims[order[0]])
-        if not self.last_similarity >= self.cfg.threshold:  # NaN too (a NaN descriptor): dense
+        if not reaches(self.last_similarity, self.cfg.threshold):  # NaN too (a NaN descriptor): dense
             self.fallback = True  # sticky: the scene left the repertoire for this episode
             return []
         self._aligned = positions  # every episode stays aligned
@@ -190,6 +190,13 @@ class Retriever:
         return [
             Match(int(self._ids[k]), int(positions[k]), float(best_sims[k])) for k in order[: self.cfg.top_k]
         ]
+
+
+def reaches(similarity: float, threshold: float) -> bool:
+    """Whether a similarity (computed in float32) is at or above the threshold, compared in float32: a
+    cosine of exactly 0.7 is 0.699999988 in float32, below the float 0.7, and sent the episode dense for
+    good while 0.8 (0.800000012) passed (found in review). False for NaN."""
+    return bool(np.float32(similarity) >= np.float32(threshold))
 
 
 def _nan_never_wins(sims: np.ndarray) -> np.ndarray:

@@ -57,7 +57,7 @@ from rmuscle_ros.cache.library import (
     LibraryMismatch,
     ReferenceLibrary,
 )
-from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, unit_rows
+from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, reaches, unit_rows
 from rmuscle_ros.engine import gpu_event
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
@@ -903,7 +903,7 @@ class RMuscle:
         """The match graph's pick, once it has arrived: (window index, similarity, whether it may serve
         the call: at or above the threshold, and usable)."""
         index, similarity = int(self.engine.match_host[0]), float(self.engine.match_host[1])
-        return index, similarity, similarity >= self.cfg.threshold and usable[index]
+        return index, similarity, reaches(similarity, self.cfg.threshold) and usable[index]
 
     def _queue_similarities(self, after: torch.cuda.Event | None = None) -> None:
         """With the library on the GPU: queue this call's similarities right after the stage that computed
