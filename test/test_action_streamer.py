@@ -666,6 +666,15 @@ def test_a_configured_streamer_refuses_a_parameter_change_saying_how_to_make_it(
     assert c.transition(Transition.TRANSITION_CLEANUP)
     assert c.node.set_parameters([Parameter("max_step", value=0.01)])[0].successful
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.node.cfg.max_step == 0.01
+    # An integer for a float, as `ros2 param set action_streamer max_step 1` sends it, is taken as 1.0
+    # (rclpy refused it without naming the parameter); use_sim_time is refused while active (taken, it
+    # left the 50 Hz timer on the clock it was made on). Both found in review.
+    assert c.transition(Transition.TRANSITION_CLEANUP)
+    assert c.node.set_parameters([Parameter("max_step", value=1)])[0].successful
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.node.cfg.max_step == 1.0
+    assert c.transition(Transition.TRANSITION_ACTIVATE)
+    clock = c.node.set_parameters([Parameter("use_sim_time", value=True)])[0]
+    assert not clock.successful and clock.reason.startswith("use_sim_time: the streamer's timers"), clock
 
 
 def test_arms_without_grippers_take_an_empty_topic_list_and_another_nodes_names_pass(cell) -> None:

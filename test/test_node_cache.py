@@ -296,6 +296,38 @@ def test_a_reset_refills_for_the_prompt_the_next_episode_runs(harness, engine) -
     assert node.stats()["errors"] == {"cache_reset": 1}
 
 
+def test_a_prompt_set_after_the_reset_refills_for_its_task(harness) -> None:
+    """The usual order between episodes is reset, then the next episode's prompt: set before the episode's
+    first call, the window wants the new task's likely first calls, and that call is served cached. Before
+    (found in review) the window kept the reset's choice, the finished episode's task, and the call ran
+    dense. Driven directly on a configured node (no worker running)."""
+    from rclpy.parameter import Parameter
+
+    h = harness(**CACHE)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, policy = h.node, h.node.policy
+    for prompt in ("pick", "sort the screws"):  # an episode of each task, the second's prompt kept
+        if prompt != node.cfg.prompt:
+            assert node.set_parameters([Parameter("prompt", value=prompt)])[0].successful
+        for _ in range(3):
+            policy.infer(synthetic_observation(policy.cfg, prompt))
+        node.reset_episode()
+    assert (
+        policy.cache_status()["library_episodes"] == 2 and policy.cache_status()["task"] == "sort the screws"
+    )
+    assert node.set_parameters([Parameter("prompt", value="pick")])[0].successful
+    assert policy.cache_status()["task"] == "pick" and not policy.episode_started
+    node._refill_for_next_episode()
+    chunk = policy.infer(synthetic_observation(policy.cfg, "pick"))
+    assert chunk.cache_mode == "cached", chunk.cache_mode
+    # After the episode's first call a new prompt waits for the next call (which leaves the episode out
+    # of the library, as its calls ran under two tasks): nothing is prepared for it here.
+    assert policy.episode_started
+    assert node.set_parameters([Parameter("prompt", value="sort the screws")])[0].successful
+    assert policy.cache_status()["task"] == "pick"
+    assert node.stats()["errors"] == {}
+
+
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
     part of one window entry at a time, up to cache.rebuilds_per_tick entries; no part once the inference

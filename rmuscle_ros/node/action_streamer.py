@@ -80,6 +80,8 @@ from rmuscle_ros.node.params import (
     parameter_defaults,
 )
 from rmuscle_ros.node.spin import (
+    clock_change_refused,
+    integers_taken_as_floats,
     node_full_name,
     parameter_values,
     periodic_timer,
@@ -417,6 +419,7 @@ class ActionStreamerNode(LifecycleNode):
         for name, default in streamer_defaults().items():
             self.declare_parameter(name, default)
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        integers_taken_as_floats(self)
         self.cfg: StreamerConfig | None = None
         self._schedule: ChunkSchedule | None = None
         self._messages: tuple[type, type] | None = None
@@ -458,6 +461,9 @@ class ActionStreamerNode(LifecycleNode):
         """`ros2 param set` (or `param load`): every parameter is read at configure, so a configured streamer
         refuses a change, saying how to make it; unconfigured, configure checks it. Before (found in
         review) a change was accepted and `get` showed it while the arms ran on the old value."""
+        clock = clock_change_refused(params, bool(self._timers), "streamer")
+        if clock:
+            return SetParametersResult(successful=False, reason=clock)
         if self.cfg is None:
             return SetParametersResult(successful=True)
         current = parameter_values(self, streamer_defaults(), strict=False)  # [] in a file reads as unset

@@ -53,6 +53,8 @@ from rmuscle_ros.node.params import (
     state_sources,
 )
 from rmuscle_ros.node.spin import (
+    clock_change_refused,
+    integers_taken_as_floats,
     node_full_name,
     parameter_values,
     periodic_timer,
@@ -220,6 +222,7 @@ class RMuscleNode(LifecycleNode):
         for name, default in parameter_defaults().items():
             self.declare_parameter(name, default)
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        integers_taken_as_floats(self)
         # Everything below is created by a transition and released by its inverse.
         self.cfg: NodeConfig | None = None
         self.policy: Any = None
@@ -452,6 +455,9 @@ class RMuscleNode(LifecycleNode):
         π0.5 preset before its checkpoint) is taken with a warning: `ros2 param load` sets a file's
         parameters one at a time, each checked against the others, so a profile's coupled parameters would
         otherwise be refused whichever came first. Configure checks the whole set."""
+        clock = clock_change_refused(params, bool(self._timers), "node")
+        if clock:
+            return SetParametersResult(successful=False, reason=clock)
         defaults = parameter_defaults()
         current = parameter_values(self, defaults, strict=False)
         changed = {
@@ -505,6 +511,14 @@ class RMuscleNode(LifecycleNode):
             self.cfg = cfg  # the worker reads it at each call
             if self._buffer is not None:
                 self._buffer.limits = limits
+            # A new task before the episode's first call (the usual "reset, then set the next prompt"): the
+            # window wants that task's likely first calls, not those the reset or configure chose (found in
+            # review: they were the old task's, and the episode's first calls ran dense).
+            new_task = "prompt" in changed or "cache.task" in changed
+            if new_task and self.policy is not None and cfg.cache.enabled and not self.policy.episode_started:
+                self.policy.expect_task(cfg.prompt)
+                self._refill.set()  # seen by the worker while active, else at activation
+                self._wake.set()
         finally:
             self._policy_lock.release()
         self.get_logger().info(
@@ -1004,6 +1018,11 @@ class RMuscleNode(LifecycleNode):
         # The buffer is read under the policy lock, as an episode reset clears it: an observation read
         # before a reset never becomes the next episode's first call.
         with self._policy_lock:
+            # and the settings too, which a parameter change replaces under it: read before, a call could
+            # run the replaced prompt with the new limits (found in review)
+            cfg = self.cfg
+            if cfg is None:
+                return
             now_ns = self.get_clock().now().nanoseconds
             tick_at = self._tick_at
             if kind == "tick" and tick_at is not None:  # what held the call back: motion-window work, a reset

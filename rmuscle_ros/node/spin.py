@@ -20,6 +20,7 @@ from rclpy.exceptions import InvalidHandle, InvalidParameterTypeException, Param
 from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
 from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy_impl
 from rclpy.node import Node
+from rclpy.parameter import Parameter
 from rclpy.timer import Timer
 
 RCLError = _rclpy_impl.RCLError  # what rclpy's C layer raises (a RuntimeError)
@@ -98,6 +99,38 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, sequences) and isinstance(b, sequences):
         return list(a) == list(b)
     return bool(a == b)
+
+
+def integers_taken_as_floats(node: Node) -> None:
+    """Take an integer set on a float parameter at run time as that float: `ros2 param set <node>
+    cache.similarity_threshold 1` sends an integer, which rclpy refused as "Wrong parameter type, expected
+    'Type.DOUBLE' got 'Type.INTEGER'" without naming the parameter (found in review; among several set at
+    once, which one was not said). Integer lists on float-list parameters alike. Other mismatches stay
+    rclpy's refusals. (A params file's values are checked as the node is made, before this: spin_node
+    names the parameter and how to write it.)"""
+
+    def convert(params: list[Parameter]) -> list[Parameter]:
+        taken = []
+        for p in params:
+            declared = node.describe_parameter(p.name).type if node.has_parameter(p.name) else None
+            if p.type_ == Parameter.Type.INTEGER and declared == Parameter.Type.DOUBLE.value:
+                p = Parameter(p.name, Parameter.Type.DOUBLE, float(p.value))
+            elif p.type_ == Parameter.Type.INTEGER_ARRAY and declared == Parameter.Type.DOUBLE_ARRAY.value:
+                p = Parameter(p.name, Parameter.Type.DOUBLE_ARRAY, [float(v) for v in p.value])
+            taken.append(p)
+        return taken
+
+    node.add_pre_set_parameters_callback(convert)
+
+
+def clock_change_refused(params: Iterable[Any], active: bool, what: str) -> str:
+    """Why an active node refuses a change of `use_sim_time` ("" when it takes it): rclpy's own parameter,
+    which the node's check let through while the timers made at activation stayed on their clock, so that
+    every stamp looked future or stale (found in review: an active rmuscle_node refused every observation
+    as future-stamped). Inactive, the next activation makes its timers on the new clock."""
+    if not active or not any(p.name == "use_sim_time" for p in params):
+        return ""
+    return f"use_sim_time: the {what}'s timers keep the clock they were made on; deactivate, set it, then activate again"
 
 
 def undeclared_overrides(

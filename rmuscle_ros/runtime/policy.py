@@ -294,6 +294,12 @@ class Policy:
         timings["warmup_total"] = time.perf_counter() - start
         return timings
 
+    @property
+    def episode_started(self) -> bool:
+        """Whether the cache's episode in progress has had a call (False without a cache): until then
+        `expect_task` may still change what the episode's first calls are prepared for."""
+        return self.rmuscle is not None and self.rmuscle.calls > 0
+
     def expect_task(self, prompt: str) -> None:
         """Say what the next episode will run before its first call: the cache takes its task from `prompt`
         (or `RMuscleConfig.task`), as `infer` would, and wants the first calls of that task's likely
