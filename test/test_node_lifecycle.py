@@ -522,10 +522,14 @@ def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_dr
     first = len(h.logs)
     assert h.call(h.reset, Trigger.Request()).message.startswith("episode 1")
     assert h.feed_until(lambda: "images/right_wrist" in h.node.stats()["waiting_for"], skip_camera=2)
-    # (a healthy camera may be named first: its first frame since the reset may not have come yet)
-    said = [log.msg for log in h.logs[first:] if "waiting for the first messages" in log.msg]
-    assert said and all("since the episode reset" in m for m in said), said
-    assert "images/right_wrist" in said[-1], said
+
+    # (/rosout comes over DDS, after the stats; a healthy camera may be named first: its first frame
+    # since the reset may not have come yet)
+    def waits() -> list[str]:
+        return [log.msg for log in h.logs[first:] if "waiting for the first messages" in log.msg]
+
+    assert h.wait_for(lambda: any("images/right_wrist" in m for m in waits()), timeout=5.0), waits()
+    assert all("since the episode reset" in m for m in waits()), waits()
     status = h.node._diagnostics().status[0]
     assert status.level == status.ERROR and "since the episode reset" in status.message, status.message
     dropped = sum(h.drops().values())
