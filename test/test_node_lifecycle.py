@@ -522,6 +522,8 @@ def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_dr
     first = len(h.logs)
     assert h.call(h.reset, Trigger.Request()).message.startswith("episode 1")
     assert h.feed_until(lambda: "images/right_wrist" in h.node.stats()["waiting_for"], skip_camera=2)
+    status = h.node._diagnostics().status[0]  # now, within the wait (sensor_startup_timeout_s)
+    assert status.level == status.ERROR and "since the episode reset" in status.message, status.message
 
     # (/rosout comes over DDS, after the stats; a healthy camera may be named first: its first frame
     # since the reset may not have come yet)
@@ -530,8 +532,6 @@ def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_dr
 
     assert h.wait_for(lambda: any("images/right_wrist" in m for m in waits()), timeout=5.0), waits()
     assert all("since the episode reset" in m for m in waits()), waits()
-    status = h.node._diagnostics().status[0]
-    assert status.level == status.ERROR and "since the episode reset" in status.message, status.message
     dropped = sum(h.drops().values())
     assert h.feed_until(lambda: sum(h.drops().values()) > dropped, skip_camera=2), h.node.stats()
     assert h.node.stats()["waiting_for"] == "" and not any(c.episode_id == 1 for c in h.chunks)
