@@ -289,6 +289,47 @@ def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_pat
     assert [c.cache_mode for c in run(policy, live[1:])] == ["cached"] * 3
 
 
+def test_a_rebuild_part_that_raises_midway_starts_its_entry_over(tmp_path) -> None:
+    """A part updates the rebuild lane's state in place, layer by layer: one that raises partway (a
+    transient fault, a GPU out of memory) must not be run again on what it left. Before (found in
+    review), the next motion window re-ran it, the layer's attention update went in twice, and the entry
+    came out wrong yet usable. Now the entry starts over and comes out as a rebuild without the fault."""
+    from types import SimpleNamespace
+
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, rebuild_slices=4))
+    run(policy, episode(4))
+    policy.reset_episode()
+    assert policy.infer(episode(4, offset=0.05, noise=2.0)[0]).cache_mode == "dense"  # the window is empty
+    rm, engine = policy.rmuscle, policy.rmuscle.engine
+    ops, fault = engine.fused.ops, {"armed": False}
+
+    def linear_geglu(*args: object, **kwargs: object) -> torch.Tensor:
+        if fault["armed"]:  # the layer's FFN, after its attention updated the residual
+            fault["armed"] = False
+            raise RuntimeError("a transient fault in a rebuild part")
+        return ops.linear_geglu(*args, **kwargs)
+
+    engine.fused.ops = SimpleNamespace(**{**vars(ops), "linear_geglu": linear_geglu})
+    assert policy.rebuild_cache_slice() == (True, False)  # vision
+    fault["armed"] = True
+    with pytest.raises(RuntimeError, match="transient fault"):
+        policy.rebuild_cache_slice()  # the first layer's part
+    assert policy.cache_status()["window_entries"] == 0 and rm._building is None
+    while (step := policy.rebuild_cache_slice()) != (True, True):
+        assert step == (True, False)
+    (slot,) = [slot for slot in rm.window if slot.key is not None]
+    after_fault = [t[slot.index].clone() for t in (engine.window.ffn_in, engine.window.ffn_out)]
+    engine.fused.ops = ops
+    slot.key = None  # the same entry again, without a fault
+    while policy.rebuild_cache_slice() != (True, True):
+        pass
+    assert all(
+        torch.equal(a, t[slot.index])
+        for a, t in zip(after_fault, (engine.window.ffn_in, engine.window.ffn_out), strict=True)
+    )
+    policy.close()
+
+
 def test_the_window_refills_the_next_positions_first(tmp_path) -> None:
     """After a call aligned at position p, the refill builds p + 1, p + 2, ... first and p itself last: the
     next call is most likely one chunk on, and a node with time for one entry per motion window must not

@@ -1112,7 +1112,12 @@ class RMuscle:
             building = self._building = self._start_rebuild()
             if building is None:
                 return False, False
-        done = self.engine.rebuild_step(use_graphs=not self.cfg.concurrent_rebuilds)
+        try:
+            done = self.engine.rebuild_step(use_graphs=not self.cfg.concurrent_rebuilds)
+        except BaseException:  # the part ran partway: the entry starts over, its slot stays unusable
+            self._building = None
+            self.engine.abandon_rebuild()
+            raise
         if done:
             self._building = None
             slot, stream = building.slot, self.engine.rebuild_stream

@@ -830,6 +830,12 @@ class GraphEngine:
         self._rebuilding = None if done else (bucket, part + 1, out)
         return done
 
+    def abandon_rebuild(self) -> None:
+        """Drop the rebuild in progress: its parts update the lane's state in place, so after one that
+        raised partway the next `begin_rebuild` must start the entry over (found in review: re-running
+        the failed part applied a layer's update twice, and the entry came out wrong yet usable)."""
+        self._rebuilding = None
+
     def rebuild_entry(self, inputs: ModelInputs, out: ContextRef, use_graphs: bool = True) -> None:
         """Reconstruct the reference entry of a library observation into `out` (a window slot): vision and
         a recording prefill on the rebuild lane, every part queued at once on the low-priority stream;
