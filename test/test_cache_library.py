@@ -663,7 +663,8 @@ def test_a_similarity_exactly_at_the_threshold_serves_on_the_host_and_in_the_gpu
     """A cosine exactly at the threshold is no fallback, whichever the threshold: compared in float32, as
     the similarity is computed (found in review: 0.7 is 0.699999988 in float32, below the float 0.7, and
     sent the episode dense for good, where 0.8 and 0.6 passed). The GPU's pick (`window_match`, run here
-    in its PyTorch definition) is held to the same comparison (`RMuscle._pick`)."""
+    in its PyTorch definition) computes a similarity that reaches it too; `RMuscle._pick`'s comparison
+    is tested in test_rmuscle_runtime."""
     from rmuscle_ros.cache.retrieval import reaches
     from rmuscle_ros.engine import ops
 

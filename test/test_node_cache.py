@@ -328,6 +328,29 @@ def test_a_prompt_set_after_the_reset_refills_for_its_task(harness) -> None:
     assert node.stats()["errors"] == {}
 
 
+def test_a_motion_window_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
+    """A motion window takes the policy lock part by part; while a callback on the executor (a reset, a
+    parameter set, a discard) waits for it, the window starts no further part. Before (found in review:
+    a lock is not handed to a waiter), the window could take it back part after part, and a reset during a
+    long refill waited out stall_after_s and was refused as if the worker had stalled (1011 ms, 150 ms
+    parts). Driven directly on a configured node (no worker running)."""
+    h = harness(**CACHE)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, policy, parts = h.node, h.node.policy, []
+    for _ in range(3):
+        policy.infer(synthetic_observation(policy.cfg, "pick"))
+    node.reset_episode()  # the next episode wants the recorded episode's first calls
+    part = policy.rebuild_cache_slice
+    policy.rebuild_cache_slice = lambda wait=False: parts.append(1) or part(wait)
+    node._lock_wanted.set()  # what _lock_policy says while it waits
+    node._refill_for_next_episode()
+    assert parts == [] and policy.cache_status()["window_entries"] == 0
+    node._lock_wanted.clear()
+    node._refill_for_next_episode()
+    assert parts and policy.cache_status()["window_entries"] > 0
+    assert node.stats()["errors"] == {}
+
+
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
     part of one window entry at a time, up to cache.rebuilds_per_tick entries; no part once the inference

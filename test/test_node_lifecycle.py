@@ -788,6 +788,12 @@ def test_an_integer_for_a_float_is_taken_live_and_the_clock_is_fixed_while_activ
     clock = set_over_service("use_sim_time", True)
     assert not clock.successful and clock.reason.startswith("use_sim_time: ") and "deactivate" in clock.reason
     assert not h.node.get_parameter("use_sim_time").value
+    # its current value again, as a `ros2 param dump` applied whole carries it, is no change: taken
+    same = h.node.set_parameters_atomically(
+        [Parameter("use_sim_time", value=False), Parameter("prompt", value="place")]
+    )
+    assert same.successful, same.reason
+    assert h.node.cfg.prompt == "place"
     sent = len(h.chunks)
     assert h.feed_until(lambda: len(h.chunks) > sent + 1), f"drops {h.drops()}"
     assert h.transition(Transition.TRANSITION_DEACTIVATE)

@@ -330,6 +330,20 @@ def test_a_rebuild_part_that_raises_midway_starts_its_entry_over(tmp_path) -> No
     policy.close()
 
 
+def test_the_gpu_pick_at_the_threshold_serves(tmp_path) -> None:
+    """The match stage's pick comes back as float32 (`match_host`): one exactly at the threshold serves,
+    compared in float32 as host retrieval does (found in review: 0.7 is 0.699999988 in float32, below the
+    float 0.7, so such a pick ran the call again dense)."""
+    policy = Policy(CFG, RMuscleConfig(threshold=0.7))
+    rm = policy.rmuscle
+    usable = [True] * len(rm.window)
+    rm.engine.match_host.copy_(torch.tensor([0.0, 0.7]))  # float32, as the device writes it
+    assert rm._pick(usable) == (0, pytest.approx(0.7), True)
+    rm.engine.match_host[1] = float(np.nextafter(np.float32(0.7), np.float32(0)))
+    assert rm._pick(usable)[2] is False
+    policy.close()
+
+
 def test_the_window_refills_the_next_positions_first(tmp_path) -> None:
     """After a call aligned at position p, the refill builds p + 1, p + 2, ... first and p itself last: the
     next call is most likely one chunk on, and a node with time for one entry per motion window must not

@@ -461,7 +461,7 @@ class ActionStreamerNode(LifecycleNode):
         """`ros2 param set` (or `param load`): every parameter is read at configure, so a configured streamer
         refuses a change, saying how to make it; unconfigured, configure checks it. Before (found in
         review) a change was accepted and `get` showed it while the arms ran on the old value."""
-        clock = clock_change_refused(params, bool(self._timers), "streamer")
+        clock = clock_change_refused(self, params, bool(self._timers), "streamer")
         if clock:
             return SetParametersResult(successful=False, reason=clock)
         if self.cfg is None:

@@ -262,6 +262,10 @@ class RMuscleNode(LifecycleNode):
         self._input_topics: tuple[str, ...] = ()  # while active: the camera and joint topics, as remapped
         self._switch_interval_s = sys.getswitchinterval()  # restored once the worker runs
         self._refill = threading.Event()  # an episode reset: a motion window for the next episode's start
+        # A callback on the executor waits for the policy lock (a reset, a parameter, a discard): the motion
+        # window ends at its next part (a lock is not handed to a waiter: the window took it back at once,
+        # part after part, and a reset waited out stall_after_s and was refused; found in review)
+        self._lock_wanted = threading.Event()
         # A tick found a sensor not yet heard from during start-up: the call is retried when a sensor's
         # first message arrives, so the first chunk follows the last sensor to come up, not a period later.
         self._start_wait = threading.Event()
@@ -455,7 +459,7 @@ class RMuscleNode(LifecycleNode):
         π0.5 preset before its checkpoint) is taken with a warning: `ros2 param load` sets a file's
         parameters one at a time, each checked against the others, so a profile's coupled parameters would
         otherwise be refused whichever came first. Configure checks the whole set."""
-        clock = clock_change_refused(params, bool(self._timers), "node")
+        clock = clock_change_refused(self, params, bool(self._timers), "node")
         if clock:
             return SetParametersResult(successful=False, reason=clock)
         defaults = parameter_defaults()
@@ -533,7 +537,11 @@ class RMuscleNode(LifecycleNode):
         """The policy lock for a callback on the executor's thread (a parameter, a reset, a discard): within
         stall_after_s, or False. A call holds the lock while it runs; waiting on a stalled one would hold
         the executor too, and /diagnostics would go silent instead of reporting the stall."""
-        return self._policy_lock.acquire(timeout=self._stall_after_s())
+        self._lock_wanted.set()  # a motion window yields between two parts (_rebuild_cache)
+        try:
+            return self._policy_lock.acquire(timeout=self._stall_after_s())
+        finally:
+            self._lock_wanted.clear()
 
     def _busy(self) -> str:
         return (
@@ -1169,6 +1177,8 @@ class RMuscleNode(LifecycleNode):
             return
         entries = 0
         for _ in range(cfg.cache.rebuilds_per_tick * cfg.cache.rebuild_slices):
+            if self._lock_wanted.is_set():  # what is still wanted waits for the next window
+                break
             with self._policy_lock:
                 try:
                     if self._next_call_too_close(estimate):  # what is still wanted waits for the next window

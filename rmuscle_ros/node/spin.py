@@ -113,22 +113,29 @@ def integers_taken_as_floats(node: Node) -> None:
         taken = []
         for p in params:
             declared = node.describe_parameter(p.name).type if node.has_parameter(p.name) else None
-            if p.type_ == Parameter.Type.INTEGER and declared == Parameter.Type.DOUBLE.value:
-                p = Parameter(p.name, Parameter.Type.DOUBLE, float(p.value))
-            elif p.type_ == Parameter.Type.INTEGER_ARRAY and declared == Parameter.Type.DOUBLE_ARRAY.value:
-                p = Parameter(p.name, Parameter.Type.DOUBLE_ARRAY, [float(v) for v in p.value])
+            try:
+                if p.type_ == Parameter.Type.INTEGER and declared == Parameter.Type.DOUBLE.value:
+                    p = Parameter(p.name, Parameter.Type.DOUBLE, float(p.value))
+                elif (
+                    p.type_ == Parameter.Type.INTEGER_ARRAY and declared == Parameter.Type.DOUBLE_ARRAY.value
+                ):
+                    p = Parameter(p.name, Parameter.Type.DOUBLE_ARRAY, [float(v) for v in p.value])
+            except OverflowError:  # past float's range (only in-process; the service carries int64)
+                pass  # left as it came: rclpy refuses its type
             taken.append(p)
         return taken
 
     node.add_pre_set_parameters_callback(convert)
 
 
-def clock_change_refused(params: Iterable[Any], active: bool, what: str) -> str:
+def clock_change_refused(node: Node, params: Iterable[Any], active: bool, what: str) -> str:
     """Why an active node refuses a change of `use_sim_time` ("" when it takes it): rclpy's own parameter,
     which the node's check let through while the timers made at activation stayed on their clock, so that
     every stamp looked future or stale (found in review: an active rmuscle_node refused every observation
-    as future-stamped). Inactive, the next activation makes its timers on the new clock."""
-    if not active or not any(p.name == "use_sim_time" for p in params):
+    as future-stamped). Inactive, the next activation makes its timers on the new clock. The same value
+    again (a `ros2 param dump` applied whole) is no change and is taken."""
+    held = node.get_parameter("use_sim_time").value
+    if not active or all(p.name != "use_sim_time" or p.value == held for p in params):
         return ""
     return f"use_sim_time: the {what}'s timers keep the clock they were made on; deactivate, set it, then activate again"
 
