@@ -27,6 +27,8 @@ def test_an_old_outlier_is_forgotten_so_that_a_new_time_can_replace_it() -> None
     jobs.times.append((0.0, 0.52))
     assert jobs.too_long(now=1.0, left_s=0.48)
     assert not jobs.too_long(now=JOB_MEMORY_S + 0.1, left_s=0.48), "started blind"
+    assert jobs.too_long(now=JOB_MEMORY_S + 0.1, left_s=0.0), "not blind once the observation is due"
+    assert jobs.too_long(now=JOB_MEMORY_S + 0.1, left_s=-0.05)
     jobs.record(now=JOB_MEMORY_S + 0.2, seconds=0.002, overran=False)
     assert not jobs.too_long(now=JOB_MEMORY_S + 1.0, left_s=0.48)
     assert jobs.memory_s == JOB_MEMORY_S and jobs.overruns == 0

@@ -54,9 +54,12 @@ class JobTimes:
 
     def too_long(self, now: float, left_s: float | None) -> bool:
         """Whether a job would not end in the `left_s` seconds left before the next observation (None:
-        no timer, nothing to delay). With no recent time it is started: blind."""
+        no timer, nothing to delay). With no recent time it is started, blind, but not once the next
+        observation is already due (`left_s` ≤ 0: found in review, a blind job started then)."""
+        if left_s is None:
+            return False
         recent = self.recent(now)
-        return left_s is not None and bool(recent) and left_s < max(recent)
+        return left_s <= 0 or (bool(recent) and left_s < max(recent))
 
     def record(self, now: float, seconds: float, overran: bool, estimated: bool = True) -> None:
         """A job ended at `now` after `seconds`; `overran`: the next observation fell due while it ran.
