@@ -1177,7 +1177,7 @@ class RMuscleNode(LifecycleNode):
             return
         entries = 0
         for _ in range(cfg.cache.rebuilds_per_tick * cfg.cache.rebuild_slices):
-            if self._lock_wanted.is_set():  # what is still wanted waits for the next window
+            if self._lock_wanted.is_set():  # a reset, parameter or discard waits: it goes first
                 break
             with self._policy_lock:
                 try:

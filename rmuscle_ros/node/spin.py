@@ -134,8 +134,8 @@ def clock_change_refused(node: Node, params: Iterable[Any], active: bool, what: 
     every stamp looked future or stale (found in review: an active rmuscle_node refused every observation
     as future-stamped). Inactive, the next activation makes its timers on the new clock. The same value
     again (a `ros2 param dump` applied whole) is no change and is taken."""
-    held = node.get_parameter("use_sim_time").value
-    if not active or all(p.name != "use_sim_time" or p.value == held for p in params):
+    asked = [p.value for p in params if p.name == "use_sim_time"]
+    if not active or all(value == node.get_parameter("use_sim_time").value for value in asked):
         return ""
     return f"use_sim_time: the {what}'s timers keep the clock they were made on; deactivate, set it, then activate again"
 
