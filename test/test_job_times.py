@@ -8,7 +8,14 @@ import itertools
 
 import pytest
 
-from rmuscle_ros.node.job_times import JOB_MEMORY_MAX_S, JOB_MEMORY_S, JobTimes
+from rmuscle_ros.node.job_times import (
+    CLOCK_RATE_EVERY_S,
+    CLOCK_RATE_SPAN_S,
+    JOB_MEMORY_MAX_S,
+    JOB_MEMORY_S,
+    ClockRate,
+    JobTimes,
+)
 
 
 def test_a_job_longer_than_the_time_left_is_not_started() -> None:
@@ -90,3 +97,45 @@ def test_bad_memories_are_refused() -> None:
         JobTimes(memory_s=0.0)
     with pytest.raises(ValueError, match="memory_s"):
         JobTimes(memory_s=20.0, max_memory_s=10.0)
+
+
+def test_a_clock_faster_than_the_wall_clock_leaves_less_wall_time() -> None:
+    """With use_sim_time the time left is on /clock: at twice real time (a bag at `--rate 2`) 0.4 s of it
+    is 0.2 s of wall time, which a 0.3 s job does not fit."""
+    rate = ClockRate()
+    assert rate.wall_s(0.4) == 0.4, "no rate measured yet: the clock's seconds, as before"
+    for k in range(11):  # 1 s of wall time, read every 0.1 s, the clock at 2x
+        rate.read(100.0 + 0.1 * k, 50_000_000_000 + 200_000_000 * k)
+    assert rate.rate() == pytest.approx(2.0)
+    assert rate.wall_s(0.4) == pytest.approx(0.2)
+    jobs = JobTimes()
+    jobs.times.append((101.0, 0.3))
+    assert jobs.too_long(now=101.0, left_s=rate.wall_s(0.4))
+
+
+def test_a_slow_or_paused_clock_is_not_counted_on_and_a_clock_sent_back_starts_over() -> None:
+    rate = ClockRate()
+    for k in range(11):  # half real time
+        rate.read(float(k) / 10, 100_000_000 * k // 2)
+    assert rate.rate() == pytest.approx(0.5)
+    assert rate.wall_s(0.4) == 0.4, "a slow clock may speed up at any moment: its seconds as they are"
+    for k in range(11, 30):  # paused
+        rate.read(float(k) / 10, 500_000_000)
+    assert rate.wall_s(0.4) == 0.4
+    rate.read(3.0, 0)  # played again from the start
+    assert list(rate.readings) == [(3.0, 0)] and rate.rate() is None
+    for k in range(1, 5):  # fast, but not yet over CLOCK_RATE_MIN_SPAN_S
+        rate.read(3.0 + 0.1 * k, 400_000_000 * k)
+    assert rate.rate() is None
+
+
+def test_the_clock_rate_forgets_readings_older_than_its_span_and_reads_at_most_so_often() -> None:
+    rate = ClockRate()
+    for k in range(int(CLOCK_RATE_SPAN_S * 20)):  # 10 s: 1x for 5 s, then 3x
+        wall = 0.1 * k
+        rate.read(wall, int(1e9 * (wall if wall <= 5.0 else 5.0 + 3 * (wall - 5.0))))
+    assert rate.rate() == pytest.approx(3.0, rel=0.05), "the first 5 s at 1x have left the span"
+    assert rate.readings[-1][0] - rate.readings[0][0] <= CLOCK_RATE_SPAN_S
+    kept = len(rate.readings)
+    rate.read(rate.readings[-1][0] + CLOCK_RATE_EVERY_S / 2, rate.readings[-1][1] + 1)
+    assert len(rate.readings) == kept, "a reading too close to the last is not kept"

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
 pytest.importorskip("rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)")
 
+from builtin_interfaces.msg import Time
 from lifecycle_msgs.msg import State, Transition
 from std_srvs.srv import Trigger
 from test_node_lifecycle import ENGINES, Harness, _configure_fails_saying, harnesses
@@ -418,6 +419,44 @@ def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observati
 
     assert policy.infer(obs).cache_mode == "cached"
     assert node.stats()["errors"] == {}
+
+
+def test_with_use_sim_time_the_motion_window_counts_the_time_left_in_wall_seconds(harness) -> None:
+    """A bag played at `--rate 4`, or a simulator faster than real time: the inference timer runs on /clock,
+    so the time it says is left is a quarter of that in wall time, which is what a rebuild part's time
+    (wall-clock) must fit. Compared as they were (found in review), a part 4x too long for the window was
+    started. Driven directly on a configured node, /clock published by the test at 4x the wall clock."""
+    from rosgraph_msgs.msg import Clock as ClockMessage
+
+    h = harness(**CACHE, use_sim_time=True)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, clock = h.node, h.peer.create_publisher(ClockMessage, "/clock", 10)
+    start = time.monotonic()
+
+    def publish_clock() -> None:
+        sec, nanosec = divmod(1_000_000_000 + round(4e9 * (time.monotonic() - start)), 1_000_000_000)
+        clock.publish(ClockMessage(clock=Time(sec=sec, nanosec=nanosec)))
+
+    assert h.wait_for(lambda: publish_clock() or node.get_clock().now().nanoseconds > 0, timeout=10.0)
+    node._infer_timer = node.create_timer(10.0, lambda: None)  # on /clock, as the node's is with use_sim_time
+    deadline = time.monotonic() + 1.5  # motion windows read the clock as they go: 1.5 s of them
+    while time.monotonic() < deadline:
+        publish_clock()
+        node._time_to_next_call_s()
+        time.sleep(0.01)
+    publish_clock()
+    time.sleep(0.05)
+    on_clock, wall = node._infer_timer.time_until_next_call() * 1e-9, node._time_to_next_call_s()
+    assert 1.0 < on_clock < 10.0 and wall == pytest.approx(on_clock / 4, rel=0.2), (on_clock, wall)
+    node._rebuild_s.times.append(
+        (time.monotonic(), on_clock / 2)
+    )  # fits the clock's time left, not the wall's
+    assert node._next_call_too_close()
+    node._rebuild_s.times.clear()
+    node._rebuild_s.times.append((time.monotonic(), on_clock / 8))
+    assert not node._next_call_too_close()
+    node.destroy_timer(node._infer_timer)
+    node._infer_timer = None
 
 
 def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(harness) -> None:

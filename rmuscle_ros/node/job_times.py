@@ -17,7 +17,11 @@ starts become rare (after 10, 20, 40 … s, then one every `max_memory_s`) inste
 served repeat found no entry rebuilt in time (its blind parts had overrun the harness's short window),
 and a part in flight costs a live call less than an audit.
 
-Times are wall-clock seconds from `time.monotonic()`; no rclpy here.
+Times are wall-clock seconds from `time.monotonic()`; no rclpy here. The time left before the next
+observation is on the node's clock: with `use_sim_time` that is /clock, which a bag played at `--rate 2` or
+a simulator faster than real time (aloha_sim's `real_time_factor`) runs faster than the wall clock.
+`ClockRate` measures how much faster, so that the time left is compared with the jobs' times in wall
+seconds (found in review: compared as they were, a faster clock's window was overrun).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ from collections import deque
 JOB_MEMORY_S = 10.0
 JOB_MEMORY_MAX_S = 300.0  # at most one blind start this often for a job that never fits
 JOB_TIMES_KEPT = 8
+# The clock's rate is measured over the latest CLOCK_RATE_SPAN_S of wall time, once it spans at least
+# CLOCK_RATE_MIN_SPAN_S (/clock comes at 100 Hz from a bag player: 10 ms steps, 2 % of 0.5 s), from readings
+# at least CLOCK_RATE_EVERY_S apart.
+CLOCK_RATE_SPAN_S = 5.0
+CLOCK_RATE_MIN_SPAN_S = 0.5
+CLOCK_RATE_EVERY_S = 0.05
 
 
 class JobTimes:
@@ -73,3 +83,41 @@ class JobTimes:
             self.memory_s = min(2 * self.memory_s, self.max_memory_s)
         elif not overran:
             self.memory_s = self.base_memory_s
+
+
+class ClockRate:
+    """How fast the node's clock runs against the wall clock, from readings of both (`read`).
+
+    `wall_s(left_s)` turns seconds on the node's clock into wall seconds: divided by the measured rate
+    when the clock runs faster than the wall clock, unchanged otherwise. A slower or paused clock is not
+    counted on (a paused bag may resume at its full rate the next moment), nor is a rate not yet measured
+    (its first `CLOCK_RATE_MIN_SPAN_S`): those keep the estimate as it was, in the clock's own seconds. A
+    clock that goes back (a bag played again from its start) starts the measurement over; one that jumps
+    ahead reads as a fast clock until the jump leaves the span, which starts fewer jobs, not more.
+    Not thread-safe: the node's worker uses it alone."""
+
+    def __init__(self) -> None:
+        self.readings: deque[tuple[float, int]] = deque()  # (wall s, clock ns), oldest first
+
+    def read(self, wall_s: float, clock_ns: int) -> None:
+        readings = self.readings
+        if readings and clock_ns < readings[-1][1]:
+            readings.clear()
+        if readings and wall_s - readings[-1][0] < CLOCK_RATE_EVERY_S:
+            return
+        readings.append((wall_s, clock_ns))
+        while wall_s - readings[0][0] > CLOCK_RATE_SPAN_S:
+            readings.popleft()
+
+    def rate(self) -> float | None:
+        """Clock seconds per wall second over the span kept; None until it spans CLOCK_RATE_MIN_SPAN_S."""
+        if len(self.readings) < 2:
+            return None
+        (wall0, clock0), (wall1, clock1) = self.readings[0], self.readings[-1]
+        if wall1 - wall0 < CLOCK_RATE_MIN_SPAN_S:
+            return None
+        return (clock1 - clock0) * 1e-9 / (wall1 - wall0)
+
+    def wall_s(self, left_s: float) -> float:
+        rate = self.rate()
+        return left_s / rate if rate is not None and rate > 1.0 else left_s

@@ -42,7 +42,7 @@ from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from rmuscle_ros.cache.runtime import MODES
-from rmuscle_ros.node.job_times import JobTimes
+from rmuscle_ros.node.job_times import ClockRate, JobTimes
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import (
     CombinationError,
@@ -320,6 +320,7 @@ class RMuscleNode(LifecycleNode):
         # The latest rebuild parts' and audits' wall times: what the motion windows' estimate reads
         self._rebuild_s = JobTimes()
         self._audit_s = JobTimes(backoff=True)  # an audit that never fits is retried ever more rarely
+        self._clock_rate = ClockRate()  # with use_sim_time: how fast /clock runs, for the estimate
 
     # ── lifecycle ────────────────────────────────────────────────────────────────────────────────────────
 
@@ -1209,8 +1210,8 @@ class RMuscleNode(LifecycleNode):
     def _next_call_too_close(self, estimate: bool = True, durations: JobTimes | None = None) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
         or, with `estimate`, will be before another job is done (`durations`, rebuild parts' by default:
-        the longest of their recent times, see job_times.py). Those times are wall-clock, and the timer runs
-        on the steady clock, or with use_sim_time on /clock: the same in a 1× bag replay while it plays."""
+        the longest of their recent times, see job_times.py). Those times are wall-clock, as is the time
+        left (`_time_to_next_call_s`)."""
         if self._tick.is_set() or self._stop.is_set():
             return True
         if not estimate:
@@ -1219,10 +1220,18 @@ class RMuscleNode(LifecycleNode):
         return jobs.too_long(time.monotonic(), self._time_to_next_call_s())
 
     def _time_to_next_call_s(self) -> float | None:
-        """Seconds until the inference timer next fires (spin.periodic_timer's clock), None without one."""
+        """Wall seconds until the inference timer next fires, None without one. The timer runs on
+        spin.periodic_timer's clock: with use_sim_time that is /clock, whose seconds are turned into wall
+        seconds at the rate it has run lately (job_times.ClockRate: a bag played at `--rate 2` leaves half
+        the wall time its clock says)."""
         timer = self._infer_timer
         left = timer.time_until_next_call() if timer is not None else None
-        return None if left is None else left * 1e-9
+        if left is None:
+            return None
+        if timer.clock.clock_type != ClockType.ROS_TIME:  # the steady clock: wall seconds already
+            return left * 1e-9
+        self._clock_rate.read(time.monotonic(), timer.clock.now().nanoseconds)
+        return self._clock_rate.wall_s(left * 1e-9)
 
     def _error(self, kind: str, detail: str) -> None:
         with self._stats_lock:
