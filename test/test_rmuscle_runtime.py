@@ -21,7 +21,7 @@ import torch
 
 from rmuscle_ros.cache.library import LibraryMismatch
 from rmuscle_ros.cache.retrieval import unit_rows
-from rmuscle_ros.cache.runtime import RMuscleConfig
+from rmuscle_ros.cache.runtime import REBUILD_TRIES, RMuscleConfig
 from rmuscle_ros.runtime.policy import NonFiniteActions, Observation, Policy, PolicyConfig
 
 CFG = PolicyConfig(backend="fused")
@@ -327,6 +327,62 @@ def test_a_rebuild_part_that_raises_midway_starts_its_entry_over(tmp_path) -> No
         torch.equal(a, t[slot.index])
         for a, t in zip(after_fault, (engine.window.ffn_in, engine.window.ffn_out), strict=True)
     )
+    policy.close()
+
+
+def test_an_entry_whose_rebuild_keeps_failing_is_set_aside_and_the_others_are_rebuilt(caplog) -> None:
+    """A fault that persists for one entry (inputs the engine refuses, memory too short for it): before
+    (found in review), every motion window tried that entry first, since it is the best wanted, failed and
+    ended there, so no other entry was ever rebuilt and the episode ran dense. After REBUILD_TRIES failures
+    in an episode it is set aside (logged, counted in the status); the next episode tries it again. A fault
+    at an entry's start (the engine refusing its inputs) counts the same."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, rebuild_slices=4))
+    run(policy, episode(4))
+    policy.reset_episode()
+    assert policy.infer(episode(4, offset=0.05, noise=2.0)[0]).cache_mode == "dense"  # the window is empty
+    rm, engine = policy.rmuscle, policy.rmuscle.engine
+    target, missing = rm._wanted[0], policy.cache_entries_missing()
+    assert missing > 1
+    step = engine.rebuild_step
+
+    def faulty_step(*args: object, **kwargs: object) -> bool:
+        if rm._building is not None and rm._building.key == target:
+            raise RuntimeError("a persistent fault in one entry")
+        return step(*args, **kwargs)
+
+    engine.rebuild_step = faulty_step
+    for _ in range(REBUILD_TRIES):
+        with pytest.raises(RuntimeError, match="persistent fault"):
+            policy.rebuild_cache_slice()  # each window's first part: the best wanted entry's
+        assert policy.cache_status()["window_entries"] == 0
+    while policy.rebuild_cache_slice() != (False, False):  # the other entries
+        pass
+    assert policy.cache_status()["window_entries"] == missing - 1
+    assert target not in {slot.key for slot in rm.window}
+    assert policy.cache_status()["entries_set_aside"] == 1
+    assert f"library episode {target[0]}, call {target[1]} failed {REBUILD_TRIES} times" in caplog.text
+    assert policy.cache_entries_missing() == 0, "not counted as deferred"
+    del engine.rebuild_step
+
+    policy.reset_episode()  # the next episode tries it again
+    assert policy.cache_status()["entries_set_aside"] == 0
+    raised = 0
+
+    def refusing(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("the engine refuses this entry's inputs")
+
+    engine.begin_rebuild = refusing
+    wanted = len([key for key in rm._wanted if key not in {slot.key for slot in rm.window}])
+    assert wanted > 0
+    while True:
+        try:
+            if policy.rebuild_cache_slice() == (False, False):
+                break
+        except RuntimeError:
+            raised += 1
+            assert raised <= REBUILD_TRIES * wanted, "an entry tried more often than REBUILD_TRIES"
+    assert raised == REBUILD_TRIES * wanted and policy.cache_status()["entries_set_aside"] == wanted
+    del engine.begin_rebuild
     policy.close()
 
 

@@ -42,7 +42,7 @@ import math
 import statistics
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -71,6 +71,10 @@ AUDITS_KEPT = 100  # the latest audits' errors, for the median and maximum repor
 # room to spare: a recording counted just under the library's bound would pass `_record` and then be
 # refused at its reset (EpisodeTooLarge, found in review).
 FILE_OVERHEAD = 64 << 10
+# A window entry whose rebuild raised this many times in one episode is set aside until the next: a fault
+# that persists (one entry's inputs the engine refuses, memory too short for it) would otherwise have every
+# motion window try it first and stop there, and no other entry would be rebuilt (found in review).
+REBUILD_TRIES = 3
 
 
 # RMuscleConfig's integer fields, and the most window entries it may ask for (the default is 20).
@@ -462,6 +466,8 @@ class RMuscle:
         self.last_excluded = ""  # why the latest finished episode was kept out of the library, if it was
         self._wanted: list[tuple[int, int]] = []
         self._building: _Building | None = None  # the entry whose rebuild is in progress
+        # This episode's failed rebuilds, by entry: one that failed REBUILD_TRIES times is set aside
+        self._rebuild_failures: Counter[tuple[int, int]] = Counter()
         self._usable_on_device: list[bool] | None = None  # the usable flags last copied to the engine
         self._usable_writes = -1  # the engine's usable_writes right after that copy (another writer: stale)
         self.calls = self.cached_calls = 0
@@ -595,6 +601,7 @@ class RMuscle:
                 self.audits_missed += 1
             self.episode_id += 1
             self.calls = self.cached_calls = 0
+            self._rebuild_failures.clear()  # a fault that has gone (memory freed) is tried again
             # The status until the new episode's first call (the finished one's mode before: a FALLBACK
             # shown through the whole scene reset, found in review)
             self.last = NO_CALL_YET
@@ -1079,9 +1086,23 @@ class RMuscle:
     # ── the sliding window ───────────────────────────────────────────────────────────────────────────────
 
     def missing_entries(self) -> int:
-        """How many entries the latest call's retrieval wants that the window does not hold."""
+        """How many entries the latest call's retrieval wants that the window does not hold (and that are
+        not set aside, `REBUILD_TRIES`)."""
         held = {slot.key for slot in self.window}
-        return sum(1 for key in self._wanted if key not in held)
+        return sum(1 for key in self._wanted if key not in held and not self._set_aside(key))
+
+    def _set_aside(self, key: tuple[int, int]) -> bool:
+        return self._rebuild_failures[key] >= REBUILD_TRIES
+
+    def _rebuild_failed(self, key: tuple[int, int]) -> None:
+        self._rebuild_failures[key] += 1
+        if self._set_aside(key):
+            log.warning(
+                "rMuscle: rebuilding library episode %d, call %d failed %d times: set aside until the "
+                "episode resets",
+                *key,
+                REBUILD_TRIES,
+            )
 
     @torch.no_grad()
     def rebuild(self, max_entries: int | None = None, wait: bool = False) -> int:
@@ -1114,9 +1135,11 @@ class RMuscle:
                 return False, False
         try:
             done = self.engine.rebuild_step(use_graphs=not self.cfg.concurrent_rebuilds)
-        except BaseException:  # the part ran partway: the entry starts over, its slot stays unusable
+        except BaseException as e:  # the part ran partway: the entry starts over, its slot stays unusable
             self._building = None
             self.engine.abandon_rebuild()
+            if isinstance(e, Exception):  # a fault, not a Ctrl-C
+                self._rebuild_failed(building.key)
             raise
         if done:
             self._building = None
@@ -1145,7 +1168,7 @@ class RMuscle:
         there is no such entry or slot). Nothing runs yet: `rebuild_slice` queues the parts."""
         held = {slot.key for slot in self.window}
         wanted = set(self._wanted)
-        key = next((k for k in self._wanted if k not in held), None)
+        key = next((k for k in self._wanted if k not in held and not self._set_aside(k)), None)
         free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
         if key is None or free is None:
             return None
@@ -1155,26 +1178,35 @@ class RMuscle:
             # Damaged since open: out of service, and the next wanted entry instead.
             self._leave_out(key[0], str(e))
             return self._start_rebuild()
+        except Exception:
+            self._rebuild_failed(key)
+            raise
         call = key[1]
-        present = (
-            episode.image_masks[call]
-            if episode.image_masks is not None
-            else np.ones(episode.images.shape[1], dtype=np.bool_)
-        )
-        inputs = ModelInputs(
-            images_from_u8(episode.images[call])[None],
-            torch.from_numpy(np.ascontiguousarray(present))[None],
-            torch.from_numpy(episode.tokens[call])[None],
-            torch.from_numpy(episode.token_mask[call])[None],
-        )
-        free.key = None  # not usable while it is being rewritten
-        self.engine.begin_rebuild(inputs, free.ref)
-        return _Building(
-            free,
-            key,
-            torch.from_numpy(episode.action_masks[call].astype(np.int32)),
-            torch.from_numpy(unit_rows(self._descriptors[key[0]][call][None])[0]),  # retrieval's row, exactly
-        )
+        try:
+            present = (
+                episode.image_masks[call]
+                if episode.image_masks is not None
+                else np.ones(episode.images.shape[1], dtype=np.bool_)
+            )
+            inputs = ModelInputs(
+                images_from_u8(episode.images[call])[None],
+                torch.from_numpy(np.ascontiguousarray(present))[None],
+                torch.from_numpy(episode.tokens[call])[None],
+                torch.from_numpy(episode.token_mask[call])[None],
+            )
+            building = _Building(
+                free,
+                key,
+                torch.from_numpy(episode.action_masks[call].astype(np.int32)),
+                torch.from_numpy(unit_rows(self._descriptors[key[0]][call][None])[0]),  # retrieval's row
+            )
+            free.key = None  # not usable while it is being rewritten
+            self.engine.begin_rebuild(inputs, free.ref)
+        except Exception:  # this entry's inputs, or the engine's start: counted toward setting it aside
+            self.engine.abandon_rebuild()
+            self._rebuild_failed(key)
+            raise
+        return building
 
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────
 
@@ -1191,6 +1223,7 @@ class RMuscle:
             "last_episode_excluded": self.last_excluded,
             "task_episodes": self.retriever.episodes,
             "window_entries": sum(1 for s in self.window if s.key is not None),
+            "entries_set_aside": sum(1 for key in self._rebuild_failures if self._set_aside(key)),
             "library_bytes": self.library.total_bytes,
             "library_disk_free_bytes": free,
             "library_disk_low": self.library.disk_low(free),

@@ -41,7 +41,7 @@ from std_msgs.msg import Empty
 from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
-from rmuscle_ros.cache.runtime import MODES
+from rmuscle_ros.cache.runtime import MODES, REBUILD_TRIES
 from rmuscle_ros.node.job_times import ClockRate, JobTimes
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import (
@@ -1542,7 +1542,8 @@ class RMuscleNode(LifecycleNode):
             status.message += f", cache {cache['mode']} (hit rate {cache['hit_rate']:.2f})"
             values |= {f"cache.{k}": cache[k] for k in ("mode", "hit_rate", "similarity", "library_episodes",
                                                         "task_episodes", "window_entries", "library_bytes",
-                                                        "rebuilds", "rebuilds_deferred", "window_overruns",
+                                                        "rebuilds", "rebuilds_deferred", "entries_set_aside",
+                                                        "window_overruns",
                                                         "episodes_discarded", "audits", "audits_missed",
                                                         "audit_error_median", "audit_error_max",
                                                         "audit_trips")}  # fmt: skip
@@ -1551,6 +1552,11 @@ class RMuscleNode(LifecycleNode):
             values["cache.library_disk_free_mib"] = round(free / 2**20, 1) if free is not None else "unknown"
             if cache["library_disk_low"]:
                 status.message += ", library disk nearly full: the next recording may fail"
+            if cache["entries_set_aside"]:
+                status.message += (
+                    f", {cache['entries_set_aside']} window entr(ies) set aside this episode: their rebuild "
+                    f"failed {REBUILD_TRIES} times (errors.cache_rebuild; the log says why)"
+                )
             if cache["audit_trips"]:
                 status.message += (
                     f", {cache['audit_trips']} episode(s) sent dense by an audit (cached chunks further from "
