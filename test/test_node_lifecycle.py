@@ -956,7 +956,7 @@ def test_use_sim_time_without_a_clock_is_reported_not_silent(harness, monkeypatc
 def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(harness) -> None:
     """A hung call (a GPU that stops answering, a deadlock) gives no chunk and no drop: the ticks wait for
     the worker. /diagnostics says ERROR once a tick has waited stall_after_s, naming what the worker runs,
-    logs it once, and when the call returns the node goes on and counts the stall."""
+    logs it once, and when the call returns the node goes on and counts the stall and the merged ticks."""
     # 1 s: a tick waits about a call's length (~0.3 s here), so under a loaded CI machine's slower calls a
     # 0.5 s bound counted more stalls than the one held (found in review; HISTORY has 4 counted for 1)
     h = harness(stall_after_s=1.0)
@@ -1001,6 +1001,9 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     assert h.wait_for(lambda: any("took a tick after" in log.msg for log in h.logs), timeout=5.0)
     stats = h.node.stats()
     assert stats["stalls"] == 1 and stats["stalled_s"] < 1.0 and stats["drops"] == {}, stats
+    # The ticks that fell due during the hung call (one every 0.1 s) were served by one call, counted as
+    # such, and its wait counts from the oldest of them (found in review: from the latest, ~0.1 s at most)
+    assert stats["ticks_merged"] >= 5 and stats["tick_wait_max_ms"] >= 1100.0, stats
     assert sum("inference stalled" in log.msg for log in h.logs) == 1, "logged once per stall"
     status = h.node._diagnostics().status[0]
     # no longer stalled; a warning stays for the reset it refused (errors.reset)

@@ -243,8 +243,11 @@ class RMuscleNode(LifecycleNode):
         self._waits_since = "activation"  # which of the two: named in the wait's log and /diagnostics
         self._wake = threading.Event()  # the worker has something to do: one of the three below
         self._tick = threading.Event()  # the inference timer fired: an observation is due
-        # when it last fired (monotonic): what the call's wait for the worker is measured from
+        # when it last fired (monotonic): what a late retry's window counts from
         self._tick_at: float | None = None
+        # when the oldest tick the worker took last had fired (monotonic): its wait for the worker counts
+        # from there when later ticks merged into it (`ticks_merged`)
+        self._tick_taken_since: float | None = None
         # The oldest tick the worker has not taken yet (monotonic; None: none waits), and what the worker is
         # doing: a tick waiting past stall_after_s is a stalled worker (/diagnostics ERROR). Set with the
         # tick under this lock, so that a tick the worker takes never leaves a stale time behind.
@@ -302,6 +305,8 @@ class RMuscleNode(LifecycleNode):
             # a reset, the worker's wait for the GIL (WAKE_SWITCH_INTERVAL_S)
             self._tick_waits_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
             self.stalls = 0  # ticks that waited past stall_after_s for the worker, once taken
+            # ticks that fell due while an earlier one still waited for the worker: one call served both
+            self.ticks_merged = 0
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
             self._last_drop = ""  # the latest drop's reason and detail
@@ -913,6 +918,9 @@ class RMuscleNode(LifecycleNode):
             self._tick_at = now
             if self._tick_waiting_since is None:
                 self._tick_waiting_since = now
+            else:  # the worker still runs a job (a call, a rebuild part) past a period
+                with self._stats_lock:
+                    self.ticks_merged += 1
             self._tick.set()
         sys.setswitchinterval(WAKE_SWITCH_INTERVAL_S)  # the worker gets the GIL soon (see the constant)
         self._wake.set()
@@ -925,6 +933,7 @@ class RMuscleNode(LifecycleNode):
             self._tick.clear()
         if since is None:
             return None
+        self._tick_taken_since = since
         waited = time.monotonic() - since
         cfg = self.cfg
         if cfg is not None and waited >= cfg.stall_after_s:
@@ -1033,10 +1042,10 @@ class RMuscleNode(LifecycleNode):
             if cfg is None:
                 return
             now_ns = self.get_clock().now().nanoseconds
-            tick_at = self._tick_at
-            if kind == "tick" and tick_at is not None:  # what held the call back: motion-window work, a reset
-                with self._stats_lock:
-                    self._tick_waits_ms.append((time.monotonic() - tick_at) * 1e3)
+            tick_at, oldest = self._tick_at, self._tick_taken_since
+            if kind == "tick" and oldest is not None:  # what held the call back: motion-window work, a reset
+                with self._stats_lock:  # from the oldest tick it serves (found in review: from the latest)
+                    self._tick_waits_ms.append((time.monotonic() - oldest) * 1e3)
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
             if starting:  # set before the buffer is read: a first message from then on wakes a retry
                 self._start_wait.set()
@@ -1355,7 +1364,7 @@ class RMuscleNode(LifecycleNode):
             errors = dict(self.errors)
             waiting_for = self.waiting_for
             failing, last_drop = self._failing_ticks, self._last_drop
-            stalls = self.stalls
+            stalls, merged = self.stalls, self.ticks_merged
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         p50, p99 = _p50_p99(lat)
         pre_p50, pre_p99 = _p50_p99(pre)
@@ -1373,6 +1382,7 @@ class RMuscleNode(LifecycleNode):
             "stalled_s": self.stalled_s(),
             "stalling": self._doing,  # what the worker is running meanwhile
             "stalls": stalls,
+            "ticks_merged": merged,  # since activation: ticks served by the call of an earlier one
             "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
             "gc_full_collections": self._gc.full_collections,
             # since activation, slowest first: ms, mode, episode, chunk, preprocess_ms, gpu_ms (None off a GPU)
@@ -1522,6 +1532,7 @@ class RMuscleNode(LifecycleNode):
             "tick_wait_max_ms",
             "stalled_s",
             "stalls",
+            "ticks_merged",
             "gc_pause_max_ms",
             "gc_full_collections",
             "chunks",
