@@ -42,6 +42,28 @@ def test_round_trip(tmp_path: Path) -> None:
     assert again.entries[ids[0]].meta == {"prompt": "fold"}
 
 
+def test_one_call_is_read_without_the_rest_of_its_episode(tmp_path: Path) -> None:
+    """A window entry's rebuild reads one call (load_call): the same rows as the whole episode's, with or
+    without the optional tensors; a call the episode lacks, or a file damaged since open, says so."""
+    from rmuscle_ros.cache.library import EpisodeUnreadable
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    with_masks, without = lib.add(episode(seed=1), {}), lib.add(episode(seed=2, masks=False), {})
+    for episode_id in (with_masks, without):
+        whole = lib.load(episode_id)
+        for call in (0, 4):
+            row = lib.load_call(episode_id, call)
+            assert row.calls == 1 and (row.action_masks is None) == (whole.action_masks is None)
+            for name in ("descriptors", "images", "tokens", "token_mask", "action_masks", "image_masks"):
+                got, want = getattr(row, name), getattr(whole, name)
+                assert (got is None and want is None) or np.array_equal(got[0], want[call]), name
+    with pytest.raises(IndexError, match="episode 0 has 5 calls: no call 5"):
+        lib.load_call(with_masks, 5)
+    (tmp_path / lib.entries[with_masks].file).write_bytes(b"overwritten")
+    with pytest.raises(EpisodeUnreadable, match=r"episode 0: .* could not be read"):
+        lib.load_call(with_masks, 0)
+
+
 def test_each_file_and_its_rename_reach_the_disk_before_the_index_names_it(
     tmp_path: Path, monkeypatch
 ) -> None:

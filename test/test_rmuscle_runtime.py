@@ -330,6 +330,25 @@ def test_a_rebuild_part_that_raises_midway_starts_its_entry_over(tmp_path) -> No
     policy.close()
 
 
+def test_the_window_is_refilled_from_single_calls_not_whole_episodes(tmp_path) -> None:
+    """A window entry's rebuild reads its own call's rows (ReferenceLibrary.load_call). Before, it read the
+    whole episode file (~114 MiB for 100 calls at `pi05`; docs/rmuscle.md has the times) into the first
+    part of the entry, and kept the top_k latest whole episodes in memory. A node restarted on its library
+    reads every entry from the files."""
+    cfg = RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD)
+    recording = Policy(CFG, cfg)
+    run(recording, episode(4))
+    recording.close()
+    policy = Policy(CFG, cfg)
+
+    def whole(episode_id: int) -> None:
+        raise AssertionError(f"episode {episode_id} was read whole")
+
+    policy.rmuscle.library.load = whole
+    assert [c.cache_mode for c in run(policy, episode(4, offset=0.05, noise=2.0))][1:] == ["cached"] * 3
+    policy.close()
+
+
 def test_an_entry_whose_rebuild_keeps_failing_is_set_aside_and_the_others_are_rebuilt(caplog) -> None:
     """A fault that persists for one entry (inputs the engine refuses, memory too short for it): before
     (found in review), every motion window tried that entry first, since it is the best wanted, failed and
@@ -905,7 +924,6 @@ def test_an_episode_damaged_while_the_node_runs_is_left_out_and_the_cell_records
     assert rm is not None
     run(policy, episode(4))
     assert policy.reset_episode() == 0
-    rm._episodes.clear()  # as after other episodes displaced it from memory: the next use reads its file
     (lib / "episode_000000.safetensors").write_bytes(b"overwritten")
     after = run(policy, episode(4, offset=0.05, noise=2.0))
     assert [c.cache_mode for c in after] == ["dense"] * 4

@@ -1044,6 +1044,29 @@ class ReferenceLibrary:
             ) from e
         return episode
 
+    def load_call(self, episode_id: int, call: int) -> Episode:
+        """One call of an episode, as an Episode of one call, read without the rest of its file: what a
+        window entry's rebuild needs. At `pi05` a call holds ~1.2 MB (its images and Action Cache masks),
+        so a 100-call episode's file is ~114 MiB: read whole in 72-450 ms on this project's 2-core machine
+        (page cache warm, other work running), one call's rows in ~1 ms (docs/rmuscle.md). Errors as
+        `load`'s; IndexError for a call the episode lacks."""
+        entry = self.entries[episode_id]
+        if not 0 <= call < entry.calls:
+            raise IndexError(f"episode {episode_id} has {entry.calls} calls: no call {call}")
+        try:
+            with safe_open(str(self.root / entry.file), framework="np") as f:
+                held = set(f.keys())  # a safetensors handle, not a dict
+                rows = {
+                    k: f.get_slice(k)[call : call + 1]
+                    for k in (*EPISODE_TENSORS, *OPTIONAL_TENSORS)
+                    if k in held
+                }
+            return Episode.from_tensors(rows)
+        except (OSError, SafetensorError, KeyError, ValueError) as e:
+            raise EpisodeUnreadable(
+                f"episode {episode_id}: {entry.file} could not be read ({type(e).__name__}: {e})"
+            ) from e
+
     def leave_out(self, episode_id: int, problem: str) -> None:
         """Take an episode out of service after open (its file could not be read): reported (`problems`)
         and kept as open() keeps a corrupt one, in the index and on disk for inspection. The next open

@@ -432,7 +432,6 @@ class RMuscle:
             if not settings:
                 raise
             raise e.with_settings("; ".join(settings)) from None
-        self._episodes: dict[int, Episode] = {}  # full episodes, for rebuilds: the few most recent
         self._descriptors: dict[int, np.ndarray] = {}  # every library episode's descriptors, for retrieval
         self.task = ""  # what the calls run under (`set_task`); retrieval serves only this task's episodes
         untasked = sorted(i for i in self.library.entries if self._task_of(i) is None)
@@ -487,18 +486,6 @@ class RMuscle:
 
     # ── library and retrieval ────────────────────────────────────────────────────────────────────────────
 
-    def _episode(self, episode_id: int) -> Episode:
-        """A whole episode (images, prompts, masks): kept for the top_k most recently used ones only, so
-        memory does not grow with the library (a 100-call episode holds ~45 MB of images)."""
-        episode = self._episodes.pop(episode_id, None) or self.library.load(episode_id)
-        self._keep_episode(episode_id, episode)
-        return episode
-
-    def _keep_episode(self, episode_id: int, episode: Episode) -> None:
-        self._episodes[episode_id] = episode  # most recent last
-        while len(self._episodes) > self.cfg.top_k:
-            self._episodes.pop(next(iter(self._episodes)))
-
     def _task_of(self, episode_id: int) -> str | None:
         """The task an episode was recorded under; None for one recorded before the library kept tasks."""
         return self.library.entries[episode_id].meta.get("task")
@@ -506,8 +493,6 @@ class RMuscle:
     def _refresh_retriever(self) -> None:
         """Retrieval over the library as it is now, searching the current task's episodes (alignment and
         fallback start over)."""
-        for stale in set(self._episodes) - set(self.library.entries):
-            del self._episodes[stale]
         self._descriptors = {
             i: self._descriptors[i] if i in self._descriptors else self.library.load_field(i, "descriptors")
             for i in sorted(self.library.entries)
@@ -723,9 +708,6 @@ class RMuscle:
             raise
         self.interrupted = None
         self._descriptors[added] = episode.descriptors
-        # The next episode's first calls will likely be rebuilt from it, right after this reset: kept, not
-        # read back from the file just written (33.6 MiB for a 30-call episode at `pi05`).
-        self._keep_episode(added, episode)
         self._refresh_retriever()
         log.info(
             "rMuscle: recorded episode %d (%d calls) as library episode %d",
@@ -1172,8 +1154,8 @@ class RMuscle:
         free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
         if key is None or free is None:
             return None
-        try:
-            episode = self._episode(key[0])
+        try:  # that call's rows only: a whole episode's file is ~114 MiB at `pi05` (load_call)
+            row = self.library.load_call(*key)
         except EpisodeUnreadable as e:
             # Damaged since open: out of service, and the next wanted entry instead.
             self._leave_out(key[0], str(e))
@@ -1181,24 +1163,23 @@ class RMuscle:
         except Exception:
             self._rebuild_failed(key)
             raise
-        call = key[1]
         try:
             present = (
-                episode.image_masks[call]
-                if episode.image_masks is not None
-                else np.ones(episode.images.shape[1], dtype=np.bool_)
+                row.image_masks[0]
+                if row.image_masks is not None
+                else np.ones(row.images.shape[1], dtype=np.bool_)
             )
             inputs = ModelInputs(
-                images_from_u8(episode.images[call])[None],
+                images_from_u8(row.images[0])[None],
                 torch.from_numpy(np.ascontiguousarray(present))[None],
-                torch.from_numpy(episode.tokens[call])[None],
-                torch.from_numpy(episode.token_mask[call])[None],
+                torch.from_numpy(row.tokens[0])[None],
+                torch.from_numpy(row.token_mask[0])[None],
             )
             building = _Building(
                 free,
                 key,
-                torch.from_numpy(episode.action_masks[call].astype(np.int32)),
-                torch.from_numpy(unit_rows(self._descriptors[key[0]][call][None])[0]),  # retrieval's row
+                torch.from_numpy(row.action_masks[0].astype(np.int32)),
+                torch.from_numpy(unit_rows(self._descriptors[key[0]][key[1]][None])[0]),  # retrieval's row
             )
             free.key = None  # not usable while it is being rewritten
             self.engine.begin_rebuild(inputs, free.ref)
