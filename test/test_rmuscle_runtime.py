@@ -330,6 +330,29 @@ def test_a_rebuild_part_that_raises_midway_starts_its_entry_over(tmp_path) -> No
     policy.close()
 
 
+def test_an_episodes_last_use_is_on_disk_at_each_reset_not_only_at_close(tmp_path) -> None:
+    """A cell served from one task records nothing for hours: the index was written only at a clean close,
+    so a process killed without one (SIGKILL, the OOM killer, a power cut) lost the day's use, and eviction
+    after the restart took the episode the cell had been served from (found in review). The index on disk
+    holds the use from the reset after the call, with the library still open."""
+    lib = tmp_path / "lib"
+    policy = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(4))
+    assert policy.reset_episode() == 0
+
+    def on_disk() -> float:
+        (entry,) = json.loads((lib / "index.json").read_text())["episodes"]
+        return entry["last_used"]
+
+    recorded = on_disk()
+    assert run(policy, episode(4, offset=0.05, noise=2.0))[-1].cache_mode == "cached"
+    used = policy.rmuscle.library.entries[0].last_used
+    assert used > recorded and on_disk() == recorded, "served: in memory until the reset"
+    assert policy.reset_episode() is None  # a cached episode is not recorded: nothing else writes the index
+    assert on_disk() == used
+    policy.close()
+
+
 def test_the_window_is_refilled_from_single_calls_not_whole_episodes(tmp_path) -> None:
     """A window entry's rebuild reads its own call's rows (ReferenceLibrary.load_call). Before, it read the
     whole episode file (~114 MiB for 100 calls at `pi05`; docs/rmuscle.md has the times) into the first

@@ -796,13 +796,25 @@ class ReferenceLibrary:
         if self._unsaved_use and not_writable:
             log.info("reference library %s: its episodes' last use was not saved (%s)",
                      self.root, not_writable)  # fmt: skip
-        elif self._unsaved_use:
-            try:
-                self.save_index()
-            except OSError as e:
-                log.warning("reference library %s: its episodes' last use was not saved (%s)", self.root, e)
+        self.save_use()
         self._closed = True
         self._give_up_lock()
+
+    def save_use(self) -> bool:
+        """Write the index if an episode's last use changed since it was last written (`touch`), and the
+        library may be written; returns whether it was. A failed write is logged, not raised: the episodes
+        are on disk already. Called at each episode reset (RMuscle.reset_episode), not only at close: a cell
+        served from one task records nothing for hours, so a process killed without a clean close (SIGKILL
+        ten seconds after a launch's Ctrl-C, the OOM killer, a power cut) lost the day's use, and eviction
+        after the restart took the episode the cell had been served from (found in review)."""
+        if not self._unsaved_use or self._not_writable():
+            return False
+        try:
+            self.save_index()
+        except OSError as e:
+            log.warning("reference library %s: its episodes' last use was not saved (%s)", self.root, e)
+            return False
+        return True
 
     def _not_writable(self) -> str:
         """Why this library may not be written ("" if it may): opened read-only (`LibraryLock.take`),

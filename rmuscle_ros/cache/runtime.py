@@ -579,6 +579,7 @@ class RMuscle:
         try:
             return self.finish_episode()
         finally:  # a library that cannot be written must not carry this episode's state into the next
+            self.library.save_use()  # the episodes served from: kept for eviction even if the process dies
             self.retriever.reset()
             self._fallback_reason = ""
             if self._audit_due is not None:  # not run: its trip would land on the next episode
