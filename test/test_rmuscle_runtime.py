@@ -353,6 +353,53 @@ def test_an_episodes_last_use_is_on_disk_at_each_reset_not_only_at_close(tmp_pat
     policy.close()
 
 
+def test_temporary_libraries_left_by_processes_that_ended_are_removed(tmp_path, monkeypatch, caplog) -> None:
+    """With no library_path the cache records into a temporary folder, removed at a clean close only: each
+    SIGKILL (ten seconds after a launch's Ctrl-C), OOM kill or power cut left one behind, of up to
+    max_library_mb, and nothing removed them (found in review). The next such cache removes the folders
+    whose lock no process holds; never one a live process holds, one just created, or any other folder."""
+    import logging
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from rmuscle_ros.cache.library import LibraryKey, ReferenceLibrary
+    from rmuscle_ros.cache.runtime import ABANDONED_AFTER_S, TEMPORARY_LIBRARY_PREFIX
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    key = LibraryKey("w", {"cameras": 1})
+    killed, fresh, live = (
+        tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}{name}" for name in ("killed", "fresh", "live")
+    )
+    for root in (killed, fresh):  # a process that opened one and was killed
+        opened = "from rmuscle_ros.cache.library import LibraryKey, ReferenceLibrary as L; import os, signal, sys; "
+        opened += "L.open(sys.argv[1], LibraryKey('w', {'cameras': 1})); os.kill(os.getpid(), signal.SIGKILL)"
+        done = subprocess.run([sys.executable, "-c", opened, str(root)], check=False)
+        assert done.returncode == -signal.SIGKILL and (root / ".lock").exists()
+    library = ReferenceLibrary.open(live, key)
+    (tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}not_a_library").mkdir()
+    (tmp_path / "a-cells-library").mkdir()
+    ReferenceLibrary.open(tmp_path / "a-cells-library", key).close()
+    old = os.stat(killed / ".lock").st_mtime - ABANDONED_AFTER_S - 1
+    for root in (killed, live, tmp_path / "a-cells-library"):
+        os.utime(root / ".lock", (old, old))
+
+    caplog.set_level(logging.INFO, logger="rmuscle_ros.cache.runtime")
+    policy = Policy(CFG, RMuscleConfig())
+    made = policy.rmuscle.library.root
+    assert not killed.exists() and f"removed {killed}, a temporary library left by a process" in caplog.text
+    assert fresh.exists() and live.exists() and (tmp_path / "a-cells-library" / ".lock").exists()
+    assert (tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}not_a_library").exists()
+    assert made.parent == tmp_path and made.exists()
+    library.save_index()  # the live process's library works on
+    assert (live / "index.json").exists()
+    policy.close()
+    assert not made.exists()
+    library.close()
+
+
 def test_the_window_is_refilled_from_single_calls_not_whole_episodes(tmp_path) -> None:
     """A window entry's rebuild reads its own call's rows (ReferenceLibrary.load_call). Before, it read the
     whole episode file (~114 MiB for 100 calls at `pi05`; docs/rmuscle.md has the times) into the first

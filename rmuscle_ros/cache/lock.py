@@ -42,6 +42,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -165,6 +166,30 @@ class LibraryLock:
             finally:  # an interrupt above (Ctrl-C) kept the lock for the process's life before (review)
                 os.close(self.fd)
                 self.fd = -1
+
+
+def remove_if_abandoned(root: Path, min_age_s: float) -> bool:
+    """Remove a library folder nobody holds: its lock file exists, was last written over `min_age_s` ago,
+    and no process holds its lock (the kernel gave it up when its holder ended, however it ended). Its lock
+    is held while the folder goes, so no opener can take it meanwhile; a folder just being opened (its lock
+    file fresh, not locked yet) is left alone by the age. Returns whether it was removed. For temporary
+    libraries only (`RMuscle`'s, with no library_path): a cell's own library is never removed here."""
+    path = root / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:  # no lock file (not a library, or an earlier version's), or not ours to open
+        return False
+    try:
+        if time.time() - os.fstat(fd).st_mtime < min_age_s:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live process's library (this one's included: another open file)
+            return False
+        shutil.rmtree(root, ignore_errors=True)
+        return not root.exists()
+    finally:
+        os.close(fd)
 
 
 def holder(root: Path) -> str | None:

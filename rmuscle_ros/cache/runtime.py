@@ -57,6 +57,7 @@ from rmuscle_ros.cache.library import (
     LibraryMismatch,
     ReferenceLibrary,
 )
+from rmuscle_ros.cache.lock import remove_if_abandoned
 from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, reaches, unit_rows
 from rmuscle_ros.engine import gpu_event
 from rmuscle_ros.engine.fused import ContextRef
@@ -75,6 +76,10 @@ FILE_OVERHEAD = 64 << 10
 # that persists (one entry's inputs the engine refuses, memory too short for it) would otherwise have every
 # motion window try it first and stop there, and no other entry would be rebuilt (found in review).
 REBUILD_TRIES = 3
+# A temporary library's folder (no library_path) starts with this; one whose lock nobody has held for
+# ABANDONED_AFTER_S since its lock file was written is a leftover of a process that ended unclean.
+TEMPORARY_LIBRARY_PREFIX = "rmuscle-library-"
+ABANDONED_AFTER_S = 60.0
 
 
 # RMuscleConfig's integer fields, and the most window entries it may ask for (the default is 20).
@@ -403,6 +408,26 @@ def images_from_u8(u8: np.ndarray) -> torch.Tensor:
     return chw / 255.0 * 2.0 - 1.0
 
 
+def _remove_abandoned_temporary_libraries() -> None:
+    """Remove the temporary libraries (no library_path) that processes which ended without a clean close
+    left behind: `TemporaryDirectory` removes its folder only at cleanup, so each SIGKILL, OOM kill or power
+    cut left one of up to max_library_mb in the temporary folder, and nothing removed them (found in review;
+    two such folders were there). A folder is removed only once no process holds its lock
+    (`remove_if_abandoned`)."""
+    parent = Path(tempfile.gettempdir())
+    for root in sorted(parent.glob(f"{TEMPORARY_LIBRARY_PREFIX}*")):
+        try:
+            size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+            if root.is_dir() and not root.is_symlink() and remove_if_abandoned(root, ABANDONED_AFTER_S):
+                log.info(
+                    "rMuscle: removed %s, a temporary library left by a process that ended (%.1f MiB)",
+                    root,
+                    size / 2**20,
+                )
+        except OSError:  # another user's, or gone meanwhile: not ours to clean
+            continue
+
+
 class RMuscle:
     """Library, retrieval, window and recording around a GraphEngine built with cache shapes."""
 
@@ -418,7 +443,8 @@ class RMuscle:
         if cfg.library_path:
             root = Path(cfg.library_path)
         else:
-            self._tmp = tempfile.TemporaryDirectory(prefix="rmuscle-library-")
+            _remove_abandoned_temporary_libraries()
+            self._tmp = tempfile.TemporaryDirectory(prefix=TEMPORARY_LIBRARY_PREFIX)
             root = Path(self._tmp.name)
         try:
             self.library = ReferenceLibrary.open(
