@@ -5,7 +5,8 @@ what the node does, without ROS: a policy records a dense episode, resets, and r
 by part as a motion window does; then a cached episode with a motion window after each call, and a
 second reset and its refill, for comparison.
 
-Each part is timed on the host in pieces: the library episode's load (`RMuscle._episode`), the rebuild's
+Each part is timed on the host in pieces: the library call's load (`ReferenceLibrary.load_call`; the whole
+episode, `RMuscle._episode`, before `749f817`), the rebuild's
 inputs going into the rebuild lane (`GraphEngine.begin_rebuild`), the part queued (`rebuild_step`), and
 the wait for the GPU to finish it. Also the reset itself (`Policy.reset_episode`: the library's write and
 the retriever's refresh).
@@ -80,7 +81,7 @@ def main() -> None:
     rmuscle = policy.rmuscle
     assert rmuscle is not None
     watch = Stopwatch()
-    watch.wrap(rmuscle, "_episode", "episode_load_ms")
+    watch.wrap(rmuscle.library, "load_call", "call_load_ms")
     watch.wrap(rmuscle.engine, "begin_rebuild", "begin_rebuild_ms")
     watch.wrap(rmuscle.engine, "rebuild_step", "rebuild_step_ms")
     observations = [synthetic_observation(cfg, "pick", seed=i) for i in range(args.calls)]
@@ -132,7 +133,7 @@ def main() -> None:
         "modes": modes,
         "results": {"reset_ms": resets, "parts": rows},
     }
-    keys = ("host_ms", "episode_load_ms", "begin_rebuild_ms", "rebuild_step_ms", "gpu_wait_ms", "total_ms")
+    keys = ("host_ms", "call_load_ms", "begin_rebuild_ms", "rebuild_step_ms", "gpu_wait_ms", "total_ms")
     lines = [
         f"# Rebuild parts after an episode reset, `{args.preset}` ({args.backend}) — {device}",
         "",
