@@ -1059,9 +1059,9 @@ class ReferenceLibrary:
     def load_call(self, episode_id: int, call: int) -> Episode:
         """One call of an episode, as an Episode of one call, read without the rest of its file: what a
         window entry's rebuild needs. At `pi05` a call holds ~1.2 MB (its images and Action Cache masks),
-        so a 100-call episode's file is ~114 MiB: read whole in 72-450 ms on this project's 2-core machine
-        (page cache warm, other work running), one call's rows in ~1 ms (docs/rmuscle.md). Errors as
-        `load`'s; IndexError for a call the episode lacks."""
+        so a 100-call episode's file is ~116 MiB: read whole in 78 ms on this project's 2-core machine
+        (page cache warm), one call's rows in 0.22 ms (bench/bench_episode_read.py). Errors as `load`'s;
+        IndexError for a call the episode lacks."""
         entry = self.entries[episode_id]
         if not 0 <= call < entry.calls:
             raise IndexError(f"episode {episode_id} has {entry.calls} calls: no call {call}")
