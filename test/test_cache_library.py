@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -48,8 +49,11 @@ def test_one_call_is_read_without_the_rest_of_its_episode(tmp_path: Path) -> Non
     from rmuscle_ros.cache.library import EpisodeUnreadable
 
     lib = ReferenceLibrary.open(tmp_path, KEY)
+    cameras = dataclasses.replace(episode(seed=3), image_masks=np.arange(10).reshape(5, 2) % 3 != 0)
     with_masks, without = lib.add(episode(seed=1), {}), lib.add(episode(seed=2, masks=False), {})
-    for episode_id in (with_masks, without):
+    with_cameras = lib.add(cameras, {})  # a camera missing in some calls: image_masks (bool) in the file
+    assert lib.load(with_cameras).image_masks is not None
+    for episode_id in (with_masks, without, with_cameras):
         whole = lib.load(episode_id)
         for call in (0, 4):
             row = lib.load_call(episode_id, call)

@@ -129,6 +129,31 @@ def test_a_slow_or_paused_clock_is_not_counted_on_and_a_clock_sent_back_starts_o
     assert rate.rate() is None
 
 
+def test_a_pause_or_a_jump_starts_the_rate_over_instead_of_bending_it() -> None:
+    """A bag set played at 2x whose clock stops between bags (4 s), then runs on: the rate is the run's
+    since the pause, not 2 s of clock over 5 s of wall (found in review: 0.32x, so no correction for
+    seconds). The next bag hours ahead is a jump, not a clock at 1800x."""
+    rate, wall, clock = ClockRate(), 0.0, 10.0
+    for _ in range(20):  # 2 s at 2x
+        wall, clock = wall + 0.1, clock + 0.2
+        rate.read(wall, round(clock * 1e9))
+    for _ in range(40):  # paused 4 s
+        wall += 0.1
+        rate.read(wall, round(clock * 1e9))
+    for _ in range(6):  # 0.6 s at 2x again
+        wall, clock = wall + 0.1, clock + 0.2
+        rate.read(wall, round(clock * 1e9))
+    assert rate.rate() == pytest.approx(2.0) and rate.wall_s(0.4) == pytest.approx(0.2)
+    clock += 3600.0  # the next bag, an hour later
+    wall += 0.1
+    rate.read(wall, round(clock * 1e9))
+    assert rate.rate() is None and len(rate.readings) == 1
+    for _ in range(6):
+        wall, clock = wall + 0.1, clock + 0.3
+        rate.read(wall, round(clock * 1e9))
+    assert rate.rate() == pytest.approx(3.0)
+
+
 def test_the_clock_rate_forgets_readings_older_than_its_span_and_reads_at_most_so_often() -> None:
     rate = ClockRate()
     for k in range(int(CLOCK_RATE_SPAN_S * 20)):  # 10 s: 1x for 5 s, then 3x

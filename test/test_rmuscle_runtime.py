@@ -356,45 +356,65 @@ def test_an_episodes_last_use_is_on_disk_at_each_reset_not_only_at_close(tmp_pat
 def test_temporary_libraries_left_by_processes_that_ended_are_removed(tmp_path, monkeypatch, caplog) -> None:
     """With no library_path the cache records into a temporary folder, removed at a clean close only: each
     SIGKILL (ten seconds after a launch's Ctrl-C), OOM kill or power cut left one behind, of up to
-    max_library_mb, and nothing removed them (found in review). The next such cache removes the folders
-    whose lock no process holds; never one a live process holds, one just created, or any other folder."""
+    max_library_mb, and nothing removed them (found in review). The next such cache removes the folders it
+    marked as temporary whose lock no process holds; never one a live process holds, one just left (its
+    lock file fresh), nor a library_path that shares the prefix (found in review: it was removed)."""
     import logging
     import os
     import signal
     import subprocess
     import sys
     import tempfile
+    from pathlib import Path
 
     from rmuscle_ros.cache.library import LibraryKey, ReferenceLibrary
-    from rmuscle_ros.cache.runtime import ABANDONED_AFTER_S, TEMPORARY_LIBRARY_PREFIX
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    key = LibraryKey("w", {"cameras": 1})
-    killed, fresh, live = (
-        tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}{name}" for name in ("killed", "fresh", "live")
+    from rmuscle_ros.cache.runtime import (
+        ABANDONED_AFTER_S,
+        TEMPORARY_LIBRARY_PREFIX,
+        TEMPORARY_MARKER,
+        _remove_abandoned_temporary_libraries,
     )
-    for root in (killed, fresh):  # a process that opened one and was killed
-        opened = "from rmuscle_ros.cache.library import LibraryKey, ReferenceLibrary as L; import os, signal, sys; "
-        opened += "L.open(sys.argv[1], LibraryKey('w', {'cameras': 1})); os.kill(os.getpid(), signal.SIGKILL)"
-        done = subprocess.run([sys.executable, "-c", opened, str(root)], check=False)
-        assert done.returncode == -signal.SIGKILL and (root / ".lock").exists()
-    library = ReferenceLibrary.open(live, key)
-    (tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}not_a_library").mkdir()
-    (tmp_path / "a-cells-library").mkdir()
-    ReferenceLibrary.open(tmp_path / "a-cells-library", key).close()
-    old = os.stat(killed / ".lock").st_mtime - ABANDONED_AFTER_S - 1
-    for root in (killed, live, tmp_path / "a-cells-library"):
+
+    def age(root: Path) -> None:
+        old = os.stat(root / ".lock").st_mtime - ABANDONED_AFTER_S - 1
         os.utime(root / ".lock", (old, old))
 
+    # A node's cache on a temporary library, killed: what it leaves
+    killed = "; ".join((
+        "import os, signal",
+        "from rmuscle_ros.cache.runtime import RMuscleConfig",
+        "from rmuscle_ros.runtime.policy import Policy, PolicyConfig",
+        "policy = Policy(PolicyConfig(backend='fused'), RMuscleConfig())",  # held: not collected
+        "os.kill(os.getpid(), signal.SIGKILL)",
+    ))  # fmt: skip
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", killed], env=environment, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    found = list(tmp_path.glob(f"{TEMPORARY_LIBRARY_PREFIX}*"))
+    assert len(found) == 1, (list(tmp_path.iterdir()), done.stderr[-2000:])
+    left = found[0]
+    assert (left / TEMPORARY_MARKER).is_file() and (left / ".lock").is_file()
+    # A cell's library_path that shares the prefix, its node stopped; a temporary library a live process holds
+    cell = tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}cell1"
+    ReferenceLibrary.open(cell, LibraryKey("w", {"cameras": 1})).close()
+    live = tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}live"
+    live.mkdir()
+    (live / TEMPORARY_MARKER).touch()
+    library = ReferenceLibrary.open(live, LibraryKey("w", {"cameras": 1}))
+    for root in (cell, live):
+        age(root)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     caplog.set_level(logging.INFO, logger="rmuscle_ros.cache.runtime")
     policy = Policy(CFG, RMuscleConfig())
     made = policy.rmuscle.library.root
-    assert not killed.exists() and f"removed {killed}, a temporary library left by a process" in caplog.text
-    assert fresh.exists() and live.exists() and (tmp_path / "a-cells-library" / ".lock").exists()
-    assert (tmp_path / f"{TEMPORARY_LIBRARY_PREFIX}not_a_library").exists()
-    assert made.parent == tmp_path and made.exists()
+    assert made.parent == tmp_path and (made / TEMPORARY_MARKER).is_file()
+    assert left.exists(), "left a moment ago: its lock file is fresh (a process may be opening it)"
+    age(left)
+    _remove_abandoned_temporary_libraries()  # as the next node's cache does
+    assert not left.exists() and f"removed {left}, a temporary library left by a process" in caplog.text
+    assert (cell / ".lock").exists() and live.exists() and made.exists()
     library.save_index()  # the live process's library works on
-    assert (live / "index.json").exists()
     policy.close()
     assert not made.exists()
     library.close()

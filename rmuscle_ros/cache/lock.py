@@ -173,7 +173,7 @@ def remove_if_abandoned(root: Path, min_age_s: float) -> bool:
     and no process holds its lock (the kernel gave it up when its holder ended, however it ended). Its lock
     is held while the folder goes, so no opener can take it meanwhile; a folder just being opened (its lock
     file fresh, not locked yet) is left alone by the age. Returns whether it was removed. For temporary
-    libraries only (`RMuscle`'s, with no library_path): a cell's own library is never removed here."""
+    libraries only: `RMuscle` removes only folders it marked as its temporary ones (no library_path)."""
     path = root / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)

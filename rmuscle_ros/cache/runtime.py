@@ -79,6 +79,7 @@ REBUILD_TRIES = 3
 # A temporary library's folder (no library_path) starts with this; one whose lock nobody has held for
 # ABANDONED_AFTER_S since its lock file was written is a leftover of a process that ended unclean.
 TEMPORARY_LIBRARY_PREFIX = "rmuscle-library-"
+TEMPORARY_MARKER = ".temporary"  # in a temporary library's folder only, written before the library opens
 ABANDONED_AFTER_S = 60.0
 
 
@@ -412,13 +413,16 @@ def _remove_abandoned_temporary_libraries() -> None:
     """Remove the temporary libraries (no library_path) that processes which ended without a clean close
     left behind: `TemporaryDirectory` removes its folder only at cleanup, so each SIGKILL, OOM kill or power
     cut left one of up to max_library_mb in the temporary folder, and nothing removed them (found in review;
-    two such folders were there). A folder is removed only once no process holds its lock
-    (`remove_if_abandoned`)."""
+    two such folders were there). A folder is removed only if it holds TEMPORARY_MARKER (a library_path
+    that happens to share the prefix does not: found in review, a cell's `/tmp/rmuscle-library-cell1` was
+    removed) and once no process holds its lock (`remove_if_abandoned`)."""
     parent = Path(tempfile.gettempdir())
     for root in sorted(parent.glob(f"{TEMPORARY_LIBRARY_PREFIX}*")):
         try:
+            if root.is_symlink() or not (root / TEMPORARY_MARKER).is_file():
+                continue
             size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
-            if root.is_dir() and not root.is_symlink() and remove_if_abandoned(root, ABANDONED_AFTER_S):
+            if remove_if_abandoned(root, ABANDONED_AFTER_S):
                 log.info(
                     "rMuscle: removed %s, a temporary library left by a process that ended (%.1f MiB)",
                     root,
@@ -446,6 +450,7 @@ class RMuscle:
             _remove_abandoned_temporary_libraries()
             self._tmp = tempfile.TemporaryDirectory(prefix=TEMPORARY_LIBRARY_PREFIX)
             root = Path(self._tmp.name)
+            (root / TEMPORARY_MARKER).touch()  # what the cleanup above looks for: never a library_path's
         try:
             self.library = ReferenceLibrary.open(
                 root,
@@ -605,7 +610,6 @@ class RMuscle:
         try:
             return self.finish_episode()
         finally:  # a library that cannot be written must not carry this episode's state into the next
-            self.library.save_use()  # the episodes served from: kept for eviction even if the process dies
             self.retriever.reset()
             self._fallback_reason = ""
             if self._audit_due is not None:  # not run: its trip would land on the next episode
@@ -618,6 +622,8 @@ class RMuscle:
             # shown through the whole scene reset, found in review)
             self.last = NO_CALL_YET
             self._wanted = self._episode_starts(served_from)
+            # Last: the episodes served from are kept for eviction even if the process dies before close
+            self.library.save_use()
 
     def _episode_starts(self, served_from: list[int]) -> list[tuple[int, int]]:
         """What the next episode's first call will likely match, before it has a descriptor: the first

@@ -38,6 +38,9 @@ JOB_TIMES_KEPT = 8
 CLOCK_RATE_SPAN_S = 5.0
 CLOCK_RATE_MIN_SPAN_S = 0.5
 CLOCK_RATE_EVERY_S = 0.05
+# A step between two readings of more than this many clock seconds per wall second (plus 1 s) is a jump (a
+# bag set's next bag, hours later), not a rate: a simulator running as fast as it can stays well below.
+CLOCK_JUMP_RATE = 100.0
 
 
 class JobTimes:
@@ -89,22 +92,27 @@ class ClockRate:
     """How fast the node's clock runs against the wall clock, from readings of both (`read`).
 
     `wall_s(left_s)` turns seconds on the node's clock into wall seconds: divided by the measured rate
-    when the clock runs faster than the wall clock, unchanged otherwise. A slower or paused clock is not
-    counted on (a paused bag may resume at its full rate the next moment), nor is a rate not yet measured
-    (its first `CLOCK_RATE_MIN_SPAN_S`): those keep the estimate as it was, in the clock's own seconds. A
-    clock that goes back (a bag played again from its start) starts the measurement over; one that jumps
-    ahead reads as a fast clock until the jump leaves the span, which starts fewer jobs, not more.
-    Not thread-safe: the node's worker uses it alone."""
+    when the clock runs faster than the wall clock, unchanged otherwise. A slower clock is not counted on
+    (it may speed up the next moment), nor is a rate not yet measured (its first `CLOCK_RATE_MIN_SPAN_S`):
+    those keep the estimate as it was, in the clock's own seconds. The rate is measured over the clock's
+    latest uninterrupted run: a clock that stood still between two readings (a paused bag), went back (a
+    bag played again) or jumped ahead (`CLOCK_JUMP_RATE`: the next bag of a set) starts it over, so that a
+    pause or a jump inside the span does not bend the rate for the span's length (found in review: after a
+    4 s pause a 2x clock read as 0.32x for seconds). Not thread-safe: the node's worker uses it alone."""
 
     def __init__(self) -> None:
         self.readings: deque[tuple[float, int]] = deque()  # (wall s, clock ns), oldest first
 
     def read(self, wall_s: float, clock_ns: int) -> None:
         readings = self.readings
-        if readings and clock_ns < readings[-1][1]:
-            readings.clear()
-        if readings and wall_s - readings[-1][0] < CLOCK_RATE_EVERY_S:
-            return
+        if readings:
+            wall_step, clock_step = wall_s - readings[-1][0], (clock_ns - readings[-1][1]) * 1e-9
+            if clock_step < 0:  # went back
+                readings.clear()
+            elif wall_step < CLOCK_RATE_EVERY_S:
+                return
+            elif clock_step == 0 or clock_step > CLOCK_JUMP_RATE * wall_step + 1.0:  # stood still, or jumped
+                readings.clear()
         readings.append((wall_s, clock_ns))
         while wall_s - readings[0][0] > CLOCK_RATE_SPAN_S:
             readings.popleft()
