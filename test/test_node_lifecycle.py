@@ -1006,8 +1006,10 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     assert stats["ticks_merged"] >= 5 and stats["tick_wait_max_ms"] >= 1100.0, stats
     assert sum("inference stalled" in log.msg for log in h.logs) == 1, "logged once per stall"
     status = h.node._diagnostics().status[0]
-    # no longer stalled; a warning stays for the reset it refused (errors.reset)
+    # no longer stalled; a warning stays for the reset it refused (errors.reset), and for the ticks merged
+    # behind the hung call (for MERGED_WARN_S: no drop, yet they got no call of their own; found in review)
     assert status.level == status.WARN and "stalled" not in status.message, status.message
+    assert "fell due while the worker was still busy" in status.message, status.message
 
 
 # rmuscle_node's own main (spin_node) in a process of its own, fed observations until it has published 6

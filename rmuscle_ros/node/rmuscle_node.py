@@ -73,6 +73,9 @@ CLOCK_SILENT_S = 5.0
 CLOCK_PAUSED_S = 10.0
 
 LATENCY_WINDOW = 200  # calls kept for the latency percentiles on /diagnostics
+# Ticks merged behind a busy worker (`ticks_merged`) within this many wall seconds keep /diagnostics at WARN:
+# those ticks got no call of their own (found in review: at 4x a third of the ticks merged, all at OK).
+MERGED_WARN_S = 10.0
 # An outage (ticks in a row without a chunk) is logged when it starts, naming why (which camera), and when
 # chunks come back; at most once in this many seconds, so that a flapping camera does not flood the log.
 OUTAGE_LOG_INTERVAL_S = 5.0
@@ -307,6 +310,7 @@ class RMuscleNode(LifecycleNode):
             self.stalls = 0  # ticks that waited past stall_after_s for the worker, once taken
             # ticks that fell due while an earlier one still waited for the worker: one call served both
             self.ticks_merged = 0
+            self._merged_at: deque[float] = deque(maxlen=LATENCY_WINDOW)  # when (monotonic), the latest
             self._slowest: list[dict[str, Any]] = []  # SLOWEST_KEPT calls, slowest first
             self._failing_ticks = 0  # ticks in a row that gave no chunk (a drop); 0 after a publish
             self._last_drop = ""  # the latest drop's reason and detail
@@ -921,6 +925,7 @@ class RMuscleNode(LifecycleNode):
             else:  # the worker still runs a job (a call, a rebuild part) past a period
                 with self._stats_lock:
                     self.ticks_merged += 1
+                    self._merged_at.append(now)
             self._tick.set()
         sys.setswitchinterval(WAKE_SWITCH_INTERVAL_S)  # the worker gets the GIL soon (see the constant)
         self._wake.set()
@@ -1365,6 +1370,8 @@ class RMuscleNode(LifecycleNode):
             waiting_for = self.waiting_for
             failing, last_drop = self._failing_ticks, self._last_drop
             stalls, merged = self.stalls, self.ticks_merged
+            now = time.monotonic()
+            merged_lately = sum(1 for t in self._merged_at if now - t < MERGED_WARN_S)
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
         p50, p99 = _p50_p99(lat)
         pre_p50, pre_p99 = _p50_p99(pre)
@@ -1383,6 +1390,7 @@ class RMuscleNode(LifecycleNode):
             "stalling": self._doing,  # what the worker is running meanwhile
             "stalls": stalls,
             "ticks_merged": merged,  # since activation: ticks served by the call of an earlier one
+            "ticks_merged_lately": merged_lately,  # of those, in the latest MERGED_WARN_S
             "gc_pause_max_ms": self._gc.longest_ms,  # since activation: every thread stood still this long
             "gc_full_collections": self._gc.full_collections,
             # since activation, slowest first: ms, mode, episode, chunk, preprocess_ms, gpu_ms (None off a GPU)
@@ -1468,6 +1476,12 @@ class RMuscleNode(LifecycleNode):
         )
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
+        if s["ticks_merged_lately"]:  # no drop, yet those ticks got no call of their own
+            status.level = max(status.level, DiagnosticStatus.WARN)
+            status.message += (
+                f", {s['ticks_merged_lately']} tick(s) in the last {MERGED_WARN_S:g} s fell due while the "
+                "worker was still busy (a call or job longer than the period) and got no call of their own"
+            )
         if self.cfg is not None and s["failing_ticks"] >= self.cfg.error_after_drops:
             status.level = DiagnosticStatus.ERROR  # active, but the arm gets nothing
             status.message = (
