@@ -459,6 +459,27 @@ def test_with_use_sim_time_the_motion_window_counts_the_time_left_in_wall_second
     node._infer_timer = None
 
 
+def test_with_use_sim_time_the_worker_measures_the_clock_rate_at_its_ticks(harness) -> None:
+    """The rate /clock runs at is read at every tick, not only in motion windows (which a node without the
+    cache never runs): a tick's late-retry window, half a period on /clock, is that much wall time (found in
+    review: at 2x it outlasted the period)."""
+    from rosgraph_msgs.msg import Clock as ClockMessage
+
+    h = harness(use_sim_time=True)  # no cache
+    clock = h.peer.create_publisher(ClockMessage, "/clock", 10)
+    start = time.monotonic()
+
+    def publish_clock() -> None:
+        sec, nanosec = divmod(1_000_000_000 + round(4e9 * (time.monotonic() - start)), 1_000_000_000)
+        clock.publish(ClockMessage(clock=Time(sec=sec, nanosec=nanosec)))
+
+    assert h.wait_for(lambda: publish_clock() or h.node.get_clock().now().nanoseconds > 0, timeout=10.0)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.wait_for(lambda: publish_clock() or time.sleep(0.01) or h.node._clock_rate.rate() is not None)
+    assert h.node._clock_rate.rate() == pytest.approx(4.0, rel=0.25)
+    assert h.node._clock_rate.wall_s(0.05) == pytest.approx(0.0125, rel=0.25)
+
+
 def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(harness) -> None:
     """The motion window audits cached calls (cache.audit_every): each runs again dense, and the cached
     chunk's error against it goes to ~/cache_status and /diagnostics. Above cache.audit_max_error the rest

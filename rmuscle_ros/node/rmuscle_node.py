@@ -1048,6 +1048,8 @@ class RMuscleNode(LifecycleNode):
                 return
             now_ns = self.get_clock().now().nanoseconds
             tick_at, oldest = self._tick_at, self._tick_taken_since
+            if kind == "tick":
+                self._read_clock_rate()
             if kind == "tick" and oldest is not None:  # what held the call back: motion-window work, a reset
                 with self._stats_lock:  # from the oldest tick it serves (found in review: from the latest)
                     self._tick_waits_ms.append((time.monotonic() - oldest) * 1e3)
@@ -1072,7 +1074,9 @@ class RMuscleNode(LifecycleNode):
                 since = tick_at if kind == "tick" else time.monotonic() if kind == "startup" else None
                 if e.reason in LATE_REASONS and since is not None:
                     period = cfg.actions_per_inference * cfg.control_period_s
-                    until = since + LATE_RETRY_SHARE * period
+                    # in wall seconds, as `since` is: a /clock faster than real time (a bag at --rate 2)
+                    # leaves less (found in review: the window outlasted the period at 2x)
+                    until = since + self._clock_rate.wall_s(LATE_RETRY_SHARE * period)
                     self._late = _LateTick(since, until, first=e, latest=e)
                     self._retry_if_stored(seen)
                     return
@@ -1242,10 +1246,15 @@ class RMuscleNode(LifecycleNode):
         left = timer.time_until_next_call() if timer is not None else None
         if left is None:
             return None
-        if timer.clock.clock_type != ClockType.ROS_TIME:  # the steady clock: wall seconds already
-            return left * 1e-9
-        self._clock_rate.read(time.monotonic(), timer.clock.now().nanoseconds)
+        self._read_clock_rate()
         return self._clock_rate.wall_s(left * 1e-9)
+
+    def _read_clock_rate(self) -> None:
+        """With the inference timer on /clock (use_sim_time), a reading for `_clock_rate` (the worker's, at
+        each tick and motion window); nothing on the steady clock, whose seconds are wall seconds."""
+        timer = self._infer_timer
+        if timer is not None and timer.clock.clock_type == ClockType.ROS_TIME:
+            self._clock_rate.read(time.monotonic(), timer.clock.now().nanoseconds)
 
     def _error(self, kind: str, detail: str) -> None:
         with self._stats_lock:
