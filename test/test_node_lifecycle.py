@@ -537,6 +537,25 @@ def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_dr
     assert h.node.stats()["waiting_for"] == "" and not any(c.episode_id == 1 for c in h.chunks)
 
 
+def test_a_cell_without_a_base_camera_leaves_its_slot_empty(harness) -> None:
+    """camera_topics ["", left wrist, right wrist]: the node subscribes to the two wrists, which fill π0.5's
+    wrist slots (slot 0 masked), and chunks flow with no drop (found in review: camera_topics[i] fed slot i,
+    so a cell without a base camera could not leave slot 0 empty)."""
+    h = harness(camera_topics=["", *CAMERAS[1:]])
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.node.cfg.model.slots == (1, 2)
+    subscribed = {h.node.resolve_topic_name(t) for t in CAMERAS}
+    assert {t for t in h.node._input_topics if t in subscribed} == {
+        h.node.resolve_topic_name(t) for t in CAMERAS[1:]
+    }
+    assert h.feed_until(lambda: len(h.chunks) >= 3), f"drops {h.drops()}"
+    stats = h.node.stats()
+    assert stats["drops"] == {} and set(stats["image_sizes"]) == {"left_wrist_0_rgb", "right_wrist_0_rgb"}, (
+        stats
+    )
+
+
 def test_a_start_up_retry_refused_for_timing_waits_for_a_later_message_as_a_tick_does(harness) -> None:
     """The last camera's first frame ends the start-up wait, but 200 ms behind the others' (past max_skew_s):
     the retry waits for a later message as a tick refused for timing does, instead of leaving the first
@@ -1714,6 +1733,10 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         (
             ["--sim", "--sim-param", "cameras=[top]"],
             "--sim-param cameras: ['top'] for the node's 3 camera_topics",
+        ),
+        (
+            ["--sim", "--param", 'camera_topics=["", images/left_wrist, images/right_wrist]'],
+            "--sim: the simulated cell fills the node's first camera slots in order",
         ),
     ):
         with pytest.raises(SystemExit) as exit_:

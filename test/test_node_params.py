@@ -28,6 +28,22 @@ def test_defaults_build_a_valid_config() -> None:
     assert "model.cameras" not in parameter_defaults()  # derived from camera_topics
 
 
+def test_an_empty_camera_topic_leaves_its_image_slot_empty() -> None:
+    """A cell without a base camera: its wrists feed π0.5's wrist slots, slot 0 stays empty (found in
+    review: camera_topics[i] fed slot i, so two wrist cameras went into the base and left wrist slots)."""
+    cfg = node_config({"camera_topics": ["", "images/left_wrist", "images/right_wrist"]})
+    assert cfg.camera_inputs == ("images/left_wrist", "images/right_wrist")
+    assert cfg.model.cameras == ("left_wrist_0_rgb", "right_wrist_0_rgb") and cfg.model.slots == (1, 2)
+    base_and_right = node_config({"camera_topics": ["images/base", "", "images/right_wrist"]})
+    assert base_and_right.model.cameras == ("base_0_rgb", "right_wrist_0_rgb")
+    assert base_and_right.model.slots == (0, 2)
+    first_two = node_config({"camera_topics": ["images/base", "images/left_wrist", ""]})
+    assert first_two.model.camera_slots == () and first_two.model.slots == (0, 1), (
+        "the first slots: as before"
+    )
+    assert "model.camera_slots" not in parameter_defaults()  # derived from camera_topics
+
+
 @pytest.mark.parametrize("profile", sorted(p.name for p in CONFIG_DIR.glob("rmuscle_*.yaml")))
 def test_shipped_profiles_are_valid(profile: str) -> None:
     node_config(load_params_file(CONFIG_DIR / profile))
@@ -74,7 +90,12 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
             r"^model\.backend: cache\.enabled needs .* got 'tensorrt'",
         ),
         ({"actions_per_inference": 51}, r"^actions_per_inference: must be in 1\.\.50"),
-        ({"camera_topics": ["a", "a"]}, r"^camera_topics: needs distinct"),
+        ({"camera_topics": ["a", "a"]}, r"^camera_topics: needs at least one topic, distinct"),
+        (
+            {"camera_topics": ["", "", ""]},
+            r"^camera_topics: needs at least one topic, .* leaves a slot empty",
+        ),
+        ({"camera_topics": ["", "a", "a"]}, r"^camera_topics: needs at least one topic, distinct"),
         ({"camera_topics": ["a", "b", "c", "d"]}, r"^camera_topics: π0\.5 has 3 image slots"),
         ({"joint_names": [f"j{i}" for i in range(40)]}, r"^joint_names: at most 32 joints"),
         (

@@ -229,3 +229,32 @@ def test_host_threads_default_is_bounded_on_a_gpu_only() -> None:
     on the H200 (runtime.policy.GPU_HOST_THREADS); on the CPU the model needs them all."""
     assert host_threads("cuda", 16) == 4 and host_threads("cuda:1", 2) == 2
     assert host_threads("cpu", 16) == 16
+
+
+def test_a_cell_without_a_base_camera_fills_the_wrist_slots() -> None:
+    """Cameras (left wrist, right wrist) in camera_slots (1, 2): the chunks of all three slots configured
+    with the base camera missing (slot 0 masked), bit for bit; not those of the wrists in the first two
+    slots, which is what a cell without a base camera got before (camera i filled slot i)."""
+    wrists = ("left_wrist_0_rgb", "right_wrist_0_rgb")
+    full = Policy(PolicyConfig(backend="fused"))
+    in_their_slots = Policy(PolicyConfig(backend="fused", cameras=wrists, camera_slots=(1, 2)))
+    in_the_first_slots = Policy(PolicyConfig(backend="fused", cameras=wrists))
+    obs = synthetic_observation(in_their_slots.cfg, "pick", seed=3)
+    served = [p.infer(obs).actions for p in (full, in_their_slots, in_the_first_slots)]
+    assert np.array_equal(served[0], served[1])
+    # the images in other token positions: another computation (on tiny's random weights a small change)
+    assert not np.array_equal(served[0], served[2])
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        ((1,), r"camera_slots: one distinct image slot in 0\.\.2 per camera \(2\)"),
+        ((1, 1), r"camera_slots: one distinct"),
+        ((1, 3), r"camera_slots: one distinct"),
+        ((1, True), r"camera_slots: one distinct"),
+    ],
+)
+def test_camera_slots_are_checked(slots: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(cameras=("left_wrist_0_rgb", "right_wrist_0_rgb"), camera_slots=slots)

@@ -962,6 +962,24 @@ def test_library_persists_and_is_refused_for_other_weights(tmp_path) -> None:
     assert "the node's camera_topics" in str(e.value)
 
 
+def test_a_library_recorded_with_the_cameras_in_other_slots_is_refused(tmp_path) -> None:
+    """Two cameras in the wrists' slots (a cell without a base camera) record other inputs than two in
+    the first slots: a library of one is refused for the other, naming camera_slots; the same slots
+    record and serve their repeats."""
+    lib = str(tmp_path / "lib")
+    wrists = dataclasses.replace(CFG, cameras=CFG.cameras[1:], camera_slots=(1, 2))
+    calls = [Observation({c: o.images[c] for c in wrists.cameras}, o.state, o.prompt) for o in episode(4)]
+    policy = Policy(wrists, RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD))
+    run(policy, calls)
+    assert policy.reset_episode() == 0
+    assert [c.cache_mode for c in run(policy, calls)][1:] == ["cached"] * 3
+    policy.close()
+    first_slots = dataclasses.replace(CFG, cameras=CFG.cameras[1:])
+    with pytest.raises(LibraryMismatch, match=r"camera_slots: library \[1, 2\], model absent") as e:
+        Policy(first_slots, RMuscleConfig(library_path=lib))
+    assert "an empty entry leaving its slot empty" in str(e.value)
+
+
 def test_a_ramp_schedule_serves_repeats_and_keeps_a_library_of_its_own(tmp_path) -> None:
     """neuron_schedule "ramp" (the default) records and serves like the uniform one; its masks rank other
     counts per step, so a library recorded under one schedule is refused under the other, naming the

@@ -43,7 +43,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -342,6 +342,8 @@ KEY_SETTINGS = {
     "cameras": "cameras (model.cameras; the node's camera_topics)",
     "cameras_filled": "the cameras a cell has (model.cameras; the node's camera_topics; a library recorded with "
     "fewer cameras than the model's slots before 2026-12-04 counted the empty slots in its descriptors)",
+    "camera_slots": "the image slots the cameras fill (model.camera_slots; the node's camera_topics, an empty "
+    "entry leaving its slot empty)",
     "descriptor_dim": "model (model.preset)",
     "image_size": "model (model.preset)",
     "max_tokens": "model (model.preset)",
@@ -358,10 +360,16 @@ KEY_SETTINGS = {
 }
 
 
-def library_key(weights: str, engine: GraphEngine, inputs: Mapping[str, bool] | None = None) -> LibraryKey:
+def library_key(
+    weights: str,
+    engine: GraphEngine,
+    inputs: Mapping[str, bool] | None = None,
+    camera_slots: Sequence[int] | None = None,
+) -> LibraryKey:
     """What a library must match to be used with this engine: weights, every recorded shape, and `inputs`:
     the preprocessing settings that change what is recorded (the images' resize, the state's convention in
-    the prompt), each only where it is on, so that libraries recorded before they existed keep their key."""
+    the prompt), each only where it is on, so that libraries recorded before they existed keep their key;
+    `camera_slots`, the image slots the cameras fill where they are not the first ones (PolicyConfig)."""
     cfg = engine.cfg
     return LibraryKey(
         weights,
@@ -392,6 +400,7 @@ def library_key(weights: str, engine: GraphEngine, inputs: Mapping[str, bool] | 
                 else {}
             ),
             **{name: True for name, on in (inputs or {}).items() if on},
+            **({"camera_slots": list(camera_slots)} if camera_slots is not None else {}),
         },
     )
 
@@ -436,9 +445,15 @@ class RMuscle:
     """Library, retrieval, window and recording around a GraphEngine built with cache shapes."""
 
     def __init__(
-        self, engine: GraphEngine, cfg: RMuscleConfig, weights: str, inputs: Mapping[str, bool] | None = None
+        self,
+        engine: GraphEngine,
+        cfg: RMuscleConfig,
+        weights: str,
+        inputs: Mapping[str, bool] | None = None,
+        camera_slots: Sequence[int] | None = None,
     ) -> None:
-        """`inputs`: the preprocessing settings in the library's key (library_key)."""
+        """`inputs`, `camera_slots`: the preprocessing settings and the cameras' image slots (where they are
+        not the first ones) in the library's key (library_key)."""
         want = cfg.shapes(engine.cache.cameras if engine.cache is not None else 0)
         if engine.cache != want:
             raise ValueError(f"the engine must be built with cache={want}, got {engine.cache}")
@@ -454,7 +469,7 @@ class RMuscle:
         try:
             self.library = ReferenceLibrary.open(
                 root,
-                library_key(weights, engine, inputs),
+                library_key(weights, engine, inputs, camera_slots),
                 max_bytes=cfg.max_library_mb << 20,
                 max_episodes=cfg.max_episodes,
             )

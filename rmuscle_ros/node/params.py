@@ -130,7 +130,8 @@ class NodeConfig:
     model: PolicyConfig = field(default_factory=PolicyConfig)
     prompt: str = "do the task"
     # Camera topics in π0.5 slot order (base, left wrist, right wrist); the launch file remaps them onto
-    # the cell's topics (ALOHA: /cam_high/camera/color/image_rect_raw, ...).
+    # the cell's topics (ALOHA: /cam_high/camera/color/image_rect_raw, ...). An empty entry leaves its slot
+    # empty (a cell without a base camera: ["", "images/left_wrist", "images/right_wrist"]).
     camera_topics: tuple[str, ...] = ("images/base", "images/left_wrist", "images/right_wrist")
     compressed_images: bool = False  # sensor_msgs/CompressedImage instead of sensor_msgs/Image
     joint_state_topics: tuple[str, ...] = ("joint_states/left", "joint_states/right")
@@ -178,6 +179,12 @@ class NodeConfig:
     # bench/sim_success.py --node); -1: one stream, seeded by model.seed, for the node's life.
     noise_seed: int = -1
     cache: CacheParams = field(default_factory=CacheParams)
+
+    @property
+    def camera_inputs(self) -> tuple[str, ...]:
+        """The camera topics the node subscribes to, in slot order: `camera_topics` without its empty
+        entries (slots left empty). The i-th feeds `model.cameras[i]`, in image slot `model.slots[i]`."""
+        return tuple(topic for topic in self.camera_topics if topic)
 
 
 def delta_actions(values: Mapping[str, Any]) -> tuple[int, ...]:
@@ -249,6 +256,7 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 # PolicyConfig fields the node derives from its topics and joint names instead of declaring them.
 DERIVED = {
     "model.cameras": "camera_topics",
+    "model.camera_slots": "camera_topics",
     "model.state_dim": "joint_names",
     "model.action_dim": "action_joint_names",
     "model.delta_actions": "delta_joint_actions",
@@ -360,13 +368,19 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             f"sensor_startup_timeout_s: must be >= 0 and at most {MAX_SECONDS:g} s, got "
             f"{values['sensor_startup_timeout_s']!r}"
         )
-    for name in ("camera_topics", "joint_state_topics", "joint_names", "action_joint_names"):
+    for name in ("joint_state_topics", "joint_names", "action_joint_names"):
         if (
             not values[name]
             or any(not v for v in values[name])
             or len(set(values[name])) != len(values[name])
         ):
             raise ParameterError(f"{name}: needs distinct, non-empty entries, got {list(values[name])}")
+    fed = [t for t in values["camera_topics"] if t]
+    if not fed or len(set(fed)) != len(fed):
+        raise ParameterError(
+            "camera_topics: needs at least one topic, distinct, one per π0.5 image slot in order (base, left "
+            f'wrist, right wrist; "" leaves a slot empty), got {list(values["camera_topics"])}'
+        )
     if len(values["joint_name_prefixes"]) != len(values["joint_state_topics"]):
         raise CombinationError(
             f"joint_name_prefixes: needs one entry per joint_state_topics entry ({len(values['joint_state_topics'])}), "
@@ -402,8 +416,10 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     model_fields = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     for optional in ("checkpoint", "norm_stats", "tokenizer", "engine_cache_dir"):
         model_fields[optional] = model_fields[optional] or None
-    # Observations are keyed by π0.5 slot; topic i feeds slot i.
-    model_fields["cameras"] = PI05_CAMERA_SLOTS[: len(values["camera_topics"])]
+    # Observations are keyed by π0.5 slot; topic i feeds slot i, and an empty topic feeds none.
+    slots = tuple(i for i, topic in enumerate(values["camera_topics"]) if topic)
+    model_fields["cameras"] = tuple(PI05_CAMERA_SLOTS[i] for i in slots if i < len(PI05_CAMERA_SLOTS))
+    model_fields["camera_slots"] = slots if slots != tuple(range(len(slots))) else ()
     model_fields["state_dim"] = len(values["joint_names"])
     model_fields["action_dim"] = len(values["action_joint_names"])
     model_fields["delta_actions"] = delta_actions(values) if values["delta_joint_actions"] else ()

@@ -185,9 +185,9 @@ def run(
     except ParameterError as e:
         raise ValueError(f"invalid parameter {e}") from None
     topics = parameter_defaults() | params
-    aloha = dict(zip(ALOHA_CAMERA_TOPICS[:3], topics["camera_topics"], strict=False)) | dict(
-        zip(ALOHA_JOINT_TOPICS, topics["joint_state_topics"], strict=False)
-    )  # fmt: skip
+    # camera k of the recording onto the node's slot k; a slot left empty ("") takes none
+    camera_remap = {a: t for a, t in zip(ALOHA_CAMERA_TOPICS[:3], topics["camera_topics"], strict=False) if t}
+    aloha = camera_remap | dict(zip(ALOHA_JOINT_TOPICS, topics["joint_state_topics"], strict=False))
     remap = merge_remaps(aloha, remap or {})
     recorded = bags is not None
     if sim and (recorded or not stream):
@@ -225,6 +225,11 @@ def run(
         from rmuscle_ros.node.aloha_sim import sim_node_config
 
         cameras, wanted = sim_node_config(sim_settings).cameras, topics["camera_topics"]
+        if "" in wanted:
+            raise ValueError(
+                f"--sim: the simulated cell fills the node's first camera slots in order; camera_topics "
+                f"{list(wanted)} leaves one empty (replay a bag for that, or name a topic for each slot)"
+            )
         if len(cameras) != len(wanted):
             raise ValueError(
                 f"--sim-param cameras: {list(cameras)} for the node's {len(wanted)} camera_topics "
@@ -701,7 +706,7 @@ def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -
         raise ValueError(f"bag {bag}: no such file or folder")
     info = bag_info(bag)
     image = COMPRESSED if params["compressed_images"] else IMAGE
-    wanted = {absolute_topic(t): image for t in params["camera_topics"]}
+    wanted = {absolute_topic(t): image for t in params["camera_topics"] if t}
     wanted |= {absolute_topic(t): JOINTS for t in params["joint_state_topics"]}
     sources: dict[str, list[tuple[str, str]]] = {}
     for topic, (msgtype, count) in sorted(info.topics.items()):
@@ -710,7 +715,7 @@ def _check_bag(bag: Path, remap: Mapping[str, str], params: Mapping[str, Any]) -
     missing = [
         t
         for t in [*params["camera_topics"], *params["joint_state_topics"]]
-        if absolute_topic(t) not in sources
+        if t and absolute_topic(t) not in sources
     ]
     if missing:
         raise ValueError(

@@ -445,9 +445,9 @@ class RMuscleNode(LifecycleNode):
         )
         limits = _limits(cfg)
         # Reasons name each camera's topic as remapped (the cell's name for it), which an operator can look up.
-        topics = [self.resolve_topic_name(t) for t in cfg.camera_topics]
+        topics = [self.resolve_topic_name(t) for t in cfg.camera_inputs]
         self._buffer = ObservationBuffer(
-            len(cfg.camera_topics), cfg.joint_names, cfg.compressed_images, limits, topics, state_sources(cfg)
+            len(cfg.camera_inputs), cfg.joint_names, cfg.compressed_images, limits, topics, state_sources(cfg)
         )
         self._warm_up_timer_paths()
 
@@ -606,10 +606,10 @@ class RMuscleNode(LifecycleNode):
         image_type = CompressedImage if cfg.compressed_images else Image
         # as remapped: the cell's names, in drop reasons and /diagnostics
         self._input_topics = tuple(
-            self.resolve_topic_name(t) for t in (*cfg.camera_topics, *cfg.joint_state_topics)
+            self.resolve_topic_name(t) for t in (*cfg.camera_inputs, *cfg.joint_state_topics)
         )
-        joint_topics = self._input_topics[len(cfg.camera_topics) :]
-        for slot, topic in enumerate(cfg.camera_topics):
+        joint_topics = self._input_topics[len(cfg.camera_inputs) :]
+        for slot, topic in enumerate(cfg.camera_inputs):  # the buffer's slots: the cameras subscribed to
             self._subs.append(
                 self.create_subscription(
                     image_type,
@@ -1431,7 +1431,7 @@ class RMuscleNode(LifecycleNode):
           review: `compressed_images` set while a camera's topic carries raw images, or the reverse)."""
         if not self._subs or self.cfg is None:
             return {}, {}
-        cameras = len(self.cfg.camera_topics)
+        cameras = len(self.cfg.camera_inputs)
         image_type = "sensor_msgs/msg/" + ("CompressedImage" if self.cfg.compressed_images else "Image")
         crowded, mistyped = {}, {}
         for i, topic in enumerate(self._input_topics):

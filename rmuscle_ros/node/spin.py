@@ -80,6 +80,8 @@ def unresolvable_topic(node: Node, cfg: Any, names: Iterable[str], services: Ite
     ):
         for name in lists:
             for value in getattr(cfg, name):
+                if not value:  # an empty camera_topics entry: a slot left empty, nothing to subscribe to
+                    continue
                 try:
                     resolve(value)
                 except Exception as e:

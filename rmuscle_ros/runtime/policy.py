@@ -88,6 +88,10 @@ class PolicyConfig:
     # 1..max_token_len all run. Set it to the bucket the node logs at configure when that differs.
     trt_opt_prompt_len: int = 64
     cameras: tuple[str, ...] = PI05_CAMERA_SLOTS  # observation keys, in π0.5 slot order
+    # The π0.5 image slot each of `cameras` fills, in the same order; () = the first slots, in order. A cell
+    # without a base camera fills the wrists' slots only: cameras (left, right), camera_slots (1, 2), and
+    # slot 0 stays empty (masked, as a missing camera is).
+    camera_slots: tuple[int, ...] = ()
     # Shrink the images as the checkpoint's training did: openpi resizes with PIL's bilinear filter, which
     # smooths while shrinking (True: within 1 of 255 of PIL's pixels); LeRobot with PyTorch's plain
     # bilinear (False). On textures the two differ by up to half the range.
@@ -100,6 +104,11 @@ class PolicyConfig:
     aloha_adapt_to_pi: bool = False
     delta_actions: tuple[int, ...] = ()  # action dims predicted as offsets from the state's same dim
     seed: int = 0
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """The image slot each camera fills (`camera_slots`, or the first slots in order)."""
+        return self.camera_slots or tuple(range(len(self.cameras)))
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -131,6 +140,15 @@ class PolicyConfig:
         if not 1 <= len(self.cameras) <= model.num_cameras or len(set(self.cameras)) != len(self.cameras):
             raise ValueError(
                 f"cameras: need 1..{model.num_cameras} distinct names (π0.5 slots), got {list(self.cameras)}"
+            )
+        if self.camera_slots and (
+            len(self.camera_slots) != len(self.cameras)
+            or not all(type(i) is int and 0 <= i < model.num_cameras for i in self.camera_slots)
+            or len(set(self.camera_slots)) != len(self.camera_slots)
+        ):
+            raise ValueError(
+                f"camera_slots: one distinct image slot in 0..{model.num_cameras - 1} per camera "
+                f"({len(self.cameras)}), or () for the first slots; got {list(self.camera_slots)}"
             )
         for name in ("state_dim", "action_dim"):
             value = getattr(self, name)
@@ -252,12 +270,14 @@ class Policy:
         self.load_timings["engine"] = time.perf_counter() - start
         # A library recorded under other preprocessing holds other images or state tokens: refused, named.
         inputs = {"image_antialias": cfg.image_antialias, "aloha_adapt_to_pi": cfg.aloha_adapt_to_pi}
+        # and one recorded with the cameras in other slots holds other images (the first slots keep old keys)
+        slots = list(cfg.slots) if cfg.slots != tuple(range(len(cfg.slots))) else None
         self.rmuscle: RMuscle | None = None
         if cache is not None:
             start = time.perf_counter()
             weights = weights_fingerprint(model)  # every byte hashed: what the library is keyed on
             self.load_timings["fingerprint"] = time.perf_counter() - start
-            self.rmuscle = RMuscle(self.engine, cache, weights, inputs)
+            self.rmuscle = RMuscle(self.engine, cache, weights, inputs, camera_slots=slots)
         del model  # the engines hold what they need (folded copies for graph/fused)
         self._noise = torch.Generator().manual_seed(cfg.seed)
         self._model_state: np.ndarray | None = None  # the latest call's (infer)
@@ -338,7 +358,7 @@ class Policy:
         if unknown:
             raise ValueError(f"unknown camera(s) {sorted(unknown)}; configured: {list(self.cfg.cameras)}")
         present: dict[int, np.ndarray] = {}
-        for slot, name in enumerate(self.cfg.cameras):
+        for slot, name in zip(self.cfg.slots, self.cfg.cameras, strict=True):
             if name in obs.images:
                 try:
                     check_rgb_u8(obs.images[name])
