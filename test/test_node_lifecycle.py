@@ -1029,6 +1029,7 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     # behind the hung call (for MERGED_WARN_S: no drop, yet they got no call of their own; found in review)
     assert status.level == status.WARN and "stalled" not in status.message, status.message
     assert "fell due while the worker was still busy" in status.message, status.message
+    assert int({kv.key: kv.value for kv in status.values}["ticks_merged_lately"]) >= 5, status.values
 
 
 # rmuscle_node's own main (spin_node) in a process of its own, fed observations until it has published 6

@@ -253,6 +253,7 @@ def test_a_cell_without_a_base_camera_fills_the_wrist_slots() -> None:
         ((1, 1), r"camera_slots: one distinct"),
         ((1, 3), r"camera_slots: one distinct"),
         ((1, True), r"camera_slots: one distinct"),
+        ([1, 2], r"camera_slots: a tuple of image slots"),  # a list would key a library apart (review)
     ],
 )
 def test_camera_slots_are_checked(slots: tuple, message: str) -> None:

@@ -126,8 +126,9 @@ class CacheShapes:
     # A rebuild in this many graphs, each a bounded wait for a live call queued behind it: vision, then
     # the prefill's layers in even groups (`rebuild_slices`); 1: one graph per entry.
     rebuild_slices: int = 1
-    # The image slots a cell fills (the policy's cameras, slots 0..n−1); 0: all the model's. ρp counts the
-    # visual rows of these; rows of a slot not filled in a call rank last (recomputed only past the rest).
+    # How many image slots a cell fills (the policy's cameras, in whichever slots: camera_slots); 0: all the
+    # model's. ρp counts the visual rows of these; rows of a slot not filled in a call (its present mask)
+    # rank last (recomputed only past the rest).
     cameras: int = 0
 
     def __post_init__(self) -> None:

@@ -224,11 +224,13 @@ def run(
         # against the profile's three ran with no chunk and, in a short episode, no drop to say why)
         from rmuscle_ros.node.aloha_sim import sim_node_config
 
-        cameras, wanted = sim_node_config(sim_settings).cameras, topics["camera_topics"]
-        if "" in wanted:
+        cameras, given = sim_node_config(sim_settings).cameras, topics["camera_topics"]
+        wanted = [t for t in given if t]
+        if list(given[: len(wanted)]) != wanted:  # a topic after an empty entry: not the first slots
             raise ValueError(
                 f"--sim: the simulated cell fills the node's first camera slots in order; camera_topics "
-                f"{list(wanted)} leaves one empty (replay a bag for that, or name a topic for each slot)"
+                f"{list(given)} leaves one empty before another (replay a bag for that, or name a topic "
+                "for each slot up to the last)"
             )
         if len(cameras) != len(wanted):
             raise ValueError(

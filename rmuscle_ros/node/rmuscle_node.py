@@ -1556,6 +1556,7 @@ class RMuscleNode(LifecycleNode):
             "stalled_s",
             "stalls",
             "ticks_merged",
+            "ticks_merged_lately",
             "gc_pause_max_ms",
             "gc_full_collections",
             "chunks",

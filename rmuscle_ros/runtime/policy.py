@@ -141,6 +141,8 @@ class PolicyConfig:
             raise ValueError(
                 f"cameras: need 1..{model.num_cameras} distinct names (π0.5 slots), got {list(self.cameras)}"
             )
+        if not isinstance(self.camera_slots, tuple):  # a list would key a library apart from the tuple
+            raise ValueError(f"camera_slots: a tuple of image slots, got {self.camera_slots!r}")
         if self.camera_slots and (
             len(self.camera_slots) != len(self.cameras)
             or not all(type(i) is int and 0 <= i < model.num_cameras for i in self.camera_slots)
