@@ -52,7 +52,7 @@ for step in $steps; do
     case $step in
         tests)
             timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py test/test_transforms.py test/test_checkpoint.py \
-                test/test_rmuscle_engine.py 2>&1 | quiet | tail -15 ;;
+                test/test_rmuscle_engine.py test/test_policy.py 2>&1 | quiet | tail -15 ;;
         pi05)
             timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_h200_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^| \|graph\|Medians" ;;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -231,19 +232,37 @@ def test_host_threads_default_is_bounded_on_a_gpu_only() -> None:
     assert host_threads("cpu", 16) == 16
 
 
-def test_a_cell_without_a_base_camera_fills_the_wrist_slots() -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "fused",
+        pytest.param(
+            "graph",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (run with -m gpu on the device machine)",
+                ),
+            ],
+        ),
+    ],
+)
+def test_a_cell_without_a_base_camera_fills_the_wrist_slots(backend: str) -> None:
     """Cameras (left wrist, right wrist) in camera_slots (1, 2): the chunks of all three slots configured
     with the base camera missing (slot 0 masked), bit for bit; not those of the wrists in the first two
     slots, which is what a cell without a base camera got before (camera i filled slot i)."""
-    wrists = ("left_wrist_0_rgb", "right_wrist_0_rgb")
-    full = Policy(PolicyConfig(backend="fused"))
-    in_their_slots = Policy(PolicyConfig(backend="fused", cameras=wrists, camera_slots=(1, 2)))
-    in_the_first_slots = Policy(PolicyConfig(backend="fused", cameras=wrists))
+    wrists, device = ("left_wrist_0_rgb", "right_wrist_0_rgb"), "cuda" if backend == "graph" else "cpu"
+    base = PolicyConfig(backend=backend, device=device)
+    full = Policy(base)
+    in_their_slots = Policy(dataclasses.replace(base, cameras=wrists, camera_slots=(1, 2)))
     obs = synthetic_observation(in_their_slots.cfg, "pick", seed=3)
-    served = [p.infer(obs).actions for p in (full, in_their_slots, in_the_first_slots)]
+    served = [p.infer(obs).actions for p in (full, in_their_slots)]
     assert np.array_equal(served[0], served[1])
-    # the images in other token positions: another computation (on tiny's random weights a small change)
-    assert not np.array_equal(served[0], served[2])
+    if backend == "fused":  # the images in other token positions: another computation (on tiny's random
+        # weights a small change, which the GPU's bfloat16 may round away)
+        in_the_first_slots = Policy(dataclasses.replace(base, cameras=wrists))
+        assert not np.array_equal(served[0], in_the_first_slots.infer(obs).actions)
 
 
 @pytest.mark.parametrize(
