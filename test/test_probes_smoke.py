@@ -163,4 +163,4 @@ def test_first_rebuild_probe_times_each_part_after_a_reset(tmp_path) -> None:
     assert record["modes"] == {"recorded": ["dense"] * 3, "cached": ["cached"] * 3}
     parts = [r for r in record["results"]["parts"] if r["after"].startswith("the reset after the recorded")]
     assert len(parts) >= 3 and sum(r["completed_an_entry"] for r in parts) == 3, "the episode's 3 calls"
-    assert parts[0]["episode_load_ms"] > 0 and all(r["total_ms"] >= r["host_ms"] > 0 for r in parts)
+    assert parts[0]["call_load_ms"] > 0 and all(r["total_ms"] >= r["host_ms"] > 0 for r in parts)
