@@ -1576,6 +1576,31 @@ def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str, engin
     assert all((c.horizon, c.action_dim, len(c.actions)) == (50, 14, 700) for c in chunks)
 
 
+def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) -> None:
+    """A bag at `--rate 2` is served about twice as often per wall second as per second of its /clock:
+    /diagnostics gives both (`rate_hz`, `rate_hz_clock`; found in review: only the wall rate, 2.96 Hz where
+    the bag's own clock got 0.74 Hz at 4x). A chunk every 50 actions (1 s of the bag), so that a call fits
+    the half second of wall time between ticks on this machine; the ratio is held to the rate the player
+    reached, which a loaded machine keeps below 2."""
+    bag = tmp_path / "episode"
+    write_aloha_episode(bag, seconds=10.0, cameras=3, size=(48, 64))
+    h = harness(use_sim_time=True, actions_per_inference=50, max_image_age_s=0.25, max_joint_age_s=0.1,
+                max_skew_s=0.1)  # fmt: skip
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], CAMERAS, strict=True)) | dict(
+        zip(ALOHA_JOINT_TOPICS, JOINT_TOPICS, strict=True)
+    )
+    start = time.monotonic()
+    BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap).play(rate=2.0)
+    reached = 10.0 / (time.monotonic() - start)  # bag seconds per wall second
+    stats = h.node.stats()
+    assert stats["chunks"] >= 6 and stats["ticks_merged"] == 0, (stats, h.drops())
+    assert stats["rate_hz_clock"] == pytest.approx(1.0, rel=0.25), stats  # one every second of the bag
+    assert stats["rate_hz"] / stats["rate_hz_clock"] == pytest.approx(reached, rel=0.25), (stats, reached)
+    status = h.node._diagnostics().status[0]
+    assert f"({stats['rate_hz_clock']:.1f} Hz on /clock)" in status.message, status.message
+
+
 # The demo's node and player in a domain of this test run's own: 100 above its DDS domain (the Makefile's
 # ROS_TEST_DOMAIN_ID), apart from the harness's nodes, rather than the demo's fixed default 77, so that two
 # test runs at once on one host, given different domains, do not hear each other's demos.
