@@ -352,6 +352,27 @@ def test_a_motion_window_yields_to_a_callback_waiting_for_the_policy(harness) ->
     assert node.stats()["errors"] == {}
 
 
+def test_an_audit_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
+    """An audit (one dense re-run of a cached call) is not started while a reset, a parameter set or a
+    discard waits for the policy lock, as a rebuild part is not; the cached call stays due for an audit
+    (noted in review: only the rebuild window yielded). Driven directly on a configured node."""
+    h = harness(**CACHE, **{"cache.audit_every": 1})
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, policy = h.node, h.node.policy
+    obs = synthetic_observation(policy.cfg, "pick")
+    for _ in range(3):
+        policy.infer(obs)
+    node.reset_episode()
+    node._refill_for_next_episode()
+    assert policy.infer(obs).cache_mode == "cached" and policy.cache_audit_due()
+    node._lock_wanted.set()  # what _lock_policy says while it waits
+    node._audit_cache(node.cfg, policy, node.episode_id)
+    assert policy.cache_status()["audits"] == 0 and policy.cache_audit_due()
+    node._lock_wanted.clear()
+    node._audit_cache(node.cfg, policy, node.episode_id)
+    assert policy.cache_status()["audits"] == 1 and node.stats()["errors"] == {}
+
+
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:
     """The node's motion window (`_rebuild_cache`, run by the worker right after a publish) rebuilds one
     part of one window entry at a time, up to cache.rebuilds_per_tick entries; no part once the inference

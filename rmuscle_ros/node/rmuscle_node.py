@@ -1167,6 +1167,8 @@ class RMuscleNode(LifecycleNode):
         it would end after that (as for a rebuild part); the next cached call is then audited instead, and
         the cache status counts it missed. An error above `cache.audit_max_error` sends the rest of the
         episode dense, and the node says so."""
+        if self._lock_wanted.is_set():  # a reset, parameter or discard waits: it goes first, as in a window
+            return
         with self._policy_lock:
             if not policy.cache_audit_due() or self._next_call_too_close(durations=self._audit_s):
                 return
