@@ -99,6 +99,8 @@ TMP_INFIX = ".tmp-"  # ".<name>.tmp-<pid>": a file being written, renamed to <na
 EPISODE_FILE = re.compile(r"episode_(\d{6,})\.safetensors")
 EPISODE_TENSORS = ("descriptors", "images", "tokens", "token_mask")
 OPTIONAL_TENSORS = ("action_masks", "image_masks")
+# What reading an episode file raises when the file is damaged or gone (EpisodeUnreadable)
+READ_ERRORS = (OSError, SafetensorError, KeyError, ValueError)
 
 
 class LibraryMismatch(LibraryError):
@@ -1050,11 +1052,14 @@ class ReferenceLibrary:
         try:
             tensors = load_file(str(self.root / entry.file))
             episode = Episode.from_tensors(tensors)
-        except (OSError, SafetensorError, KeyError, ValueError) as e:
-            raise EpisodeUnreadable(
-                f"episode {episode_id}: {entry.file} could not be read ({type(e).__name__}: {e})"
-            ) from e
+        except READ_ERRORS as e:
+            raise self._unreadable(episode_id, e) from e
         return episode
+
+    def _unreadable(self, episode_id: int, e: Exception) -> EpisodeUnreadable:
+        """What `load` and `load_call` raise for an episode file they could not read."""
+        file = self.entries[episode_id].file
+        return EpisodeUnreadable(f"episode {episode_id}: {file} could not be read ({type(e).__name__}: {e})")
 
     def load_call(self, episode_id: int, call: int) -> Episode:
         """One call of an episode, as an Episode of one call, read without the rest of its file: what a
@@ -1074,10 +1079,8 @@ class ReferenceLibrary:
                     if k in held
                 }
             return Episode.from_tensors(rows)
-        except (OSError, SafetensorError, KeyError, ValueError) as e:
-            raise EpisodeUnreadable(
-                f"episode {episode_id}: {entry.file} could not be read ({type(e).__name__}: {e})"
-            ) from e
+        except READ_ERRORS as e:
+            raise self._unreadable(episode_id, e) from e
 
     def leave_out(self, episode_id: int, problem: str) -> None:
         """Take an episode out of service after open (its file could not be read): reported (`problems`)

@@ -1202,16 +1202,8 @@ class RMuscle:
         free = next((s for s in self.window if s.key is None or s.key not in wanted), None)
         if key is None or free is None:
             return None
-        try:  # that call's rows only: a whole episode's file is ~114 MiB at `pi05` (load_call)
-            row = self.library.load_call(*key)
-        except EpisodeUnreadable as e:
-            # Damaged since open: out of service, and the next wanted entry instead.
-            self._leave_out(key[0], str(e))
-            return self._start_rebuild()
-        except Exception:
-            self._rebuild_failed(key)
-            raise
         try:
+            row = self.library.load_call(*key)  # that call's rows only: an episode's file is ~116 MiB at pi05
             present = (
                 row.image_masks[0]
                 if row.image_masks is not None
@@ -1231,6 +1223,10 @@ class RMuscle:
             )
             free.key = None  # not usable while it is being rewritten
             self.engine.begin_rebuild(inputs, free.ref)
+        except EpisodeUnreadable as e:
+            # Damaged since open: out of service, and the next wanted entry instead.
+            self._leave_out(key[0], str(e))
+            return self._start_rebuild()
         except Exception:  # this entry's inputs, or the engine's start: counted toward setting it aside
             self.engine.abandon_rebuild()
             self._rebuild_failed(key)

@@ -198,6 +198,13 @@ def _p50_p99(values: list[float]) -> tuple[float, float]:
     return (statistics.median(values), float(np.percentile(values, 99))) if values else (0.0, 0.0)
 
 
+def _per_second(times: list[float] | list[int], unit_s: float = 1.0) -> float:
+    """Events per second from their times (oldest first, in units of `unit_s` seconds); 0.0 without a span."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return 0.0
+    return (len(times) - 1) / ((times[-1] - times[0]) * unit_s)
+
+
 class GcPauses:
     """Garbage-collection pauses while the node is active (a gc.callbacks entry). A collection stops every
     Python thread for its whole length, the inference worker's included, whichever thread triggered it."""
@@ -1054,9 +1061,11 @@ class RMuscleNode(LifecycleNode):
             tick_at, oldest = self._tick_at, self._tick_taken_since
             if kind == "tick":
                 self._read_clock_rate()
-            if kind == "tick" and oldest is not None:  # what held the call back: motion-window work, a reset
-                with self._stats_lock:  # from the oldest tick it serves (found in review: from the latest)
-                    self._tick_waits_ms.append((time.monotonic() - oldest) * 1e3)
+                if oldest is not None:  # what held the call back: motion-window work, a reset
+                    with (
+                        self._stats_lock
+                    ):  # from the oldest tick it serves (found in review: from the latest)
+                        self._tick_waits_ms.append((time.monotonic() - oldest) * 1e3)
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
             if starting:  # set before the buffer is read: a first message from then on wakes a retry
                 self._start_wait.set()
@@ -1391,9 +1400,7 @@ class RMuscleNode(LifecycleNode):
             stalls, merged = self.stalls, self.ticks_merged
             now = time.monotonic()
             merged_lately = sum(1 for t in self._merged_at if now - t < MERGED_WARN_S)
-        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-        on_clock = len(clock_ns) > 1 and clock_ns[-1] > clock_ns[0]
-        rate_clock = (len(clock_ns) - 1) / ((clock_ns[-1] - clock_ns[0]) * 1e-9) if on_clock else 0.0
+        rate, rate_clock = _per_second(times), _per_second(clock_ns, unit_s=1e-9)
         p50, p99 = _p50_p99(lat)
         pre_p50, pre_p99 = _p50_p99(pre)
         return {
@@ -1497,9 +1504,9 @@ class RMuscleNode(LifecycleNode):
             )
         )
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
-        status.message = f"{s['rate_hz']:.1f} Hz, p50 {s['latency_p50_ms']:.1f} ms"
-        if self.get_clock().ros_time_is_active:  # a bag at --rate 4 is served 4x as often per wall second
-            status.message = f"{s['rate_hz']:.1f} Hz ({s['rate_hz_clock']:.1f} Hz on /clock), p50 {s['latency_p50_ms']:.1f} ms"
+        # with use_sim_time both rates: a bag at --rate 4 is served 4x as often per wall second
+        on_clock = f" ({s['rate_hz_clock']:.1f} Hz on /clock)" if self.get_clock().ros_time_is_active else ""
+        status.message = f"{s['rate_hz']:.1f} Hz{on_clock}, p50 {s['latency_p50_ms']:.1f} ms"
         if s["ticks_merged_lately"]:  # no drop, yet those ticks got no call of their own
             status.level = max(status.level, DiagnosticStatus.WARN)
             status.message += (
