@@ -6,13 +6,23 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 
-from rmuscle_ros.cache.library import Episode, LibraryError, LibraryKey, LibraryMismatch, ReferenceLibrary
+from rmuscle_ros.cache.library import (
+    Episode,
+    LibraryError,
+    LibraryKey,
+    LibraryMismatch,
+    RecordingFailed,
+    ReferenceLibrary,
+)
 from rmuscle_ros.cache.retrieval import RetrievalConfig, Retriever
 
 KEY = LibraryKey(
@@ -315,9 +325,8 @@ def test_an_episodes_last_use_survives_a_restart(tmp_path: Path) -> None:
 
 
 def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: Path, monkeypatch) -> None:
-    """A disk that fills mid-recording: the add fails with the OS's error, the partial file is deleted (it
+    """A disk that fills mid-recording: the add fails (RecordingFailed, naming the library), the partial file is deleted (it
     would keep holding the space every later recording needs), and the library is as it was."""
-    import errno
 
     from rmuscle_ros.cache import library as library_module
 
@@ -327,11 +336,15 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
 
     def full_disk(tensors, filename, metadata=None) -> None:
         Path(filename).write_bytes(b"\0" * 4096)  # part of it reached the disk
-        raise OSError(errno.ENOSPC, "No space left on device")
+        # what safetensors raises on a full disk (found in review: not an OSError)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(library_module, "save_file", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(ReferenceLibrary, "disk_free_bytes", lambda self: 4096)
+    with pytest.raises(RecordingFailed, match="No space left") as failed:
         lib.add(episode(seed=2), {"task": "t"})
+    message = str(failed.value)  # names the library, and what makes room
+    assert message.startswith(f"reference library {tmp_path}:") and "lower the bound" in message, message
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".lock", ".open", "episode_000000.safetensors", "index.json"
     ]  # fmt: skip
@@ -339,6 +352,39 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     monkeypatch.undo()
     assert sorted(lib.entries) == [kept] and lib.add(episode(seed=3), {"task": "t"}) not in (kept,)
     assert np.array_equal(lib.load(kept).images, episode(seed=1).images)
+
+
+def test_a_write_the_kernel_refuses_raises_recording_failed_and_leaves_the_library(tmp_path: Path) -> None:
+    """A real failed write, not a patched one: a child process whose file size limit (RLIMIT_FSIZE) is
+    below an episode's size gets EFBIG from the kernel mid-write, as a full disk gives ENOSPC. The add
+    raises RecordingFailed naming the library, no partial file is left, and the library opens as it was."""
+    script = f"""
+import resource, signal, sys
+from pathlib import Path
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+from test_cache_library import KEY, episode
+from rmuscle_ros.cache.library import RecordingFailed, ReferenceLibrary
+
+lib = ReferenceLibrary.open(Path({str(tmp_path)!r}), KEY)
+lib.add(episode(seed=1), {{"task": "t"}})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG, not the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    lib.add(episode(calls=40, seed=2), {{"task": "t"}})  # ~80 KiB
+except RecordingFailed as e:
+    print(type(e.__cause__).__name__, e)
+    raise SystemExit(0)
+raise SystemExit("the add did not fail")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"reference library {tmp_path}: the episode could not be recorded" in run.stdout, run.stdout
+    assert "File too large" in run.stdout or "os error 27" in run.stdout, run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "episode_000000.safetensors", "index.json"]
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == [0] and again.problems == []
+    assert np.array_equal(again.load(0).images, episode(seed=1).images)
+    again.close()
 
 
 def test_an_index_write_that_fails_undoes_the_recording_and_its_evictions(
@@ -356,7 +402,7 @@ def test_an_index_write_that_fails_undoes_the_recording_and_its_evictions(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(library_module, "_write_atomic", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RecordingFailed, match="No space left"):
         lib.add(episode(seed=2), {"task": "t"})
     assert sorted(lib.entries) == [kept]
     assert sorted(p.name for p in tmp_path.glob("episode_*")) == ["episode_000000.safetensors"]

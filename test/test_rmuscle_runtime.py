@@ -156,11 +156,53 @@ def test_an_interrupted_library_write_is_written_before_the_next_episode(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         policy.reset_episode()
     monkeypatch.setattr(type(library), "add", real)
-    assert library.entries == {} and policy.rmuscle.interrupted is not None
+    assert library.entries == {} and policy.rmuscle.unsaved is not None
     run(policy, episode(2))
     assert policy.close() == 1, "the episode in progress is written after the interrupted one"
     index = json.loads((tmp_path / "lib" / "index.json").read_text())
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "0"), (2, "1")]
+
+
+def test_an_episode_whose_write_failed_is_kept_and_written_at_the_next_reset(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A disk that fills for a while: an episode whose write fails stays in memory and is written before
+    the next one once the disk has room (found in review: it was dropped). Only the latest is kept: a
+    second failure drops the first, with an error naming it; one still unwritten at close is named too."""
+    from safetensors import SafetensorError
+
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import RecordingFailed
+
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    library = policy.rmuscle.library
+    real = library_module.save_file
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(library_module, "save_file", full_disk)
+    for calls in (3, 4):  # session episodes 0 and 1
+        run(policy, episode(calls))
+        with pytest.raises(RecordingFailed, match="No space left"):
+            policy.reset_episode()
+    assert library.entries == {} and policy.cache_status()["episode_unsaved"] == 1
+    assert "episode 0, whose write failed earlier, is dropped" in caplog.text
+    monkeypatch.setattr(library_module, "save_file", real)  # room again
+    run(policy, episode(2))
+    assert policy.reset_episode() is not None and len(library.entries) == 2
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(4, "1"), (2, "2")]
+    assert policy.cache_status()["episode_unsaved"] == -1
+
+    policy.close()
+
+    other = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "other"), rebuilds_per_tick=FULL_REBUILD))
+    run(other, episode(2))
+    monkeypatch.setattr(library_module, "save_file", full_disk)
+    with pytest.raises(RecordingFailed):
+        other.close()
+    assert "episode 0 is not recorded: its write failed, and the library closes now" in caplog.text
 
 
 def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twice(
@@ -179,7 +221,7 @@ def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twi
     with pytest.raises(KeyboardInterrupt):
         policy.reset_episode()
     monkeypatch.undo()
-    assert sorted(library.entries) == [0] and policy.rmuscle.interrupted is None
+    assert sorted(library.entries) == [0] and policy.rmuscle.unsaved is None
     assert policy.close() is None
     assert len(json.loads((tmp_path / "lib" / "index.json").read_text())["episodes"]) == 1
 

@@ -17,7 +17,8 @@ Guarantees:
 - **Atomic.** Episode files and the index are written to a temporary name, fsynced and renamed, and the
   folder is fsynced after each rename (so the rename itself survives a power cut); the index is replaced
   last, so a crash leaves the previous library intact and never an index naming an episode file the
-  disk does not have. A write that fails (a full disk) deletes its partial file; the partial files of a
+  disk does not have. A write that fails (a full disk) deletes its partial file and raises
+  RecordingFailed, naming the library (and, on a full disk, what makes room); the partial files of a
   writer that died are deleted at the next open, and an episode file the index does not name is
   reported there and kept (its id is never reused).
 - **Checked.** Every episode file's sha256 is verified on open; a corrupt or missing episode is reported
@@ -134,6 +135,12 @@ class EpisodeUnreadable(LibraryError):
     """An episode whose file could not be read after open checked it (damaged or removed since)."""
 
 
+class RecordingFailed(LibraryError):
+    """An episode that could not be written (a full disk, an I/O error): the library is left as it was. The
+    message names the library and the OS's error; `__cause__` is that error (an OSError, or safetensors'
+    SafetensorError: a full disk reaches its writer as that, not as an OSError)."""
+
+
 @dataclass(frozen=True)
 class LibraryKey:
     """What a library must match: the model's weights fingerprint and the shapes it stores."""
@@ -224,6 +231,12 @@ class Episode:
     @property
     def calls(self) -> int:
         return self.descriptors.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Its arrays' bytes (its file's size, less a small header)."""
+        arrays = (getattr(self, k) for k in (*EPISODE_TENSORS, *OPTIONAL_TENSORS))
+        return sum(a.nbytes for a in arrays if a is not None)
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, np.ndarray]) -> Episode:
@@ -911,12 +924,37 @@ class ReferenceLibrary:
         """Write a recorded episode, update the index atomically, evict LRU episodes past the bounds. An
         episode larger than `max_bytes` on its own is refused (EpisodeTooLarge) before anything is evicted
         or renamed into place; an episode file of its id written meanwhile by another is never overwritten
-        (LibraryError). Either way the library is left as it was."""
+        (LibraryError); a write that fails (a full disk, an I/O error) raises RecordingFailed. Each way the
+        library is left as it was."""
         self._writable("record an episode")
+        try:
+            return self._add(episode, meta)
+        except (OSError, SafetensorError) as e:
+            raise RecordingFailed(self._recording_failed(e, episode)) from e
+
+    def _recording_failed(self, error: BaseException, episode: Episode) -> str:
+        """RecordingFailed's message: the library, the OS's error and, where the disk cannot hold the
+        episode, what frees room (eviction makes room only within the bounds: found in review, a
+        `max_library_mb` above what the disk holds failed every recording once the disk was full)."""
+        message = (
+            f"reference library {self.root}: the episode could not be recorded ({type(error).__name__}: "
+            f"{error}); the library is as it was"
+        )
+        free, size = self.disk_free_bytes(), episode.nbytes
+        if free is not None and free < size + (1 << 20):
+            message += (
+                f". Its disk has {free / 2**20:.1f} MiB free for a {size / 2**20:.1f} MiB episode, and the "
+                f"library holds {self.total_bytes / 2**20:.1f} MiB of its {self.max_bytes / 2**20:.0f} MiB "
+                "bound (max_library_mb): free space on that disk, or lower the bound (applied at the next "
+                "configure) so that eviction makes room"
+            )
+        return message
+
+    def _add(self, episode: Episode, meta: Mapping[str, str] | None) -> int:
         tensors = episode.tensors()
         # The file holds the tensors and a small header: already too large without the header, it is
         # refused before it is written; with it, right after.
-        self._refuse_too_large(episode, sum(t.nbytes for t in tensors.values()))
+        self._refuse_too_large(episode, episode.nbytes)
         self.root.mkdir(parents=True, exist_ok=True)
         episode_id = self._next_id
         self._next_id += 1

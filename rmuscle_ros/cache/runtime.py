@@ -55,6 +55,7 @@ from rmuscle_ros.cache.library import (
     EpisodeUnreadable,
     LibraryKey,
     LibraryMismatch,
+    RecordingFailed,
     ReferenceLibrary,
 )
 from rmuscle_ros.cache.lock import remove_if_abandoned
@@ -500,9 +501,9 @@ class RMuscle:
         self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
         self.episode_id = 0
         self._recording = _Recording()
-        # A finished episode whose library write was interrupted (Ctrl-C): (episode, its id here, its task),
-        # written before the next one (`_add`)
-        self.interrupted: tuple[Episode, int, str] | None = None
+        # A finished episode whose library write was interrupted (Ctrl-C) or failed (a full disk): (episode,
+        # its id here, its task), written before the next one (`_add`)
+        self.unsaved: tuple[Episode, int, str] | None = None
         self._episode_cached = False
         self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
         # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
@@ -701,7 +702,7 @@ class RMuscle:
     def finish_episode(self) -> int | None:
         """Add the current episode to the library if it is recordable: recording on, at least one call,
         every call dense (an episode served from the cache is not a reference), and not excluded. An earlier
-        episode whose write was interrupted is written first.
+        episode whose write was interrupted or failed is written first.
 
         This episode's recording and flags are taken over before that write: a second interrupt during it
         (Ctrl-C twice) then loses this episode's recording, where it merged the next episode's calls into
@@ -710,7 +711,7 @@ class RMuscle:
         cached, self._episode_cached = self._episode_cached, False
         excluded, self._episode_excluded = self._episode_excluded, ""
         unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
-        self._add_interrupted()
+        self._add_unsaved()
         try:
             rec.take_pending()
         except Exception as e:  # the last call's copy off the GPU failed: the others are still recorded
@@ -735,26 +736,37 @@ class RMuscle:
         return self._add(episode, self.episode_id, self.task)
 
     def _add(self, episode: Episode, session_episode: int, task: str) -> int:
-        """Write a finished episode into the library. Interrupted (Ctrl-C, SystemExit: not an error such as
-        a full disk, which is reported and ends it), the episode is kept as `interrupted`, and written
-        before the next one (close() at the end of the node's life): the recording leaves memory only
-        once it is on disk."""
-        self.interrupted = (episode, session_episode, task)
+        """Write a finished episode into the library. Until it is written the episode is kept as `unsaved`:
+        a write that an interrupt (Ctrl-C) cut short, or that failed (a full disk: raised, and reported by
+        the caller), is tried again before the next episode's (close() at the end of the node's life), so a
+        disk that fills for a while loses no recording (found in review: a failed one was dropped). One
+        episode is kept, the latest: when a later one's write fails too, the earlier one is dropped, with
+        an error naming it."""
+        if self.unsaved is not None and self.unsaved[1] != session_episode:
+            log.error(
+                "rMuscle: episode %d, whose write failed earlier, is dropped: episode %d's write failed too, "
+                "and only the latest unsaved episode is kept",
+                self.unsaved[1],
+                session_episode,
+            )
+        self.unsaved = (episode, session_episode, task)
         expected = self.library.next_id  # the id add gives it
         try:
             added = self.library.add(episode, meta={"session_episode": str(session_episode), "task": task})
-        except Exception:
-            self.interrupted = None
+        except RecordingFailed:  # the library is as it was: kept for the next try
+            raise
+        except Exception:  # refused as it is (too large, a read-only library): another try cannot pass
+            self.unsaved = None
             raise
         except BaseException:
             if expected in self.library.entries:  # interrupted after its index was written: it is in
-                self.interrupted = None  # (written again, it would be in twice; found in review)
+                self.unsaved = None  # (written again, it would be in twice; found in review)
                 # and retrieval follows the library as it now is (it went on searching an episode the add
                 # evicted and never saw this one; found in review)
                 self._descriptors[expected] = episode.descriptors
                 self._refresh_retriever()
             raise
-        self.interrupted = None
+        self.unsaved = None
         self._descriptors[added] = episode.descriptors
         self._refresh_retriever()
         log.info(
@@ -765,24 +777,25 @@ class RMuscle:
         )
         return added
 
-    def _add_interrupted(self) -> None:
-        """Write the episode whose write was interrupted, if any (logged; an error is logged, not raised: the
-        episode that ends now is still recorded)."""
-        if self.interrupted is None:
+    def _add_unsaved(self) -> None:
+        """Write the episode whose write was interrupted or failed, if any (logged; an error is logged, not
+        raised: the episode that ends now is still recorded)."""
+        if self.unsaved is None:
             return
-        episode, session_episode, task = self.interrupted
+        episode, session_episode, task = self.unsaved
         try:
             added = self._add(episode, session_episode, task)
         except Exception as e:
             log.error(
-                "rMuscle: episode %d, whose write was interrupted, could not be written again: %s: %s",
+                "rMuscle: episode %d, whose write was interrupted or failed, could not be written again: "
+                "%s: %s",
                 session_episode,
                 type(e).__name__,
                 e,
             )
             return
-        log.warning(  # an interrupted write is news to an operator, at a level any handler shows
-            "rMuscle: episode %d, whose write was interrupted, written as library episode %d",
+        log.warning(  # a late write is news to an operator, at a level any handler shows
+            "rMuscle: episode %d, whose write was interrupted or failed, written as library episode %d",
             session_episode,
             added,
         )
@@ -1246,6 +1259,8 @@ class RMuscle:
             "library_episodes": len(self.library.entries),
             "task": self.task,
             "last_episode_excluded": self.last_excluded,
+            # a finished episode whose write failed (a full disk), kept to be written at the next reset; -1: none
+            "episode_unsaved": self.unsaved[1] if self.unsaved is not None else -1,
             "task_episodes": self.retriever.episodes,
             "window_entries": sum(1 for s in self.window if s.key is not None),
             "entries_set_aside": sum(1 for key in self._rebuild_failures if self._set_aside(key)),
@@ -1269,6 +1284,12 @@ class RMuscle:
         try:
             return self.finish_episode()
         finally:  # a recording that fails (a full disk) still gives the library up
+            if self.unsaved is not None:
+                log.error(
+                    "rMuscle: episode %d is not recorded: its write failed, and the library closes now",
+                    self.unsaved[1],
+                )
+                self.unsaved = None
             self.library.close()
             if self._tmp is not None:
                 self._tmp.cleanup()
