@@ -10,6 +10,7 @@ same frames every time, so a repeated episode is the same task by construction.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -355,7 +356,8 @@ def test_a_motion_window_yields_to_a_callback_waiting_for_the_policy(harness) ->
 def test_an_audit_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
     """An audit (one dense re-run of a cached call) is not started while a reset, a parameter set or a
     discard waits for the policy lock, as a rebuild part is not; the cached call stays due for an audit
-    (noted in review: only the rebuild window yielded). Driven directly on a configured node."""
+    (noted in review: only the rebuild window yielded) and its skip is counted missed at the next call.
+    Driven directly on a configured node."""
     h = harness(**CACHE, **{"cache.audit_every": 1})
     assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
     node, policy = h.node, h.node.policy
@@ -369,6 +371,19 @@ def test_an_audit_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
     node._audit_cache(node.cfg, policy, node.episode_id)
     assert policy.cache_status()["audits"] == 0 and policy.cache_audit_due()
     node._lock_wanted.clear()
+
+    # One that starts waiting while the audit waits for the lock (held here, as by a call) goes first too.
+    with node._policy_lock:
+        audit = threading.Thread(target=node._audit_cache, args=(node.cfg, policy, node.episode_id))
+        audit.start()
+        time.sleep(0.2)  # the audit has passed its first check and waits for the lock
+        node._lock_wanted.set()
+    audit.join(timeout=30)
+    assert not audit.is_alive() and policy.cache_status()["audits"] == 0
+    node._lock_wanted.clear()
+
+    # The skipped audit is counted missed at the next cached call, which is audited instead.
+    assert policy.infer(obs).cache_mode == "cached" and policy.cache_status()["audits_missed"] == 1
     node._audit_cache(node.cfg, policy, node.episode_id)
     assert policy.cache_status()["audits"] == 1 and node.stats()["errors"] == {}
 
@@ -657,20 +672,42 @@ def test_a_library_path_through_a_file_fails_configure_naming_it(harness, tmp_pa
 
 
 def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harness, tmp_path) -> None:
-    # The library's folder goes away while the node runs (a drive unmounted): a file stands where it
-    # was, so writing the episode fails.
-    library = tmp_path / "library"
+    """The library's folder goes away while the node runs (a drive unmounted): a file stands where it was,
+    so writing the episode fails. The node keeps publishing, says so on /diagnostics, and keeps the latest
+    unwritten episode in memory: once the folder is back, the next reset writes it (found in review: a
+    failed write dropped it), and a cleanup that cannot write still releases the model."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    library, away = tmp_path / "library", tmp_path / "moved_away"
     h = harness(**CACHE, **{"cache.library_path": str(library)})
     _start(h)
-    library.rename(tmp_path / "moved_away")
+    library.rename(away)
     library.write_text("")
-    assert h.feed_until(lambda: len(_episode(h, 0)) >= 1), f"drops {h.drops()}"
+    for episode in (0, 1):
+        assert h.feed_until(lambda e=episode: len(_episode(h, e)) >= 1), f"drops {h.drops()}"
+        reply = h.call(h.reset, Trigger.Request())
+        assert reply.success and f"recording episode {episode} failed: RecordingFailed" in reply.message
+        assert str(library) in reply.message and "kept in memory" in reply.message, reply.message
+        assert h.node.stats()["errors"] == {"cache_reset": episode + 1}
+        status = h.node._diagnostics().status[0]
+        values = {kv.key: kv.value for kv in status.values}
+        assert status.level == DiagnosticStatus.WARN and values["cache.episode_unsaved"] == str(episode)
+        assert f"episode {episode} not recorded yet" in status.message, status.message
+    assert h.feed_until(lambda: len(_episode(h, 2)) >= 2), "the node stopped publishing"
+    assert {c.cache_mode for c in _episode(h, 2)} == {ActionChunk.CACHE_DENSE}, "nothing was recorded"
+
+    library.unlink()
+    away.rename(library)  # the drive is back: episode 1, kept, is written before episode 2
     reply = h.call(h.reset, Trigger.Request())
-    assert reply.success and "recording episode 0 failed" in reply.message, reply.message
-    assert h.node.stats()["errors"] == {"cache_reset": 1}
-    assert h.feed_until(lambda: len(_episode(h, 1)) >= 2), "the node stopped publishing"
-    assert {c.cache_mode for c in _episode(h, 1)} == {ActionChunk.CACHE_DENSE}, "nothing was recorded"
-    assert h.state() == State.PRIMARY_STATE_ACTIVE
+    assert reply.success and "episode 2 recorded as library episode" in reply.message, reply.message
+    assert [e["meta"]["session_episode"] for e in _index(library)["episodes"]] == ["1", "2"]
+    status = h.node._diagnostics().status[0]
+    assert {kv.key: kv.value for kv in status.values}["cache.episode_unsaved"] == "-1"
+
+    library.rename(away)
+    library.write_text("")
+    assert h.feed_until(lambda: len(_episode(h, 3)) >= 1), f"drops {h.drops()}"
+    assert h.state() == State.PRIMARY_STATE_ACTIVE and h.node.stats()["errors"] == {"cache_reset": 2}
     assert h.transition(Transition.TRANSITION_DEACTIVATE)
     assert h.transition(Transition.TRANSITION_CLEANUP), "cleanup releases the model even if recording fails"
     assert h.node.policy is None

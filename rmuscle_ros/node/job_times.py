@@ -88,6 +88,13 @@ class JobTimes:
             self.memory_s = self.base_memory_s
 
 
+def clock_jumped(clock_step_s: float, wall_step_s: float) -> bool:
+    """Whether a clock's step between two readings `wall_step_s` apart is no continuation of its run: it
+    went back (a bag played again) or jumped ahead, faster than `CLOCK_JUMP_RATE` (the next bag of a set,
+    a simulator restarted later)."""
+    return clock_step_s < 0 or clock_step_s > CLOCK_JUMP_RATE * wall_step_s + 1.0
+
+
 class ClockRate:
     """How fast the node's clock runs against the wall clock, from readings of both (`read`).
 
@@ -111,7 +118,7 @@ class ClockRate:
                 readings.clear()
             elif wall_step < CLOCK_RATE_EVERY_S:
                 return
-            elif clock_step == 0 or clock_step > CLOCK_JUMP_RATE * wall_step + 1.0:  # stood still, or jumped
+            elif clock_step == 0 or clock_jumped(clock_step, wall_step):  # stood still, or jumped
                 readings.clear()
         readings.append((wall_s, clock_ns))
         while wall_s - readings[0][0] > CLOCK_RATE_SPAN_S:

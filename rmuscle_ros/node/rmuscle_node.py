@@ -42,7 +42,7 @@ from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from rmuscle_ros.cache.runtime import MODES, REBUILD_TRIES
-from rmuscle_ros.node.job_times import ClockRate, JobTimes
+from rmuscle_ros.node.job_times import ClockRate, JobTimes, clock_jumped
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import (
     CombinationError,
@@ -873,6 +873,8 @@ class RMuscleNode(LifecycleNode):
                 self._policy_lock.release()
         if failed:
             note = f"recording episode {episode - 1} failed: {failed}"
+            if status is not None and status["episode_unsaved"] == episode - 1:
+                note += "; it is kept in memory and written at the next reset"
             self._error("cache_reset", note)
         elif recorded is not None:
             note = f"episode {episode - 1} recorded as library episode {recorded}"
@@ -1130,9 +1132,14 @@ class RMuscleNode(LifecycleNode):
                 self._preprocess_ms.append(chunk.timings_s.get("preprocess", 0.0) * 1e3)
                 by_mode = self._latencies_by_mode.setdefault(chunk.cache_mode, deque(maxlen=LATENCY_WINDOW))
                 by_mode.append(latency_ms)
-                self._chunk_times.append(time.monotonic())
-                if self._chunk_clock_ns and now_ns < self._chunk_clock_ns[-1]:  # the clock went back
-                    self._chunk_clock_ns.clear()
+                wall = time.monotonic()
+                # rate_hz_clock counts from a bag played again, or the next bag of a set (found in review:
+                # a jump ahead read as 0.0 Hz until 200 chunks had gone by)
+                if self._chunk_clock_ns:
+                    clock_step_s = (now_ns - self._chunk_clock_ns[-1]) * 1e-9
+                    if clock_jumped(clock_step_s, wall - self._chunk_times[-1]):
+                        self._chunk_clock_ns.clear()
+                self._chunk_times.append(wall)
                 self._chunk_clock_ns.append(now_ns)
                 call = _call_breakdown(chunk, latency_ms, episode, chunk_id)
                 if len(self._slowest) < SLOWEST_KEPT or latency_ms > self._slowest[-1]["ms"]:
@@ -1172,14 +1179,20 @@ class RMuscleNode(LifecycleNode):
         """The motion window's first job when the chunk just published came from a cached call due for an
         audit (`cache.audit_every`): the same call again dense, and the cached chunk's error against it
         (Policy.audit_cache). It goes before the rebuilds because the next call overwrites the inputs it
-        runs on. It is skipped when the next observation is due, or when the latest audits' times say
-        it would end after that (as for a rebuild part); the next cached call is then audited instead, and
-        the cache status counts it missed. An error above `cache.audit_max_error` sends the rest of the
-        episode dense, and the node says so."""
-        if self._lock_wanted.is_set():  # a reset, parameter or discard waits: it goes first, as in a window
+        runs on. It is skipped when the next observation is due, when the latest audits' times say it
+        would end after that (as for a rebuild part), or when a reset, a parameter set or a discard waits
+        for the policy (it goes first, as in a window; checked again once the lock is held, for one that
+        came meanwhile); the next cached call is then audited instead, and the cache status counts it
+        missed at that call. An error above `cache.audit_max_error` sends the rest of the episode dense,
+        and the node says so."""
+        if self._lock_wanted.is_set():
             return
         with self._policy_lock:
-            if not policy.cache_audit_due() or self._next_call_too_close(durations=self._audit_s):
+            if (
+                self._lock_wanted.is_set()
+                or not policy.cache_audit_due()
+                or self._next_call_too_close(durations=self._audit_s)
+            ):
                 return
             try:
                 audit = policy.audit_cache()
@@ -1278,7 +1291,10 @@ class RMuscleNode(LifecycleNode):
         with self._stats_lock:
             self.errors[kind] += 1
             count = self.errors[kind]
-        if count == 1 or count % 50 == 0:  # throttled like the drops: a broken disk must not flood the log
+        # Throttled like the drops (a broken disk must not flood the log), but for a recording's: one an
+        # episode at most, each a recording not in the library (found in review: the 2nd to the 49th went
+        # unlogged, and a reset sent on the topic has no reply to say it)
+        if count == 1 or count % 50 == 0 or kind in ("cache_reset", "cache_close"):
             self.get_logger().error(f"{kind} error ({count}x): {detail}")
 
     def _note_image_sizes(self, images: Any) -> None:
@@ -1500,7 +1516,12 @@ class RMuscleNode(LifecycleNode):
             or s["errors"]
             or (
                 cache is not None
-                and (cache["library_problems"] or cache["library_disk_low"] or cache["audit_trips"])
+                and (
+                    cache["library_problems"]
+                    or cache["library_disk_low"]
+                    or cache["audit_trips"]
+                    or cache["episode_unsaved"] >= 0
+                )
             )
         )
         status.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
@@ -1610,6 +1631,12 @@ class RMuscleNode(LifecycleNode):
             values["cache.library_disk_free_mib"] = round(free / 2**20, 1) if free is not None else "unknown"
             if cache["library_disk_low"]:
                 status.message += ", library disk nearly full: the next recording may fail"
+            values["cache.episode_unsaved"] = cache["episode_unsaved"]
+            if cache["episode_unsaved"] >= 0:
+                status.message += (
+                    f", episode {cache['episode_unsaved']} not recorded yet: its library write failed "
+                    "(errors.cache_reset; the log says why), tried again at the next reset"
+                )
             if cache["entries_set_aside"]:
                 status.message += (
                     f", {cache['entries_set_aside']} window entr(ies) set aside this episode: their rebuild "
