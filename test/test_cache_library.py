@@ -112,7 +112,9 @@ def test_other_weights_are_refused(tmp_path: Path) -> None:
         ReferenceLibrary.open(tmp_path, other)
 
 
-def test_a_library_keyed_by_an_earlier_builds_sampled_fingerprint_says_so(tmp_path: Path) -> None:
+def test_a_library_keyed_by_an_earlier_builds_sampled_fingerprint_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Earlier builds keyed libraries on a fingerprint of sampled weights (16 bare hex digits); the model's
     is now "sha256:…" over every byte, so such a library is refused, saying why and what to do."""
     earlier = LibraryKey(weights="0123456789abcdef", shapes=KEY.shapes)
@@ -120,6 +122,14 @@ def test_a_library_keyed_by_an_earlier_builds_sampled_fingerprint_says_so(tmp_pa
     with pytest.raises(LibraryMismatch, match="earlier build's fingerprint") as e:
         ReferenceLibrary.open(tmp_path, LibraryKey(weights="sha256:0123456789abcdef", shapes=KEY.shapes))
     assert "delete it to record a new library" in str(e.value)
+    # what the runtime adds (the setting behind the key) is no advice here: no checkpoint serves it
+    advised = str(e.value.with_settings("weights (model.checkpoint)"))
+    assert "no setting serves it" in advised and "set them back" not in advised, advised
+    from rmuscle_ros.cache.library import main
+
+    for command in ("list", "verify"):  # an operator's check after an upgrade says so too
+        assert main([command, str(tmp_path)]) == 0
+        assert "an earlier build's fingerprint" in capsys.readouterr().out
     with pytest.raises(LibraryMismatch) as e:
         ReferenceLibrary.open(tmp_path / "other", KEY).add(episode())
         ReferenceLibrary.open(
@@ -344,7 +354,11 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     with pytest.raises(RecordingFailed, match="No space left") as failed:
         lib.add(episode(seed=2), {"task": "t"})
     message = str(failed.value)  # names the library, and what makes room
-    assert message.startswith(f"reference library {tmp_path}:") and "lower the bound" in message, message
+    assert (
+        message.startswith(f"reference library {tmp_path}:")
+        and "free space on that disk" in message
+        and "max_library_mb" in message
+    ), message
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".lock", ".open", "episode_000000.safetensors", "index.json"
     ]  # fmt: skip

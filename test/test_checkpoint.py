@@ -348,6 +348,19 @@ def test_weights_fingerprint_covers_every_weight() -> None:
     assert weights_fingerprint(model) != first
 
 
+def test_weights_fingerprint_keeps_its_value_across_builds() -> None:
+    """Every cell's library and exported engines are keyed on this value: a build that computes it another
+    way (another piece size, FINGERPRINT_CHUNK, or order) throws them all away at upgrade. Found in
+    review: the piece size once went from 64 to 16 MB with no change of scheme. A change must be
+    deliberate: a new FINGERPRINT_SCHEME, and the library's refusal saying so (is_sampled_fingerprint's
+    way), with this value updated."""
+    module = torch.nn.Module()
+    pattern = torch.arange((20 << 20) + 3, dtype=torch.int64) % 251  # over one piece, not a multiple
+    module.register_buffer("bytes", pattern.to(torch.uint8))
+    module.weight = torch.nn.Parameter(torch.linspace(-1, 1, 24).reshape(4, 6))
+    assert weights_fingerprint(module) == "sha256:a60f834199947bcd"
+
+
 def test_weights_fingerprint_hashes_large_tensors_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor is hashed in pieces (in parallel): together they are its bytes, each exactly once, in order."""
     t = torch.randn(1001, dtype=torch.bfloat16)

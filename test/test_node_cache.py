@@ -373,12 +373,26 @@ def test_an_audit_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
     node._lock_wanted.clear()
 
     # One that starts waiting while the audit waits for the lock (held here, as by a call) goes first too.
-    with node._policy_lock:
-        audit = threading.Thread(target=node._audit_cache, args=(node.cfg, policy, node.episode_id))
-        audit.start()
-        time.sleep(0.2)  # the audit has passed its first check and waits for the lock
-        node._lock_wanted.set()
+    class Lock:  # the node's lock, saying when the audit has passed its first check and asks for it
+        def __init__(self) -> None:
+            self.lock, self.asked = threading.Lock(), threading.Event()
+
+        def __enter__(self) -> None:
+            self.asked.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    node._policy_lock = lock = Lock()
+    lock.lock.acquire()
+    audit = threading.Thread(target=node._audit_cache, args=(node.cfg, policy, node.episode_id))
+    audit.start()
+    assert lock.asked.wait(timeout=30)
+    node._lock_wanted.set()
+    lock.lock.release()
     audit.join(timeout=30)
+    node._policy_lock = lock.lock  # the node's own kind again, for what follows and the teardown
     assert not audit.is_alive() and policy.cache_status()["audits"] == 0
     node._lock_wanted.clear()
 

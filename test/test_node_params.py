@@ -129,6 +129,8 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
         ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),
+        # a params file from before an upgrade: what replaced it (found in review)
+        ({"cache.speculate": False}, r"^cache\.speculate: no longer a parameter: .*cache\.match_on_gpu"),
         ({"model.preset": "pi05"}, r"^model\.checkpoint: preset 'pi05' needs a trained checkpoint"),
         (
             {"model.preset": "pi05", "model.checkpoint": "m", "model.norm_stats": "n.json"},

@@ -187,7 +187,7 @@ def test_an_episode_whose_write_failed_is_kept_and_written_at_the_next_reset(
         with pytest.raises(RecordingFailed, match="No space left"):
             policy.reset_episode()
     assert library.entries == {} and policy.cache_status()["episode_unsaved"] == 1
-    assert "episode 0, whose write failed earlier, is dropped" in caplog.text
+    assert "episode 0, not yet written to the library, is dropped: episode 1 is not written" in caplog.text
     monkeypatch.setattr(library_module, "save_file", real)  # room again
     run(policy, episode(2))
     assert policy.reset_episode() is not None and len(library.entries) == 2
@@ -202,7 +202,67 @@ def test_an_episode_whose_write_failed_is_kept_and_written_at_the_next_reset(
     monkeypatch.setattr(library_module, "save_file", full_disk)
     with pytest.raises(RecordingFailed):
         other.close()
-    assert "episode 0 is not recorded: its write failed, and the library closes now" in caplog.text
+    assert "episode 0 is not recorded: its write failed or was interrupted, and the library closes now" in (
+        caplog.text
+    )
+
+
+def test_a_kept_episode_stays_kept_when_a_later_one_is_written(tmp_path, monkeypatch, caplog) -> None:
+    """The disk has room for a short episode, not for the long one kept from before: the short one is
+    written and the long one stays kept, with no word of it being dropped (found in review: it was
+    dropped, and the log said the later write had failed)."""
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import RecordingFailed
+
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    real = library_module.save_file
+
+    def room_for_short_ones(tensors, filename, metadata=None):
+        if tensors["descriptors"].shape[0] >= 4:
+            raise OSError(28, "No space left on device")
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(library_module, "save_file", room_for_short_ones)
+    run(policy, episode(4))
+    with pytest.raises(RecordingFailed):
+        policy.reset_episode()
+    run(policy, episode(2, offset=0.5))
+    assert policy.reset_episode() is not None and policy.cache_status()["episode_unsaved"] == 0
+    assert "dropped" not in caplog.text
+    monkeypatch.setattr(library_module, "save_file", real)
+    assert policy.close() is None, "the kept episode is written at close; none was in progress"
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert sorted(e["meta"]["session_episode"] for e in index["episodes"]) == ["0", "1"]
+
+
+def test_an_interrupt_while_a_kept_episode_is_retried_keeps_the_finished_one(tmp_path, monkeypatch) -> None:
+    """Ctrl-C while the reset writes the episode kept from a failed write: the episode that just ended,
+    not yet tried, is kept in its place (found in review: it was lost without a word)."""
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import RecordingFailed
+
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    real = library_module.save_file
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(library_module, "save_file", full_disk)
+    run(policy, episode(3))
+    with pytest.raises(RecordingFailed):
+        policy.reset_episode()
+    run(policy, episode(5))
+    monkeypatch.setattr(library_module, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        policy.reset_episode()
+    assert policy.cache_status()["episode_unsaved"] == 1
+    monkeypatch.setattr(library_module, "save_file", real)
+    assert policy.close() is None
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(5, "1")]
 
 
 def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twice(
@@ -230,7 +290,8 @@ def test_a_second_interrupt_during_a_reset_does_not_merge_the_next_episode_into_
     tmp_path, monkeypatch
 ) -> None:
     """Ctrl-C twice: the first interrupts episode 0's write, the second the retry of it at the next reset.
-    Episode 1's recording is then lost, not carried into episode 2 (found in review: episodes 1 and 2 were
+    Episode 1, which ended there, is kept in episode 0's place (one kept at most, the latest; episode 0
+    is dropped with an error), and not carried into episode 2 (found in review: episodes 1 and 2 were
     recorded as one reference of 5 calls)."""
     policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
     library = policy.rmuscle.library
@@ -250,7 +311,7 @@ def test_a_second_interrupt_during_a_reset_does_not_merge_the_next_episode_into_
     run(policy, episode(2))
     policy.reset_episode()
     index = json.loads((tmp_path / "lib" / "index.json").read_text())
-    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(4, "0"), (2, "2")]
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "1"), (2, "2")]
 
 
 def test_an_interrupt_after_the_index_was_written_leaves_retrieval_on_the_library_as_it_is(

@@ -107,22 +107,35 @@ READ_ERRORS = (OSError, SafetensorError, KeyError, ValueError)
 class LibraryMismatch(LibraryError):
     """A library recorded with other weights or shapes. `fields` names what differs ("weights", or the
     shapes' keys such as "mask_steps"), each with both values in `detail`; `recorded_under` says which of
-    the caller's settings those are (`with_settings`), so that a cell knows what to set back."""
+    the caller's settings those are (`with_settings`), so that a cell knows what to set back.
+    `earlier_build`: the library's weights key is of a fingerprint this build no longer computes, so no
+    setting serves it (found in review: the message said to set the checkpoint back)."""
 
-    def __init__(self, path: Path, fields: tuple[str, ...], detail: str, recorded_under: str = "") -> None:
-        self.path, self.fields, self.detail, self.recorded_under = path, fields, detail, recorded_under
+    def __init__(
+        self,
+        path: Path,
+        fields: tuple[str, ...],
+        detail: str,
+        recorded_under: str = "",
+        earlier_build: bool = False,
+    ) -> None:
+        self.path, self.fields, self.detail = path, fields, detail
+        self.recorded_under, self.earlier_build = recorded_under, earlier_build
         what = "weights" if fields == ("weights",) else "shapes"
-        under = (
-            f"; it was recorded under other {recorded_under}: set them back to serve it, or"
-            if recorded_under
-            else ";"
-        )
+        if earlier_build:
+            under = "; no setting serves it, it must be recorded again:"
+        elif recorded_under:
+            under = f"; it was recorded under other {recorded_under}: set them back to serve it, or"
+        else:
+            under = ";"
         super().__init__(
             f"{path}: recorded with other {what} than the loaded model ({detail}){under} point library_path "
             "elsewhere or delete it to record a new library"
         )
 
     def with_settings(self, recorded_under: str) -> LibraryMismatch:
+        if self.earlier_build:
+            return self
         return LibraryMismatch(self.path, self.fields, self.detail, recorded_under)
 
 
@@ -163,10 +176,12 @@ def _mismatch(index_path: Path, stored: Any, key: LibraryKey) -> LibraryMismatch
     """What differs between a library's key and the model's, each field named with both values."""
     stored = stored if isinstance(stored, dict) else {}
     stored_shapes = stored.get("shapes") if isinstance(stored.get("shapes"), dict) else {}
+    earlier_build = False
     if stored.get("weights") != key.weights:
         fields: tuple[str, ...] = ("weights",)
         detail = f"library {stored.get('weights')!r}, model {key.weights!r}"
-        if is_sampled_fingerprint(stored.get("weights")):
+        earlier_build = is_sampled_fingerprint(stored.get("weights"))
+        if earlier_build:
             detail += (
                 "; the library's is an earlier build's fingerprint, over a sample of the weights, which no "
                 "model matches now that every weight is hashed"
@@ -181,7 +196,7 @@ def _mismatch(index_path: Path, stored: Any, key: LibraryKey) -> LibraryMismatch
             f"{k}: library {stored_shapes.get(k, 'absent')}, model {key.shapes.get(k, 'absent')}"
             for k in fields
         )
-    return LibraryMismatch(index_path, fields, detail)
+    return LibraryMismatch(index_path, fields, detail, earlier_build=earlier_build)
 
 
 @dataclass
@@ -927,9 +942,14 @@ class ReferenceLibrary:
         (LibraryError); a write that fails (a full disk, an I/O error) raises RecordingFailed. Each way the
         library is left as it was."""
         self._writable("record an episode")
+        expected = self._next_id
         try:
             return self._add(episode, meta)
         except (OSError, SafetensorError) as e:
+            if expected in self.entries:  # failed after the index naming it took its place: it is recorded
+                log.warning("reference library %s: episode %d is recorded, but a step after its index was "
+                            "written failed: %s", self.root, expected, e)  # fmt: skip
+                return expected
             raise RecordingFailed(self._recording_failed(e, episode)) from e
 
     def _recording_failed(self, error: BaseException, episode: Episode) -> str:
@@ -943,11 +963,15 @@ class ReferenceLibrary:
         free, size = self.disk_free_bytes(), episode.nbytes
         if free is not None and free < size + (1 << 20):
             message += (
-                f". Its disk has {free / 2**20:.1f} MiB free for a {size / 2**20:.1f} MiB episode, and the "
-                f"library holds {self.total_bytes / 2**20:.1f} MiB of its {self.max_bytes / 2**20:.0f} MiB "
-                "bound (max_library_mb): free space on that disk, or lower the bound (applied at the next "
-                "configure) so that eviction makes room"
+                f". Its disk has {free / 2**20:.1f} MiB free for a {size / 2**20:.1f} MiB episode: free "
+                "space on that disk"
             )
+            if self.entries:  # eviction frees the library's own space only within its bound
+                message += (
+                    f"; the library holds {self.total_bytes / 2**20:.1f} MiB of its "
+                    f"{self.max_bytes / 2**20:.0f} MiB bound (max_library_mb, read at configure): a bound "
+                    "below what the disk can hold lets eviction make room for later recordings"
+                )
         return message
 
     def _add(self, episode: Episode, meta: Mapping[str, str] | None) -> int:
@@ -1391,6 +1415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"indexed episode(s) {indexed}" if indexed else "no episode file indexed")
             return 0 if ok else 1
         key, episodes = _stored(args.root)
+        if args.command in ("list", "verify") and is_sampled_fingerprint(key.weights):  # found in review
+            print(f"  weights {key.weights}: an earlier build's fingerprint, which no model loaded by this build "
+                  "matches: a node refuses this library; record it again")  # fmt: skip
         if args.command == "list":
             total = sum(e["bytes"] for e in episodes) / 2**20
             print(f"library {args.root}: {len(episodes)} episode(s), {total:.1f} MiB, weights {key.weights}, "

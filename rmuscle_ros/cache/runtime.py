@@ -704,14 +704,14 @@ class RMuscle:
         every call dense (an episode served from the cache is not a reference), and not excluded. An earlier
         episode whose write was interrupted or failed is written first.
 
-        This episode's recording and flags are taken over before that write: a second interrupt during it
+        This episode's recording and flags are taken over first: a second interrupt during the write
         (Ctrl-C twice) then loses this episode's recording, where it merged the next episode's calls into
-        it (found in review)."""
+        it (found in review). One interrupt during the earlier episode's write keeps this one (`unsaved`,
+        in its place; found in review: it was lost without a word)."""
         rec, self._recording = self._recording, _Recording()
         cached, self._episode_cached = self._episode_cached, False
         excluded, self._episode_excluded = self._episode_excluded, ""
         unrecorded, self._unrecorded_calls = self._unrecorded_calls, 0
-        self._add_unsaved()
         try:
             rec.take_pending()
         except Exception as e:  # the last call's copy off the GPU failed: the others are still recorded
@@ -723,50 +723,71 @@ class RMuscle:
             excluded = f"recording (cache.record) was off for {unrecorded} of its calls"
         excluded = excluded or self._read_only()
         self.last_excluded = excluded
-        if not self.cfg.record or not rec.descriptors or cached or excluded:
-            return None
-        episode = Episode(
-            np.stack(rec.descriptors),
-            np.stack(rec.images),
-            np.stack(rec.tokens),
-            np.stack(rec.token_mask),
-            np.stack(rec.masks),
-            np.stack(rec.image_masks),
-        )
-        return self._add(episode, self.episode_id, self.task)
+        episode = None
+        if self.cfg.record and rec.descriptors and not cached and not excluded:
+            episode = Episode(
+                np.stack(rec.descriptors),
+                np.stack(rec.images),
+                np.stack(rec.tokens),
+                np.stack(rec.token_mask),
+                np.stack(rec.masks),
+                np.stack(rec.image_masks),
+            )
+        try:
+            self._add_unsaved()
+        except BaseException:  # interrupted: this episode, not yet tried, is kept in the earlier one's place
+            if episode is not None:
+                self._keep_unsaved(episode, self.episode_id, self.task, "its write was interrupted")
+            raise
+        return self._add(episode, self.episode_id, self.task) if episode is not None else None
+
+    def _keep_unsaved(self, episode: Episode, session_episode: int, task: str, why: str) -> None:
+        """Keep an episode not yet written (`unsaved`) for the next try. One is kept, the latest: an earlier
+        one still held is dropped, with an error naming it."""
+        if self.unsaved is not None and self.unsaved[1] != session_episode:
+            log.error(
+                "rMuscle: episode %d, not yet written to the library, is dropped: episode %d is not written "
+                "either (%s), and only the latest such episode is kept",
+                self.unsaved[1],
+                session_episode,
+                why,
+            )
+        self.unsaved = (episode, session_episode, task)
 
     def _add(self, episode: Episode, session_episode: int, task: str) -> int:
-        """Write a finished episode into the library. Until it is written the episode is kept as `unsaved`:
+        """Write a finished episode into the library. Until it is on disk the episode is kept as `unsaved`:
         a write that an interrupt (Ctrl-C) cut short, or that failed (a full disk: raised, and reported by
         the caller), is tried again before the next episode's (close() at the end of the node's life), so a
         disk that fills for a while loses no recording (found in review: a failed one was dropped). One
-        episode is kept, the latest: when a later one's write fails too, the earlier one is dropped, with
-        an error naming it."""
-        if self.unsaved is not None and self.unsaved[1] != session_episode:
-            log.error(
-                "rMuscle: episode %d, whose write failed earlier, is dropped: episode %d's write failed too, "
-                "and only the latest unsaved episode is kept",
-                self.unsaved[1],
-                session_episode,
-            )
+        episode is kept, the latest whose write failed (`_keep_unsaved`); one kept earlier stays kept while
+        a later one is written."""
+        earlier = self.unsaved if self.unsaved is not None and self.unsaved[1] != session_episode else None
+        # Held as unsaved while it is written: an interrupt anywhere below, even in a handler, keeps it
         self.unsaved = (episode, session_episode, task)
         expected = self.library.next_id  # the id add gives it
         try:
             added = self.library.add(episode, meta={"session_episode": str(session_episode), "task": task})
-        except RecordingFailed:  # the library is as it was: kept for the next try
+        except RecordingFailed as e:  # the library is as it was: kept for the next try
+            self.unsaved = earlier
+            self._keep_unsaved(
+                episode, session_episode, task, f"its write failed: {type(e.__cause__).__name__}"
+            )
             raise
-        except Exception:  # refused as it is (too large, a read-only library): another try cannot pass
-            self.unsaved = None
+        except Exception:  # refused (too large, a read-only library, another writer): not tried again
+            self.unsaved = earlier
             raise
         except BaseException:
             if expected in self.library.entries:  # interrupted after its index was written: it is in
-                self.unsaved = None  # (written again, it would be in twice; found in review)
+                self.unsaved = earlier  # (written again, it would be in twice; found in review)
                 # and retrieval follows the library as it now is (it went on searching an episode the add
                 # evicted and never saw this one; found in review)
                 self._descriptors[expected] = episode.descriptors
                 self._refresh_retriever()
+            else:
+                self.unsaved = earlier
+                self._keep_unsaved(episode, session_episode, task, "its write was interrupted")
             raise
-        self.unsaved = None
+        self.unsaved = earlier
         self._descriptors[added] = episode.descriptors
         self._refresh_retriever()
         log.info(
@@ -787,9 +808,12 @@ class RMuscle:
             added = self._add(episode, session_episode, task)
         except Exception as e:
             log.error(
-                "rMuscle: episode %d, whose write was interrupted or failed, could not be written again: "
+                "rMuscle: episode %d, whose write was interrupted or failed, could not be written again (%s): "
                 "%s: %s",
                 session_episode,
+                "kept for the next try"
+                if self.unsaved is not None
+                else "dropped: it was refused, not tried again",
                 type(e).__name__,
                 e,
             )
@@ -1282,15 +1306,22 @@ class RMuscle:
     def close(self) -> int | None:
         """Record the current episode if it qualifies (the library is already on disk otherwise)."""
         try:
-            return self.finish_episode()
+            recorded = self.finish_episode()
         finally:  # a recording that fails (a full disk) still gives the library up
-            if self.unsaved is not None:
+            lost, self.unsaved = self.unsaved, None
+            if lost is not None:
                 log.error(
-                    "rMuscle: episode %d is not recorded: its write failed, and the library closes now",
-                    self.unsaved[1],
+                    "rMuscle: episode %d is not recorded: its write failed or was interrupted, and the library "
+                    "closes now",
+                    lost[1],
                 )
-                self.unsaved = None
             self.library.close()
             if self._tmp is not None:
                 self._tmp.cleanup()
                 self._tmp = None
+        if lost is not None:  # the caller counts it (the node's errors.cache_close) as any failed recording
+            raise RecordingFailed(
+                f"reference library {self.library.root}: episode {lost[1]} is not recorded: its write failed "
+                "or was interrupted, and the library is closed"
+            )
+        return recorded

@@ -47,6 +47,13 @@ _POLICY_OWN_CHECKS = ("preset", "backend", "dtype", "device")
 
 
 MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
+# Parameters an earlier version had, with what to do instead: a params file from before an upgrade is
+# refused naming the change, not only as unknown (found in review: cache.speculate was refused among a
+# list of every known name)
+REMOVED_PARAMETERS = {
+    "cache.speculate": "removed on 2026-11-30 (c68d7c1): cache.match_on_gpu (default true) replaced it; "
+    "delete the line",
+}
 
 # CacheParams field -> RMuscleConfig field, where the ROS name says more than the runtime's.
 _RUNTIME_NAMES = {"similarity_threshold": "threshold"}
@@ -350,6 +357,9 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     """Validate `params` (dotted names, as declared) and build the NodeConfig."""
     defaults = parameter_defaults()
     unknown = sorted(set(params) - set(defaults))
+    removed = [name for name in unknown if name in REMOVED_PARAMETERS]
+    if removed:
+        raise ParameterError(f"{removed[0]}: no longer a parameter: {REMOVED_PARAMETERS[removed[0]]}")
     if unknown:
         raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
     values = {

@@ -69,6 +69,7 @@ from rmuscle_ros.node.bags import (
 )
 from rmuscle_ros.node.params import (
     MAX_SECONDS,
+    REMOVED_PARAMETERS,
     ParameterError,
     check_type,
     load_params_file,
@@ -177,7 +178,7 @@ def run(
     if not sim:  # under the demo's own overrides: a user's value still wins
         params["sensor_startup_timeout_s"] = max(params["sensor_startup_timeout_s"], REPLAY_STARTUP_S)
     params |= dict(overrides or {}) | {"use_sim_time": True}
-    unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"}
+    unknown = set(params) - set(parameter_defaults()) - {"use_sim_time"} - set(REMOVED_PARAMETERS)
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
     try:  # the values as configure checks them: refused before the streamer's process starts (3 s sooner)

@@ -45,6 +45,7 @@ from rmuscle_ros.cache.runtime import MODES, REBUILD_TRIES
 from rmuscle_ros.node.job_times import ClockRate, JobTimes, clock_jumped
 from rmuscle_ros.node.observation import DropReason, Limits, ObservationBuffer, ObservationUnavailable
 from rmuscle_ros.node.params import (
+    REMOVED_PARAMETERS,
     CombinationError,
     NodeConfig,
     ParameterError,
@@ -365,7 +366,9 @@ class RMuscleNode(LifecycleNode):
     def _configure(self) -> TransitionCallbackReturn:
         # A name the params file or -p gives that the node does not declare (a misspelt key) is otherwise
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
-        unknown, others = undeclared_overrides(self, parameter_defaults(), prefixes=("model.", "cache."))
+        unknown, others = undeclared_overrides(
+            self, [*parameter_defaults(), *REMOVED_PARAMETERS], prefixes=("model.", "cache.")
+        )
         if others:
             self.get_logger().info(f"configure: parameters given that are not this node's, ignored: {others}")
         try:
@@ -874,7 +877,7 @@ class RMuscleNode(LifecycleNode):
         if failed:
             note = f"recording episode {episode - 1} failed: {failed}"
             if status is not None and status["episode_unsaved"] == episode - 1:
-                note += "; it is kept in memory and written at the next reset"
+                note += "; it is kept in memory and tried again at the next reset"
             self._error("cache_reset", note)
         elif recorded is not None:
             note = f"episode {episode - 1} recorded as library episode {recorded}"
@@ -1634,8 +1637,8 @@ class RMuscleNode(LifecycleNode):
             values["cache.episode_unsaved"] = cache["episode_unsaved"]
             if cache["episode_unsaved"] >= 0:
                 status.message += (
-                    f", episode {cache['episode_unsaved']} not recorded yet: its library write failed "
-                    "(errors.cache_reset; the log says why), tried again at the next reset"
+                    f", episode {cache['episode_unsaved']} not recorded yet: its library write failed or was "
+                    "interrupted (the log says why), tried again at the next reset"
                 )
             if cache["entries_set_aside"]:
                 status.message += (
