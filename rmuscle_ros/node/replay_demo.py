@@ -182,7 +182,7 @@ def run(
     if unknown:
         raise ValueError(f"not parameters of rmuscle_node: {sorted(unknown)}")
     try:  # the values as configure checks them: refused before the streamer's process starts (3 s sooner)
-        node_config({k: v for k, v in params.items() if k != "use_sim_time"})
+        cfg = node_config({k: v for k, v in params.items() if k != "use_sim_time"})
     except ParameterError as e:
         raise ValueError(f"invalid parameter {e}") from None
     topics = parameter_defaults() | params
@@ -225,9 +225,8 @@ def run(
         # against the profile's three ran with no chunk and, in a short episode, no drop to say why)
         from rmuscle_ros.node.aloha_sim import sim_node_config
 
-        cameras, given = sim_node_config(sim_settings).cameras, topics["camera_topics"]
-        wanted = [t for t in given if t]
-        if list(given[: len(wanted)]) != wanted:  # a topic after an empty entry: not the first slots
+        cameras, given, wanted = sim_node_config(sim_settings).cameras, cfg.camera_topics, cfg.camera_inputs
+        if given[: len(wanted)] != wanted:  # a topic after an empty entry: not the first slots
             raise ValueError(
                 f"--sim: the simulated cell fills the node's first camera slots in order; camera_topics "
                 f"{list(given)} leaves one empty before another (replay a bag for that, or name a topic "
