@@ -128,7 +128,7 @@ def test_a_library_keyed_by_an_earlier_builds_sampled_fingerprint_says_so(
     from rmuscle_ros.cache.library import main
 
     for command in ("list", "verify"):  # an operator's check after an upgrade says so too
-        assert main([command, str(tmp_path)]) == 0
+        assert main([command, str(tmp_path)]) == (1 if command == "verify" else 0)
         assert "an earlier build's fingerprint" in capsys.readouterr().out
     with pytest.raises(LibraryMismatch) as e:
         ReferenceLibrary.open(tmp_path / "other", KEY).add(episode())
@@ -354,6 +354,11 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     with pytest.raises(RecordingFailed, match="No space left") as failed:
         lib.add(episode(seed=2), {"task": "t"})
     message = str(failed.value)  # names the library, and what makes room
+    empty = ReferenceLibrary.open(tmp_path.with_name(f"{tmp_path.name}_empty"), KEY)
+    with pytest.raises(RecordingFailed) as nothing_held:  # no bound to lower: the library holds nothing
+        empty.add(episode(seed=2), {"task": "t"})
+    assert "free space on that disk" in str(nothing_held.value)
+    assert "max_library_mb" not in str(nothing_held.value)
     assert (
         message.startswith(f"reference library {tmp_path}:")
         and "free space on that disk" in message
@@ -424,6 +429,50 @@ def test_an_index_write_that_fails_undoes_the_recording_and_its_evictions(
     monkeypatch.undo()
     lib.close()
     assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [kept]
+
+
+def test_an_interrupt_during_the_eviction_leaves_the_library_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C after the new episode's file is placed, while eviction picks what goes, before the index is
+    written: the index on disk is the previous one, so the library in memory must be too (found in
+    review: the new episode stayed in memory, unindexed on disk, and the runtime took it as recorded)."""
+    lib = ReferenceLibrary.open(tmp_path, KEY, max_episodes=1)
+    kept = lib.add(episode(seed=1), {"task": "t"})
+    real = ReferenceLibrary._evict
+
+    def interrupted(self, keep):
+        real(self, keep)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ReferenceLibrary, "_evict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lib.add(episode(seed=2), {"task": "t"})
+    monkeypatch.undo()
+    assert sorted(lib.entries) == [kept]
+    assert sorted(p.name for p in tmp_path.glob("episode_*")) == ["episode_000000.safetensors"]
+    lib.close()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [kept]
+
+
+def test_a_failure_after_the_index_is_renamed_is_a_recording(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A step after the new index took its place fails (the folder's sync): the episode is in the index on
+    disk, so add returns its id, with a warning, rather than RecordingFailed (whose caller would write
+    it again)."""
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    real_replace = library_module._replace_durably
+
+    def sync_fails(tmp: Path, path: Path) -> None:
+        real_replace(tmp, path)
+        if path.name == "index.json":
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(library_module, "_replace_durably", sync_fails)
+    added = lib.add(episode(seed=1), {"task": "t"})
+    monkeypatch.undo()
+    assert "a step after its index was written failed" in caplog.text
+    lib.close()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [added]
 
 
 def test_an_interrupt_after_the_index_is_renamed_keeps_the_recording(tmp_path: Path, monkeypatch) -> None:

@@ -235,7 +235,9 @@ def test_a_kept_episode_stays_kept_when_a_later_one_is_written(tmp_path, monkeyp
     assert sorted(e["meta"]["session_episode"] for e in index["episodes"]) == ["0", "1"]
 
 
-def test_an_interrupt_while_a_kept_episode_is_retried_keeps_the_finished_one(tmp_path, monkeypatch) -> None:
+def test_an_interrupt_while_a_kept_episode_is_retried_keeps_the_finished_one(
+    tmp_path, monkeypatch, caplog
+) -> None:
     """Ctrl-C while the reset writes the episode kept from a failed write: the episode that just ended,
     not yet tried, is kept in its place (found in review: it was lost without a word)."""
     from rmuscle_ros.cache import library as library_module
@@ -259,10 +261,40 @@ def test_an_interrupt_while_a_kept_episode_is_retried_keeps_the_finished_one(tmp
     with pytest.raises(KeyboardInterrupt):
         policy.reset_episode()
     assert policy.cache_status()["episode_unsaved"] == 1
+    assert "episode 0, not yet written to the library, is dropped: episode 1 is not written" in caplog.text
     monkeypatch.setattr(library_module, "save_file", real)
     assert policy.close() is None
     index = json.loads((tmp_path / "lib" / "index.json").read_text())
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(5, "1")]
+
+
+def test_close_says_a_kept_episode_is_lost_even_when_the_one_in_progress_is_written(
+    tmp_path, monkeypatch
+) -> None:
+    """The last chance for a kept episode is the close: one that still cannot be written raises, naming it
+    and the episode in progress that was written (the node counts errors.cache_close; found in review: a
+    loss that only the log said)."""
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import RecordingFailed
+
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    real = library_module.save_file
+
+    def room_for_short_ones(tensors, filename, metadata=None):
+        if tensors["descriptors"].shape[0] >= 4:
+            raise OSError(28, "No space left on device")
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(library_module, "save_file", room_for_short_ones)
+    run(policy, episode(4))
+    with pytest.raises(RecordingFailed):
+        policy.reset_episode()
+    run(policy, episode(2, offset=0.5))
+    with pytest.raises(RecordingFailed, match=r"episode 0, kept since .* is not recorded") as e:
+        policy.close()
+    assert "the episode in progress was recorded as library episode" in str(e.value)
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [e["meta"]["session_episode"] for e in index["episodes"]] == ["1"]
 
 
 def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twice(
@@ -287,7 +319,7 @@ def test_an_interrupt_after_the_index_was_written_does_not_write_the_episode_twi
 
 
 def test_a_second_interrupt_during_a_reset_does_not_merge_the_next_episode_into_this_one(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ) -> None:
     """Ctrl-C twice: the first interrupts episode 0's write, the second the retry of it at the next reset.
     Episode 1, which ended there, is kept in episode 0's place (one kept at most, the latest; episode 0
@@ -312,6 +344,7 @@ def test_a_second_interrupt_during_a_reset_does_not_merge_the_next_episode_into_
     policy.reset_episode()
     index = json.loads((tmp_path / "lib" / "index.json").read_text())
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "1"), (2, "2")]
+    assert "episode 0, not yet written to the library, is dropped: episode 1 is not written" in caplog.text
 
 
 def test_an_interrupt_after_the_index_was_written_leaves_retrieval_on_the_library_as_it_is(

@@ -1015,16 +1015,21 @@ class ReferenceLibrary:
             if ours is not None and _identity(path) == ours:  # placed, then interrupted (the folder's sync)
                 path.unlink(missing_ok=True)
             raise
-        self.entries[episode_id] = EpisodeEntry(
-            episode_id, name, digest, episode.calls, size, now, now, dict(meta or {})
-        )
-        evicted = self._evict(keep=episode_id)
+        entries = dict(self.entries)  # as the index on disk names them
 
         def undo() -> None:  # the index on disk is the previous one: so is the library, here too
-            self.entries.pop(episode_id)
-            self.entries.update((entry.id, entry) for entry in evicted)
+            self.entries.clear()
+            self.entries.update(entries)
             path.unlink(missing_ok=True)
 
+        try:  # interrupted before the index's write (in the eviction): undone too (found in review)
+            self.entries[episode_id] = EpisodeEntry(
+                episode_id, name, digest, episode.calls, size, now, now, dict(meta or {})
+            )
+            evicted = self._evict(keep=episode_id)
+        except BaseException:
+            undo()
+            raise
         self._commit_index(undo)
         self._delete_files(evicted)  # only once the index no longer names them
         return episode_id
@@ -1415,13 +1420,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"indexed episode(s) {indexed}" if indexed else "no episode file indexed")
             return 0 if ok else 1
         key, episodes = _stored(args.root)
-        if args.command in ("list", "verify") and is_sampled_fingerprint(key.weights):  # found in review
-            print(f"  weights {key.weights}: an earlier build's fingerprint, which no model loaded by this build "
-                  "matches: a node refuses this library; record it again")  # fmt: skip
+        # found in review: an operator's check after an upgrade looked healthy
+        earlier_build = is_sampled_fingerprint(key.weights)
+        stale = (
+            f"  weights {key.weights}: an earlier build's fingerprint, which no model loaded by this build "
+            "matches: a node refuses this library; record it again"
+        )
         if args.command == "list":
             total = sum(e["bytes"] for e in episodes) / 2**20
             print(f"library {args.root}: {len(episodes)} episode(s), {total:.1f} MiB, weights {key.weights}, "
                   f"shapes {dict(key.shapes)}")  # fmt: skip
+            if earlier_build:
+                print(stale)
             who = holder(args.root)
             print(f"open in process {who}" if who else "not open in any live process")
             by_task: dict[str | None, list[dict]] = {}
@@ -1458,8 +1468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {path.name}: a write that never finished (the next open deletes it)")
             for problem in problems:
                 print(f"  {problem}")
+            if earlier_build:
+                print(stale)
             print(f"{len(episodes) - len(problems)} of {len(episodes)} episode(s) intact")
-            return 1 if problems else 0
+            return 1 if problems or earlier_build else 0
         who = holder(args.root)
         if who is not None:
             raise LibraryBusy(

@@ -743,35 +743,38 @@ class RMuscle:
 
     def _keep_unsaved(self, episode: Episode, session_episode: int, task: str, why: str) -> None:
         """Keep an episode not yet written (`unsaved`) for the next try. One is kept, the latest: an earlier
-        one still held is dropped, with an error naming it."""
-        if self.unsaved is not None and self.unsaved[1] != session_episode:
+        one still held is dropped, with an error naming it (logged once this one is held: an interrupt in
+        the log call then loses the earlier, not this one; found in review)."""
+        earlier, self.unsaved = self.unsaved, (episode, session_episode, task)
+        self._say_dropped(earlier, session_episode, why)
+
+    @staticmethod
+    def _say_dropped(earlier: tuple[Episode, int, str] | None, session_episode: int, why: str) -> None:
+        if earlier is not None and earlier[1] != session_episode:
             log.error(
                 "rMuscle: episode %d, not yet written to the library, is dropped: episode %d is not written "
                 "either (%s), and only the latest such episode is kept",
-                self.unsaved[1],
+                earlier[1],
                 session_episode,
                 why,
             )
-        self.unsaved = (episode, session_episode, task)
 
     def _add(self, episode: Episode, session_episode: int, task: str) -> int:
         """Write a finished episode into the library. Until it is on disk the episode is kept as `unsaved`:
         a write that an interrupt (Ctrl-C) cut short, or that failed (a full disk: raised, and reported by
         the caller), is tried again before the next episode's (close() at the end of the node's life), so a
         disk that fills for a while loses no recording (found in review: a failed one was dropped). One
-        episode is kept, the latest whose write failed (`_keep_unsaved`); one kept earlier stays kept while
-        a later one is written."""
+        episode is kept, the latest whose write failed; one kept earlier stays kept while a later one is
+        written."""
         earlier = self.unsaved if self.unsaved is not None and self.unsaved[1] != session_episode else None
-        # Held as unsaved while it is written: an interrupt anywhere below, even in a handler, keeps it
+        # Held as unsaved while it is written, and after unless it is written or refused: an interrupt
+        # anywhere below, in a handler too, leaves it kept
         self.unsaved = (episode, session_episode, task)
         expected = self.library.next_id  # the id add gives it
         try:
             added = self.library.add(episode, meta={"session_episode": str(session_episode), "task": task})
         except RecordingFailed as e:  # the library is as it was: kept for the next try
-            self.unsaved = earlier
-            self._keep_unsaved(
-                episode, session_episode, task, f"its write failed: {type(e.__cause__).__name__}"
-            )
+            self._say_dropped(earlier, session_episode, f"its write failed: {type(e.__cause__).__name__}")
             raise
         except Exception:  # refused (too large, a read-only library, another writer): not tried again
             self.unsaved = earlier
@@ -784,8 +787,7 @@ class RMuscle:
                 self._descriptors[expected] = episode.descriptors
                 self._refresh_retriever()
             else:
-                self.unsaved = earlier
-                self._keep_unsaved(episode, session_episode, task, "its write was interrupted")
+                self._say_dropped(earlier, session_episode, "its write was interrupted")
             raise
         self.unsaved = earlier
         self._descriptors[added] = episode.descriptors
@@ -1320,8 +1322,13 @@ class RMuscle:
                 self._tmp.cleanup()
                 self._tmp = None
         if lost is not None:  # the caller counts it (the node's errors.cache_close) as any failed recording
+            written = (
+                ""
+                if recorded is None
+                else f" (the episode in progress was recorded as library episode {recorded})"
+            )
             raise RecordingFailed(
-                f"reference library {self.library.root}: episode {lost[1]} is not recorded: its write failed "
-                "or was interrupted, and the library is closed"
+                f"reference library {self.library.root}: episode {lost[1]}, kept since its write failed or was "
+                f"interrupted, is not recorded: the library is closed{written}"
             )
         return recorded

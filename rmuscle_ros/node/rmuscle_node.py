@@ -785,7 +785,7 @@ class RMuscleNode(LifecycleNode):
                 try:
                     recorded = self.policy.close()
                 except Exception as e:  # a full disk must not keep the model (and GPU memory) alive
-                    self._error("cache_close", f"recording the episode in progress failed: {e}")
+                    self._error("cache_close", f"{transition}: recording into the library failed: {e}")
                 else:
                     if recorded is not None:
                         self.get_logger().info(
