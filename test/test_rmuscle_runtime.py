@@ -268,6 +268,22 @@ def test_an_interrupt_while_a_kept_episode_is_retried_keeps_the_finished_one(
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(5, "1")]
 
 
+def test_a_kept_episode_whose_write_landed_is_not_written_again(tmp_path) -> None:
+    """An interrupt right after the write returned, before the episode left `unsaved`: the library holds
+    it already, so the next try does not write it a second time (found in review)."""
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(3))
+    written = policy.reset_episode()
+    policy.rmuscle.unsaved = (
+        policy.rmuscle.library.load(written),
+        0,
+        "stack the cups",
+    )  # as the interrupt left it
+    assert policy.close() is None
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [e["meta"]["session_episode"] for e in index["episodes"]] == ["0"]
+
+
 def test_close_says_a_kept_episode_is_lost_even_when_the_one_in_progress_is_written(
     tmp_path, monkeypatch
 ) -> None:

@@ -940,7 +940,8 @@ class ReferenceLibrary:
         episode larger than `max_bytes` on its own is refused (EpisodeTooLarge) before anything is evicted
         or renamed into place; an episode file of its id written meanwhile by another is never overwritten
         (LibraryError); a write that fails (a full disk, an I/O error) raises RecordingFailed. Each way the
-        library is left as it was."""
+        library is left as it was. One that fails after the new index took its place (the folder's sync)
+        is recorded: its id is returned, with a warning (the files it evicted go at the next open)."""
         self._writable("record an episode")
         expected = self._next_id
         try:
@@ -986,6 +987,16 @@ class ReferenceLibrary:
         path = self.root / name
         tmp = _temporary(path)
         ours = None  # the written file's identity, once known
+        entries = dict(self.entries)  # as the index on disk names them
+
+        def restore() -> None:
+            self.entries.clear()
+            self.entries.update(entries)
+
+        def undo() -> None:  # the index on disk is the previous one: so is the library, here too
+            restore()
+            path.unlink(missing_ok=True)
+
         try:
             now = time.time()
             save_file(tensors, str(tmp), metadata=self._file_metadata(episode_id, meta, now))
@@ -1004,6 +1015,12 @@ class ReferenceLibrary:
             digest = _sha256(tmp)
             ours = _identity(tmp)
             _place_new(tmp, path)  # on disk before the index that names it
+            # Interrupted from here to the index's write (in the eviction), the handler below undoes it all
+            # (found in review: the new entry stayed in memory, unindexed on disk)
+            self.entries[episode_id] = EpisodeEntry(
+                episode_id, name, digest, episode.calls, size, now, now, dict(meta or {})
+            )
+            evicted = self._evict(keep=episode_id)
         except FileExistsError:
             tmp.unlink(missing_ok=True)
             raise LibraryError(
@@ -1012,23 +1029,9 @@ class ReferenceLibrary:
             ) from None
         except BaseException:  # a full disk: the partial file must not keep holding the space
             tmp.unlink(missing_ok=True)
-            if ours is not None and _identity(path) == ours:  # placed, then interrupted (the folder's sync)
+            if ours is not None and _identity(path) == ours:  # placed, then interrupted
                 path.unlink(missing_ok=True)
-            raise
-        entries = dict(self.entries)  # as the index on disk names them
-
-        def undo() -> None:  # the index on disk is the previous one: so is the library, here too
-            self.entries.clear()
-            self.entries.update(entries)
-            path.unlink(missing_ok=True)
-
-        try:  # interrupted before the index's write (in the eviction): undone too (found in review)
-            self.entries[episode_id] = EpisodeEntry(
-                episode_id, name, digest, episode.calls, size, now, now, dict(meta or {})
-            )
-            evicted = self._evict(keep=episode_id)
-        except BaseException:
-            undo()
+            restore()
             raise
         self._commit_index(undo)
         self._delete_files(evicted)  # only once the index no longer names them

@@ -500,6 +500,7 @@ class RMuscle:
         assert window is not None  # the engine's cache shapes equal cfg.shapes(), checked above
         self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
         self.episode_id = 0
+        self._first_id = self.library.next_id  # library ids from here on are this runtime's recordings
         self._recording = _Recording()
         # A finished episode whose library write was interrupted (Ctrl-C) or failed (a full disk): (episode,
         # its id here, its task), written before the next one (`_add`)
@@ -704,10 +705,10 @@ class RMuscle:
         every call dense (an episode served from the cache is not a reference), and not excluded. An earlier
         episode whose write was interrupted or failed is written first.
 
-        This episode's recording and flags are taken over first: a second interrupt during the write
-        (Ctrl-C twice) then loses this episode's recording, where it merged the next episode's calls into
-        it (found in review). One interrupt during the earlier episode's write keeps this one (`unsaved`,
-        in its place; found in review: it was lost without a word)."""
+        This episode's recording and flags are taken over first, so that an interrupt during the write never
+        merges the next episode's calls into it (found in review); the episode is kept (`unsaved`) until it
+        is on disk, also when the interrupt comes during the earlier episode's write (found in review: it
+        was lost without a word)."""
         rec, self._recording = self._recording, _Recording()
         cached, self._episode_cached = self._episode_cached, False
         excluded, self._episode_excluded = self._episode_excluded, ""
@@ -806,6 +807,12 @@ class RMuscle:
         if self.unsaved is None:
             return
         episode, session_episode, task = self.unsaved
+        if any(  # its write landed after all (an interrupt right after it): not written twice (review)
+            entry.id >= self._first_id and entry.meta.get("session_episode") == str(session_episode)
+            for entry in self.library.entries.values()
+        ):
+            self.unsaved = None
+            return
         try:
             added = self._add(episode, session_episode, task)
         except Exception as e:
@@ -1285,7 +1292,8 @@ class RMuscle:
             "library_episodes": len(self.library.entries),
             "task": self.task,
             "last_episode_excluded": self.last_excluded,
-            # a finished episode whose write failed (a full disk), kept to be written at the next reset; -1: none
+            # a finished episode whose write failed (a full disk) or was interrupted, kept to be tried again at
+            # the next reset; -1: none
             "episode_unsaved": self.unsaved[1] if self.unsaved is not None else -1,
             "task_episodes": self.retriever.episodes,
             "window_entries": sum(1 for s in self.window if s.key is not None),
