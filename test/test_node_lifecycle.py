@@ -1315,8 +1315,12 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     """A tick whose observation is refused for its messages' timing (here skew: one camera's frame 200 ms
     newer than the others') waits for a later message for half the period before it counts as a drop:
     one late or dropped camera frame no longer costs the whole period's chunk (found in review). Served,
-    it is a chunk and `late_served`; not served in time, the drop it would have been."""
-    h = harness(actions_per_inference=50, max_skew_s=0.05, max_image_age_s=5.0, max_joint_age_s=5.0)
+    it is a chunk and `late_served`; not served in time, the drop it would have been. A tick every 2 s
+    (a 1 s window): with 1 s (0.5 s) the served case failed twice in fresh-clone runs while other work ran
+    on the machine, a chunk coming with no late_served (2026-12-04; not reproduced alone, beside two CPU
+    burners or beside another DDS test file)."""
+    h = harness(actions_per_inference=50, control_period_s=0.04, max_skew_s=0.05, max_image_age_s=5.0,
+                max_joint_age_s=5.0)  # fmt: skip
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) > 0), f"drops {h.drops()}"
 
@@ -1325,7 +1329,7 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
     waited_since = time.monotonic()
     assert h.wait_for(lambda: h.drops().get("skew", 0) == 1, timeout=5.0), h.node.stats()
-    assert time.monotonic() - waited_since > 0.2, "dropped before the window (0.5 s) had passed"
+    assert time.monotonic() - waited_since > 0.5, "dropped before the window (1 s) had passed"
     assert h.node.stats()["late_served"] == {}
     # Served: a whole new set of messages while the tick waits is its chunk.
     _publish_skewed(h)
