@@ -207,10 +207,9 @@ def test_an_episode_whose_write_failed_is_kept_and_written_at_the_next_reset(
     )
 
 
-def test_a_kept_episode_stays_kept_when_a_later_one_is_written(tmp_path, monkeypatch, caplog) -> None:
-    """The disk has room for a short episode, not for the long one kept from before: the short one is
-    written and the long one stays kept, with no word of it being dropped (found in review: it was
-    dropped, and the log said the later write had failed)."""
+def _a_long_episode_kept_a_short_one_running(tmp_path, monkeypatch) -> Policy:
+    """A disk with room for short episodes only: episode 0 (4 calls) failed and is kept, episode 1 (2 calls)
+    has run and is not yet reset."""
     from rmuscle_ros.cache import library as library_module
     from rmuscle_ros.cache.library import RecordingFailed
 
@@ -227,6 +226,17 @@ def test_a_kept_episode_stays_kept_when_a_later_one_is_written(tmp_path, monkeyp
     with pytest.raises(RecordingFailed):
         policy.reset_episode()
     run(policy, episode(2, offset=0.5))
+    return policy
+
+
+def test_a_kept_episode_stays_kept_when_a_later_one_is_written(tmp_path, monkeypatch, caplog) -> None:
+    """The disk has room for a short episode, not for the long one kept from before: the short one is
+    written and the long one stays kept, with no word of it being dropped (found in review: it was
+    dropped, and the log said the later write had failed)."""
+    from rmuscle_ros.cache import library as library_module
+
+    real = library_module.save_file
+    policy = _a_long_episode_kept_a_short_one_running(tmp_path, monkeypatch)
     assert policy.reset_episode() is not None and policy.cache_status()["episode_unsaved"] == 0
     assert "dropped" not in caplog.text
     monkeypatch.setattr(library_module, "save_file", real)
@@ -290,22 +300,9 @@ def test_close_says_a_kept_episode_is_lost_even_when_the_one_in_progress_is_writ
     """The last chance for a kept episode is the close: one that still cannot be written raises, naming it
     and the episode in progress that was written (the node counts errors.cache_close; found in review: a
     loss that only the log said)."""
-    from rmuscle_ros.cache import library as library_module
     from rmuscle_ros.cache.library import RecordingFailed
 
-    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
-    real = library_module.save_file
-
-    def room_for_short_ones(tensors, filename, metadata=None):
-        if tensors["descriptors"].shape[0] >= 4:
-            raise OSError(28, "No space left on device")
-        real(tensors, filename, metadata=metadata)
-
-    monkeypatch.setattr(library_module, "save_file", room_for_short_ones)
-    run(policy, episode(4))
-    with pytest.raises(RecordingFailed):
-        policy.reset_episode()
-    run(policy, episode(2, offset=0.5))
+    policy = _a_long_episode_kept_a_short_one_running(tmp_path, monkeypatch)
     with pytest.raises(RecordingFailed, match=r"episode 0, kept since .* is not recorded") as e:
         policy.close()
     assert "the episode in progress was recorded as library episode" in str(e.value)
