@@ -709,6 +709,10 @@ def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harne
         assert f"episode {episode} not recorded yet" in status.message, status.message
     assert h.feed_until(lambda: len(_episode(h, 2)) >= 2), "the node stopped publishing"
     assert {c.cache_mode for c in _episode(h, 2)} == {ActionChunk.CACHE_DENSE}, "nothing was recorded"
+    # The runtime's own word that episode 0 was dropped (Python logging) reaches /rosout, where an operator
+    # reads the node (found in a soak: it went to stderr alone)
+    dropped = "episode 0, not yet written to the library, is dropped: episode 1 is not written"
+    assert h.wait_for(lambda: any(dropped in log.msg and log.name == h.node.get_name() for log in h.logs))
 
     library.unlink()
     away.rename(library)  # the drive is back: episode 1, kept, is written before episode 2
@@ -725,6 +729,8 @@ def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harne
     assert h.transition(Transition.TRANSITION_DEACTIVATE)
     assert h.transition(Transition.TRANSITION_CLEANUP), "cleanup releases the model even if recording fails"
     assert h.node.policy is None
+    closed = "cleanup: recording into the library failed: episode 3, in progress: reference library"
+    assert h.wait_for(lambda: any(closed in log.msg for log in h.logs)), [log.msg for log in h.logs][-5:]
 
 
 def test_parameters_set_at_run_time_apply_live_or_are_refused_saying_why(harness) -> None:

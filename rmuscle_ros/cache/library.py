@@ -1031,7 +1031,7 @@ class ReferenceLibrary:
             tmp.unlink(missing_ok=True)
             if ours is not None and _identity(path) == ours:  # placed, then interrupted
                 path.unlink(missing_ok=True)
-            restore()
+            restore()  # (its id stays taken: ids only go up, as `list` shows; a failed write skips one)
             raise
         self._commit_index(undo)
         self._delete_files(evicted)  # only once the index no longer names them

@@ -501,6 +501,7 @@ class RMuscle:
         self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
         self.episode_id = 0
         self._first_id = self.library.next_id  # library ids from here on are this runtime's recordings
+        self._closing = False  # in close(): no next try for an episode kept since its write failed
         self._recording = _Recording()
         # A finished episode whose library write was interrupted (Ctrl-C) or failed (a full disk): (episode,
         # its id here, its task), written before the next one (`_add`)
@@ -820,9 +821,11 @@ class RMuscle:
                 "rMuscle: episode %d, whose write was interrupted or failed, could not be written again (%s): "
                 "%s: %s",
                 session_episode,
-                "kept for the next try"
-                if self.unsaved is not None
-                else "dropped: it was refused, not tried again",
+                "dropped: it was refused, not tried again"
+                if self.unsaved is None
+                else "the library closes now"
+                if self._closing
+                else "kept for the next try",
                 type(e).__name__,
                 e,
             )
@@ -1315,8 +1318,12 @@ class RMuscle:
 
     def close(self) -> int | None:
         """Record the current episode if it qualifies (the library is already on disk otherwise)."""
+        self._closing, episode = True, self.episode_id
         try:
-            recorded = self.finish_episode()
+            try:
+                recorded = self.finish_episode()
+            except RecordingFailed as e:  # the caller's message names the episode (found in a soak)
+                raise RecordingFailed(f"episode {episode}, in progress: {e}") from e.__cause__
         finally:  # a recording that fails (a full disk) still gives the library up
             lost, self.unsaved = self.unsaved, None
             if lost is not None:

@@ -55,6 +55,7 @@ from rmuscle_ros.node.params import (
 )
 from rmuscle_ros.node.spin import (
     clock_change_refused,
+    forward_package_logging,
     integers_taken_as_floats,
     node_full_name,
     parameter_values,
@@ -300,6 +301,8 @@ class RMuscleNode(LifecycleNode):
         self._default_cpu_threads: int | None = None  # PyTorch's own choice, before cpu_threads set it
         self._gc = GcPauses()  # since the latest activation; registered while active
         self._reset_stats()
+        # The library code's Python logging (the reference library, the runtime) on this node's ROS logger
+        self._stop_forwarding_logs = forward_package_logging(self)
 
     def _reset_stats(self) -> None:
         with self._stats_lock:
@@ -743,6 +746,7 @@ class RMuscleNode(LifecycleNode):
                 self.on_shutdown(None)
             except Exception as e:  # the node goes either way: say why its shutdown failed
                 self.get_logger().error(f"destroy_node: shutdown failed: {type(e).__name__}: {e}")
+        self._stop_forwarding_logs()
         super().destroy_node()
 
     def _stop_activity(self) -> None:
