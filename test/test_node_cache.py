@@ -719,6 +719,10 @@ def test_a_library_that_cannot_be_written_costs_the_recording_not_the_node(harne
     reply = h.call(h.reset, Trigger.Request())
     assert reply.success and "episode 2 recorded as library episode" in reply.message, reply.message
     assert [e["meta"]["session_episode"] for e in _index(library)["episodes"]] == ["1", "2"]
+    # the node says the recording itself; the runtime's own INFO line of it stays off /rosout (it was
+    # there twice, found in review)
+    assert h.wait_for(lambda: any("episode 2 recorded as library episode" in log.msg for log in h.logs))
+    assert not any(log.msg.startswith("rMuscle: recorded episode") for log in h.logs)
     status = h.node._diagnostics().status[0]
     assert {kv.key: kv.value for kv in status.values}["cache.episode_unsaved"] == "-1"
 

@@ -420,8 +420,7 @@ class RMuscleNode(LifecycleNode):
             self.get_logger().info(
                 f"configure: rMuscle cache on, library {where} with {status['library_episodes']} episode(s)"
             )
-            for problem in status["library_problems"]:
-                self.get_logger().warning(f"rMuscle library: {problem}")
+            # each of status["library_problems"] is on the log already, from the library's open
 
         self.cfg, self.policy, self._modes = cfg, policy, modes
         with self._stats_lock:
@@ -920,9 +919,8 @@ class RMuscleNode(LifecycleNode):
                 self._discarded = episode
         finally:
             self._policy_lock.release()
-        note = f"episode {episode} will not be recorded into the library"
-        self.get_logger().info(note)
-        return True, note
+        # the log has it from the runtime, with the reason (the reply is the caller's word)
+        return True, f"episode {episode} will not be recorded into the library"
 
     def _on_discard_service(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         response.success, response.message = self.discard_episode()

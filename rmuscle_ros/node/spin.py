@@ -168,13 +168,14 @@ def undeclared_overrides(
 
 
 class RosLogHandler(logging.Handler):
-    """Python logging records on a node's ROS logger: to /rosout, rqt_console and ~/.ros/log, where a
-    cell's operator reads the node. The package's library code (the reference library, the rMuscle
-    runtime, the engine caches) logs with Python's logging; without this its lines went to stderr alone,
-    and its INFO lines nowhere (found in a soak: a dropped episode's error was never on /rosout)."""
+    """Python logging records (WARNING and above) on a node's ROS logger: to /rosout, rqt_console and
+    ~/.ros/log, where a cell's operator reads the node. The package's library code (the reference library,
+    the rMuscle runtime, the engine caches) logs with Python's logging; without this its warnings and
+    errors went to stderr alone (found in a soak: a dropped episode's error was never on /rosout). Its
+    INFO lines stay out: the node says those events itself (each was on /rosout twice, found in review)."""
 
     def __init__(self, node: Node) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.WARNING)
         self._logger = node.get_logger()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -184,23 +185,19 @@ class RosLogHandler(logging.Handler):
                 self._logger.fatal(message)
             elif record.levelno >= logging.ERROR:
                 self._logger.error(message)
-            elif record.levelno >= logging.WARNING:
-                self._logger.warning(message)
             else:
-                self._logger.info(message)
+                self._logger.warning(message)
         except Exception:  # a logging call must never raise into the code that logs
             self.handleError(record)
 
 
 def forward_package_logging(node: Node, package: str = "rmuscle_ros") -> Callable[[], None]:
-    """Send `package`'s Python logging (INFO and above) to `node`'s ROS logger; returns what stops it (at
-    destroy_node). One node a process is the deployed case; a process with several sends each line to
-    each of them."""
+    """Send `package`'s Python logging (WARNING and above) to `node`'s ROS logger; returns what stops it
+    (at destroy_node). One node a process is the deployed case; a process with several sends each line to
+    each of them. The logger's level is left as it is."""
     logger = logging.getLogger(package)
     handler = RosLogHandler(node)
     logger.addHandler(handler)
-    if logger.level == logging.NOTSET or logger.level > logging.INFO:
-        logger.setLevel(logging.INFO)
     return lambda: logger.removeHandler(handler)
 
 
