@@ -501,7 +501,6 @@ class RMuscle:
         self.window = [_Slot(i, window.ref(i), window.neurons[i]) for i in range(len(window))]
         self.episode_id = 0
         self._first_id = self.library.next_id  # library ids from here on are this runtime's recordings
-        self._closing = False  # in close(): no next try for an episode kept since its write failed
         self._recording = _Recording()
         # A finished episode whose library write was interrupted (Ctrl-C) or failed (a full disk): (episode,
         # its id here, its task), written before the next one (`_add`)
@@ -821,11 +820,7 @@ class RMuscle:
                 "rMuscle: episode %d, whose write was interrupted or failed, could not be written again (%s): "
                 "%s: %s",
                 session_episode,
-                "dropped: it was refused, not tried again"
-                if self.unsaved is None
-                else "the library closes now"
-                if self._closing
-                else "kept for the next try",
+                "kept in memory" if self.unsaved is not None else "dropped: it was refused, not tried again",
                 type(e).__name__,
                 e,
             )
@@ -1318,7 +1313,7 @@ class RMuscle:
 
     def close(self) -> int | None:
         """Record the current episode if it qualifies (the library is already on disk otherwise)."""
-        self._closing, episode = True, self.episode_id
+        episode = self.episode_id
         try:
             try:
                 recorded = self.finish_episode()

@@ -1068,10 +1068,10 @@ class RMuscleNode(LifecycleNode):
             tick_at, oldest = self._tick_at, self._tick_taken_since
             if kind == "tick":
                 self._read_clock_rate()
-                if oldest is not None:  # what held the call back: motion-window work, a reset
-                    with (
-                        self._stats_lock
-                    ):  # from the oldest tick it serves (found in review: from the latest)
+                # What held the call back (motion-window work, a reset), from the oldest tick it serves
+                # (found in review: from the latest)
+                if oldest is not None:
+                    with self._stats_lock:
                         self._tick_waits_ms.append((time.monotonic() - oldest) * 1e3)
             starting = time.monotonic() - self._activated_at < cfg.sensor_startup_timeout_s
             if starting:  # set before the buffer is read: a first message from then on wakes a retry
