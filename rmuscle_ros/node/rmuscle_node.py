@@ -1150,6 +1150,12 @@ class RMuscleNode(LifecycleNode):
                 if len(self._slowest) < SLOWEST_KEPT or latency_ms > self._slowest[-1]["ms"]:
                     self._slowest = sorted([*self._slowest, call], key=lambda c: -c["ms"])[:SLOWEST_KEPT]
                 recent = list(self.latencies_ms)
+                # counted with its chunk, before it is out (found in CI: a reader of the stats that had the
+                # chunk could find the tick not yet counted as served)
+                late_count = 0
+                if late is not None:
+                    self.late_served[late.first.reason.value] += 1
+                    late_count = self.late_served[late.first.reason.value]
         # The tick has its chunk (counted above): an error from here on is not that tick's drop (TICK_JOBS).
         self._doing = "publishing a chunk"
         if self._stop.is_set():
@@ -1160,7 +1166,7 @@ class RMuscleNode(LifecycleNode):
                 f"chunks again after {outage[0]} tick(s) without one (the last: {outage[1]})"
             )
         if late is not None:
-            self._served_late(late)
+            self._log_served_late(late, late_count)
         self._log_if_slow(call, recent)
         if cfg.cache.enabled:
             self._doing = "an audit"
@@ -1319,14 +1325,10 @@ class RMuscleNode(LifecycleNode):
             else:
                 self.get_logger().warning(f"camera {slot}: frames changed from {held} to {size}")
 
-    def _served_late(self, late: _LateTick) -> None:
-        """A tick refused for its messages' timing that a later message served: counted (stats
-        `late_served`, /diagnostics) and logged, throttled like the drops."""
+    def _log_served_late(self, late: _LateTick, count: int) -> None:
+        """A tick refused for its messages' timing that a later message served (counted with its chunk in
+        stats `late_served`, /diagnostics): logged, throttled like the drops."""
         waited_ms = (time.monotonic() - late.tick_at) * 1e3
-        reason = late.first.reason.value
-        with self._stats_lock:
-            self.late_served[reason] += 1
-            count = self.late_served[reason]
         if count == 1 or count % 50 == 0:
             self.get_logger().info(
                 f"a tick's observation was refused ({late.first}); a message {waited_ms:.0f} ms after the tick "
