@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -76,6 +77,17 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine, monke
     h = harness(**engine)
     statuses = _statuses(h)
     _start(h)
+    # The cache's status goes with each chunk: as the chunk is published, the stats (/diagnostics,
+    # ~/cache_status) give its mode and count it in the hit rate (found in review: only at the end of
+    # the motion window after it)
+    publish, at_publish = h.node._publish_chunk, []
+
+    def published(cfg: Any, chunk: Any, *args: Any) -> None:
+        status = h.node.stats()["cache"]
+        at_publish.append((chunk.cache_mode, status["mode"], status["hit_rate"], status["episode_id"]))
+        publish(cfg, chunk, *args)
+
+    h.node._publish_chunk = published
     assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
     warmup = _episode(h, 0)
     assert {c.cache_mode for c in warmup} == {ActionChunk.CACHE_DENSE}, "an empty library serves nothing"
@@ -94,6 +106,9 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine, monke
     assert all(0.8 < c.cache_similarity <= 1.0 + 1e-6 for c in repeat), [c.cache_similarity for c in repeat]
     assert all(np.isfinite(np.asarray(c.actions)).all() and len(c.actions) == 700 for c in repeat)
     assert [c.chunk_id for c in repeat] == list(range(len(repeat)))
+    assert all(mode == status_mode for mode, status_mode, _, _ in at_publish), at_publish
+    cached = [hit_rate for mode, _, hit_rate, episode in at_publish if episode == 1 and mode == "cached"]
+    assert cached and cached[0] > 0.0, at_publish  # episode 0 was all dense: the first hit counted at once
 
     # ~/cache_status: one right at the reset (the library grew), then one per cache.status_period_s.
     def reported() -> bool:
@@ -400,6 +415,51 @@ def test_an_audit_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
     assert policy.infer(obs).cache_mode == "cached" and policy.cache_status()["audits_missed"] == 1
     node._audit_cache(node.cfg, policy, node.episode_id)
     assert policy.cache_status()["audits"] == 1 and node.stats()["errors"] == {}
+
+
+def test_a_motion_window_s_cache_status_never_replaces_a_reset_s(harness) -> None:
+    """A motion window stores the cache's status under the policy lock. Stored after releasing it, a reset
+    that took the lock in between stored the next episode's status first, and the window's, of the episode
+    before, replaced it (found in review: ~/cache_status then paired the new episode with the old library
+    until the next window). Driven directly on a configured node: the window's store is held until the
+    reset is done, for at most 0.5 s (stall_after_s, the reset's wait for the lock, is 2 s)."""
+    h = harness(**CACHE)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node, policy = h.node, h.node.policy
+    for _ in range(3):
+        policy.infer(synthetic_observation(policy.cfg, "pick"))
+    stats_lock, status_of = node._stats_lock, policy.cache_status
+    armed, reset_done = threading.Event(), threading.Event()
+
+    def reset() -> None:
+        node.reset_episode()
+        reset_done.set()
+
+    def cache_status() -> Any:  # the window has its status: a reset asks for the policy now
+        if threading.current_thread() is window:
+            armed.set()
+            threading.Thread(target=reset).start()
+            assert node._lock_wanted.wait(timeout=30)  # the reset waits for the lock
+        return status_of()
+
+    class Lock:  # the node's stats lock, holding the window's store (once it has its status) for the reset
+        def __enter__(self) -> None:
+            if threading.current_thread() is window and armed.is_set():
+                reset_done.wait(timeout=0.5)
+            stats_lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            stats_lock.release()
+
+    policy.cache_status, node._stats_lock = cache_status, Lock()
+    window = threading.Thread(target=node._rebuild_cache, args=(policy,))
+    window.start()
+    window.join(timeout=30)
+    assert reset_done.wait(timeout=30) and not window.is_alive()
+    node._stats_lock, policy.cache_status = stats_lock, status_of
+    stored, now = node.stats()["cache"], policy.cache_status()
+    assert (stored["episode_id"], stored["library_episodes"]) == (now["episode_id"], 1), (stored, now)
+    assert node.episode_id == 1 and node.stats()["errors"] == {}
 
 
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:

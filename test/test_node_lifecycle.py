@@ -526,9 +526,15 @@ def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_dr
     assert status.level == status.ERROR and "since the episode reset" in status.message, status.message
 
     # (/rosout comes over DDS, after the stats; a healthy camera may be named first: its first frame
-    # since the reset may not have come yet)
+    # since the reset may not have come yet; this node's lines only: this test failed 2 in 17 runs in a
+    # reviewer's clone, where another run's node on the same domain may have said "since the activation")
     def waits() -> list[str]:
-        return [log.msg for log in h.logs[first:] if "waiting for the first messages" in log.msg]
+        name = h.node.get_name()
+        return [
+            log.msg
+            for log in h.logs[first:]
+            if log.name == name and "waiting for the first messages" in log.msg
+        ]
 
     assert h.wait_for(lambda: any("images/right_wrist" in m for m in waits()), timeout=5.0), waits()
     assert all("since the episode reset" in m for m in waits()), waits()

@@ -1127,7 +1127,12 @@ class RMuscleNode(LifecycleNode):
                     "the state was cut off",
                 )
                 return
+            # The cache's status goes with its chunk (found in review: refreshed only at the motion window's
+            # end, a chunk published cached sat beside a status saying dense, its hit rate not counting it)
+            status = policy.cache_status()
             with self._stats_lock:
+                if status is not None:
+                    self.cache_status = status
                 episode, chunk_id = self.episode_id, self.chunk_id
                 self.chunk_id += 1
                 outage = (self._failing_ticks, self._last_drop) if self._outage_logged else None
@@ -1262,10 +1267,12 @@ class RMuscleNode(LifecycleNode):
                 self.rebuilds += finished
             if entries >= cfg.cache.rebuilds_per_tick:
                 break
+        # stored under the policy lock: released first, a reset could store the next episode's status in
+        # between, and this one replaced it (found in review)
         with self._policy_lock:
             status = policy.cache_status()
-        with self._stats_lock:
-            self.cache_status = status
+            with self._stats_lock:
+                self.cache_status = status
 
     def _next_call_too_close(self, estimate: bool = True, durations: JobTimes | None = None) -> bool:
         """Whether the next observation is due (the inference timer has fired, or the node is stopping),
