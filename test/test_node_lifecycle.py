@@ -1762,6 +1762,32 @@ def test_replay_demo_stopped_by_sigterm_stops_the_processes_it_started(tmp_path)
                     os.kill(pid, signal.SIGKILL)
 
 
+def test_the_demo_reads_the_streamer_s_counts_from_a_diagnostics_published_after_its_last_chunk(
+    monkeypatch,
+) -> None:
+    """The streamer's and the sim's last counts come from the second /diagnostics after the demo's end:
+    the first may have been published before it (a fixed 1.1 s wait assumed it came within 0.1 s of its
+    period); with none coming the wait ends after DIAGNOSTICS_WAIT_S."""
+    from rmuscle_ros.node import replay_demo
+
+    received = [0]
+
+    def deliver() -> None:  # one in flight at the call, then one a period later
+        time.sleep(0.05)
+        received[0] += 1
+        time.sleep(0.3)
+        received[0] += 1
+
+    start = time.monotonic()
+    threading.Thread(target=deliver).start()
+    replay_demo._wait_for_later_diagnostics(lambda: received[0])
+    assert received[0] == 2 and 0.3 < time.monotonic() - start < 2.0
+    monkeypatch.setattr(replay_demo, "DIAGNOSTICS_WAIT_S", 0.2)
+    start = time.monotonic()
+    replay_demo._wait_for_later_diagnostics(lambda: received[0])
+    assert 0.2 <= time.monotonic() - start < 1.0
+
+
 def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """Each refused before anything is written or started, and before the banner (found in review: a value
     configure refuses, e.g. ρp = 3, was refused only once the streamer's process and the node were up, 3 s

@@ -83,6 +83,19 @@ from rmuscle_ros.paths import package_file
 # The profiles and the Fast DDS profile the demo runs with (config/: paths.package_file).
 CONFIG, ALOHA_CONFIG = "rmuscle_default.yaml", "rmuscle_aloha.yaml"
 FASTDDS_LARGE_FRAMES = "fastdds_shm_large_frames.xml"
+# The streamer and the sim publish /diagnostics every second of wall clock; their last counts are read
+# from one published after the demo's last chunk (waited for up to DIAGNOSTICS_WAIT_S).
+DIAGNOSTICS_WAIT_S = 3.0
+
+
+def _wait_for_later_diagnostics(received: Callable[[], int]) -> None:
+    """Wait for the second /diagnostics from now (`received`: how many have come): the first may have been
+    published before now and still be on its way, the second was not (a fixed 1.1 s wait assumed
+    delivery within 0.1 s, which a loaded machine need not keep). Past DIAGNOSTICS_WAIT_S the last one
+    received stands."""
+    wanted, deadline = received() + 2, time.monotonic() + DIAGNOSTICS_WAIT_S
+    while received() < wanted and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def config_file(name: str) -> Path:
@@ -466,6 +479,7 @@ class _Streaming:
         self.grippers = {"left": 0, "right": 0}
         self.diagnostics: dict[str, str] = {}  # its last /diagnostics values
         self.message = ""  # and its message (the last refusal's reason, if any)
+        self.diagnostics_received = 0
         if not enabled:
             self.skipped = "--no-stream"
             return
@@ -513,6 +527,7 @@ class _Streaming:
             if status.name.startswith(f"{self.NAME}:"):
                 self.diagnostics = {kv.key: kv.value for kv in status.values}
                 self.message = status.message
+                self.diagnostics_received += 1
 
     def _transition(self, transition: int) -> None:
         request = ChangeState.Request()
@@ -544,7 +559,7 @@ class _Streaming:
     def stop(self) -> dict[str, Any]:
         if self.process is None:
             return {"skipped": self.skipped}
-        time.sleep(1.1)  # one more /diagnostics (every second of wall clock), with the last chunk's commands
+        _wait_for_later_diagnostics(lambda: self.diagnostics_received)  # with the last chunk's commands
         self._transition(Transition.TRANSITION_DEACTIVATE)
         intervals = [np.diff(t) / 1e6 for t in self.received.values() if len(t) > 1]
         d = self.diagnostics
@@ -597,6 +612,7 @@ class _SimCell:
 
         self.clock_ns = 0
         self.diagnostics: dict[str, str] = {}
+        self.diagnostics_received = 0
         self.results: list[dict[str, Any]] = []  # one per demo episode
         peer.create_subscription(Clock, "/clock", self._clock, 10)
         peer.create_subscription(DiagnosticArray, "/diagnostics", self._diagnostics, 10)
@@ -630,6 +646,7 @@ class _SimCell:
         for status in array.status:
             if status.name.startswith(f"{self.NAME}:"):
                 self.diagnostics = {kv.key: kv.value for kv in status.values}
+                self.diagnostics_received += 1
 
     def _wait(self, condition: Any, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -668,7 +685,7 @@ class _SimCell:
     def stop(self) -> dict[str, Any]:
         """The episodes' results (the last one's through one more reset) and the cell's counters."""
         self.reset()
-        time.sleep(1.1)  # its next /diagnostics (every second of wall clock)
+        _wait_for_later_diagnostics(lambda: self.diagnostics_received)
         d = self.diagnostics
         return {
             "episodes": self.results,
