@@ -469,8 +469,12 @@ def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
         return any("waiting for the first messages" in s.message and s.level == s.OK for s in statuses)
 
     assert h.wait_for(waiting_reported, timeout=5.0), "diagnostics never said what the node waits for"
-    said = [log.msg for log in h.logs if "waiting for the first messages" in log.msg]
-    assert len(said) == 1 and "since the activation" in said[0] and "images/right_wrist" in said[0], said
+    # (once per sensor: a tick before the first frames of all, on a loaded machine, names another camera
+    # first, as a reviewer's reading found the test's one line did not allow)
+    name = h.node.get_name()
+    said = [log.msg for log in h.logs if log.name == name and "waiting for the first messages" in log.msg]
+    assert sum("images/right_wrist" in m for m in said) == 1, said
+    assert "images/right_wrist" in said[-1] and all("since the activation" in m for m in said), said
     # The camera comes up: chunks flow, nothing was dropped, the wait is over.
     assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
     assert h.drops() == {} and h.node.stats()["waiting_for"] == ""
