@@ -452,14 +452,41 @@ def test_a_motion_window_s_cache_status_never_replaces_a_reset_s(harness) -> Non
             stats_lock.release()
 
     policy.cache_status, node._stats_lock = cache_status, Lock()
-    window = threading.Thread(target=node._rebuild_cache, args=(policy,))
-    window.start()
-    window.join(timeout=30)
-    assert reset_done.wait(timeout=30) and not window.is_alive()
-    node._stats_lock, policy.cache_status = stats_lock, status_of
+    try:
+        window = threading.Thread(target=node._rebuild_cache, args=(policy,))
+        window.start()
+        window.join(timeout=30)
+        assert reset_done.wait(timeout=30) and not window.is_alive()
+    finally:
+        node._stats_lock, policy.cache_status = stats_lock, status_of
     stored, now = node.stats()["cache"], policy.cache_status()
     assert (stored["episode_id"], stored["library_episodes"]) == (now["episode_id"], 1), (stored, now)
     assert node.episode_id == 1 and node.stats()["errors"] == {}
+
+
+def test_a_cache_status_that_cannot_be_read_costs_no_chunk(harness) -> None:
+    """The cache's status reads the library's disk (its free space). Read with each chunk before it is
+    published, a disk error there turned every chunk into an inference_error drop (found in review of
+    that change: a stale network mount stopped the arm's commands). Now only the call's part (mode,
+    similarity, hit rate) goes with the chunk, read without the disk; the full status is read at the
+    motion window's end, and a failure there is `errors.cache_status`, the last status standing."""
+    h = harness(**CACHE)
+    _start(h)
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
+    assert h.call(h.reset, Trigger.Request()).success
+    policy = h.node.policy
+
+    def unreadable() -> Any:
+        raise OSError(116, "Stale file handle")
+
+    policy.cache_status = unreadable
+    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 1)) >= 3), (
+        h.node.stats()
+    )
+    s = h.node.stats()
+    assert s["drops"] == {} and set(s["errors"]) == {"cache_status"}, s
+    assert s["cache"]["episode_id"] == 1 and s["cache"]["mode"] == "cached" and s["cache"]["hit_rate"] > 0, s
+    del policy.cache_status
 
 
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:

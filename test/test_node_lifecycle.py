@@ -1357,7 +1357,7 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     assert h.wait_for(lambda: len(h.chunks) > chunks, timeout=5.0), h.node.stats()
     s = h.node.stats()
     assert s["late_served"] == {"skew": 1} and s["drops"].get("skew", 0) == dropped, s
-    assert at_publish == [{"skew": 1}], at_publish
+    assert at_publish[0] == {"skew": 1}, at_publish  # (a later tick's chunk may be out too)
     assert s["failing_ticks"] == 0, s
     del h.node._publish_chunk
     # Served, but its call fails: the tick's drop, not also a served tick (found in review).
@@ -1774,7 +1774,7 @@ def test_the_demo_reads_the_streamer_s_counts_from_a_diagnostics_published_after
     period); with none coming the wait ends after DIAGNOSTICS_WAIT_S."""
     from rmuscle_ros.node import replay_demo
 
-    received = [0]
+    received, started = [0], threading.Event()
 
     def deliver() -> None:  # one in flight at the call, then one a period later
         time.sleep(0.05)
@@ -1782,9 +1782,14 @@ def test_the_demo_reads_the_streamer_s_counts_from_a_diagnostics_published_after
         time.sleep(0.3)
         received[0] += 1
 
+    def count() -> int:  # the deliveries start at the wait's first look
+        if not started.is_set():
+            started.set()
+            threading.Thread(target=deliver).start()
+        return received[0]
+
     start = time.monotonic()
-    threading.Thread(target=deliver).start()
-    replay_demo._wait_for_later_diagnostics(lambda: received[0])
+    replay_demo._wait_for_later_diagnostics(count)
     assert received[0] == 2 and 0.3 < time.monotonic() - start < 2.0
     monkeypatch.setattr(replay_demo, "DIAGNOSTICS_WAIT_S", 0.2)
     start = time.monotonic()

@@ -1206,10 +1206,10 @@ class ReferenceLibrary:
     def disk_free_bytes(self) -> int | None:
         """Free space on the disk the library writes to (its folder, or the nearest existing folder above
         it before the first recording creates it); None if that cannot be read."""
-        folder = self.root.absolute()
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        try:
+        try:  # exists() too raises on a failing disk (EIO) or a stale network mount (ESTALE)
+            folder = self.root.absolute()
+            while not folder.exists() and folder != folder.parent:
+                folder = folder.parent
             return shutil.disk_usage(folder).free
         except OSError:
             return None

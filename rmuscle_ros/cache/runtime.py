@@ -1279,14 +1279,20 @@ class RMuscle:
 
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────
 
-    def status(self) -> dict[str, object]:
-        """What CacheStatus reports."""
-        free = self.library.disk_free_bytes()
+    def call_status(self) -> dict[str, object]:
+        """The part of `status` the latest call changed, without reading the disk: what a caller stores
+        with each call's result (the node, before it publishes the chunk)."""
         return {
             "episode_id": self.episode_id,
             "mode": self.last.mode,
             "similarity": self.last.similarity,
             "hit_rate": self.cached_calls / self.calls if self.calls else 0.0,
+        }
+
+    def status(self) -> dict[str, object]:
+        """What CacheStatus reports."""
+        free = self.library.disk_free_bytes()
+        return self.call_status() | {
             "library_episodes": len(self.library.entries),
             "task": self.task,
             "last_episode_excluded": self.last_excluded,

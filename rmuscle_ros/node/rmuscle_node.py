@@ -1108,7 +1108,7 @@ class RMuscleNode(LifecycleNode):
                 self._late = None
                 self._drop(e.reason, e.detail)
                 return
-            late, self._late = self._late, None  # counted as served once its chunk is out
+            late, self._late = self._late, None  # counted as served with its chunk, before it goes out
             self._start_wait.clear()
             self._wait_for_sensor("")
             self._note_image_sizes(obs.images)
@@ -1128,11 +1128,12 @@ class RMuscleNode(LifecycleNode):
                 )
                 return
             # The cache's status goes with its chunk (found in review: refreshed only at the motion window's
-            # end, a chunk published cached sat beside a status saying dense, its hit rate not counting it)
-            status = policy.cache_status()
+            # end, a chunk published cached sat beside a status saying dense, its hit rate not counting it):
+            # the call's part, read without the disk; the rest at the motion window's end
+            call_status = policy.cache_call_status()
             with self._stats_lock:
-                if status is not None:
-                    self.cache_status = status
+                if call_status is not None and self.cache_status is not None:
+                    self.cache_status = self.cache_status | call_status
                 episode, chunk_id = self.episode_id, self.chunk_id
                 self.chunk_id += 1
                 outage = (self._failing_ticks, self._last_drop) if self._outage_logged else None
@@ -1270,7 +1271,11 @@ class RMuscleNode(LifecycleNode):
         # stored under the policy lock: released first, a reset could store the next episode's status in
         # between, and this one replaced it (found in review)
         with self._policy_lock:
-            status = policy.cache_status()
+            try:
+                status = policy.cache_status()
+            except Exception as e:  # the last one stands; the chunks go on
+                self._error("cache_status", f"{type(e).__name__}: {e}")
+                return
             with self._stats_lock:
                 self.cache_status = status
 

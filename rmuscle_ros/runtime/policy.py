@@ -537,6 +537,11 @@ class Policy:
     def cache_status(self) -> dict[str, object] | None:
         return self.rmuscle.status() if self.rmuscle is not None else None
 
+    def cache_call_status(self) -> dict[str, object] | None:
+        """The part of `cache_status` the latest call changed (mode, similarity, hit rate, episode), read
+        without touching the disk: cheap enough for every call."""
+        return self.rmuscle.call_status() if self.rmuscle is not None else None
+
     def discard_episode(self, reason: str) -> bool:
         """Keep the episode in progress out of the library (e.g. the attempt failed: the cache must not
         learn it). Its calls so far are dropped and later ones are not recorded, until the next
