@@ -530,8 +530,9 @@ def test_a_camera_out_across_a_reset_is_named_as_the_episode_s_wait_then_as_a_dr
     assert status.level == status.ERROR and "since the episode reset" in status.message, status.message
 
     # (/rosout comes over DDS, after the stats; a healthy camera may be named first: its first frame
-    # since the reset may not have come yet; this node's lines only: this test failed 2 in 17 runs in a
-    # reviewer's clone, where another run's node on the same domain may have said "since the activation")
+    # since the reset may not have come yet; this node's lines only, not another node's on the domain.
+    # The test failed 2 in 17 runs in a reviewer's clone, cause not found: another process's run of it
+    # on the same domain would name its node alike and feed the same topics, which no filter here undoes)
     def waits() -> list[str]:
         name = h.node.get_name()
         return [
