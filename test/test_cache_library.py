@@ -663,15 +663,17 @@ def test_the_library_says_when_its_disk_could_not_take_another_episode(tmp_path:
     monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=size))
     assert lib.disk_free_bytes() == size and lib.disk_low(size)
     assert not lib.disk_low(size + (2 << 20)) and not lib.disk_low(None)
-    # A disk that cannot be read (a stale network mount: even exists() raises) is "unknown", not an error
-    # (found in review: the node's status read raised)
+    # A disk that cannot be read (a stale network mount: even exists() raises) is "unknown", not an
+    # exception (found in review: the node's status read raised), and the reason is kept
     import errno
 
     def stale(self: Path) -> bool:
         raise OSError(errno.ESTALE, "Stale file handle", str(self))
 
-    monkeypatch.setattr(Path, "exists", stale)
-    assert lib.disk_free_bytes() is None
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "exists", stale)
+        assert lib.disk_free_bytes() is None and "Stale file handle" in lib.disk_error, lib.disk_error
+    assert lib.disk_free_bytes() is not None and lib.disk_error == "", "read again once the disk answers"
 
 
 def test_episode_shapes_are_validated() -> None:

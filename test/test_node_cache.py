@@ -464,29 +464,55 @@ def test_a_motion_window_s_cache_status_never_replaces_a_reset_s(harness) -> Non
     assert node.episode_id == 1 and node.stats()["errors"] == {}
 
 
-def test_a_cache_status_that_cannot_be_read_costs_no_chunk(harness) -> None:
-    """The cache's status reads the library's disk (its free space). Read with each chunk before it is
+def test_a_library_disk_that_cannot_be_read_costs_no_chunk_and_is_reported(harness, monkeypatch) -> None:
+    """The cache's status reads the library's disk (its free space). Read with each chunk before it was
     published, a disk error there turned every chunk into an inference_error drop (found in review of
-    that change: a stale network mount stopped the arm's commands). Now only the call's part (mode,
-    similarity, hit rate) goes with the chunk, read without the disk; the full status is read at the
-    motion window's end, and a failure there is `errors.cache_status`, the last status standing."""
+    that change: a stale network mount stopped the arm's commands), and once that read stopped raising,
+    the mount read as free space "unknown" at OK (the same review). Now only the call's part (mode,
+    similarity, hit rate) goes with the chunk, read without the disk; the disk's error is on
+    /diagnostics (WARN, `cache.library_disk_error`); and a status read that raises at a motion window's
+    end is `errors.cache_status`, the last status standing."""
+    import errno
+
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from rmuscle_ros.cache import library as library_module
+
     h = harness(**CACHE)
     _start(h)
     assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
     assert h.call(h.reset, Trigger.Request()).success
-    policy = h.node.policy
 
-    def unreadable() -> Any:
-        raise OSError(116, "Stale file handle")
+    def stale(path: object) -> Any:
+        raise OSError(errno.ESTALE, "Stale file handle", str(path))
 
-    policy.cache_status = unreadable
-    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 1)) >= 3), (
-        h.node.stats()
-    )
+    monkeypatch.setattr(library_module.shutil, "disk_usage", stale)
+
+    def cached(n: int) -> Callable[[], bool]:
+        return lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 1)) >= n
+
+    assert h.feed_until(cached(3)), h.node.stats()
+    assert h.wait_for(lambda: h.node.stats()["cache"]["library_disk_error"] != "", timeout=5.0)
     s = h.node.stats()
-    assert s["drops"] == {} and set(s["errors"]) == {"cache_status"}, s
+    assert "inference_error" not in s["drops"] and s["errors"] == {}, s
+    status = h.node._diagnostics().status[0]
+    values = {kv.key: kv.value for kv in status.values}
+    assert status.level == DiagnosticStatus.WARN and "library disk unreadable (OSError: [Errno 116]" in (
+        status.message
+    ), status.message
+    assert "Stale file handle" in values["cache.library_disk_error"], values
+    assert values["cache.library_disk_free_mib"] == "unknown"
+
+    # A status read that raises (whatever the cause) at a window's end: counted, the chunks go on.
+    def unreadable() -> Any:
+        raise RuntimeError("the status could not be read")
+
+    monkeypatch.setattr(h.node.policy, "cache_status", unreadable)
+    published = sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 1))
+    assert h.feed_until(cached(published + 3)), h.node.stats()
+    s = h.node.stats()
+    assert "inference_error" not in s["drops"] and set(s["errors"]) == {"cache_status"}, s
     assert s["cache"]["episode_id"] == 1 and s["cache"]["mode"] == "cached" and s["cache"]["hit_rate"] > 0, s
-    del policy.cache_status
 
 
 def test_a_motion_window_rebuilds_part_by_part_and_never_past_the_next_observation(harness, engine) -> None:

@@ -647,6 +647,7 @@ class ReferenceLibrary:
         self.max_bytes, self.max_episodes = max_bytes, max_episodes
         self.entries: dict[int, EpisodeEntry] = {}
         self.problems: list[str] = []  # what open() found wrong, for logs and CacheStatus
+        self.disk_error = ""  # why the latest disk_free_bytes() could not read the disk ("" when it could)
         self.left_out: dict[int, EpisodeEntry] = {}  # the index's episodes whose files open() refused
         self._next_id = 0
         # Episodes removed or evicted: their ids, kept in the index while a file of theirs remains (a delete
@@ -1205,14 +1206,19 @@ class ReferenceLibrary:
 
     def disk_free_bytes(self) -> int | None:
         """Free space on the disk the library writes to (its folder, or the nearest existing folder above
-        it before the first recording creates it); None if that cannot be read."""
-        try:  # exists() too raises on a failing disk (EIO) or a stale network mount (ESTALE)
+        it before the first recording creates it); None if that cannot be read, with the reason in
+        `disk_error` (a failing disk, EIO, or a stale network mount, ESTALE: the next recording would
+        likely fail too)."""
+        try:  # exists() too raises on those
             folder = self.root.absolute()
             while not folder.exists() and folder != folder.parent:
                 folder = folder.parent
-            return shutil.disk_usage(folder).free
-        except OSError:
+            free = shutil.disk_usage(folder).free
+        except OSError as e:
+            self.disk_error = f"{type(e).__name__}: {e}"
             return None
+        self.disk_error = ""
+        return free
 
     def disk_low(self, free: int | None) -> bool:
         """Whether `free` bytes (`disk_free_bytes`) could not take another episode as large as the largest

@@ -1305,6 +1305,7 @@ class RMuscle:
             "library_bytes": self.library.total_bytes,
             "library_disk_free_bytes": free,
             "library_disk_low": self.library.disk_low(free),
+            "library_disk_error": self.library.disk_error,  # "" unless the free space could not be read
             "library_path": str(self.library.root) if self.cfg.library_path else "",
             "library_problems": list(self.library.problems),
             "match_reruns": self.match_reruns,

@@ -850,9 +850,12 @@ class RMuscleNode(LifecycleNode):
                 try:  # whatever became of the recording
                     if self.cfg is not None:  # a prompt changed during the episode: refill for its task
                         policy.expect_task(self.cfg.prompt)
-                    status = policy.cache_status()
                 except Exception as e:  # costs the next episode's first cached calls, not the reset
                     self._error("cache_refill", f"{type(e).__name__}: {e}")
+                try:
+                    status = policy.cache_status()
+                except Exception as e:  # the last one stands until a call's and a window's
+                    self._error("cache_status", f"{type(e).__name__}: {e}")
         finally:
             # The cache has started the next episode whatever happened (its reset ends the old one in a
             # finally), and so does the node, even when a Ctrl-C cut the reset's write short: found in a
@@ -1465,7 +1468,7 @@ class RMuscleNode(LifecycleNode):
             # served within LATE_RETRY_SHARE of the period (a chunk, later; not a drop)
             "late_served": late_served,
             "image_sizes": image_sizes,  # camera slot -> its latest frame's WxH, since activation
-            "cache": cache,  # Policy.cache_status() after the latest call; None without a cache
+            "cache": cache,  # Policy.cache_status(): the latest call's part, the rest from the latest motion window or reset; None without a cache
             "errors": errors,
             "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
             "failing_ticks": failing,  # ticks in a row without a chunk, up to now
@@ -1538,6 +1541,7 @@ class RMuscleNode(LifecycleNode):
                 and (
                     cache["library_problems"]
                     or cache["library_disk_low"]
+                    or cache["library_disk_error"]
                     or cache["audit_trips"]
                     or cache["episode_unsaved"] >= 0
                 )
@@ -1650,6 +1654,11 @@ class RMuscleNode(LifecycleNode):
             values["cache.library_disk_free_mib"] = round(free / 2**20, 1) if free is not None else "unknown"
             if cache["library_disk_low"]:
                 status.message += ", library disk nearly full: the next recording may fail"
+            if cache["library_disk_error"]:  # found in review: a stale mount read as "unknown", at OK
+                values["cache.library_disk_error"] = cache["library_disk_error"]
+                status.message += (
+                    f", library disk unreadable ({cache['library_disk_error']}): the next recording may fail"
+                )
             values["cache.episode_unsaved"] = cache["episode_unsaved"]
             if cache["episode_unsaved"] >= 0:
                 status.message += (
