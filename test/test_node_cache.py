@@ -87,7 +87,7 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine, monke
         at_publish.append((chunk.cache_mode, status["mode"], status["hit_rate"], status["episode_id"]))
         publish(cfg, chunk, *args)
 
-    h.node._publish_chunk = published
+    monkeypatch.setattr(h.node, "_publish_chunk", published)
     assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
     warmup = _episode(h, 0)
     assert {c.cache_mode for c in warmup} == {ActionChunk.CACHE_DENSE}, "an empty library serves nothing"

@@ -1280,8 +1280,9 @@ class RMuscle:
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────
 
     def call_status(self) -> dict[str, object]:
-        """The part of `status` the latest call changed, without reading the disk: what a caller stores
-        with each call's result (the node, before it publishes the chunk)."""
+        """The latest call's mode, similarity and hit rate, and the episode they count in, read without the
+        disk: what a caller stores with each call's result (the node, before it publishes the chunk). What
+        else a call may change (audits missed, match reruns, the task) waits for the next `status`."""
         return {
             "episode_id": self.episode_id,
             "mode": self.last.mode,
@@ -1290,7 +1291,7 @@ class RMuscle:
         }
 
     def status(self) -> dict[str, object]:
-        """What CacheStatus reports."""
+        """What CacheStatus reports. Reads the library's disk (its free space), which `call_status` does not."""
         free = self.library.disk_free_bytes()
         return self.call_status() | {
             "library_episodes": len(self.library.entries),

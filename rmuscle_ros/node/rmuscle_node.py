@@ -338,7 +338,9 @@ class RMuscleNode(LifecycleNode):
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
             self.episodes_discarded = 0  # episodes kept out of the library on ~/discard_episode
             self._discarded = -1  # the latest of them
-            self.cache_status: dict[str, Any] | None = None  # latest Policy.cache_status(); None = no cache
+            # the latest full Policy.cache_status() (configure, reset, motion window) with the latest call's
+            # part merged in; None = no cache
+            self.cache_status: dict[str, Any] | None = None
             self.waiting_for = ""  # during start-up: the sensor the node is still waiting for
         # The latest rebuild parts' and audits' wall times: what the motion windows' estimate reads
         self._rebuild_s = JobTimes()
@@ -854,7 +856,9 @@ class RMuscleNode(LifecycleNode):
                     self._error("cache_refill", f"{type(e).__name__}: {e}")
                 try:
                     status = policy.cache_status()
-                except Exception as e:  # the last one stands until a call's and a window's
+                except (
+                    Exception
+                ) as e:  # the previous status stays until the next call and window store theirs
                     self._error("cache_status", f"{type(e).__name__}: {e}")
         finally:
             # The cache has started the next episode whatever happened (its reset ends the old one in a
@@ -1132,7 +1136,8 @@ class RMuscleNode(LifecycleNode):
                 return
             # The cache's status goes with its chunk (found in review: refreshed only at the motion window's
             # end, a chunk published cached sat beside a status saying dense, its hit rate not counting it):
-            # the call's part, read without the disk; the rest at the motion window's end
+            # the call's part, read without the disk (not cache_status(), which reads the library's free
+            # space: a disk error there dropped every chunk, found in review); the rest at the window's end
             call_status = policy.cache_call_status()
             with self._stats_lock:
                 if call_status is not None and self.cache_status is not None:
@@ -1203,8 +1208,8 @@ class RMuscleNode(LifecycleNode):
         would end after that (as for a rebuild part), or when a reset, a parameter set or a discard waits
         for the policy (it goes first, as in a window; checked again once the lock is held, for one that
         came meanwhile); the next cached call is then audited instead, and the cache status counts it
-        missed at that call. An error above `cache.audit_max_error` sends the rest of the episode dense,
-        and the node says so."""
+        missed at that call (the node's status shows it after that call's window). An error above
+        `cache.audit_max_error` sends the rest of the episode dense, and the node says so."""
         if self._lock_wanted.is_set():
             return
         with self._policy_lock:
@@ -1271,8 +1276,10 @@ class RMuscleNode(LifecycleNode):
                 self.rebuilds += finished
             if entries >= cfg.cache.rebuilds_per_tick:
                 break
-        # stored under the policy lock: released first, a reset could store the next episode's status in
-        # between, and this one replaced it (found in review)
+        # The full status, which reads the library's disk (a disk that hangs holds the worker here, and a
+        # reset or parameter set waiting for the lock times out after stall_after_s); stored under the
+        # policy lock: released first, a reset could store the next episode's status in between, and
+        # this one replaced it (found in review)
         with self._policy_lock:
             try:
                 status = policy.cache_status()
@@ -1468,7 +1475,7 @@ class RMuscleNode(LifecycleNode):
             # served within LATE_RETRY_SHARE of the period (a chunk, later; not a drop)
             "late_served": late_served,
             "image_sizes": image_sizes,  # camera slot -> its latest frame's WxH, since activation
-            "cache": cache,  # Policy.cache_status(): the latest call's part, the rest from the latest motion window or reset; None without a cache
+            "cache": cache,  # the latest call's part, the rest from the latest window, reset or configure
             "errors": errors,
             "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
             "failing_ticks": failing,  # ticks in a row without a chunk, up to now
