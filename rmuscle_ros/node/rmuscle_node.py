@@ -854,11 +854,10 @@ class RMuscleNode(LifecycleNode):
                         policy.expect_task(self.cfg.prompt)
                 except Exception as e:  # costs the next episode's first cached calls, not the reset
                     self._error("cache_refill", f"{type(e).__name__}: {e}")
+                # the previous status stays if this read fails, until the next call and window store theirs
                 try:
                     status = policy.cache_status()
-                except (
-                    Exception
-                ) as e:  # the previous status stays until the next call and window store theirs
+                except Exception as e:
                     self._error("cache_status", f"{type(e).__name__}: {e}")
         finally:
             # The cache has started the next episode whatever happened (its reset ends the old one in a
