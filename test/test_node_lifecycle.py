@@ -1057,12 +1057,21 @@ from rmuscle_ros.node.rmuscle_node import RMuscleNode
 from rmuscle_ros.node.spin import spin_node
 
 library, signum, when = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
+write_started = threading.Event()
 if when != "once":  # a write that takes a while, as a long episode's at full size (~1 MB a call, fsynced)
     real_save = library_module.save_file
     def slow_save(*args, **kwargs):
+        write_started.set()
         time.sleep(1.5)
         return real_save(*args, **kwargs)
     library_module.save_file = slow_save
+
+def during_the_write():
+    # The signal goes while an episode file is being written, however long the node took to start that
+    # write: a fixed wait (0.7 s) missed it on a loaded 2-core machine, and the signal came first.
+    if not write_started.wait(60):
+        print("no episode write started within 60 s", file=sys.stderr, flush=True)
+    write_started.clear()
 
 def feed(node, peer):
     cameras = [peer.create_publisher(Image, t, qos_profile_sensor_data)
@@ -1083,7 +1092,7 @@ def feed(node, peer):
         time.sleep(0.03)
     if when == "during_reset":  # the reset's write of episode 0 is under way on the executor's thread
         reset.publish(Empty())
-        time.sleep(0.7)
+        during_the_write()
     if when in ("during_cleanup", "during_shutdown"):  # a transition's write, asked for by an operator
         from lifecycle_msgs.msg import Transition
         from lifecycle_msgs.srv import ChangeState
@@ -1098,12 +1107,12 @@ def feed(node, peer):
             done = change.call_async(ChangeState.Request(transition=Transition(id=step)))
             while step != steps[-1] and not done.done():
                 time.sleep(0.02)
-        time.sleep(0.7)
+        during_the_write()
     os.kill(os.getpid(), signum)
     if when == "together":  # ros2 launch's SIGINT and a terminal's, at once
         os.kill(os.getpid(), signum)
     if when == "twice":  # again, while the shutdown writes the episode
-        time.sleep(0.7)
+        during_the_write()
         os.kill(os.getpid(), signum)
 
 def make():
