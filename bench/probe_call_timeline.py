@@ -17,9 +17,14 @@ recorded reference episode, a live repeat primed so that the timed calls are ser
 Each stage launch is wrapped: its host time, and CUDA events before and after it on the stream it runs
 on. Per call (medians over --iters rounds): wall clock; host ms until the first stage is launched; GPU
 ms from the call's start event to the first stage's start (the GPU idle for the host), each stage's GPU
-ms in the call, the gaps between stages, and from the last stage's end to the call's end event.
+ms in the call, the gaps between stages, and from the last stage's end to the call's end event. And the
+host's steps before the first launch (`host_<step>_entry_ms` from the call's start, `host_<step>_ms`
+long): the runtime's `_infer` (entered after the streams' waits and the call's start event), its
+`_push_usable`, the engine's `begin_load`, the prompt's read within it (`_host_array`) and `finish_load`.
+The first run (`…/probe_call_timeline_pi05_h200_9ebd6d3`) predates these steps.
 
     python bench/probe_call_timeline.py --out bench/results --commit $(git rev-parse --short HEAD)
+    python bench/probe_call_timeline.py --device cpu --preset tiny --iters 2 --calls 3   # smoke run
 """
 
 from __future__ import annotations
@@ -37,7 +42,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import random_model, record_header, save_results
 from bench.bench_rmuscle import Bench, device_ms
+from rmuscle_ros.engine import graph as graph_module
 from rmuscle_ros.models.config import get_preset
+
+
+class HostMark:
+    """A CUDA timing event's interface on the host clock, for a CPU smoke run (where a stage's launch is its
+    run): `record()` notes the time, `elapsed_time(later)` the ms between two marks."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, later: HostMark) -> float:
+        return (later.t - self.t) * 1e3
+
+    def synchronize(self) -> None:
+        pass
+
+
+def mark(device: torch.device) -> torch.cuda.Event | HostMark:
+    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostMark()
 
 
 class StageClock:
@@ -49,7 +73,7 @@ class StageClock:
         run_stage = engine.run_stage
 
         def timed(stage: str, bucket: int, use_graph: bool = True, variant: str = "dense") -> None:
-            before, after = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            before, after = mark(engine.device), mark(engine.device)
             host = time.perf_counter()
             before.record()
             run_stage(stage, bucket, use_graph=use_graph, variant=variant)
@@ -58,22 +82,39 @@ class StageClock:
 
         engine.run_stage = timed
 
-    def take(self) -> list:
-        out, self.launches = self.launches, []
-        return out
+        self.stamps: list[tuple[str, float, float]] = []
+
+    def stamp(self, owner: object, attr: str, label: str) -> None:
+        """Note the host entry and exit times of `owner.attr` (a method or a module's function)."""
+        fn = getattr(owner, attr)
+
+        def stamped(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.stamps.append((label, t, time.perf_counter()))
+
+        setattr(owner, attr, stamped)
+
+    def take(self) -> tuple[list, list]:
+        out, stamps, self.launches, self.stamps = self.launches, self.stamps, [], []
+        return out, stamps
 
 
 def timed_call(call: Callable[[], object], clock: StageClock) -> dict[str, float]:
     """One call from an idle GPU: its wall ms and its timeline (see the module's docstring)."""
-    torch.cuda.synchronize()
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    device = clock.engine.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start, end = mark(device), mark(device)
     t0 = time.perf_counter()
     start.record()
     call()
     end.record()
     end.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
-    launches = clock.take()
+    launches, stamps = clock.take()
     row = {
         "wall_ms": wall,
         "gpu_span_ms": start.elapsed_time(end),
@@ -84,6 +125,9 @@ def timed_call(call: Callable[[], object], clock: StageClock) -> dict[str, float
         row[f"{name}_ms"] = before.elapsed_time(after)
         if i + 1 < len(launches):
             row[f"gap_after_{name}_ms"] = after.elapsed_time(launches[i + 1][2])
+    for label, entry, leave in stamps:  # the first of each label's calls in this call
+        if f"host_{label}_entry_ms" not in row:
+            row[f"host_{label}_entry_ms"], row[f"host_{label}_ms"] = (entry - t0) * 1e3, (leave - entry) * 1e3
     row["after_last_stage_ms"] = launches[-1][3].elapsed_time(end)
     row["wall_minus_gpu_span_ms"] = wall - row["gpu_span_ms"]
     return row
@@ -101,9 +145,10 @@ def main() -> None:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--name", default=None)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script (tiny)")
     args = p.parse_args()
     args.pdl, args.concurrent_rebuilds, args.concurrent_rebuild_graphs = True, False, False  # as Bench reads
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     cfg = get_preset(args.preset)
     model = random_model(cfg, device, 0)
     bench = Bench(model, args.rho_p, args.rho_n, args, device, args.schedule)
@@ -127,6 +172,13 @@ def main() -> None:
     calls = {"dense_engine": lambda: bench.dense_call(obs), "cached_engine": cached_engine,
              "cached_runtime": cached_runtime}  # fmt: skip
     clock = StageClock(e)
+    # the host's steps before the first launch: the runtime's own (its _infer starts after the streams'
+    # waits and the call's start event), the engine's begin_load, and within it the prompt's read
+    clock.stamp(rt, "_infer", "runtime_infer")
+    clock.stamp(rt, "_push_usable", "push_usable")
+    clock.stamp(e, "begin_load", "begin_load")
+    clock.stamp(e, "finish_load", "finish_load")
+    clock.stamp(graph_module, "_host_array", "host_array")
     for fn in calls.values():  # warm-up
         for _ in range(3):
             timed_call(fn, clock)
@@ -149,7 +201,9 @@ def main() -> None:
         alone[f"{stage}_{variant}_ms"] = round(
             device_ms(lambda s=stage, v=variant: e.run_stage(s, bucket, variant=v), args.iters, device), 4
         )
-    record = record_header(torch.cuda.get_device_name(device), args.commit) | {
+    cuda = device.type == "cuda"
+    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
+    record = record_header(gpu, args.commit) | {
         "setting": {"preset": args.preset, "rho_p": args.rho_p, "rho_n": args.rho_n, "schedule": args.schedule,
                     "iters": args.iters, "prompt_tokens": args.prompt_tokens},
         "results": results, "stages_alone": alone,
@@ -159,13 +213,15 @@ def main() -> None:
         f"# A call's timeline outside its stage graphs, `{args.preset}` — {record['gpu']}",
         "",
         f"commit `{args.commit}`, command `{record['command']}`; medians of {args.iters} rounds, the three calls "
-        f"alternated, each from an idle GPU; ρp {args.rho_p}, ρn {args.rho_n} ({args.schedule}).",
+        f"alternated, each from an idle {'GPU' if cuda else 'CPU engine (host clock: a launch is its run)'}; "
+        f"ρp {args.rho_p}, ρn {args.rho_n} ({args.schedule}).",
         "",
         "| ms | " + " | ".join(results) + " |",
         "|---|" + "---|" * len(results),
         *(f"| {k} | " + " | ".join(str(r.get(k, "")) for r in results.values()) + " |" for k in keys),
         "",
-        "Stages alone (CUDA events, median of replays): " + ", ".join(f"{k} {v}" for k, v in alone.items()),
+        f"Stages alone ({'CUDA events' if cuda else 'wall clock'}, median of replays): "
+        + ", ".join(f"{k} {v}" for k, v in alone.items()),
         "",
     ]
     save_results(

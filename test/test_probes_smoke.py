@@ -164,3 +164,25 @@ def test_first_rebuild_probe_times_each_part_after_a_reset(tmp_path) -> None:
     parts = [r for r in record["results"]["parts"] if r["after"].startswith("the reset after the recorded")]
     assert len(parts) >= 3 and sum(r["completed_an_entry"] for r in parts) == 3, "the episode's 3 calls"
     assert parts[0]["call_load_ms"] > 0 and all(r["total_ms"] >= r["host_ms"] > 0 for r in parts)
+
+
+def test_call_timeline_probe_splits_each_call_into_host_steps_and_stages(tmp_path) -> None:
+    """bench/probe_call_timeline.py on `tiny` (CPU smoke run): the dense call, the engine's cached call and
+    the runtime's (checked cached by the script) each get their stages, and the runtime's its host steps
+    before the first launch, in order."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "probe_call_timeline.py"), "--device", "cpu", "--preset", "tiny",
+           "--iters", "2", "--calls", "3", "--out", str(tmp_path), "--commit", "smoke"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    results = json.loads((tmp_path / "probe_call_timeline_tiny_smoke.json").read_text())["results"]
+    assert results["dense_engine"]["vision_dense_ms"] > 0 and results["dense_engine"]["tail_dense_ms"] > 0
+    for name in ("cached_engine", "cached_runtime"):
+        assert results[name]["match_cached_ms"] > 0 and results[name]["tail_cached_ms"] > 0, name
+    rt = results["cached_runtime"]
+    assert (
+        rt["host_runtime_infer_entry_ms"] <= rt["host_begin_load_entry_ms"] <= rt["host_to_first_launch_ms"]
+    )
+    assert rt["wall_ms"] >= rt["host_to_first_launch_ms"] > 0
