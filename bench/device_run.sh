@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -26,7 +26,9 @@
 #   node_stacks: bench/probe_node_stacks.py, the demo at full size with slow preprocessing calls' thread
 #   stacks sampled, ~3 min; preprocess: bench/bench_preprocess.py with 4 threads (the node's on a GPU), ~1 min;
 #   first_rebuild: bench/probe_first_rebuild.py (tiny, graph), the rebuild parts after a reset timed in pieces,
-#   not yet run on a GPU (<1 min expected); episode_read: bench/bench_episode_read.py, a rebuild's library read
+#   not yet run on a GPU (<1 min expected); call_timeline: bench/probe_call_timeline.py (pi05, 0.4 / 0.5 ramp),
+#   a dense and a cached call split into the host's steps before the first launch and the stages, ~1 min;
+#   episode_read: bench/bench_episode_read.py, a rebuild's library read
 #   (one call's rows against the whole episode, pi05 shapes) on the device host's disk, <1 min;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
 #   alongside the prefill against after it, dense and cached, bit-identity checked, ~2 min;
@@ -38,7 +40,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [episode_read] [overlap_first_step] [export_f32] [export_bf16]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [episode_read] [overlap_first_step] [export_f32] [export_bf16]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -101,6 +103,9 @@ for step in $steps; do
                 | quiet | grep "^| " ;;
         first_rebuild)  # bench/probe_first_rebuild.py: the rebuild parts after a reset, timed in pieces (tiny)
             timeout 200 python3 bench/probe_first_rebuild.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
+        call_timeline)  # bench/probe_call_timeline.py: the host's steps and the stages of dense and cached calls
+            timeout 300 python3 bench/probe_call_timeline.py --commit "$commit" \
+                --name "probe_call_timeline_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         episode_read)  # bench/bench_episode_read.py: one call's rows against the whole episode, on this host
             timeout 200 python3 bench/bench_episode_read.py --commit "$commit" --name "episode_read_h200_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
@@ -164,6 +169,6 @@ for step in $steps; do
             timeout 560 python3 bench/check_export.py --preset pi05 --dtype "$dtype" --workdir "/tmp/export_$dtype" \
                 --commit "$commit" --out "$out" 2>&1 | quiet | grep -v "^\[torch.onnx\]\|rename_mapping\|program = "
             rm -rf "/tmp/export_$dtype" ;;
-        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, node_soak_ab, node_stacks, preprocess, first_rebuild, episode_read, overlap_first_step, export_f32, export_bf16)" ;;
+        *) echo "unknown step $step (tests, pi05, rmuscle, trace, trace_cached, rmuscle7b, load, pi05-7b, vision_mlp, attention, overlap, library, ffn_kernels, tune_geglu, ncu_gate_up, policy, node, node_setup, node_tests, node_soak, node_soak_ab, node_stacks, preprocess, first_rebuild, call_timeline, episode_read, overlap_first_step, export_f32, export_bf16)" ;;
     esac
 done
