@@ -1345,14 +1345,20 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
                 max_joint_age_s=5.0)  # fmt: skip
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) > 0), f"drops {h.drops()}"
+    # The warm-up's sets arrive message by message: a tick that read one half-delivered saw their gap as
+    # skew, which on a loaded machine passes 50 ms, and waited (served late, or dropped). The counts below
+    # are this test's ticks, on top of the warm-up's, taken once no tick waits (as the sibling test does).
+    assert h.wait_for(lambda: h.node._late is None, timeout=5.0), h.node.stats()
+    late_before, skew_drops_before = dict(h.node.stats()["late_served"]), h.drops().get("skew", 0)
+    served_once = late_before | {"skew": late_before.get("skew", 0) + 1}
 
     # Not served: the drop, once the window has passed.
     _publish_skewed(h)
     assert h.wait_for(lambda: h.node._late is not None, timeout=5.0), f"no tick waited: {h.node.stats()}"
     waited_since = time.monotonic()
-    assert h.wait_for(lambda: h.drops().get("skew", 0) == 1, timeout=5.0), h.node.stats()
+    assert h.wait_for(lambda: h.drops().get("skew", 0) == skew_drops_before + 1, timeout=5.0), h.node.stats()
     assert time.monotonic() - waited_since > 0.5, "dropped before the window (1 s) had passed"
-    assert h.node.stats()["late_served"] == {}
+    assert h.node.stats()["late_served"] == late_before
     # Served: a whole new set of messages while the tick waits is its chunk, counted as served before
     # the chunk is out (found in CI: a reader of the stats that had the chunk could find it not yet counted)
     publish, at_publish = h.node._publish_chunk, []
@@ -1368,8 +1374,8 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     h.publish_observation()
     assert h.wait_for(lambda: len(h.chunks) > chunks, timeout=5.0), h.node.stats()
     s = h.node.stats()
-    assert s["late_served"] == {"skew": 1} and s["drops"].get("skew", 0) == dropped, s
-    assert at_publish[0] == {"skew": 1}, at_publish  # (a later tick's chunk may be out too)
+    assert s["late_served"] == served_once and s["drops"].get("skew", 0) == dropped, s
+    assert at_publish[0] == served_once, at_publish  # (a later tick's chunk may be out too)
     assert s["failing_ticks"] == 0, s
     # Served, but its call fails: the tick's drop, not also a served tick (found in review).
     _publish_skewed(h)
@@ -1382,7 +1388,7 @@ def test_a_tick_refused_for_timing_is_served_by_a_later_message_or_dropped_after
     engine.sample_actions = failing
     h.publish_observation()
     assert h.wait_for(lambda: h.drops().get("inference_error", 0) == 1, timeout=5.0), h.node.stats()
-    assert h.node.stats()["late_served"] == {"skew": 1}
+    assert h.node.stats()["late_served"] == served_once
     del engine.sample_actions
     # An episode reset ends a waiting tick without a drop: its retries took the reset's wake, and the
     # cache's refill for the next episode never ran (found in review).
@@ -1615,26 +1621,29 @@ def test_rosbag_replay_gives_timed_chunks(harness, tmp_path, storage: str, engin
 def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) -> None:
     """A bag at `--rate 2` is served about twice as often per wall second as per second of its /clock:
     /diagnostics gives both (`rate_hz`, `rate_hz_clock`; found in review: only the wall rate, 2.96 Hz where
-    the bag's own clock got 0.74 Hz at 4x). A chunk every 50 actions (1 s of the bag), so that a call fits
-    the half second of wall time between ticks on this machine; the ratio is held to the rate the player
-    reached, which a loaded machine keeps below 2. The bag played again an hour of its clock later (the
-    next bag of a set) is counted from its start (found in review: the jump read as 0.0 Hz)."""
+    the bag's own clock got 0.74 Hz at 4x). A chunk every 50 actions of 40 ms (2 s of the bag), so that a
+    call fits the second of wall time between ticks with room to spare: at 1 s of the bag calls
+    slowed by 0.3 s, as on a machine twice as slow as this one, merged ticks (a review's run). The ratio is
+    held to the rate the player reached, which a loaded machine keeps below 2. The bag played again an
+    hour of its clock later (the next bag of a set) is counted from its start (found in review: the jump
+    read as 0.0 Hz)."""
     from rmuscle_ros.node.bags import bag_info
 
     bag = tmp_path / "episode"
-    write_aloha_episode(bag, seconds=10.0, cameras=3, size=(48, 64))
-    h = harness(use_sim_time=True, actions_per_inference=50, max_image_age_s=0.25, max_joint_age_s=0.1,
-                max_skew_s=0.1)  # fmt: skip
+    seconds = 14.0
+    write_aloha_episode(bag, seconds=seconds, cameras=3, size=(48, 64))
+    h = harness(use_sim_time=True, actions_per_inference=50, control_period_s=0.04, max_image_age_s=0.25,
+                max_joint_age_s=0.1, max_skew_s=0.1)  # fmt: skip
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], CAMERAS, strict=True)) | dict(
         zip(ALOHA_JOINT_TOPICS, JOINT_TOPICS, strict=True)
     )
     start = time.monotonic()
     BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap).play(rate=2.0)
-    reached = 10.0 / (time.monotonic() - start)  # bag seconds per wall second
+    reached = seconds / (time.monotonic() - start)  # bag seconds per wall second
     stats = h.node.stats()
-    assert stats["chunks"] >= 6 and stats["ticks_merged"] == 0, (stats, h.drops())
-    assert stats["rate_hz_clock"] == pytest.approx(1.0, rel=0.25), stats  # one every second of the bag
+    assert stats["chunks"] >= 5 and stats["ticks_merged"] == 0, (stats, h.drops())
+    assert stats["rate_hz_clock"] == pytest.approx(0.5, rel=0.25), stats  # one every 2 s of the bag
     assert stats["rate_hz"] / stats["rate_hz_clock"] == pytest.approx(reached, rel=0.25), (stats, reached)
     status = h.node._diagnostics().status[0]
     assert f"({stats['rate_hz_clock']:.1f} Hz on /clock)" in status.message, status.message
@@ -1642,8 +1651,8 @@ def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) 
     player = BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap)
     player.play(rate=2.0, start_ns=bag_info(bag).end_ns + 3600 * 10**9)
     again = h.node.stats()
-    assert again["chunks"] >= stats["chunks"] + 6, (again, h.drops())
-    assert again["rate_hz_clock"] == pytest.approx(1.0, rel=0.25), again
+    assert again["chunks"] >= stats["chunks"] + 5, (again, h.drops())
+    assert again["rate_hz_clock"] == pytest.approx(0.5, rel=0.25), again
     if reached < 1.5:  # the wall and clock rates then too close for the ratio to tell them apart
         pytest.skip(f"the player reached {reached:.2f}x of the bag's rate 2, below 1.5x (a loaded machine)")
 
