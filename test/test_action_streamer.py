@@ -182,6 +182,36 @@ def rows(base: float = 0.0) -> np.ndarray:
     return base + np.arange(HORIZON)[:, None] / 1000 + np.arange(14)[None, :] / 100
 
 
+PERIOD_NS = 20_000_000  # the chunks' control period (publish_chunk)
+
+
+def note_arrivals(c: Cell) -> Callable[[int, int], int]:
+    """Note when the streamer takes each chunk in (on its own clock; call before the activation, which
+    subscribes `_on_chunk`). Returns `arrival_row(chunk_id, stamp_ns)`: the chunk's row due on arrival.
+    The first row a chunk can take over at is the one due at the first tick after its arrival, so tests
+    bound it by that row + 2 rather than by a fixed row: DDS delivery and the executor, which a loaded
+    machine slows, decide the arrival, not the streamer (found in a review for timing assumptions)."""
+    arrivals: dict[int, int] = {}
+    on_chunk = c.node._on_chunk
+
+    def noted(msg: Any) -> None:
+        arrivals.setdefault(int(msg.chunk_id), c.node.get_clock().now().nanoseconds)
+        on_chunk(msg)
+
+    c.node._on_chunk = noted
+    return lambda chunk_id, stamp_ns: (arrivals[chunk_id] - stamp_ns) // PERIOD_NS
+
+
+def first_row_from(c: Cell, n: int, chunk: np.ndarray) -> int | None:
+    """The row of `chunk` that the first of the left arm's commands from the n-th on that comes from it
+    carries (earlier ones may still be the previous chunk's); None if none does yet."""
+    for m in c.arm["left"][n:]:
+        diff = np.abs(chunk[:, :6] - np.asarray(m.cmd)[None, :]).max(axis=1)
+        if diff.min() < 1e-5:
+            return int(diff.argmin())
+    return None
+
+
 def row_of(cmd: list[float], chunk: np.ndarray, columns: list[int]) -> int:
     """The chunk row whose values at `columns` a command carries (float32 on the wire)."""
     diff = np.abs(chunk[:, columns] - np.asarray(cmd)[None, :]).max(axis=1)
@@ -213,6 +243,7 @@ def test_each_arm_gets_its_joints_and_gripper_from_the_row_due_now(cell) -> None
 
 def test_a_newer_chunk_takes_over_and_streaming_holds_when_chunks_run_out(cell) -> None:
     c = cell(max_step=10.0, max_tracking_error=math.inf)
+    arrival_row = note_arrivals(c)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     short = rows()[:10]  # 200 ms of actions
     c.publish_chunk(short, c.now_ns())
@@ -222,10 +253,10 @@ def test_a_newer_chunk_takes_over_and_streaming_holds_when_chunks_run_out(cell) 
     assert 1 <= n <= 10 and sent_rows == sorted(set(sent_rows)), sent_rows  # each row at most once, in order
     c.keep_joints_coming(timeout=0.2)
     assert len(c.arm["left"]) == n, "nothing is sent while no chunk is due"
-    second = rows(base=0.5)
-    c.publish_chunk(second, c.now_ns(), chunk_id=1)
+    second, stamp = rows(base=0.5), c.now_ns()
+    c.publish_chunk(second, stamp, chunk_id=1)
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 5)
-    assert row_of(list(c.arm["left"][n].cmd), second, list(range(6))) <= 3
+    assert row_of(list(c.arm["left"][n].cmd), second, list(range(6))) <= arrival_row(1, stamp) + 2
     assert c.node.stats()["last"][:2] == (0, 1)
 
 
@@ -233,36 +264,49 @@ def test_diagnostics_say_which_row_each_chunk_took_over_at(cell) -> None:
     """The rows a chunk's call latency cost: a chunk stamped 10 periods ago takes over at about its row 10,
     fresh ones near row 0; /diagnostics reports the median and the maximum of the latest takeovers."""
     c = cell(max_step=10.0, max_tracking_error=math.inf)
+    arrival_row = note_arrivals(c)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.keep_joints_coming(timeout=0.3)  # a stamp 10 periods back must not predate the activation
-    c.publish_chunk(rows(), c.now_ns() - 10 * 20_000_000)
+    stamp = c.now_ns() - 10 * PERIOD_NS
+    c.publish_chunk(rows(), stamp)
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
     late = c.node.stats()
-    assert 10 <= late["takeover_row.p50"] == late["takeover_row.max"] <= 14, late
+    assert 10 <= late["takeover_row.p50"] == late["takeover_row.max"] <= arrival_row(0, stamp) + 2, late
+    took_over = [late["takeover_row.max"]]
     for chunk_id in (1, 2):
-        n = len(c.arm["left"])
-        c.publish_chunk(rows(base=0.1 * chunk_id), c.now_ns(), chunk_id=chunk_id)
-        assert c.keep_joints_coming(until=lambda n=n: len(c.arm["left"]) >= n + 3)
+        n, stamp, chunk = len(c.arm["left"]), c.now_ns(), rows(base=0.1 * chunk_id)
+        c.publish_chunk(chunk, stamp, chunk_id=chunk_id)
+        assert c.keep_joints_coming(until=lambda n=n, chunk=chunk: first_row_from(c, n, chunk) is not None)
+        took_over.append(first_row_from(c, n, chunk))
+        assert took_over[-1] <= arrival_row(chunk_id, stamp) + 2, (took_over, arrival_row(chunk_id, stamp))
     fresh = c.node.stats()
-    assert fresh["takeover_row.max"] == late["takeover_row.max"] and fresh["takeover_row.p50"] <= 4, fresh
+    assert (fresh["takeover_row.p50"], fresh["takeover_row.max"]) == (sorted(took_over)[1], max(took_over)), (
+        fresh,
+        took_over,
+    )
 
 
 def test_with_a_takeover_delay_fresh_chunks_take_over_at_its_row_and_late_ones_are_counted(cell) -> None:
     """takeover_delay_s 0.2 s (10 periods): a chunk that arrives at once still takes over at about its row
     10; one whose call took 15 periods takes over on arrival and counts in `chunks_late`."""
     c = cell(max_step=10.0, max_tracking_error=math.inf, takeover_delay_s=0.2)
+    arrival_row = note_arrivals(c)
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
     c.keep_joints_coming(timeout=0.4)  # a stamp 15 periods back must not predate the activation
-    c.publish_chunk(rows(), c.now_ns())
+    stamp = c.now_ns()
+    c.publish_chunk(rows(), stamp)
     # 20 commands: rows 10 to 30, so that a stamp 15 periods back is still after this chunk's
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 20)
-    first = c.node.stats()
-    assert 10 <= first["takeover_row.p50"] <= 13 and first["chunks_late"] == 0, first
+    first, on_arrival = c.node.stats(), arrival_row(0, stamp)
+    if on_arrival < 10:  # in time: it waits for the delay's row
+        assert 10 <= first["takeover_row.p50"] <= 13 and first["chunks_late"] == 0, (first, on_arrival)
+    else:  # a machine too loaded to deliver it within the delay: on arrival, counted late
+        assert first["takeover_row.p50"] <= on_arrival + 2 and first["chunks_late"] == 1, (first, on_arrival)
     n = len(c.arm["left"])
-    c.publish_chunk(rows(base=0.1), c.now_ns() - 15 * 20_000_000, chunk_id=1)
+    c.publish_chunk(rows(base=0.1), c.now_ns() - 15 * PERIOD_NS, chunk_id=1)
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= n + 3)
     late = c.node.stats()
-    assert late["takeover_row.max"] >= 15 and late["chunks_late"] == 1, late
+    assert late["takeover_row.max"] >= 15 and late["chunks_late"] == first["chunks_late"] + 1, late
 
 
 def test_the_first_commands_step_from_where_the_arm_is(cell) -> None:
