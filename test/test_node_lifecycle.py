@@ -1156,6 +1156,45 @@ sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for 
 """
 
 
+def test_a_call_that_ends_after_a_deactivation_began_is_neither_published_nor_counted(harness) -> None:
+    """A deactivation waits for the call in flight; its chunk is not published then, and nothing counts it:
+    the stats' chunks are those published, and the episode's next chunk, after the next activation, takes
+    the next id (found in review: the chunk was counted and its id used, a gap in the episode's ids)."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2)
+    engine = h.node.policy.engine
+    real, entered, release = engine.sample_actions, threading.Event(), threading.Event()
+
+    def held(inputs: Any, noise: Any) -> Any:
+        entered.set()
+        release.wait(timeout=30.0)
+        return real(inputs, noise)
+
+    engine.sample_actions = held
+    deactivated: list[bool] = []
+    stopping = threading.Thread(
+        target=lambda: deactivated.append(h.transition(Transition.TRANSITION_DEACTIVATE))
+    )
+    try:
+        assert h.feed_until(entered.is_set), "no call started"
+        stopping.start()
+        assert h.wait_for(h.node._stop.is_set, timeout=10.0), "the deactivation did not begin"
+    finally:
+        release.set()
+        stopping.join(timeout=30.0)
+        del engine.sample_actions
+    assert deactivated == [True] and h.state() == State.PRIMARY_STATE_INACTIVE
+    counted = h.node.stats()["chunks"]
+    assert h.wait_for(lambda: len(h.chunks) >= counted, timeout=5.0), (len(h.chunks), counted)
+    time.sleep(0.3)  # a chunk published late would arrive by now
+    ids = [c.chunk_id for c in h.chunks]
+    assert {c.episode_id for c in h.chunks} == {0} and ids == list(range(counted)), (ids, counted)
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) > counted)
+    assert h.chunks[counted].chunk_id == counted, "the episode's next chunk skipped an id"
+
+
 def test_a_reset_cut_short_still_starts_the_next_episode_on_fresh_observations(harness) -> None:
     """A Ctrl-C during a reset's library write ends the cache's episode all the same (its reset does so in a
     finally), and the node's episode and observation buffer follow: before (found in a loaded run of the

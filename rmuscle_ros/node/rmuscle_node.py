@@ -1139,6 +1139,12 @@ class RMuscleNode(LifecycleNode):
             # space: a disk error there dropped every chunk, found in review); the rest at the window's end
             call_status = policy.cache_call_status()
             with self._stats_lock:
+                # Stopping (a deactivation or shutdown waits for this call): the chunk is not published, so
+                # nothing counts it, nor takes its id (found in review: it was counted, and the episode's
+                # next published chunk, after an activation, skipped its id). Decided here, once: a chunk
+                # counted below is published, on publishers kept active until the worker has ended.
+                if self._stop.is_set():
+                    return
                 if call_status is not None and self.cache_status is not None:
                     self.cache_status = self.cache_status | call_status
                 episode, chunk_id = self.episode_id, self.chunk_id
@@ -1171,8 +1177,6 @@ class RMuscleNode(LifecycleNode):
                     late_count = self.late_served[late.first.reason.value]
         # The tick has its chunk (counted above): an error from here on is not that tick's drop (TICK_JOBS).
         self._doing = "publishing a chunk"
-        if self._stop.is_set():
-            return
         self._publish_chunk(cfg, chunk, episode, chunk_id)
         if outage is not None:  # the outage's start was logged: so is its end
             self.get_logger().info(
@@ -1181,7 +1185,7 @@ class RMuscleNode(LifecycleNode):
         if late is not None:
             self._log_served_late(late, late_count)
         self._log_if_slow(call, recent)
-        if cfg.cache.enabled:
+        if cfg.cache.enabled and not self._stop.is_set():  # stopping: the deactivation waits for no audit
             self._doing = "an audit"
             self._audit_cache(cfg, policy, episode)
             self._doing = "a rebuild part"
