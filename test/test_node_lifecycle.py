@@ -1178,6 +1178,7 @@ def test_a_call_that_ends_after_a_deactivation_began_is_neither_published_nor_co
     )
     try:
         assert h.feed_until(entered.is_set), "no call started"
+        held = h.node.chunk_id  # the id the held call's chunk would take
         stopping.start()
         assert h.wait_for(h.node._stop.is_set, timeout=10.0), "the deactivation did not begin"
     finally:
@@ -1186,6 +1187,7 @@ def test_a_call_that_ends_after_a_deactivation_began_is_neither_published_nor_co
         del engine.sample_actions
     assert deactivated == [True] and h.state() == State.PRIMARY_STATE_INACTIVE
     counted = h.node.stats()["chunks"]
+    assert counted == held, "the held call's chunk was counted"
     assert h.wait_for(lambda: len(h.chunks) >= counted, timeout=5.0), (len(h.chunks), counted)
     time.sleep(0.3)  # a chunk published late would arrive by now
     ids = [c.chunk_id for c in h.chunks]
