@@ -47,6 +47,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
+import rmuscle_ros.node.rmuscle_node as node_module  # noqa: E402
 from rmuscle_ros.msg import ActionChunk  # noqa: E402
 from rmuscle_ros.node.bags import (  # noqa: E402
     ALOHA_CAMERA_TOPICS,
@@ -1068,6 +1069,116 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     assert status.level == status.WARN and "stalled" not in status.message, status.message
     assert "fell due while the worker was still busy" in status.message, status.message
     assert int({kv.key: kv.value for kv in status.values}["ticks_merged_lately"]) >= 5, status.values
+
+
+def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(harness, monkeypatch) -> None:
+    """With exit_after_stall_s, a tick that has waited that long for a hung call ends the process (status
+    70, a fatal log naming the stall, /diagnostics saying so first): the node cannot end the call, and a
+    deactivation or shutdown would wait for it. The stall is reported at stall_after_s, before. (The exit
+    itself, here recorded: the next test runs the node as its own process.)"""
+    ended: list[tuple[int, float]] = []
+    monkeypatch.setattr(node_module, "end_process", lambda status: ended.append((status, time.monotonic())))
+    h = harness(stall_after_s=0.5, exit_after_stall_s=1.5)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+    refused = h.node.set_parameters([Parameter("exit_after_stall_s", value=0.4)])[0]  # live, checked
+    assert not refused.successful and "above stall_after_s (0.5 s), got 0.4" in refused.reason, refused
+    engine = h.node.policy.engine
+    real, release = engine.sample_actions, threading.Event()
+
+    def hung(inputs: Any, noise: Any) -> Any:
+        release.wait(timeout=60.0)
+        return real(inputs, noise)
+
+    engine.sample_actions = hung
+    try:
+        assert h.feed_until(lambda: h.node.stats()["stalled_s"] >= 0.6)
+        assert not ended, "ended at the stall's report, not past exit_after_stall_s"
+        assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
+        stalled = h.node.stats()["stalled_s"]
+        assert ended[0][0] == node_module.STALL_EXIT_STATUS == 70 and len(ended) == 1
+        assert 1.5 <= stalled < 1.5 + 1.0, stalled  # the watchdog looks every 0.25 s
+        said = "(in a call; exit_after_stall_s 1.5): ending the process with status 70"
+        assert h.wait_for(lambda: any(said in log.msg and log.level == 50 for log in h.logs), timeout=5.0)
+        assert h.wait_for(
+            lambda: any(
+                d.status[0].message.startswith("ending the process: inference stalled") for d in h.diagnostics
+            ),
+            timeout=5.0,
+        )
+    finally:
+        del engine.sample_actions
+        release.set()
+
+
+_ENDED_BY_A_STALL = """
+import sys, threading, time
+import rclpy
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import Image, JointState
+from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES
+from rmuscle_ros.node.rmuscle_node import RMuscleNode
+from rmuscle_ros.node.spin import spin_node
+
+library = sys.argv[1]
+
+def feed(node, peer):
+    cameras = [peer.create_publisher(Image, t, qos_profile_sensor_data)
+               for t in ("images/base", "images/left_wrist", "images/right_wrist")]
+    arms = [peer.create_publisher(JointState, t, qos_profile_sensor_data)
+            for t in ("joint_states/left", "joint_states/right")]
+    while True:
+        stamp = peer.get_clock().now().to_msg()
+        for pub in cameras:
+            msg = Image(height=48, width=64, encoding="rgb8", step=192, data=bytes(48 * 192))
+            msg.header.stamp = stamp
+            pub.publish(msg)
+        for pub in arms:
+            msg = JointState(name=list(ALOHA_JOINT_STATE_NAMES), position=[0.1] * len(ALOHA_JOINT_STATE_NAMES))
+            msg.header.stamp = stamp
+            pub.publish(msg)
+        time.sleep(0.03)
+
+def make():
+    node = RMuscleNode()
+    assert node.trigger_configure().name == "SUCCESS", node.last_error
+    policy = node.policy
+    real = policy.infer
+    def hangs_after_three(obs):  # a GPU that stops answering: the call never returns
+        if node.chunk_id >= 3:
+            threading.Event().wait()
+        return real(obs)
+    policy.infer = hangs_after_three
+    node.trigger_activate()
+    threading.Thread(target=feed, args=(node, rclpy.create_node("cell")), daemon=True).start()
+    return node
+
+params = ("warmup:=false", "cache.enabled:=true", "model.backend:=fused", f"cache.library_path:={library}",
+          "actions_per_inference:=5", "max_image_age_s:=1.0", "max_joint_age_s:=1.0", "max_skew_s:=0.5",
+          "prompt:=pick", "stall_after_s:=0.5", "exit_after_stall_s:=1.0")
+sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for a in ("-p", p)]]))
+"""
+
+
+def test_a_hung_call_ends_the_node_s_process_with_its_status_and_frees_the_library(tmp_path) -> None:
+    """The node as its own process, its call hung for good after 3 chunks: past exit_after_stall_s the
+    process ends with status 70 (neither hung in its worker nor killed), saying why, and the library's
+    lock went with it, so the process a supervisor starts next opens the library."""
+    from rmuscle_ros.cache.lock import LibraryLock
+
+    library = tmp_path / "library"
+    script = tmp_path / "node.py"
+    script.write_text(_ENDED_BY_A_STALL)
+    env = os.environ | {"ROS_DOMAIN_ID": str(ros_domain(62))}
+    run = subprocess.run(
+        [sys.executable, str(script), str(library)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert run.returncode == 70, run.stderr[-2000:]
+    assert "exit_after_stall_s 1): ending the process with status 70" in run.stderr, run.stderr[-2000:]
+    assert "episode 0 (3 chunk(s) published) is not recorded" in run.stderr, run.stderr[-2000:]
+    lock = LibraryLock.take(library)  # LibraryBusy if the ended process still held it
+    assert not lock.read_only, lock.read_only
+    lock.release()
 
 
 # rmuscle_node's own main (spin_node) in a process of its own, fed observations until it has published 6

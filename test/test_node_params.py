@@ -126,6 +126,12 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"max_skew_s": 1e300}, r"^max_skew_s: must be > 0 and at most 3600 s"),
         ({"sensor_startup_timeout_s": 1e300}, r"^sensor_startup_timeout_s: must be >= 0 and at most 3600 s"),
         ({"stall_after_s": float("inf")}, r"^stall_after_s: must be > 0"),
+        ({"exit_after_stall_s": -1.0}, r"^exit_after_stall_s: must be 0 \(never\) or > 0 and at most 3600 s"),
+        ({"exit_after_stall_s": float("nan")}, r"^exit_after_stall_s: must be 0 \(never\) or > 0"),
+        (
+            {"exit_after_stall_s": 1.5},
+            r"^exit_after_stall_s: must be 0 \(never\) or above stall_after_s \(2 s\)",
+        ),
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
         ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),

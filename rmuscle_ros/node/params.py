@@ -174,6 +174,11 @@ class NodeConfig:
     # or motion-window job that does not return (a hung GPU, a deadlock) sends no chunk and no drop either.
     # Ticks normally wait a few ms, at most one rebuild part or audit; the first tick taken ends it.
     stall_after_s: float = 2.0
+    # 0: never. Above 0, once a tick has waited this long for the inference worker, the node ends its
+    # process (status 70, logged at fatal level) for a supervisor to start it again: it cannot end a hung
+    # CUDA call or disk read itself, and a deactivation or shutdown would wait for it. The episode in
+    # progress is not recorded then; the library on disk stays as it was. Must exceed stall_after_s.
+    exit_after_stall_s: float = 0.0
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True
     # PyTorch's CPU threads in this process (torch.set_num_threads), set at configure; 0: automatic, PyTorch's
@@ -404,6 +409,16 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     positive("stall_after_s")
+    exit_after = values["exit_after_stall_s"]
+    if exit_after != 0 and not 0 < exit_after <= MAX_SECONDS:
+        raise ParameterError(
+            f"exit_after_stall_s: must be 0 (never) or > 0 and at most {MAX_SECONDS:g} s, got {exit_after!r}"
+        )
+    if exit_after != 0 and exit_after <= values["stall_after_s"]:  # the stall is reported before the exit
+        raise CombinationError(
+            f"exit_after_stall_s: must be 0 (never) or above stall_after_s ({values['stall_after_s']:g} s), "
+            f"got {exit_after:g}"
+        )
     if values["noise_seed"] < -1:
         raise ParameterError(f"noise_seed: must be >= 0, or -1 for one stream, got {values['noise_seed']}")
     # What no preset takes, whichever is chosen: wrong by itself (ParameterError); within that, the chosen

@@ -22,13 +22,14 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import statistics
 import sys
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
@@ -68,6 +69,11 @@ from rmuscle_ros.node.spin import (
 )
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
+# The process's exit status when a stall outlasts exit_after_stall_s (sysexits' EX_SOFTWARE): a failure to a
+# supervisor (systemd's Restart=on-failure, a container's restart policy), told apart from a crash's 1.
+STALL_EXIT_STATUS = 70
+# How often the stall watchdog looks (wall seconds): an exit comes at most this late.
+WATCHDOG_PERIOD_S = 0.25
 # With use_sim_time while active: no /clock at all for this long is an ERROR (no tick runs: a simulator or
 # player that never started, or use_sim_time set by mistake) ...
 CLOCK_SILENT_S = 5.0
@@ -110,6 +116,7 @@ LIVE_PARAMETERS = {
     "sensor_startup_timeout_s": None,
     "error_after_drops": None,
     "stall_after_s": None,
+    "exit_after_stall_s": None,
     "cache.similarity_threshold": "threshold",  # -> RMuscleConfig's name
     "cache.record": "record",
     "cache.rebuilds_per_tick": "rebuilds_per_tick",
@@ -117,6 +124,15 @@ LIVE_PARAMETERS = {
     "cache.audit_every": "audit_every",
     "cache.audit_max_error": "audit_max_error",
 }
+
+
+def end_process(status: int) -> NoReturn:
+    """End the process now, with `status`, skipping its shutdown (which would wait for a stalled worker,
+    as would a deactivation). Kernel locks (the library's) go with the process; nothing is written."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def _prompt_too_long(policy: Any, prompt: str) -> str:
@@ -267,6 +283,11 @@ class RMuscleNode(LifecycleNode):
         self._tick_waiting_since: float | None = None
         self._doing = ""  # what the worker is running ("": waiting for work), for the stall's report
         self._stall_logged = False  # the current stall was logged (once per stall)
+        # From activation until the worker has ended: ends the process once a stall outlasts
+        # exit_after_stall_s (`_watch_for_stalls`); its own thread, since a stall can hold the executor too
+        # (a deactivation or shutdown waits for the worker)
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_stop = threading.Event()
         # With use_sim_time: the ROS clock's latest reading seen by /diagnostics, and when (monotonic) it
         # last moved; the silence was logged (once per silence)
         self._ros_clock_seen = 0
@@ -689,6 +710,10 @@ class RMuscleNode(LifecycleNode):
         worker = threading.Thread(target=self._inference_loop, name="rmuscle-inference", daemon=True)
         worker.start()  # kept only once started: a thread that never started cannot be joined
         self._worker = worker
+        self._watchdog_stop.clear()
+        watchdog = threading.Thread(target=self._watch_for_stalls, name="rmuscle-stall-watchdog", daemon=True)
+        watchdog.start()
+        self._watchdog = watchdog
         self.get_logger().info(f"activate: one chunk every {period * 1e3:.0f} ms")
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -773,6 +798,10 @@ class RMuscleNode(LifecycleNode):
         with self._tick_lock:  # a tick after the worker's last wake is not taken: nothing to count
             self._tick.clear()
             self._tick_waiting_since = None
+        self._watchdog_stop.set()  # only now: the join above waited for the worker, however long
+        if self._watchdog is not None:
+            self._watchdog.join()
+            self._watchdog = None
         self._refill.clear()
         sys.setswitchinterval(self._switch_interval_s)  # a tick may have come after the worker's last wake
 
@@ -974,6 +1003,42 @@ class RMuscleNode(LifecycleNode):
             )
         self._stall_logged = False
         return waited
+
+    def _watch_for_stalls(self) -> None:
+        """The stall watchdog's loop: once a tick has waited exit_after_stall_s (> 0) for the worker, say so
+        (fatal log, /diagnostics) and end the process for a supervisor to start it again. The node cannot end
+        a hung CUDA call or disk read, and everything else waits for the worker: this thread does not."""
+        while not self._watchdog_stop.wait(WATCHDOG_PERIOD_S):
+            cfg = self.cfg
+            limit = cfg.exit_after_stall_s if cfg is not None else 0.0
+            waited = self.stalled_s()
+            if limit and waited >= limit:
+                self._end_stalled(waited, limit)
+                return
+
+    def _end_stalled(self, waited: float, limit: float) -> None:
+        with self._stats_lock:
+            calls = self.chunk_id
+            episode = self.episode_id
+        said = (
+            f"inference stalled: a tick has waited {waited:.1f} s for the inference worker (in "
+            f"{self._doing or 'nothing'}; exit_after_stall_s {limit:g}): ending the process with status "
+            f"{STALL_EXIT_STATUS} for its supervisor to start it again; episode {episode} ({calls} chunk(s) "
+            "published) is not recorded, and the library on disk stays as it was"
+        )
+        try:  # what an operator watching /diagnostics sees last; the exit goes ahead whatever this raises
+            array_msg = self._diagnostics()
+            status = array_msg.status[0]
+            status.level, status.message = DiagnosticStatus.ERROR, f"ending the process: {said}"
+            self._diag_pub.publish(array_msg)
+        except Exception as e:
+            said += f" (its last /diagnostics could not be published: {type(e).__name__}: {e})"
+        self.get_logger().fatal(said)
+        # also from Python, flushed by end_process: the console logger's stream may be buffered
+        # (RCUTILS_LOGGING_BUFFERED_STREAM), and os._exit flushes no C stream
+        print(f"{self.get_name()}: {said}", file=sys.stderr)
+        time.sleep(0.2)  # the log line and /diagnostics leave over DDS
+        end_process(STALL_EXIT_STATUS)
 
     def stalled_s(self) -> float:
         """How long the oldest tick not yet taken by the worker has waited (0: none waits)."""
