@@ -18,10 +18,12 @@ Each stage launch is wrapped: its host time, and CUDA events before and after it
 on. Per call (medians over --iters rounds): wall clock; host ms until the first stage is launched; GPU
 ms from the call's start event to the first stage's start (the GPU idle for the host), each stage's GPU
 ms in the call, the gaps between stages, and from the last stage's end to the call's end event. And the
-host's steps before the first launch (`host_<step>_entry_ms` from the call's start, `host_<step>_ms`
-long): the runtime's `_infer` (entered after the streams' waits and the call's start event), its
-`_push_usable`, the engine's `begin_load`, the prompt's read within it (`_host_array`) and `finish_load`.
-The first run (`…/probe_call_timeline_pi05_h200_9ebd6d3`) predates these steps.
+host's steps (`host_<step>_entry_ms` from the call's start, `host_<step>_ms` long; of a step called more
+than once in a call, its first call): before the first launch, the runtime's `_infer` (entered after the
+streams' waits and the call's start event), its `_push_usable`, the engine's `begin_load` and the token
+row's read within it (`_host_array`'s first call); and after it, `finish_load` (the prompt packed while
+vision or match runs). The wrappers stay in place until the process ends (the stages alone, timed last,
+go through `run_stage` only). The first run (`…/probe_call_timeline_pi05_h200_9ebd6d3`) predates these steps.
 
     python bench/probe_call_timeline.py --out bench/results --commit $(git rev-parse --short HEAD)
     python bench/probe_call_timeline.py --device cpu --preset tiny --iters 2 --calls 3   # smoke run
@@ -172,8 +174,9 @@ def main() -> None:
     calls = {"dense_engine": lambda: bench.dense_call(obs), "cached_engine": cached_engine,
              "cached_runtime": cached_runtime}  # fmt: skip
     clock = StageClock(e)
-    # the host's steps before the first launch: the runtime's own (its _infer starts after the streams'
-    # waits and the call's start event), the engine's begin_load, and within it the prompt's read
+    # the host's steps: before the first launch the runtime's own (its _infer starts after the streams'
+    # waits and the call's start event), the engine's begin_load and within it the token row's read; after
+    # it, finish_load
     clock.stamp(rt, "_infer", "runtime_infer")
     clock.stamp(rt, "_push_usable", "push_usable")
     clock.stamp(e, "begin_load", "begin_load")
