@@ -1111,6 +1111,37 @@ def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(har
         release.set()
 
 
+def test_a_reset_whose_recording_hangs_ends_the_process_past_exit_after_stall_s(harness, monkeypatch) -> None:
+    """A reset records the finished episode on the executor's thread, holding the policy: a library disk
+    that hangs there holds the executor, and no tick falls due to count a stall. Past exit_after_stall_s
+    the watchdog ends the process all the same, naming the reset."""
+    ended: list[int] = []
+    monkeypatch.setattr(node_module, "end_process", ended.append)
+    h = harness(stall_after_s=0.5, exit_after_stall_s=1.0)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+    policy, release = h.node.policy, threading.Event()
+    real = policy.reset_episode
+
+    def hung() -> int | None:  # the library's write, on a disk that does not answer
+        release.wait(timeout=60.0)
+        return real()
+
+    policy.reset_episode = hung
+    resetting = threading.Thread(target=h.node.reset_episode)
+    resetting.start()
+    try:
+        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
+        assert ended == [70]
+        said = "inference stalled: an episode reset has run 1."
+        assert h.wait_for(lambda: any(said in log.msg and log.level == 50 for log in h.logs), timeout=5.0)
+    finally:
+        release.set()
+        resetting.join(timeout=30.0)
+        del policy.reset_episode
+    assert h.node.episode_id == 1
+
+
 _ENDED_BY_A_STALL = """
 import sys, threading, time
 import rclpy

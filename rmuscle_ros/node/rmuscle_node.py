@@ -288,6 +288,9 @@ class RMuscleNode(LifecycleNode):
         # (a deactivation or shutdown waits for the worker)
         self._watchdog: threading.Thread | None = None
         self._watchdog_stop = threading.Event()
+        # When the reset in progress took the policy (monotonic; None: none): it records the finished
+        # episode on the executor's thread, where a disk that hangs holds the executor and no tick falls due
+        self._resetting_since: float | None = None
         # With use_sim_time: the ROS clock's latest reading seen by /diagnostics, and when (monotonic) it
         # last moved; the silence was logged (once per silence)
         self._ros_clock_seen = 0
@@ -872,6 +875,7 @@ class RMuscleNode(LifecycleNode):
             self._error("reset", f"episode {episode} was not reset: {self._busy()}")
             return episode, f"not reset: {self._busy()}", False
         policy, status = self.policy, None
+        self._resetting_since = time.monotonic()  # the stall watchdog's: a reset on the executor's thread
         try:
             if policy is not None:
                 try:
@@ -911,6 +915,7 @@ class RMuscleNode(LifecycleNode):
                 # the refill for the next episode never ran (found in review).
                 self._late = None
             finally:
+                self._resetting_since = None
                 self._policy_lock.release()
         if failed:
             note = f"recording episode {episode - 1} failed: {failed}"
@@ -1005,24 +1010,33 @@ class RMuscleNode(LifecycleNode):
         return waited
 
     def _watch_for_stalls(self) -> None:
-        """The stall watchdog's loop: once a tick has waited exit_after_stall_s (> 0) for the worker, say so
-        (fatal log, /diagnostics) and end the process for a supervisor to start it again. The node cannot end
-        a hung CUDA call or disk read, and everything else waits for the worker: this thread does not."""
+        """The stall watchdog's loop: once a tick has waited exit_after_stall_s (> 0) for the worker, or a
+        reset has held the policy that long, say so (fatal log, /diagnostics) and end the process for a
+        supervisor to start it again. The node cannot end a hung CUDA call or disk write, and everything
+        else waits for them: this thread does not."""
         while not self._watchdog_stop.wait(WATCHDOG_PERIOD_S):
             cfg = self.cfg
             limit = cfg.exit_after_stall_s if cfg is not None else 0.0
+            resetting = self._resetting_since
             waited = self.stalled_s()
-            if limit and waited >= limit:
-                self._end_stalled(waited, limit)
+            reset_s = time.monotonic() - resetting if resetting is not None else 0.0
+            if limit and max(waited, reset_s) >= limit:
+                if reset_s >= limit:  # the cause, if ticks wait too: the worker waits for the reset's lock
+                    what = (
+                        f"an episode reset has run {reset_s:.1f} s (recording the finished episode into the "
+                        "library, refilling the window"
+                    )
+                else:
+                    what = f"a tick has waited {waited:.1f} s for the inference worker (in {self._doing or 'nothing'}"
+                self._end_stalled(what, limit)
                 return
 
-    def _end_stalled(self, waited: float, limit: float) -> None:
+    def _end_stalled(self, what: str, limit: float) -> None:
         with self._stats_lock:
             calls = self.chunk_id
             episode = self.episode_id
         said = (
-            f"inference stalled: a tick has waited {waited:.1f} s for the inference worker (in "
-            f"{self._doing or 'nothing'}; exit_after_stall_s {limit:g}): ending the process with status "
+            f"inference stalled: {what}; exit_after_stall_s {limit:g}): ending the process with status "
             f"{STALL_EXIT_STATUS} for its supervisor to start it again; episode {episode} ({calls} chunk(s) "
             "published) is not recorded, and the library on disk stays as it was"
         )
