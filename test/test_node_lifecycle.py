@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -1114,7 +1115,9 @@ def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(har
 def test_a_reset_whose_recording_hangs_ends_the_process_past_exit_after_stall_s(harness, monkeypatch) -> None:
     """A reset records the finished episode on the executor's thread, holding the policy: a library disk
     that hangs there holds the executor, and no tick falls due to count a stall. Past exit_after_stall_s
-    the watchdog ends the process all the same, naming the reset."""
+    the watchdog ends the process all the same, naming the reset. (Asked for over the service, as a cell
+    does: its callback runs on the executor's thread, which the harness's peer shares, so the log line
+    arrives once the reset is released.)"""
     ended: list[int] = []
     monkeypatch.setattr(node_module, "end_process", ended.append)
     h = harness(stall_after_s=0.5, exit_after_stall_s=1.0)
@@ -1128,18 +1131,57 @@ def test_a_reset_whose_recording_hangs_ends_the_process_past_exit_after_stall_s(
         return real()
 
     policy.reset_episode = hung
-    resetting = threading.Thread(target=h.node.reset_episode)
+    resetting = threading.Thread(target=lambda: h.call(h.reset, Trigger.Request()))
     resetting.start()
     try:
         assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
         assert ended == [70]
-        said = "inference stalled: an episode reset has run 1."
-        assert h.wait_for(lambda: any(said in log.msg and log.level == 50 for log in h.logs), timeout=5.0)
     finally:
         release.set()
         resetting.join(timeout=30.0)
         del policy.reset_episode
+    said = re.compile(
+        r"inference stalled: an episode reset has run \d+\.\d s \(recording the finished episode"
+    )
+    assert h.wait_for(lambda: any(said.search(log.msg) and log.level == 50 for log in h.logs), timeout=5.0)
     assert h.node.episode_id == 1
+
+
+def test_a_deactivation_waiting_for_a_hung_call_ends_the_process_past_exit_after_stall_s(
+    harness, monkeypatch
+) -> None:
+    """A call that hangs just after its tick, then a deactivation (or Ctrl-C's shutdown): it waits for the
+    worker on the executor's thread, so no tick falls due to count a stall. Found in review: the process
+    then hung for good. Past exit_after_stall_s the watchdog, which outlives the wait, ends it."""
+    ended: list[int] = []
+    monkeypatch.setattr(node_module, "end_process", ended.append)
+    # one tick a second: none falls due between the hung call's and the deactivation
+    h = harness(stall_after_s=0.5, exit_after_stall_s=1.0, actions_per_inference=50)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 1)
+    engine = h.node.policy.engine
+    real, entered, release = engine.sample_actions, threading.Event(), threading.Event()
+
+    def hung(inputs: Any, noise: Any) -> Any:
+        entered.set()
+        release.wait(timeout=60.0)
+        return real(inputs, noise)
+
+    engine.sample_actions = hung
+    stopping = threading.Thread(target=lambda: h.transition(Transition.TRANSITION_DEACTIVATE))
+    try:
+        assert h.feed_until(entered.is_set), "no call started"
+        stopping.start()
+        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
+        assert ended == [70]
+    finally:
+        release.set()
+        stopping.join(timeout=30.0)
+        del engine.sample_actions
+    said = re.compile(
+        r"inference stalled: a deactivation or shutdown has waited \d+\.\d s for the inference worker \(in a call"
+    )
+    assert h.wait_for(lambda: any(said.search(log.msg) and log.level == 50 for log in h.logs), timeout=5.0)
 
 
 _ENDED_BY_A_STALL = """

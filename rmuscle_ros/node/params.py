@@ -174,11 +174,11 @@ class NodeConfig:
     # or motion-window job that does not return (a hung GPU, a deadlock) sends no chunk and no drop either.
     # Ticks normally wait a few ms, at most one rebuild part or audit; the first tick taken ends it.
     stall_after_s: float = 2.0
-    # 0: never. Above 0, once a tick has waited this long for the inference worker (or an episode reset,
-    # which records into the library, has run this long), the node ends its process (status 70, logged at
-    # fatal level) for a supervisor to start it again: it cannot end a hung CUDA call or disk write itself,
-    # and a deactivation or shutdown would wait for it. The episode in progress is not recorded then; the
-    # library on disk stays as it was. Must exceed stall_after_s.
+    # 0: never. Above 0, once the node has been held this long (a tick, or a deactivation or shutdown,
+    # waiting for the inference worker; while active, an episode reset recording into the library), it
+    # ends its process (status 70, logged at fatal level) for a supervisor to start it again: it cannot end
+    # a hung CUDA call or disk write itself, and a deactivation or shutdown would wait for it. The episode
+    # in progress is not recorded then; the library on disk stays as it was. Must exceed stall_after_s.
     exit_after_stall_s: float = 0.0
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True

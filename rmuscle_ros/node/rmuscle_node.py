@@ -20,6 +20,7 @@ from __future__ import annotations
 import array
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import math
 import os
@@ -74,6 +75,12 @@ STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait b
 STALL_EXIT_STATUS = 70
 # How often the stall watchdog looks (wall seconds): an exit comes at most this late.
 WATCHDOG_PERIOD_S = 0.25
+# A look that came this much later than asked (the process was paused: SIGSTOP, `docker pause`, a debugger,
+# or starved) is skipped: the worker has had no time to take its tick either.
+WATCHDOG_LATE_S = 1.0
+# If saying why blocks (a full stderr pipe, logging), the process ends this long after all the same,
+# status 1, from a thread that needs no GIL (faulthandler, which dumps every thread's stack first).
+EXIT_BACKSTOP_S = 5.0
 # With use_sim_time while active: no /clock at all for this long is an ERROR (no tick runs: a simulator or
 # player that never started, or use_sim_time set by mistake) ...
 CLOCK_SILENT_S = 5.0
@@ -291,6 +298,10 @@ class RMuscleNode(LifecycleNode):
         # When the reset in progress took the policy (monotonic; None: none): it records the finished
         # episode on the executor's thread, where a disk that hangs holds the executor and no tick falls due
         self._resetting_since: float | None = None
+        # When a deactivation or shutdown began waiting for the worker (monotonic; None: none): it holds the
+        # executor, so no tick falls due while the worker finishes its job (found in review: a call that hung
+        # less than a period before a deactivation was never counted, and the process hung for good)
+        self._stopping_since: float | None = None
         # With use_sim_time: the ROS clock's latest reading seen by /diagnostics, and when (monotonic) it
         # last moved; the silence was logged (once per silence)
         self._ros_clock_seen = 0
@@ -795,8 +806,10 @@ class RMuscleNode(LifecycleNode):
         self._stop.set()
         self._wake.set()
         if self._worker is not None:
+            self._stopping_since = time.monotonic()
             self._worker.join()
             self._worker = None
+            self._stopping_since = None
         self._wake.clear()
         with self._tick_lock:  # a tick after the worker's last wake is not taken: nothing to count
             self._tick.clear()
@@ -1010,28 +1023,43 @@ class RMuscleNode(LifecycleNode):
         return waited
 
     def _watch_for_stalls(self) -> None:
-        """The stall watchdog's loop: once a tick has waited exit_after_stall_s (> 0) for the worker, or a
-        reset has held the policy that long, say so (fatal log, /diagnostics) and end the process for a
+        """The stall watchdog's loop: once the worker has kept a tick waiting, or a reset (which records into
+        the library) or a deactivation or shutdown waiting for the worker has run, exit_after_stall_s (> 0),
+        say so (fatal log, stderr with every thread's stack, /diagnostics) and end the process for a
         supervisor to start it again. The node cannot end a hung CUDA call or disk write, and everything
         else waits for them: this thread does not."""
+        asked = time.monotonic()
         while not self._watchdog_stop.wait(WATCHDOG_PERIOD_S):
+            now = time.monotonic()
+            late, asked = now - asked - WATCHDOG_PERIOD_S, now
             cfg = self.cfg
             limit = cfg.exit_after_stall_s if cfg is not None else 0.0
-            resetting = self._resetting_since
-            waited = self.stalled_s()
-            reset_s = time.monotonic() - resetting if resetting is not None else 0.0
-            if limit and max(waited, reset_s) >= limit:
-                if reset_s >= limit:  # the cause, if ticks wait too: the worker waits for the reset's lock
-                    what = (
-                        f"an episode reset has run {reset_s:.1f} s (recording the finished episode into the "
-                        "library, refilling the window"
-                    )
-                else:
-                    what = f"a tick has waited {waited:.1f} s for the inference worker (in {self._doing or 'nothing'}"
+            if not limit or late > WATCHDOG_LATE_S:
+                continue
+            what = self._stalled_past(limit, now)
+            if what:
                 self._end_stalled(what, limit)
                 return
 
+    def _stalled_past(self, limit: float, now: float) -> str:
+        """What has held the node `limit` seconds or more ("" if nothing): a reset first, since ticks then
+        wait for its lock; then a deactivation or shutdown waiting for the worker, then a waiting tick."""
+        resetting, stopping, waiting = self._resetting_since, self._stopping_since, self._tick_waiting_since
+        doing = self._doing or "nothing"
+        if resetting is not None and now - resetting >= limit:
+            return (
+                f"an episode reset has run {now - resetting:.1f} s (recording the finished episode into the "
+                "library, refilling the window"
+            )
+        if stopping is not None and now - stopping >= limit:
+            return f"a deactivation or shutdown has waited {now - stopping:.1f} s for the inference worker (in {doing}"
+        if waiting is not None and now - waiting >= limit:
+            return f"a tick has waited {now - waiting:.1f} s for the inference worker (in {doing}"
+        return ""
+
     def _end_stalled(self, what: str, limit: float) -> None:
+        # armed first: if saying why blocks, the process still ends (status 1, every thread's stack dumped)
+        faulthandler.dump_traceback_later(EXIT_BACKSTOP_S, exit=True)
         with self._stats_lock:
             calls = self.chunk_id
             episode = self.episode_id
@@ -1049,10 +1077,14 @@ class RMuscleNode(LifecycleNode):
             said += f" (its last /diagnostics could not be published: {type(e).__name__}: {e})"
         self.get_logger().fatal(said)
         # also from Python, flushed by end_process: the console logger's stream may be buffered
-        # (RCUTILS_LOGGING_BUFFERED_STREAM), and os._exit flushes no C stream
-        print(f"{self.get_name()}: {said}", file=sys.stderr)
+        # (RCUTILS_LOGGING_BUFFERED_STREAM), and os._exit flushes no C stream. With every thread's stack:
+        # where the worker (or the executor) hung.
+        print(f"{self.get_name()}: {said}; the threads' stacks follow", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         time.sleep(0.2)  # the log line and /diagnostics leave over DDS
         end_process(STALL_EXIT_STATUS)
+        faulthandler.cancel_dump_traceback_later()  # (only where end_process returns: a test's stand-in)
 
     def stalled_s(self) -> float:
         """How long the oldest tick not yet taken by the worker has waited (0: none waits)."""
