@@ -1235,8 +1235,8 @@ sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for 
 
 def test_a_hung_call_ends_the_node_s_process_with_its_status_and_frees_the_library(tmp_path) -> None:
     """The node as its own process, its call hung for good after 3 chunks: past exit_after_stall_s the
-    process ends with status 70 (neither hung in its worker nor killed), saying why, and the library's
-    lock went with it, so the process a supervisor starts next opens the library."""
+    process ends with status 70 (neither hung in its worker nor killed), saying why with the threads'
+    stacks, and the library's lock went with it, so the process a supervisor starts next opens it."""
     from rmuscle_ros.cache.lock import LibraryLock
 
     library = tmp_path / "library"
@@ -1249,6 +1249,7 @@ def test_a_hung_call_ends_the_node_s_process_with_its_status_and_frees_the_libra
     assert run.returncode == 70, run.stderr[-2000:]
     assert "exit_after_stall_s 1): ending the process with status 70" in run.stderr, run.stderr[-2000:]
     assert "episode 0 (3 chunk(s) published) is not recorded" in run.stderr, run.stderr[-2000:]
+    assert " in hangs_after_three" in run.stderr, "no stack showing where the call hung"
     lock = LibraryLock.take(library)  # LibraryBusy if the ended process still held it
     assert not lock.read_only, lock.read_only
     lock.release()
