@@ -1072,13 +1072,21 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     assert int({kv.key: kv.value for kv in status.values}["ticks_merged_lately"]) >= 5, status.values
 
 
+def _stand_in_for_the_exit(monkeypatch) -> list[int]:
+    """The stall exit, recorded instead of ending the test's process; its backstop (which would end it)
+    not armed. Returns the statuses the node asked to exit with."""
+    ended: list[int] = []
+    monkeypatch.setattr(node_module, "end_process", ended.append)
+    monkeypatch.setattr(node_module, "arm_exit_backstop", lambda seconds: None)
+    return ended
+
+
 def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(harness, monkeypatch) -> None:
     """With exit_after_stall_s, a tick that has waited that long for a hung call ends the process (status
     70, a fatal log naming the stall, /diagnostics saying so first): the node cannot end the call, and a
     deactivation or shutdown would wait for it. The stall is reported at stall_after_s, before. (The exit
     itself, here recorded: the next test runs the node as its own process.)"""
-    ended: list[tuple[int, float]] = []
-    monkeypatch.setattr(node_module, "end_process", lambda status: ended.append((status, time.monotonic())))
+    ended = _stand_in_for_the_exit(monkeypatch)
     h = harness(stall_after_s=0.5, exit_after_stall_s=1.5)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) >= 1)
@@ -1097,7 +1105,7 @@ def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(har
         assert not ended, "ended at the stall's report, not past exit_after_stall_s"
         assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
         stalled = h.node.stats()["stalled_s"]
-        assert ended[0][0] == node_module.STALL_EXIT_STATUS == 70 and len(ended) == 1
+        assert ended == [node_module.STALL_EXIT_STATUS] == [70]
         assert 1.5 <= stalled < 1.5 + 1.0, stalled  # the watchdog looks every 0.25 s
         said = "(in a call; exit_after_stall_s 1.5): ending the process with status 70"
         assert h.wait_for(lambda: any(said in log.msg and log.level == 50 for log in h.logs), timeout=5.0)
@@ -1118,8 +1126,7 @@ def test_a_reset_whose_recording_hangs_ends_the_process_past_exit_after_stall_s(
     the watchdog ends the process all the same, naming the reset. (Asked for over the service, as a cell
     does: its callback runs on the executor's thread, which the harness's peer shares, so the log line
     arrives once the reset is released.)"""
-    ended: list[int] = []
-    monkeypatch.setattr(node_module, "end_process", ended.append)
+    ended = _stand_in_for_the_exit(monkeypatch)
     h = harness(stall_after_s=0.5, exit_after_stall_s=1.0)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) >= 1)
@@ -1153,8 +1160,7 @@ def test_a_deactivation_waiting_for_a_hung_call_ends_the_process_past_exit_after
     """A call that hangs just after its tick, then a deactivation (or Ctrl-C's shutdown): it waits for the
     worker on the executor's thread, so no tick falls due to count a stall. Found in review: the process
     then hung for good. Past exit_after_stall_s the watchdog, which outlives the wait, ends it."""
-    ended: list[int] = []
-    monkeypatch.setattr(node_module, "end_process", ended.append)
+    ended = _stand_in_for_the_exit(monkeypatch)
     # one tick a second: none falls due between the hung call's and the deactivation
     h = harness(stall_after_s=0.5, exit_after_stall_s=1.0, actions_per_inference=50)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)

@@ -133,6 +133,12 @@ LIVE_PARAMETERS = {
 }
 
 
+def arm_exit_backstop(seconds: float) -> None:
+    """End the process `seconds` from now (status 1, every thread's stack dumped to stderr) unless it has
+    ended by then: faulthandler's own thread, which needs no GIL, so whatever blocks Python cannot stop it."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
 def end_process(status: int) -> NoReturn:
     """End the process now, with `status`, skipping its shutdown (which would wait for a stalled worker,
     as would a deactivation). Kernel locks (the library's) go with the process; nothing is written."""
@@ -1058,8 +1064,7 @@ class RMuscleNode(LifecycleNode):
         return ""
 
     def _end_stalled(self, what: str, limit: float) -> None:
-        # armed first: if saying why blocks, the process still ends (status 1, every thread's stack dumped)
-        faulthandler.dump_traceback_later(EXIT_BACKSTOP_S, exit=True)
+        arm_exit_backstop(EXIT_BACKSTOP_S)  # first: if saying why blocks, the process still ends
         with self._stats_lock:
             calls = self.chunk_id
             episode = self.episode_id
@@ -1084,7 +1089,6 @@ class RMuscleNode(LifecycleNode):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         time.sleep(0.2)  # the log line and /diagnostics leave over DDS
         end_process(STALL_EXIT_STATUS)
-        faulthandler.cancel_dump_traceback_later()  # (only where end_process returns: a test's stand-in)
 
     def stalled_s(self) -> float:
         """How long the oldest tick not yet taken by the worker has waited (0: none waits)."""
