@@ -5,6 +5,7 @@
     ros2 launch rmuscle_ros rmuscle.launch.py stream_actions:=false   # chunks only, the arms untouched
     ros2 launch rmuscle_ros rmuscle.launch.py activate_streamer:=true # the arms move once chunks come
     ros2 launch rmuscle_ros rmuscle.launch.py use_sim_time:=true      # on a bag's or simulator's /clock
+    ros2 launch rmuscle_ros rmuscle.launch.py end_with_policy_node:=true  # under a supervisor (systemd)
 
 Parameters come from a profile (both nodes read their own section of the file); the topics are remapped
 onto an Interbotix ALOHA stack. With autostart (default) rmuscle_node is configured on start and
@@ -17,6 +18,10 @@ chunk came, tens of seconds after the command while the kernels compiled; found 
 stream_actions:=false it is not started. A params file that is not there, or that has no section for a
 node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
 A profile with `compressed_images: true` has the cameras remapped onto their `/compressed` subtopics.
+With end_with_policy_node:=true the launch ends when rmuscle_node's process does (a crash, or
+`exit_after_stall_s` after a call that hung), so that a supervisor restarting the launch brings the cell
+back as at start: rmuscle_node configured and active, the streamer configured and waiting for the
+operator (unless activate_streamer:=true). Without it the other nodes go on, and nothing restarts the node.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable
 
 from ament_index_python.packages import get_package_share_directory
 from launch import Event, LaunchDescription
-from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
+from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler, Shutdown
 from launch.events import matches_action
 from launch.launch_context import LaunchContext
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
@@ -121,6 +126,7 @@ def nodes(context: LaunchContext) -> list:
     params_file = perform_substitutions(context, [LaunchConfiguration("params_file")])
     stream_actions, autostart = true(context, "stream_actions"), true(context, "autostart")
     activate_streamer = true(context, "activate_streamer")
+    end_with_policy_node = true(context, "end_with_policy_node")
     # Only when true: false leaves the profile's own use_sim_time as it is.
     overrides = [{"use_sim_time": True}] if true(context, "use_sim_time") else []
     namespace = perform_substitutions(context, [LaunchConfiguration("namespace")])
@@ -128,7 +134,9 @@ def nodes(context: LaunchContext) -> list:
     check_params_file(params_file, names, namespace)
     compressed = node_parameter(params_file, "rmuscle_node", "compressed_images", namespace) is True
 
-    def lifecycle_node(executable: str, remappings: list[tuple[str, str]]) -> LifecycleNode:
+    def lifecycle_node(
+        executable: str, remappings: list[tuple[str, str]], on_exit: list | None = None
+    ) -> LifecycleNode:
         return LifecycleNode(
             package="rmuscle_ros",
             executable=executable,
@@ -137,9 +145,13 @@ def nodes(context: LaunchContext) -> list:
             output="screen",
             parameters=[params_file, *overrides],
             remappings=remappings,
+            on_exit=on_exit,
         )
 
-    policy_node = lifecycle_node("rmuscle_node", camera_remappings(ALOHA_REMAPPINGS, compressed))
+    ended = (
+        [Shutdown(reason="rmuscle_node ended (end_with_policy_node:=true)")] if end_with_policy_node else None
+    )
+    policy_node = lifecycle_node("rmuscle_node", camera_remappings(ALOHA_REMAPPINGS, compressed), ended)
     entities = autostarted(policy_node, autostart)
     if stream_actions:
         streamer = lifecycle_node("action_streamer", STREAMER_REMAPPINGS)
@@ -177,6 +189,13 @@ def generate_launch_description() -> LaunchDescription:
                 description="with autostart, also activate action_streamer (the arms then move once chunks "
                 "come); otherwise it waits, configured, for `ros2 lifecycle set /action_streamer activate` "
                 "(/<namespace>/action_streamer with namespace:=)",
+            ),
+            DeclareLaunchArgument(
+                "end_with_policy_node",
+                default_value="false",
+                description="true: the launch ends when rmuscle_node's process does (a crash, or its "
+                "exit_after_stall_s), for a supervisor (systemd Restart=always, a container's restart policy) to "
+                "start it again as at start; false: the other nodes go on",
             ),
             DeclareLaunchArgument(
                 "use_sim_time",

@@ -129,7 +129,7 @@ def test_launch_description_builds() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     description = module.generate_launch_description()
-    assert len(description.entities) == 8  # 7 arguments, then the nodes once their params file is checked
+    assert len(description.entities) == 9  # 8 arguments, then the nodes once their params file is checked
 
 
 def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_defaults(tmp_path) -> None:
