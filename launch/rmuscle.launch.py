@@ -194,8 +194,8 @@ def generate_launch_description() -> LaunchDescription:
                 "end_with_policy_node",
                 default_value="false",
                 description="true: the launch ends when rmuscle_node's process does (a crash, or its "
-                "exit_after_stall_s), for a supervisor (systemd Restart=always, a container's restart policy) to "
-                "start it again as at start; false: the other nodes go on",
+                "exit_after_stall_s), with status 0, for a supervisor (systemd Restart=always, a container's "
+                "--restart unless-stopped) to start it again as at start; false: the other nodes go on",
             ),
             DeclareLaunchArgument(
                 "use_sim_time",
