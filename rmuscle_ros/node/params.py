@@ -411,14 +411,15 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     positive("stall_after_s")
     exit_after = values["exit_after_stall_s"]
-    if exit_after != 0 and not 0 < exit_after <= MAX_SECONDS:
+    if not 0 <= exit_after <= MAX_SECONDS:
         raise ParameterError(
-            f"exit_after_stall_s: must be 0 (never) or > 0 and at most {MAX_SECONDS:g} s, got {exit_after!r}"
+            f"exit_after_stall_s: must be >= 0 (0: never) and at most {MAX_SECONDS:g} s, got {exit_after!r}"
         )
     if exit_after != 0 and exit_after <= values["stall_after_s"]:  # the stall is reported before the exit
         raise CombinationError(
-            f"exit_after_stall_s: must be 0 (never) or above stall_after_s ({values['stall_after_s']:g} s), "
-            f"got {exit_after:g}"
+            f"exit_after_stall_s: must be 0 (never) or above stall_after_s, got {exit_after:g} against "
+            f"{values['stall_after_s']:g} s (set one at a time, raise exit_after_stall_s first and lower "
+            "stall_after_s first)"
         )
     if values["noise_seed"] < -1:
         raise ParameterError(f"noise_seed: must be >= 0, or -1 for one stream, got {values['noise_seed']}")

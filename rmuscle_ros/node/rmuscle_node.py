@@ -76,10 +76,10 @@ STALL_EXIT_STATUS = 70
 # How often the stall watchdog looks (wall seconds): an exit comes at most this late.
 WATCHDOG_PERIOD_S = 0.25
 # A look that came this much later than asked (the process was paused: SIGSTOP, `docker pause`, a debugger,
-# or starved) is skipped: the worker has had no time to take its tick either.
+# or starved) is skipped, and what held the node counts from then: the worker had no time to go on either.
 WATCHDOG_LATE_S = 1.0
 # If saying why blocks (a full stderr pipe, logging), the process ends this long after all the same,
-# status 1, from a thread that needs no GIL (faulthandler, which dumps every thread's stack first).
+# status 1, from a thread that needs no GIL (faulthandler's: `arm_exit_backstop`).
 EXIT_BACKSTOP_S = 5.0
 # With use_sim_time while active: no /clock at all for this long is an ERROR (no tick runs: a simulator or
 # player that never started, or use_sim_time set by mistake) ...
@@ -133,10 +133,21 @@ LIVE_PARAMETERS = {
 }
 
 
+# The stall exit's two steps are module functions, not methods, so that tests can stand in for them
+# without ending the test's process.
+
+_backstop_sink: Any = None  # faulthandler writes through the file it is given: kept open for the process
+
+
 def arm_exit_backstop(seconds: float) -> None:
-    """End the process `seconds` from now (status 1, every thread's stack dumped to stderr) unless it has
-    ended by then: faulthandler's own thread, which needs no GIL, so whatever blocks Python cannot stop it."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    """End the process `seconds` from now (status 1) unless it has ended by then: faulthandler's own
+    thread, which needs no GIL, so whatever blocks Python cannot stop it. It writes its dump to /dev/null:
+    the stall exit has already written the stacks to stderr, and a dump into a full stderr pipe would
+    block before its exit (found in review)."""
+    global _backstop_sink
+    if _backstop_sink is None:
+        _backstop_sink = open(os.devnull, "w")  # noqa: SIM115 (held for the process's life)
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_backstop_sink)
 
 
 def end_process(status: int) -> NoReturn:
@@ -1034,42 +1045,52 @@ class RMuscleNode(LifecycleNode):
         say so (fatal log, stderr with every thread's stack, /diagnostics) and end the process for a
         supervisor to start it again. The node cannot end a hung CUDA call or disk write, and everything
         else waits for them: this thread does not."""
-        asked = time.monotonic()
+        asked = resumed = time.monotonic()
         while not self._watchdog_stop.wait(WATCHDOG_PERIOD_S):
             now = time.monotonic()
             late, asked = now - asked - WATCHDOG_PERIOD_S, now
+            if late > WATCHDOG_LATE_S:  # paused, or starved: what held the node counts from now on
+                resumed = now
+                continue
             cfg = self.cfg
             limit = cfg.exit_after_stall_s if cfg is not None else 0.0
-            if not limit or late > WATCHDOG_LATE_S:
-                continue
-            what = self._stalled_past(limit, now)
-            if what:
-                self._end_stalled(what, limit)
+            held = self._stalled_past(limit, now, resumed) if limit else None
+            if held is not None:
+                self._end_stalled(*held, limit)
                 return
 
-    def _stalled_past(self, limit: float, now: float) -> str:
-        """What has held the node `limit` seconds or more ("" if nothing): a reset first, since ticks then
-        wait for its lock; then a deactivation or shutdown waiting for the worker, then a waiting tick."""
+    def _stalled_past(self, limit: float, now: float, resumed: float) -> tuple[str, str] | None:
+        """What has held the node `limit` seconds or more, counted from `resumed` at the earliest (a pause
+        of the process is no stall), and what it was doing; None if nothing. A reset first, since ticks
+        then wait for its lock; then a deactivation or shutdown waiting for the worker; then a tick."""
         resetting, stopping, waiting = self._resetting_since, self._stopping_since, self._tick_waiting_since
-        doing = self._doing or "nothing"
-        if resetting is not None and now - resetting >= limit:
-            return (
-                f"an episode reset has run {now - resetting:.1f} s (recording the finished episode into the "
-                "library, refilling the window"
+        worker = f"in {self._doing or 'nothing'}"
+        if resetting is not None and now - max(resetting, resumed) >= limit:
+            cache = self.cfg is not None and self.cfg.cache.enabled
+            doing = (
+                "recording the finished episode into the library, refilling the window"
+                if cache
+                else "starting the next episode"
             )
-        if stopping is not None and now - stopping >= limit:
-            return f"a deactivation or shutdown has waited {now - stopping:.1f} s for the inference worker (in {doing}"
-        if waiting is not None and now - waiting >= limit:
-            return f"a tick has waited {now - waiting:.1f} s for the inference worker (in {doing}"
-        return ""
+            return f"an episode reset has run {now - resetting:.1f} s", doing
+        if stopping is not None and now - max(stopping, resumed) >= limit:
+            return (
+                f"a deactivation or shutdown has waited {now - stopping:.1f} s for the inference worker",
+                worker,
+            )
+        if waiting is not None and now - max(waiting, resumed) >= limit:
+            return f"a tick has waited {now - waiting:.1f} s for the inference worker", worker
+        return None
 
-    def _end_stalled(self, what: str, limit: float) -> None:
+    def _end_stalled(self, what: str, doing: str, limit: float) -> None:
+        """Say what held the node (fatal log; stderr, with every thread's stack; a last /diagnostics), then
+        end the process with STALL_EXIT_STATUS."""
         arm_exit_backstop(EXIT_BACKSTOP_S)  # first: if saying why blocks, the process still ends
         with self._stats_lock:
             calls = self.chunk_id
             episode = self.episode_id
         said = (
-            f"inference stalled: {what}; exit_after_stall_s {limit:g}): ending the process with status "
+            f"inference stalled: {what} ({doing}; exit_after_stall_s {limit:g}): ending the process with status "
             f"{STALL_EXIT_STATUS} for its supervisor to start it again; episode {episode} ({calls} chunk(s) "
             "published) is not recorded, and the library on disk stays as it was"
         )
