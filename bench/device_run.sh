@@ -27,7 +27,8 @@
 #   stacks sampled, ~3 min; preprocess: bench/bench_preprocess.py with 4 threads (the node's on a GPU), ~1 min;
 #   first_rebuild: bench/probe_first_rebuild.py (tiny, graph), the rebuild parts after a reset timed in pieces,
 #   not yet run on a GPU (<1 min expected); call_timeline: bench/probe_call_timeline.py (pi05, 0.4 / 0.5 ramp),
-#   a dense and a cached call split into the host's steps before the first launch and the stages, ~1 min;
+#   a dense and a cached call split into the host's steps before the first launch and the stages, with a
+#   candidate lean RMuscle.infer (events allocated once) alternated beside the shipped one, ~1 min;
 #   episode_read: bench/bench_episode_read.py, a rebuild's library read
 #   (one call's rows against the whole episode, pi05 shapes) on the device host's disk, <1 min;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
@@ -105,7 +106,7 @@ for step in $steps; do
             timeout 200 python3 bench/probe_first_rebuild.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         call_timeline)  # bench/probe_call_timeline.py: the host's steps and the stages of dense and cached calls
             timeout 300 python3 bench/probe_call_timeline.py --commit "$commit" \
-                --name "probe_call_timeline_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
+                --name "probe_call_timeline_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error\|lean call" ;;
         episode_read)  # bench/bench_episode_read.py: one call's rows against the whole episode, on this host
             timeout 200 python3 bench/bench_episode_read.py --commit "$commit" --name "episode_read_h200_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
