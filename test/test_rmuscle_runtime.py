@@ -163,6 +163,33 @@ def test_an_interrupted_library_write_is_written_before_the_next_episode(tmp_pat
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "0"), (2, "1")]
 
 
+def test_an_interrupt_while_the_episode_is_stacked_keeps_it_and_writes_it_later(
+    tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C in the milliseconds while the reset stacks the finished episode's calls into its arrays (before
+    its write): the calls are kept as they are, stacked and written at the next reset or at close. Before,
+    the episode was lost (found in review, left then as a known gap)."""
+    from rmuscle_ros.cache import runtime
+
+    policy = Policy(CFG, RMuscleConfig(library_path=str(tmp_path / "lib"), rebuilds_per_tick=FULL_REBUILD))
+    real = runtime._episode_of
+
+    def interrupted(rec: object) -> object:
+        raise KeyboardInterrupt
+
+    run(policy, episode(3))
+    monkeypatch.setattr(runtime, "_episode_of", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        policy.reset_episode()
+    monkeypatch.setattr(runtime, "_episode_of", real)
+    assert policy.rmuscle.library.entries == {} and policy.rmuscle.unsaved is not None
+    assert policy.cache_status()["episode_unsaved"] == 0
+    run(policy, episode(2))
+    assert policy.close() == 1, "the episode in progress is written after the interrupted one"
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "0"), (2, "1")]
+
+
 def test_an_episode_whose_write_failed_is_kept_and_written_at_the_next_reset(
     tmp_path, monkeypatch, caplog
 ) -> None:

@@ -361,6 +361,18 @@ KEY_SETTINGS = {
 }
 
 
+def _episode_of(rec: _Recording) -> Episode:
+    """A finished episode's recorded calls stacked into its arrays (the library's `Episode`)."""
+    return Episode(
+        np.stack(rec.descriptors),
+        np.stack(rec.images),
+        np.stack(rec.tokens),
+        np.stack(rec.token_mask),
+        np.stack(rec.masks),
+        np.stack(rec.image_masks),
+    )
+
+
 def library_key(
     weights: str,
     engine: GraphEngine,
@@ -504,7 +516,8 @@ class RMuscle:
         self._recording = _Recording()
         # A finished episode whose library write was interrupted (Ctrl-C) or failed (a full disk): (episode,
         # its id here, its task), written before the next one (`_add`)
-        self.unsaved: tuple[Episode, int, str] | None = None
+        # (an episode, or its calls not yet stacked when an interrupt came then: `_Recording`)
+        self.unsaved: tuple[Episode | _Recording, int, str] | None = None
         self._episode_cached = False
         self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
         # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
@@ -726,14 +739,12 @@ class RMuscle:
         self.last_excluded = excluded
         episode = None
         if self.cfg.record and rec.descriptors and not cached and not excluded:
-            episode = Episode(
-                np.stack(rec.descriptors),
-                np.stack(rec.images),
-                np.stack(rec.tokens),
-                np.stack(rec.token_mask),
-                np.stack(rec.masks),
-                np.stack(rec.image_masks),
-            )
+            try:
+                episode = _episode_of(rec)
+            except BaseException:  # interrupted (Ctrl-C) while its calls were stacked: kept as they are, and
+                # stacked at the next try (found in review: the episode was lost)
+                self._keep_unsaved(rec, self.episode_id, self.task, "its stacking was interrupted")
+                raise
         try:
             self._add_unsaved()
         except BaseException:  # interrupted: this episode, not yet tried, is kept in the earlier one's place
@@ -742,7 +753,7 @@ class RMuscle:
             raise
         return self._add(episode, self.episode_id, self.task) if episode is not None else None
 
-    def _keep_unsaved(self, episode: Episode, session_episode: int, task: str, why: str) -> None:
+    def _keep_unsaved(self, episode: Episode | _Recording, session_episode: int, task: str, why: str) -> None:
         """Keep an episode not yet written (`unsaved`) for the next try. One is kept, the latest: an earlier
         one still held is dropped, with an error naming it (logged once this one is held: an interrupt in
         the log call then loses the earlier, not this one; found in review)."""
@@ -750,7 +761,9 @@ class RMuscle:
         self._say_dropped(earlier, session_episode, why)
 
     @staticmethod
-    def _say_dropped(earlier: tuple[Episode, int, str] | None, session_episode: int, why: str) -> None:
+    def _say_dropped(
+        earlier: tuple[Episode | _Recording, int, str] | None, session_episode: int, why: str
+    ) -> None:
         if earlier is not None and earlier[1] != session_episode:
             log.error(
                 "rMuscle: episode %d, not yet written to the library, is dropped: episode %d is not written "
@@ -813,6 +826,20 @@ class RMuscle:
         ):
             self.unsaved = None
             return
+        if isinstance(episode, _Recording):  # an interrupt came while its calls were stacked: stacked now
+            try:
+                episode = _episode_of(episode)
+            except Exception as e:  # as it will be at any later try: dropped, saying why
+                self.unsaved = None
+                log.error(
+                    "rMuscle: episode %d, whose recording was interrupted, is dropped: its calls could not be "
+                    "stacked (%s: %s)",
+                    session_episode,
+                    type(e).__name__,
+                    e,
+                )
+                return
+            self.unsaved = (episode, session_episode, task)
         try:
             added = self._add(episode, session_episode, task)
         except Exception as e:
