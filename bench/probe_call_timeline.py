@@ -6,7 +6,7 @@ graphs replayed alone, and a dense call at ~0.22 ms more than vision and the den
 starts, between the stages on the GPU, in the stages themselves (run in the call against alone), or
 after the last stage.
 
-Three calls, alternated round by round on the same observation (the `bench_rmuscle` scenario: a
+Three calls (four on a GPU), alternated round by round on the same observation (the `bench_rmuscle` scenario: a
 recorded reference episode, a live repeat primed so that the timed calls are served cached):
 - `dense_engine`: the engine's dense call (begin_load, vision, finish_load, tail), as `bench_rmuscle`'s
   dense figure;
@@ -289,7 +289,7 @@ def main() -> None:
     lines = [
         f"# A call's timeline outside its stage graphs, `{args.preset}` — {record['gpu']}",
         "",
-        f"commit `{args.commit}`, command `{record['command']}`; medians of {args.iters} rounds, the three calls "
+        f"commit `{args.commit}`, command `{record['command']}`; medians of {args.iters} rounds, the calls "
         f"alternated, each from an idle {'GPU' if cuda else 'CPU engine (host clock: a launch is its run)'}; "
         f"ρp {args.rho_p}, ρn {args.rho_n} ({args.schedule}).",
         "",
