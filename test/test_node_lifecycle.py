@@ -1090,6 +1090,28 @@ def _stand_in_for_the_exit(monkeypatch) -> list[int]:
     return ended
 
 
+def _exits_while(
+    h: Harness, ended: list[int], release: threading.Event, blocking: Callable[[], object]
+) -> None:
+    """Run `blocking` (a reset or a deactivation asked for over its service: the executor's thread then
+    waits on work the test holds) in a thread; the stall exit must be asked for (status 70) meanwhile.
+    Then the held work is released and the thread joined, whatever happened."""
+    waiting = threading.Thread(target=blocking)
+    waiting.start()
+    try:
+        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
+        assert ended == [70]
+    finally:
+        release.set()
+        waiting.join(timeout=30.0)
+
+
+def _said_fatal(h: Harness, pattern: str) -> bool:
+    """Whether a fatal line on /rosout matches `pattern` (a regular expression) within 5 s."""
+    said = re.compile(pattern)
+    return h.wait_for(lambda: any(said.search(log.msg) and log.level == Log.FATAL for log in h.logs), 5.0)
+
+
 def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(harness, monkeypatch) -> None:
     """With exit_after_stall_s, a tick that has waited that long for a hung call ends the process (status
     70, a fatal log naming the stall, /diagnostics saying so first): the node cannot end the call, and a
@@ -1110,8 +1132,9 @@ def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(har
         stalled = h.node.stats()["stalled_s"]
         assert ended == [node_module.STALL_EXIT_STATUS] == [70]
         assert 1.5 <= stalled < 1.5 + 1.0, stalled  # the watchdog looks every 0.25 s
-        said = "(in a call; exit_after_stall_s 1.5): ending the process with status 70"
-        assert h.wait_for(lambda: any(said in log.msg and log.level == 50 for log in h.logs), timeout=5.0)
+        assert _said_fatal(
+            h, re.escape("(in a call; exit_after_stall_s 1.5): ending the process with status 70")
+        )
         assert h.wait_for(
             lambda: any(
                 d.status[0].message.startswith("ending the process: inference stalled") for d in h.diagnostics
@@ -1141,20 +1164,14 @@ def test_a_reset_whose_recording_hangs_ends_the_process_past_exit_after_stall_s(
         return real()
 
     policy.reset_episode = hung
-    resetting = threading.Thread(target=lambda: h.call(h.reset, Trigger.Request()))
-    resetting.start()
     try:
-        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
-        assert ended == [70]
+        _exits_while(h, ended, release, lambda: h.call(h.reset, Trigger.Request()))
     finally:
-        release.set()
-        resetting.join(timeout=30.0)
         del policy.reset_episode
     # (the cache is off here; with it on, the reset names the library's recording)
-    said = re.compile(
-        r"inference stalled: an episode reset has run \d+\.\d s \(starting the next episode; exit"
+    assert _said_fatal(
+        h, r"inference stalled: an episode reset has run \d+\.\d s \(starting the next episode; exit"
     )
-    assert h.wait_for(lambda: any(said.search(log.msg) and log.level == 50 for log in h.logs), timeout=5.0)
     assert h.node.episode_id == 1
 
 
@@ -1171,20 +1188,16 @@ def test_a_deactivation_waiting_for_a_hung_call_ends_the_process_past_exit_after
     assert h.feed_until(lambda: len(h.chunks) >= 1)
     engine = h.node.policy.engine
     entered, release = _hold_calls(engine)
-    stopping = threading.Thread(target=lambda: h.transition(Transition.TRANSITION_DEACTIVATE))
     try:
         assert h.feed_until(entered.is_set), "no call started"
-        stopping.start()
-        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
-        assert ended == [70]
+        _exits_while(h, ended, release, lambda: h.transition(Transition.TRANSITION_DEACTIVATE))
     finally:
         release.set()
-        stopping.join(timeout=30.0)
         del engine.sample_actions
-    said = re.compile(
-        r"inference stalled: a deactivation or shutdown has waited \d+\.\d s for the inference worker \(in a call"
+    assert _said_fatal(
+        h,
+        r"inference stalled: a deactivation or shutdown has waited \d+\.\d s for the inference worker \(in a call",
     )
-    assert h.wait_for(lambda: any(said.search(log.msg) and log.level == 50 for log in h.logs), timeout=5.0)
 
 
 _ENDED_BY_A_STALL = """
