@@ -120,6 +120,16 @@ def true(context: LaunchContext, name: str) -> bool:
     return value in ("true", "1")
 
 
+def end_launch_unless_ending(context: LaunchContext) -> list | None:
+    """rmuscle_node's process has ended (end_with_policy_node:=true): the launch ends too, unless it is
+    ending already (a Ctrl-C, or systemd stopping it, ends the node first). A second Shutdown then made
+    launch_ros raise "Cannot shutdown a ROS adapter that is not running" and the launch end with status 1
+    (found running the launch with its sources: systemd would have marked each stop a failure)."""
+    if context.is_shutdown:
+        return None
+    return [Shutdown(reason="rmuscle_node ended (end_with_policy_node:=true)")]
+
+
 def nodes(context: LaunchContext) -> list:
     """The nodes, once the params file is known to give each of them its section (else the launch stops
     here, before anything starts)."""
@@ -148,9 +158,7 @@ def nodes(context: LaunchContext) -> list:
             on_exit=on_exit,
         )
 
-    ended = (
-        [Shutdown(reason="rmuscle_node ended (end_with_policy_node:=true)")] if end_with_policy_node else None
-    )
+    ended = [OpaqueFunction(function=end_launch_unless_ending)] if end_with_policy_node else None
     policy_node = lifecycle_node("rmuscle_node", camera_remappings(ALOHA_REMAPPINGS, compressed), ended)
     entities = autostarted(policy_node, autostart)
     if stream_actions:

@@ -120,6 +120,43 @@ def test_autostart_activates_after_the_first_configure_only() -> None:
     ]  # another node's, or another transition, do not count
 
 
+def test_the_policy_nodes_end_ends_the_launch_only_when_it_is_not_ending_already() -> None:
+    """end_with_policy_node:=true: rmuscle_node's exit shuts the launch down, unless the launch is shutting
+    down already (a Ctrl-C or systemd's stop signal reaches every process of the group, and the node ends
+    after the launch began to). The second Shutdown made launch_ros raise ("Cannot shutdown a ROS adapter
+    that is not running") and the launch end with status 1; found running the launch with jazzy's launch
+    3.4.3 and launch_ros 0.26.6 sources on 2026-12-05 (a SIGINT to the launch's process group: status 1
+    before, 0 after; a SIGKILL of rmuscle_node alone still ends the launch, status 0). The handler is run
+    here on stand-ins, read from the source as launch_ros is not installable here."""
+    tree = ast.parse(LAUNCH.read_text())
+    function = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "end_launch_unless_ending"
+    )
+
+    class Shutdown:
+        def __init__(self, reason: str) -> None:
+            self.reason = reason
+
+    class Context:
+        def __init__(self, is_shutdown: bool) -> None:
+            self.is_shutdown = is_shutdown
+
+    scope: dict = {"Shutdown": Shutdown, "LaunchContext": object}
+    exec(compile(ast.Module([function], type_ignores=[]), str(LAUNCH), "exec"), scope)
+    ended = scope["end_launch_unless_ending"](Context(is_shutdown=False))
+    assert [type(a) for a in ended] == [Shutdown] and "end_with_policy_node" in ended[0].reason
+    assert scope["end_launch_unless_ending"](Context(is_shutdown=True)) is None
+    # and it is what the policy node's exit runs when the argument is true
+    on_exit = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "id", "") == "OpaqueFunction"
+        and any(getattr(k.value, "id", "") == "end_launch_unless_ending" for k in n.keywords)
+    ]
+    assert len(on_exit) == 1
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("launch_ros") is None,
     reason="launch_ros is not on PyPI; this runs in a ROS 2 Jazzy install from apt (a Thor with ROS)",
