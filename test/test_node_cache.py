@@ -152,8 +152,12 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine, monke
     monkeypatch.setattr(library_module.shutil, "disk_usage", lambda _: usage._replace(free=1 << 20))
     published = len(h.chunks)
     assert h.feed_until(lambda: len(h.chunks) >= published + 2)
-    status = h.node._diagnostics().status[0]
-    assert status.level == DiagnosticStatus.WARN and "library disk nearly full" in status.message, status
+
+    def warned() -> bool:  # read at a motion window's end, after its chunk is out: waited for
+        status = h.node._diagnostics().status[0]
+        return status.level == DiagnosticStatus.WARN and "library disk nearly full" in status.message
+
+    assert h.feed_until(warned, timeout=10.0), h.node._diagnostics().status[0]
 
 
 def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> None:

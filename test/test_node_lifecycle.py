@@ -474,7 +474,12 @@ def test_a_sensor_starting_late_is_waited_for_then_reported(harness) -> None:
     # (once per sensor: a tick before the first frames of all, on a loaded machine, names another camera
     # first, as a reviewer's reading found the test's one line did not allow)
     name = h.node.get_name()
-    said = [log.msg for log in h.logs if log.name == name and "waiting for the first messages" in log.msg]
+
+    def waiting_lines() -> list[str]:  # (logged after the stats that /diagnostics reads: waited for)
+        return [log.msg for log in h.logs if log.name == name and "waiting for the first messages" in log.msg]
+
+    assert h.wait_for(lambda: any("images/right_wrist" in m for m in waiting_lines()), timeout=5.0)
+    said = waiting_lines()
     assert sum("images/right_wrist" in m for m in said) == 1, said
     assert "images/right_wrist" in said[-1] and all("since the activation" in m for m in said), said
     # The camera comes up: chunks flow, nothing was dropped, the wait is over.
@@ -504,7 +509,17 @@ def test_after_a_reset_the_first_chunk_comes_from_messages_after_it(harness) -> 
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) >= 2), f"drops {h.drops()}"
     old = h.publish_observation()
-    time.sleep(0.05)
+    buffer = h.node._buffer
+
+    def holds_old() -> bool:  # every camera's and joint's newest message is the set just published
+        with buffer._lock:
+            joints = [samples[-1][0] for samples in buffer._joints.values()]
+            images = [None if m is None else stamp_ns(m.header) for m in buffer._images]
+        return bool(joints) and set(joints) == set(images) == {old}
+
+    # stored before the reset (found in review: a fixed 50 ms sleep, and an executor behind on the
+    # cameras stored them after it, into episode 1)
+    assert h.wait_for(holds_old, timeout=5.0)
     assert h.call(h.reset, Trigger.Request()).message.startswith("episode 1")
     time.sleep(0.5)  # ~5 ticks with only the old messages buffered
     early = [(stamp_ns(c.header) - old) / 1e6 for c in h.chunks if c.episode_id == 1]
@@ -820,6 +835,10 @@ def test_a_live_change_is_never_half_seen_by_a_call_waiting_for_the_policy(harne
     try:
         held.armed = True
         assert h.feed_until(waiting.is_set, timeout=10.0)
+        # A call that held the lock before the stand-in was installed may have reached infer since, on the
+        # old prompt (found in review, with 5 ms more before infer: 1 run in 3). The worker now waits in
+        # the stand-in, so from here on only the held call can reach infer.
+        seen.clear()
         result = node.set_parameters_atomically(
             [Parameter("prompt", value="place the cup"), Parameter("max_skew_s", value=0.3)]
         )
@@ -1077,11 +1096,13 @@ def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(ha
     )
     assert h.wait_for(lambda: any("took a tick after" in log.msg for log in h.logs), timeout=5.0)
     stats = h.node.stats()
-    assert stats["stalls"] == 1 and stats["stalled_s"] < 1.0 and stats["drops"] == {}, stats
+    # (at least one: a later call of over stall_after_s on a loaded machine would count one more)
+    assert stats["stalls"] >= 1 and stats["stalled_s"] < 1.0 and stats["drops"] == {}, stats
     # The ticks that fell due during the hung call (one every 0.1 s) were served by one call, counted as
     # such, and its wait counts from the oldest of them (found in review: from the latest, ~0.1 s at most)
     assert stats["ticks_merged"] >= 5 and stats["tick_wait_max_ms"] >= 1100.0, stats
-    assert sum("inference stalled" in log.msg for log in h.logs) == 1, "logged once per stall"
+    logged = sum("inference stalled" in log.msg for log in h.logs)
+    assert 1 <= logged <= stats["stalls"], f"logged once per stall at most: {logged}, {stats['stalls']}"
     status = h.node._diagnostics().status[0]
     # no longer stalled; a warning stays for the reset it refused (errors.reset), and for the ticks merged
     # behind the hung call (for MERGED_WARN_S: no drop, yet they got no call of their own; found in review)
@@ -1138,12 +1159,15 @@ def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(har
         assert h.feed_until(lambda: h.node.stats()["stalled_s"] >= 0.6)
         assert not ended, "ended at the stall's report, not past exit_after_stall_s"
         assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
-        stalled = h.node.stats()["stalled_s"]
         assert ended == [node_module.STALL_EXIT_STATUS] == [70]
-        assert 1.5 <= stalled < 1.5 + 1.0, stalled  # the watchdog looks every 0.25 s
         assert _said_fatal(
             h, re.escape("(in a call; exit_after_stall_s 1.5): ending the process with status 70")
         )
+        # the wait when the exit was decided, as the fatal line says it (found in review: the stats read
+        # after the exit also counted the reporting and a loaded machine's delays, ~0.3 s on an idle one)
+        fatal = next(log.msg for log in h.logs if log.level == Log.FATAL)
+        stalled = float(re.search(r"a tick has waited ([0-9.]+) s", fatal).group(1))
+        assert 1.5 <= stalled < 1.5 + 0.5, fatal  # the watchdog looks every 0.25 s
         assert h.wait_for(
             lambda: any(
                 d.status[0].message.startswith("ending the process: inference stalled") for d in h.diagnostics
