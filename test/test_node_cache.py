@@ -64,6 +64,14 @@ def _episode(h: Harness, episode: int) -> list[ActionChunk]:
     return [c for c in list(h.chunks) if c.episode_id == episode]
 
 
+def _cache_status(node: Any) -> dict[str, Any]:
+    """The policy's cache status, read under the policy lock as the node reads it: from the test's thread
+    while the worker runs calls, it iterates what a call or a motion window changes (the audits' errors,
+    the entries set aside)."""
+    with node._policy_lock:
+        return node.policy.cache_status()
+
+
 def _start(h: Harness) -> None:
     assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
     assert h.transition(Transition.TRANSITION_ACTIVATE)
@@ -179,7 +187,7 @@ def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> Non
     assert reply.success and reply.message == "episode 1 (episode 0 was discarded, not recorded)", (
         reply.message
     )
-    assert h.node.policy.cache_status()["library_episodes"] == 0
+    assert _cache_status(h.node)["library_episodes"] == 0
 
     assert h.feed_until(lambda: len(_episode(h, 1)) >= 2)
     reply = h.call(h.reset, Trigger.Request())
@@ -192,7 +200,7 @@ def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> Non
     assert h.node.stats()["cache"]["episodes_discarded"] == 2
     reply = h.call(h.reset, Trigger.Request())
     assert reply.message == "episode 3 (episode 2 was discarded, not recorded)", reply.message
-    assert h.node.policy.cache_status()["library_episodes"] == 1
+    assert _cache_status(h.node)["library_episodes"] == 1
     assert h.node.stats()["errors"] == {}
 
 
@@ -215,7 +223,7 @@ def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     assert {c.cache_mode for c in _episode(h, 1)} == {ActionChunk.CACHE_DENSE}, (
         "not served from the other task"
     )
-    status = node.policy.cache_status()
+    status = _cache_status(node)
     assert (status["task"], status["task_episodes"], status["library_episodes"]) == ("sort the screws", 0, 1)
 
     # Back to the first task (the harness's prompt), midway through the episode.
@@ -229,7 +237,7 @@ def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     assert h.feed_until(lambda: any(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 2))), (
         f"the first task's episode serves it again: {[c.cache_mode for c in _episode(h, 2)]}"
     )
-    assert node.policy.cache_status()["library_episodes"] == 1 and node.stats()["errors"] == {}
+    assert _cache_status(node)["library_episodes"] == 1 and node.stats()["errors"] == {}
 
     # A job named by cache.task (live) keeps its memory whatever the prompt says (a planner's subtasks).
     assert node.set_parameters([Parameter("cache.task", value="pick")])[0].successful
@@ -238,7 +246,7 @@ def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 3)) >= 2), (
         f"the job's episode serves the subtask's prompt: {[c.cache_mode for c in _episode(h, 3)]}"
     )
-    assert node.policy.cache_status()["task"] == "pick" and node.stats()["errors"] == {}
+    assert _cache_status(node)["task"] == "pick" and node.stats()["errors"] == {}
 
 
 def test_discarding_without_the_cache_says_there_is_nothing_to_keep_out(harness) -> None:
@@ -706,12 +714,12 @@ def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(har
 
     # Report only, from the next call on: the next episode is served cached, its audits counted.
     assert h.node.set_parameters([Parameter("cache.audit_max_error", value=0.0)])[0].successful
-    audits = h.node.policy.cache_status()["audits"]
+    audits = _cache_status(h.node)["audits"]
     assert h.call(h.reset, Trigger.Request()).success
     assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 2)) >= 3)
-    assert h.wait_for(lambda: h.node.policy.cache_status()["audits"] > audits)
+    assert h.wait_for(lambda: _cache_status(h.node)["audits"] > audits)
     assert ActionChunk.CACHE_FALLBACK not in {c.cache_mode for c in _episode(h, 2)}
-    assert h.node.policy.cache_status()["audit_trips"] == 1
+    assert _cache_status(h.node)["audit_trips"] == 1
     assert h.node.stats()["errors"] == {}
 
 
