@@ -1094,7 +1094,7 @@ class ActionStreamerNode(LifecycleNode):
 
 def main(argv: list[str] | None = None) -> int:
     """`action_streamer` executable: the lifecycle node on a single-threaded executor."""
-    return spin_node(ActionStreamerNode, argv)
+    return spin_node(ActionStreamerNode, argv, exiting=True)
 
 
 if __name__ == "__main__":

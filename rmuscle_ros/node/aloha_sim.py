@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         made.append(AlohaSimNode(shutdown_on_failure=True))
         return made[-1]
 
-    rc = spin_node(make, argv)
+    rc = spin_node(make, argv, exiting=True)
     if rc:  # the node was not made (a parameter of the wrong type)
         return rc
     if made and made[0].failure:

@@ -1869,7 +1869,7 @@ class RMuscleNode(LifecycleNode):
 
 def main(argv: list[str] | None = None) -> int:
     """`rmuscle_node` executable: the lifecycle node on a single-threaded executor."""
-    return spin_node(RMuscleNode, argv)
+    return spin_node(RMuscleNode, argv, exiting=True)
 
 
 if __name__ == "__main__":

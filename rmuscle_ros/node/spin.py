@@ -214,8 +214,15 @@ def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) ->
     return node.create_timer(period_s, callback, clock=Clock(clock_type=ClockType.STEADY_TIME))
 
 
-def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> int:
-    """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`."""
+def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`.
+
+    exiting: the process ends once this returns (an executable's `main`). SIGINT and SIGTERM are then
+    ignored from the end of the shutdown on, instead of getting Python's handlers back: a second SIGINT
+    during the interpreter's own teardown (0.15 s or more after the first, once the node's shutdown had
+    ended) raised KeyboardInterrupt there and the process died of SIGINT (-2, `process has died` in
+    ros2 launch's log); found with launch run without a terminal, which forwards its SIGINT to nodes
+    that had the terminal's too. SIGKILL still ends the process."""
     first = _FirstInterrupt()
     # Python's handlers as they were, put back at the end (found in review: SIGTERM stayed ignored after a
     # Ctrl-C had ended the spin). Installed before rclpy.init, which chains its handlers onto those in place.
@@ -224,7 +231,10 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None) -> i
     try:
         return _spin_node(make_node, argv, first)
     finally:
-        if installed:
+        if exiting:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)
+        elif installed:
             _restore_signals(original)
 
 
