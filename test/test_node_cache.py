@@ -68,8 +68,11 @@ def _cache_status(node: Any) -> dict[str, Any]:
     """The policy's cache status, read under the policy lock as the node reads it: from the test's thread
     while the worker runs calls, it iterates what a call or a motion window changes (the audits' errors,
     the entries set aside)."""
-    with node._policy_lock:
+    assert node._policy_lock.acquire(timeout=10.0), "the policy lock was held for 10 s"
+    try:
         return node.policy.cache_status()
+    finally:
+        node._policy_lock.release()
 
 
 def _start(h: Harness) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -73,9 +74,10 @@ def test_systemd_reads_the_unit_without_a_complaint(tmp_path) -> None:
 def test_the_unit_restarts_the_launch_and_stops_it_as_a_ctrl_c_does() -> None:
     """What the restart path relies on: the launch ends with status 0 when rmuscle_node's process ends
     (end_with_policy_node:=true), so only Restart=always starts it again; a stop sends SIGINT to every process
-    of the unit at once, as a terminal does (launch then forwards none: with SIGINT to launch alone, each
-    node waited for launch's SIGTERM 5 s later, found running launch 3.4.3's sources); systemd's SIGKILL
-    comes after launch's own escalation, which leaves rmuscle_node its shutdown's recording."""
+    of the unit at once, as a terminal does, so that each node starts its shutdown whether launch forwards
+    its own SIGINT or not (it does only without a terminal; with one, a SIGINT to launch alone reached no
+    node until launch's SIGTERM 5 s later: launch 3.4.3's sources); systemd's SIGKILL comes after launch's
+    own escalation, which leaves rmuscle_node its shutdown's recording."""
     s = unit_settings()
     assert s["Service.Restart"] == "always" and s["Service.KillSignal"] == "SIGINT"
     assert s["Service.KillMode"] == "control-group"
@@ -83,12 +85,15 @@ def test_the_unit_restarts_the_launch_and_stops_it_as_a_ctrl_c_does() -> None:
     assert words[:2] == ["/bin/bash", "-c"] and len(words) == 3
     command = launch_arguments(shlex.split(words[2].replace("$$", "$")))
     assert command["end_with_policy_node"] == "true"
-    escalation_s = float(command["sigterm_timeout"]) + float(command["sigkill_timeout"])
+    sigterm = re.fullmatch(r"\$\{RMUSCLE_SIGTERM_TIMEOUT:-([0-9]+)\}", command["sigterm_timeout"])
+    assert sigterm is not None, command["sigterm_timeout"]
+    escalation_s = float(sigterm.group(1)) + float(command["sigkill_timeout"])
     assert float(s["Service.TimeoutStopSec"]) > escalation_s
     assert int(s["Unit.StartLimitBurst"]) >= 2, "a single restart at least"
 
 
-def test_the_units_command_runs_the_launch_with_the_cells_settings(tmp_path) -> None:
+@pytest.mark.parametrize("sigterm_timeout", ["", "60"])
+def test_the_units_command_runs_the_launch_with_the_cells_settings(tmp_path, sigterm_timeout: str) -> None:
     """The ExecStart line, as systemd hands it to bash ($$ -> $) with rmuscle.env's settings: ROS's and the
     workspace's setup scripts sourced, the venv activated after them, then `ros2 launch rmuscle_ros rmuscle.launch.py` with the unit's
     arguments and the cell's, each one the launch file declares or one of launch's own. The setup scripts
@@ -121,6 +126,8 @@ def test_the_units_command_runs_the_launch_with_the_cells_settings(tmp_path) -> 
         "RMUSCLE_VENV": str(tmp_path / "venv"),
         "RMUSCLE_LAUNCH_ARGS": settings["RMUSCLE_LAUNCH_ARGS"] + " namespace:=cell1",
     }
+    if sigterm_timeout:
+        env["RMUSCLE_SIGTERM_TIMEOUT"] = sigterm_timeout
     words = shlex.split(unit_settings()["Service.ExecStart"].replace("$$", "$"))
     done = subprocess.run(words, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -128,6 +135,7 @@ def test_the_units_command_runs_the_launch_with_the_cells_settings(tmp_path) -> 
     assert ran["venv"] == "last" and ran["argv"][:3] == ["launch", "rmuscle_ros", "rmuscle.launch.py"], ran
     arguments = launch_arguments(ran["argv"][3:])
     assert arguments["params_file"] == "/etc/rmuscle/cell.yaml" and arguments["namespace"] == "cell1"
+    assert arguments["sigterm_timeout"] == (sigterm_timeout or "30") and arguments["sigkill_timeout"] == "10"
     assert len(arguments) == len(ran["argv"]) - 3, "each word after the file is a name:=value"
     unknown = set(arguments) - declared_launch_arguments() - LAUNCH_OWN
     assert not unknown, f"not arguments of the launch file: {unknown}"
