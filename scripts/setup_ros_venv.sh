@@ -133,9 +133,10 @@ fi
 
 # 2. Interfaces. Rebuilt from a clean build directory whenever an input changes: the build takes
 # ~20 s and a stale CMake cache (another venv, a moved checkout) is worse than that.
-# CMake also installs config/, launch/ and systemd/ into share/rmuscle_ros, so their files are inputs too.
+# CMake also installs config/, launch/ and systemd/ into share/rmuscle_ros, and libexec/'s executables into
+# lib/rmuscle_ros (where launch_ros looks), so their files are inputs too.
 inputs=("$repo/CMakeLists.txt" "$repo/package.xml" "$repo/scripts/setup_ros_venv.sh")
-for dir in msg config launch systemd; do
+for dir in msg config launch systemd libexec; do
   [[ -d $repo/$dir ]] || continue
   mapfile -t -O "${#inputs[@]}" inputs < <(find "$repo/$dir" -type f -not -path '*/__pycache__/*' | LC_ALL=C sort)
 done

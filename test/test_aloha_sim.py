@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,6 +313,10 @@ def test_the_sim_executable_refuses_a_bad_value_in_one_line_with_status_2(capsys
         assert aloha_sim.main(["aloha_sim", "--ros-args", "-p", param]) == 2, param
         err = capsys.readouterr().err
         assert f"error: invalid parameter {says}" in err and "Traceback" not in err, err
+    # main called in a process that goes on leaves its signals as they were (found in CI: with the
+    # executables' exiting=True, SIGINT stayed ignored here and in every later test's node subprocess)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_the_camera_schedule_does_not_drift_over_hours() -> None:

@@ -1322,12 +1322,11 @@ library, signum, when = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
 REPEAT = '''
 import os, sys, time
 pid, signum = int(sys.argv[1]), int(sys.argv[2])
-for _ in range(600):  # 30 s at most
+for _ in range(600):  # 30 s at most; over once the node's process is gone (this one's parent then changes)
     time.sleep(0.05)
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
+    if os.getppid() != pid:
         break
+    os.kill(pid, signum)
 '''
 write_started = threading.Event()
 if when != "once":  # a write that takes a while, as a long episode's at full size (~1 MB a call, fsynced)
@@ -1521,6 +1520,9 @@ def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_
             assert said in run.stderr, run.stderr[-2000:]
     if when == "twice":
         assert "rmuscle_node: SIGINT ignored: shutting down, recording the episode in progress" in run.stderr
+    if when == "repeated":  # the other process did signal it, while the episode was written (1.5 s)
+        said = f"rmuscle_node: {signal_name} ignored: shutting down, recording the episode in progress"
+        assert run.stderr.count(said) >= 2, run.stderr[-2000:]
 
 
 def test_destroying_an_active_node_stops_its_worker_and_records_the_episode(harness, tmp_path) -> None:

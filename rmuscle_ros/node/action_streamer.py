@@ -1092,10 +1092,11 @@ class ActionStreamerNode(LifecycleNode):
         self._diag_pub.publish(array)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`action_streamer` executable: the lifecycle node on a single-threaded executor."""
-    return spin_node(ActionStreamerNode, argv, exiting=True)
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """`action_streamer` executable: the lifecycle node on a single-threaded executor. `exiting`: the process
+    ends when it returns (the executables pass True: spin_node)."""
+    return spin_node(ActionStreamerNode, argv, exiting=exiting)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exiting=True))

@@ -501,7 +501,7 @@ class AlohaSimNode(Node):
         super().destroy_node()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     """`aloha_sim` executable: the simulated cell on a single-threaded executor. Exits 1 when the simulation
     thread died (its reason on stderr and, before the exit, on /diagnostics), 0 on Ctrl-C or SIGTERM."""
     made: list[AlohaSimNode] = []
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         made.append(AlohaSimNode(shutdown_on_failure=True))
         return made[-1]
 
-    rc = spin_node(make, argv, exiting=True)
+    rc = spin_node(make, argv, exiting=exiting)
     if rc:  # the node was not made (a parameter of the wrong type)
         return rc
     if made and made[0].failure:
@@ -520,4 +520,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exiting=True))

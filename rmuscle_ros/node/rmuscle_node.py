@@ -1867,10 +1867,11 @@ class RMuscleNode(LifecycleNode):
         return msg
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`rmuscle_node` executable: the lifecycle node on a single-threaded executor."""
-    return spin_node(RMuscleNode, argv, exiting=True)
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """`rmuscle_node` executable: the lifecycle node on a single-threaded executor. `exiting`: the process
+    ends when it returns (the executables pass True: spin_node)."""
+    return spin_node(RMuscleNode, argv, exiting=exiting)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exiting=True))

@@ -217,28 +217,40 @@ def periodic_timer(node: Node, period_s: float, callback: Callable[[], None]) ->
 def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None, *, exiting: bool = False) -> int:
     """rclpy.init with `argv` (sys.argv: --ros-args remaps and parameters), then spin `make_node()`.
 
-    exiting: the process ends once this returns (an executable's `main`). SIGINT and SIGTERM are then
-    ignored from the end of the shutdown on, instead of getting Python's handlers back: a second SIGINT
-    during the interpreter's own teardown (0.15 s or more after the first, once the node's shutdown had
-    ended) raised KeyboardInterrupt there and the process died of SIGINT (-2, `process has died` in
-    ros2 launch's log); found with launch run without a terminal, which forwards its SIGINT to nodes
-    that had the terminal's too. SIGKILL still ends the process."""
+    exiting: the process ends once this returns (the executables, not a caller in a process that goes on:
+    an ignored signal stays ignored in its later children too, found in CI, every later test's node
+    subprocess took no Ctrl-C). SIGINT and SIGTERM are then ignored from the end of the shutdown on (and
+    from a refused parameter's exit), instead of getting Python's handlers back: a second SIGINT during
+    the interpreter's own teardown (0.15 s or more after the first, once the node's shutdown had ended)
+    raised KeyboardInterrupt there and the process died of SIGINT (-2, `process has died` in ros2
+    launch's log); found with launch run without a terminal, which forwards its SIGINT to nodes that had
+    the terminal's too. A process that hangs after that (a driver's destructor) ends by SIGQUIT or
+    SIGKILL, not Ctrl-C."""
     first = _FirstInterrupt()
     # Python's handlers as they were, put back at the end (found in review: SIGTERM stayed ignored after a
     # Ctrl-C had ended the spin). Installed before rclpy.init, which chains its handlers onto those in place.
     original = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     installed = first.install()
     try:
-        return _spin_node(make_node, argv, first)
+        return _spin_node(make_node, argv, first, exiting)
     finally:
         if exiting:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, signal.SIG_IGN)
+            _ignore_signals()
         elif installed:
             _restore_signals(original)
 
 
-def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _FirstInterrupt) -> int:
+def _ignore_signals() -> None:
+    """SIGINT and SIGTERM ignored for the rest of the process (spin_node's `exiting`); on the main thread
+    only, where handlers may be set."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _spin_node(
+    make_node: Callable[[], Node], argv: list[str] | None, first: _FirstInterrupt, exiting: bool
+) -> int:
     from rmuscle_ros.node.params import ParameterError
 
     rclpy.init(args=argv if argv is not None else sys.argv)
@@ -246,10 +258,14 @@ def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _Fi
         node = make_node()
     except InvalidParameterTypeException as e:  # a params file's `1` for a float parameter: which, and how
         print(f"error: {e} ({parameter_type_hint(e)})", file=sys.stderr)
+        if exiting:  # before rclpy puts back the handlers it chained onto (SIGTERM's default among them)
+            _ignore_signals()
         rclpy.shutdown()
         return 2
     except ParameterError as e:  # a node that checks its values at construction (aloha_sim): one line, 2
         print(f"error: invalid parameter {e}", file=sys.stderr)  # (a traceback and 1 before: review)
+        if exiting:
+            _ignore_signals()
         rclpy.shutdown()
         return 2
     name = node.get_name()
@@ -290,7 +306,10 @@ def _spin_node(make_node: Callable[[], Node], argv: list[str] | None, first: _Fi
             # init in this process can run (found in review: it could not). That later spin's signals are
             # not rclpy's (Python's handlers displaced them here); the executables spin once.
             rclpy.utilities.try_shutdown()
-            _restore_signals(held)
+            if exiting:  # not the handlers from before the hold: SIGTERM's was the default (found in review)
+                _ignore_signals()
+            else:
+                _restore_signals(held)
     return 0
 
 
