@@ -21,7 +21,7 @@ setup(
         (f"share/{PACKAGE}/msg", sorted(glob("msg/*.msg"))),
         (f"share/{PACKAGE}/launch", sorted(glob("launch/*.launch.py"))),
         # the unit that runs the launch under systemd on a cell, and its settings' example
-        (f"share/{PACKAGE}/systemd", ["systemd/rmuscle@.service", "systemd/rmuscle.env"]),
+        (f"share/{PACKAGE}/systemd", sorted(glob("systemd/*"))),
         # pip ignores setup.cfg install_scripts; launch_ros looks for lib/<package>/<executable>.
         (f"lib/{PACKAGE}", ["libexec/rmuscle_node", "libexec/action_streamer", "libexec/aloha_sim"]),
     ],

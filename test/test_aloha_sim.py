@@ -317,6 +317,10 @@ def test_the_sim_executable_refuses_a_bad_value_in_one_line_with_status_2(capsys
     # executables' exiting=True, SIGINT stayed ignored here and in every later test's node subprocess)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # and the kernel's view, which children inherit (rclpy sets handlers from C, unseen by Python)
+    ignored = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                       if line.startswith("SigIgn:")).split()[1], 16)  # fmt: skip
+    assert not ignored & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)), f"{ignored:x}"
 
 
 def test_the_camera_schedule_does_not_drift_over_hours() -> None:

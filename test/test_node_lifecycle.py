@@ -1525,6 +1525,32 @@ def test_a_signal_while_active_records_the_episode_in_progress(tmp_path, signal_
         assert run.stderr.count(said) >= 2, run.stderr[-2000:]
 
 
+def test_every_executable_entry_point_runs_main_as_a_process_that_ends(monkeypatch) -> None:
+    """The console scripts (pyproject.toml), libexec/ (where launch_ros and `ros2 run` look) and `python -m`
+    each run the node's main with exiting=True, so that a signal during the interpreter's teardown is
+    ignored (found in review: the console scripts ran main() and still died of a second SIGINT, -2)."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1]
+    # [project.scripts]' `name = "module:function"` lines (tomllib is Python 3.11+; the package takes 3.10)
+    scripts = dict(re.findall(r'^(\w+) = "([\w.]+:\w+)"$', (root / "pyproject.toml").read_text(), re.M))
+    for name in ("rmuscle_node", "action_streamer", "aloha_sim"):
+        module_name, function = scripts[name].split(":")
+        module = importlib.import_module(module_name)
+        asked: list[bool] = []
+
+        def spin(make: Any, argv: Any = None, *, exiting: bool = False, asked: list[bool] = asked) -> int:
+            asked.append(exiting)
+            return 0
+
+        monkeypatch.setattr(module, "spin_node", spin)
+        assert getattr(module, function)() == 0 and asked == [True], (name, asked)
+        wrapper = (root / "libexec" / name).read_text()
+        assert f"from {module_name} import {function}\n" in wrapper and f"sys.exit({function}())" in wrapper
+        source = Path(module.__file__).read_text()
+        assert source.rstrip().endswith(f'if __name__ == "__main__":\n    sys.exit({function}())'), name
+
+
 def test_destroying_an_active_node_stops_its_worker_and_records_the_episode(harness, tmp_path) -> None:
     """A program that tears the node down without its shutdown transition (an exception in its own code,
     then destroy_node and rclpy.shutdown, as the demo's teardown did): the worker thread is stopped and the

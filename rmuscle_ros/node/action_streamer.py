@@ -1098,5 +1098,11 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     return spin_node(ActionStreamerNode, argv, exiting=exiting)
 
 
+def run() -> int:
+    """The `action_streamer` executable's entry point (the console script, libexec/, `python -m`): `main` in a
+    process that ends when it returns (spin_node's `exiting`)."""
+    return main(exiting=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main(exiting=True))
+    sys.exit(run())

@@ -519,5 +519,11 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     return 0
 
 
+def run() -> int:
+    """The `aloha_sim` executable's entry point (the console script, libexec/, `python -m`): `main` in a
+    process that ends when it returns (spin_node's `exiting`)."""
+    return main(exiting=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main(exiting=True))
+    sys.exit(run())

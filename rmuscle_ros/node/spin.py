@@ -225,7 +225,8 @@ def spin_node(make_node: Callable[[], Node], argv: list[str] | None = None, *, e
     raised KeyboardInterrupt there and the process died of SIGINT (-2, `process has died` in ros2
     launch's log); found with launch run without a terminal, which forwards its SIGINT to nodes that had
     the terminal's too. A process that hangs after that (a driver's destructor) ends by SIGQUIT or
-    SIGKILL, not Ctrl-C."""
+    SIGKILL, not Ctrl-C. Called off the main thread (where no handler may be set), signals are left as
+    they are, `exiting` or not."""
     first = _FirstInterrupt()
     # Python's handlers as they were, put back at the end (found in review: SIGTERM stayed ignored after a
     # Ctrl-C had ended the spin). Installed before rclpy.init, which chains its handlers onto those in place.
