@@ -257,15 +257,14 @@ def _spin_node(
     rclpy.init(args=argv if argv is not None else sys.argv)
     try:
         node = make_node()
-    except InvalidParameterTypeException as e:  # a params file's `1` for a float parameter: which, and how
-        print(f"error: {e} ({parameter_type_hint(e)})", file=sys.stderr)
+    except (InvalidParameterTypeException, ParameterError) as e:
+        # A params file's `1` for a float parameter (which, and how), or a node that checks its values at
+        # construction (aloha_sim): one line and status 2 (a traceback and 1 before: review)
+        if isinstance(e, InvalidParameterTypeException):
+            print(f"error: {e} ({parameter_type_hint(e)})", file=sys.stderr)
+        else:
+            print(f"error: invalid parameter {e}", file=sys.stderr)
         if exiting:  # before rclpy puts back the handlers it chained onto (SIGTERM's default among them)
-            _ignore_signals()
-        rclpy.shutdown()
-        return 2
-    except ParameterError as e:  # a node that checks its values at construction (aloha_sim): one line, 2
-        print(f"error: invalid parameter {e}", file=sys.stderr)  # (a traceback and 1 before: review)
-        if exiting:
             _ignore_signals()
         rclpy.shutdown()
         return 2
