@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -27,8 +27,8 @@
 #   stacks sampled, ~3 min; preprocess: bench/bench_preprocess.py with 4 threads (the node's on a GPU), ~1 min;
 #   first_rebuild: bench/probe_first_rebuild.py (tiny, graph), the rebuild parts after a reset timed in pieces,
 #   not yet run on a GPU (<1 min expected); call_timeline: bench/probe_call_timeline.py (pi05, 0.4 / 0.5 ramp),
-#   a dense and a cached call split into the host's steps before the first launch and the stages, with a
-#   candidate lean RMuscle.infer (events allocated once) alternated beside the shipped one, ~1 min;
+#   a dense and a cached call split into the host's steps before the first launch and the stages, ~1 min;
+#   rmuscle_bar: bench_rmuscle at ρ 0.4/0.5 (ramp) and 1/1 without the interference rows (issue #4's bar), ~2.5 min;
 #   episode_read: bench/bench_episode_read.py, a rebuild's library read
 #   (one call's rows against the whole episode, pi05 shapes) on the device host's disk, <1 min;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
@@ -41,7 +41,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [episode_read] [overlap_first_step] [export_f32] [export_bf16]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [episode_read] [overlap_first_step] [export_f32] [export_bf16]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -70,6 +70,10 @@ for step in $steps; do
             timeout 300 python3 bench/bench_rmuscle.py --rho 0.4,0.5 --no-interference --library-episodes 1 64 256 \
                 --commit "$commit" --name "rmuscle_library_h200_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|library of\|^| \|Error" ;;
+        rmuscle_bar)  # issue #4's bar: ρ 0.4/0.5 (ramp) against ρ 1/1, the dense graph and eager, ~2.5 min
+            timeout 400 python3 bench/bench_rmuscle.py --rho 0.4,0.5,ramp --rho 1,1 --no-interference \
+                --commit "$commit" --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet \
+                | grep "end to end\|^| rmuscle\|Error" ;;
         rmuscle7b)
             timeout 400 python3 bench/bench_rmuscle.py --preset pi05-7b --rho 0.4,0.5 --iters 10 --no-interference \
                 --commit "$commit" --name "rmuscle_pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
@@ -106,7 +110,7 @@ for step in $steps; do
             timeout 200 python3 bench/probe_first_rebuild.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         call_timeline)  # bench/probe_call_timeline.py: the host's steps and the stages of dense and cached calls
             timeout 300 python3 bench/probe_call_timeline.py --commit "$commit" \
-                --name "probe_call_timeline_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error\|lean call" ;;
+                --name "probe_call_timeline_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         episode_read)  # bench/bench_episode_read.py: one call's rows against the whole episode, on this host
             timeout 200 python3 bench/bench_episode_read.py --commit "$commit" --name "episode_read_h200_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;

@@ -6,17 +6,17 @@ graphs replayed alone, and a dense call at ~0.22 ms more than vision and the den
 starts, between the stages on the GPU, in the stages themselves (run in the call against alone), or
 after the last stage.
 
-Three calls (four on a GPU), alternated round by round on the same observation (the `bench_rmuscle` scenario: a
+Three calls, alternated round by round on the same observation (the `bench_rmuscle` scenario: a
 recorded reference episode, a live repeat primed so that the timed calls are served cached):
 - `dense_engine`: the engine's dense call (begin_load, vision, finish_load, tail), as `bench_rmuscle`'s
   dense figure;
 - `cached_engine`: the engine's cached call launched the same way (begin_load, match, finish_load, cached
   tail): the GPU work of a cached call without the runtime's host work;
 - `cached_runtime`: `RMuscle.infer`, every call checked to be served cached;
-- `cached_runtime_lean` (on a GPU): the same runtime call with `RMuscle.infer`'s stream handling done as a
-  candidate would do it (`LeanInfer`: its events allocated once, the live stream set without
-  `torch.cuda.stream`'s context manager), its chunk checked equal to `RMuscle.infer`'s bit for bit first.
-  Not the shipped code: what moving that into `RMuscle.infer` would save, measured beside it.
+At 35d0631 a fourth call, `cached_runtime_lean`, ran `RMuscle.infer` with its stream handling as it is
+now (events allocated once, the live stream set without `torch.cuda.stream`'s context manager): 0.09 ms
+less wall time, the same chunk bit for bit (`…/probe_call_timeline_pi05_h200_35d0631`). That is the
+runtime's own code since (`_LiveStream`), and the candidate is gone from this probe.
 
 Each stage launch is wrapped: its host time, and CUDA events before and after it on the stream it runs
 on. Per call (medians over --iters rounds): wall clock; host ms until the first stage is launched; GPU
@@ -64,49 +64,6 @@ class HostMark:
 
     def synchronize(self) -> None:
         pass
-
-
-class LeanInfer:
-    """`RMuscle.infer` on a GPU with its host work before the first launch cut (a candidate, measured here
-    before it goes into the runtime): the events that order the live stream after the caller's and the
-    rebuilds' work, and those that time the call, allocated once (STYLE: nothing allocated on the hot
-    path), instead of four new events a call (`wait_stream` records a new one each time, `gpu_event`
-    too); the live stream set and put back with `torch.cuda.set_stream`, not `torch.cuda.stream`'s
-    context manager. The call itself (`_infer`) is the runtime's. Installed as `rt.infer` while in use."""
-
-    def __init__(self, rt) -> None:
-        self.rt = rt
-        self.caller_done, self.rebuilds_done, self.result = (
-            torch.cuda.Event(),
-            torch.cuda.Event(),
-            torch.cuda.Event(),
-        )
-        self.begun, self.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def __call__(self, inputs, noise):
-        rt = self.rt
-        if rt._audit_due is not None:  # as RMuscle.infer
-            rt._audit_due = None
-            rt.audits_missed += 1
-        stream, device = rt.engine.live_stream, rt.engine.device
-        caller = torch.cuda.current_stream(device)
-        self.caller_done.record(caller)
-        stream.wait_event(self.caller_done)
-        if not rt.cfg.concurrent_rebuilds:
-            self.rebuilds_done.record(rt.engine.rebuild_stream)
-            stream.wait_event(self.rebuilds_done)
-        torch.cuda.set_stream(stream)
-        try:
-            self.begun.record(stream)
-            actions, info = rt._infer(inputs, noise)
-            self.done.record(stream)
-        finally:
-            torch.cuda.set_stream(caller)
-        rt.last_gpu_span = (self.begun, self.done)
-        self.result.record(stream)
-        caller.wait_event(self.result)
-        actions.record_stream(caller)
-        return actions, info
 
 
 def mark(device: torch.device) -> torch.cuda.Event | HostMark:
@@ -220,33 +177,6 @@ def main() -> None:
 
     calls = {"dense_engine": lambda: bench.dense_call(obs), "cached_engine": cached_engine,
              "cached_runtime": cached_runtime}  # fmt: skip
-    if e.device.type == "cuda":
-        lean = LeanInfer(rt)
-        shipped, first = bench.runtime_call(obs)
-        shipped = shipped.clone()
-        rt.infer = lean
-        try:
-            candidate, info = bench.runtime_call(obs)
-        finally:
-            del rt.infer  # the class's again
-        if info.mode != "cached":
-            raise RuntimeError(f"the lean call ran {info.mode}: {info}")
-        if (first.episode, first.position) == (info.episode, info.position):  # the same entry: the same chunk
-            if not torch.equal(candidate, shipped):
-                raise RuntimeError("the lean call's chunk differs from RMuscle.infer's, from the same entry")
-            print("lean call: the same chunk as RMuscle.infer's, bit for bit")
-        else:  # retrieval moved on between the two calls (its alignment): nothing to compare
-            print(f"lean call: not compared, served from {info.episode}/{info.position} against "
-                  f"{first.episode}/{first.position}")  # fmt: skip
-
-        def cached_runtime_lean() -> None:
-            rt.infer = lean
-            try:
-                cached_runtime()
-            finally:
-                del rt.infer
-
-        calls["cached_runtime_lean"] = cached_runtime_lean
     clock = StageClock(e)
     # the host's steps: before the first launch the runtime's own (its _infer starts after the streams'
     # waits and the call's start event), the engine's begin_load and within it the token row's read; after

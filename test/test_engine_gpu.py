@@ -576,6 +576,54 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         policy.close()
 
 
+def test_a_runtime_call_from_the_callers_own_stream_puts_it_back_ordered_after_the_call() -> None:
+    """`RMuscle.infer` runs on the live stream and makes the caller's stream current again (set and put
+    back with `torch.cuda.set_stream`, its ordering events allocated once and recorded again each call):
+    a caller on a stream of its own finds it current after dense and cached calls, reads chunks equal to
+    a dense policy's on the default stream (ρ = 1: ordered after the call's work, not read early), and
+    each call's GPU span is timed."""
+    import numpy as np
+
+    from rmuscle_ros.cache.runtime import RMuscleConfig
+    from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+
+    cfg = PolicyConfig(backend="graph", device="cuda")
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    observations = [
+        Observation({c: base for c in cfg.cameras}, np.full(14, i / 4, np.float32), "stack") for i in range(4)
+    ]
+
+    def noise(i: int) -> torch.Tensor:
+        return torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
+
+    dense = Policy(cfg)
+    dense.warmup()
+    want = [dense.infer(obs, noise(i)).actions for i, obs in enumerate(observations)]
+    policy = Policy(cfg, RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20))
+    policy.warmup()
+    mine = torch.cuda.Stream()
+    modes = []
+    for _ in range(2):  # a recorded episode (dense), then its repeat (cached)
+        for i, obs in enumerate(observations):
+            with torch.cuda.stream(mine):
+                chunk = policy.infer(obs, noise(i))
+                assert torch.cuda.current_stream() == mine, (
+                    f"a {chunk.cache_mode} call left another stream current"
+                )
+            assert np.array_equal(chunk.actions, want[i]), f"call {i} ({chunk.cache_mode})"
+            assert chunk.timings_s["gpu"] > 0
+            modes.append(chunk.cache_mode)
+            while policy.rebuild_cache(1, wait=True):
+                pass
+        policy.reset_episode()
+        while policy.rebuild_cache(1, wait=True):
+            pass
+    assert modes == ["dense"] * 4 + ["cached"] * 4
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    policy.close()
+
+
 def test_an_audit_on_the_gpu_measures_what_a_dense_policy_gives_and_can_send_the_episode_dense() -> None:
     """Audits on the graph backend: the dense re-run of a cached call (on the live stream, after the
     rebuilds queued before it) gives the dense policy's chunk, so each audit's error is the cached chunk's

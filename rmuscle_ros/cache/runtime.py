@@ -60,7 +60,6 @@ from rmuscle_ros.cache.library import (
 )
 from rmuscle_ros.cache.lock import remove_if_abandoned
 from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, reaches, unit_rows
-from rmuscle_ros.engine import gpu_event
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 from rmuscle_ros.models.pi05 import ModelInputs
@@ -454,6 +453,44 @@ def _remove_abandoned_temporary_libraries() -> None:
             continue
 
 
+class _LiveStream:
+    """A call's GPU work on the engine's live stream (the highest priority), ordered after the work the
+    caller queued before it (and, `after_rebuilds`, after the rebuilds queued on the rebuild stream), and
+    the caller's stream ordered after it. The events are allocated once (STYLE rule 2): `wait_stream`
+    records a new event each time, and the context manager `torch.cuda.stream` costs more host time than
+    setting the stream; together, 0.09 ms of host time before a call's first launch on the H200
+    (bench/results/probe_call_timeline_pi05_h200_35d0631). `begun` and `done` time the call (the caller
+    records them); they are recorded again by the next call."""
+
+    def __init__(
+        self, device: torch.device, stream: torch.cuda.Stream, rebuild_stream: torch.cuda.Stream
+    ) -> None:
+        self.device, self.stream, self.rebuild_stream = device, stream, rebuild_stream
+        self._caller_done, self._rebuilds_done, self._result = (torch.cuda.Event() for _ in range(3))
+        self.begun, self.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._caller_device = 0
+
+    def enter(self, *, after_rebuilds: bool) -> torch.cuda.Stream:
+        """Make the live stream current, after the caller's queued work; returns the caller's stream."""
+        caller = torch.cuda.current_stream(self.device)
+        self._caller_done.record(caller)
+        self.stream.wait_event(self._caller_done)
+        if after_rebuilds:
+            self._rebuilds_done.record(self.rebuild_stream)
+            self.stream.wait_event(self._rebuilds_done)
+        self._caller_device = torch.cuda.current_device()  # set_stream also makes the stream's device current
+        torch.cuda.set_stream(self.stream)
+        return caller
+
+    def leave(self, caller: torch.cuda.Stream) -> None:
+        """The caller's stream current again (and its device), ordered after the work queued since `enter`."""
+        torch.cuda.set_stream(caller)
+        if self._caller_device != caller.device_index:
+            torch.cuda.set_device(self._caller_device)
+        self._result.record(self.stream)
+        caller.wait_event(self._result)
+
+
 class RMuscle:
     """Library, retrieval, window and recording around a GraphEngine built with cache shapes."""
 
@@ -533,8 +570,14 @@ class RMuscle:
         self.calls = self.cached_calls = 0
         self.match_reruns = 0  # on-GPU picks below the threshold, whose call ran again dense
         # The latest call's GPU work on the live stream, from its start (after the waits) to its end: timing
-        # events, read once the call's result has been synchronised. None on a CPU.
+        # events, read once the call's result has been synchronised and before the next call, which
+        # records them again. None on a CPU.
         self.last_gpu_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        cuda = engine.device.type == "cuda" and engine.live_stream is not None
+        self._live = _LiveStream(engine.device, engine.live_stream, engine.rebuild_stream) if cuda else None
+        # Each call's order events, allocated here (STYLE rule 2): the descriptor's read-back, the GPU's pick
+        self._descriptor_ready = torch.cuda.Event() if cuda else None
+        self._matched = torch.cuda.Event() if cuda else None
         self.last = NO_CALL_YET
         self._fallback_reason = ""  # why this episode fell back, when not its similarity (fall_back)
         # Audits (`audit`): the call due for one, cached calls until the next, and what they found.
@@ -882,21 +925,18 @@ class RMuscle:
         if self._audit_due is not None:  # not audited in its motion window: the next cached call is
             self._audit_due = None
             self.audits_missed += 1
-        stream = self.engine.live_stream if self.engine.device.type == "cuda" else None
         self.last_gpu_span = None
-        if stream is None:
+        live = self._live
+        if live is None:
             return self._infer(inputs, noise)
-        caller = torch.cuda.current_stream(self.engine.device)
-        stream.wait_stream(caller)
-        if not self.cfg.concurrent_rebuilds:
-            stream.wait_stream(self.engine.rebuild_stream)
-        with torch.cuda.stream(stream):
-            begun = gpu_event(self.engine.device)  # passed once the waits above are over
+        caller = live.enter(after_rebuilds=not self.cfg.concurrent_rebuilds)
+        try:
+            live.begun.record(live.stream)  # passed once the waits are over
             actions, info = self._infer(inputs, noise)
-            done = gpu_event(self.engine.device)
-        assert begun is not None and done is not None  # on a GPU
-        self.last_gpu_span = (begun, done)
-        caller.wait_stream(stream)
+            live.done.record(live.stream)
+        finally:
+            live.leave(caller)
+        self.last_gpu_span = (live.begun, live.done)
         actions.record_stream(caller)
         return actions, info
 
@@ -908,7 +948,8 @@ class RMuscle:
         self.engine.descriptor_host.copy_(d, non_blocking=True)
         if not d.is_cuda:
             return None
-        ready = torch.cuda.Event()
+        ready = self._descriptor_ready
+        assert ready is not None  # allocated with the runtime on a GPU
         ready.record()
         return ready
 
@@ -984,7 +1025,7 @@ class RMuscle:
         first = self.calls == 0
         bucket = self._bucket = e.begin_load(inputs, noise)
         e.run_stage("match", bucket, variant="cached")
-        matched = torch.cuda.Event() if e.device.type == "cuda" else None
+        matched = self._matched  # None on a CPU
         if matched is not None:
             matched.record()
         self._queue_similarities(after=matched)
@@ -1127,17 +1168,15 @@ class RMuscle:
             return None
         start = time.perf_counter()
         e = self.engine
-        stream = e.live_stream if e.device.type == "cuda" else None
-        if stream is None:
+        live = self._live
+        if live is None:
             e.run_stage("tail", due.bucket)
         else:
-            caller = torch.cuda.current_stream(e.device)
-            stream.wait_stream(caller)
-            if not self.cfg.concurrent_rebuilds:
-                stream.wait_stream(e.rebuild_stream)
-            with torch.cuda.stream(stream):
+            caller = live.enter(after_rebuilds=not self.cfg.concurrent_rebuilds)
+            try:
                 e.run_stage("tail", due.bucket)
-            caller.wait_stream(stream)
+            finally:
+                live.leave(caller)
         error = float(measure(due.actions, e.actions[None]))
         bound = self.cfg.audit_max_error
         tripped = not math.isfinite(error) or (bound > 0 and error > bound)

@@ -57,12 +57,3 @@ def create_engine(name: str, model: Pi05Model, device: str | torch.device, **opt
     if device.type == "cuda" and not torch.cuda.is_available():  # any backend: say so, not torch's assert
         raise RuntimeError(f"device {device}: no CUDA GPU here (PyTorch sees none); use device 'cpu'")
     return getattr(importlib.import_module(module), cls)(model, device=device, **options)
-
-
-def gpu_event(device: torch.device) -> torch.cuda.Event | None:
-    """A timing event recorded now on `device`'s current stream; None off a GPU."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event

@@ -250,8 +250,10 @@ class _Staging:
         self.device = torch.zeros(size, dtype=torch.uint8, device=device)
         self.on_device = self._views(self.device)
         self._host_views()
-        # Pinned only: the last upload, which the next write waits for.
+        # Pinned only: the event of the last upload, which the next write waits for (allocated by `pin`,
+        # recorded again by each upload), and whether one is in flight.
         self._uploaded: torch.cuda.Event | None = None
+        self._upload_pending = False
 
     def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
@@ -268,19 +270,21 @@ class _Staging:
         """Move the host buffer into pinned memory (CUDA devices only)."""
         self.host = self.host.pin_memory()
         self._host_views()
+        self._uploaded = torch.cuda.Event()
 
     def writable(self) -> dict[str, np.ndarray]:
         """The host buffer as NumPy views, once the previous upload no longer reads it."""
-        if self._uploaded is not None:
+        if self._upload_pending:
+            assert self._uploaded is not None  # pinned
             self._uploaded.synchronize()
-            self._uploaded = None
+            self._upload_pending = False
         return self._arrays
 
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
-        if self.host.is_pinned():
-            self._uploaded = torch.cuda.Event()
+        if self._uploaded is not None:  # pinned
             self._uploaded.record()
+            self._upload_pending = True
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from rmuscle_ros.cache.runtime import Audit, CallInfo, RMuscle, RMuscleConfig, relative_l2
-from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine, gpu_event
+from rmuscle_ros.engine import BACKENDS, EXPORTED, Engine, create_engine
 from rmuscle_ros.engine.eager import check_noise
 from rmuscle_ros.models.checkpoint import (
     check_relative_actions,
@@ -291,6 +291,12 @@ class Policy:
         try:
             self._images = torch.empty(1, slots, 3, s, s, device=self.device if on_gpu else "cpu")
             self._uploads = ImageUploads(self.device) if on_gpu else None
+            # A dense call's GPU span (with rMuscle, its runtime times the call): recorded again each call
+            self._dense_span = (
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                if on_gpu
+                else None
+            )
         except BaseException:  # out of memory, ...: the library goes back to whoever opens it next
             if self.rmuscle is not None:
                 self.rmuscle.close()
@@ -441,9 +447,12 @@ class Policy:
             raw, info = self.rmuscle.infer(inputs, noise)
             span = self.rmuscle.last_gpu_span
         else:
-            begun = gpu_event(self.device)
+            span = self._dense_span
+            if span is not None:
+                span[0].record()
             raw, info = self.engine.sample_actions(inputs, noise), CallInfo("dense", 0.0, reason="no cache")
-            span = None if begun is None else (begun, gpu_event(self.device))
+            if span is not None:
+                span[1].record()
         actions = self.postprocess(raw, model_state)  # .cpu() synchronises the device
         if not np.isfinite(actions).all():
             self._refuse(actions, info)
