@@ -74,16 +74,33 @@ def main() -> None:
     gc.freeze()
     print(f"[bench_policy] loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
     observations = [synthetic_observation(cfg, args.prompt, seed=i) for i in range(args.calls)]
-    calls = []  # (path, episode, call, mode, preprocess ms, model ms, total ms)
+    # On a GPU, each call's time on the GPU's clock: from an event recorded as the call starts (the GPU
+    # idle) to the runtime's span (its first event passes once the preprocessing queued before it has
+    # run), the span itself, and from the span's end to an event recorded once the call has returned.
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+    calls = []  # (path, episode, call, mode, preprocess ms, model ms, total ms, before span, span, after span)
     for episode in ("dense", "repeat"):
         for i, obs in enumerate(observations):
             for path, policy in policies.items():
                 sync()
+                if start is not None:
+                    start.record()
                 chunk = policy.infer(obs)
                 t = chunk.timings_s
+                split: list[float] = []  # off a GPU: none
+                if start is not None and end is not None and policy.rmuscle is not None:
+                    end.record()
+                    span = policy.rmuscle.last_gpu_span  # valid until the next call
+                    assert span is not None  # on a GPU
+                    end.synchronize()
+                    split = [
+                        start.elapsed_time(span[0]),
+                        span[0].elapsed_time(span[1]),
+                        span[1].elapsed_time(end),
+                    ]
                 calls.append(
                     (path, episode, i, chunk.cache_mode, t["preprocess"] * 1e3,
-                     t["model_and_postprocess"] * 1e3, chunk.latency_s * 1e3)
+                     t["model_and_postprocess"] * 1e3, chunk.latency_s * 1e3, *split)
                 )  # fmt: skip
                 policy.rebuild_cache(wait=True)
         for policy in policies.values():
@@ -99,7 +116,15 @@ def main() -> None:
             "preprocess_ms": round(statistics.median(r[4] for r in rows), 3),
             "model_ms": round(statistics.median(r[5] for r in rows), 3),
             "modes": sorted({r[3] for r in rows}),
-        }
+        } | (
+            {  # on a GPU: the GPU's clock from the call's start to the runtime's span, the span, and after it
+                "before_gpu_span_ms": round(statistics.median(r[7] for r in rows), 3),
+                "gpu_span_ms": round(statistics.median(r[8] for r in rows), 3),
+                "after_gpu_span_ms": round(statistics.median(r[9] for r in rows), 3),
+            }
+            if cuda
+            else {}
+        )
 
     results = {}
     for path in paths:
@@ -137,8 +162,9 @@ def main() -> None:
         f"{record['warmup_s']} s. Wall clock per call; medians over each "
         "episode's calls after its first.",
         "",
-        "| calls | n | mode | median ms | preprocess ms | model ms |",
-        "|---|---|---|---|---|---|",
+        "| calls | n | mode | median ms | preprocess ms | model ms |"
+        + (" before GPU span | GPU span | after |" if cuda else ""),
+        "|---|---|---|---|---|---|" + ("---|" * 3 if cuda else ""),
     ]
     names = {
         "dense_recorded": "dense episode, recorded for the library",
@@ -153,10 +179,20 @@ def main() -> None:
             name += ", images resampled on the host (the previous path)" if path else ""
             lines.append(
                 f"| {name} | {r['calls']} | {modes} | {r['median_ms']} | {r['preprocess_ms']} | {r['model_ms']} |"
+                + (
+                    f" {r['before_gpu_span_ms']} | {r['gpu_span_ms']} | {r['after_gpu_span_ms']} |"
+                    if cuda
+                    else ""
+                )
             )
     if cuda:
         lines += ["", "The images are resampled on the GPU (the policy's path) except in the rows that say "
-                  "otherwise: a second policy, alternated call by call with the first."]  # fmt: skip
+                  "otherwise: a second policy, alternated call by call with the first. On the GPU's clock "
+                  "(CUDA events, ms): from the call's start (the GPU idle) to the start of the runtime's "
+                  "span (`RMuscle.last_gpu_span`: it starts once the work queued before it, the images' "
+                  "resampling, has run), the span (the call's stages and the gaps the host leaves between "
+                  "them), and from its end to the call's return (the actions back on the host, "
+                  "postprocessing)."]  # fmt: skip
     stem = args.name or f"policy_{args.preset}_{device.split()[-1].lower()}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
