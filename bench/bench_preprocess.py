@@ -78,7 +78,8 @@ def gpu_variants(
     and the upload with the resampling on the GPU (alone and beside a busy thread); Policy.preprocess."""
     device = torch.device("cuda")
     pinned, on_gpu = torch.empty(on_cpu.shape, pin_memory=True), torch.empty(on_cpu.shape, device=device)
-    uploads = ImageUploads(device)
+    uploads, one_by_one = ImageUploads(device), ImageUploads(device, graphs=False)
+    eager_out = torch.empty(on_cpu.shape, device=device)
 
     def host_then_copy() -> None:
         images_to_model_padded(cameras, pinned)
@@ -89,8 +90,16 @@ def gpu_variants(
         images_to_model_padded(cameras, on_gpu, uploads)
         torch.cuda.synchronize()
 
+    def gpu_launches_one_by_one() -> None:
+        images_to_model_padded(cameras, eager_out, one_by_one)
+        torch.cuda.synchronize()
+
     gpu()
+    gpu()  # the second call replays the graph the first captured
+    gpu_launches_one_by_one()
     diff = (on_gpu.cpu() - on_cpu).abs()
+    if not torch.equal(on_gpu, eager_out):
+        raise RuntimeError("the graph's resampling differs from the same operations launched one by one")
     policy = Policy(PolicyConfig(backend="fused", device="cuda"))
     policy.preprocess(obs)
 
@@ -105,6 +114,7 @@ def gpu_variants(
             "max_abs_diff": diff.max().item(),
             "fraction_differing": float(f"{(diff > 0).float().mean().item():.3g}"),
         },
+        "cameras_gpu_launches_one_by_one": {"median_ms": round(median_ms(gpu_launches_one_by_one, iters), 3)},
         "cameras_gpu_with_busy_thread": {"median_ms": round(with_busy_thread(gpu, max(iters // 3, 5)), 3)},
         "policy_preprocess_gpu": {"median_ms": round(median_ms(policy_gpu, iters), 3)},
     }
@@ -161,7 +171,10 @@ def main() -> None:
             "",
             "On the GPU (each call synchronised, so the figures include the GPU's work): `cameras_host_then_copy`",
             "is the policy's path until 2026-12-01 (`cameras_batched` into pinned memory, then copied up as",
-            "float32); `cameras_gpu` uploads the uint8 frames and resamples them there (the policy's path now);",
+            "float32); `cameras_gpu` uploads the uint8 frames and resamples them there (the policy's path now:",
+            "the resampling replayed as a CUDA graph, captured by the first call), and",
+            "`cameras_gpu_launches_one_by_one` the same operations launched one by one from Python (the policy's",
+            "path until 2026-12-05; checked equal to the graph's, bit for bit);",
             "`policy_preprocess_gpu` is `Policy.preprocess` with `tiny` on the GPU. The GPU's tensors against",
             f"the CPU's: {results['cameras_gpu']['fraction_differing']} of the values differ, by at most "
             f"{results['cameras_gpu']['max_abs_diff']:.3g}.",

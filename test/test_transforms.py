@@ -224,6 +224,38 @@ def test_image_uploads_reuse_their_buffers_without_mixing_calls() -> None:
     assert len(uploads._buffers) == 4
 
 
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("antialias", [False, True])
+def test_resampling_replayed_as_a_graph_gives_each_calls_own_images(antialias: bool) -> None:
+    """From a batch's second call on, `ImageUploads.fill` replays the resampling its first call captured
+    (the policy fills one output tensor call after call): with new frames each call, nothing waited on
+    between, each result is what the same operations launched one by one give, bit for bit. A camera
+    missing (other slots) or another size captures its own graph; a fifth frees the oldest."""
+    cuda = torch.device("cuda")
+    graphs, one_by_one = ImageUploads(cuda, max_shapes=4), ImageUploads(cuda, graphs=False)
+    out, want = (torch.full((5, 3, 224, 224), 7.0, device=cuda) for _ in range(2))
+    seen = []
+    for call in range(6):
+        # slots 0-2 and 4 (one size: one batch, written slot by slot), slot 1 missing in calls 3 and 4
+        images = {slot: _random_image(480, 640, seed=10 * call + slot) for slot in (0, 1, 2, 4)}
+        if call in (3, 4):
+            del images[1]
+        images_to_model_padded(images, out, graphs, antialias)
+        images_to_model_padded(images, want, one_by_one, antialias)
+        seen.append((out.clone(), want.clone()))  # queued: read only at the end
+    for call, (got, expected) in enumerate(seen):
+        assert torch.equal(got, expected), f"call {call}"
+    assert len(graphs._resamplings) == 2 and not one_by_one._resamplings
+    for k in range(3):  # three new sizes: four graphs kept, the oldest freed once its last replay ran
+        for _ in range(2):  # captured, then replayed
+            frame = {0: _random_image(100 + k, 120, seed=k)}
+            images_to_model_padded(frame, out, graphs, antialias)
+            images_to_model_padded(frame, want, one_by_one, antialias)
+            assert torch.equal(out, want)
+    assert len(graphs._resamplings) == 4
+
+
 def test_image_to_model_requires_resized_input() -> None:
     with pytest.raises(ValueError, match="resize_with_pad"):
         image_to_model(_random_image(480, 640))

@@ -133,9 +133,7 @@ def images_to_model_padded(
         if uploads is None:
             raise ValueError(f"images_to_model_padded into {out.device} needs uploads (an ImageUploads)")
         for slots in groups.values():
-            _fill_padded(
-                uploads.upload([images[slot] for slot in slots]), out, slots, uploads.full_scale, antialias
-            )
+            uploads.fill([images[slot] for slot in slots], out, slots, antialias)
         return
     for (height, width), slots in groups.items():
         if len(slots) == 1 or (height, width) == (size, size):
@@ -184,28 +182,47 @@ def _consecutive(slots: list[int]) -> bool:
     return slots == list(range(slots[0], slots[0] + len(slots)))
 
 
+@dataclass
+class _Resampling:
+    """One batch shape's resampling into `out[slots]` as a CUDA graph: its input buffer on the device, and
+    an event recorded after each replay (the buffer is rewritten, or the graph freed, once it has passed)."""
+
+    frames: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    done: torch.cuda.Event
+
+
 class ImageUploads:
-    """Copies camera frames to a GPU through pinned host buffers, reused from call to call.
+    """Copies camera frames to a GPU through pinned host buffers, reused from call to call, and resamples
+    them into the model's input there.
 
     A frame from a ROS message is pageable memory; copying it into a pinned buffer and queuing a DMA
     from there lets the host go on at once. One buffer per batch shape (cameras of one size share one),
     at most `max_shapes` of them (a stream of ever-new sizes frees the oldest). A buffer is rewritten
-    only after the GPU has read its previous contents (an event per buffer)."""
+    only after the GPU has read its previous contents (an event per buffer).
 
-    def __init__(self, device: torch.device, max_shapes: int = 4) -> None:
+    `fill` resamples a batch the first time with PyTorch's operations one by one, and captures them as a
+    CUDA graph for the next calls of the same batch shape, slots, output and antialiasing: the same
+    kernels (the same values, bit for bit), launched by one replay instead of about ten launches from
+    Python on the call's path. At most `max_shapes` graphs are kept (the oldest freed); `graphs=False`
+    keeps to the launches one by one."""
+
+    def __init__(self, device: torch.device, max_shapes: int = 4, graphs: bool = True) -> None:
         if device.type != "cuda":
             raise ValueError(f"ImageUploads copies to a CUDA device, got {device}")
         self.device = device
         self.max_shapes = max_shapes
+        self.graphs = graphs
         # 255 as a tensor on the device, to divide the pixels by: divided by a Python number, PyTorch's
         # CUDA kernels multiply by its reciprocal, which differed from the CPU's division by one ulp in 29 %
         # of the values (H200, 3 cameras); divided by a device tensor, they divide, as the CPU does.
         self.full_scale = torch.tensor(255.0, device=device)
         self._buffers: dict[tuple[int, ...], tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self._resamplings: dict[tuple, _Resampling] = {}
 
-    def upload(self, frames: list[np.ndarray]) -> torch.Tensor:
-        """(n, H, W, 3) uint8 on the device: `frames` (each (H, W, 3) uint8, checked by the caller),
-        copied on the current stream."""
+    def _staged(self, frames: list[np.ndarray]) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """`frames` in their shape's pinned buffer, once the GPU has read its previous contents; and the
+        event to record after the copy that reads them is queued."""
         shape = (len(frames), *frames[0].shape)
         held = self._buffers.pop(shape, None)
         if held is None:
@@ -218,10 +235,68 @@ class ImageUploads:
         staging = host.numpy()
         for j, frame in enumerate(frames):
             np.copyto(staging[j], frame)
+        self._buffers[shape] = held  # most recently used last
+        return host, copied
+
+    def upload(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """(n, H, W, 3) uint8 on the device: `frames` (each (H, W, 3) uint8, checked by the caller),
+        copied on the current stream."""
+        host, copied = self._staged(frames)
         on_device = host.to(self.device, non_blocking=True)
         copied.record()
-        self._buffers[shape] = held  # most recently used last
         return on_device
+
+    def fill(self, frames: list[np.ndarray], out: torch.Tensor, slots: list[int], antialias: bool) -> None:
+        """`frames` (one size) resampled into `out[slots]` on the current stream (images_to_model_padded)."""
+        key = (
+            len(frames),
+            *frames[0].shape,
+            tuple(slots),
+            antialias,
+            out.data_ptr(),
+            out.shape,
+            out.stride(),
+        )
+        resampling = self._resamplings.pop(key, None)
+        if resampling is None:
+            on_device = self.upload(frames)
+            _fill_padded(on_device, out, slots, self.full_scale, antialias)
+            if self.graphs:
+                self._keep(key, self._capture(on_device, out, slots, antialias))
+            return
+        host, copied = self._staged(frames)
+        resampling.done.synchronize()  # (passed already, normally) its input is read by the last replay
+        resampling.frames.copy_(host, non_blocking=True)
+        copied.record()
+        resampling.graph.replay()
+        resampling.done.record()
+        self._resamplings[key] = resampling  # most recently used last
+
+    def _capture(
+        self, like: torch.Tensor, out: torch.Tensor, slots: list[int], antialias: bool
+    ) -> _Resampling:
+        """The resampling `fill` has just run, captured (not run) on a side stream: its kernels are loaded,
+        so nothing is initialised during the capture. Other threads' CUDA work may go on meanwhile
+        (thread-local capture mode)."""
+        frames = torch.empty_like(like)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                _fill_padded(frames, out, slots, self.full_scale, antialias)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return _Resampling(frames, graph, torch.cuda.Event())
+
+    def _keep(self, key: tuple, resampling: _Resampling) -> None:
+        if len(self._resamplings) >= self.max_shapes:
+            oldest = next(iter(self._resamplings))
+            self._resamplings.pop(oldest).done.synchronize()  # its last replay done before it is freed
+        self._resamplings[key] = resampling
 
 
 def image_to_model(image_u8: np.ndarray, size: int = MODEL_IMAGE_SIZE) -> torch.Tensor:
