@@ -315,7 +315,10 @@ class Policy:
         # a seed no longer fixed the chunks with warm-up on (found in review).
         cfg = self.model_cfg
         noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=torch.Generator().manual_seed(0))
-        self.infer(synthetic_observation(self.cfg, prompt), noise=noise)
+        observation = synthetic_observation(self.cfg, prompt)
+        self.infer(observation, noise=noise)
+        if self._uploads is not None:  # the images' resampling, captured by that call, replayed once
+            self.preprocess(observation)
         if self.rmuscle is not None:
             self.rmuscle.discard_recording()
             self.rmuscle.warm_up_retrieval()
