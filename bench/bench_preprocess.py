@@ -116,6 +116,9 @@ def gpu_variants(
         },
         "cameras_gpu_launches_one_by_one": {"median_ms": round(median_ms(gpu_launches_one_by_one, iters), 3)},
         "cameras_gpu_with_busy_thread": {"median_ms": round(with_busy_thread(gpu, max(iters // 3, 5)), 3)},
+        "cameras_gpu_launches_one_by_one_with_busy_thread": {
+            "median_ms": round(with_busy_thread(gpu_launches_one_by_one, max(iters // 3, 5)), 3)
+        },
         "policy_preprocess_gpu": {"median_ms": round(median_ms(policy_gpu, iters), 3)},
     }
 
