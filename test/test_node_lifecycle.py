@@ -1972,7 +1972,10 @@ def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) 
     slowed by 0.3 s, as on a machine twice as slow as this one, merged ticks (a review's run). The ratio is
     held to the rate the player reached, which a loaded machine keeps below 2. The bag played again an
     hour of its clock later (the next bag of a set) is counted from its start (found in review: the jump
-    read as 0.0 Hz)."""
+    read as 0.0 Hz). The rate reached is the player's own, first message to last (with the 0.5 s it waits
+    for discovery counted in, a CI run's 1.86 against the node's 2.41 failed), and the wall rate is read
+    from when chunks were published, each up to a call's latency after its tick: in that run the first
+    call took ~1 s, which shortened the chunks' wall span by as much. The bounds allow for that."""
     from rmuscle_ros.node.bags import bag_info
 
     bag = tmp_path / "episode"
@@ -1984,13 +1987,19 @@ def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) 
     remap = dict(zip(ALOHA_CAMERA_TOPICS[:3], CAMERAS, strict=True)) | dict(
         zip(ALOHA_JOINT_TOPICS, JOINT_TOPICS, strict=True)
     )
-    start = time.monotonic()
-    BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap).play(rate=2.0)
-    reached = seconds / (time.monotonic() - start)  # bag seconds per wall second
+    player = BagPlayer(h.peer, bag, qos_profile_sensor_data, remap=remap)
+    player.play(rate=2.0)
+    reached = player.played_s / player.wall_s  # bag seconds per wall second
     stats = h.node.stats()
     assert stats["chunks"] >= 5 and stats["ticks_merged"] == 0, (stats, h.drops())
     assert stats["rate_hz_clock"] == pytest.approx(0.5, rel=0.25), stats  # one every 2 s of the bag
-    assert stats["rate_hz"] / stats["rate_hz_clock"] == pytest.approx(reached, rel=0.25), (stats, reached)
+    ratio = stats["rate_hz"] / stats["rate_hz_clock"]
+    clock_span = (stats["chunks"] - 1) / stats[
+        "rate_hz_clock"
+    ]  # bag seconds from the first chunk to the last
+    wall_span, lag = clock_span / reached, stats["latency_p99_ms"] / 1e3  # with 7 chunks, p99 is the slowest
+    lowest, highest = clock_span / (wall_span + lag), clock_span / max(wall_span - lag, 0.1 * wall_span)
+    assert 0.9 * lowest <= ratio <= 1.1 * highest, (stats, reached)
     status = h.node._diagnostics().status[0]
     assert f"({stats['rate_hz_clock']:.1f} Hz on /clock)" in status.message, status.message
 

@@ -394,6 +394,10 @@ class BagPlayer:
         self.skipped: dict[str, str] = {}  # topic -> message type not installed here (e.g. a driver's own)
         # Awaited topics (and /clock) that no subscriber had matched when the wait for them ran out.
         self.unmatched: list[str] = []
+        # The latest play's pace, from its first message to its last (the waits for subscribers left out):
+        # bag seconds played, and wall seconds taken. A player that fell behind (a loaded machine) publishes
+        # what is due at once, so the bag's seconds per wall second can run above `rate` for a while.
+        self.played_s = self.wall_s = 0.0
 
     def play(
         self,
@@ -430,6 +434,7 @@ class BagPlayer:
         if not (math.isfinite(rate) and rate > 0):  # NaN passed `rate <= 0` and played unpaced (review)
             raise ValueError(f"rate must be a finite number > 0, got {rate}")
         self.unmatched = []  # this play's (found in review: a second play reported the first one's)
+        self.played_s = self.wall_s = 0.0
         with _reader(self.path) as reader:
             if not reader.message_count:
                 raise BagRefused(f"bag {self.path}: holds no message")
@@ -545,6 +550,7 @@ class BagPlayer:
                         ) from None
                     pubs[connection.topic].publish(bytes(raw))  # the recorded CDR bytes (stamp aside)
                     self.published += 1
+                    self.played_s, self.wall_s = (t - bag0) / 1e9, time.monotonic() - wall0
             finally:  # a refusal, a failed read, Ctrl-C: the caller's node keeps no publisher of ours
                 for pub in pubs.values():
                     self.node.destroy_publisher(pub)
