@@ -256,6 +256,32 @@ def test_resampling_replayed_as_a_graph_gives_each_calls_own_images(antialias: b
     assert len(graphs._resamplings) == 4
 
 
+@pytest.mark.gpu
+@GPU
+def test_a_resampling_graph_that_cannot_be_captured_leaves_the_launches_one_by_one(
+    monkeypatch, caplog
+) -> None:
+    """A capture that fails (out of memory during it, say) does not fail the call, whose images were in place
+    before it: the uploads say so once and launch the operations one by one from then on."""
+    cuda = torch.device("cuda")
+    uploads, one_by_one = ImageUploads(cuda), ImageUploads(cuda, graphs=False)
+
+    def fails(*_args: object) -> None:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(uploads, "_capture", fails)
+    out, want = (torch.full((3, 3, 224, 224), 7.0, device=cuda) for _ in range(2))
+    for call in range(3):
+        images = {slot: _random_image(480, 640, seed=10 * call + slot) for slot in range(3)}
+        with caplog.at_level("WARNING"):
+            images_to_model_padded(images, out, uploads, False)
+        images_to_model_padded(images, want, one_by_one, False)
+        assert torch.equal(out, want), f"call {call}"
+    assert not uploads.graphs and not uploads._resamplings
+    said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(said) == 1 and "out of memory (simulated)" in said[0], said
+
+
 def test_image_to_model_requires_resized_input() -> None:
     with pytest.raises(ValueError, match="resize_with_pad"):
         image_to_model(_random_image(480, 640))

@@ -460,7 +460,8 @@ class _LiveStream:
     records a new event each time, and the context manager `torch.cuda.stream` costs more host time than
     setting the stream; together, 0.09 ms of host time before a call's first launch on the H200
     (bench/results/probe_call_timeline_pi05_h200_35d0631). `begun` and `done` time the call (the caller
-    records them); they are recorded again by the next call."""
+    records them); they are recorded again by the next call. Shared by calls and audits, which the
+    caller serialises (the node's policy lock): two at once would record each other's events."""
 
     def __init__(
         self, device: torch.device, stream: torch.cuda.Stream, rebuild_stream: torch.cuda.Stream
@@ -573,7 +574,9 @@ class RMuscle:
         # events, read once the call's result has been synchronised and before the next call, which
         # records them again. None on a CPU.
         self.last_gpu_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        cuda = engine.device.type == "cuda" and engine.live_stream is not None
+        cuda = engine.device.type == "cuda"
+        if cuda:  # an engine built with cache shapes on a GPU has them (graph.py)
+            assert engine.live_stream is not None and engine.rebuild_stream is not None
         self._live = _LiveStream(engine.device, engine.live_stream, engine.rebuild_stream) if cuda else None
         # Each call's order events, allocated here (STYLE rule 2): the descriptor's read-back, the GPU's pick
         self._descriptor_ready = torch.cuda.Event() if cuda else None

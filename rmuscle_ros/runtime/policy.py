@@ -452,10 +452,10 @@ class Policy:
         else:
             span = self._dense_span
             if span is not None:
-                span[0].record()
+                span[0].record(torch.cuda.current_stream(self.device))
             raw, info = self.engine.sample_actions(inputs, noise), CallInfo("dense", 0.0, reason="no cache")
             if span is not None:
-                span[1].record()
+                span[1].record(torch.cuda.current_stream(self.device))
         actions = self.postprocess(raw, model_state)  # .cpu() synchronises the device
         if not np.isfinite(actions).all():
             self._refuse(actions, info)

@@ -8,6 +8,7 @@ The state reaching `discretize_state` must already be quantile-normalised (`runt
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from rmuscle_ros.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 MODEL_IMAGE_SIZE = 224
 STATE_BINS = 256
@@ -204,8 +207,10 @@ class ImageUploads:
     `fill` resamples a batch the first time with PyTorch's operations one by one, and captures them as a
     CUDA graph for the next calls of the same batch shape, slots, output and antialiasing: the same
     kernels (the same values, bit for bit), launched by one replay instead of about ten launches from
-    Python on the call's path. At most `max_shapes` graphs are kept (the oldest freed); `graphs=False`
-    keeps to the launches one by one."""
+    Python on the call's path. At most `max_shapes` graphs are kept (the oldest freed), all in one memory
+    pool (their scratch tensors live only within a replay, and replays follow each other on one stream);
+    `graphs=False` keeps to the launches one by one, and so does a capture that fails (said once). Calls
+    are serialised by the caller (the policy's lock), with `device` the current one."""
 
     def __init__(self, device: torch.device, max_shapes: int = 4, graphs: bool = True) -> None:
         if device.type != "cuda":
@@ -219,6 +224,7 @@ class ImageUploads:
         self.full_scale = torch.tensor(255.0, device=device)
         self._buffers: dict[tuple[int, ...], tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._resamplings: dict[tuple, _Resampling] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
     def _staged(self, frames: list[np.ndarray]) -> tuple[torch.Tensor, torch.cuda.Event]:
         """`frames` in their shape's pinned buffer, once the GPU has read its previous contents; and the
@@ -243,7 +249,7 @@ class ImageUploads:
         copied on the current stream."""
         host, copied = self._staged(frames)
         on_device = host.to(self.device, non_blocking=True)
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))
         return on_device
 
     def fill(self, frames: list[np.ndarray], out: torch.Tensor, slots: list[int], antialias: bool) -> None:
@@ -257,19 +263,31 @@ class ImageUploads:
             out.shape,
             out.stride(),
         )
-        resampling = self._resamplings.pop(key, None)
+        resampling = self._resamplings.get(key)
         if resampling is None:
             on_device = self.upload(frames)
             _fill_padded(on_device, out, slots, self.full_scale, antialias)
             if self.graphs:
-                self._keep(key, self._capture(on_device, out, slots, antialias))
+                try:
+                    captured = self._capture(on_device, out, slots, antialias)
+                except (
+                    RuntimeError
+                ) as e:  # out of memory among others; this call's result is in place already
+                    self.graphs = False
+                    log.warning(
+                        "images: resampling as a CUDA graph failed (%s); launching it op by op from now on", e
+                    )
+                    return
+                self._keep(key, captured)
             return
         host, copied = self._staged(frames)
+        stream = torch.cuda.current_stream(self.device)
         resampling.done.synchronize()  # (passed already, normally) its input is read by the last replay
         resampling.frames.copy_(host, non_blocking=True)
-        copied.record()
+        copied.record(stream)
         resampling.graph.replay()
-        resampling.done.record()
+        resampling.done.record(stream)
+        del self._resamplings[key]
         self._resamplings[key] = resampling  # most recently used last
 
     def _capture(
@@ -284,7 +302,7 @@ class ImageUploads:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 _fill_padded(frames, out, slots, self.full_scale, antialias)
             finally:
