@@ -268,11 +268,10 @@ class ImageUploads:
             on_device = self.upload(frames)
             _fill_padded(on_device, out, slots, self.full_scale, antialias)
             if self.graphs:
+                # A capture that fails (out of memory during it, say) leaves this call's result in place
                 try:
                     captured = self._capture(on_device, out, slots, antialias)
-                except (
-                    RuntimeError
-                ) as e:  # out of memory among others; this call's result is in place already
+                except RuntimeError as e:
                     self.graphs = False
                     log.warning(
                         "images: resampling as a CUDA graph failed (%s); launching it op by op from now on", e
