@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GELU_TANH_C = math.sqrt(2.0 / math.pi)
-
 
 def add_norm(
     res: Tensor,
