@@ -525,7 +525,8 @@ def test_a_ramp_schedule_on_the_gpu_computes_what_the_cpu_definition_does() -> N
 def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_rho_one(tmp_path) -> None:
     """The policy-level runtime on the graph backend: live calls on the high-priority stream, rebuilds on
     the low-priority one; a recorded warm-up makes the repeat cached, its first call too once the reset's
-    motion window rebuilt the episode's start; ρ = 1 chunks equal dense ones."""
+    motion window rebuilt the episode's start; ρ = 1 chunks equal dense ones. The Action Cache alone
+    (ρp = 1, ρn = 0.5) holds no FFN states and its refill queues no stage of the model."""
     import numpy as np
 
     from rmuscle_ros.cache.runtime import RMuscleConfig
@@ -558,9 +559,14 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         RMuscleConfig(rebuilds_per_tick=20),
         RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20),
         RMuscleConfig(rho_p=1.0, rho_n=1.0, rebuilds_per_tick=20, concurrent_rebuilds=True),
+        RMuscleConfig(rho_p=1.0, rho_n=0.5, rebuilds_per_tick=20),
     ):
         policy = Policy(cfg, shapes)
         policy.warmup()
+        engine = policy.rmuscle.engine
+        if shapes.rho_p == 1.0:
+            assert engine.rebuild_parts == [] and engine.window.ffn_in.numel() == 0
+            assert not any(key[0] == "rebuild" for key in engine._graphs), "no rebuild graph captured"
         assert [c.cache_mode for c in run(policy, episode(4, 0.0))] == ["dense"] * 4
         assert policy.reset_episode() == 0
         while policy.rebuild_cache(1, wait=True):  # the motion window at the reset: the episode's start
@@ -570,7 +576,7 @@ def test_rmuscle_runtime_on_the_gpu_records_then_serves_cached_and_is_exact_at_r
         assert [c.cache_mode for c in chunks] == ["cached"] * 4, "the first call too, from the refill"
         assert policy.rmuscle.match_reruns == 0
         assert all(np.isfinite(c.actions).all() for c in chunks)
-        if shapes.rho_p == 1.0:
+        if shapes.rho_p == shapes.rho_n == 1.0:
             want = run(dense, live)
             assert all(np.array_equal(c.actions, w.actions) for c, w in zip(chunks, want, strict=True))
         policy.close()

@@ -114,13 +114,14 @@ def test_retrieval_benchmark_times_the_four_situations() -> None:
 
 def test_rmuscle_benchmark_runs_every_phase_on_a_cpu(tmp_path) -> None:
     """bench/bench_rmuscle.py end to end on `tiny` (CPU smoke run): the ρ row, the rebuild's parts, the
-    live call behind a queued part, and the calls by library size, in its JSON record."""
+    live call behind a queued part, and the calls by library size, in its JSON record; and a ρp = 1 row
+    (the Action Cache alone), which has nothing to rebuild."""
     import json
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "bench" / "bench_rmuscle.py"), "--device", "cpu", "--preset", "tiny",
-           "--rho", "0.4,0.5", "--iters", "2", "--calls", "4", "--library-episodes", "1", "3",
+           "--rho", "0.4,0.5", "--rho", "1,0.5", "--iters", "2", "--calls", "4", "--library-episodes", "1", "3",
            "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     row = json.loads((tmp_path / "smoke.json").read_text())["results"]["rmuscle"]
@@ -130,6 +131,11 @@ def test_rmuscle_benchmark_runs_every_phase_on_a_cpu(tmp_path) -> None:
     assert [s["episodes"] for s in sizes] == [1, 3] and all(s["host"]["cached"] > 0 for s in sizes)
     assert "By library size" in (tmp_path / "smoke.md").read_text()
     assert row["recorded_call_ms"] > 0
+    alone = json.loads((tmp_path / "smoke.json").read_text())["results"][
+        "rmuscle_p1_n0.5"
+    ]  # the Action Cache alone
+    assert alone["rebuild_part_ms"] == [] and alone["rebuild_entry_ms"] == 0 and alone["window_entry_mb"] == 0
+    assert alone["engine_cache_mb"] < row["engine_cache_mb"]
 
 
 def test_policy_benchmark_times_a_dense_episode_and_its_cached_repeat(tmp_path) -> None:

@@ -63,6 +63,46 @@ def test_recording_masks_does_not_change_the_result(model) -> None:
     assert int(later.min()) >= 0 and int(later.max()) < model.cfg.expert.mlp_dim
 
 
+def test_the_action_cache_alone_holds_and_rebuilds_no_ffn_states(model) -> None:
+    """At ρp = 1 the cached prefill is the dense one and reads no reference entry: the engine holds no FFN
+    states (102 MB an entry at pi05), a rebuild runs no stage and leaves its output as it was, and a cached
+    call is the dense prefill followed by the cached denoise that an engine with a Context Cache runs on
+    the same masks, bit for bit."""
+    cfg = model.cfg
+    alone = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=1.0, rho_n=0.5, window=4))
+    both = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=0.4, rho_n=0.5, window=4))
+    assert not alone.context_cache and both.context_cache
+    assert alone.window.ffn_in.numel() == alone.window.ffn_out.numel() == 0 and alone.ctx_ref.nbytes == 0
+    assert both.window.ffn_in.numel() > 0
+    held = both.window.nbytes + 2 * both.ctx_ref.nbytes  # the window's and the two standalone entries' states
+    assert both.cache_bytes - alone.cache_bytes == held - alone.window.nbytes
+    assert alone.rebuild is None and alone.rebuild_parts == []
+
+    ref_inputs, ref_noise = random_inputs(cfg, valid_tokens=9, pad_to=20, seed=4)
+    entry, masks = _reference(both, ref_inputs, ref_noise)
+    ran: list[str] = []
+    prefill, encode = alone.fused.prefill, alone.fused.encode_images
+    alone.fused.prefill = lambda *a, **k: ran.append("prefill") or prefill(*a, **k)
+    alone.fused.encode_images = lambda *a, **k: ran.append("vision") or encode(*a, **k)
+    try:
+        out = ContextRef.allocate(cfg, alone.device, alone.dtype)
+        out.ffn_in.fill_(7.0)
+        assert alone.begin_rebuild(ref_inputs, out) == 0 and alone.rebuild_step() is True
+        alone.rebuild_entry(ref_inputs, out)
+        assert ran == [] and bool((out.ffn_in == 7.0).all()), "nothing ran, nothing was written"
+        with pytest.raises(RuntimeError, match="no rebuild is in progress"):
+            alone.rebuild_step()
+    finally:
+        del alone.fused.prefill, alone.fused.encode_images
+
+    inputs, noise = random_inputs(cfg, valid_tokens=15, pad_to=20)
+    alone.load_reference(alone.ctx_ref, masks)
+    cached = _run(alone, inputs, noise, "cached", "cached")
+    both.load_reference(entry, masks)
+    assert torch.equal(cached, _run(both, inputs, noise, "dense", "cached"))
+    assert not torch.equal(cached, _run(alone, inputs, noise, "dense", "dense")), "the Action Cache ran"
+
+
 def test_rebuilt_entry_is_what_the_dense_prefill_computed(model) -> None:
     """The rebuild lane reproduces the live lane's FFN inputs/outputs for the same observation, so a
     call whose reference is itself drifts by zero everywhere and the Context Cache copies exact values."""

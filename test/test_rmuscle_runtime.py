@@ -753,6 +753,32 @@ def test_rho_one_and_fallback_chunks_are_the_dense_chunks(tmp_path) -> None:
         assert all(np.array_equal(c.actions, w) for c, w in zip(chunks, want, strict=True))
 
 
+def test_the_action_cache_alone_refills_its_window_without_running_the_model() -> None:
+    """With ρp = 1 (the Action Cache alone) a window entry is its recorded masks and retrieval key: the
+    refill copies them and runs no stage of the model, and the repeat is served cached from its first
+    call (its chunks the Action Cache's, not dense ones; test_rmuscle_engine checks them bit for bit)."""
+    alone = Policy(CFG, RMuscleConfig(rho_p=1.0, rho_n=0.5, rebuilds_per_tick=FULL_REBUILD))
+    rm, engine = alone.rmuscle, alone.engine
+    assert rm is not None and not engine.context_cache
+    run(alone, episode(6))
+    assert alone.reset_episode() == 0
+    ran: list[str] = []
+    prefill, encode = engine.fused.prefill, engine.fused.encode_images
+    engine.fused.prefill = lambda *a, **k: ran.append("prefill") or prefill(*a, **k)
+    engine.fused.encode_images = lambda *a, **k: ran.append("vision") or encode(*a, **k)
+    try:
+        assert alone.rebuild_cache() == rm.cfg.lookahead + 1  # the likely first calls, as after any reset
+        assert ran == [], "the refill ran the model"
+        assert all(slot.is_ready() for slot in rm.window if slot.key is not None)
+    finally:
+        del engine.fused.prefill, engine.fused.encode_images
+    repeat = run(alone, episode(6, offset=0.05, light=0.97, noise=2.0))
+    assert [c.cache_mode for c in repeat] == ["cached"] * 6
+    assert rm.status()["window_entries"] > 0
+    dense = [c.actions for c in run(Policy(CFG), episode(6, offset=0.05, light=0.97, noise=2.0))]
+    assert not any(np.array_equal(c.actions, d) for c, d in zip(repeat, dense, strict=True))
+
+
 def test_a_one_camera_cell_counts_rho_p_over_its_camera_and_rho_one_stays_dense() -> None:
     """A cell with fewer cameras than the model's slots (the sim's one): ρp counts the rows of the cameras
     it has (before, the empty slots' rows took most of the budget), and ρ = 1 is still dense bit for bit."""

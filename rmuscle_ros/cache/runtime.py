@@ -1277,7 +1277,11 @@ class RMuscle:
             if building is None:
                 return False, False
         try:
-            done = self.engine.rebuild_step(use_graphs=not self.cfg.concurrent_rebuilds)
+            done = (
+                self.engine.rebuild_step(use_graphs=not self.cfg.concurrent_rebuilds)
+                if self.engine.context_cache
+                else True  # ρp = 1: the masks and key, copied below, are the whole entry
+            )
         except BaseException as e:  # the part ran partway: the entry starts over, its slot stays unusable
             self._building = None
             self.engine.abandon_rebuild()
@@ -1317,17 +1321,6 @@ class RMuscle:
             return None
         try:
             row = self.library.load_call(*key)  # that call's rows only: an episode's file is ~116 MiB at pi05
-            present = (
-                row.image_masks[0]
-                if row.image_masks is not None
-                else np.ones(row.images.shape[1], dtype=np.bool_)
-            )
-            inputs = ModelInputs(
-                images_from_u8(row.images[0])[None],
-                torch.from_numpy(np.ascontiguousarray(present))[None],
-                torch.from_numpy(row.tokens[0])[None],
-                torch.from_numpy(row.token_mask[0])[None],
-            )
             building = _Building(
                 free,
                 key,
@@ -1335,7 +1328,19 @@ class RMuscle:
                 torch.from_numpy(unit_rows(self._descriptors[key[0]][key[1]][None])[0]),  # retrieval's row
             )
             free.key = None  # not usable while it is being rewritten
-            self.engine.begin_rebuild(inputs, free.ref)
+            if self.engine.context_cache:  # else (ρp = 1) the entry is its masks and key alone: nothing runs
+                present = (
+                    row.image_masks[0]
+                    if row.image_masks is not None
+                    else np.ones(row.images.shape[1], dtype=np.bool_)
+                )
+                inputs = ModelInputs(
+                    images_from_u8(row.images[0])[None],
+                    torch.from_numpy(np.ascontiguousarray(present))[None],
+                    torch.from_numpy(row.tokens[0])[None],
+                    torch.from_numpy(row.token_mask[0])[None],
+                )
+                self.engine.begin_rebuild(inputs, free.ref)
         except EpisodeUnreadable as e:
             # Damaged since open: out of service, and the next wanted entry instead.
             self._leave_out(key[0], str(e))

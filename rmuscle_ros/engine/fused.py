@@ -105,8 +105,12 @@ class ContextRef:
     ffn_out: Tensor
 
     @staticmethod
-    def allocate(cfg: Pi05Config, device: torch.device, dtype: torch.dtype) -> ContextRef:
-        shape = (cfg.vlm.depth - 1, cfg.image_tokens, cfg.vlm.width)
+    def allocate(
+        cfg: Pi05Config, device: torch.device, dtype: torch.dtype, layers: int | None = None
+    ) -> ContextRef:
+        """Zero-filled; `layers` (default depth − 1) = 0 gives an empty entry, for an engine whose Context
+        Cache is off (ρp = 1: nothing reads or rebuilds one)."""
+        shape = (cfg.vlm.depth - 1 if layers is None else layers, cfg.image_tokens, cfg.vlm.width)
         return ContextRef(
             torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         )

@@ -203,9 +203,15 @@ class ReferenceWindow:
 
     @staticmethod
     def allocate(
-        cfg: Pi05Config, size: int, mask_shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+        cfg: Pi05Config,
+        size: int,
+        mask_shape: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        context: bool = True,
     ) -> ReferenceWindow:
-        ref = (size, cfg.vlm.depth - 1, cfg.image_tokens, cfg.vlm.width)
+        """`context` False (the Context Cache off, ρp = 1): entries hold no FFN states, only masks and keys."""
+        ref = (size, cfg.vlm.depth - 1 if context else 0, cfg.image_tokens, cfg.vlm.width)
         return ReferenceWindow(
             torch.zeros(ref, device=device, dtype=dtype),
             torch.zeros(ref, device=device, dtype=dtype),
@@ -398,27 +404,38 @@ class GraphEngine:
         self.window: ReferenceWindow | None = None
         self.usable_writes = 0  # how many times `set_usable` has written the window's usable flags
         self.live_stream = self.rebuild_stream = self.side_stream = None  # with a cache on a GPU (below)
+        self.context_cache = False  # whether the cached prefill reads reference entries (ρp < 1)
         if cache is not None:
             self.cache_bytes = self.fused.prepare_action_cache()
             self.keep_tokens, self.keep_neurons = cache.keep_tokens(cfg), cache.keep_neurons(cfg)
             self.step_neurons = cache.step_neurons(cfg)
             self.action_cache = cache.action_cache(cfg)
+            # At ρp = 1 the cached prefill is the dense one and reads no reference: the entries hold no FFN
+            # states (102 MB each at pi05) and a window entry needs no rebuild, only its masks and retrieval
+            # key, which the library has. The Action Cache alone then costs no GPU work between calls.
+            self.context_cache = self.keep_tokens < cfg.image_tokens
             mask_shape = (cfg.num_steps, cfg.expert.depth, self.keep_neurons)
             # The entries the cached prefill reads, stacked: the window's (the first `cache.window`), then
             # one more, `ctx_ref`, that `load_reference` copies a standalone entry into. `ref_slot`, on the
             # device, says which one a call reads: picking a window entry copies nothing.
-            refs = ReferenceWindow.allocate(cfg, cache.window + 1, mask_shape, device, self.dtype)
+            refs = ReferenceWindow.allocate(
+                cfg, cache.window + 1, mask_shape, device, self.dtype, context=self.context_cache
+            )
             self._ref_stack = ContextRef(refs.ffn_in, refs.ffn_out)
             self.ctx_ref = refs.ref(cache.window)
             self.ref_slot = torch.full((1,), cache.window, device=device, dtype=torch.int64)
             self.neurons = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # cached denoise
             self.recorded_masks = torch.zeros(mask_shape, device=device, dtype=torch.int32)  # record
-            self.rebuild = _Lane(cfg, self.buckets, device, self.dtype)
-            self.rebuilt_ref = ContextRef.allocate(cfg, device, self.dtype)  # output of the rebuild lane
-            self.rebuild_parts = rebuild_slices(cache.rebuild_slices, cfg.vlm.depth)
-            # The residual stream between a sliced rebuild's graphs, outside every graph's memory pool.
-            rows = cfg.image_tokens + max(self.buckets)
-            self.rebuild_state = PrefillState.allocate(cfg, rows, device, self.dtype)
+            # The rebuild lane: vision and a recording prefill of a library observation, in parts
+            # (`rebuild_parts`; none without a Context Cache, and no lane).
+            self.rebuild_parts: list[tuple[bool, range]] = []
+            if self.context_cache:
+                self.rebuild = _Lane(cfg, self.buckets, device, self.dtype)
+                self.rebuilt_ref = ContextRef.allocate(cfg, device, self.dtype)  # output of the rebuild lane
+                self.rebuild_parts = rebuild_slices(cache.rebuild_slices, cfg.vlm.depth)
+                # The residual stream between a sliced rebuild's graphs, outside every graph's memory pool.
+                rows = cfg.image_tokens + max(self.buckets)
+                self.rebuild_state = PrefillState.allocate(cfg, rows, device, self.dtype)
             self._rebuilding: tuple[int, int, ContextRef] | None = None  # (bucket, next part, out)
             # Rebuilds on the lowest-priority stream; live calls should run on `live_stream` (the highest),
             # so that the GPU schedules a live call's kernels first whenever both have work queued. (That
@@ -801,10 +818,14 @@ class GraphEngine:
         """Start reconstructing the reference entry of a library observation into `out` (a window slot):
         its inputs go into the rebuild lane, on the low-priority stream, and nothing runs yet. Then
         `rebuild_step` runs the rebuild's parts one by one; live calls may run between them. Returns the
-        number of parts. A rebuild still in progress is dropped."""
-        if self.rebuild is None:
+        number of parts: 0 without a Context Cache (ρp = 1), whose entries hold nothing to rebuild (the
+        next `rebuild_step` returns True at once). A rebuild still in progress is dropped."""
+        if self.cache is None:
             raise RuntimeError("rebuilds need an engine built with cache shapes")
         self._rebuilding = None
+        if self.rebuild is None:  # ρp = 1: no FFN states to reconstruct; `out` is left as it is
+            self._rebuilding = (0, 0, out)
+            return 0
         stream = self.rebuild_stream
         if stream is not None:  # ordered after the caller's earlier work (e.g. the allocation of `out`)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -822,6 +843,9 @@ class GraphEngine:
         if self._rebuilding is None:
             raise RuntimeError("rebuild_step without begin_rebuild: no rebuild is in progress")
         bucket, part, out = self._rebuilding
+        if not self.rebuild_parts:  # nothing to reconstruct (begin_rebuild): done at once
+            self._rebuilding = None
+            return True
         stream = self.rebuild_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             graph = self._graphs.get(("rebuild", bucket, f"slice{part}")) if use_graphs else None
