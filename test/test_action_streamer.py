@@ -436,6 +436,23 @@ def test_the_gripper_command_maps_the_policys_opening_onto_the_joints_range(cell
     assert c.arm["left"][0].cmd[0] == pytest.approx(0.5), "the arm joints pass as they are"
 
 
+def test_a_gripper_opening_past_0_to_1_is_commanded_at_the_grippers_closed_or_open_end(cell) -> None:
+    """A policy's gripper opening above 1 or below 0 (one that overshoots, or in other units) is commanded
+    at the open or the closed end of gripper_command_range, counted and named as a clamp like an arm
+    joint's limit: past them the gripper would be driven into its end stop (found in review: 1.5 and
+    -0.5 went out as 2.12 and 0.12 rad)."""
+    c = cell(max_step=10.0, max_tracking_error=math.inf, gripper_command_range=[0.6197, 1.6214])
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    chunk = np.zeros((HORIZON, 14))
+    chunk[:, 6], chunk[:, 13] = 1.5, -0.5
+    c.publish_chunk(chunk, c.now_ns())
+    assert c.keep_joints_coming(until=lambda: len(c.gripper["right"]) >= 3)
+    assert all(g.cmd == pytest.approx(1.6214) for g in c.gripper["left"])
+    assert all(g.cmd == pytest.approx(0.6197) for g in c.gripper["right"])
+    stats = c.node.stats()
+    assert stats["clamped"] >= 3 and "gripper" in stats["last_clamp"], stats["last_clamp"]
+
+
 def test_nothing_is_sent_until_both_arms_positions_are_known(cell) -> None:
     c = cell()
     assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
@@ -822,12 +839,15 @@ def test_an_integer_for_a_float_parameter_says_which_and_how_not_a_traceback() -
 
 
 def test_infinite_limits_leave_the_joints_unlimited() -> None:
-    # `-.inf` / `.inf` in a params file: no limit (the grippers have none in any case).
+    # `-.inf` / `.inf` in a params file: no limit on the arm joints (the grippers keep their command range).
     cfg = action_streamer.streamer_config({"arm_joint_limits": [-math.inf, math.inf] * 6})
     lower, upper = cfg.position_limits()
-    assert set(lower) == {-math.inf} and set(upper) == {math.inf}
+    arms = [i for indices in cfg.arm_indices() for i in indices]
+    assert {lower[i] for i in arms} == {-math.inf} and {upper[i] for i in arms} == {math.inf}
+    closed, opened = cfg.gripper_command_range
+    assert all((lower[i], upper[i]) == (closed, opened) for i in cfg.gripper_indices())
     default_lower, _ = action_streamer.streamer_config({}).position_limits()
-    assert default_lower[1] == pytest.approx(math.radians(-106)) and default_lower[6] == -math.inf
+    assert default_lower[1] == pytest.approx(math.radians(-106)) and default_lower[6] == closed
 
 
 def test_no_gripper_needs_no_gripper_topics() -> None:

@@ -174,6 +174,29 @@ def test_an_arm_measured_outside_its_limits_comes_in_at_max_step_not_in_one_jump
     assert got == pytest.approx([1.15, 1.05, 1.0, 1.0])
 
 
+def test_an_arm_pushed_past_its_limit_is_never_commanded_further_out_than_it_is() -> None:
+    """Measured past a limit by more than its tracking bound (pushed out by hand, or by a collision), the
+    arm's commands follow it to within the bound: past the limit, but on the limit's side of the arm, so
+    each pulls it back in and none drives it further out; released, it is brought back inside at
+    max_step. (A review read the commands past the limit as following the arm out of the cell.)"""
+    s = ChunkSchedule(
+        ScheduleConfig(
+            JOINTS, 0.02, max_step=0.1, lower=(-1.0, -1.0), upper=(1.0, 1.0), max_tracking_error=(0.3, 0.3)
+        )
+    )
+    offer(s, T0, np.full((50, 2), 0.9), now_ns=T0)
+    assert s.command(T0, np.full(2, 0.9)).action[0] == pytest.approx(0.9)
+    pushed = np.array([1.6, 0.9])
+    got = [s.command(T0 + 20 * (1 + k) * MS, pushed).action[0] for k in range(5)]
+    assert got == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.3])
+    assert all(g <= pushed[0] - 0.3 + 1e-9 for g in got), "never past the bound from the arm, outward"
+    arm, k = pushed[0], 6
+    for _ in range(10):  # released: the arm goes where it is commanded
+        arm = s.command(T0 + 20 * k * MS, np.array([arm, 0.9])).action[0]
+        k += 1
+    assert arm == pytest.approx(0.9), "back inside, at the chunk's row"
+
+
 def test_after_a_hold_commands_step_from_the_command_the_arm_held() -> None:
     """A hold (the chunks ran out) leaves the arm on its last command; the next command is at most max_step
     from it, whatever the arm measures. A gripper closed on an object measures open of its command: from

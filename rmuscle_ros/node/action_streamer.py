@@ -159,8 +159,8 @@ class StreamerConfig:
     # arm: a target beyond one is commanded at the limit and counted (`clamped`). The default is the
     # ALOHA's ViperX 300 6DOF follower (Interbotix aloha_vx300s URDF; gym-aloha's MuJoCo ranges are the
     # same). -.inf / .inf: no limit, only without the activation's driver check (robot_info_services [],
-    # or a driver without a robot_description), which refuses limits past the driver's. The gripper is not
-    # limited here (gripper_command_range maps it).
+    # or a driver without a robot_description), which refuses limits past the driver's. The gripper's are
+    # its gripper_command_range (`position_limits`).
     arm_joint_limits: tuple[float, ...] = VX300S_LIMITS
     max_future_s: float = 0.05  # a chunk stamped further ahead of this node's clock is refused
     # Rows of each chunk executed at most (past them the arms hold until a newer chunk): bounds how long a
@@ -272,11 +272,17 @@ class StreamerConfig:
         return tuple(bounds)
 
     def position_limits(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(lower, upper) in joint_names order: each arm's joints from arm_joint_limits, the rest unlimited."""
+        """(lower, upper) in joint_names order, in command units: each arm's joints from arm_joint_limits,
+        each gripper between its closed and open commands (gripper_command_range), the rest unlimited. A
+        policy's gripper opening past 0 … 1 would otherwise be commanded past the gripper's calibrated
+        travel, into its end stop (found in review)."""
         lower, upper = [-math.inf] * len(self.joint_names), [math.inf] * len(self.joint_names)
         for indices in self.arm_indices():
             for k, i in enumerate(indices):
                 lower[i], upper[i] = self.arm_joint_limits[2 * k], self.arm_joint_limits[2 * k + 1]
+        closed, opened = self.gripper_command_range
+        for i in self.gripper_indices():
+            lower[i], upper[i] = min(closed, opened), max(closed, opened)
         return tuple(lower), tuple(upper)
 
     def arm_indices(self) -> list[list[int]]:
