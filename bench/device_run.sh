@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [rmuscle_alone] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -29,6 +29,8 @@
 #   not yet run on a GPU (<1 min expected); call_timeline: bench/probe_call_timeline.py (pi05, 0.4 / 0.5 ramp),
 #   a dense and a cached call split into the host's steps before the first launch and the stages, ~1 min;
 #   rmuscle_bar: bench_rmuscle at ρ 0.4/0.5 (ramp) and 1/1 without the interference rows (issue #4's bar), ~2.5 min;
+#   rmuscle_alone: bench_rmuscle at ρ 1/0.5 (the Action Cache alone: no window FFN states, no rebuilds) and
+#   0.4/0.5, both ramp, without the interference rows: speed, engine cache memory and GPU peak per row, ~2.5 min;
 #   episode_read: bench/bench_episode_read.py, a rebuild's library read
 #   (one call's rows against the whole episode, pi05 shapes) on the device host's disk, <1 min;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
@@ -74,6 +76,10 @@ for step in $steps; do
             timeout 400 python3 bench/bench_rmuscle.py --rho 0.4,0.5,ramp --rho 1,1 --no-interference \
                 --commit "$commit" --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|^| rmuscle\|Error" ;;
+        rmuscle_alone)  # the Action Cache alone (ρp = 1) against the default, same run
+            timeout 400 python3 bench/bench_rmuscle.py --rho 1,0.5,ramp --rho 0.4,0.5,ramp --no-interference \
+                --commit "$commit" --name "rmuscle_alone_pi05_h200_$commit" --out "$out" 2>&1 | quiet \
+                | grep "end to end\|^| rmuscle\|Error\|memory" ;;
         rmuscle7b)
             timeout 400 python3 bench/bench_rmuscle.py --preset pi05-7b --rho 0.4,0.5 --iters 10 --no-interference \
                 --commit "$commit" --name "rmuscle_pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
