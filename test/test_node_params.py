@@ -16,6 +16,7 @@ from rmuscle_ros.node.params import (
     node_config,
     parameter_defaults,
 )
+from rmuscle_ros.runtime.action_space import ALOHA_DELTA_ACTIONS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
@@ -176,6 +177,24 @@ def test_delta_joint_actions_are_every_arm_joint_but_the_grippers() -> None:
     assert node_config({"delta_joint_actions": True, "gripper_joint": ""}).model.delta_actions == tuple(
         range(14)
     )
+
+
+def test_a_driver_with_unique_joint_names_keeps_its_grippers_absolute_under_delta_joint_actions() -> None:
+    """One joint_states topic that names the joints itself (prefix ""): `left_gripper` and `right_gripper`
+    are the grippers all the same, kept absolute (found in review: they were made offsets, so an open
+    gripper told to close stayed open); and with gripper_joint set, an action list without any is refused."""
+    one_topic = {
+        "joint_state_topics": ["joint_states"],
+        "joint_name_prefixes": [""],
+        "delta_joint_actions": True,
+    }
+    assert node_config(one_topic).model.delta_actions == ALOHA_DELTA_ACTIONS
+    assert (
+        node_config({**one_topic, "model.aloha_adapt_to_pi": True}).model.delta_actions == ALOHA_DELTA_ACTIONS
+    )
+    arms_only = [n for n in ALOHA_JOINTS if not n.endswith("gripper")]
+    with pytest.raises(ParameterError, match=r"^delta_joint_actions: no action joint is a gripper"):
+        node_config({**one_topic, "joint_names": arms_only, "action_joint_names": arms_only})
 
 
 def test_cache_parameters_cover_the_runtime_config() -> None:

@@ -202,11 +202,20 @@ class NodeConfig:
 
 def delta_actions(values: Mapping[str, Any]) -> tuple[int, ...]:
     """The action dimensions delta_joint_actions makes offsets: every action joint but the grippers, each
-    of which must be the state's joint at the same index (the offset is added to it)."""
-    grippers = {prefix + values["gripper_joint"] for prefix in values["joint_name_prefixes"]}
+    of which must be the state's joint at the same index (the offset is added to it).
+
+    A gripper is an action joint named `gripper_joint`, alone, after one of `joint_name_prefixes`, or after
+    "_": a driver that publishes unique names has prefix "" and names them `left_gripper`, `right_gripper`
+    (found in review: there both grippers were made offsets, so an open gripper could not be closed;
+    LeRobot keeps every action named for a gripper absolute). With `gripper_joint` set, some action joint
+    must be one."""
+    gripper = values["gripper_joint"]
+    grippers = {prefix + gripper for prefix in values["joint_name_prefixes"]} | {gripper}
+    names = values["action_joint_names"]
+    is_gripper = [bool(gripper) and (n in grippers or n.endswith("_" + gripper)) for n in names]
     dims = []
-    for i, name in enumerate(values["action_joint_names"]):
-        if values["gripper_joint"] and name in grippers:
+    for i, name in enumerate(names):
+        if is_gripper[i]:
             continue
         state = values["joint_names"]
         if i >= len(state) or state[i] != name:
@@ -215,6 +224,12 @@ def delta_actions(values: Mapping[str, Any]) -> tuple[int, ...]:
                 f"holds {state[i] if i < len(state) else 'nothing'!r} there; list both in the same order"
             )
         dims.append(i)
+    if gripper and not any(is_gripper):
+        raise CombinationError(
+            f"delta_joint_actions: no action joint is a gripper (gripper_joint {gripper!r}, named alone, after "
+            f"a joint_name_prefixes entry or after '_'), so every joint would be an offset; name the grippers "
+            f'so, or set gripper_joint: "" for arms without one'
+        )
     return tuple(dims)
 
 
