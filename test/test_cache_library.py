@@ -945,6 +945,28 @@ def test_a_removed_episodes_id_is_never_given_again(tmp_path: Path, capsys) -> N
         ReferenceLibrary.open(tmp_path, KEY)
 
 
+@pytest.mark.parametrize("field", ["next_id", "removed", "id"])
+def test_an_index_holding_a_huge_id_is_refused_at_open_not_at_every_recording(
+    tmp_path: Path, field: str
+) -> None:
+    """An index edited to hold an id of 10**300 opened without a problem, then failed every recording (its
+    file name too long) while `verify` passed (found in review). Ids stay below ID_LIMIT (10**12)."""
+    from rmuscle_ros.cache.library import ID_LIMIT, main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(), {"task": "t"})
+    lib.close()
+    index = json.loads((tmp_path / "index.json").read_text())
+    if field == "id":
+        index["episodes"][0]["id"] = 10**300
+    else:
+        index[field] = 10**300 if field == "next_id" else [ID_LIMIT]
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(LibraryError, match=r"an integer >= 0 and < 10\*\*12"):
+        ReferenceLibrary.open(tmp_path, KEY)
+    assert main(["verify", str(tmp_path)]) != 0
+
+
 def test_episode_files_are_created_under_the_umask_as_the_index_is(tmp_path: Path) -> None:
     """An engineer's `verify` under another user than the node's reads them (safetensors' own writer made
     them 0600: 'could not be read (Permission denied)' for intact files; found in review)."""

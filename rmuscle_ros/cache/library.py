@@ -310,9 +310,20 @@ def _utf8(value: Any) -> bool:
     return True
 
 
+# Episode ids stay below this: an index edited to hold a huge one (10**300) opened without a problem and
+# then failed every recording (its file name too long) while `verify` passed (found in review). A cell
+# that records an episode a second would take ~30,000 years to reach it.
+ID_LIMIT = 10**12
+_ID = f"an integer >= 0 and < 10**{len(str(ID_LIMIT)) - 1}"
+
+
+def _is_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value < ID_LIMIT
+
+
 # Each field of an episode entry: what it must be, and how that reads in a message.
 _FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "id": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "id": (_is_id, _ID),
     "file": (lambda v: isinstance(v, str), "a file name"),
     "sha256": (lambda v: isinstance(v, str), "a string"),
     "calls": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -485,9 +496,9 @@ def _stored_removed(index_path: Path, value: Any) -> set[int]:
     """The index's `removed` ids (none if absent: an earlier build's index), checked for their type."""
     if value is None:
         return set()
-    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+    if not isinstance(value, list) or not all(_is_id(v) for v in value):
         raise LibraryError(
-            f"{index_path}: unreadable library index (removed is {value!r}, not a list of ids)"
+            f"{index_path}: unreadable library index (removed is {value!r}, not a list of ids, each {_ID})"
         )
     return set(value)
 
@@ -496,10 +507,8 @@ def _stored_next_id(index_path: Path, value: Any) -> int:
     """The index's `next_id` (0 if absent: an earlier build's index), checked for its type."""
     if value is None:
         return 0
-    if not _is_int(value) or value < 0:
-        raise LibraryError(
-            f"{index_path}: unreadable library index (next_id is {value!r}, not an integer >= 0)"
-        )
+    if not _is_id(value):
+        raise LibraryError(f"{index_path}: unreadable library index (next_id is {value!r}, not {_ID})")
     return value
 
 
@@ -597,7 +606,9 @@ def _unnamed(root: Path, indexed: set[int]) -> dict[int, str]:
     return {
         int(m.group(1)): path.name
         for path in files
-        if (m := EPISODE_FILE.fullmatch(path.name)) and int(m.group(1)) not in indexed
+        if (m := EPISODE_FILE.fullmatch(path.name))
+        and _is_id(int(m.group(1)))
+        and int(m.group(1)) not in indexed
     }
 
 
