@@ -373,6 +373,46 @@ def test_a_full_disk_leaves_the_library_as_it_was_and_no_partial_file(tmp_path: 
     assert np.array_equal(lib.load(kept).images, episode(seed=1).images)
 
 
+def test_a_lock_file_of_another_user_in_a_writable_folder_still_locks_and_records(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A `.lock` left by another user (a `sudo` run of the command line) cannot be opened for writing, but
+    the folder can be written: the library opened read-only and recorded nothing (found in review). It now
+    takes the lock through a read-only descriptor (flock needs none other) and records; another process is
+    still kept out."""
+    import errno
+
+    ReferenceLibrary.open(tmp_path, KEY).close()  # the lock file exists
+    real_open = os.open
+
+    def not_mine(path, flags, *args, **kwargs):
+        if str(path).endswith(".lock") and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", not_mine)
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    assert not lib.read_only
+    assert lib.add(episode(seed=1), {"task": "t"}) == 0
+    script = f"""
+import sys
+from pathlib import Path
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+from test_cache_library import KEY
+from rmuscle_ros.cache.library import LibraryBusy, ReferenceLibrary
+try:
+    ReferenceLibrary.open(Path({str(tmp_path)!r}), KEY)
+except LibraryBusy:
+    raise SystemExit(0)
+raise SystemExit("opened a library another process holds")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lib.close()
+    monkeypatch.undo()
+    assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0]
+
+
 def test_a_write_the_kernel_refuses_raises_recording_failed_and_leaves_the_library(tmp_path: Path) -> None:
     """A real failed write, not a patched one: a child process whose file size limit (RLIMIT_FSIZE) is
     below an episode's size gets EFBIG from the kernel mid-write, as a full disk gives ENOSPC. The add

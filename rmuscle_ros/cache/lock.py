@@ -113,7 +113,7 @@ class LibraryLock:
             try:
                 # Not through a symbolic link: its name is written into the file (found in review: a .lock
                 # linked to another file emptied that file).
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+                fd = _open_lock_file(path, root)
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise LibraryError(
@@ -225,6 +225,20 @@ def holder(root: Path) -> str | None:
 
 
 # ── the lock file ────────────────────────────────────────────────────────────────────────────────────────
+
+
+def _open_lock_file(path: Path, root: Path) -> int:
+    """The lock file, opened for writing (created if need be) or, where it is another user's (a `sudo`
+    run of the command line made it) in a folder this process may write, for reading: flock takes either,
+    and the episodes and the index are written to the folder, not to it (found in review: such a library
+    opened read-only and recorded nothing, its folder writable). Not through a symbolic link."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM) or not path.exists() or not os.access(root, os.W_OK):
+            raise
+        return os.open(path, os.O_RDONLY | flags)
 
 
 def _lock_fd(root: Path, fd: int, path: Path, identity: tuple[int, int]) -> LibraryLock:
