@@ -413,6 +413,29 @@ raise SystemExit("opened a library another process holds")
     assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0]
 
 
+def test_files_are_not_deleted_while_the_index_dropping_them_may_not_survive_a_power_cut(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The folder's sync after the index's rename failed: a power cut could bring back the index naming the
+    removed episode, whose file was deleted (found in review: deleted anyway). The file stays until the next
+    open, which deletes it from the index's `removed`."""
+    from rmuscle_ros.cache import library as library_module
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(seed=1), {"task": "t"})
+    lib.add(episode(seed=2), {"task": "t"})
+    monkeypatch.setattr(library_module, "_fsync_dir", lambda folder: False)
+    lib.remove([0])
+    assert (tmp_path / "episode_000000.safetensors").exists(), "deleted before the index was durable"
+    assert json.loads((tmp_path / "index.json").read_text())["removed"] == [0]
+    lib.close()
+    monkeypatch.undo()
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == [1] and again.problems == []
+    assert not (tmp_path / "episode_000000.safetensors").exists()
+    again.close()
+
+
 def test_a_write_the_kernel_refuses_raises_recording_failed_and_leaves_the_library(tmp_path: Path) -> None:
     """A real failed write, not a patched one: a child process whose file size limit (RLIMIT_FSIZE) is
     below an episode's size gets EFBIG from the kernel mid-write, as a full disk gives ENOSPC. The add

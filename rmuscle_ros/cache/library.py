@@ -532,27 +532,31 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_dev, stat.st_ino
 
 
-def _fsync_dir(folder: Path) -> None:
+def _fsync_dir(folder: Path) -> bool:
     """Make the renames in `folder` durable: a rename is an entry of the folder, which its own fsync
-    writes (on Linux; elsewhere a folder cannot be opened for it, and this does nothing)."""
+    writes (on Linux; elsewhere a folder cannot be opened for it, and this does nothing). False if the
+    sync failed (logged)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
-        return
+        return True
     try:
         os.fsync(fd)
     except OSError as e:  # the rename is done: say that it may not survive a power cut, do not undo it
         log.warning("reference library %s: the folder could not be synced (%s): its latest rename may not "
                     "survive a power cut", folder, e)  # fmt: skip
+        return False
     finally:
         os.close(fd)
+    return True
 
 
-def _replace_durably(tmp: Path, path: Path) -> None:
+def _replace_durably(tmp: Path, path: Path) -> bool:
     """Rename `tmp` onto `path` and sync the folder. Once this returns or raises, the rename either
-    happened (the folder's sync only logs a failure) or did not (os.replace raised)."""
+    happened (the folder's sync only logs a failure, and this returns False) or did not (os.replace
+    raised)."""
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    return _fsync_dir(path.parent)
 
 
 def _new_file_mode() -> int | None:
@@ -572,14 +576,15 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_INFIX}{os.getpid()}")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes) -> bool:
+    """Write `path` whole or not at all; False if the folder's sync after the rename failed."""
     tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        _replace_durably(tmp, path)
+        return _replace_durably(tmp, path)
     except BaseException:  # a full disk: the partial file must not keep holding the space
         tmp.unlink(missing_ok=True)
         raise
@@ -665,6 +670,7 @@ class ReferenceLibrary:
         # that failed), so that the next open deletes it and `reindex` does not bring it back.
         self._removed: set[int] = set()
         self._unsaved_use = False  # touch() since the index was last written
+        self._index_synced = True  # the folder's sync after the latest index write succeeded
         self._lock: LibraryLock | None = None  # the library's lock, from `open` (given up at `close`)
         # Gives the lock up at `close`, or when this object is collected unclosed (`LibraryLock.release`).
         self._finalizer: weakref.finalize | None = None
@@ -915,7 +921,7 @@ class ReferenceLibrary:
                 for e in sorted([*self.entries.values(), *self.left_out.values()], key=lambda e: e.id)
             ],
         }
-        _write_atomic(index_path, json.dumps(index, indent=1).encode())
+        self._index_synced = _write_atomic(index_path, json.dumps(index, indent=1).encode())
         self._unsaved_use = False
 
     def _commit_index(self, undo: Callable[[], None]) -> None:
@@ -934,7 +940,14 @@ class ReferenceLibrary:
 
     def _delete_files(self, entries: Sequence[EpisodeEntry]) -> None:
         """Delete the files of episodes the committed index no longer names. One that cannot be deleted is
-        logged, not raised: the change is done, and the next open reports the file as one it does not name."""
+        logged, not raised: the change is done, and the next open reports the file as one it does not name.
+        None is deleted while the folder's sync after the index's rename failed: a power cut could bring
+        back the index naming them (found in review). They are in the index's `removed`, so the next open
+        deletes them."""
+        if entries and not self._index_synced:
+            log.warning("reference library %s: episode file(s) %s kept until the next open: the folder's sync "
+                        "after the index was written failed", self.root, [e.file for e in entries])  # fmt: skip
+            return
         for entry in entries:
             try:
                 (self.root / entry.file).unlink(missing_ok=True)
