@@ -436,6 +436,34 @@ def test_files_are_not_deleted_while_the_index_dropping_them_may_not_survive_a_p
     again.close()
 
 
+@pytest.mark.parametrize("how", ["moved", "removed"])
+def test_a_library_folder_moved_or_removed_while_open_is_not_recreated_unlocked(
+    tmp_path: Path, how: str
+) -> None:
+    """An operator archives (`mv`) or wipes (`rm -rf`) the library while the node holds it: the next
+    recording recreated the folder at the old path, with no lock and an index naming episodes that were not
+    there (found in review). The recording now fails as a failed write does (the runtime keeps it and
+    tries again), naming the folder, and nothing is written there."""
+    import shutil
+
+    root = tmp_path / "library"
+    lib = ReferenceLibrary.open(root, KEY)
+    lib.add(episode(seed=1), {"task": "t"})
+    if how == "moved":
+        root.rename(tmp_path / "archived")
+    else:
+        shutil.rmtree(root)
+    with pytest.raises(RecordingFailed, match=r"was removed or moved since this process opened it"):
+        lib.add(episode(seed=2), {"task": "t"})
+    assert not root.exists(), "recreated"
+    lib.close()  # its last-use write is refused the same way, logged
+    assert not root.exists()
+    if how == "moved":
+        archived = ReferenceLibrary.open(tmp_path / "archived", KEY)
+        assert sorted(archived.entries) == [0] and archived.problems == []
+        archived.close()
+
+
 def test_a_write_the_kernel_refuses_raises_recording_failed_and_leaves_the_library(tmp_path: Path) -> None:
     """A real failed write, not a patched one: a child process whose file size limit (RLIMIT_FSIZE) is
     below an episode's size gets EFBIG from the kernel mid-write, as a full disk gives ENOSPC. The add

@@ -883,6 +883,21 @@ class ReferenceLibrary:
             )
         return ""
 
+    def _folder_gone(self) -> str:
+        """Why the library's folder is no longer the one this process opened and locked ("" if it is): it
+        was removed or moved while open (`rm -rf`, `mv`, a drive unmounted). A write then recreated the
+        folder at its old path, unlocked, with an index naming episodes that were not there, and another
+        process could open it beside this one (found in review)."""
+        lock = self._lock
+        if lock is None or lock.identity is None or self.read_only:
+            return ""
+        if _identity(self.root / LOCK_FILE) == lock.identity:
+            return ""
+        return (
+            f"its folder {self.root} was removed or moved since this process opened it (the lock file there "
+            "is not the one it holds)"
+        )
+
     def _writable(self, what: str) -> None:
         """LibraryError if this library may not be written (`_not_writable`)."""
         not_writable = self._not_writable()
@@ -895,6 +910,9 @@ class ReferenceLibrary:
         their ids stay taken, so that no new episode's file overwrites one kept for inspection."""
         if self._closed:
             raise LibraryError(f"{self.root}: cannot write its index: the library was closed; open it again")
+        gone = self._folder_gone()
+        if gone:  # an OSError: callers that save the episodes' last use log it and go on
+            raise FileNotFoundError(errno.ENOENT, f"{self.root}: its index was not written: {gone}")
         self.root.mkdir(parents=True, exist_ok=True)
         index_path = self.root / INDEX
         if index_path.exists():
@@ -968,6 +986,12 @@ class ReferenceLibrary:
         library is left as it was. One that fails after the new index took its place (the folder's sync)
         is recorded: its id is returned, with a warning (the files it evicted go at the next open)."""
         self._writable("record an episode")
+        gone = self._folder_gone()
+        if gone:  # kept by the runtime and tried again, as after a full disk: it may be put back
+            raise RecordingFailed(
+                f"reference library {self.root}: the episode could not be recorded: {gone}; put the folder "
+                "back, or configure the node again to open the library anew"
+            ) from FileNotFoundError(errno.ENOENT, gone)
         expected = self._next_id
         try:
             return self._add(episode, meta)
