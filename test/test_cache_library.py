@@ -2020,6 +2020,32 @@ def test_a_closed_library_writes_nothing_and_a_damaged_index_is_refused_naming_i
     assert sorted(ReferenceLibrary.open(tmp_path, KEY).entries) == [0, 1, kept]
 
 
+def test_reindex_does_not_take_a_file_damaged_since_its_index_recorded_it(tmp_path: Path, capsys) -> None:
+    """A disk fault damages an episode file and the index: open leaves the file out (its checksum), but
+    `reindex` rebuilt the index from the files with their checksums taken afresh, and the damaged episode
+    was served as good (found in review). The checksums the damaged index still records are kept to."""
+    from rmuscle_ros.cache.library import main
+
+    lib = ReferenceLibrary.open(tmp_path, KEY)
+    lib.add(episode(seed=1), {"task": "t"})
+    lib.add(episode(seed=2), {"task": "t"})
+    lib.close()
+    victim = tmp_path / "episode_000001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # in its tensors' data
+    victim.write_bytes(bytes(data))
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["episodes"][0]["calls"] = -1  # the index damaged too, in another field
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    assert main(["reindex", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "episode_000001.safetensors: its checksum is not the one the unreadable index recorded" in out
+    assert "indexed episode(s) [0]" in out
+    again = ReferenceLibrary.open(tmp_path, KEY)
+    assert sorted(again.entries) == [0]
+    again.close()
+
+
 def test_a_reindex_killed_before_its_new_index_is_in_place_leaves_the_old_one(tmp_path: Path) -> None:
     """Found in review: reindex renamed a refused index aside before writing the new one, so a kill between
     the two left no index.json, and the next open found an empty library, saying nothing. The index now

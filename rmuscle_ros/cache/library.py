@@ -430,17 +430,20 @@ def _read_index(index_path: Path) -> _Index:
         raise LibraryError(f"{e}; it was left untouched ({REINDEX_HINT})") from None
 
 
-def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEntry], int, set[int], str]:
-    """For `reindex`: the index's key, entries, next id and removed ids, and why it cannot be read ("" if it
-    can, or if there is none). One of another format is a LibraryError (this build must not rewrite it); a disk error
-    reading it is an OSError (nothing to conclude about its content)."""
+def _readable_index(
+    root: Path,
+) -> tuple[LibraryKey | None, dict[int, EpisodeEntry], int, set[int], str, dict[int, set[str]]]:
+    """For `reindex`: the index's key, entries, next id and removed ids, why it cannot be read ("" if it
+    can, or if there is none), and, of one that cannot, the checksums its episode entries still give (id ->
+    those recorded for it). One of another format is a LibraryError (this build must not rewrite it); a
+    disk error reading it is an OSError (nothing to conclude about its content)."""
     index_path = root / INDEX
     if not index_path.exists():
-        return None, {}, 0, set(), ""
+        return None, {}, 0, set(), "", {}
     try:
         raw = json.loads(index_path.read_text())
     except (ValueError, RecursionError) as e:
-        return None, {}, 0, set(), f"not JSON ({e})"
+        return None, {}, 0, set(), f"not JSON ({e})", {}
     if isinstance(raw, dict) and "version" in raw:
         _check_version(index_path, raw["version"])
     try:
@@ -451,8 +454,19 @@ def _readable_index(root: Path) -> tuple[LibraryKey | None, dict[int, EpisodeEnt
             next_id = _stored_next_id(index_path, raw.get("next_id"))
         with contextlib.suppress(LibraryError, AttributeError):
             removed = _stored_removed(index_path, raw.get("removed"))
-        return None, {}, next_id, removed, str(e)
-    return index.key, {e.id: e for e in index.entries}, index.next_id, index.removed, ""
+        return None, {}, next_id, removed, str(e), _recorded_checksums(raw)
+    return index.key, {e.id: e for e in index.entries}, index.next_id, index.removed, "", {}
+
+
+def _recorded_checksums(raw: Any) -> dict[int, set[str]]:
+    """The checksums an index that cannot be used still records, by episode id: without them `reindex`
+    took a file damaged since as good, its checksum taken afresh (found in review)."""
+    episodes = raw.get("episodes") if isinstance(raw, dict) else None
+    recorded: dict[int, set[str]] = {}
+    for entry in episodes if isinstance(episodes, list) else ():
+        if isinstance(entry, dict) and _is_id(entry.get("id")) and isinstance(entry.get("sha256"), str):
+            recorded.setdefault(entry["id"], set()).add(entry["sha256"])
+    return recorded
 
 
 def _episode_entry(
@@ -1114,7 +1128,7 @@ class ReferenceLibrary:
         try:
             if lock.read_only:
                 raise LibraryError(f"{root}: cannot reindex: {lock.read_only}")
-            key, entries, next_id, removed, broken = _readable_index(root)
+            key, entries, next_id, removed, broken, checksums = _readable_index(root)
             notes: list[str] = []
             indexed: list[int] = []
             ok = True  # nothing skipped, nothing left as it was
@@ -1130,6 +1144,13 @@ class ReferenceLibrary:
                 adopted = _episode_entry(root / name, episode_id, key)
                 if isinstance(adopted, str):
                     notes.append(adopted)
+                    ok = False
+                    continue
+                if episode_id in checksums and adopted[1].sha256 not in checksums[episode_id]:
+                    notes.append(
+                        f"{name}: its checksum is not the one the unreadable index recorded for episode "
+                        f"{episode_id}: damaged since it was written; skipped (remove it)"
+                    )
                     ok = False
                     continue
                 key, entries[episode_id] = adopted
