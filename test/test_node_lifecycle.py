@@ -2941,6 +2941,24 @@ def test_the_bag_player_command_refuses_bad_arguments_by_name(
         assert "outside ROS time" in capsys.readouterr().err, start
 
 
+def test_the_bag_player_alone_takes_the_large_frame_profile_and_says_when_it_falls_behind(tmp_path) -> None:
+    """`python -m rmuscle_ros.node.bags play` on its own, as on a cell: without a Fast DDS profile its raw
+    frames went over fragmented UDP and a subscriber lost 20-50 % of them, and at a rate the host could not
+    keep it said only how many it published (found in review). It takes the package's large-frame profile
+    when none is set, saying so, and says when it played slower than asked."""
+    bag = tmp_path / "episode"
+    write_aloha_episode(bag, seconds=1.0, cameras=1, size=(48, 64), joint_topics=())
+    env = {k: v for k, v in os.environ.items() if k != "FASTRTPS_DEFAULT_PROFILES_FILE"}
+    env["ROS_DOMAIN_ID"] = str(ros_domain(157))
+    cmd = [sys.executable, "-m", "rmuscle_ros.node.bags", "play", str(bag), "--rate", "1000",
+           "--wait-for-subscribers=0"]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "note: Fast DDS profile" in run.stderr and "fastdds_shm_large_frames.xml" in run.stderr
+    assert "slower than --rate 1000" in run.stderr, run.stderr
+    assert "published" in run.stdout
+
+
 def test_a_transition_that_raises_is_logged_and_the_node_released(harness, tmp_path) -> None:
     """rclpy turns an exception in a transition into error processing without a word of it, and its own
     on_error released nothing (found in review: e.g. a GPU fault in cleanup's empty_cache). The exception

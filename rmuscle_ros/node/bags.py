@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import importlib
 import math
+import os
 import struct
 import sys
 import time
@@ -39,6 +40,13 @@ from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
 from rmuscle_ros.paths import package_file
+
+# Fast DDS's shared-memory profile with segments large enough for raw camera frames (config/): a publisher of
+# 0.9 MB frames without it sends them over fragmented UDP, and a subscriber lost 20-50 % of a bag's frames
+# (found in review, the player run on its own: `main` below). The demo sets it for every process it starts.
+FASTDDS_LARGE_FRAMES = "fastdds_shm_large_frames.xml"
+# The player says when it played slower than asked (below this share of --rate).
+PACE_WARN = 0.9
 
 ALOHA_CAMERA_TOPICS = (
     "/cam_high/camera/color/image_rect_raw",
@@ -655,6 +663,11 @@ def main(argv: list[str] | None = None) -> int:
             "without --use-sim-time?); if its stamps are on that clock, --recorded-clock replays it",
             file=sys.stderr,
         )
+    if "FASTRTPS_DEFAULT_PROFILES_FILE" not in os.environ:  # read when rclpy creates its participant
+        profile = package_file("config", FASTDDS_LARGE_FRAMES)
+        os.environ["FASTRTPS_DEFAULT_PROFILES_FILE"] = str(profile)
+        print(f"note: Fast DDS profile {profile} (shared memory for raw frames; FASTRTPS_DEFAULT_PROFILES_FILE "
+              "was unset)", file=sys.stderr)  # fmt: skip
     import rclpy
     from rclpy.qos import qos_profile_sensor_data
 
@@ -680,6 +693,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         print(f"published {player.published} messages from {args.bag}")
+        if player.wall_s > 0 and player.played_s / player.wall_s < PACE_WARN * args.rate:
+            print(
+                f"warning: played {player.played_s:.2f} s of the bag in {player.wall_s:.2f} s of wall time, "
+                f"{player.played_s / player.wall_s:.2g}x, slower than --rate {args.rate:g}: this host could not "
+                "publish it faster; its subscribers saw the messages later than the bag's timing",
+                file=sys.stderr,
+            )
         for topic, msgtype in sorted(player.skipped.items()):
             why = (
                 "the player publishes its own /clock (--recorded-clock: the bag's)"

@@ -59,6 +59,7 @@ from rmuscle_ros.node.bags import (
     ALOHA_GRIPPER_COMMAND_TOPIC,
     ALOHA_JOINT_TOPICS,
     ALOHA_ROBOT_INFO_SERVICE,
+    FASTDDS_LARGE_FRAMES,
     BagInfo,
     absolute_topic,
     bag_info,
@@ -80,9 +81,8 @@ from rmuscle_ros.node.rmuscle_node import RMuscleNode, describe_call
 from rmuscle_ros.node.spin import BackgroundSpin, parameter_type_hint
 from rmuscle_ros.paths import package_file
 
-# The profiles and the Fast DDS profile the demo runs with (config/: paths.package_file).
+# The profiles the demo runs with (config/: paths.package_file); its Fast DDS profile: bags.FASTDDS_LARGE_FRAMES.
 CONFIG, ALOHA_CONFIG = "rmuscle_default.yaml", "rmuscle_aloha.yaml"
-FASTDDS_LARGE_FRAMES = "fastdds_shm_large_frames.xml"
 # The streamer and the sim publish /diagnostics every second of wall clock; their last counts are read
 # from one published after the demo's last chunk (waited for up to DIAGNOSTICS_WAIT_S).
 DIAGNOSTICS_WAIT_S = 3.0
