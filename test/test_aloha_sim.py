@@ -756,6 +756,30 @@ def test_an_unfinished_recording_that_cannot_be_removed_is_named_then_removed_by
     assert [p.name for p in out.iterdir()] == ["episode_0"]
 
 
+def test_a_sigterm_during_a_recording_ends_it_as_ctrl_c_does(tmp_path, monkeypatch, capsys) -> None:
+    """`timeout`, systemd or a CI runner stopping the recorder: before (found in review) it died with 143,
+    silent, its partial episode left behind. SIGTERM now ends it as Ctrl-C does: the episode in progress is
+    removed and named, the complete ones kept, exit 130, and SIGTERM's handling is put back."""
+    import signal
+
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+    original, calls = AlohaSim.step, [0]
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 15:  # episode 1's 5th step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AlohaSim, "step", step)
+    assert record_demos.main(["--out", str(out), "--episodes", "3", "--camera-rate", "10"]) == 130
+    err = capsys.readouterr().err
+    assert f"{out / 'episode_1'} (seed 1): interrupted; 1 complete episode(s) kept" in err, err
+    assert [p.name for p in out.iterdir()] == ["episode_0"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_records(
     tmp_path, monkeypatch, capsys
 ) -> None:

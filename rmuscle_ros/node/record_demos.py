@@ -37,6 +37,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -345,10 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"[record] {args.out}: cannot record into it: {e}", file=sys.stderr)
         return 1
+    # SIGTERM (`timeout`, systemd, a CI runner) ends the run as Ctrl-C does: the episode being recorded is
+    # removed and named (found in review: it died with 143, silent, its partial folder of up to ~300 MB
+    # left until the next run). Only where nothing else handles SIGTERM in this process.
+    ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGTERM, _terminated) if ours else None
     try:
         return _record_all(args)
     finally:
+        if ours:
+            signal.signal(signal.SIGTERM, previous)
         os.close(lock)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _record_all(args: argparse.Namespace) -> int:
