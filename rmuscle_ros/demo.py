@@ -78,6 +78,11 @@ def _terminated(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _notes(error: BaseException) -> str:
+    """What the run added to the error it ended with (where its chunks were saved): "; " + each note."""
+    return "".join(f"; {note}" for note in getattr(error, "__notes__", ()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--synthetic", action="store_true", help="policy only, synthetic observations, no ROS")
@@ -207,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             p.error(str(e))
         except (RuntimeError, OSError) as e:  # the bag player failed, a service timed out, a file missing
-            print(f"[demo] error: {e}", file=sys.stderr)
+            print(f"[demo] error: {e}{_notes(e)}", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the processes it started are stopped
-            print("[demo] interrupted: the processes it started were stopped", file=sys.stderr)
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the processes it started are stopped
+            print(f"[demo] interrupted: the processes it started were stopped{_notes(e)}", file=sys.stderr)
             return 130
         finally:
             if ours:

@@ -2018,6 +2018,56 @@ def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) 
 DEMO_DOMAIN = ("--domain-id", str(ros_domain(100)))
 
 
+def test_an_interrupted_demo_keeps_the_chunks_it_received(tmp_path, monkeypatch) -> None:
+    """Ctrl-C (or a bag refused) in the second episode: the chunks received were only written after the
+    run, so all were lost, and the earlier run's recording had been deleted at the start (found in review).
+    They are now written as the run ends, whatever ended it, replacing the earlier run's, and the error
+    says where."""
+    from rmuscle_ros.node import replay_demo
+
+    earlier = tmp_path / "action_chunks"
+    write_messages(earlier, "/rmuscle_node/action_chunk", "rmuscle_ros/msg/ActionChunk", [])
+    played = []
+    play = replay_demo._play
+
+    def play_then_interrupt(*args, **kwargs):
+        played.append(args[0])
+        if len(played) == 2:
+            raise KeyboardInterrupt
+        return play(*args, **kwargs)
+
+    monkeypatch.setattr(replay_demo, "_play", play_then_interrupt)
+    overrides = {"actions_per_inference": 50}
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        replay_demo.run(tmp_path, seconds=3, domain_id=ros_domain(101), overrides=overrides, stream=False)
+    chunks = [m for _, m in read_messages(earlier, "/rmuscle_node/action_chunk")]
+    assert chunks and {c.episode_id for c in chunks} == {0}, "the first episode's chunks"
+    assert any(f"chunk(s) received are in {earlier}" in note for note in interrupted.value.__notes__)
+    assert not (tmp_path / "action_chunks.partial").exists()
+
+
+def test_the_demo_refuses_to_write_its_bags_over_what_it_did_not_write(tmp_path) -> None:
+    """A link where the demo writes its chunks made it fail after the whole run, its chunks lost, and a
+    folder without metadata.yaml (an unclosed recording) where it writes an episode was deleted (found in
+    review). Both are refused before anything runs, and left as they are."""
+    from rmuscle_ros.node import replay_demo
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "action_chunks").symlink_to(elsewhere)
+    with pytest.raises(
+        ValueError, match=r"action_chunks: the demo writes a bag there, but it holds something"
+    ):
+        replay_demo.run(tmp_path, seconds=1, domain_id=ros_domain(101), stream=False)
+    (tmp_path / "action_chunks").unlink()
+    unclosed = tmp_path / "aloha_episode_1"
+    unclosed.mkdir()
+    (unclosed / "aloha_episode_1_0.mcap").write_bytes(b"\x89MCAP0\r\n")
+    with pytest.raises(ValueError, match=r"aloha_episode_1: the demo writes a bag there"):
+        replay_demo.run(tmp_path, seconds=1, domain_id=ros_domain(101), stream=False)
+    assert (unclosed / "aloha_episode_1_0.mcap").exists() and elsewhere.is_dir()
+
+
 def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from rmuscle_ros.demo import main
 

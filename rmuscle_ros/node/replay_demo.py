@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,29 +121,61 @@ MODE_NAMES = {
 MODE_COLOURS = {"dense": "tab:blue", "cached": "tab:green", "fallback": "tab:red"}
 
 
+CHUNKS_BAG = "action_chunks"  # the run's recorded chunks, in out_dir
+
+
 def _clear_previous_run(out_dir: Path, bags_too: bool) -> None:
-    """Remove what an earlier run left in `out_dir`: its summary, plot and recorded chunks, and with
-    `bags_too` (a run that writes its own episodes) the episode bags such a run wrote, `aloha_episode_<k>`.
-    Found in review: a run that failed left the earlier run's summary and plot beside its own first bag,
-    and a run of fewer episodes left the earlier run's later bags (~160 MB a second of episode). A run on
-    recorded bags or the simulator removes no bag: a user's recording may bear that name (a review found
-    `--bags out/aloha_episode_5/…mcap` deleted). Links are left alone."""
+    """Remove what an earlier run left in `out_dir`: its summary and plot, and with `bags_too` (a run that
+    writes its own episodes) the episode bags such a run wrote, `aloha_episode_<k>`. Found in review: a run
+    that failed left the earlier run's summary and plot beside its own first bag, and a run of fewer
+    episodes left the earlier run's later bags (~160 MB a second of episode). A run on recorded bags or the
+    simulator removes no bag: a user's recording may bear that name (a review found
+    `--bags out/aloha_episode_5/…mcap` deleted). Links are left alone. The earlier run's chunks stay until
+    this run's replace them (`_save_chunks`)."""
     for name in ("summary.json", "demo.png"):
         path = out_dir / name
         if path.is_file() and not path.is_symlink():
             path.unlink()
-    written = [out_dir / "action_chunks"]
     if bags_too:
-        written += [p for p in out_dir.glob("aloha_episode_*") if p.name[len("aloha_episode_") :].isdigit()]
-    for path in written:
-        if path.is_dir() and not path.is_symlink() and (path / "metadata.yaml").exists():
-            shutil.rmtree(path)
+        for path in out_dir.glob("aloha_episode_*"):
+            if path.name[len("aloha_episode_") :].isdigit() and _demo_bag(path):
+                shutil.rmtree(path)
+
+
+def _demo_bag(path: Path) -> bool:
+    """A bag folder as the demo writes them: a folder, not a link, with its metadata.yaml."""
+    return path.is_dir() and not path.is_symlink() and (path / "metadata.yaml").exists()
+
+
+def _check_writable_bags(paths: Iterable[Path]) -> None:
+    """ValueError, before anything runs, for a path the demo would write a bag at that holds something else:
+    a link, a file, or a folder without metadata.yaml (an unclosed recording of the user's?). Found in
+    review: the run deleted such folders, and a link made it fail after the whole run, its chunks lost."""
+    for path in paths:
+        if (path.exists() or path.is_symlink()) and not _demo_bag(path):
+            raise ValueError(
+                f"{path}: the demo writes a bag there, but it holds something else (a link, a file, or a folder "
+                "without metadata.yaml: an unclosed recording?); it is left as it is: move it, or give another --out"
+            )
 
 
 def _fresh(path: Path) -> Path:
-    if path.exists():
+    if _demo_bag(path):  # `_check_writable_bags` refused anything else before the run
         shutil.rmtree(path)
     return path
+
+
+def _save_chunks(out_dir: Path, topic: str, received: list[tuple[int, bytes]]) -> Path:
+    """Write the run's chunks (whatever came, an interrupted run's too) as `action_chunks`, replacing an
+    earlier run's only once written whole (found in review: they were written after the run, so an
+    interrupt lost them all, and the earlier run's had been deleted at the start)."""
+    record, partial = out_dir / CHUNKS_BAG, out_dir / f"{CHUNKS_BAG}.partial"
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial)
+    write_messages(partial, topic, "rmuscle_ros/msg/ActionChunk", received)
+    _fresh(record)
+    partial.rename(record)
+    return record
 
 
 def run(
@@ -255,6 +287,8 @@ def run(
         announce()
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_previous_run(out_dir, bags_too=not recorded and not sim)
+    own_bags = [] if recorded or sim else [out_dir / f"aloha_episode_{k}" for k in range(episodes)]
+    _check_writable_bags([out_dir / CHUNKS_BAG, out_dir / f"{CHUNKS_BAG}.partial", *own_bags])
     if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
         starts = [infos[0].start_ns]
         for info in infos[:-1]:
@@ -298,6 +332,7 @@ def run(
     reset = peer.create_client(Trigger, f"/{node.get_name()}/reset_episode")
     streaming = _Streaming(peer, topic, domain_id, topics, out_dir, stream, streamer_params)
     cell: _SimCell | None = None
+    failed: BaseException | None = None  # what ended the run early, if anything: its chunks are saved too
     try:  # from the streamer's start on, whatever fails stops the processes started so far
         if sim:
             cell = _SimCell(peer, domain_id, remap, out_dir, sim_settings)
@@ -355,6 +390,9 @@ def run(
         if simulated is not None and discard_failed and not simulated["episodes"][-1]["success"]:
             _discard(node)  # before cleanup records the last episode
         node.trigger_cleanup()
+    except BaseException as e:
+        failed = e
+        raise
     finally:
         streaming.close()
         if cell is not None:
@@ -363,9 +401,15 @@ def run(
         node.destroy_node()
         peer.destroy_node()
         rclpy.shutdown(context=context)
+        if failed is not None and received:  # the subscription has stopped: `received` holds still
+            try:
+                failed.add_note(
+                    f"the {len(received)} chunk(s) received are in {_save_chunks(out_dir, topic, received)}"
+                )
+            except Exception as e:  # never in place of what ended the run
+                failed.add_note(f"the {len(received)} chunk(s) received could not be saved: {e}")
 
-    record = _fresh(out_dir / "action_chunks")
-    write_messages(record, topic, "rmuscle_ros/msg/ActionChunk", received)
+    record = _save_chunks(out_dir, topic, received)
     chunks = [m for _, m in read_messages(record, topic)]
     stamps = np.array([c.header.stamp.sec + c.header.stamp.nanosec * 1e-9 for c in chunks])
     t0 = starts[0] * 1e-9
