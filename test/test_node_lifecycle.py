@@ -2018,6 +2018,29 @@ def test_a_bag_played_faster_reports_its_rate_on_both_clocks(harness, tmp_path) 
 DEMO_DOMAIN = ("--domain-id", str(ros_domain(100)))
 
 
+def test_a_sqlite3_bag_under_a_path_with_uri_characters_is_refused_naming_them(tmp_path) -> None:
+    """rosbags opens sqlite3 bags through a URI, where '#', '?' and '%' cut or escape the path: a Humble
+    cell's bag under `shift #3/` read as "unable to open database file", though it was there, and one
+    written there landed in a stray file (found in review). Refused, naming the character; MCAP is fine."""
+    import shutil
+
+    from rmuscle_ros.node.bags import bag_info
+
+    good = tmp_path / "ok" / "ep0"
+    write_aloha_episode(good, storage="sqlite3", seconds=0.2, cameras=1, joint_topics=())
+    moved = tmp_path / "shift #3" / "ep0"
+    moved.parent.mkdir()
+    shutil.copytree(good, moved)
+    with pytest.raises(ValueError, match=r"a sqlite3 bag under a path with '#'.*rename the folder"):
+        bag_info(moved)
+    with pytest.raises(ValueError, match=r"a sqlite3 bag under a path with '%'"):
+        write_aloha_episode(tmp_path / "100% good" / "ep0", storage="sqlite3", seconds=0.2, cameras=1)
+    assert not (tmp_path / "100% good").exists() or not any((tmp_path / "100% good").iterdir())
+    mcap = tmp_path / "shift #4" / "ep0"
+    write_aloha_episode(mcap, storage="mcap", seconds=0.2, cameras=1, joint_topics=())
+    assert bag_info(mcap).topics
+
+
 def test_an_interrupted_demo_keeps_the_chunks_it_received(tmp_path, monkeypatch) -> None:
     """Ctrl-C (or a bag refused) in the second episode: the chunks received were only written after the
     run, so all were lost, and the earlier run's recording had been deleted at the start (found in review).

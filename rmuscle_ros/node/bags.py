@@ -150,6 +150,7 @@ def write_aloha_episode(
             events.append((t, topic, "sensor_msgs/msg/JointState", partial(joints, t, i)))
     events.sort(key=lambda e: e[0])
     stamps: dict[str, list[int]] = {}
+    _check_sqlite_path(path, storage == "sqlite3")
     with Writer(path, version=9, storage_plugin=STORAGE[storage]) as writer:
         connections = {}
         for t, topic, msgtype, make in events:
@@ -205,10 +206,28 @@ class BagRefused(ValueError):
     """A bag this player will not play, with the reason."""
 
 
+# Characters rosbags' sqlite3 storage cannot have in a bag's path: it opens the database through a URI
+# (`file:<path>?immutable=1`), where these end or escape the path (found in review: a Humble cell's bag
+# under `shift #3/` read as "unable to open database file", and a written one landed in a stray file).
+SQLITE_URI_CHARACTERS = "#?%"
+
+
+def _check_sqlite_path(path: Path, sqlite: bool) -> None:
+    """BagRefused naming the character, for a sqlite3 bag whose path holds one of SQLITE_URI_CHARACTERS."""
+    bad = sorted(set(SQLITE_URI_CHARACTERS) & set(str(path.absolute())))
+    if sqlite and bad:
+        raise BagRefused(
+            f"bag {path}: a sqlite3 bag under a path with {' '.join(repr(c) for c in bad)}, which the sqlite3 "
+            "reader (rosbags) cannot open; rename the folder, or link to it from a path without "
+            f"{' '.join(SQLITE_URI_CHARACTERS)}"
+        )
+
+
 def _reader(path: Path) -> AnyReader:
     """A rosbag2 reader whose types come from the bag, or for a bag that embeds none (recorded before
     ROS 2 Iron, e.g. a Humble cell's sqlite3 bags) from Jazzy's and this package's. A ROS 1 bag is
     refused: its messages are not CDR, and published as they are they would reach nobody."""
+    _check_sqlite_path(path, path.is_dir() and any(path.glob("*.db3")))
     reader = AnyReader([path], default_typestore=typestore(with_interfaces=True))
     if not reader.is2:
         raise BagRefused(f"bag {path}: a ROS 1 bag; convert it to rosbag2 first (rosbags-convert)")
@@ -580,6 +599,7 @@ def write_messages(
 ) -> None:
     """Record (receive time ns, serialized CDR) pairs of one topic into a bag."""
     store = typestore(with_interfaces=True)
+    _check_sqlite_path(path, storage == "sqlite3")
     with Writer(path, version=9, storage_plugin=STORAGE[storage]) as writer:
         connection = writer.add_connection(topic, msgtype, typestore=store)
         for t, raw in messages:
@@ -588,6 +608,7 @@ def write_messages(
 
 def read_messages(path: Path, topic: str) -> list[tuple[int, Any]]:
     """(bag time ns, deserialized message) for every message on `topic`, in order."""
+    _check_sqlite_path(path, path.is_dir() and any(path.glob("*.db3")))
     with AnyReader([path], default_typestore=typestore(with_interfaces=True)) as reader:
         connections = [c for c in reader.connections if c.topic == topic]
         return [
