@@ -300,6 +300,19 @@ def _beside(saved_path: Path, directory: Path, config: dict) -> Path:
             10,
             "horizon",
         ),
+        # the time embedding's periods (found in review: not compared, the actions off by up to 0.8)
+        (
+            {"type": "pi05", "min_period": 1e-3, "max_period": 4.0},
+            "min_period",
+            0.001,
+            "time_min_period = 0.004",
+        ),
+        (
+            {"type": "pi05", "min_period": 4e-3, "max_period": 10.0},
+            "max_period",
+            10.0,
+            "time_max_period = 4.0",
+        ),
     ],
 )
 def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
@@ -322,6 +335,7 @@ def test_recorded_horizon_steps_and_prompt_length_must_match_the_preset(
     "config",
     [
         {"type": "pi05", "chunk_size": 50, "num_inference_steps": 10, "tokenizer_max_length": 200},
+        {"type": "pi05", "min_period": 0.004, "max_period": 4},  # LeRobot's defaults, as JSON writes them
         {"type": "pi05"},  # fields it does not hold are not checked
         # another step count is an inference choice, and a shorter trained prompt changes no weight (a
         # second review found both refused); the Policy cuts prompts at it (the next test)
@@ -502,3 +516,53 @@ def test_a_checkpoint_trained_on_relative_actions_is_not_run_absolute(saved, tmp
         Policy(PolicyConfig(checkpoint=str(absolute), delta_actions=arms))
     unrecorded = _beside(path, tmp_path / "unrecorded", {"type": "pi05"})
     Policy(PolicyConfig(checkpoint=str(unrecorded), delta_actions=arms))
+
+
+def test_a_checkpoint_that_records_no_config_loads_saying_what_it_cannot_check(
+    saved, tmp_path: Path, caplog
+) -> None:
+    """openpi's PyTorch training writes no config.json: a fine-tune of another horizon (pi05_libero's 10)
+    ran at the preset's 50 without a word (found in review). It still loads (nothing to refuse it by), with
+    a warning naming what could not be checked and how to record it."""
+    import logging
+
+    path, expected = saved
+    bare = _rewrite(path, tmp_path / "model.safetensors", lambda tensors: None)  # no metadata, no config.json
+    with caplog.at_level(logging.WARNING, logger="rmuscle_ros.models.checkpoint"):
+        assert torch.equal(_actions(bare), expected)
+    assert "records no config" in caplog.text and '{"action_horizon": N' in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rmuscle_ros.models.checkpoint"):
+        _actions(path)  # save_checkpoint's metadata records it
+    assert "records no config" not in caplog.text
+
+
+def test_a_sharded_checkpoint_is_named_as_one_not_as_corrupt_or_another_model(saved, tmp_path: Path) -> None:
+    """Its directory read as "without a model.safetensors", its index as a corrupt file and a shard as
+    another architecture (found in review): each form now says it is sharded and what to do."""
+    path, _ = saved
+    tensors = load_file(str(path))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / shard))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {k: s for s, keys in shards.items() for k in keys}}))
+    for given in (tmp_path, index, tmp_path / "model-00001-of-00002.safetensors"):
+        with pytest.raises(CheckpointError, match=r"a sharded checkpoint .*merge the shards into one"):
+            _actions(given)
+
+
+def test_an_empty_checkpoint_path_is_refused_not_read_as_the_working_directory() -> None:
+    """ "" reads as ".": a model.safetensors in the working directory was loaded, past the checks that ask
+    `if cfg.checkpoint` (found in review)."""
+    from rmuscle_ros.runtime.policy import PolicyConfig
+
+    with pytest.raises(ValueError, match=r"^checkpoint: an empty path; None for none"):
+        PolicyConfig(checkpoint="")
+    with pytest.raises(CheckpointError, match=r"checkpoint: an empty path"):
+        load_model(get_preset("tiny"), "")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -63,6 +64,10 @@ LEROBOT_FIXED_FIELDS = (
     ("chunk_size", "horizon", "equal"),
     ("num_inference_steps", "num_steps", "note"),
     ("tokenizer_max_length", "max_token_len", "at_most"),
+    # The time embedding's periods condition every denoising step's adaRMS (found in review: not compared,
+    # and a checkpoint trained with other periods loaded and ran, its actions off by up to 0.8).
+    ("min_period", "time_min_period", "close"),
+    ("max_period", "time_max_period", "close"),
 )
 OPENPI_FIXED_FIELDS = (("action_horizon", "horizon", "equal"), ("max_token_len", "max_token_len", "at_most"))
 # π0 stores plain RMSNorm weights in the expert where π0.5 has adaRMS `…_layernorm.dense`, and a state_proj.
@@ -81,8 +86,23 @@ def checkpoint_key(ours: str) -> str:
     return ours
 
 
+SHARD = re.compile(r".*-\d+-of-\d+\.safetensors$")
+
+
 def _checkpoint_file(path: Path) -> Path:
-    """The safetensors file `path` names: itself, or `model.safetensors` inside a checkpoint directory."""
+    """The safetensors file `path` names: itself, or `model.safetensors` inside a checkpoint directory. A
+    sharded checkpoint (`model-0000k-of-0000n.safetensors` and its `.safetensors.index.json`) is refused
+    saying so (found in review: its directory read as "without a model.safetensors", its index as a
+    corrupt file, a shard as another architecture)."""
+    if str(path) == "" or str(path) == ".":
+        raise CheckpointError("checkpoint: an empty path; give a model.safetensors or its directory")
+    shards = sorted(path.glob("*.safetensors.index.json")) if path.is_dir() else []
+    if shards or path.name.endswith(".safetensors.index.json") or SHARD.fullmatch(path.name):
+        folder = path if path.is_dir() else path.parent
+        raise CheckpointError(
+            f"{folder}: a sharded checkpoint (an index and model-k-of-n.safetensors files); this loader reads one "
+            "model.safetensors: merge the shards into one (e.g. load them with safetensors and save_file)"
+        )
     if path.is_dir():
         inner = path / "model.safetensors"
         if inner.is_file():
@@ -319,10 +339,24 @@ def _is_count(value: object) -> TypeGuard[int]:
 
 
 def _fits(rule: str, recorded: object, fixed: object) -> bool:
-    """Whether a recorded value other than the model's is accepted under its FIXED_FIELDS rule."""
-    return rule == "note" or (
-        rule == "at_most" and _is_count(recorded) and _is_count(fixed) and recorded <= fixed
+    """Whether a recorded value other than the model's is accepted under its FIXED_FIELDS rule ("close":
+    the same number but for float rounding)."""
+    return (
+        rule == "note"
+        or (rule == "at_most" and _is_count(recorded) and _is_count(fixed) and recorded <= fixed)
+        or (rule == "close" and _close(recorded, fixed))
     )
+
+
+def _close(a: object, b: object) -> bool:
+    if (
+        isinstance(a, bool)
+        or isinstance(b, bool)
+        or not isinstance(a, int | float)
+        or not isinstance(b, int | float)
+    ):
+        return False
+    return math.isclose(a, b, rel_tol=1e-9)
 
 
 def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
@@ -365,6 +399,15 @@ def load_state(model: Pi05Model, path: str | os.PathLike[str]) -> None:
     check_recorded_config(file, model.cfg)
     reader = _Reader(file)
     reader.check_saved_config(model.cfg)
+    if _recorded_config(file) is None and reader.saved_config() is None:
+        # openpi's PyTorch training writes no config.json (found in review): a fine-tune of another horizon
+        # (pi05_libero's 10, pi05_droid's 15) then runs at the preset's without a word
+        log.warning(
+            "%s records no config (no config.json beside it, none in its metadata): the horizon (%d), prompt "
+            "length (%d) and time embedding it was trained with cannot be checked against the preset's; put "
+            'its config.json beside it (openpi: {"action_horizon": N, "max_token_len": M})',
+            file, model.cfg.horizon, model.cfg.max_token_len,
+        )  # fmt: skip
     params = dict(model.named_parameters())
     plan: dict[str, str] = {}
     missing: list[str] = []

@@ -127,6 +127,10 @@ class PolicyConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"{name}: a path or None, got {value!r}")
+            # "" read as ".": the working directory's model.safetensors was loaded, past the checks that
+            # test `if cfg.checkpoint` (found in review)
+            if value is not None and not os.fspath(value):
+                raise ValueError(f"{name}: an empty path; None for none")
         if isinstance(self.cameras, str) or not all(isinstance(c, str) and c for c in self.cameras):
             raise ValueError(f"cameras: a list of camera names (π0.5 slots), got {self.cameras!r}")
         if isinstance(self.trt_opt_prompt_len, bool) or not isinstance(self.trt_opt_prompt_len, int):
