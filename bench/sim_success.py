@@ -364,6 +364,7 @@ def train(
         "preset": preset,
         "samples": n,
         "demonstrations": len(json.loads(demos["meta"]["seeds"])),
+        "demonstration_seeds": json.loads(demos["meta"]["seeds"]),  # evaluate refuses them as scenes
         "placement_spread": float(demos["meta"].get("placement_spread", 1.0)),
         "steps": steps,
         "batch": batch,
@@ -455,6 +456,18 @@ def cell_episode(
         policy.discard_episode("the episode failed")
     policy.reset_episode()
     return run
+
+
+def scene_overlap(seeds: list[int], warm: list[int], taught: list[int]) -> str:
+    """Why the evaluation's scenes are not apart ("" if they are): an evaluation scene the library was warmed
+    up on, or that the policy was taught (its demonstrations' seeds, recorded in training.json since
+    2026-12-05), measures recall, not what the cache does on an unseen scene (found in review: not
+    checked; the published runs were apart)."""
+    for name, other in (("--warmup-seeds", warm), ("the policy's demonstrations", taught)):
+        shared = sorted(set(seeds) & set(other))
+        if shared:
+            return f"--seeds: {len(shared)} scene(s) also in {name} ({shared[:5]}…): evaluate on other seeds"
+    return ""
 
 
 def policy_config(folder: str, preset: str) -> Any:
@@ -941,6 +954,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.dense_only and not args.node:
             raise SystemExit("--dense-only: through the node (--node)")
+        overlap = scene_overlap(
+            parse_seeds(args.seeds), parse_seeds(args.warmup_seeds), training.get("demonstration_seeds", [])
+        )
+        if overlap:
+            raise SystemExit(overlap)
         if args.latency_steps and args.repeat_seed is not None:
             raise SystemExit("--latency-steps: not with --repeat-seed")
         if args.node:

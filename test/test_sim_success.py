@@ -46,6 +46,15 @@ def test_evaluate_refuses_an_unfinished_policy_and_a_node_run_from_seed_0(tmp_pa
     (policy / "training.json").write_text(json.dumps({"preset": "tiny"}))
     with pytest.raises(SystemExit, match=r"--seeds: from 1 with --node .*, got 0"):
         sim_success.main([*evaluate, "--node", "--seeds", "0-3", "--warmup-seeds", "10-11"])
+    # Scenes the library was warmed up on, or the policy was taught, measure recall (found in review: not
+    # checked); refused before anything runs.
+    with pytest.raises(SystemExit, match=r"--seeds: 2 scene\(s\) also in --warmup-seeds"):
+        sim_success.main([*evaluate, "--seeds", "1000-1009", "--warmup-seeds", "1008-1011"])
+    (policy / "training.json").write_text(json.dumps({"preset": "tiny", "demonstration_seeds": [3, 1004]}))
+    with pytest.raises(
+        SystemExit, match=r"--seeds: 1 scene\(s\) also in the policy's demonstrations \(\[1004\]"
+    ):
+        sim_success.main([*evaluate, "--seeds", "1000-1009", "--warmup-seeds", "2000-2001"])
 
 
 @pytest.mark.slow
