@@ -211,7 +211,9 @@ def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
     Greyscale, palette and RGBA images are converted to RGB (alpha dropped). Only the decoder named
     by msg.format is tried, so mislabelled data is an error rather than a guess.
     Raises ImageConversionError for another format (including compressedDepth), empty, corrupt or
-    truncated data, or a 16-bit / float image.
+    truncated data, or a 16-bit greyscale / float image. Pillow opens 16-bit RGB, RGBA and LA PNGs in 8-bit
+    modes, keeping each sample's high byte (within one level of cv_bridge's scaling): those are taken (a
+    review's finding, 2026-12-05; this docstring said they were refused).
     """
     compression = _compression_of(msg.format)
     pil_format = _COMPRESSED_FORMATS.get(compression)
