@@ -237,26 +237,45 @@ class Bench:
 
     def live_episode(self) -> dict:
         """The task again (other light, sensor noise): each call through the runtime, compared with the
-        dense graph on the same inputs; the window is refilled after each call, as on the cell."""
+        dense graph on the same inputs; the window is refilled after each call, as on the cell. Each call
+        is also timed (synchronised; the refill outside), a new observation each, after the refill: the
+        node's sequence, where the headline (`interleaved`) repeats one observation with its window entry
+        ready (found in review: node-like calls spent ~0.35 ms more GPU time cached; bench_policy)."""
         cfg, n = self.cfg, self.args.calls
         errors, sims, modes = [], [], []
+        dense_ms, cached_ms = [], []  # of the calls served cached: the dense call, then the runtime's
         self.live_obs = [
             observation(cfg, (t + 0.3) / (n - 1), 0.97, 0.02, 500 + t, self.args.prompt_tokens, self.device)
             for t in range(n - 1)
         ]
         for obs in self.live_obs:
+            sync()
+            start = time.perf_counter()
             dense = self.dense_call(obs).clone()
+            sync()
+            middle = time.perf_counter()
             actions, info = self.runtime_call(obs)
+            sync()
+            end = time.perf_counter()
             self.refill_window()
             modes.append(info.mode)
             if info.mode == "cached":
                 errors.append(rel_l2(actions[0], dense))
                 sims.append(info.similarity)
+                dense_ms.append((middle - start) * 1e3)
+                cached_ms.append((end - middle) * 1e3)
         if not errors:
             raise RuntimeError(f"no live call was served from the cache: {modes}")
+        node_like = {
+            "calls": len(cached_ms),
+            "dense_ms": round(statistics.median(dense_ms), 3),
+            "rmuscle_ms": round(statistics.median(cached_ms), 3),
+            "speedup": round(statistics.median(dense_ms) / statistics.median(cached_ms), 3),
+        }
+        log(f"node-like calls ({node_like['calls']} cached): {node_like}")
         return {"action_rel_l2_median": statistics.median(errors), "action_rel_l2_max": max(errors),
                 "similarity_min": min(sims), "similarity_median": statistics.median(sims),
-                "live_modes": modes}  # fmt: skip
+                "live_modes": modes, "node_like": node_like}  # fmt: skip
 
     def _prime(self, obs: ModelInputs, on_gpu: bool) -> None:
         """Cached calls on `obs` from now on: one call aligns retrieval, the window gets its entries."""
@@ -794,6 +813,12 @@ def to_markdown(r: dict) -> str:
                 else " Live-call latency during rebuilds: not measured in this run."
             ),
         ]
+        if "node_like" in v:
+            nl = v["node_like"]
+            lines += ["", f"Node-like calls (the live episode: a new observation each, timed after the motion window's "
+                      f"refill, the dense call just before on the same inputs; {nl['calls']} served cached): dense "
+                      f"{nl['dense_ms']} ms, rMuscle {nl['rmuscle_ms']} ms, **{nl['speedup']}×** (medians of few calls: "
+                      f"`--calls` sets them)."]  # fmt: skip
         where = "on the device" if v["match_on_gpu"] else "on the host"
         other, other_ms = (
             ("on the host", v["rmuscle_host_match_ms"])

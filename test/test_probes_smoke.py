@@ -131,6 +131,8 @@ def test_rmuscle_benchmark_runs_every_phase_on_a_cpu(tmp_path) -> None:
     assert [s["episodes"] for s in sizes] == [1, 3] and all(s["host"]["cached"] > 0 for s in sizes)
     assert "By library size" in (tmp_path / "smoke.md").read_text()
     assert row["recorded_call_ms"] > 0
+    assert row["node_like"]["calls"] >= 1 and row["node_like"]["rmuscle_ms"] > 0  # a new observation each
+    assert "Node-like calls" in (tmp_path / "smoke.md").read_text()
     alone = json.loads((tmp_path / "smoke.json").read_text())["results"][
         "rmuscle_p1_n0.5"
     ]  # the Action Cache alone
