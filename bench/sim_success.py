@@ -392,16 +392,18 @@ def episode(
     replan: int,
     shadow: Any | None = None,
     latency: int = 0,
+    noise_offset: int = 0,
 ) -> dict[str, Any]:
     """One closed-loop episode from `seed`. `shadow`: a dense policy called on the same inputs, for the
     action error of every call. `latency`: control periods between a call's observation and its chunk
     taking over, as a call's latency costs through the node (action_streamer): meanwhile the previous
     chunk goes on past its `replan` rows (the arms hold before the episode's first chunk), and the new
-    one starts at its row `latency`."""
+    one starts at its row `latency`. `noise_offset`: the calls' noise drawn from seed + it (the dense
+    control: the same policy on the same scene with other noise)."""
     from rmuscle_ros.runtime.policy import Observation
 
     sim.reset(seed)
-    noise_gen = torch.Generator().manual_seed(seed)
+    noise_gen = torch.Generator().manual_seed(seed + noise_offset)
     cfg = policy.model_cfg
     modes: list[str] = []
     errors: list[float] = []
@@ -508,6 +510,20 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     runs = [episode(sim, dense, s, args.replan, latency=args.latency_steps) for s in seeds]
     results["dense"] = summarise(runs, time.perf_counter() - start)
     log(f"dense: {results['dense']['success_rate']:.2f} ({results['dense']['successes']}/{len(seeds)})")
+    if args.dense_control:
+        # How much the same dense policy's scenes change by themselves, with other noise per call: the
+        # spread a cached variant's difference from dense is to be read against (found in review: "within
+        # the runs' spread" had no spread measured in this loop).
+        start = time.perf_counter()
+        control = [
+            episode(sim, dense, s, args.replan, latency=args.latency_steps, noise_offset=CONTROL_NOISE_OFFSET)
+            for s in seeds
+        ]
+        results["dense_control"] = summarise(control, time.perf_counter() - start) | {
+            "noise_offset": CONTROL_NOISE_OFFSET,
+            **discordant(runs, control, sim.max_reward),
+        }
+        log(f"dense control (other noise): {results['dense_control']}")
     for rho_p, rho_n, schedule, name in variants(args):
         # The whole window after every call, as config/rmuscle_default.yaml has the node do on a CPU.
         cache = RMuscleConfig(
@@ -532,6 +548,27 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{name}: {results[name]['success_rate']:.2f}, cached share {results[name]['cached_share']:.2f}")
     sim.close()
     return results
+
+
+CONTROL_NOISE_OFFSET = 10**6  # the dense control's noise: seed + this, never another scene's seed
+
+
+def discordant(base: list[dict[str, Any]], other: list[dict[str, Any]], top: int = 4) -> dict[str, Any]:
+    """Scenes (paired by order) that only `other` or only `base` succeeded in, by the highest reward and by
+    the final one (`top`: the task's top reward, transfer-cube's 4), with a two-sided sign test on each
+    (exact binomial)."""
+    out: dict[str, Any] = {}
+    for count, won in (
+        ("highest", lambda r: bool(r["success"])),
+        ("final", lambda r: r["final_reward"] >= top),
+    ):
+        only_other = sum(1 for a, b in zip(base, other, strict=True) if won(b) and not won(a))
+        only_base = sum(1 for a, b in zip(base, other, strict=True) if won(a) and not won(b))
+        n, k = only_other + only_base, min(only_other, only_base)
+        p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+        out[f"only_other_{count}"], out[f"only_base_{count}"] = only_other, only_base
+        out[f"sign_test_p_{count}"] = round(p, 3)
+    return out
 
 
 def variants(args: argparse.Namespace) -> list[tuple[float, float, str, str]]:
@@ -798,6 +835,17 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['successes']}/{r['episodes']} ({r['success_rate']:.0%}) | {r['diverged']} | "
             f"{calls} | {err} | {audits} | {library} |"
         )
+    control = report["results"].get("dense_control")
+    if control is not None:
+        lines += [
+            "",
+            f"dense_control: the dense policy again, the same scenes, other noise per call (seed + "
+            f"{control['noise_offset']}): scenes only it won / only dense won, {control['only_other_highest']} / "
+            f"{control['only_base_highest']} by the highest reward (sign test p {control['sign_test_p_highest']}), "
+            f"{control['only_other_final']} / {control['only_base_final']} by the final one (p "
+            f"{control['sign_test_p_final']}): how much scenes change by themselves, the spread a cached "
+            "variant's differences from dense are read against.",
+        ]
     if "scripted" not in report["results"]:  # through the node: no demonstrator, no shadow
         timed = [(n, r) for n, r in report["results"].items() if "takeover_row_p50" in r]
         if timed:
@@ -906,6 +954,11 @@ def main_parser() -> argparse.ArgumentParser:
     e.add_argument("--camera-rate-hz", type=float, default=50.0, help="--node: aloha_sim's camera rate")
     e.add_argument("--domain-id", type=int, default=93, help="--node: the DDS domain")
     e.add_argument("--dense-only", action="store_true", help="--node: the dense run only, no rMuscle variant")
+    e.add_argument(
+        "--dense-control",
+        action="store_true",
+        help="also run the dense policy again with other noise per call: how much scenes change by themselves",
+    )
     e.add_argument(
         "--keep", type=Path, default=None,
         help="--node: keep each run's output here (recorded chunks, logs, the library) instead of discarding it",

@@ -99,12 +99,17 @@ def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
         assert a is None if m != "cached" else a == pytest.approx(e, rel=1e-5)
     results = tmp_path / "results"
     evaluate = ["evaluate", "--policy", str(policy), "--seeds", "5", "--warmup-seeds", "6", "--replan", "50"]
-    sim_success.main([*evaluate, "--results", str(results), "--name", "one"])
+    sim_success.main([*evaluate, "--results", str(results), "--name", "one", "--dense-control"])
     report = json.loads((results / "one.json").read_text())
     # the node's default schedule, ramp (a variant key without a suffix is uniform, as in earlier results)
-    assert set(report["results"]) == {"scripted", "dense", "rmuscle_0.4_0.5_ramp"}
+    assert set(report["results"]) == {"scripted", "dense", "dense_control", "rmuscle_0.4_0.5_ramp"}
     assert report["results"]["scripted"]["successes"] == 1  # the demonstrator on that scene
-    assert "| dense | " in (results / "one.md").read_text()
+    control = report["results"]["dense_control"]
+    assert control["episodes"] == 1 and control["noise_offset"] == sim_success.CONTROL_NOISE_OFFSET
+    assert (
+        "| dense | " in (results / "one.md").read_text()
+        and "dense_control: " in (results / "one.md").read_text()
+    )
 
 
 class _CountingPolicy:
@@ -156,3 +161,18 @@ def test_latency_steps_let_the_previous_chunk_run_on(monkeypatch) -> None:
         assert executed[35] == 1025 and executed[45] == 2025
     finally:
         sim.close()
+
+
+def test_discordant_scenes_and_their_sign_test() -> None:
+    """The dense control's comparison (a review found "within the runs' spread" with no spread measured):
+    scenes only one side won, by the highest and the final reward, and an exact two-sided sign test."""
+    base = [{"success": s, "final_reward": f} for s, f in [(1, 4), (1, 0), (0, 0), (1, 4), (0, 0)]]
+    other = [{"success": s, "final_reward": f} for s, f in [(1, 4), (0, 0), (1, 4), (0, 0), (1, 0)]]
+    out = sim_success.discordant(base, other)
+    assert (out["only_other_highest"], out["only_base_highest"]) == (2, 2)
+    assert (out["only_other_final"], out["only_base_final"]) == (1, 1)
+    assert out["sign_test_p_highest"] == 1.0
+    lopsided = sim_success.discordant(
+        [{"success": 0, "final_reward": 0}] * 8, [{"success": 1, "final_reward": 4}] * 8
+    )
+    assert lopsided["sign_test_p_highest"] == round(2 / 2**8, 3)  # 8 of 8 one way: p = 2 · 0.5^8
