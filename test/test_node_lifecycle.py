@@ -2050,6 +2050,9 @@ def test_an_interrupted_demo_keeps_the_chunks_it_received(tmp_path, monkeypatch)
 
     earlier = tmp_path / "action_chunks"
     write_messages(earlier, "/rmuscle_node/action_chunk", "rmuscle_ros/msg/ActionChunk", [])
+    stale = tmp_path / "action_chunks.partial"  # a killed run's half-written save: the demo's own, replaced
+    stale.mkdir()
+    (stale / "action_chunks.partial_0.mcap").write_bytes(b"\x89MCAP0\r\n")
     played = []
     play = replay_demo._play
 
@@ -2089,6 +2092,12 @@ def test_the_demo_refuses_to_write_its_bags_over_what_it_did_not_write(tmp_path)
     with pytest.raises(ValueError, match=r"aloha_episode_1: the demo writes a bag there"):
         replay_demo.run(tmp_path, seconds=1, domain_id=ros_domain(101), stream=False)
     assert (unclosed / "aloha_episode_1_0.mcap").exists() and elsewhere.is_dir()
+    for leftover in unclosed.iterdir():
+        leftover.unlink()
+    unclosed.rmdir()
+    (tmp_path / "action_chunks.partial").symlink_to(elsewhere)  # its own first write's place: not a link
+    with pytest.raises(ValueError, match=r"action_chunks\.partial: the demo writes its chunks there first"):
+        replay_demo.run(tmp_path, seconds=1, domain_id=ros_domain(101), stream=False)
 
 
 def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -288,7 +288,12 @@ def run(
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_previous_run(out_dir, bags_too=not recorded and not sim)
     own_bags = [] if recorded or sim else [out_dir / f"aloha_episode_{k}" for k in range(episodes)]
-    _check_writable_bags([out_dir / CHUNKS_BAG, out_dir / f"{CHUNKS_BAG}.partial", *own_bags])
+    _check_writable_bags([out_dir / CHUNKS_BAG, *own_bags])
+    partial = out_dir / f"{CHUNKS_BAG}.partial"  # the demo's own, even half-written (a killed run): replaced
+    if partial.is_symlink() or partial.is_file():
+        raise ValueError(
+            f"{partial}: the demo writes its chunks there first, but it is a link or a file; move it"
+        )
     if recorded:  # each bag after the first starts BAG_GAP_NS after the one before it ends, on one clock
         starts = [infos[0].start_ns]
         for info in infos[:-1]:
