@@ -89,13 +89,14 @@ def checkpoint_key(ours: str) -> str:
 SHARD = re.compile(r".*-\d+-of-\d+\.safetensors$")
 
 
-def _checkpoint_file(path: Path) -> Path:
+def _checkpoint_file(given: str | os.PathLike[str]) -> Path:
     """The safetensors file `path` names: itself, or `model.safetensors` inside a checkpoint directory. A
     sharded checkpoint (`model-0000k-of-0000n.safetensors` and its `.safetensors.index.json`) is refused
     saying so (found in review: its directory read as "without a model.safetensors", its index as a
     corrupt file, a shard as another architecture)."""
-    if str(path) == "" or str(path) == ".":
+    if not os.fspath(given):  # Path("") is ".": the working directory's weights (found in review)
         raise CheckpointError("checkpoint: an empty path; give a model.safetensors or its directory")
+    path = Path(given)
     shards = sorted(path.glob("*.safetensors.index.json")) if path.is_dir() else []
     if shards or path.name.endswith(".safetensors.index.json") or SHARD.fullmatch(path.name):
         folder = path if path.is_dir() else path.parent
@@ -188,15 +189,16 @@ class _Reader:
     def names(self) -> set[str]:
         return set(self._names)
 
-    def check_saved_config(self, cfg: Pi05Config) -> None:
+    def check_saved_config(self, cfg: Pi05Config) -> bool:
         """A checkpoint `save_checkpoint` wrote records its model's config in the file's metadata: a field
         that changes no tensor's shape (the horizon, RoPE's base, the time embedding's periods) and differs
         from `cfg` would run the weights as they were not trained, so it is refused, naming each field (found
         in review: never compared). The step count is an inference choice and a shorter prompt length fits
-        (as `check_recorded_config` rules); fields the record lacks (an earlier build's) are not compared."""
+        (as `check_recorded_config` rules); fields the record lacks (an earlier build's) are not compared.
+        Returns whether the file records a config."""
         recorded = self.saved_config()
         if recorded is None:
-            return
+            return False
 
         def flat(d: dict, prefix: str = "") -> dict[str, object]:
             out: dict[str, object] = {}
@@ -217,6 +219,7 @@ class _Reader:
                 f"{self.path}: saved from a model of another config: {_listed('', differ).strip()}; load it "
                 "with the preset it was saved from"
             )
+        return True
 
     def saved_config(self) -> dict | None:
         """The model config `save_checkpoint` recorded in the file's metadata (None: not one of ours)."""
@@ -294,7 +297,7 @@ def trained_prompt_len(path: str | os.PathLike[str], cfg: Pi05Config) -> int:
     tokens and positions it never saw (found in review: a 94-token prompt ran whole against a trained 48).
     A shorter length `save_checkpoint` recorded in the file's metadata cuts them too; the shortest wins
     (found in review: only `config.json`'s did, the metadata's was accepted and not applied)."""
-    file = _checkpoint_file(Path(path))
+    file = _checkpoint_file(path)
     lengths = [cfg.max_token_len]
     found = _recorded_config(file)
     if found is not None:
@@ -309,7 +312,7 @@ def check_relative_actions(path: str | os.PathLike[str], delta_actions: bool) ->
     the joints predicted as offsets from the state) other than the policy runs it (`delta_actions` set or
     not; the node's `delta_joint_actions`). Found in review: a relative checkpoint loaded and ran absolute,
     its "stay where you are" offsets commanded as joint positions near 0. Not recorded: not checked."""
-    found = _recorded_config(_checkpoint_file(Path(path)))
+    found = _recorded_config(_checkpoint_file(path))
     if found is None or found[2] is not LEROBOT_FIXED_FIELDS:
         return
     config_file, recorded, _ = found
@@ -359,7 +362,7 @@ def _close(a: object, b: object) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
-def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
+def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> bool:
     """Refuse a checkpoint whose `config.json` records another horizon, or a longer prompt, than the preset
     runs; log another step count (FIXED_FIELDS' rules).
 
@@ -367,11 +370,11 @@ def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
     10 would run silently at the preset's 50. Read from a `config.json` in the checkpoint file's directory:
     LeRobot's (`"type": "pi05"`: chunk_size, num_inference_steps, tokenizer_max_length) or openpi's
     converter's (no "type"; action_horizon, max_token_len). Only the fields it holds are checked; no
-    `config.json`, another policy type or a missing field means no check.
+    `config.json`, another policy type or a missing field means no check. Returns whether one was read.
     """
     found = _recorded_config(checkpoint)
     if found is None:
-        return
+        return False
     config_file, recorded, fields = found
     for theirs, ours, rule in fields:
         if theirs not in recorded or recorded[theirs] == getattr(cfg, ours):
@@ -387,6 +390,7 @@ def check_recorded_config(checkpoint: Path, cfg: Pi05Config) -> None:
             f"{config_file}: the policy was trained with {theirs} {value!r}, the model preset fixes {ours} = "
             f"{fixed!r}; no preset here runs this checkpoint as it was trained"
         )
+    return True
 
 
 def load_state(model: Pi05Model, path: str | os.PathLike[str]) -> None:
@@ -395,11 +399,10 @@ def load_state(model: Pi05Model, path: str | os.PathLike[str]) -> None:
     `path` is a `model.safetensors` or the directory holding it. Nothing is copied unless the whole file
     fits: every mismatch is reported at once, then dtypes are checked, then values (NaN/Inf).
     """
-    file = _checkpoint_file(Path(path))
-    check_recorded_config(file, model.cfg)
+    file = _checkpoint_file(path)
+    recorded = check_recorded_config(file, model.cfg)
     reader = _Reader(file)
-    reader.check_saved_config(model.cfg)
-    if _recorded_config(file) is None and reader.saved_config() is None:
+    if not reader.check_saved_config(model.cfg) and not recorded:
         # openpi's PyTorch training writes no config.json (found in review): a fine-tune of another horizon
         # (pi05_libero's 10, pi05_droid's 15) then runs at the preset's without a word
         log.warning(
