@@ -608,8 +608,7 @@ def write_messages(
 
 def read_messages(path: Path, topic: str) -> list[tuple[int, Any]]:
     """(bag time ns, deserialized message) for every message on `topic`, in order."""
-    _check_sqlite_path(path, path.is_dir() and any(path.glob("*.db3")))
-    with AnyReader([path], default_typestore=typestore(with_interfaces=True)) as reader:
+    with _reader(path) as reader:
         connections = [c for c in reader.connections if c.topic == topic]
         return [
             (t, reader.deserialize(raw, c.msgtype)) for c, t, raw in reader.messages(connections=connections)

@@ -122,6 +122,7 @@ MODE_COLOURS = {"dense": "tab:blue", "cached": "tab:green", "fallback": "tab:red
 
 
 CHUNKS_BAG = "action_chunks"  # the run's recorded chunks, in out_dir
+CHUNKS_PARTIAL = f"{CHUNKS_BAG}.partial"  # where they are written first (`_save_chunks`)
 
 
 def _clear_previous_run(out_dir: Path, bags_too: bool) -> None:
@@ -169,7 +170,7 @@ def _save_chunks(out_dir: Path, topic: str, received: list[tuple[int, bytes]]) -
     """Write the run's chunks (whatever came, an interrupted run's too) as `action_chunks`, replacing an
     earlier run's only once written whole (found in review: they were written after the run, so an
     interrupt lost them all, and the earlier run's had been deleted at the start)."""
-    record, partial = out_dir / CHUNKS_BAG, out_dir / f"{CHUNKS_BAG}.partial"
+    record, partial = out_dir / CHUNKS_BAG, out_dir / CHUNKS_PARTIAL
     if partial.is_dir() and not partial.is_symlink():
         shutil.rmtree(partial)
     write_messages(partial, topic, "rmuscle_ros/msg/ActionChunk", received)
@@ -289,7 +290,7 @@ def run(
     _clear_previous_run(out_dir, bags_too=not recorded and not sim)
     own_bags = [] if recorded or sim else [out_dir / f"aloha_episode_{k}" for k in range(episodes)]
     _check_writable_bags([out_dir / CHUNKS_BAG, *own_bags])
-    partial = out_dir / f"{CHUNKS_BAG}.partial"  # the demo's own, even half-written (a killed run): replaced
+    partial = out_dir / CHUNKS_PARTIAL  # the demo's own, even half-written (a killed run): replaced
     if partial.is_symlink() or partial.is_file():
         raise ValueError(
             f"{partial}: the demo writes its chunks there first, but it is a link or a file; move it"
