@@ -290,16 +290,24 @@ class Bench:
         """`wall_ms(call, iters)` of runtime calls, every one of them (warm-up included) checked to have
         been served cached: the runtime's cached-call count must rise by the number of calls made, and no
         call may have run again dense (`match_reruns`). A timing of a loop with a dense call in it fails."""
-        rt = self.runtime
-        calls, cached, reruns = rt.calls, rt.cached_calls, rt.match_reruns
+        before = self._call_counts()
         samples = wall_ms(call, iters, WARMUP)
-        made = WARMUP + iters
-        if (rt.calls - calls, rt.cached_calls - cached, rt.match_reruns - reruns) != (made, made, 0):
-            raise RuntimeError(
-                f"of {made} timed calls {rt.calls - calls} ran, {rt.cached_calls - cached} cached, "
-                f"{rt.match_reruns - reruns} run again dense: not every call was served cached ({rt.last})"
-            )
+        self._check_served_cached(before, WARMUP + iters)
         return samples
+
+    def _call_counts(self) -> tuple[int, int, int]:
+        rt = self.runtime
+        return rt.calls, rt.cached_calls, rt.match_reruns
+
+    def _check_served_cached(self, before: tuple[int, int, int], made: int) -> None:
+        """RuntimeError unless every one of the `made` runtime calls since `before` (`_call_counts`) was
+        served cached: the cached-call count risen by `made`, and none run again dense (`match_reruns`)."""
+        ran, cached, reruns = (now - then for now, then in zip(self._call_counts(), before, strict=True))
+        if (ran, cached, reruns) != (made, made, 0):
+            raise RuntimeError(
+                f"of {made} timed calls {ran} ran, {cached} cached, {reruns} run again dense: not every call "
+                f"was served cached ({self.runtime.last})"
+            )
 
     def interleaved(self, obs: ModelInputs, rounds: int) -> tuple[list[float], list[float]]:
         """The headline pair: a dense engine call, then a runtime call (matched where the runtime matches by
@@ -307,10 +315,9 @@ class Bench:
         timed one after the other drift by up to ~0.4 ms on the H200, and two fixed-order blocks put the
         dense figure 0.2 ms above a call-by-call alternation in one lease (found in review, 2026-12-05:
         `rmuscle_pi05_h200_77c9407`'s 13.40 against 13.33 in `probe_call_timeline_pi05_h200_77c9407`).
-        Every runtime call is checked served cached, as in `wall_ms_cached`."""
+        Every runtime call is checked served cached, `_check_served_cached`."""
         self._prime(obs, self.default_match)
-        rt = self.runtime
-        calls, cached, reruns = rt.calls, rt.cached_calls, rt.match_reruns
+        before = self._call_counts()
         dense, rmuscle = [], []
         for k in range(WARMUP + rounds):
             for call, out in (
@@ -323,12 +330,7 @@ class Bench:
                 sync()
                 if k >= WARMUP:
                     out.append((time.perf_counter() - start) * 1e3)
-        made = WARMUP + rounds
-        if (rt.calls - calls, rt.cached_calls - cached, rt.match_reruns - reruns) != (made, made, 0):
-            raise RuntimeError(
-                f"of {made} interleaved runtime calls {rt.cached_calls - cached} were served cached and "
-                f"{rt.match_reruns - reruns} run again dense ({rt.last})"
-            )
+        self._check_served_cached(before, WARMUP + rounds)
         return dense, rmuscle
 
     def idle_gaps(self, rows: int = 6) -> dict:
