@@ -87,9 +87,19 @@ def test_collect_train_evaluate_on_one_scene(tmp_path) -> None:
     dense = Policy(config)
     cached = Policy(config, cache=RMuscleConfig(rebuilds_per_tick=20, audit_every=1))
     first = sim_success.episode(sim, cached, 5, 50, shadow=dense)
-    cached.reset_episode()  # records it: the repeat of the scene is served from it
+    recorded = cached.reset_episode()  # records it: the repeat of the scene is served from it
     repeat = sim_success.episode(sim, cached, 5, 50, shadow=dense)
     sim.close()
+    assert recorded is not None
+    # each cached call names the recorded episode's call it was served from; other calls name none
+    for ref, m in zip(repeat["references"], repeat["modes"], strict=True):
+        assert (ref is not None and ref[0] == recorded and ref[1] >= 0) if m == "cached" else ref is None
+    assert first["references"] == [None] * len(first["modes"])
+    repeat |= {"seed": 5, "library_id": None}
+    sim_success.served_from([repeat], [{"seed": 5, "library_id": recorded}])
+    assert [s is not None and s[0] == 5 for s in repeat["served_from"]] == [
+        m == "cached" for m in repeat["modes"]
+    ]
     assert first["modes"] and set(first["modes"]) == {"dense"}
     assert first["rel_l2"] == [0.0] * len(first["modes"])  # paired with the same inputs and noise
     assert "cached" in repeat["modes"], repeat["modes"]  # the window was refilled between the calls
@@ -129,6 +139,9 @@ class _CountingPolicy:
     def rebuild_cache(self, wait: bool = False) -> None:
         pass
 
+    def cache_call_status(self) -> None:
+        return None  # as a Policy without a cache
+
     def audit_cache(self) -> None:
         return None
 
@@ -159,6 +172,35 @@ def test_latency_steps_let_the_previous_chunk_run_on(monkeypatch) -> None:
         sim_success.episode(sim, _CountingPolicy(), 0, 10, latency=25)
         assert 24 not in executed and executed[25] == 25 and executed[34] == 34
         assert executed[35] == 1025 and executed[45] == 2025
+    finally:
+        sim.close()
+
+
+class _RowsAfterPolicy(_CountingPolicy):
+    """The counting policy's chunks with every row from `after` on changed: a shadow that agrees with it
+    on the rows before `after` alone."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+
+    def infer(self, obs: object, noise: object) -> object:
+        chunk = super().infer(obs, noise)
+        chunk.actions[self.after :] += 1.0  # type: ignore[attr-defined]
+        return chunk
+
+
+def test_executed_rows_error_covers_the_rows_the_arms_execute() -> None:
+    """`rel_l2_executed` compares only the rows a chunk has executed (`latency` .. `latency + replan - 1`):
+    a shadow that differs from row latency + replan on gives 0 there and an error over the whole chunk;
+    one that differs from row latency + replan - 1 on gives an error there too."""
+    sim = sim_success.make_sim(0.25)
+    try:
+        run = sim_success.episode(sim, _CountingPolicy(), 0, 25, shadow=_RowsAfterPolicy(29), latency=4)
+        assert run["rel_l2_executed"] == [0.0] * len(run["modes"])
+        assert all(e > 0 for e in run["rel_l2"])
+        run = sim_success.episode(sim, _CountingPolicy(), 0, 25, shadow=_RowsAfterPolicy(28), latency=4)
+        assert all(e > 0 for e in run["rel_l2_executed"])
     finally:
         sim.close()
 

@@ -1354,14 +1354,17 @@ class RMuscle:
     # ── status ───────────────────────────────────────────────────────────────────────────────────────────
 
     def call_status(self) -> dict[str, object]:
-        """The latest call's mode, similarity and hit rate, and the episode they count in, read without the
-        disk: what a caller stores with each call's result (the node, before it publishes the chunk). What
-        else a call may change (audits missed, match reruns, the task) waits for the next `status`."""
+        """The latest call's mode, similarity, reference and hit rate, and the episode they count in, read
+        without the disk: what a caller stores with each call's result (the node, before it publishes the
+        chunk). What else a call may change (audits missed, match reruns, the task) waits for `status`."""
         return {
             "episode_id": self.episode_id,
             "mode": self.last.mode,
             "similarity": self.last.similarity,
             "hit_rate": self.cached_calls / self.calls if self.calls else 0.0,
+            # what a cached call was served from: the library episode and its call; -1 for other calls
+            "reference_episode": -1 if self.last.episode is None else self.last.episode,
+            "reference_position": -1 if self.last.position is None else self.last.position,
         }
 
     def status(self) -> dict[str, object]:

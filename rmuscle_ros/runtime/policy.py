@@ -554,8 +554,9 @@ class Policy:
         return self.rmuscle.status() if self.rmuscle is not None else None
 
     def cache_call_status(self) -> dict[str, object] | None:
-        """The latest call's mode, similarity and hit rate, and the episode they count in (RMuscle.call_status),
-        read without touching the disk: cheap and safe for every call."""
+        """The latest call's mode, similarity, reference (library episode and call; -1 unless cached) and hit
+        rate, and the episode they count in (RMuscle.call_status), read without touching the disk: cheap
+        and safe for every call."""
         return self.rmuscle.call_status() if self.rmuscle is not None else None
 
     def discard_episode(self, reason: str) -> bool:
