@@ -1676,8 +1676,8 @@ def test_a_library_path_that_is_no_folder_fails_the_open(tmp_path: Path, what: s
 def test_bounds_lowered_since_recording_apply_at_open(tmp_path: Path, caplog, capsys) -> None:
     """A library reopened with a lower max_episodes or max_bytes: before (found in review) it served all its
     episodes until the next recording evicted many at once. A writer that passes bounds evicts at open, as
-    a recording would (least recently used first), and says what and why; the command line's reads and an
-    opener passing no bounds delete nothing."""
+    a recording would (least recently used first), and says what and why; the command line's reads, an
+    opener passing no bounds and one that records nothing delete nothing."""
     from rmuscle_ros.cache.library import main
 
     lib = ReferenceLibrary.open(tmp_path, KEY)
@@ -1691,6 +1691,12 @@ def test_bounds_lowered_since_recording_apply_at_open(tmp_path: Path, caplog, ca
     assert sorted(unbounded.entries) == ids
     unbounded.close()
     caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
+    # An opener that records nothing (the node with cache.record off) deletes nothing at open (found in
+    # review: a bring-up with recording off and a typo'd bound deleted other tasks' episodes)
+    reader = ReferenceLibrary.open(tmp_path, KEY, max_episodes=3, evict_at_open=False)
+    assert sorted(reader.entries) == ids and len(list(tmp_path.glob("episode_*"))) == 6
+    reader.close()
+    assert "evicted" not in caplog.text
     lowered = ReferenceLibrary.open(tmp_path, KEY, max_episodes=3)
     assert sorted(lowered.entries) == [ids[0], ids[4], ids[5]]
     assert "held 6 episode(s)" in caplog.text and "evicted episode(s) [1, 2, 3] at open" in caplog.text

@@ -74,6 +74,8 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
     assert all(np.isfinite(c.actions).all() and c.actions.shape == (50, 14) for c in repeat)
     status = policy.cache_status()
     assert status["hit_rate"] == pytest.approx(5 / 6) and status["window_entries"] > 0
+    # what the latest (cached) call was served from: library episode 0, one of its 6 calls
+    assert status["reference_episode"] == 0 and 0 <= status["reference_position"] < 6
     assert policy.reset_episode() is None, "an episode served from the cache is not recorded"
     assert policy.cache_status()["library_episodes"] == 1
     rm = policy.rmuscle
@@ -81,6 +83,24 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
     recorded = rm.library.entries[0]
     assert recorded.last_used > recorded.created, "served from: the episode counts as used for eviction"
     policy.close()
+
+
+def test_a_policy_that_records_nothing_deletes_nothing_past_lowered_bounds(tmp_path) -> None:
+    """Found in review: a bring-up with `record` off and a lowered (or typo'd) `max_episodes` evicted and
+    deleted recorded episodes at open. Recording off, they are kept (and served); recording on, the lowered
+    bound evicts at open, as documented."""
+    lib = str(tmp_path / "lib")
+    policy = Policy(CFG, RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD))
+    for _ in range(2):  # no window refills: each episode runs dense and is recorded
+        run(policy, episode(2), rebuild=False)
+        assert policy.reset_episode() is not None
+    policy.close()
+    reader = Policy(CFG, RMuscleConfig(library_path=lib, record=False, max_episodes=1))
+    assert reader.cache_status()["library_episodes"] == 2
+    reader.close()
+    writer = Policy(CFG, RMuscleConfig(library_path=lib, max_episodes=1))
+    assert writer.cache_status()["library_episodes"] == 1
+    writer.close()
 
 
 def test_non_finite_actions_are_refused_naming_where_and_keep_the_episode_out_of_the_library(

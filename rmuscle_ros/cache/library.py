@@ -688,7 +688,7 @@ class ReferenceLibrary:
         self._lock: LibraryLock | None = None  # the library's lock, from `open` (given up at `close`)
         # Gives the lock up at `close`, or when this object is collected unclosed (`LibraryLock.release`).
         self._finalizer: weakref.finalize | None = None
-        self._bounded = False  # the opener passed bounds: they apply at open (`_apply_bounds`)
+        self._bounded = False  # the opener's bounds apply at open too (`_apply_bounds`)
         self._closed = False  # close() ran: nothing more is written
 
     @property
@@ -705,16 +705,20 @@ class ReferenceLibrary:
     # ── open / save ──────────────────────────────────────────────────────────────────────────────────────
 
     @classmethod
-    def open(cls, root: Path, key: LibraryKey, **bounds: int) -> ReferenceLibrary:
+    def open(
+        cls, root: Path, key: LibraryKey, *, evict_at_open: bool = True, **bounds: int
+    ) -> ReferenceLibrary:
         """Load the index at `root` (empty library if there is none) and verify every episode file.
         LibraryBusy if another process holds the library's lock, an earlier version's node its open
         marker, or another ReferenceLibrary of this process has it open (`LibraryLock.take`). The lock is
         taken first, before the index is read: a `remove` or a second node that comes while this one reads
         and verifies (seconds, for gigabytes of episodes) finds the library busy (before, found in review,
         it did not, and this one's index in memory put a removed episode back). Bounds passed here apply at
-        once (`_apply_bounds`); an opener that passes none (the command line's reads) changes nothing."""
+        once (`_apply_bounds`) unless `evict_at_open` is False (an opener that records nothing: found in
+        review, a bring-up with recording off and a lowered bound deleted other tasks' episodes at open),
+        and to every recording after; an opener that passes none (the command line's reads) changes nothing."""
         lib = cls(root, key, **bounds)
-        lib._bounded = bool(bounds)
+        lib._bounded = bool(bounds) and evict_at_open
         lib._lock = LibraryLock.take(lib.root)
         lib._finalizer = weakref.finalize(lib, lib._lock.release)
         try:

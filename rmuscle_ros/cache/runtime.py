@@ -523,6 +523,8 @@ class RMuscle:
                 library_key(weights, engine, inputs, camera_slots),
                 max_bytes=cfg.max_library_mb << 20,
                 max_episodes=cfg.max_episodes,
+                # Recording off: lowered bounds delete nothing at open (the next recording evicts)
+                evict_at_open=cfg.record,
             )
         except LibraryMismatch as e:
             settings = list(dict.fromkeys(KEY_SETTINGS[f] for f in e.fields if f in KEY_SETTINGS))
