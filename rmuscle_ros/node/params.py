@@ -47,6 +47,10 @@ _POLICY_OWN_CHECKS = ("preset", "backend", "dtype", "device")
 
 
 MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
+# The least stall_after_s: a reset, a discard or a parameter set waits for the policy up to stall_after_s,
+# so one below a call's length refused them all, the set that would raise it back included, and with
+# exit_after_stall_s just above it the process ended after its first call (found in review: 0.005 s).
+MIN_STALL_S = 0.5
 # Parameters an earlier version had, with what to do instead: a params file from before an upgrade is
 # refused naming the change, not only as unknown (found in review: cache.speculate was refused among a
 # list of every known name)
@@ -173,6 +177,7 @@ class NodeConfig:
     # /diagnostics says ERROR once a tick has waited this long (wall clock) for the inference worker: a call
     # or motion-window job that does not return (a hung GPU, a deadlock) sends no chunk and no drop either.
     # Ticks normally wait a few ms, at most one rebuild part or audit; the first tick taken ends it.
+    # At least MIN_STALL_S: resets, discards and parameter sets wait for the worker up to this long.
     stall_after_s: float = 2.0
     # 0: never. Above 0, once the node has been held this long (a tick, or a deactivation or shutdown,
     # waiting for the inference worker; while active, an episode reset recording into the library), it
@@ -425,6 +430,12 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if values["error_after_drops"] < 1:
         raise ParameterError(f"error_after_drops: must be >= 1, got {values['error_after_drops']}")
     positive("stall_after_s")
+    if values["stall_after_s"] < MIN_STALL_S:
+        raise ParameterError(
+            f"stall_after_s: must be at least {MIN_STALL_S:g} s (a call or motion-window job held that long "
+            "is a stall; below a call's length, resets and parameter sets are refused as stalled and "
+            f"exit_after_stall_s ends the process in normal running), got {values['stall_after_s']!r}"
+        )
     exit_after = values["exit_after_stall_s"]
     if not 0 <= exit_after <= MAX_SECONDS:
         raise ParameterError(
