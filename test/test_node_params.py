@@ -75,6 +75,8 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
             r"^cache\.top_k: a window of top_k × \(lookahead \+ 1\) = 500000 entries is more than 256",
         ),
         ({"cache.max_library_mb": 0}, r"^cache\.max_library_mb: must be >= 1"),
+        # found in review: a blank task overrode every prompt with one (empty) task
+        ({"cache.task": " _ "}, r"^cache\.task: ' _ ' is blank once cleaned"),
         ({"cache.max_episodes": 0}, r"^cache\.max_episodes: must be >= 1"),
         ({"cache.rebuilds_per_tick": 0}, r"^cache\.rebuilds_per_tick: must be >= 1"),
         ({"cache.rebuild_slices": 0}, r"^cache\.rebuild_slices: must be >= 1"),

@@ -63,6 +63,7 @@ from rmuscle_ros.cache.retrieval import Match, RetrievalConfig, Retriever, reach
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 from rmuscle_ros.models.pi05 import ModelInputs
+from rmuscle_ros.runtime.transforms import clean_task
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,11 @@ class RMuscleConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.task, str):
             raise ValueError(f"task must be a string (the job's name, or empty), got {self.task!r}")
+        if self.task and not clean_task(self.task).strip():  # found in review: every prompt one task
+            raise ValueError(
+                f"task {self.task!r} is blank once cleaned ('_' and newlines read as spaces): it would put "
+                "every job's episodes under one task; give the job's name, or \"\" for the prompt's instruction"
+            )
         if (
             isinstance(self.audit_every, bool)
             or not isinstance(self.audit_every, int)
