@@ -1596,6 +1596,9 @@ def test_a_misspelt_parameter_fails_configure_naming_it(harness) -> None:
         harness(**{"cache.simlarity_threshold": 0.9}), "cache.simlarity_threshold: unknown"
     )
     _configure_fails_saying(harness(**{"cache.speculate": False}), "cache.speculate: no longer a parameter")
+    # A `cache:` key that lost its indentation reads as `record`: it was logged as another node's (found in
+    # review: recording stayed on)
+    _configure_fails_saying(harness(record=False), "record: unknown parameter; did you mean cache.record?")
     # Other nodes' parameters (a `/**:` section, a global -p: robot_description and the like) pass.
     shared = harness(**{"robot_name": "aloha", "use_sim_time": False})
     assert shared.transition(Transition.TRANSITION_CONFIGURE), shared.node.last_error

@@ -139,7 +139,12 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ),
         ({"warmup": "yes"}, r"^warmup: expected bool"),
         ({"model.seed": 1.5}, r"^model\.seed: expected int"),
-        ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter"),
+        ({"model.presett": "tiny"}, r"^model\.presett: unknown parameter \(did you mean model\.preset\?"),
+        # found in review: a `cache:` key that lost its indentation was ignored, its default in force
+        (
+            {"record": False},
+            r"^record: unknown parameter; did you mean cache\.record\? \(a key of the params file's `cache:` block",
+        ),
         # a params file from before an upgrade: what replaced it (found in review)
         ({"cache.speculate": False}, r"^cache\.speculate: no longer a parameter: .*cache\.match_on_gpu"),
         ({"model.preset": "pi05"}, r"^model\.checkpoint: preset 'pi05' needs a trained checkpoint"),

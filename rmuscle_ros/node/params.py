@@ -8,9 +8,10 @@ here: the node declares `parameter_defaults()` and passes what it reads to `node
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -369,13 +370,29 @@ def flat_defaults(config_class: type) -> dict[str, Any]:
     return {name: (list(v) if isinstance(v, tuple) else v) for name, v in vars(config_class()).items()}
 
 
+def unknown_parameter(name: str, known: Iterable[str]) -> str:
+    """ "<name>: unknown parameter ...", with the name it likely meant: a dotted parameter it is the last
+    part of (a key of a `model:` or `cache:` block that lost its indentation), or a close spelling."""
+    known = sorted(known)
+    nested = [k for k in known if k.endswith(f".{name}")]
+    if nested:
+        block = nested[0].rpartition(".")[0]
+        return (
+            f"{name}: unknown parameter; did you mean {nested[0]}? (a key of the params file's `{block}:` "
+            "block that lost its indentation is read as a parameter of its own)"
+        )
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"{name}: unknown parameter ({hint}known: {', '.join(known)})"
+
+
 def flat_config(config_class: type[_C], params: Mapping[str, Any]) -> _C:
     """Build a flat config dataclass from ROS parameter values: an unknown name, or a value of another type
     than its default's, is a ParameterError naming the parameter (the dataclass checks the values)."""
     defaults = flat_defaults(config_class)
     unknown = sorted(set(params) - set(defaults))
     if unknown:
-        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
+        raise ParameterError(unknown_parameter(unknown[0], defaults))
     return config_class(**{name: check_type(name, params.get(name, d), d) for name, d in defaults.items()})
 
 
@@ -387,7 +404,7 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
     if removed:
         raise ParameterError(f"{removed[0]}: no longer a parameter: {REMOVED_PARAMETERS[removed[0]]}")
     if unknown:
-        raise ParameterError(f"{unknown[0]}: unknown parameter (known: {', '.join(sorted(defaults))})")
+        raise ParameterError(unknown_parameter(unknown[0], defaults))
     values = {
         name: check_type(name, params.get(name, default), default) for name, default in defaults.items()
     }

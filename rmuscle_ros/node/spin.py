@@ -149,9 +149,11 @@ def undeclared_overrides(
     """The parameter overrides (params file, -p) naming no parameter the node has: (those that look meant
     for this node, to be refused at configure: a misspelt key would otherwise leave its default in force,
     since rclpy drops them; the others, to be logged: a `/**:` section or a global -p also carries other
-    nodes' parameters, robot_description and the like). Meant for this node: under one of `prefixes`, or
-    close to one of its names (max_image_age for max_image_age_s), unless among `others_names` (a sibling
-    node's parameters in a shared section). Declared elsewhere, not refused: rclpy's own (use_sim_time,
+    nodes' parameters, robot_description and the like). Meant for this node: under one of `prefixes`,
+    close to one of its names (max_image_age for max_image_age_s), or the last part of one of its dotted
+    names (`record` for cache.record: a key of a `cache:` block that lost its indentation; found in review,
+    one line to the INFO log and the default in force), unless among `others_names` (a sibling node's
+    parameters in a shared section). Declared elsewhere, not refused: rclpy's own (use_sim_time,
     ...) and publishers' QoS overrides (qos_overrides.*, declared at configure)."""
     names, siblings = list(declared), set(others_names)
     ours: dict[str, Any] = {}
@@ -159,7 +161,9 @@ def undeclared_overrides(
     for name, parameter in node._parameter_overrides.items():  # rclpy keeps them there; no public getter
         if node.has_parameter(name) or name.startswith("qos_overrides."):
             continue
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8) or [
+            n for n in names if n.endswith(f".{name}")
+        ]
         if name not in siblings and ((prefixes and name.startswith(prefixes)) or close):
             ours[name] = parameter.value
         else:
