@@ -134,6 +134,22 @@ def test_missing_joints_show_the_names_that_did_arrive() -> None:
         b.observation(t, "task", SLOTS)
 
 
+def test_joints_the_state_does_not_read_are_not_stored() -> None:
+    """Found in review: every received name was stored, so a publisher of ever new names (or a cell-wide
+    /joint_states) grew the buffer without bound and each observation copied them all under its lock.
+    Only the names the state reads are stored; a few others are kept for the missing_joints reason."""
+    from rmuscle_ros.node.observation import OTHER_NAMES_KEPT
+
+    b, t = full(10**12), 10**12
+    for i in range(200):
+        b.put_joint_state(joints(t + 5 * MS, names=(*JOINTS, f"other_{i}", f"more_{i}")))
+    assert sorted(b._joints) == list(JOINTS) and len(b._other_names) == OTHER_NAMES_KEPT
+    obs = b.observation(t + 20 * MS, "task", SLOTS)
+    assert obs.state.tolist() == [0.5, 0.5, 0.5]
+    b.clear()
+    assert not b._other_names
+
+
 def test_camera_refusals_name_the_topic() -> None:
     t = 10**12
     topics = ("/cam_high/image", "/cam_left_wrist/image")

@@ -35,6 +35,11 @@ from rmuscle_ros.runtime.policy import Observation
 
 JOINT_HISTORY_S = 0.5  # joint positions kept per joint, back from its newest: covers a camera's latency
 JOINT_HISTORY_MAX = 2000  # samples per joint at most (a 1 kHz driver: 2 s), whatever the stamps say
+# Names of received joints the state does not read, kept for the missing_joints reason only (a naming
+# mismatch shows at a glance); their positions are not stored. Before (found in review) every name was
+# stored: a publisher of ever new names grew the buffer without bound (222,158 names and 270 MB in 20 s),
+# and each observation copied them all under the lock the callbacks take.
+OTHER_NAMES_KEPT = 32
 # A stamp further than this from the node clock is not a late or early message but another clock (a
 # camera's hardware clock, a message never stamped, use_sim_time on one side only): said so in the reason.
 OTHER_CLOCK_NS = 3600 * 1_000_000_000
@@ -119,6 +124,7 @@ class ObservationBuffer:
         # joint name -> its (stamp ns, position) samples, oldest first, over JOINT_HISTORY_S
         self._joints: dict[str, deque[tuple[int, float]]] = {}
         self._joint_source: dict[str, str] = {}  # joint name -> the topic (or prefix) it came from
+        self._other_names: dict[str, None] = {}  # received names the state does not read (OTHER_NAMES_KEPT)
         # Per joint-state topic (its prefix where the topic is not given), what was wrong with its latest
         # message, which was not stored: names and positions that do not pair up. Cleared by the topic's
         # next well-formed message (keyed by topic: two topics with one prefix do not clear each other's).
@@ -132,6 +138,7 @@ class ObservationBuffer:
         if len(sources) != len(self._joint_names):
             raise ValueError(f"state_map: {len(sources)} sources for {len(self._joint_names)} joints")
         self._sources = tuple(sources)
+        self._read = frozenset(self._sources)
         self._offset, self._scale = np.asarray(offset, np.float64), np.asarray(scale, np.float64)
         self._decode: Callable[[Any], np.ndarray] = compressed_to_rgb if compressed else image_to_rgb
         self.limits = limits
@@ -148,8 +155,9 @@ class ObservationBuffer:
         return held is None
 
     def put_joint_state(self, msg: Any, prefix: str = "", topic: str = "") -> bool:
-        """Store each named position as `prefix + name` (the arm's topic decides the prefix: an Interbotix
-        ALOHA names both arms' joints alike); `topic` names the source in drop reasons. A message whose
+        """Store each named position the state reads as `prefix + name` (the arm's topic decides the prefix:
+        an Interbotix ALOHA names both arms' joints alike; other names are noted, at most OTHER_NAMES_KEPT,
+        for the missing_joints reason only); `topic` names the source in drop reasons. A message whose
         names and positions do not pair up (other counts, a name twice) is not stored: which position
         belongs to which joint is not known, and the next observation is a bad_state drop saying so, until
         the arm sends a well-formed one. One without positions (velocities or efforts only, which the
@@ -168,6 +176,10 @@ class ObservationBuffer:
             new = False
             for name, position in zip(names, positions, strict=True):
                 key = prefix + name
+                if key not in self._read:
+                    if key not in self._other_names and len(self._other_names) < OTHER_NAMES_KEPT:
+                        self._other_names[key] = None
+                    continue
                 samples = self._joints.get(key)
                 if samples is None:
                     samples = self._joints[key] = deque(maxlen=JOINT_HISTORY_MAX)
@@ -187,6 +199,7 @@ class ObservationBuffer:
             self._images = [None] * len(self._images)
             self._joints.clear()
             self._joint_source.clear()
+            self._other_names.clear()
             self._joint_faults.clear()
 
     def observation(self, now_ns: int, prompt: str, slot_names: Sequence[str]) -> Observation:
@@ -195,6 +208,7 @@ class ObservationBuffer:
             images = list(self._images)
             joints = {n: list(samples) for n, samples in self._joints.items()}
             sources = dict(self._joint_source)
+            others = list(self._other_names)
             faults = dict(self._joint_faults)
         lim = self.limits
         # (stamp, what it is, "image" or "joints") of every message the observation uses
@@ -223,7 +237,8 @@ class ObservationBuffer:
         missing = [n for n in self._sources if n not in joints]
         if missing:
             # The names that did arrive show a naming mismatch (a prefix missing or doubled) at a glance.
-            held = f"; received {sorted(joints)[:8]}{' ...' if len(joints) > 8 else ''}" if joints else ""
+            received = sorted({*joints, *others})
+            held = f"; received {received[:8]}{' ...' if len(received) > 8 else ''}" if received else ""
             raise ObservationUnavailable(DropReason.MISSING_JOINTS, f"no position yet for {missing}{held}")
         # A joint whose newest position is too old: its driver stopped (whatever the frames' time).
         stale = min(self._sources, key=lambda n: joints[n][-1][0])
