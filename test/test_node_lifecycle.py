@@ -406,6 +406,28 @@ def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
     assert sum(log.msg == "camera base_0_rgb: 64x48 frames" for log in h.logs) == 1
 
 
+def test_a_camera_whose_frame_size_keeps_changing_is_counted_not_logged_every_tick(harness) -> None:
+    """Frames of two sizes in turn on one camera topic (two drivers publishing on it): before (found in
+    review) a warning a tick. The first change and every 50th are logged, each counted for /diagnostics."""
+    h = harness()
+    sizes = [np.zeros((48, 64, 3), np.uint8), np.zeros((48, 32, 3), np.uint8)]
+    for i in range(101):
+        h.node._note_image_sizes({"base_0_rgb": sizes[i % 2]})
+
+    def changes() -> list[str]:
+        return [log.msg for log in h.logs if "frames changed" in log.msg]
+
+    assert h.wait_for(lambda: len(changes()) >= 3, timeout=5.0), changes()  # /rosout: asynchronous
+    assert changes() == [
+        "camera base_0_rgb: frames changed from 64x48 to 32x48",
+        "camera base_0_rgb: frames changed from 32x48 to 64x48 (50 changes since activation: two "
+        "publishers on its topic?)",
+        "camera base_0_rgb: frames changed from 32x48 to 64x48 (100 changes since activation: two "
+        "publishers on its topic?)",
+    ]
+    assert h.node.stats()["image_size_changes"] == {"base_0_rgb": 100}
+
+
 def test_each_camera_outage_is_logged_naming_the_camera_and_its_end(harness, monkeypatch) -> None:
     """A camera that stops delivering frames mid-run: the node logs the outage's start at warn level naming
     the camera, and its end when chunks come back, for every outage (found in review: only the first drop

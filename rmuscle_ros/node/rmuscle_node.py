@@ -385,6 +385,7 @@ class RMuscleNode(LifecycleNode):
             # ticks whose observation was refused for timing and served by a later message (LATE_REASONS)
             self.late_served: Counter[str] = Counter()
             self._image_sizes: dict[str, str] = {}  # camera slot -> its latest frame's size, "WxH"
+            self._image_size_changes: Counter[str] = Counter()  # camera slot -> size changes since then
             self.errors: Counter[str] = Counter()  # failures the node survived: cache_rebuild, worker, ...
             self.rebuilds = 0  # window entries rebuilt in motion windows
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
@@ -726,6 +727,7 @@ class RMuscleNode(LifecycleNode):
             self.drops.clear()
             self.late_served.clear()
             self._image_sizes.clear()
+            self._image_size_changes.clear()
             self._failing_ticks = 0
             self._last_drop = ""
             self._outage_logged_at, self._outage_logged = -math.inf, False
@@ -1473,7 +1475,9 @@ class RMuscleNode(LifecycleNode):
         """Each camera's frame size (W×H), logged when first seen since activation and when it changes, and
         kept for /diagnostics (`image_size.<slot>`): the policy letterboxes any aspect to its square input
         without a word, so a camera on another profile than the training data's (ALOHA recorded 640×480)
-        is seen here (found in review)."""
+        is seen here (found in review). Changes are counted (`image_size_changes.<slot>`) and logged like the
+        drops, the first and every 50th: frames of two sizes in turn (two drivers on one topic) logged one
+        warning a tick (found in review)."""
         for slot, rgb in images.items():
             size = f"{rgb.shape[1]}x{rgb.shape[0]}"
             held = self._image_sizes.get(slot)
@@ -1481,10 +1485,20 @@ class RMuscleNode(LifecycleNode):
                 continue
             with self._stats_lock:
                 self._image_sizes[slot] = size
+                if held is not None:
+                    self._image_size_changes[slot] += 1
+                changes = self._image_size_changes[slot]
             if held is None:
                 self.get_logger().info(f"camera {slot}: {size} frames")
-            else:
-                self.get_logger().warning(f"camera {slot}: frames changed from {held} to {size}")
+            elif changes == 1 or changes % 50 == 0:
+                self.get_logger().warning(
+                    f"camera {slot}: frames changed from {held} to {size}"
+                    + (
+                        f" ({changes} changes since activation: two publishers on its topic?)"
+                        if changes > 1
+                        else ""
+                    )
+                )
 
     def _log_served_late(self, late: _LateTick, count: int) -> None:
         """A tick refused for its messages' timing that a later message served (counted with its chunk in
@@ -1569,6 +1583,7 @@ class RMuscleNode(LifecycleNode):
             drops = dict(self.drops)
             late_served = dict(self.late_served)
             image_sizes = dict(self._image_sizes)
+            image_size_changes = dict(self._image_size_changes)
             slowest = [dict(c) for c in self._slowest]
             chunks = self.chunk_id
             cache = dict(self.cache_status) if self.cache_status is not None else None
@@ -1614,6 +1629,7 @@ class RMuscleNode(LifecycleNode):
             # served within LATE_RETRY_SHARE of the period (a chunk, later; not a drop)
             "late_served": late_served,
             "image_sizes": image_sizes,  # camera slot -> its latest frame's WxH, since activation
+            "image_size_changes": image_size_changes,  # camera slot -> how often its size changed since
             "cache": cache,  # the latest call's part, the rest from the latest window, reset or configure
             "errors": errors,
             "waiting_for": waiting_for,  # a sensor not heard from yet, within sensor_startup_timeout_s
@@ -1782,6 +1798,7 @@ class RMuscleNode(LifecycleNode):
         values |= {f"drops.{k}": v for k, v in s["drops"].items()}
         values |= {f"late_served.{k}": v for k, v in s["late_served"].items()}
         values |= {f"image_size.{k}": v for k, v in s["image_sizes"].items()}
+        values |= {f"image_size_changes.{k}": v for k, v in s["image_size_changes"].items()}
         if s["waiting_for"]:
             values["waiting_for"] = s["waiting_for"]
         if s["last_drop"]:  # why the latest tick without a chunk had none: which camera, since activation
