@@ -380,6 +380,11 @@ def test_a_compressed_frame_declaring_too_many_pixels_is_refused_undecoded() -> 
         ImageConversionError, match=r"^PNG image declares 13000x13000 pixels, more than a camera"
     ):
         compressed_to_rgb(SimpleNamespace(format="png", data=data))
+    # Found in review: 65 KB of PNG declaring 8192 x 8192 (the bound before) took seconds to decode every
+    # tick under the node's policy lock. A 4K (DCI) frame is the most a camera streams: decoded.
+    with pytest.raises(ImageConversionError, match=r"^PNG image declares 8192x8192 pixels"):
+        compressed_to_rgb(SimpleNamespace(format="png", data=_png(8192, 8192)))
+    assert compressed_to_rgb(SimpleNamespace(format="png", data=_png(4096, 2160))).shape == (2160, 4096, 3)
 
 
 def test_png_data_labelled_jpeg_is_an_error() -> None:
