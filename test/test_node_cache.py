@@ -207,6 +207,33 @@ def test_a_discarded_episode_is_not_recorded_and_the_next_one_is(harness) -> Non
     assert h.node.stats()["errors"] == {}
 
 
+def test_an_episode_shorter_than_min_episode_s_is_not_recorded(harness) -> None:
+    """Found in review: `ros2 topic pub …/reset_episode std_msgs/msg/Empty` without --once resets every
+    second, and each 1 s fragment was recorded, evicting the library's real episodes. An episode whose
+    calls' observations span less than min_episode_s is kept out, the reply says why, /diagnostics counts
+    it; 0 (live) records every episode again."""
+    from rclpy.parameter import Parameter
+
+    h = harness(**CACHE, min_episode_s=600.0)
+    _start(h)
+    assert h.feed_until(lambda: len(_episode(h, 0)) >= 3), f"no chunks; drops {h.drops()}"
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.success and reply.message.startswith(
+        "episode 1 (episode 0 was not recorded: its calls' observations span "
+    ), reply.message
+    assert (
+        "under min_episode_s 600 s (a reset sent over and over? `ros2 topic pub` needs --once)"
+        in reply.message
+    )
+    assert _cache_status(h.node)["library_episodes"] == 0
+    assert h.node.stats()["cache"]["episodes_too_short"] == 1
+    assert h.node.set_parameters([Parameter("min_episode_s", value=0.0)])[0].successful
+    assert h.feed_until(lambda: len(_episode(h, 1)) >= 2)
+    reply = h.call(h.reset, Trigger.Request())
+    assert "episode 1 recorded as library episode 0" in reply.message, reply.message
+    assert h.node.stats()["cache"]["episodes_too_short"] == 1 and h.node.stats()["errors"] == {}
+
+
 def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     """The prompt names the task, and muscle memory is per task: after `ros2 param set … prompt` to another
     task on the same bench, calls run dense (and the episode is recorded under the new task) instead of

@@ -208,8 +208,10 @@ def harnesses() -> Iterator[Callable[..., Harness]]:
     def make(compressed: bool = False, **params: Any) -> Harness:
         context = rclpy.Context()
         rclpy.init(context=context, domain_id=ros_domain())
+        # min_episode_s 0: the tests' episodes last a few calls, each to be recorded (it has its own test)
         defaults = {"warmup": False, "actions_per_inference": 5, "max_image_age_s": 1.0, "max_joint_age_s": 1.0,
-                    "max_skew_s": 0.5, "prompt": "pick", "sensor_startup_timeout_s": 0.5}  # fmt: skip
+                    "max_skew_s": 0.5, "prompt": "pick", "sensor_startup_timeout_s": 0.5,
+                    "min_episode_s": 0.0}  # fmt: skip
         overrides = [Parameter(k, value=v) for k, v in (defaults | params).items()]
         n = next(_NODE_IDS)
         node = RMuscleNode(f"rmuscle_test_{n}", context=context, parameter_overrides=overrides)
@@ -1422,7 +1424,7 @@ def make():
 
 params = ("warmup:=false", "cache.enabled:=true", "model.backend:=fused", f"cache.library_path:={library}",
           "actions_per_inference:=5", "max_image_age_s:=1.0", "max_joint_age_s:=1.0", "max_skew_s:=0.5",
-          "prompt:=pick")
+          "prompt:=pick", "min_episode_s:=0.0")
 # exiting=True, as the executable's main
 sys.exit(spin_node(make, ["rmuscle_node", "--ros-args", *[a for p in params for a in ("-p", p)]], exiting=True))
 """

@@ -126,6 +126,7 @@ def test_shipped_profiles_are_valid(profile: str) -> None:
         ({"noise_seed": -2}, r"^noise_seed: must be >= 0, or -1 for one stream"),
         ({"error_after_drops": 0}, r"^error_after_drops: must be >= 1"),
         ({"stall_after_s": 0.0}, r"^stall_after_s: must be > 0"),
+        ({"min_episode_s": -1.0}, r"^min_episode_s: must be >= 0 \(0: every episode recorded\)"),
         # found in review: 0.005 s refused every reset and parameter set (the one raising it back included)
         ({"stall_after_s": 0.01}, r"^stall_after_s: must be at least 0\.5 s \(a call or motion-window job"),
         ({"max_skew_s": 1e300}, r"^max_skew_s: must be > 0 and at most 3600 s"),

@@ -186,6 +186,11 @@ class NodeConfig:
     # a hung CUDA call or disk write itself, and a deactivation or shutdown would wait for it. The episode
     # in progress is not recorded then; the library on disk stays as it was. Must exceed stall_after_s.
     exit_after_stall_s: float = 0.0
+    # With the cache on, an episode whose calls' observations span less than this (s, the node's clock) is
+    # not recorded into the library at its reset: a reset sent over and over (`ros2 topic pub` without
+    # --once, 1 Hz) filled the library with 1 s fragments that evicted its episodes (found in review). 0:
+    # every episode is.
+    min_episode_s: float = 2.0
     publish_joint_trajectory: bool = False  # also publish trajectory_msgs/JointTrajectory
     warmup: bool = True
     # PyTorch's CPU threads in this process (torch.set_num_threads), set at configure; 0: automatic, PyTorch's
@@ -463,6 +468,11 @@ def node_config(params: Mapping[str, Any]) -> NodeConfig:
             f"exit_after_stall_s: must be 0 (never) or above stall_after_s, got {exit_after:g} against "
             f"{values['stall_after_s']:g} s (set one at a time, raise exit_after_stall_s first and lower "
             "stall_after_s first)"
+        )
+    if not 0 <= values["min_episode_s"] <= MAX_SECONDS:
+        raise ParameterError(
+            f"min_episode_s: must be >= 0 (0: every episode recorded) and at most {MAX_SECONDS:g} s, got "
+            f"{values['min_episode_s']!r}"
         )
     if values["noise_seed"] < -1:
         raise ParameterError(f"noise_seed: must be >= 0, or -1 for one stream, got {values['noise_seed']}")

@@ -124,6 +124,7 @@ LIVE_PARAMETERS = {
     "error_after_drops": None,
     "stall_after_s": None,
     "exit_after_stall_s": None,
+    "min_episode_s": None,
     "cache.similarity_threshold": "threshold",  # -> RMuscleConfig's name
     "cache.record": "record",
     "cache.rebuilds_per_tick": "rebuilds_per_tick",
@@ -391,6 +392,11 @@ class RMuscleNode(LifecycleNode):
             self.rebuilds_deferred = 0  # entries wanted when a motion window ended (an observation was due)
             self.episodes_discarded = 0  # episodes kept out of the library on ~/discard_episode
             self._discarded = -1  # the latest of them
+            # episodes not recorded for lasting under min_episode_s (resets sent over and over?)
+            self.episodes_too_short = 0
+            # the episode's calls' earliest and latest observation stamps (ns, the node's clock), for its
+            # length at the reset (min_episode_s); None before its first call
+            self._episode_stamps: tuple[int, int] | None = None
             # the latest full Policy.cache_status() (configure, reset, motion window) with the latest call's
             # part merged in; None = no cache
             self.cache_status: dict[str, Any] | None = None
@@ -910,6 +916,7 @@ class RMuscleNode(LifecycleNode):
         self._resetting_since = time.monotonic()  # the stall watchdog's: a reset on the executor's thread
         try:
             if policy is not None:
+                self._keep_out_if_short(policy)
                 try:
                     recorded = policy.reset_episode()
                 except Exception as e:  # e.g. the library's disk is full: the cell keeps running
@@ -934,6 +941,7 @@ class RMuscleNode(LifecycleNode):
                     self.episode_id += 1
                     self.chunk_id = 0
                     episode = self.episode_id
+                    self._episode_stamps = None
                     self.cache_status = status if status is not None else self.cache_status
                 self._seed_noise(episode)
                 if self._buffer is not None:
@@ -969,6 +977,28 @@ class RMuscleNode(LifecycleNode):
             self._refill.set()  # the worker refills the window for the next episode's first calls
             self._wake.set()
         return episode, note, True
+
+    def _keep_out_if_short(self, policy: Any) -> None:
+        """At a reset, under the policy lock: an episode whose calls' observations span less than
+        min_episode_s is kept out of the library (a reset sent over and over: `ros2 topic pub` without
+        --once; found in review, its 1 s fragments evicted the library's episodes). The reset's reply and
+        log say why (the runtime's exclusion); /diagnostics counts them (`cache.episodes_too_short`)."""
+        cfg, stamps = self.cfg, self._episode_stamps
+        if cfg is None or not cfg.cache.enabled or not cfg.min_episode_s or stamps is None:
+            return
+        span = (stamps[1] - stamps[0]) / 1e9
+        if span >= cfg.min_episode_s:
+            return
+        reason = (
+            f"its calls' observations span {span:.2f} s, under min_episode_s {cfg.min_episode_s:g} s (a reset "
+            "sent over and over? `ros2 topic pub` needs --once)"
+        )
+        try:
+            if policy.discard_episode(reason):
+                with self._stats_lock:
+                    self.episodes_too_short += 1
+        except Exception as e:  # the reset goes on (its recording is then the runtime's to decide)
+            self._error("cache_reset", f"{type(e).__name__}: {e}")
 
     def discard_episode(self) -> tuple[bool, str]:
         """Keep the episode in progress out of the cache's library: an operator's (or a success
@@ -1264,6 +1294,8 @@ class RMuscleNode(LifecycleNode):
             except Exception as e:  # the hot path logs, counts and keeps the node alive
                 self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
                 return
+            stamps, t = self._episode_stamps, obs.stamp_ns  # the episode's length so far (min_episode_s)
+            self._episode_stamps = (t, t) if stamps is None else (min(stamps[0], t), max(stamps[1], t))
             if chunk.prompt_truncated:  # the model never saw the state: not for a robot (prompt_too_long)
                 self._drop(
                     DropReason.PROMPT_TRUNCATED,
@@ -1590,6 +1622,7 @@ class RMuscleNode(LifecycleNode):
             if cache is not None:
                 cache |= {"rebuilds": self.rebuilds, "rebuilds_deferred": self.rebuilds_deferred,
                           "episodes_discarded": self.episodes_discarded,
+                          "episodes_too_short": self.episodes_too_short,
                           # motion-window jobs (rebuild parts, audits) that delayed a call: still running
                           # when its observation fell due
                           "window_overruns": self._rebuild_s.overruns + self._audit_s.overruns}  # fmt: skip
@@ -1809,7 +1842,7 @@ class RMuscleNode(LifecycleNode):
                                                         "task_episodes", "window_entries", "library_bytes",
                                                         "rebuilds", "rebuilds_deferred", "entries_set_aside",
                                                         "window_overruns",
-                                                        "episodes_discarded", "audits", "audits_missed",
+                                                        "episodes_discarded", "episodes_too_short", "audits", "audits_missed",
                                                         "audit_error_median", "audit_error_max",
                                                         "audit_trips")}  # fmt: skip
             values["cache.library_problems"] = len(cache["library_problems"])
