@@ -296,6 +296,35 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
     assert sim_node_config({"camera_rate_hz": 50.0, "real_time_factor": 0.0}).camera_rate_hz == 50.0
 
 
+def test_a_misspelt_sim_parameter_is_refused_and_a_later_change_too() -> None:
+    """Found in review: `placment_spread` (misspelt) was ignored, the sim running gym-aloha's whole
+    placement area, and `ros2 param set` was taken, shown by `get`, and never applied."""
+    _ros_or_skip()
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from rmuscle_ros.node.aloha_sim import AlohaSimNode
+    from rmuscle_ros.node.params import ParameterError
+
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=ros_domain(62))
+    try:
+        with pytest.raises(ParameterError, match=r"^placment_spread: not a parameter of aloha_sim"):
+            AlohaSimNode(context=context, parameter_overrides=[Parameter("placment_spread", value=0.25)])
+        node = AlohaSimNode(context=context, parameter_overrides=[Parameter("camera_rate_hz", value=5.0)])
+        try:
+            result = node.set_parameters([Parameter("placement_spread", value=0.25)])[0]
+            assert not result.successful and result.reason == (
+                "placement_spread: read at start-up; start aloha_sim again with it"
+            )
+            assert node.get_parameter("placement_spread").value == node.cfg.placement_spread
+            assert node.set_parameters([Parameter("camera_rate_hz", value=5.0)])[0].successful  # no change
+        finally:
+            node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
+
+
 def test_the_sim_executable_refuses_a_bad_value_in_one_line_with_status_2(capsys) -> None:
     """As a wrong type is refused: found in review, a value out of range ended `aloha_sim` with a
     traceback and status 1, the status of a simulation that died."""
@@ -411,6 +440,9 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         aloha = streamer_config(load_params_file(CONFIG / "rmuscle_aloha.yaml", "action_streamer"))
         assert (group.mode, single.mode) == ("position", "current_based_position")
         assert robot_info_problem(aloha, group, single) == ""
+        # the gripper's left finger's range, as the driver answers its URDF's (found in review: the
+        # recordings' finger travel was answered)
+        assert [*single.joint_lower_limits, *single.joint_upper_limits] == pytest.approx([0.021, 0.057])
         unknown = call_service(robot_info, RobotInfo.Request(cmd_type="group", name="arms"))
         assert (
             robot_info_problem(aloha, unknown, single)
@@ -423,6 +455,20 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         arm.publish(interbotix.JointGroupCommand(name="arm", cmd=[0.0] * 5))  # one joint short
         wait_for(lambda: np.allclose(seen["joints"][-1].position[:6], POSE, atol=0.02))
         wait_for(lambda: values().get("refused") == "3" and values().get("arm_commands") == "1")
+        # A goal past a joint's limit is not taken by that joint, as a Dynamixel ignores it (found in review:
+        # the simulated arm drove to the limit, so a missing clamp upstream went unseen); a gripper goal
+        # past its range drives it to its end, counted
+        past = list(POSE)
+        past[1] = 2.5  # the shoulder, past its 1.2566 rad
+        arm.publish(interbotix.JointGroupCommand(name="arm", cmd=past))
+        gripper.publish(interbotix.JointSingleCommand(name="gripper", cmd=100.0))
+        wait_for(
+            lambda: (
+                values().get("arm_joints_past_limits") == "1"
+                and values().get("gripper_commands_past_range") == "1"
+            )
+        )
+        assert node.sim.targets("left")[1] == pytest.approx(POSE[1]) and values()["refused"] == "4"
         clock = seen["clock"][-1].clock.sec
         wait_for(lambda: seen["clock"][-1].clock.sec > clock)  # still stepping
         response = call_service(reset, Trigger.Request())

@@ -47,6 +47,7 @@ from typing import Any
 import rclpy
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.clock import Clock, ClockType
 from rclpy.duration import Duration
 from rclpy.node import Node
@@ -55,7 +56,12 @@ from rosgraph_msgs.msg import Clock as ClockMsg
 from sensor_msgs.msg import Image, JointState
 from std_srvs.srv import Trigger
 
-from rmuscle_ros.node.action_streamer import import_command_messages, import_robot_info
+from rmuscle_ros.node.action_streamer import (
+    LIMIT_TOLERANCE,
+    import_command_messages,
+    import_robot_info,
+    streamer_defaults,
+)
 from rmuscle_ros.node.bags import (
     ALOHA_ARM_COMMAND_TOPIC,
     ALOHA_CAMERA_TOPICS,
@@ -64,7 +70,7 @@ from rmuscle_ros.node.bags import (
     ALOHA_ROBOT_INFO_SERVICE,
 )
 from rmuscle_ros.node.params import ParameterError, flat_config, flat_defaults
-from rmuscle_ros.node.spin import spin_node
+from rmuscle_ros.node.spin import spin_node, undeclared_overrides
 from rmuscle_ros.sim.aloha import (
     ARM_JOINTS,
     CONTROL_PERIOD_S,
@@ -178,8 +184,21 @@ class AlohaSimNode(Node):
         for name, default in sim_defaults().items():
             self.declare_parameter(name, default)
         # Bad parameters or a missing scene stop the node at start-up, saying which: there is no lifecycle
-        # to fail, and a simulated cell that is not running is better found at once.
+        # to fail, and a simulated cell that is not running is better found at once. A misspelt one too
+        # (found in review: `placment_spread` ran gym-aloha's whole placement area without a word).
+        from rmuscle_ros.node.params import parameter_defaults
+
+        unknown, others = undeclared_overrides(
+            self, sim_defaults(), others_names=[*parameter_defaults(), *streamer_defaults()]
+        )
+        if unknown:
+            raise ParameterError(f"{sorted(unknown)[0]}: not a parameter of aloha_sim")
+        if others:
+            self.get_logger().info(f"parameters given that are not this node's, ignored: {others}")
         self.cfg = sim_node_config({name: self.get_parameter(name).value for name in sim_defaults()})
+        # Read once, here: a later `ros2 param set` is refused (found in review: taken, shown by `get`, and
+        # never applied)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
         group, single = import_command_messages()
         robot_info = import_robot_info()
         try:  # the scene's own checks (its camera names, the render buffer's size): one line, status 2
@@ -253,6 +272,14 @@ class AlohaSimNode(Node):
             f"{self.cfg.camera_rate_hz:g} Hz, real-time factor {self.cfg.real_time_factor:g}"
         )
 
+    def _on_set_parameters(self, params: list[Any]) -> SetParametersResult:
+        for p in params:
+            if p.name in sim_defaults() and p.value != self.get_parameter(p.name).value:
+                return SetParametersResult(
+                    successful=False, reason=f"{p.name}: read at start-up; start aloha_sim again with it"
+                )
+        return SetParametersResult(successful=True)
+
     def _seed(self) -> int:
         return self.cfg.seed + self.episode * self.cfg.seed_step
 
@@ -286,8 +313,10 @@ class AlohaSimNode(Node):
         elif request.cmd_type == "single" and request.name == GRIPPER_JOINT:
             response.mode, response.profile_type = GRIPPER_MODE, "time"
             response.joint_names = ["left_finger"]
-            closed, opened = self.cfg.finger_range
-            response.joint_lower_limits, response.joint_upper_limits = [closed], [opened]
+            # its model's joint range, as the driver answers its URDF's (found in review: the fingers'
+            # travel in the ALOHA's recordings, finger_range, was answered)
+            lo, hi = self.sim.physics.model.ptr.joint(f"vx300s_{side}/left_finger").range
+            response.joint_lower_limits, response.joint_upper_limits = [float(lo)], [float(hi)]
             response.joint_state_indices = [JOINT_STATE_NAMES.index("left_finger")]
         else:
             return response
@@ -312,6 +341,32 @@ class AlohaSimNode(Node):
             return response
         response.success, response.message = True, json.dumps(self._result)
         return response
+
+    def _within_limits(self, side: str, values: list[float]) -> list[float]:
+        """An arm command as the follower's servos take it: a joint whose goal lies past its position limit
+        keeps its previous goal (a Dynamixel ignores a goal outside its limits; docs/streamer.md), the others
+        take theirs; each such joint is counted (`arm_joints_past_limits`) and reported as a refusal. Found in
+        review: the simulated arm drove to the limit instead, so a missing clamp upstream went unseen."""
+        limits, held = self._arm_limits[side], self.sim.targets(side)
+        out, past = list(values), []
+        for i, (value, (lo, hi)) in enumerate(zip(values, limits, strict=False)):
+            if math.isfinite(value) and not lo - LIMIT_TOLERANCE <= value <= hi + LIMIT_TOLERANCE:
+                out[i] = float(held[i])
+                past.append(f"{ARM_JOINTS[i]} {value:.4g} (limits [{lo:.4g}, {hi:.4g}])")
+        if past:
+            self._counts["arm_joints_past_limits"] += len(past)
+            self._refuse(
+                f"{side} arm: goal past its limit, not taken (the joint keeps its goal): {', '.join(past)}"
+            )
+        return out
+
+    def _note_gripper_range(self, side: str, position: float) -> None:
+        """A gripper goal past `gripper_joint_range` drives the gripper to its end (open or closed), as the
+        real one in current_based_position goes into its end stop: counted (`gripper_commands_past_range`)."""
+        closed, opened = self.sim.config.gripper_joint_range
+        lo, hi = min(closed, opened), max(closed, opened)
+        if math.isfinite(position) and not lo - LIMIT_TOLERANCE <= position <= hi + LIMIT_TOLERANCE:
+            self._counts["gripper_commands_past_range"] += 1
 
     def _refuse(self, message: str) -> None:
         self._counts["refused"] += 1
@@ -380,8 +435,9 @@ class AlohaSimNode(Node):
                 side, kind, values = self._pending.popleft()
                 try:
                     if kind == "arm":
-                        self.sim.command_arm(side, values)
+                        self.sim.command_arm(side, self._within_limits(side, values))
                     else:
+                        self._note_gripper_range(side, values)
                         self.sim.command_gripper(side, values)
                     self._counts[f"{kind}_commands"] += 1
                 except CommandError as e:
@@ -488,6 +544,8 @@ class AlohaSimNode(Node):
             "arm_commands": self._counts["arm_commands"],
             "gripper_commands": self._counts["gripper_commands"],
             "refused": self._counts["refused"],
+            "arm_joints_past_limits": self._counts["arm_joints_past_limits"],
+            "gripper_commands_past_range": self._counts["gripper_commands_past_range"],
         }
         status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
         array = DiagnosticArray(status=[status])
