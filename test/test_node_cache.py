@@ -699,8 +699,9 @@ def test_with_use_sim_time_the_worker_measures_the_clock_rate_at_its_ticks(harne
 def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(harness) -> None:
     """The motion window audits cached calls (cache.audit_every): each runs again dense, and the cached
     chunk's error against it goes to ~/cache_status and /diagnostics. Above cache.audit_max_error the rest
-    of the episode runs dense (mode fallback) and /diagnostics warns; the next episode is served cached
-    again. The bound is a live parameter: at 0 the audits only report."""
+    of the episode runs dense (mode fallback) and /diagnostics warns; the next episode runs dense to be
+    recorded, and the one after is served cached again. The bound is a live parameter: at 0 the audits
+    only report."""
     from diagnostic_msgs.msg import DiagnosticStatus
     from rclpy.parameter import Parameter
 
@@ -742,13 +743,21 @@ def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(har
     values = {kv.key: kv.value for kv in diagnostics.values}
     assert values["cache.audit_trips"] == "1" and int(values["cache.audits"]) >= 1
 
-    # Report only, from the next call on: the next episode is served cached, its audits counted.
+    # The tripped episode is no reference: the reset says so, and the next episode runs dense from its
+    # start, to be recorded (found in review: it started cached again from the same reference, and the
+    # library never learnt the scene). Then, report only (the bound at 0), episodes are served cached
+    # and their audits counted.
     assert h.node.set_parameters([Parameter("cache.audit_max_error", value=0.0)])[0].successful
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.success and "served from the cache before it fell back (an audit found" in reply.message
+    assert reply.message.endswith("the next episode runs dense, to be recorded in its place)"), reply.message
+    assert h.feed_until(lambda: len(_episode(h, 2)) >= 2)
+    assert {c.cache_mode for c in _episode(h, 2)} == {ActionChunk.CACHE_FALLBACK}
+    assert "episode 2 recorded as library episode 1" in h.call(h.reset, Trigger.Request()).message
     audits = _cache_status(h.node)["audits"]
-    assert h.call(h.reset, Trigger.Request()).success
-    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 2)) >= 3)
+    assert h.feed_until(lambda: sum(c.cache_mode == ActionChunk.CACHE_CACHED for c in _episode(h, 3)) >= 3)
     assert h.wait_for(lambda: _cache_status(h.node)["audits"] > audits)
-    assert ActionChunk.CACHE_FALLBACK not in {c.cache_mode for c in _episode(h, 2)}
+    assert ActionChunk.CACHE_FALLBACK not in {c.cache_mode for c in _episode(h, 3)}
     assert _cache_status(h.node)["audit_trips"] == 1
     assert h.node.stats()["errors"] == {}
 

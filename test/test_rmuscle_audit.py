@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_rmuscle_runtime import CFG, FULL_REBUILD, episode, with_task
 
-from rmuscle_ros.cache.runtime import RMuscleConfig
+from rmuscle_ros.cache.runtime import LEARNING_REASON, RMuscleConfig
 from rmuscle_ros.runtime.action_space import ALOHA_DELTA_ACTIONS
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig
 
@@ -97,6 +97,18 @@ def test_an_audit_above_the_bound_sends_the_episode_dense_until_it_resets(caplog
     assert "runs dense from now on" in caplog.text and "library episode 0" in caplog.text
     assert policy.cache_status()["audit_trips"] == 1
     assert policy.reset_episode() is None, "an episode served from the cache is not recorded"
+    # It is no reference and was not recorded: found in review, a cell whose scene left its reference
+    # midway started each episode cached, fell back and recorded nothing, forever, without a reason. The
+    # reset says why, and the next episode runs dense from its start, to be recorded.
+    excluded = policy.cache_status()["last_episode_excluded"]
+    assert excluded.startswith(
+        "1 of its calls were served from the cache before it fell back (an audit found a cached chunk"
+    ) and excluded.endswith("; the next episode runs dense, to be recorded in its place"), excluded
+    learning, _ = served(policy, LIVE[:3], audit=True)
+    assert [c.cache_mode for c in learning] == ["fallback"] * 3
+    assert policy.rmuscle.last.reason == LEARNING_REASON
+    assert all(np.array_equal(c.actions, w) for c, w in zip(learning, want[:3], strict=True))
+    assert policy.reset_episode() == 1, "recorded as a reference"
     again, _ = served(policy, LIVE[:3], audit=False)
     assert [c.cache_mode for c in again][1:] == ["cached"] * 2, "the next episode is served again"
 
@@ -136,7 +148,8 @@ def test_an_audit_still_due_when_the_episode_resets_counts_as_missed() -> None:
 def test_an_audit_trip_holds_for_the_rest_of_the_episode_across_a_task_change() -> None:
     """A trip sends the rest of the episode dense, and a prompt that changes within the episode (a planner's
     next subtask, whose task the library also holds) does not serve it cached again (it did before; found
-    in review). The next episode is served again."""
+    in review). The next episode is served again (an episode of two tasks starts no learning episode:
+    which task's scene the library lacks is not known)."""
     policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, audit_every=1, audit_max_error=1e-6))
     served(policy, episode(4), audit=False)
     assert policy.reset_episode() == 0

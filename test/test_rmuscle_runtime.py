@@ -21,7 +21,7 @@ import torch
 
 from rmuscle_ros.cache.library import LibraryMismatch
 from rmuscle_ros.cache.retrieval import unit_rows
-from rmuscle_ros.cache.runtime import REBUILD_TRIES, RMuscleConfig
+from rmuscle_ros.cache.runtime import LEARNING_REASON, REBUILD_TRIES, RMuscleConfig
 from rmuscle_ros.runtime.policy import NonFiniteActions, Observation, Policy, PolicyConfig
 
 CFG = PolicyConfig(backend="fused")
@@ -436,7 +436,8 @@ def test_an_interrupt_after_the_index_was_written_leaves_retrieval_on_the_librar
 
 def test_a_cached_call_with_non_finite_actions_sends_the_episode_dense() -> None:
     """Its references may hold the fault: the rest of the episode runs dense (found in review: later calls
-    were served from the same references), and the next episode is served again."""
+    were served from the same references); the next runs dense to be recorded, and the one after is served
+    again."""
     policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
     run(policy, episode(4))
     policy.reset_episode()
@@ -455,8 +456,58 @@ def test_a_cached_call_with_non_finite_actions_sends_the_episode_dense() -> None
     del policy.rmuscle.infer
     assert [c.cache_mode for c in run(policy, live[3:])] == ["fallback"]
     assert policy.rmuscle.last.reason == "a cached call produced non-finite actions"
-    policy.reset_episode()
+    assert policy.reset_episode() is None
+    # a fresh reference first (the episode after one served, then fallen back, runs dense to be recorded),
+    # then the episodes are served again
+    assert {c.cache_mode for c in run(policy, episode(2, offset=0.05))} == {"fallback"}
+    assert policy.reset_episode() == 1
     assert run(policy, episode(2, offset=0.05))[-1].cache_mode == "cached"
+    policy.close()
+
+
+def test_an_episode_served_then_fallen_back_is_followed_by_one_recorded_dense() -> None:
+    """Found in review: an episode served from the cache that then fell back (its scene left the reference's)
+    was not recorded, nothing said why, and the next episode started cached from the same reference, fell
+    back, and so on: the library never learnt the scene. The reset says why, and the next episode of the
+    task runs dense from its start (mode fallback) and is recorded; another task's is served as usual."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(4))
+    assert policy.reset_episode() == 0
+    live = episode(4, offset=0.05, light=0.97, noise=2.0)
+
+    def diverging() -> None:
+        modes = [c.cache_mode for c in run(policy, live[:2])]
+        assert modes[-1] == "cached"
+        policy.reconfigure_cache(threshold=1.0)  # the scene leaves the reference's
+        assert [c.cache_mode for c in run(policy, live[2:])] == ["fallback"] * 2
+        policy.reconfigure_cache(threshold=0.8)
+        assert policy.reset_episode() is None
+        assert policy.cache_status()["last_episode_excluded"] == (
+            f"{modes.count('cached')} of its calls were served from the cache before it fell back (similarity "
+            "below 1.0); the next episode runs dense, to be recorded in its place"
+        )
+
+    diverging()
+    learning = run(policy, live)
+    assert {c.cache_mode for c in learning} == {"fallback"} and policy.rmuscle.last.reason == LEARNING_REASON
+    assert policy.reset_episode() == 1
+    assert run(policy, live)[-1].cache_mode == "cached"
+    policy.reset_episode()
+    diverging()
+    other = run(policy, with_task(live[:2], "sort the screws"))  # the learning was for the cups
+    assert {c.cache_mode for c in other} == {"dense"} and policy.rmuscle.last.reason != LEARNING_REASON
+    policy.close()
+
+
+def test_an_episodes_first_call_matched_on_the_host_says_why_it_runs_dense() -> None:
+    """With match_on_gpu off an episode's first call runs dense (it is matched on the host after its dense
+    stages); found in review, it said "entry not rebuilt yet" with its entry in the window."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD, match_on_gpu=False))
+    run(policy, episode(4))
+    policy.reset_episode()
+    policy.rebuild_cache()
+    assert policy.infer(episode(4)[0]).cache_mode == "dense"
+    assert policy.rmuscle.last.reason == "an episode's first call, matched on the host: dense"
     policy.close()
 
 

@@ -225,6 +225,11 @@ class CallInfo:
 
 
 NO_CALL_YET = CallInfo("dense", 0.0, reason="no call yet")  # the status before an episode's first call
+# Why an episode runs dense from its start: the one before was served from the cache, then fell back, so
+# the library lacks this scene (RMuscle.reset_episode)
+LEARNING_REASON = (
+    "the episode before was served from the cache, then fell back: this one runs dense, to be recorded"
+)
 
 
 @dataclass(frozen=True)
@@ -566,6 +571,8 @@ class RMuscle:
         self.unsaved: tuple[Episode | _Recording, int, str] | None = None
         self._episode_cached = False
         self._episode_excluded = ""  # why this episode may not be recorded (exclude_episode); "" = it may
+        self._tasks_changed = False  # this episode's task changed after its first call (set_task)
+        self._learning_task = ""  # the task a learning episode (LEARNING_REASON) runs dense for
         # Dense calls of this episode that ran unrecorded with `record` off (it may change live): recorded
         # without them, its positions would not follow its calls, so it is not recorded at all.
         self._unrecorded_calls = 0
@@ -645,8 +652,14 @@ class RMuscle:
         previous, self.task = self.task, task
         if self.calls:
             self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
+            self._tasks_changed = True
         fallback = self.retriever.fallback
         self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
+        # A learning episode (reset_episode) is for the task whose scene the library lacked: another task
+        # before its first call is served as usual
+        learning_elsewhere = self._fallback_reason == LEARNING_REASON and task != self._learning_task
+        if learning_elsewhere and not self.calls:
+            fallback, self._fallback_reason = False, ""
         self.retriever.fallback = fallback
         self._wanted = self._episode_starts([])
         log.debug("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
@@ -689,13 +702,34 @@ class RMuscle:
 
     def reset_episode(self) -> int | None:
         """End the current episode (recording it if it ran dense) and start the next. Returns the id the
-        finished episode got in the library, or None if it was not recorded."""
+        finished episode got in the library, or None if it was not recorded.
+
+        An episode served from the cache that then fell back (its scene left the reference's, an audit
+        tripped) is no reference, and ran dense without being recorded: the next episode then runs dense
+        from its start (mode fallback, LEARNING_REASON) and is recorded, so that the library learns the
+        scene. Before (found in review), such a cell started every episode cached from the same reference,
+        fell back, and recorded nothing, forever, with no reason given."""
         served_from = list(dict.fromkeys(episode for episode, _ in self._wanted))  # best candidate first
+        diverged = self._diverged()
+        # (an episode of two tasks: which one's scene the library lacks is not known)
+        learn = bool(diverged) and self.cfg.record and not self._read_only() and not self._tasks_changed
         try:
-            return self.finish_episode()
+            recorded = self.finish_episode()
+            if diverged and not self.last_excluded:
+                self.last_excluded = diverged + (
+                    "; the next episode runs dense, to be recorded in its place" if learn else ""
+                )
+            return recorded
         finally:  # a library that cannot be written must not carry this episode's state into the next
             self.retriever.reset()
             self._fallback_reason = ""
+            self._tasks_changed = False
+            if learn:
+                self.retriever.fallback, self._fallback_reason = True, LEARNING_REASON
+                self._learning_task = self.task
+                log.warning(
+                    "rMuscle: episode %d runs dense to be recorded: %s", self.episode_id + 1, diverged
+                )
             if self._audit_due is not None:  # not run: its trip would land on the next episode
                 self._audit_due = None
                 self.audits_missed += 1
@@ -708,6 +742,14 @@ class RMuscle:
             self._wanted = self._episode_starts(served_from)
             # Last: the episodes served from are kept for eviction even if the process dies before close
             self.library.save_use()
+
+    def _diverged(self) -> str:
+        """Why this episode is no reference though it ran dense after some point ("" if it is not so): it was
+        served from the cache, then fell back for the rest of the episode."""
+        if not (self._episode_cached and self.retriever.fallback) or self._fallback_reason == LEARNING_REASON:
+            return ""
+        why = self._fallback_reason or f"similarity below {self.cfg.threshold}"
+        return f"{self.cached_calls} of its calls were served from the cache before it fell back ({why})"
 
     def _episode_starts(self, served_from: list[int]) -> list[tuple[int, int]]:
         """What the next episode's first call will likely match, before it has a descriptor: the first
@@ -741,6 +783,7 @@ class RMuscle:
         self._recording = _Recording()
         self._episode_cached = False
         self._episode_excluded = ""
+        self._tasks_changed = False
         self._unrecorded_calls = 0
         self.calls = self.cached_calls = 0
         self._wanted = []
@@ -1001,6 +1044,9 @@ class RMuscle:
         self._queue_similarities()
         e.finish_load()  # the prompt is packed on the host while vision runs
         unaligned = self.retriever.fallback or not self.retriever.positions
+        # (found in review: an episode's first call on this path said "entry not rebuilt yet" with its
+        # entry in the window)
+        first = not self.retriever.fallback and not self.retriever.positions
         if unaligned or all(slot.key is None for slot in self.window):
             # Nothing can serve this call cached (an empty window), or finding out would scan the whole
             # library (an episode that fell back: 2.1 ms at 64 episodes on a 2-core CPU's host path,
@@ -1012,7 +1058,7 @@ class RMuscle:
             record = self._dense_stages(bucket)
             descriptor = self._read_descriptor(ready)
             matches = self._query(descriptor)
-            info = self._dense_done(inputs, record, descriptor, self.retriever.last_similarity)
+            info = self._dense_done(inputs, record, descriptor, self.retriever.last_similarity, first)
             return self._finish_call(matches, info)
         descriptor = self._read_descriptor(ready)
         matches = self._query(descriptor)
@@ -1098,12 +1144,18 @@ class RMuscle:
         return self._dense_done(inputs, self._dense_stages(bucket), descriptor, similarity)
 
     def _dense_done(
-        self, inputs: ModelInputs, record: bool, descriptor: np.ndarray, similarity: float
+        self,
+        inputs: ModelInputs,
+        record: bool,
+        descriptor: np.ndarray,
+        similarity: float,
+        first: bool = False,
     ) -> CallInfo:
-        """After a dense call's stages are queued: record the call if they record, and say how it ran."""
+        """After a dense call's stages are queued: record the call if they record, and say how it ran
+        (`first`: an episode's first call matched on the host, which runs dense)."""
         if record:
             self._record(inputs, descriptor)
-        return self._dense_info(similarity)
+        return self._dense_info(similarity, first)
 
     def _read_only(self) -> str:
         """Why no episode is recorded, if the library was opened read-only (its lock file could not be
@@ -1120,14 +1172,17 @@ class RMuscle:
         self.engine.run_stage("tail", bucket, variant="record" if record else "dense")
         return record
 
-    def _dense_info(self, similarity: float) -> CallInfo:
+    def _dense_info(self, similarity: float, first: bool = False) -> CallInfo:
         if self.retriever.fallback:
-            reason = self._fallback_reason or f"similarity below {self.cfg.threshold}"
-            return CallInfo("fallback", similarity, reason=reason)
+            # the threshold it fell below, kept: a later change of it does not rewrite why (reset_episode)
+            self._fallback_reason = self._fallback_reason or f"similarity below {self.cfg.threshold}"
+            return CallInfo("fallback", similarity, reason=self._fallback_reason)
         if not self.library.entries:
             return CallInfo("dense", similarity, reason="empty library")
         if not self.retriever.episodes:
             return CallInfo("dense", similarity, reason="no library episode of this task")
+        if first and not self.cfg.match_on_gpu:
+            return CallInfo("dense", similarity, reason="an episode's first call, matched on the host: dense")
         return CallInfo("dense", similarity, reason="entry not rebuilt yet")
 
     def _read_descriptor(self, ready: torch.cuda.Event | None) -> np.ndarray:
