@@ -2315,6 +2315,15 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
             ["--sim", "--param", 'camera_topics=["", images/left_wrist, images/right_wrist]'],
             "--sim: the simulated cell fills the node's first camera slots in order",
         ),
+        # the gripper's units changed on one side only (found in review: the gripper never closed)
+        (
+            ["--sim", "--sim-param", "gripper_joint_range=[0.0, 1.0]"],
+            "--sim: the sim's gripper_joint_range [0.0, 1.0] and gripper_command_range [0.6197, 1.6214] differ",
+        ),
+        (
+            ["--sim", "--param", "gripper_state_range=[0.02, 0.06]"],
+            "--sim: the sim's finger_range [0.044, 0.0579] and gripper_state_range [0.02, 0.06] differ",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_:
             main([*option, "--out", str(tmp_path)])

@@ -284,6 +284,29 @@ def run(
                 f"{list(wanted)}; give the node one topic per camera, in the same order (--param "
                 "camera_topics=[...], and a model of as many cameras)"
             )
+        # The gripper's units, three ways: the node reads the sim's finger as gripper_state_range, the
+        # streamer commands its gripper joint in gripper_command_range. One changed alone (found in review:
+        # gripper_joint_range [0, 1] left the gripper never closing) is refused.
+        sim_cfg = sim_node_config(sim_settings)
+        for (sim_name, sim_value), (name, value, where) in (
+            (
+                ("finger_range", sim_cfg.finger_range),
+                ("gripper_state_range", cfg.gripper_state_range, "the node's: --param"),
+            ),
+            (
+                ("gripper_joint_range", sim_cfg.gripper_joint_range),
+                (
+                    "gripper_command_range",
+                    streamer_params["gripper_command_range"],
+                    "the streamer's: run()'s",
+                ),
+            ),
+        ):
+            if not np.allclose(sim_value, value, rtol=0, atol=1e-6):
+                raise ValueError(
+                    f"--sim: the sim's {sim_name} {list(sim_value)} and {name} {list(value)} differ: the gripper "
+                    f"would be read or commanded in other units; set them alike ({where} {name})"
+                )
     if announce is not None:
         announce()
     out_dir.mkdir(parents=True, exist_ok=True)
