@@ -404,3 +404,28 @@ def test_a_chunk_without_joint_names_is_taken_in_the_streamers_order() -> None:
 def test_invalid_settings_are_named(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ScheduleConfig(**({"joint_names": JOINTS} | fields))
+
+
+def test_a_clock_that_goes_back_forgets_the_old_runs_start_too() -> None:
+    """Found by mutation testing: a streamer activated mid-run, whose bag or simulator then restarts,
+    would refuse every new-run chunk stamped before the old activation (BEFORE_START) if the jump kept
+    the old start; the arms sat idle until the replayed clock passed it. A jump back of more than a period
+    (60 ms here) is a new run; one of less (15 ms) is jitter."""
+    s = schedule()
+    s.start(T0 + 200 * MS)
+    offer(s, T0 + 200 * MS, rows(50), now_ns=T0 + 230 * MS)
+    assert s.command(T0 + 230 * MS, AT_REST) is not None
+    assert s.clock(T0 + 230 * MS - 60 * MS) == 60 * MS
+    offer(s, T0 + 100 * MS, rows(50, base=1.0), now_ns=T0 + 170 * MS, chunk_id=1)  # taken
+    assert s.command(T0 + 170 * MS, AT_REST).chunk.chunk_id == 1
+
+
+def test_a_measured_position_that_is_not_finite_commands_nothing() -> None:
+    """Found by mutation testing: with a NaN measured position the first command was NaN, and the next
+    skipped max_step (a comparison with NaN is false) and jumped to the row. Nothing is commanded from
+    positions that are not all finite."""
+    s = schedule(max_step=0.1)
+    offer(s, T0, np.full((50, 2), 1.0), now_ns=T0)
+    assert s.command(T0, np.array([math.nan, 0.0])) is None
+    assert s.command(T0 + 20 * MS, np.array([0.0, math.inf])) is None
+    assert s.command(T0 + 40 * MS, AT_REST).action.tolist() == pytest.approx([0.1, 0.1])

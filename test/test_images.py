@@ -433,3 +433,13 @@ def test_real_sensor_msgs_compressed_image() -> None:
     msg.format = "bgr8; png compressed bgr8"
     msg.data = encode(PILImage.fromarray(pixels), "PNG")  # stored as array.array('B')
     np.testing.assert_array_equal(compressed_to_rgb(msg), pixels)
+
+
+def test_a_jpeg_declaring_too_many_pixels_is_refused_undecoded() -> None:
+    """Found by mutation testing: only the PNG path's bound was tested. A small JPEG whose frame header
+    (SOF0) declares 13000 x 13000 is refused from the header, as a PNG is."""
+    data = bytearray(encode(PILImage.fromarray(source_pixels(3)), "JPEG"))
+    sof = data.index(b"\xff\xc0")  # SOF0: marker, length (2), precision (1), height (2), width (2)
+    data[sof + 5 : sof + 9] = struct.pack(">HH", 13000, 13000)
+    with pytest.raises(ImageConversionError, match=r"^JPEG image declares 13000x13000 pixels"):
+        compressed_to_rgb(SimpleNamespace(format="jpeg", data=bytes(data)))

@@ -300,3 +300,13 @@ def test_what_a_review_found_in_norm_stats_files_is_read_or_refused_by_name(tmp_
     (tmp_path / "digits.json").write_text('{"norm_stats": {"state": {"q01": [' + "9" * 5001 + "]}}}")
     with pytest.raises(ValueError, match=r"digits.json is not valid JSON"):
         load_norm_stats(tmp_path / "digits.json")
+
+
+def test_lerobot_stats_of_the_models_32_dimensions_are_refused_for_a_smaller_robot() -> None:
+    """Found by mutation testing: only openpi files cover the 32 padded dimensions; LeRobot stats of 32
+    are another robot's, whose ranges would land on the ALOHA's joints. Refused naming both counts."""
+    wide = QuantileStats(q01=-np.ones(32, np.float32), q99=np.ones(32, np.float32), convention="lerobot")
+    with pytest.raises(ValueError, match=r"cover 32 state / 32 action dimensions, the robot has .* 14 / 14"):
+        NormStats(state=wide, actions=wide).for_robot(14, 14, 32)
+    padded = QuantileStats(q01=-np.ones(32, np.float32), q99=np.ones(32, np.float32), convention="openpi")
+    assert NormStats(state=padded, actions=padded).for_robot(14, 14, 32).state.dim == 14

@@ -360,3 +360,23 @@ def test_a_joint_state_without_positions_is_skipped() -> None:
     velocities = SimpleNamespace(header=header(t + 8 * MS), name=list(JOINTS), position=[])
     assert not b.put_joint_state(velocities)
     assert b.observation(t + 20 * MS, "task", SLOTS).state.tolist() == [0.5, 0.5, 0.5]
+
+
+def test_the_stalest_joint_is_the_one_judged_for_age_and_a_future_stamp_against_the_skew() -> None:
+    """Found by mutation testing: one arm's driver dead while the other's goes on must be a stale_joints
+    drop naming the dead one's joint, not an observation (or, later, a skew drop); and a joint state
+    stamped ahead of the node clock by more than max_skew (less than max_image_age) is future_stamp."""
+    b = ObservationBuffer(len(SLOTS), JOINTS, compressed=False, limits=Limits(100 * MS, 50 * MS, 100 * MS))
+    t = 10**12
+    b.put_image(0, image(t - 40 * MS))
+    b.put_image(1, image(t - 40 * MS))
+    b.put_joint_state(joints(t - 60 * MS, names=("c",)))
+    b.put_joint_state(joints(t, names=("a", "b")))
+    with pytest.raises(ObservationUnavailable, match=r"\(c\) is 60 ms old") as e:
+        b.observation(t, "task", SLOTS)
+    assert e.value.reason is DropReason.STALE_JOINTS and e.value.cure == "joints"
+    ahead = ObservationBuffer(len(SLOTS), JOINTS, compressed=False, limits=Limits(100 * MS, 50 * MS, 30 * MS))
+    ahead.put_image(0, image(t))
+    ahead.put_image(1, image(t))
+    ahead.put_joint_state(joints(t + 40 * MS))  # 40 ms ahead: past the 30 ms skew, within the 100 ms age
+    assert reason(ahead, t) is DropReason.FUTURE_STAMP

@@ -314,7 +314,7 @@ class ChunkSchedule:
         """What to command at `now_ns`, or None: no chunk due (hold), or no joint positions to start from.
 
         `measured`: the arm's joint positions in joint_names order (None while some are unknown or not
-        recent: nothing is commanded); used as the previous command when commands start, so the first one
+        recent, or any not finite: nothing is commanded); used as the previous command when commands start, so the first one
         is also limited by max_step, and to keep each joint within max_tracking_error of it.
         """
         self.clock(now_ns)
@@ -326,8 +326,10 @@ class ChunkSchedule:
             rows = min(rows, self.cfg.max_rows)
         if running is None or row >= rows:
             return None  # holding: the arm holds the last command, which the next one steps from
-        if measured is None:
-            return None  # not where the arm is: the arm holds its last command until it is known again
+        if measured is None or not np.isfinite(measured).all():
+            # not where the arm is (a NaN would pass max_step: a comparison with it is false; found by
+            # mutation testing): the arm holds its last command until it is known again
+            return None
         previous = self._last if self._last is not None else measured
         target = running.actions[row]
         clamped: tuple[int, ...] = ()
