@@ -40,7 +40,7 @@ from sensor_msgs.msg import JointState  # noqa: E402
 
 from rmuscle_ros.msg import ActionChunk  # noqa: E402
 from rmuscle_ros.node import action_streamer  # noqa: E402
-from rmuscle_ros.node.action_streamer import ActionStreamerNode  # noqa: E402
+from rmuscle_ros.node.action_streamer import VX300S_LIMITS, ActionStreamerNode  # noqa: E402
 from rmuscle_ros.node.bags import ALOHA_JOINT_STATE_NAMES  # noqa: E402
 from rmuscle_ros.node.params import ALOHA_JOINTS  # noqa: E402
 from rmuscle_ros.node.replay_demo import call_service  # noqa: E402
@@ -367,6 +367,79 @@ def test_an_arm_that_stopped_following_is_not_commanded_away_from_where_it_is_an
     assert c.keep_joints_coming(value=(-0.6, 0.3), until=warned, timeout=5.0)
 
 
+def _publish_positions(c: Cell, positions: dict[str, list[float]], age_s: float = 0.0) -> None:
+    """One joint state per arm with these positions (ALOHA_JOINT_STATE_NAMES order), stamped `age_s` ago
+    (negative: ahead)."""
+    stamp = c.peer.get_clock().now().nanoseconds - round(age_s * 1e9)
+    for pub, side in zip(c.joint_pubs, SIDES, strict=True):
+        msg = JointState(name=list(ALOHA_JOINT_STATE_NAMES), position=positions[side])
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
+        pub.publish(msg)
+
+
+def _keep_positions_coming(
+    c: Cell, positions: dict[str, list[float]], seconds: float, age_s: float = 0.0
+) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _publish_positions(c, positions, age_s)
+        time.sleep(0.01)
+
+
+def test_the_first_commands_step_from_each_joints_own_position(cell) -> None:
+    """Found by mutation testing: the stand-in arms measured one value for every joint, so measured
+    positions taken in another joint's order passed. Each joint's first command steps from its own."""
+    c = cell(max_step=0.05)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    names = len(ALOHA_JOINT_STATE_NAMES)
+    positions = {"left": [0.1 * k for k in range(names)], "right": [-0.05 * k for k in range(names)]}
+    c.publish_chunk(np.full((HORIZON, 14), 0.9), c.now_ns())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (c.arm["left"] and c.arm["right"]):
+        _publish_positions(c, positions)
+        time.sleep(0.01)
+    for side in SIDES:
+        first = list(c.arm[side][0].cmd)
+        assert first == pytest.approx([p + 0.05 for p in positions[side][:6]], abs=1e-6), (side, first)
+
+
+def test_joint_states_that_are_not_finite_old_or_ahead_are_not_taken_as_the_arm(cell) -> None:
+    """Found by mutation testing, untested until then: a NaN position (it would be commanded, and the next
+    command jump past max_step), positions stamped older than max_joint_age_s (a lagging relay) or ahead
+    of the clock by more. Nothing is sent from them; commands go on from good ones."""
+    c = cell(max_step=0.05)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    names = len(ALOHA_JOINT_STATE_NAMES)
+    good = {side: [0.0] * names for side in SIDES}
+    nan = {"left": [math.nan] + [0.0] * (names - 1), "right": [0.0] * names}
+    c.publish_chunk(rows(), c.now_ns())
+    for positions, age_s in ((nan, 0.0), (good, 0.5), (good, -0.3)):
+        _keep_positions_coming(c, positions, 0.2, age_s)  # what was in flight goes out meanwhile
+        sent, waiting = len(c.arm["left"]), c.node.stats()["waiting_for_joints"]
+        _keep_positions_coming(c, positions, 0.3, age_s)
+        assert len(c.arm["left"]) == sent, (positions["left"][0], age_s)
+        assert c.node.stats()["waiting_for_joints"] > waiting
+    c.publish_chunk(rows(), c.now_ns(), chunk_id=1)
+    assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= sent + 2)
+    assert all(math.isfinite(v) for m in c.arm["left"] for v in m.cmd)
+
+
+def test_each_tick_takes_its_rows_at_the_time_the_tick_was_due(cell, monkeypatch) -> None:
+    """Found by mutation testing: the schedule's rows at the tick's due time (`tick_time`, tested on its
+    own) were not tested as the streamer's: a callback's own time would repeat one row and skip the next
+    whenever the executor was late."""
+    c = cell()
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    due, asked = 123_456_789, []
+    monkeypatch.setattr(action_streamer, "tick_time", lambda now, until, period: due)
+    command = c.node._schedule.command
+    monkeypatch.setattr(
+        c.node._schedule, "command", lambda now, measured: asked.append(now) or command(now, measured)
+    )
+    assert c.keep_joints_coming(until=lambda: len(asked) >= 3)
+    assert set(asked) == {due}
+
+
 def test_commands_stop_when_the_joint_states_stop(cell) -> None:
     """Mid-chunk the arms' joint states stop (their driver died): no command goes out on positions nobody
     measures; the arm holds its last one, counted as waiting for joint states, and commands resume when
@@ -663,6 +736,8 @@ def test_deactivate_stops_the_commands_at_once(cell) -> None:
     c.publish_chunk(rows(), c.now_ns())
     assert c.keep_joints_coming(until=lambda: len(c.arm["left"]) >= 3)
     assert c.transition(Transition.TRANSITION_DEACTIVATE)
+    # its timers gone and the arms' positions forgotten (the next activation starts from fresh ones)
+    assert c.node._timers == [] and c.node._control_timer is None and c.node._joints == {}
     n = len(c.arm["left"])
     c.keep_joints_coming(timeout=0.3)
     assert len(c.arm["left"]) == n
@@ -850,6 +925,27 @@ def test_infinite_limits_leave_the_joints_unlimited() -> None:
     assert default_lower[1] == pytest.approx(math.radians(-106)) and default_lower[6] == closed
 
 
+def test_both_arms_get_the_position_limits_and_the_tracking_bound() -> None:
+    """Found by mutation testing: limits and tracking bounds given to the first arm only passed every test
+    (only the left arm was driven past a limit or away from its commands)."""
+    cfg = action_streamer.streamer_config({})
+    lower, upper = cfg.position_limits()
+    bounds = cfg.tracking_bounds()
+    vx300s = list(zip(VX300S_LIMITS[::2], VX300S_LIMITS[1::2], strict=True))
+    assert len(cfg.arm_indices()) == 2
+    for indices in cfg.arm_indices():
+        assert [(lower[i], upper[i]) for i in indices] == vx300s
+        assert [bounds[i] for i in indices] == [cfg.max_tracking_error] * 6
+    assert [bounds[i] for i in cfg.gripper_indices()] == [math.inf, math.inf]
+
+
+def test_a_gripper_range_given_open_end_first_is_taken() -> None:
+    # A gripper whose closed command is the larger value: held between the two all the same
+    cfg = action_streamer.streamer_config({"gripper_command_range": [1.6, 0.6]})
+    lower, upper = cfg.position_limits()
+    assert [(lower[i], upper[i]) for i in cfg.gripper_indices()] == [(0.6, 1.6), (0.6, 1.6)]
+
+
 def test_no_gripper_needs_no_gripper_topics() -> None:
     cfg = action_streamer.streamer_config({"gripper_joint": "", "gripper_command_topics": ["unused"]})
     assert cfg.gripper_indices() == [] and cfg.arm_indices() == [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]
@@ -880,6 +976,7 @@ SHOULDER_FIRST = ("shoulder", "waist", "elbow", "forearm_roll", "wrist_angle", "
             Driver(upper=(3.0, 1.0, 1.6057, 3.0, 2.234, 3.0)),
             "arm_joint_limits: waist [-3.1416, 3.1416] reaches past the driver's limits [-3.1416, 3",
         ),
+        (Driver(lower=(-1.0,) * 6), "arm_joint_limits: waist [-3.1416, 3.1416] reaches past the driver's limits [-1"),
         (Driver(lower=(-1.0,) * 5), "the driver's answer has 5 lower and 6 upper limits for 6 joints"),
         (Driver(lower=(), upper=()), ""),  # a driver without a robot_description: no limits (logged)
     ],
