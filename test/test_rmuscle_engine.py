@@ -326,7 +326,9 @@ def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
     window.keys[0] = -unit  # least similar
     window.keys[1] = unit  # most similar, but not usable below
     window.keys[2] = (unit + 0.1 * torch.randn_like(unit)) / (unit + 0.1 * torch.randn_like(unit)).norm()
-    for usable, want in (([True, True, True], 1), ([True, False, True], 2), ([True, False, False], 0)):
+    # the last pick is not entry 0 (found by mutation testing: a cached prefill reading entry 0 whatever
+    # was picked passed, the loop ending on a pick of 0)
+    for usable, want in (([True, True, True], 1), ([True, False, False], 0), ([True, False, True], 2)):
         bucket = engine.load_inputs(inputs, noise, usable)
         engine.run_stage("match", bucket, variant="cached")
         index, similarity = int(engine.match_host[0]), float(engine.match_host[1])
@@ -337,12 +339,23 @@ def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
         assert torch.equal(engine.descriptor_host, engine.descriptor())
     engine.run_stage("tail", bucket, variant="cached")
     by_match = engine.actions.clone()
-    engine.load_reference(window.ref(0), window.neurons[0])
+    engine.load_reference(window.ref(2), window.neurons[2])
     assert torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
-    engine.load_window_entry(2)  # another entry, then the picked one again: in place, no copy
+    engine.load_window_entry(0)  # another entry, then the picked one again: in place, no copy
     assert not torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
-    engine.load_window_entry(0)
+    engine.load_window_entry(2)
     assert torch.equal(_run(engine, inputs, noise, "cached", "cached"), by_match)
+    # With every entry's masks alike, the entries differ by their references alone: each is read where it
+    # lies (found by mutation testing: a prefill reading entry 0 whatever was loaded passed, the masks
+    # making the results differ all the same)
+    for i in range(3):
+        window.neurons[i].copy_(window.neurons[2])
+    results = []
+    for i in range(3):
+        engine.load_window_entry(i)
+        results.append(_run(engine, inputs, noise, "cached", "cached"))
+    assert torch.equal(results[2], by_match)
+    assert not torch.equal(results[0], results[2]) and not torch.equal(results[1], results[2])
     with pytest.raises(IndexError, match="window entry 3 of 3"):
         engine.load_window_entry(3)
     with pytest.raises(ValueError, match="each of the window's entries"):

@@ -488,8 +488,10 @@ def test_an_episode_served_then_fallen_back_is_followed_by_one_recorded_dense() 
         )
 
     diverging()
+    reruns = policy.rmuscle.match_reruns
     learning = run(policy, live)
     assert {c.cache_mode for c in learning} == {"fallback"} and policy.rmuscle.last.reason == LEARNING_REASON
+    assert policy.rmuscle.match_reruns == reruns, "no cached run for nothing (the window is not usable)"
     assert policy.reset_episode() == 1
     assert run(policy, live)[-1].cache_mode == "cached"
     policy.reset_episode()
@@ -508,6 +510,47 @@ def test_an_episodes_first_call_matched_on_the_host_says_why_it_runs_dense() -> 
     policy.rebuild_cache()
     assert policy.infer(episode(4)[0]).cache_mode == "dense"
     assert policy.rmuscle.last.reason == "an episode's first call, matched on the host: dense"
+    policy.close()
+
+
+def test_library_images_round_trip_to_the_models_input_exactly() -> None:
+    """Found by mutation testing: a library image truncated instead of rounded back to uint8 passed (only
+    a GPU test compared the function with itself). Every uint8 level makes the model input the
+    preprocessing makes, and back, exactly: a rebuilt reference sees what the recorded call saw."""
+    from rmuscle_ros.cache.runtime import images_from_u8, images_to_u8
+
+    u8 = np.arange(256, dtype=np.uint8).reshape(1, 16, 16, 1).repeat(3, axis=3)
+    x = torch.from_numpy(u8).permute(0, 3, 1, 2).float() / 255.0 * 2.0 - 1.0  # the preprocessing's arithmetic
+    assert np.array_equal(images_to_u8(x).numpy(), u8)
+    assert torch.equal(images_from_u8(images_to_u8(x).numpy()), x)
+
+
+def test_the_host_path_serves_the_best_match_and_a_long_episode_reuses_the_windows_slots() -> None:
+    """Found by mutation testing: with matching on the host, serving the worst of the candidates passed,
+    and so did slots never given back (the tests' episodes never filled the 20-entry window). Here a
+    window of 2 entries (top_k 1, lookahead 1) serves a 10-call repeat from the best match each call."""
+    policy = Policy(
+        CFG, RMuscleConfig(top_k=2, lookahead=1, rebuilds_per_tick=FULL_REBUILD, match_on_gpu=False)
+    )
+    run(policy, episode(10))
+    policy.reset_episode()
+    run(policy, episode(10, light=0.9), rebuild=False)  # a second reference of the task, recorded dense
+    assert policy.reset_episode() == 1
+    rm = policy.rmuscle
+    query, best, loaded = rm.retriever.query, [], []
+    rm.retriever.query = lambda *a: (best.append(query(*a)), best[-1])[1]
+    load = rm.engine.load_window_entry
+    rm.engine.load_window_entry = lambda index: (loaded.append(rm.window[index].key), load(index))[1]
+    modes = []
+    for i, obs in enumerate(episode(10, offset=0.05, noise=2.0)):
+        chunk = policy.infer(obs, torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i)))
+        modes.append(chunk.cache_mode)
+        if chunk.cache_mode == "cached":  # the entry loaded, and the one reported, are the best match's
+            want = (best[-1][0].episode, best[-1][0].position)
+            assert loaded[-1] == want and (rm.last.episode, rm.last.position) == want
+        policy.rebuild_cache()
+        assert rm.missing_entries() == 0, "every wanted entry rebuilt: slots are given back"
+    assert len(rm.window) == 4 and modes[2:] == ["cached"] * 8, modes
     policy.close()
 
 
@@ -1397,6 +1440,10 @@ def test_matched_calls_find_the_usable_flags_in_place() -> None:
             library_episode, call = slot.key
             want = unit_rows(rm._descriptors[library_episode][call][None])[0]
             assert np.array_equal(rm.engine.window.keys[slot.index].numpy(), want)
+            # and its Action Cache masks are that call's (found by mutation testing: a slot keeping the
+            # masks it held before its rebuild passed)
+            masks = rm.library.load_call(library_episode, call).action_masks[0]
+            assert np.array_equal(slot.neurons.numpy(), masks.astype(np.int32))
     for host, device, _ in at_call[1:]:  # the matched calls: the engine's flags are the host's
         assert any(host) and device == host
     # Someone else writes the engine's flags (bench_rmuscle's stage timings do): the next call copies its own.
