@@ -806,6 +806,10 @@ def test_a_restricted_search_matches_only_the_episodes_it_is_given() -> None:
     matches = r.query(walk(1)[0] + 0.01)
     assert {m.episode for m in matches} <= {0, 2} and set(r.positions) == {0, 2}
     assert r.last_similarity == max(m.similarity for m in matches) < 0.99
+    # in fallback too (found by mutation testing: another task's scene reported as a near match)
+    r.fallback = True
+    assert r.query(walk(1)[0] + 0.01) == [] and r.last_similarity < 0.99
+    r.fallback = False
     r.restrict([])
     assert r.query(walk(0)[0]) == [] and r.last_similarity == 0.0 and not r.fallback and r.episodes == 0
     r.restrict(None)

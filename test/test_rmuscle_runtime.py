@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -208,6 +209,39 @@ def test_an_interrupt_while_the_episode_is_stacked_keeps_it_and_writes_it_later(
     assert policy.close() == 1, "the episode in progress is written after the interrupted one"
     index = json.loads((tmp_path / "lib" / "index.json").read_text())
     assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(3, "0"), (2, "1")]
+
+
+def test_an_unwritten_episode_is_not_taken_for_one_an_earlier_process_wrote(tmp_path, monkeypatch) -> None:
+    """Found by mutation testing: session episode numbers start at 0 in every process, so an episode kept
+    after a failed write must not be taken as written because a library episode of an earlier process
+    bears its number (it would be dropped without a word)."""
+    from safetensors import SafetensorError
+
+    from rmuscle_ros.cache import library as library_module
+    from rmuscle_ros.cache.library import RecordingFailed
+
+    lib = str(tmp_path / "lib")
+    earlier = Policy(CFG, RMuscleConfig(library_path=lib))
+    run(earlier, episode(2), rebuild=False)
+    assert earlier.reset_episode() == 0  # session episode 0 of the earlier process
+    earlier.close()
+    policy = Policy(CFG, RMuscleConfig(library_path=lib))
+    real = library_module.save_file
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(library_module, "save_file", full_disk)
+    run(policy, episode(3), rebuild=False)  # this process's session episode 0
+    with pytest.raises(RecordingFailed, match="No space left"):
+        policy.reset_episode()
+    assert policy.cache_status()["episode_unsaved"] == 0
+    monkeypatch.setattr(library_module, "save_file", real)
+    policy.reset_episode()  # episode 1: no calls; the kept episode 0 is written first
+    index = json.loads((tmp_path / "lib" / "index.json").read_text())
+    assert [(e["calls"], e["meta"]["session_episode"]) for e in index["episodes"]] == [(2, "0"), (3, "0")]
+    assert policy.cache_status()["episode_unsaved"] == -1
+    policy.close()
 
 
 def test_an_episode_whose_write_failed_is_kept_and_written_at_the_next_reset(
@@ -510,6 +544,23 @@ def test_an_episodes_first_call_matched_on_the_host_says_why_it_runs_dense() -> 
     policy.rebuild_cache()
     assert policy.infer(episode(4)[0]).cache_mode == "dense"
     assert policy.rmuscle.last.reason == "an episode's first call, matched on the host: dense"
+    policy.close()
+
+
+def test_an_episodes_likely_start_is_the_most_recently_used_reference() -> None:
+    """Found by mutation testing: the entries a reset rebuilds for the next episode's first call taken from
+    the least recently used references passed. With one candidate (top_k 1), the one last served."""
+    policy = Policy(CFG, RMuscleConfig(top_k=1, rebuilds_per_tick=FULL_REBUILD))
+    for _ in range(2):
+        run(policy, episode(3), rebuild=False)
+        policy.reset_episode()
+    rm = policy.rmuscle
+    for used in (0, 1, 0):
+        time.sleep(0.002)  # touch() stamps with the wall clock
+        rm.library.touch(used)
+        rm._wanted = []
+        rm.want_episode_starts()
+        assert {episode for episode, _ in rm._wanted} == {used}
     policy.close()
 
 
