@@ -362,6 +362,26 @@ def test_the_match_stage_loads_the_most_similar_usable_entry(model) -> None:
         engine.load_inputs(inputs, noise, [True])
 
 
+def test_recorded_masks_rank_neurons_by_their_score_times_their_down_projections_norm(model) -> None:
+    """Found by mutation testing: masks ranked on the scores alone (without ‖W_down[:, j]‖, the size of a
+    neuron's contribution to the output) passed. Neurons whose down-projection norm dwarfs every other's
+    are the ones recorded, in every step and layer the Action Cache serves."""
+    engine = create_engine("fused", model, "cpu", cache=CacheShapes(rho_p=1.0, rho_n=0.5))
+    norms = engine.fused.down_norms
+    count = engine.recorded_masks.shape[-1]
+    gen = torch.Generator().manual_seed(3)
+    chosen = [
+        torch.randperm(norms.shape[-1], generator=gen)[:count].sort().values for _ in range(norms.shape[0])
+    ]
+    norms.fill_(1.0)
+    for layer, neurons in enumerate(chosen):
+        norms[layer, neurons] = 1e6
+    _run(engine, *random_inputs(model.cfg, valid_tokens=9, pad_to=20, seed=4), "dense", "record")
+    masks = engine.recorded_masks[engine.cache.anchors :]  # (steps after the anchor, depth, count)
+    for layer, neurons in enumerate(chosen):
+        assert all(torch.equal(masks[s, layer].long(), neurons) for s in range(masks.shape[0])), layer
+
+
 def test_step_schedules_keep_rho_n_of_the_neurons_on_average() -> None:
     """Per denoising step, how many expert neurons the Action Cache updates. Uniform: ρn in every step after
     the anchor (the published method). Ramp: a linear rise to every neuron in the last step, ρn on average
