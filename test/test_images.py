@@ -381,10 +381,13 @@ def test_a_compressed_frame_declaring_too_many_pixels_is_refused_undecoded() -> 
     ):
         compressed_to_rgb(SimpleNamespace(format="png", data=data))
     # Found in review: 65 KB of PNG declaring 8192 x 8192 (the bound before) took seconds to decode every
-    # tick under the node's policy lock. A 4K (DCI) frame is the most a camera streams: decoded.
+    # tick under the node's policy lock. A 12 Mpx machine-vision frame is decoded (a bound of 4096 x 2160,
+    # tried in between, refused it: a second review).
     with pytest.raises(ImageConversionError, match=r"^PNG image declares 8192x8192 pixels"):
         compressed_to_rgb(SimpleNamespace(format="png", data=_png(8192, 8192)))
-    assert compressed_to_rgb(SimpleNamespace(format="png", data=_png(4096, 2160))).shape == (2160, 4096, 3)
+    with pytest.raises(ImageConversionError, match=r"^PNG image declares 6001x4000 pixels"):
+        compressed_to_rgb(SimpleNamespace(format="png", data=_png(6001, 4000)))
+    assert compressed_to_rgb(SimpleNamespace(format="png", data=_png(4000, 3000))).shape == (3000, 4000, 3)
 
 
 def test_png_data_labelled_jpeg_is_an_error() -> None:

@@ -88,8 +88,8 @@ def test_dense_warmup_is_recorded_then_the_repeat_is_served_from_the_cache(tmp_p
 
 def test_a_policy_that_records_nothing_deletes_nothing_past_lowered_bounds(tmp_path) -> None:
     """Found in review: a bring-up with `record` off and a lowered (or typo'd) `max_episodes` evicted and
-    deleted recorded episodes at open. Recording off, they are kept (and served); recording on, the lowered
-    bound evicts at open, as documented."""
+    deleted recorded episodes at open. Recording off, they are kept; recording on, the lowered bound evicts
+    at open, as documented."""
     lib = str(tmp_path / "lib")
     policy = Policy(CFG, RMuscleConfig(library_path=lib, rebuilds_per_tick=FULL_REBUILD))
     for _ in range(2):  # no window refills: each episode runs dense and is recorded
@@ -503,7 +503,9 @@ def test_an_episode_served_then_fallen_back_is_followed_by_one_recorded_dense() 
     """Found in review: an episode served from the cache that then fell back (its scene left the reference's)
     was not recorded, nothing said why, and the next episode started cached from the same reference, fell
     back, and so on: the library never learnt the scene. The reset says why, and the next episode of the
-    task runs dense from its start (mode fallback) and is recorded; another task's is served as usual."""
+    task runs dense from its start (mode fallback) and is recorded; an episode of another task is not held
+    dense, and the learning waits for the task's next episode (one without calls, too, found in a review
+    of the change)."""
     policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
     run(policy, episode(4))
     assert policy.reset_episode() == 0
@@ -532,7 +534,33 @@ def test_an_episode_served_then_fallen_back_is_followed_by_one_recorded_dense() 
     diverging()
     other = run(policy, with_task(live[:2], "sort the screws"))  # the learning was for the cups
     assert {c.cache_mode for c in other} == {"dense"} and policy.rmuscle.last.reason != LEARNING_REASON
+    assert policy.reset_episode() is not None  # the screws' first reference
+    assert policy.reset_episode() is None  # an episode without calls
+    learning = run(policy, live)  # the cups again: still to be learnt
+    assert {c.cache_mode for c in learning} == {"fallback"} and policy.rmuscle.last.reason == LEARNING_REASON
+    assert policy.reset_episode() is not None
+    assert run(policy, live)[-1].cache_mode == "cached"
     policy.close()
+
+
+def test_would_record_says_whether_the_reset_records_the_episode() -> None:
+    """What the node's min_episode_s asks before it keeps a short episode out (found in a review of the
+    change: a cached episode's reset reply lost its own reason to that rule's)."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    assert not policy.cache_would_record(), "no calls yet"
+    run(policy, episode(3))
+    assert policy.cache_would_record()
+    assert policy.reset_episode() == 0
+    run(policy, episode(3, offset=0.05, light=0.97, noise=2.0))  # served from episode 0
+    assert not policy.cache_would_record()
+    policy.reset_episode()
+    policy.reconfigure_cache(threshold=1.0)  # runs dense, but:
+    run(policy, episode(2, light=0.5), rebuild=False)
+    assert policy.cache_would_record()
+    policy.discard_episode("a failed attempt")
+    assert not policy.cache_would_record()
+    policy.close()
+    assert not Policy(CFG).cache_would_record(), "no cache"
 
 
 def test_an_episodes_first_call_matched_on_the_host_says_why_it_runs_dense() -> None:
@@ -579,7 +607,7 @@ def test_library_images_round_trip_to_the_models_input_exactly() -> None:
 def test_the_host_path_serves_the_best_match_and_a_long_episode_reuses_the_windows_slots() -> None:
     """Found by mutation testing: with matching on the host, serving the worst of the candidates passed,
     and so did slots never given back (the tests' episodes never filled the 20-entry window). Here a
-    window of 2 entries (top_k 1, lookahead 1) serves a 10-call repeat from the best match each call."""
+    window of 4 entries (top_k 2, lookahead 1) serves a 10-call repeat from the best match each call."""
     policy = Policy(
         CFG, RMuscleConfig(top_k=2, lookahead=1, rebuilds_per_tick=FULL_REBUILD, match_on_gpu=False)
     )

@@ -655,12 +655,10 @@ class RMuscle:
             self._tasks_changed = True
         fallback = self.retriever.fallback
         self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
-        # A learning episode (reset_episode) is for the task whose scene the library lacked: another task
-        # before its first call is served as usual
-        learning_elsewhere = self._fallback_reason == LEARNING_REASON and task != self._learning_task
-        if learning_elsewhere and not self.calls:
-            fallback, self._fallback_reason = False, ""
         self.retriever.fallback = fallback
+        # A learning episode (reset_episode) is for the task whose scene the library lacked: before the
+        # episode's first call, another task is served as usual, and that task again runs dense
+        self._start_learning_if_pending()
         self._wanted = self._episode_starts([])
         log.debug("rMuscle: task %r: %d library episode(s) of it", task, self.retriever.episodes)
 
@@ -713,6 +711,8 @@ class RMuscle:
         diverged = self._diverged()
         # (an episode of two tasks: which one's scene the library lacks is not known)
         learn = bool(diverged) and self.cfg.record and not self._read_only() and not self._tasks_changed
+        learning = self._fallback_reason == LEARNING_REASON  # this episode was the one to be recorded
+        recorded = None
         try:
             recorded = self.finish_episode()
             if diverged and not self.last_excluded:
@@ -725,16 +725,20 @@ class RMuscle:
             self._fallback_reason = ""
             self._tasks_changed = False
             if learn:
-                self.retriever.fallback, self._fallback_reason = True, LEARNING_REASON
                 self._learning_task = self.task
                 log.warning(
                     "rMuscle: episode %d runs dense to be recorded: %s", self.episode_id + 1, diverged
                 )
+            elif learning and recorded is not None:
+                self._learning_task = ""  # learnt
             if self._audit_due is not None:  # not run: its trip would land on the next episode
                 self._audit_due = None
                 self.audits_missed += 1
             self.episode_id += 1
             self.calls = self.cached_calls = 0
+            # Pending until an episode of that task is recorded: one without calls, too short, discarded
+            # or of another task leaves it pending (found in review: a second reset dropped it)
+            self._start_learning_if_pending()
             self._rebuild_failures.clear()  # a fault that has gone (memory freed) is tried again
             # The status until the new episode's first call (the finished one's mode before: a FALLBACK
             # shown through the whole scene reset, found in review)
@@ -742,6 +746,29 @@ class RMuscle:
             self._wanted = self._episode_starts(served_from)
             # Last: the episodes served from are kept for eviction even if the process dies before close
             self.library.save_use()
+
+    def _start_learning_if_pending(self) -> None:
+        """Run this episode dense to be recorded (mode fallback, LEARNING_REASON) if a learning episode of
+        its task is pending (`reset_episode`) and it can be recorded; else not (another task, before the
+        episode's first call: `set_task`)."""
+        if self.calls:
+            return
+        pending = bool(self._learning_task) and self._learning_task == self.task
+        if pending and self.cfg.record and not self._read_only():
+            self.retriever.fallback, self._fallback_reason = True, LEARNING_REASON
+        elif self._fallback_reason == LEARNING_REASON:
+            self.retriever.fallback, self._fallback_reason = False, ""
+
+    def would_record(self) -> bool:
+        """Whether the episode so far would be recorded at its reset: calls, recording on, none served from
+        the cache, not excluded, a writable library (the node's min_episode_s applies to these only)."""
+        return bool(
+            self.cfg.record
+            and self._recording.descriptors
+            and not self._episode_cached
+            and not self._episode_excluded
+            and not self._read_only()
+        )
 
     def _diverged(self) -> str:
         """Why this episode is no reference though it ran dense after some point ("" if it is not so): it was

@@ -161,7 +161,7 @@ def _jpeg_to_rgb(flat: np.ndarray, fmt: str) -> np.ndarray:
     if width * height > MAX_COMPRESSED_PIXELS:
         raise ImageConversionError(
             f"JPEG image declares {width}x{height} pixels, more than a camera frame "
-            f"({MAX_COMPRESSED_PIXELS} at most, 4096x2160): not decoded"
+            f"({MAX_COMPRESSED_PIXELS} at most, 6000x4000): not decoded"
         )
     try:
         rgb = simplejpeg.decode_jpeg(flat, colorspace="RGB", strict=True)
@@ -201,11 +201,12 @@ def _padded_before_its_end(flat: np.ndarray, warning: str) -> bool:
 
 
 # A compressed frame declaring more pixels than this is refused before it is decoded: a few KB of PNG can
-# declare a 13000x13000 image (484 MiB, seconds to decode, under the node's policy lock). A 4K (DCI) video
-# frame is the largest a camera streams; the policy sees 224x224. Found in review: at 8192x8192 (the bound
-# before) a 65 KB PNG took 5.9 s to decode and letterbox on a loaded 2-core CPU, every tick, stalling the
-# node and refusing its resets; 4096x2160 took 0.12 s (one-off timings).
-MAX_COMPRESSED_PIXELS = 4096 * 2160
+# declare a 13000x13000 image (484 MiB, seconds to decode, under the node's policy lock). 24 Mpx (6000x4000)
+# covers 4K video and 12 or 20 Mpx machine-vision sensors; the policy sees 224x224. Found in review: at
+# 8192x8192 (the bound before) a 65 KB PNG took 5.9 s to decode and letterbox on a loaded 2-core CPU, every
+# tick, stalling the node and refusing its resets; 6000x4000 took 0.3 s here (one-off timings, the test
+# suite running beside them). A second review: 4096x2160 (a bound tried in between) refused 12 Mpx cameras.
+MAX_COMPRESSED_PIXELS = 6000 * 4000
 
 
 def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
@@ -235,7 +236,7 @@ def compressed_to_rgb(msg: CompressedImageMessage) -> np.ndarray:
             if width * height > MAX_COMPRESSED_PIXELS:
                 raise ImageConversionError(
                     f"{pil_format} image declares {width}x{height} pixels, more than a camera frame "
-                    f"({MAX_COMPRESSED_PIXELS} at most, 4096x2160): not decoded"
+                    f"({MAX_COMPRESSED_PIXELS} at most, 6000x4000): not decoded"
                 )
             image.load()  # decodes now, so truncated or corrupt data fails here
             if image.mode not in _EIGHT_BIT_MODES:

@@ -384,7 +384,8 @@ def unknown_parameter(name: str, known: Iterable[str]) -> str:
         block = nested[0].rpartition(".")[0]
         return (
             f"{name}: unknown parameter; did you mean {nested[0]}? (a key of the params file's `{block}:` "
-            "block that lost its indentation is read as a parameter of its own)"
+            "block that lost its indentation is read as a parameter of its own; another node's parameter "
+            "of that name belongs in that node's own section, not in one every node reads)"
         )
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     hint = f"did you mean {close[0]}? " if close else ""

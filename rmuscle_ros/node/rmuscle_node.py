@@ -430,8 +430,15 @@ class RMuscleNode(LifecycleNode):
     def _configure(self) -> TransitionCallbackReturn:
         # A name the params file or -p gives that the node does not declare (a misspelt key) is otherwise
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
+        from rmuscle_ros.node.action_streamer import streamer_defaults
+
         unknown, others = undeclared_overrides(
-            self, [*parameter_defaults(), *REMOVED_PARAMETERS], prefixes=("model.", "cache.")
+            self,
+            [*parameter_defaults(), *REMOVED_PARAMETERS],
+            prefixes=("model.", "cache."),
+            # the streamer's, which a profile's `/**` section may carry (aloha_sim's `seed` and `task` are
+            # not taken here: importing it needs MuJoCo, which a cell need not have)
+            others_names=streamer_defaults(),
         )
         if others:
             self.get_logger().info(f"configure: parameters given that are not this node's, ignored: {others}")
@@ -985,6 +992,9 @@ class RMuscleNode(LifecycleNode):
         log say why (the runtime's exclusion); /diagnostics counts them (`cache.episodes_too_short`)."""
         cfg, stamps = self.cfg, self._episode_stamps
         if cfg is None or not cfg.cache.enabled or not cfg.min_episode_s or stamps is None:
+            return
+        # only an episode that would be recorded (found in review: a cached one's reply lost its own reason)
+        if not policy.cache_would_record():
             return
         span = (stamps[1] - stamps[0]) / 1e9
         if span >= cfg.min_episode_s:

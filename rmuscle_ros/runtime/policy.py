@@ -559,6 +559,11 @@ class Policy:
         and safe for every call."""
         return self.rmuscle.call_status() if self.rmuscle is not None else None
 
+    def cache_would_record(self) -> bool:
+        """Whether the episode so far would be recorded into the library at its reset (RMuscle.would_record);
+        False without a cache."""
+        return self.rmuscle is not None and self.rmuscle.would_record()
+
     def discard_episode(self, reason: str) -> bool:
         """Keep the episode in progress out of the library (e.g. the attempt failed: the cache must not
         learn it). Its calls so far are dropped and later ones are not recorded, until the next
