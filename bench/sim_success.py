@@ -69,7 +69,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rmuscle_ros.cache.runtime import relative_l2  # the audits' measure, so the shadow's is the same
+from rmuscle_ros.cache.runtime import (  # the audits' measure, so the shadow's is the same
+    LEARNING_REASON,
+    relative_l2,
+)
 from rmuscle_ros.engine.fused import NEURON_SCHEDULES
 from rmuscle_ros.models.config import PRESETS
 from rmuscle_ros.sim.aloha import SIDES, AlohaSim, SimConfig, SimulationDiverged
@@ -411,6 +414,7 @@ def episode(
     executed: list[float] = []
     # per call: the library episode and call a cached call was served from (RMuscle.call_status), else None
     references: list[tuple[int, int] | None] = []
+    learning = False  # a call ran dense to be recorded (the episode before was served, then fell back)
     rows = slice(latency, latency + replan)
     audits: list[float | None] = []  # per call: the audit's error, None where none ran
     # Chunks not yet executing, oldest first: rows and their observation's step. A chunk takes over
@@ -425,6 +429,7 @@ def episode(
             noise = torch.randn(1, cfg.horizon, cfg.action_dim, generator=noise_gen)
             chunk = policy.infer(obs, noise=noise)
             status = policy.cache_call_status()  # this call's: read before the motion window's work
+            learning = learning or (status is not None and status["reason"] == LEARNING_REASON)
             pending.append((chunk.actions, step))
             # The motion window, as the node runs it: the audit if one is due, then the window's refill.
             audit = policy.audit_cache()
@@ -458,6 +463,7 @@ def episode(
         "best_reward": sim.best_reward,
         "diverged": bool(sim.diverged),
         "modes": modes,
+        "learning": learning,
         "rel_l2": errors,
         "rel_l2_executed": executed,
         "references": references,
@@ -814,6 +820,7 @@ def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
                 else {}
             )
             | ({"served_from": r["served_from"]} if any(r.get("served_from", [])) else {})
+            | ({"learning": True} if r.get("learning") else {})
             | (
                 {"audits": [None if a is None else round(a, 5) for a in r["audits"]]}
                 if any(a is not None for a in r.get("audits", []))
@@ -827,6 +834,8 @@ def summarise(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         summary["audits"] = len(audited)
         summary["audit_error_median"] = round(statistics.median(audited), 4)
         summary["episodes_fallen_back"] = sum(1 for r in runs if "fallback" in r["modes"])
+    # episodes run dense to be recorded after one served then fallen back (their calls count as fallback)
+    summary["episodes_learning"] = sum(1 for r in runs if r.get("learning"))
     if errors:  # every call against the dense policy on the same inputs (0 for the dense ones)
         summary["rel_l2_median"] = round(statistics.median(errors), 4)
     if cached:
@@ -874,6 +883,13 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['successes']}/{r['episodes']} ({r['success_rate']:.0%}) | {r['diverged']} | "
             f"{calls} | {err} | {audits} | {library} |"
         )
+    learning = {n: r["episodes_learning"] for n, r in report["results"].items() if r.get("episodes_learning")}
+    if learning:
+        lines += [
+            "",
+            "Episodes run dense to be recorded, after one served from the cache that then fell back (their "
+            "calls count as fallback above): " + ", ".join(f"{n} {k}" for n, k in learning.items()) + ".",
+        ]
     control = report["results"].get("dense_control")
     if control is not None:
         lines += [

@@ -13,6 +13,7 @@ pytest.importorskip(
 )
 
 from bench import sim_success
+from rmuscle_ros.cache.runtime import LEARNING_REASON
 from rmuscle_ros.sim.scripted import EPISODE_STEPS
 
 
@@ -203,6 +204,26 @@ def test_executed_rows_error_covers_the_rows_the_arms_execute() -> None:
         assert all(e > 0 for e in run["rel_l2_executed"])
     finally:
         sim.close()
+
+
+class _LearningPolicy(_CountingPolicy):
+    """The counting policy, its calls run dense to be recorded (RMuscle's learning episode)."""
+
+    def cache_call_status(self) -> dict:
+        return {"reason": LEARNING_REASON, "reference_episode": -1, "reference_position": -1}
+
+
+def test_an_episode_run_dense_to_be_recorded_is_counted_apart() -> None:
+    """An episode after one served from the cache that fell back runs dense to be recorded: its calls count
+    as fallback in the modes, and the summary says how many such episodes there were."""
+    sim = sim_success.make_sim(0.25)
+    try:
+        runs = [sim_success.episode(sim, p, 0, 25) for p in (_LearningPolicy(), _CountingPolicy())]
+    finally:
+        sim.close()
+    assert [r["learning"] for r in runs] == [True, False]
+    summary = sim_success.summarise(runs, 1.0)
+    assert summary["episodes_learning"] == 1 and summary["per_episode"][0]["learning"]
 
 
 def test_discordant_scenes_and_their_sign_test() -> None:

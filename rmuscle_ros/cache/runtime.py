@@ -1452,6 +1452,7 @@ class RMuscle:
             "mode": self.last.mode,
             "similarity": self.last.similarity,
             "hit_rate": self.cached_calls / self.calls if self.calls else 0.0,
+            "reason": self.last.reason,  # why it was not served cached ("" if it was)
             # what a cached call was served from: the library episode and its call; -1 for other calls
             "reference_episode": -1 if self.last.episode is None else self.last.episode,
             "reference_position": -1 if self.last.position is None else self.last.position,
