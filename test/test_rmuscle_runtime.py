@@ -543,6 +543,25 @@ def test_an_episode_served_then_fallen_back_is_followed_by_one_recorded_dense() 
     policy.close()
 
 
+def test_a_task_changed_for_one_call_and_back_keeps_the_episodes_alignment() -> None:
+    """Found in review: a prompt changed for one call and back (an operator's correction) sent retrieval
+    back to the references' starts, and with scenes told apart, the rest of the episode into fallback.
+    Mid-episode the alignment is kept: back on its task the episode goes on from where it was."""
+    policy = Policy(CFG, RMuscleConfig(rebuilds_per_tick=FULL_REBUILD))
+    run(policy, episode(12))
+    policy.reset_episode()
+    rm = policy.rmuscle
+    live = episode(12, offset=0.02, noise=1.0)
+    run(policy, live[:8])
+    before = rm.retriever.positions[0]
+    assert before >= 5
+    run(policy, with_task(live[8:9], "sort the screws"))  # no episode of it: dense
+    chunks = run(policy, live[9:])
+    assert rm.retriever.positions[0] >= before, "back at the references' starts"
+    assert "fallback" not in {c.cache_mode for c in chunks}
+    policy.close()
+
+
 def test_would_record_says_whether_the_reset_records_the_episode() -> None:
     """What the node's min_episode_s asks before it keeps a short episode out (found in a review of the
     change: a cached episode's reset reply lost its own reason to that rule's)."""

@@ -643,8 +643,9 @@ class RMuscle:
         `RMuscleConfig.task` when that names the job). Retrieval serves only episodes recorded under the
         same task, and an episode is recorded under its own. A change
         after the episode's first call keeps that episode out of the library (its calls ran under two
-        tasks) and starts retrieval's alignments over on the new task's episodes; entries of the old task
-        in the window are no longer served. A fallback stays for the rest of the episode, whatever the task
+        tasks) and searches the new task's episodes from their starts (alignments in the episode are kept:
+        back on the old task, its alignment goes on); entries of the old task in the window are no longer
+        served. A fallback stays for the rest of the episode, whatever the task
         (an audit's trip promises that; before, found in review, a task change served the episode cached
         again)."""
         if task == self.task:
@@ -654,7 +655,11 @@ class RMuscle:
             self.exclude_episode(f"its task changed from {previous!r} to {task!r} after {self.calls} call(s)")
             self._tasks_changed = True
         fallback = self.retriever.fallback
-        self.retriever.restrict(self._task_episodes())  # a mask: a prompt that changes every call stays cheap
+        # A mask: a prompt that changes every call stays cheap. Mid-episode the alignments are kept (the new
+        # task's episodes, never aligned in this episode, search their starts all the same): found in
+        # review, a one-call change and back sent retrieval to the references' starts, and usually the
+        # rest of the episode into fallback.
+        self.retriever.restrict(self._task_episodes(), keep_alignment=bool(self.calls))
         self.retriever.fallback = fallback
         # A learning episode (reset_episode) is for the task whose scene the library lacked: before the
         # episode's first call, another task is served as usual, and that task again runs dense
