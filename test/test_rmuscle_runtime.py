@@ -652,6 +652,32 @@ def test_the_host_path_serves_the_best_match_and_a_long_episode_reuses_the_windo
     policy.close()
 
 
+def test_a_slot_being_rewritten_serves_neither_its_old_entry_nor_the_new_one() -> None:
+    """Found by mutation testing: a slot that kept its old key while a rebuild overwrote it part by part
+    passed; wanted again meanwhile, its half-written reference could be served. Once its first part is
+    queued the slot holds no key until the new entry's last part is done."""
+    policy = Policy(
+        CFG, RMuscleConfig(top_k=1, lookahead=1, rebuilds_per_tick=FULL_REBUILD, rebuild_slices=4)
+    )
+    run(policy, episode(6))
+    policy.reset_episode()
+    policy.rebuild_cache()
+    rm = policy.rmuscle
+    held = {slot.index: slot.key for slot in rm.window}
+    assert all(key is not None for key in held.values()), "the window is full"
+    rm._wanted = [(0, 4), (0, 5)]  # retrieval moved on: both slots are free to take
+    assert rm.rebuild_slice() == (True, False)  # the first part of one entry
+    slot = rm._building.slot
+    old = held[slot.index]
+    assert slot.key is None and all(s.key != old for s in rm.window)
+    rm._wanted.append(old)  # wanted again midway
+    assert rm._ready_slot(old) is None and rm._ready_slot((0, 4)) is None
+    while rm._building is not None:
+        rm.rebuild_slice()
+    assert slot.key == (0, 4) and rm._ready_slot((0, 4)) is slot
+    policy.close()
+
+
 def test_the_window_is_refilled_part_by_part_and_a_stale_part_is_dropped(tmp_path) -> None:
     """The node's motion window queues one part at a time (it can stop between any two): an entry is
     usable once its last part ran, and one that is no longer wanted midway is dropped (here the call
