@@ -314,8 +314,9 @@ class ChunkSchedule:
         """What to command at `now_ns`, or None: no chunk due (hold), or no joint positions to start from.
 
         `measured`: the arm's joint positions in joint_names order (None while some are unknown or not
-        recent, or any not finite: nothing is commanded); used as the previous command when commands start, so the first one
-        is also limited by max_step, and to keep each joint within max_tracking_error of it.
+        recent, or any not finite: nothing is commanded); used as the previous command when commands
+        start, so the first one is also limited by max_step, and to keep each joint within
+        max_tracking_error of it.
         """
         self.clock(now_ns)
         self._drop_superseded(now_ns)
