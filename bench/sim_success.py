@@ -399,10 +399,11 @@ def episode(
 ) -> dict[str, Any]:
     """One closed-loop episode from `seed`. `shadow`: a dense policy called on the same inputs, for the
     action error of every call: over its whole chunk (`rel_l2`) and over the rows the arms execute of it
-    (`rel_l2_executed`: rows `latency` .. `latency + replan - 1`; the rest is replanned before its turn). `latency`: control periods between a call's observation and its chunk
-    taking over, as a call's latency costs through the node (action_streamer): meanwhile the previous
-    chunk goes on past its `replan` rows (the arms hold before the episode's first chunk), and the new
-    one starts at its row `latency`. `noise_offset`: the calls' noise drawn from seed + it (the dense
+    (`rel_l2_executed`: rows `latency` .. `latency + replan - 1`; the rest is replanned before its turn).
+    `latency`: control periods between a call's observation and its chunk taking over, as a call's
+    latency costs through the node (action_streamer): meanwhile the previous chunk goes on past its
+    `replan` rows (the arms hold before the episode's first chunk), and the new one starts at its row
+    `latency`. `noise_offset`: the calls' noise drawn from seed + it (the dense
     control: the same policy on the same scene with other noise)."""
     from rmuscle_ros.runtime.policy import Observation
 

@@ -780,8 +780,16 @@ class RMuscle:
         served from the cache, then fell back for the rest of the episode."""
         if not (self._episode_cached and self.retriever.fallback) or self._fallback_reason == LEARNING_REASON:
             return ""
-        why = self._fallback_reason or f"similarity below {self.cfg.threshold}"
-        return f"{self.cached_calls} of its calls were served from the cache before it fell back ({why})"
+        return (
+            f"{self.cached_calls} of its calls were served from the cache before it fell back "
+            f"({self._fallback_why()})"
+        )
+
+    def _fallback_why(self) -> str:
+        """Why the episode fell back: the reason given (`fall_back`), else the threshold its similarity fell
+        below, kept from the first time it is asked: a later change of the threshold does not rewrite it."""
+        self._fallback_reason = self._fallback_reason or f"similarity below {self.cfg.threshold}"
+        return self._fallback_reason
 
     def _episode_starts(self, served_from: list[int]) -> list[tuple[int, int]]:
         """What the next episode's first call will likely match, before it has a descriptor: the first
@@ -1206,9 +1214,7 @@ class RMuscle:
 
     def _dense_info(self, similarity: float, first: bool = False) -> CallInfo:
         if self.retriever.fallback:
-            # the threshold it fell below, kept: a later change of it does not rewrite why (reset_episode)
-            self._fallback_reason = self._fallback_reason or f"similarity below {self.cfg.threshold}"
-            return CallInfo("fallback", similarity, reason=self._fallback_reason)
+            return CallInfo("fallback", similarity, reason=self._fallback_why())
         if not self.library.entries:
             return CallInfo("dense", similarity, reason="empty library")
         if not self.retriever.episodes:

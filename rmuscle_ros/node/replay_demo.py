@@ -271,7 +271,8 @@ def run(
         # against the profile's three ran with no chunk and, in a short episode, no drop to say why)
         from rmuscle_ros.node.aloha_sim import sim_node_config
 
-        cameras, given, wanted = sim_node_config(sim_settings).cameras, cfg.camera_topics, cfg.camera_inputs
+        sim_cfg = sim_node_config(sim_settings)
+        cameras, given, wanted = sim_cfg.cameras, cfg.camera_topics, cfg.camera_inputs
         if given[: len(wanted)] != wanted:  # a topic after an empty entry: not the first slots
             raise ValueError(
                 f"--sim: the simulated cell fills the node's first camera slots in order; camera_topics "
@@ -287,7 +288,6 @@ def run(
         # The gripper's units, three ways: the node reads the sim's finger as gripper_state_range, the
         # streamer commands its gripper joint in gripper_command_range. One changed alone (found in review:
         # gripper_joint_range [0, 1] left the gripper never closing) is refused.
-        sim_cfg = sim_node_config(sim_settings)
         for (sim_name, sim_value), (name, value, where) in (
             (
                 ("finger_range", sim_cfg.finger_range),
