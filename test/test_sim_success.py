@@ -207,23 +207,48 @@ def test_executed_rows_error_covers_the_rows_the_arms_execute() -> None:
 
 
 class _LearningPolicy(_CountingPolicy):
-    """The counting policy, its calls run dense to be recorded (RMuscle's learning episode)."""
+    """The counting policy, its calls run dense to be recorded (RMuscle's learning episode: mode fallback)."""
+
+    def infer(self, obs: object, noise: object) -> object:
+        chunk = super().infer(obs, noise)
+        chunk.cache_mode = "fallback"  # type: ignore[attr-defined]
+        return chunk
 
     def cache_call_status(self) -> dict:
         return {"reason": LEARNING_REASON, "reference_episode": -1, "reference_position": -1}
 
 
+class _FallingBackPolicy(_CountingPolicy):
+    """The counting policy, its calls falling back for their scene (similarity under the threshold)."""
+
+    def infer(self, obs: object, noise: object) -> object:
+        chunk = super().infer(obs, noise)
+        chunk.cache_mode = "fallback"  # type: ignore[attr-defined]
+        return chunk
+
+    def cache_call_status(self) -> dict:
+        return {"reason": "similarity 0.5 below 0.8", "reference_episode": -1, "reference_position": -1}
+
+
 def test_an_episode_run_dense_to_be_recorded_is_counted_apart() -> None:
-    """An episode after one served from the cache that fell back runs dense to be recorded: its calls count
-    as fallback in the modes, and the summary says how many such episodes there were."""
+    """An episode after one served from the cache that fell back runs dense to be recorded: its calls are
+    fallback in the modes, counted as learning calls, and the episode is not counted as fallen back (found in
+    review: it was, beside the episode that really fell back); the table says how many were learning."""
     sim = sim_success.make_sim(0.25)
     try:
-        runs = [sim_success.episode(sim, p, 0, 25) for p in (_LearningPolicy(), _CountingPolicy())]
+        policies = (_LearningPolicy(), _CountingPolicy(), _FallingBackPolicy())
+        runs = [sim_success.episode(sim, p, 0, 25) for p in policies]
     finally:
         sim.close()
-    assert [r["learning"] for r in runs] == [True, False]
+    assert [r["learning"] for r in runs] == [True, False, False]
+    calls = len(runs[0]["modes"])
+    assert [r["learning_calls"] for r in runs] == [calls, 0, 0]
+    assert sim_success.fallen_back(runs) == 1  # the third alone
     summary = sim_success.summarise(runs, 1.0)
     assert summary["episodes_learning"] == 1 and summary["per_episode"][0]["learning"]
+    assert summary["learning_calls"] == calls and summary["modes"]["fallback"] == 2 * calls
+    report = {"date": "d", "commit": "c", "command": "x", "setting": "s", "results": {"v": summary}}
+    assert f"| 0 / {calls} / {2 * calls} ({calls} learning) |" in sim_success.to_markdown(report)
 
 
 def test_discordant_scenes_and_their_sign_test() -> None:
