@@ -1471,6 +1471,31 @@ def test_an_episode_larger_than_the_whole_library_is_refused_and_nothing_is_evic
     lib.close()
 
 
+def test_bounds_are_inclusive_an_episode_of_exactly_max_bytes_is_recorded(tmp_path: Path, caplog) -> None:
+    """The bounds are what the library may hold: an episode whose file takes exactly max_bytes is recorded
+    (refused only above it), and a library holding exactly max_episodes or max_bytes evicts nothing, at a
+    recording or at open, and warns of nothing; one more evicts the least recently used. Found by a mutation
+    review: each `>` read as `>=` passed the suite."""
+    scratch = ReferenceLibrary.open(tmp_path / "scratch", KEY)
+    sizes = [scratch.entries[scratch.add(episode(seed=s), {"task": "pick"})].bytes for s in (7, 8)]
+    scratch.close()
+    lib = ReferenceLibrary.open(tmp_path / "one", KEY, max_bytes=sizes[0])
+    first = lib.add(episode(seed=7), {"task": "pick"})  # the same file, byte for byte: exactly the bound
+    assert sorted(lib.entries) == [first] and lib.total_bytes == sizes[0]
+    lib.close()
+    caplog.set_level("WARNING", logger="rmuscle_ros.cache.library")
+    lib = ReferenceLibrary.open(tmp_path / "two", KEY, max_bytes=sum(sizes), max_episodes=2)
+    ids = [lib.add(episode(seed=s), {"task": "pick"}) for s in (7, 8)]  # ids as in scratch: the same files
+    assert sorted(lib.entries) == ids and lib.total_bytes == sum(sizes)  # both bounds met exactly
+    lib.close()
+    again = ReferenceLibrary.open(tmp_path / "two", KEY, max_bytes=sum(sizes), max_episodes=2)
+    assert sorted(again.entries) == ids  # nothing evicted at open either
+    third = again.add(episode(seed=9), {"task": "pick"})  # one more: the least recently used goes
+    assert sorted(again.entries) == [ids[1], third]
+    again.close()
+    assert caplog.text == ""
+
+
 def test_a_library_opened_on_a_full_disk_still_keeps_a_second_writer_out(tmp_path: Path, monkeypatch) -> None:
     """A disk full (here: no file may grow) when a node opens its library: before (found in review) the
     marker was not written, only logged, and a second node opened the library too, both writing the same
