@@ -716,6 +716,61 @@ def test_a_clock_that_goes_back_starts_a_new_run(cell) -> None:
     assert any("the clock went back" in log.msg for log in c.logs)
 
 
+def test_after_a_clock_jump_the_old_runs_joint_states_are_not_the_arms_position(cell) -> None:
+    """A clock back by less than max_joint_age_s (0.1 s) but more than a period: the old run's joint states,
+    stamped just ahead of the new clock, would still pass as recent. They are forgotten at the jump: the new
+    run's chunk is not commanded until the new run's joint states come (found by a mutation review: without
+    the forgetting, the suite passed)."""
+    from builtin_interfaces.msg import Time
+    from rosgraph_msgs.msg import Clock
+
+    c = cell(use_sim_time=True)
+    assert c.transition(Transition.TRANSITION_CONFIGURE) and c.transition(Transition.TRANSITION_ACTIVATE)
+    clock = c.peer.create_publisher(Clock, "/clock", 10)
+    first, second = rows(0.2), rows(0.4)
+
+    def tick(t: int, joints: np.ndarray | None) -> None:
+        stamp = Time(sec=t // 10**9, nanosec=t % 10**9)
+        clock.publish(Clock(clock=stamp))
+        if joints is not None:
+            for pub in c.joint_pubs:
+                names = list(ALOHA_JOINT_STATE_NAMES)
+                msg = JointState(name=names, position=[float(joints[0, 0])] * len(names))
+                msg.header.stamp = stamp
+                pub.publish(msg)
+        time.sleep(0.02)
+
+    t = 1_700_000_000 * 10**9
+    for k in range(200):
+        t += PERIOD_NS
+        tick(t, first)
+        if k == 2:
+            c.publish_chunk(first, t)
+        if len(c.arm["left"]) >= 10:
+            break
+    assert c.node.stats()["clock_jumps"] == 0 and len(c.arm["left"]) >= 10
+    t -= 3 * PERIOD_NS  # back 60 ms: a new run, the old readings 60 ms ahead of it
+    tick(t, None)
+    c.publish_chunk(second, t, chunk_id=1)
+    deadline = time.monotonic() + 10.0
+    while c.node.stats()["chunks_accepted"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = len(c.arm["left"])
+    for _ in range(2):  # 40 ms on: the old readings 20 ms ahead, within max_joint_age_s
+        t += PERIOD_NS
+        tick(t, None)
+    time.sleep(0.1)
+    stats = c.node.stats()
+    assert stats["clock_jumps"] == 1 and stats["chunks_accepted"] == 2, stats
+    assert len(c.arm["left"]) == sent, "commanded from the old run's joint states"
+    for _ in range(100):  # the new run's joint states: its chunk is commanded
+        t += PERIOD_NS
+        tick(t, second)
+        if len(c.arm["left"]) >= sent + 3:
+            break
+    assert len(c.arm["left"]) >= sent + 3 and row_of(c.arm["left"][-1].cmd, second, list(range(6))) < 20
+
+
 def test_the_control_timer_keeps_its_period_whatever_the_system_clock_does(cell) -> None:
     """rcl's timers on the system clock do not notice it being stepped: a step back of 30 s (chrony, a
     Jetson setting its time after boot) stopped the 50 Hz timer for 30 s, the arms frozen with no alarm
