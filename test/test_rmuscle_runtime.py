@@ -1487,6 +1487,36 @@ def test_an_episode_damaged_while_the_node_runs_is_left_out_and_the_cell_records
     assert (lib / "episode_000000.safetensors").read_bytes() == b"overwritten", "kept for inspection"
 
 
+def test_an_episode_left_out_mid_episode_keeps_the_episodes_alignment(tmp_path) -> None:
+    """An episode left out mid-episode (its file damaged, found by a refill: `_leave_out`) takes only its own
+    entries out of service: the episode's alignment on the other episodes holds, and its next calls are
+    served from the position it had reached on, not from the references' starts (a mutation review found
+    the alignment's reset here untested: the match on the window served the next call from the entries in
+    hand, and the refills after it went back to the starts). The tiny random model's descriptors barely move
+    the alignment, so a refill never rereads the damaged file mid-episode here: the leave-out is called as
+    the refill calls it."""
+    lib = tmp_path / "lib"
+    recorder = Policy(CFG, RMuscleConfig(library_path=str(lib), threshold=1.0))  # every call dense: recorded
+    for k in range(2):
+        run(recorder, episode(12, noise=float(k)))
+        assert recorder.reset_episode() == k
+    recorder.close()
+    policy = Policy(CFG, RMuscleConfig(library_path=str(lib), rebuilds_per_tick=FULL_REBUILD))
+    rm = policy.rmuscle
+    assert rm is not None
+    live = episode(12, offset=0.02, light=0.97, noise=2.0)
+    assert [c.cache_mode for c in run(policy, live[:6])][1:] == ["cached"] * 5
+    served, position = rm.last.episode, rm.last.position
+    other = 1 - served
+    rm._leave_out(other, f"episode_{other:06d}.safetensors could not be read")
+    assert policy.cache_status()["task_episodes"] == 1
+    for obs in live[6:9]:  # each call's window refilled after it: what retrieval asked for
+        assert run(policy, [obs])[0].cache_mode == "cached"
+        assert rm.last.episode == served and rm.last.position >= position, "the alignment started over"
+        assert rm.retriever.positions[served] >= position
+    policy.close()
+
+
 def test_cache_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="rho_p"):
         RMuscleConfig(rho_p=0.0)
