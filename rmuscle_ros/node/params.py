@@ -8,7 +8,6 @@ here: the node declares `parameter_defaults()` and passes what it reads to `node
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -20,7 +19,7 @@ import yaml
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.models.config import PRESETS
-from rmuscle_ros.node.params_file import section_keys
+from rmuscle_ros.node.params_file import likely_meant, section_keys
 from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, PolicyConfig
 from rmuscle_ros.runtime.transforms import check_prompt
 
@@ -379,16 +378,15 @@ def unknown_parameter(name: str, known: Iterable[str]) -> str:
     """ "<name>: unknown parameter ...", with the name it likely meant: a dotted parameter it is the last
     part of (a key of a `model:` or `cache:` block that lost its indentation), or a close spelling."""
     known = sorted(known)
-    nested = [k for k in known if k.endswith(f".{name}")]
-    if nested:
-        block = nested[0].rpartition(".")[0]
+    meant = likely_meant(name, known)
+    if meant is not None and meant[1]:
+        block = meant[0].rpartition(".")[0]
         return (
-            f"{name}: unknown parameter; did you mean {nested[0]}? (a key of the params file's `{block}:` "
+            f"{name}: unknown parameter; did you mean {meant[0]}? (a key of the params file's `{block}:` "
             "block that lost its indentation is read as a parameter of its own; another node's parameter "
             "of that name belongs in that node's own section, not in one every node reads)"
         )
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-    hint = f"did you mean {close[0]}? " if close else ""
+    hint = f"did you mean {meant[0]}? " if meant is not None else ""
     return f"{name}: unknown parameter ({hint}known: {', '.join(known)})"
 
 

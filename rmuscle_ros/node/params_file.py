@@ -8,12 +8,14 @@ venv's torch; params.py imports the policy, and with it torch, so the launch sto
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
 
-__all__ = ["camera_remappings", "check_params_file", "node_parameter", "section_keys"]
+__all__ = ["camera_remappings", "check_params_file", "likely_meant", "node_parameter", "section_keys"]
 
 
 def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
@@ -27,6 +29,20 @@ def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
     if "/" not in ns:
         keys.append(f"/*/{node_name}")
     return tuple(keys)
+
+
+def likely_meant(name: str, known: Iterable[str]) -> tuple[str, bool] | None:
+    """The parameter among `known` that an unknown `name` likely meant, and whether `name` is its last part:
+    first a dotted parameter it is the last part of (`record` for cache.record: a key of a `cache:` block
+    that lost its indentation), else a close spelling (max_image_age for max_image_age_s); None if neither.
+    Shared by the node's configure (params.unknown_parameter) and its override check (spin), which must
+    not import params (it pulls torch)."""
+    known = sorted(known)
+    nested = [k for k in known if k.endswith(f".{name}")]
+    if nested:
+        return nested[0], True
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return (close[0], False) if close else None
 
 
 def _document(path: str | os.PathLike[str]) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import difflib
 import logging
 import re
 import signal
@@ -23,6 +22,8 @@ from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy_i
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.timer import Timer
+
+from rmuscle_ros.node.params_file import likely_meant
 
 RCLError = _rclpy_impl.RCLError  # what rclpy's C layer raises (a RuntimeError)
 
@@ -161,9 +162,7 @@ def undeclared_overrides(
     for name, parameter in node._parameter_overrides.items():  # rclpy keeps them there; no public getter
         if node.has_parameter(name) or name.startswith("qos_overrides."):
             continue
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8) or [
-            n for n in names if n.endswith(f".{name}")
-        ]
+        close = likely_meant(name, names) is not None
         if name not in siblings and ((prefixes and name.startswith(prefixes)) or close):
             ours[name] = parameter.value
         else:
