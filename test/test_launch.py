@@ -199,6 +199,34 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
     (tmp_path / "notes.yaml").write_text("just: [a list\n")
     with pytest.raises(ValueError, match="not a ROS params file"):
         check_params_file(tmp_path / "notes.yaml", both)
+    # A node's own section holds only its parameters: a name that is none of them (`max_joint_step` for
+    # max_step, only logged by the streamer, which cannot tell its own section from `/**`) stops the launch,
+    # naming it; one close to a parameter, or a `cache:` key that lost its indentation, says which it meant.
+    # rclpy's own and QoS overrides pass, and so does anything in `/**` (every node's: other nodes' too).
+    ok = (
+        "/**:\n  ros__parameters:\n    robot_description: x\n    max_joint_step: 0.1\n"
+        "/**/rmuscle_node:\n  ros__parameters:\n    prompt: pick\n    use_sim_time: true\n"
+        "    cache:\n      record: false\n    qos_overrides:\n      /action_chunk:\n        publisher:\n"
+        "          depth: 5\n"
+        "/**/action_streamer:\n  ros__parameters:\n    max_step: 0.05\n"
+    )
+    (tmp_path / "ok.yaml").write_text(ok)
+    check_params_file(tmp_path / "ok.yaml", both)
+    for section, key, said in (
+        ("action_streamer", "max_joint_step: 0.05", r"max_joint_step is not a parameter of action_streamer \("),
+        ("action_streamer", "max_steps: 0.05", r"max_steps is not a parameter .*did you mean max_step\?"),
+        ("rmuscle_node", "record: false", r"record is not a parameter of rmuscle_node .*did you mean cache\.record"),
+        ("rmuscle_node", "model:\n      presets: tiny", r"model\.presets is not a parameter .*did you mean model\.preset\?"),
+    ):  # fmt: skip
+        bad = ok.replace(
+            f"/**/{section}:\n  ros__parameters:\n", f"/**/{section}:\n  ros__parameters:\n    {key}\n"
+        )
+        (tmp_path / "bad.yaml").write_text(bad)
+        with pytest.raises(ValueError, match=rf"bad\.yaml, section /\*\*/{section}: {said}"):
+            check_params_file(tmp_path / "bad.yaml", both)
+    # the streamer's section is not read when the streamer is not started
+    (tmp_path / "bad.yaml").write_text(ok.replace("max_step:", "max_joint_step:"))
+    check_params_file(tmp_path / "bad.yaml", ("rmuscle_node",))
     # and the launch file calls it, with the streamer's section asked for only when it starts the streamer
     source = LAUNCH.read_text()
     assert "check_params_file(" in source and "OpaqueFunction(function=nodes)" in source

@@ -328,3 +328,14 @@ def test_time_limits_and_threads_are_bounded() -> None:
         node_config({"cache.status_period_s": 1e300})
     with pytest.raises(ParameterError, match=r"^cpu_threads: must be in 0\.\.\d+ \(0: automatic"):
         node_config({"cpu_threads": 2**31})
+
+
+def test_the_launch_files_parameter_lists_are_the_nodes_declarations() -> None:
+    """The launch file refuses a name in a node's own section that is none of its parameters, from lists it
+    keeps without torch (params_file.NODE_PARAMETERS): a parameter added to a node and not there would stop
+    every launch whose profile sets it."""
+    from rmuscle_ros.node.action_streamer import streamer_defaults
+    from rmuscle_ros.node.params_file import NODE_PARAMETERS
+
+    assert NODE_PARAMETERS["rmuscle_node"] == set(parameter_defaults())
+    assert NODE_PARAMETERS["action_streamer"] == set(streamer_defaults())

@@ -15,7 +15,46 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["camera_remappings", "check_params_file", "likely_meant", "node_parameter", "section_keys"]
+__all__ = [
+    "NODE_PARAMETERS",
+    "camera_remappings",
+    "check_params_file",
+    "likely_meant",
+    "node_parameter",
+    "section_keys",
+]
+
+# Each node's parameter names, as declared (dotted: a `cache:` block's `record` is cache.record): the launch
+# file refuses a name in a node's own section that is none of them (`max_joint_step` for max_step left the
+# streamer's rate limit at its default, only logged by the node, which cannot tell its own section from
+# `/**`). Kept here, not read from params.py, which imports torch; test_node_params checks both lists
+# against the nodes' declarations.
+# fmt: off
+NODE_PARAMETERS: dict[str, frozenset[str]] = {
+    "rmuscle_node": frozenset((
+        "action_joint_names", "actions_per_inference", "camera_topics", "compressed_images",
+        "control_period_s", "cpu_threads", "delta_joint_actions", "error_after_drops", "exit_after_stall_s",
+        "gripper_joint", "gripper_state_joint", "gripper_state_range", "joint_name_prefixes", "joint_names",
+        "joint_state_topics", "max_image_age_s", "max_joint_age_s", "max_skew_s", "min_episode_s",
+        "noise_seed", "prompt", "publish_joint_trajectory", "sensor_startup_timeout_s", "stall_after_s",
+        "warmup", "cache.anchors", "cache.audit_every", "cache.audit_max_error", "cache.concurrent_rebuilds",
+        "cache.enabled", "cache.library_path", "cache.lookahead", "cache.match_on_gpu", "cache.max_episodes",
+        "cache.max_library_mb", "cache.neuron_schedule", "cache.rebuild_slices", "cache.rebuilds_per_tick",
+        "cache.record", "cache.rho_n", "cache.rho_p", "cache.similarity_threshold", "cache.status_period_s",
+        "cache.task", "cache.top_k", "model.aloha_adapt_to_pi", "model.backend", "model.checkpoint",
+        "model.device", "model.dtype", "model.engine_cache_dir", "model.image_antialias", "model.norm_stats",
+        "model.preset", "model.random_weights", "model.seed", "model.tokenizer", "model.trt_opt_prompt_len",
+    )),
+    "action_streamer": frozenset((
+        "arm_command_topics", "arm_group_name", "arm_joint_limits", "arm_joints", "control_period_s",
+        "gripper_command_range", "gripper_command_topics", "gripper_joint", "joint_name_prefixes",
+        "joint_names", "joint_state_topics", "max_future_s", "max_joint_age_s", "max_rows", "max_step",
+        "max_tracking_error", "robot_info_services", "takeover_delay_s",
+    )),
+}
+# fmt: on
+# rclpy's own, every node's; and publishers' QoS overrides (qos_overrides.<topic>.publisher.<policy>)
+ROS_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
 
 
 def section_keys(node_name: str, namespace: str = "") -> tuple[str, ...]:
@@ -106,3 +145,35 @@ def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...],
             f"`/**/{missing[0]}: ros__parameters:` key): it would start on its defaults. Add the section, or "
             "leave that node out (stream_actions:=false for action_streamer)"
         )
+    for name in node_names:
+        known = NODE_PARAMETERS.get(name)
+        if known is None:
+            continue
+        for key in section_keys(name, namespace):  # the node's own sections: every key is its parameter
+            section = document.get(key)
+            if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
+                continue
+            for parameter in _flat_names(section["ros__parameters"]):
+                if (
+                    parameter in known
+                    or parameter in ROS_PARAMETERS
+                    or parameter.startswith("qos_overrides.")
+                ):
+                    continue
+                meant = likely_meant(parameter, known)
+                hint = f"did you mean {meant[0]}? " if meant is not None else ""
+                raise ValueError(
+                    f"params file {file}, section {key}: {parameter} is not a parameter of {name} ({hint}a "
+                    "misspelt name would leave its default in force; the node's parameters are listed in "
+                    "docs/node.md)"
+                )
+
+
+def _flat_names(params: dict, prefix: str = "") -> list[str]:
+    """The parameter names of a section's ros__parameters, as ROS flattens them (a nested mapping's keys
+    joined with dots: `cache: {record: ...}` is cache.record)."""
+    names = []
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        names += _flat_names(value, f"{name}.") if isinstance(value, dict) else [name]
+    return names
