@@ -430,6 +430,26 @@ def test_a_camera_whose_frame_size_keeps_changing_is_counted_not_logged_every_ti
     assert h.node.stats()["image_size_changes"] == {"base_0_rgb": 100}
 
 
+def test_a_camera_sending_grey_frames_is_warned_of_once(harness) -> None:
+    """A mono camera (or a mono8 stream, which the node replicates to three channels) gives a policy trained
+    on colour no colour at all: its first frame since activation says so at warn level, naming the camera
+    (found in review: accepted without a word). Colour frames, and a flat frame (a capped lens), do not."""
+    h = harness()
+    ramp = np.arange(48 * 64, dtype=np.uint8).reshape(48, 64)
+    grey = np.repeat(ramp[..., None], 3, axis=2)
+    colour = grey.copy()
+    colour[..., 2] //= 2
+    flat = np.zeros((48, 64, 3), np.uint8)
+    h.node._note_image_sizes({"base_0_rgb": grey, "left_wrist_0_rgb": colour, "right_wrist_0_rgb": flat})
+    h.node._note_image_sizes({"base_0_rgb": grey})  # its later frames: not again
+
+    def warned() -> list[str]:
+        return [log.msg for log in h.logs if "is grey" in log.msg]
+
+    assert h.wait_for(lambda: len(warned()) >= 1 and len(h.logs) >= 4, timeout=5.0), h.logs
+    assert len(warned()) == 1 and warned()[0].startswith("camera base_0_rgb: its first frame is grey")
+
+
 def test_each_camera_outage_is_logged_naming_the_camera_and_its_end(harness, monkeypatch) -> None:
     """A camera that stops delivering frames mid-run: the node logs the outage's start at warn level naming
     the camera, and its end when chunks come back, for every outage (found in review: only the first drop

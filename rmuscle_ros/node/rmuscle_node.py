@@ -1532,6 +1532,12 @@ class RMuscleNode(LifecycleNode):
                 changes = self._image_size_changes[slot]
             if held is None:
                 self.get_logger().info(f"camera {slot}: {size} frames")
+                if _grey(rgb):
+                    self.get_logger().warning(
+                        f"camera {slot}: its first frame is grey (every pixel's three channels equal: a mono "
+                        "camera or encoding, mono8 replicated, or the driver's colour off); a policy trained "
+                        "on colour frames gets none from it"
+                    )
             elif changes == 1 or changes % 50 == 0:
                 self.get_logger().warning(
                     f"camera {slot}: frames changed from {held} to {size}"
@@ -1925,6 +1931,19 @@ class RMuscleNode(LifecycleNode):
         msg.audit_error_max = float(status["audit_error_max"])
         msg.audit_trips = int(status["audit_trips"])
         return msg
+
+
+def _grey(rgb: np.ndarray) -> bool:
+    """Whether an RGB frame (H, W, 3) is grey, every pixel's three channels equal (on every 4th pixel of
+    every 4th row: a first frame's check, not a tick's), and not one flat level (a capped lens, a dark
+    room): a mono camera, or a mono8 stream the node replicates to three channels without a word (found in
+    review)."""
+    sample = rgb[::4, ::4]
+    return bool(
+        (sample[..., 0] == sample[..., 1]).all()
+        and (sample[..., 1] == sample[..., 2]).all()
+        and sample.max() > sample.min()
+    )
 
 
 def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
