@@ -134,6 +134,12 @@ def test_a_repeated_episode_is_served_cached_and_reported(harness, engine, monke
     assert status.library_path == "", "the default library is a temporary folder"
     assert all(0.0 <= s.hit_rate <= 1.0 for s in statuses)
     assert {s.library_episodes for s in statuses if s.episode_id == 0} <= {0}
+    # why a chunk was not served cached, as the operator reads it ("" for a cached one)
+    assert status.reason == ""
+    assert {s.reason for s in statuses if s.episode_id == 0 and s.mode == CacheStatus.CACHE_DENSE} <= {
+        "no call yet",
+        "empty library",
+    }, [s.reason for s in statuses]
 
     def diagnosed() -> bool:
         for array in h.diagnostics:
@@ -734,6 +740,7 @@ def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(har
     ]
     status = next(s for s in reversed(statuses) if s.audit_trips == 1)
     assert status.mode == CacheStatus.CACHE_FALLBACK and status.audits >= 1
+    assert status.reason.startswith("an audit found"), status.reason  # why, on ~/cache_status
     assert status.audit_error_last > 1e-6
     assert status.audit_error_median > 1e-6 and status.audit_error_max >= status.audit_error_last
     assert all(np.isnan(s.audit_error_last) for s in statuses if s.audits == 0), "NaN: not measured yet"
@@ -742,6 +749,7 @@ def test_audits_are_reported_and_one_above_the_bound_sends_the_episode_dense(har
     assert "1 episode(s) sent dense by an audit" in diagnostics.message
     values = {kv.key: kv.value for kv in diagnostics.values}
     assert values["cache.audit_trips"] == "1" and int(values["cache.audits"]) >= 1
+    assert values["cache.reason"] == status.reason  # and on /diagnostics
 
     # The tripped episode is no reference: the reset says so, and the next episode runs dense from its
     # start, to be recorded (found in review: it started cached again from the same reference, and the

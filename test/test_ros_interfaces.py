@@ -46,6 +46,7 @@ CACHE_STATUS_FIELDS = {
     "episode_id": "uint64",
     "mode": "uint8",
     "similarity": "float",
+    "reason": "string",
     "hit_rate": "float",
     "library_episodes": "uint32",
     "window_entries": "uint32",
@@ -161,6 +162,7 @@ def test_cache_status_round_trips_between_nodes(executor):
     msg.episode_id = 3
     msg.mode = CacheStatus.CACHE_FALLBACK
     msg.similarity, msg.hit_rate = 0.75, 0.5
+    msg.reason = "similarity 0.75 below 0.8"
     msg.library_episodes, msg.window_entries = 17, 20
     msg.library_bytes = 5 * 2**32  # beyond uint32
     msg.library_path = "/var/lib/rmuscle/library"

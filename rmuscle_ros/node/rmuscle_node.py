@@ -1862,6 +1862,8 @@ class RMuscleNode(LifecycleNode):
                                                         "audit_error_median", "audit_error_max",
                                                         "audit_trips")}  # fmt: skip
             values["cache.library_problems"] = len(cache["library_problems"])
+            if cache.get("reason"):  # why the latest chunk was not served cached
+                values["cache.reason"] = cache["reason"]
             free = cache["library_disk_free_bytes"]
             values["cache.library_disk_free_mib"] = round(free / 2**20, 1) if free is not None else "unknown"
             if cache["library_disk_low"]:
@@ -1917,6 +1919,7 @@ class RMuscleNode(LifecycleNode):
         msg.episode_id = episode
         msg.mode = self._modes[status["mode"]]
         msg.similarity = float(status["similarity"])
+        msg.reason = str(status["reason"])
         msg.hit_rate = float(status["hit_rate"])
         msg.library_episodes = int(status["library_episodes"])
         msg.window_entries = int(status["window_entries"])
