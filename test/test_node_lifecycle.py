@@ -2206,6 +2206,7 @@ def test_replay_demo_prints_a_summary_and_writes_a_plot(tmp_path, capsys: pytest
     assert "[demo] audits of cached calls: " in out
     audits = summary["cache_status"]
     assert audits["audits"] >= 1 and 0 < audits["audit_error_median"] <= audits["audit_error_max"], audits
+    assert (audits["reason"] == "") == (audits["mode"] == "cached"), audits  # why not cached, if not
     # The repeats were served from entries the motion windows rebuilt, and the summary says how many.
     window = summary["motion_window"]
     assert window["rebuilds"] >= 2 and window["window_overruns"] >= 0, window

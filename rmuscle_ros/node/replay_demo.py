@@ -489,6 +489,7 @@ def run(
             "bag_time_s": last.header.stamp.sec + last.header.stamp.nanosec * 1e-9 - t0,
             "episode_id": last.episode_id,
             "mode": MODE_NAMES[last.mode],
+            "reason": last.reason,  # why its chunk was not served cached ("" when it was)
             "hit_rate": last.hit_rate,
             "library_episodes": last.library_episodes,
             "window_entries": last.window_entries,
@@ -990,9 +991,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     if status is None:
         print("[demo] no ~/cache_status received")
     else:
+        mode = f"{status['mode']} ({status['reason']})" if status.get("reason") else status["mode"]
         print(
             f"[demo] last ~/cache_status ({clock} time {status['bag_time_s']:.1f} s): episode {status['episode_id']}, "
-            f"mode {status['mode']}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
+            f"mode {mode}, hit rate {status['hit_rate']:.2f}, library {status['library_episodes']} "
             f"episode(s) / {status['library_bytes'] / 2**20:.1f} MiB ({status['task_episodes']} of task "
             f"{status['task']!r}), window {status['window_entries']} entries"
         )
