@@ -178,6 +178,59 @@ def test_invalid_parameters_are_named(params: dict, message: str) -> None:
         node_config(params)
 
 
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        # every scene falls below a bar over 1 (cosine similarity): the cache would never serve
+        ({"cache.similarity_threshold": 1.5}, r"^cache\.similarity_threshold: must be in \[0, 1\]"),
+        # every frame would be stale: the node would drop every tick
+        ({"max_image_age_s": 0.0}, r"^max_image_age_s: must be > 0"),
+        ({"max_image_age_s": -0.25}, r"^max_image_age_s: must be > 0"),
+        ({"max_joint_age_s": 0.0}, r"^max_joint_age_s: must be > 0"),
+        # one joint listed twice: its state would be fed to the policy twice, another joint not at all
+        ({"joint_names": [*ALOHA_JOINTS[:13], ALOHA_JOINTS[0]]}, r"^joint_names: needs distinct, non-empty"),
+        ({"joint_state_topics": ["arm", "arm"]}, r"^joint_state_topics: needs distinct, non-empty"),
+        # the chunk's joint names say which joint each action drives (the streamer maps by them)
+        ({"action_joint_names": []}, r"^action_joint_names: needs distinct, non-empty"),
+        ({"action_joint_names": ["a", ""]}, r"^action_joint_names: needs distinct, non-empty"),
+        ({"action_joint_names": ["a", "a"]}, r"^action_joint_names: needs distinct, non-empty"),
+        # the exit must come after the stall is reported: equal is refused as below
+        ({"exit_after_stall_s": 2.0}, r"^exit_after_stall_s: must be 0 \(never\) or above stall_after_s"),
+        ({"min_episode_s": 1e300}, r"^min_episode_s: must be >= 0 .* and at most 3600 s"),
+        # below MIN_STALL_S (0.5 s), not only far below it
+        ({"stall_after_s": 0.4}, r"^stall_after_s: must be at least 0\.5 s"),
+        # YAML's true/false for a number: not taken as 1 or 0
+        ({"cache.top_k": True}, r"^cache\.top_k: expected int, got True"),
+        ({"error_after_drops": False}, r"^error_after_drops: expected int"),
+        ({"max_skew_s": True}, r"^max_skew_s: expected float, got True"),
+        # an infinite end would scale the gripper's state to 0 (or NaN) for every position
+        ({"gripper_state_range": [0.0, float("inf")]}, r"^gripper_state_range: needs \[closed, open\]"),
+        ({"gripper_state_range": [float("nan"), 1.0]}, r"^gripper_state_range: needs \[closed, open\]"),
+    ],
+)
+def test_more_invalid_parameters_are_named(params: dict, message: str) -> None:
+    """What a params file can get wrong that configure must refuse, naming the parameter, instead of
+    running a cell that drops every tick, feeds one joint twice or never serves from its cache (found by a
+    mutation review: each of these was accepted with its check weakened, and no test noticed)."""
+    with pytest.raises(ParameterError, match=message):
+        node_config(params)
+
+
+def test_values_wrong_by_themselves_are_no_combination_and_the_bounds_take_their_ends() -> None:
+    """`ros2 param set` on an unconfigured node takes a CombinationError with a warning (a profile loaded one
+    parameter at a time) but refuses a value wrong by itself: actions_per_inference 0 is the latter. The
+    documented ends are valid: sensor_startup_timeout_s 0 (count a silent sensor at once), exit_after_stall_s
+    just above stall_after_s, stall_after_s 0.5. Found by a mutation review."""
+    from rmuscle_ros.node.params import CombinationError
+
+    with pytest.raises(ParameterError, match=r"^actions_per_inference: must be in 1\.\.50") as e:
+        node_config({"actions_per_inference": 0})
+    assert not isinstance(e.value, CombinationError)
+    assert node_config({"sensor_startup_timeout_s": 0.0}).sensor_startup_timeout_s == 0.0
+    assert node_config({"stall_after_s": 0.5, "exit_after_stall_s": 0.6}).exit_after_stall_s == 0.6
+    assert node_config({"cache.similarity_threshold": 1.0}).cache.similarity_threshold == 1.0
+
+
 def test_delta_joint_actions_are_every_arm_joint_but_the_grippers() -> None:
     """openpi's ALOHA mask (6 joints offset, gripper absolute, per arm), from the node's joint names."""
     cfg = node_config({"delta_joint_actions": True, "model.aloha_adapt_to_pi": True})
