@@ -9,12 +9,14 @@ import itertools
 import pytest
 
 from rmuscle_ros.node.job_times import (
+    CLOCK_JUMP_RATE,
     CLOCK_RATE_EVERY_S,
     CLOCK_RATE_SPAN_S,
     JOB_MEMORY_MAX_S,
     JOB_MEMORY_S,
     ClockRate,
     JobTimes,
+    clock_jumped,
 )
 
 
@@ -161,6 +163,45 @@ def test_the_clock_rate_forgets_readings_older_than_its_span_and_reads_at_most_s
         rate.read(wall, int(1e9 * (wall if wall <= 5.0 else 5.0 + 3 * (wall - 5.0))))
     assert rate.rate() == pytest.approx(3.0, rel=0.05), "the first 5 s at 1x have left the span"
     assert rate.readings[-1][0] - rate.readings[0][0] <= CLOCK_RATE_SPAN_S
-    kept = len(rate.readings)
+    kept, last = len(rate.readings), rate.readings[-1]
     rate.read(rate.readings[-1][0] + CLOCK_RATE_EVERY_S / 2, rate.readings[-1][1] + 1)
-    assert len(rate.readings) == kept, "a reading too close to the last is not kept"
+    # (the count alone did not tell, found by a mutation review: a reading kept pushed the oldest out)
+    assert len(rate.readings) == kept and rate.readings[-1] == last, (
+        "a reading too close to the last is not kept"
+    )
+
+
+def test_a_job_that_never_fits_is_still_tried_once_every_max_memory() -> None:
+    """The back-off stops doubling at JOB_MEMORY_MAX_S: on a machine whose calls fill the period for hours,
+    the audits are still tried every 5 minutes, so that they resume once the load drops (found by a
+    mutation review: uncapped, the memory grew to hours, and the 10 minutes the other test runs never
+    reached the cap)."""
+    jobs = JobTimes(backoff=True)
+    now, starts = 0.0, []
+    while now < 3600.0:
+        now += 0.5
+        if not jobs.too_long(now, left_s=0.05):
+            starts.append(now)
+            now += 0.45
+            jobs.record(now, 0.45, overran=True)
+    assert jobs.memory_s == JOB_MEMORY_MAX_S
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert max(gaps) <= JOB_MEMORY_MAX_S + 1.0 and 3600.0 - starts[-1] <= JOB_MEMORY_MAX_S + 1.0, gaps
+
+
+def test_a_job_started_with_a_recent_time_is_no_blind_start_though_the_time_aged_meanwhile() -> None:
+    """Whether a start was blind is decided by the times known when it started (`now - seconds`), not when
+    it ended: a long job whose estimate was still fresh at its start, and had aged out by its end, does not
+    stretch the memory (found by a mutation review)."""
+    jobs = JobTimes(backoff=True)
+    jobs.times.append((0.0, 0.1))
+    jobs.record(now=JOB_MEMORY_S + 2.0, seconds=5.0, overran=True)  # started at JOB_MEMORY_S - 3: estimated
+    assert jobs.memory_s == JOB_MEMORY_S and jobs.overruns == 1
+
+
+def test_a_clock_sent_back_is_a_jump_whatever_the_wall_time() -> None:
+    """A bag played again: /diagnostics' rate on the node's clock starts over from it (found by a mutation
+    review: only the ClockRate, which checks going back itself, exercised the check)."""
+    assert clock_jumped(-0.001, 10.0) and clock_jumped(-100.0, 1.0)
+    assert not clock_jumped(0.0, 1.0) and not clock_jumped(2.0, 1.0)
+    assert clock_jumped(CLOCK_JUMP_RATE * 1.0 + 1.5, 1.0)
