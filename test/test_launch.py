@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,35 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
     # and the launch file calls it, with the streamer's section asked for only when it starts the streamer
     source = LAUNCH.read_text()
     assert "check_params_file(" in source and "OpaqueFunction(function=nodes)" in source
+
+
+def test_params_files_ros_would_not_apply_or_cannot_read_are_refused_saying_so(tmp_path) -> None:
+    """More files that would start a node on its defaults, each refused with a ValueError naming the file
+    (the launch prints it and starts nothing) rather than passed or crashing with a traceback (found by a
+    mutation review: each was let through with its check removed, no test noticing)."""
+    from rmuscle_ros.node.params_file import check_params_file, section_keys
+
+    node = ("rmuscle_node",)
+    # `/*/name` matches one namespace level only: ROS does not apply it to /a/b/rmuscle_node
+    assert "/*/rmuscle_node" not in section_keys("rmuscle_node", "a/b")
+    assert "/*/rmuscle_node" in section_keys("rmuscle_node", "a")
+    (tmp_path / "one_level.yaml").write_text("/*/rmuscle_node:\n  ros__parameters:\n    prompt: pick\n")
+    check_params_file(tmp_path / "one_level.yaml", node, "cell1")
+    with pytest.raises(ValueError, match="no section that ROS applies to rmuscle_node in namespace 'a/b'"):
+        check_params_file(tmp_path / "one_level.yaml", node, "/a/b")
+    # the parameters without their `ros__parameters:` key: ROS reads none of them
+    (tmp_path / "flat.yaml").write_text("/**/rmuscle_node:\n  prompt: pick\n")
+    with pytest.raises(ValueError, match="no section that ROS applies to rmuscle_node"):
+        check_params_file(tmp_path / "flat.yaml", node)
+    # an empty file, a list: no node sections
+    for name, text in (("empty.yaml", ""), ("list.yaml", "- rmuscle_node\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{name}: not a ROS params file")):
+            check_params_file(tmp_path / name, node)
+    # a binary file given as the profile (a bag's .db3, a model's weights)
+    (tmp_path / "weights.yaml").write_bytes(b"\xff\xfe\x00\x81 not text")
+    with pytest.raises(ValueError, match=r"weights\.yaml: not a ROS params file"):
+        check_params_file(tmp_path / "weights.yaml", node)
 
 
 def test_a_profile_taking_compressed_images_has_the_cameras_remapped_onto_their_compressed_topics(
