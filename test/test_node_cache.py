@@ -240,6 +240,58 @@ def test_an_episode_shorter_than_min_episode_s_is_not_recorded(harness) -> None:
     assert h.node.stats()["cache"]["episodes_too_short"] == 1 and h.node.stats()["errors"] == {}
 
 
+def test_min_episode_s_measures_each_episode_by_its_own_calls(harness) -> None:
+    """At the default min_episode_s (2 s) an episode whose calls span more is recorded, and the next one,
+    however short, is measured from its own first call, not the previous episode's; a discarded episode
+    says so and is not counted as too short. ~/cache_status goes out at each reset (the library grew), and
+    otherwise only every cache.status_period_s. Found by a mutation review: the harness's min_episode_s 0
+    hid an episode's stamps never reset (a fragment after a long episode was recorded), an episode always
+    measured as one call (nothing ever recorded at the default), and neither the reset's own status nor
+    the status period was checked."""
+    from rclpy.parameter import Parameter
+
+    h = harness(**CACHE, min_episode_s=2.0, **{"cache.status_period_s": 3600.0})
+    statuses = _statuses(h)
+    _start(h)
+    node = h.node
+
+    def span_s() -> float:
+        stamps = node._episode_stamps
+        return 0.0 if stamps is None else (stamps[1] - stamps[0]) / 1e9
+
+    assert h.feed_until(lambda: span_s() >= 2.1), f"span {span_s():.2f} s; drops {h.drops()}"
+    assert statuses == [], "no status before the first status period (an hour) but at a reset"
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.success and reply.message == "episode 1 (episode 0 recorded as library episode 0)", (
+        reply.message
+    )
+
+    def reset_said() -> bool:
+        return any(s.episode_id == 1 and s.library_episodes == 1 for s in statuses)
+
+    assert h.wait_for(reset_said, timeout=10.0), [(s.episode_id, s.library_episodes) for s in statuses]
+
+    # another task, so that the episode runs dense (a repeat of episode 0 would be served cached, and a
+    # cached episode is not recorded whatever its length)
+    assert node.set_parameters([Parameter("prompt", value="sort the screws")])[0].successful
+    assert h.feed_until(lambda: len(_episode(h, 1)) >= 1), f"drops {h.drops()}"
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.message.startswith("episode 2 (episode 1 was not recorded: its calls' observations span "), (
+        reply.message
+    )
+    assert "under min_episode_s 2 s" in reply.message, reply.message
+    assert node.stats()["cache"]["episodes_too_short"] == 1
+
+    assert h.feed_until(lambda: len(_episode(h, 2)) >= 1), f"drops {h.drops()}"
+    discard = h.peer.create_client(Trigger, f"/{node.get_name()}/discard_episode")
+    assert h.call(discard, Trigger.Request()).success
+    reply = h.call(h.reset, Trigger.Request())
+    assert reply.message == "episode 3 (episode 2 was discarded, not recorded)", reply.message
+    cache = node.stats()["cache"]
+    assert (cache["episodes_too_short"], cache["episodes_discarded"]) == (1, 1), cache
+    assert _cache_status(node)["library_episodes"] == 1 and node.stats()["errors"] == {}
+
+
 def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     """The prompt names the task, and muscle memory is per task: after `ros2 param set … prompt` to another
     task on the same bench, calls run dense (and the episode is recorded under the new task) instead of
