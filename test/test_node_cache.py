@@ -1014,3 +1014,53 @@ def test_parameters_set_at_run_time_apply_live_or_are_refused_saying_why(harness
     assert not bad.successful and bad.reason.startswith("max_skew_s: must be > 0")
     assert node.get_parameter("cache.rho_p").value == 0.3 and node.get_parameter("max_skew_s").value == 0.3
     assert node.policy.rmuscle.cfg.rho_p == 0.3 and node.stats()["errors"] == {}
+
+
+def test_every_live_parameter_applies_on_a_configured_node_and_a_mismatch_is_refused(harness) -> None:
+    """Each of LIVE_PARAMETERS set alone on a configured node (`ros2 param set`) is taken and in effect
+    from the next call; one that does not go with the others as they are now is refused naming both, and
+    nothing changes (unconfigured it would be taken with a warning, for a profile loaded one parameter at a
+    time). Found by a mutation review: error_after_drops could leave the live set, and a configured node
+    could answer success to a mismatched value it never applied."""
+    from rclpy.parameter import Parameter
+
+    from rmuscle_ros.node.rmuscle_node import LIVE_PARAMETERS
+
+    h = harness(**CACHE)
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    node = h.node
+    values = {
+        "prompt": "place the cup",
+        "max_image_age_s": 0.5,
+        "max_joint_age_s": 0.4,
+        "max_skew_s": 0.3,
+        "sensor_startup_timeout_s": 0.0,
+        "error_after_drops": 3,
+        "stall_after_s": 3.0,
+        "exit_after_stall_s": 10.0,
+        "min_episode_s": 1.5,
+        "cache.similarity_threshold": 0.7,
+        "cache.record": False,
+        "cache.rebuilds_per_tick": 3,
+        "cache.task": "tidy the bench",
+        "cache.audit_every": 2,
+        "cache.audit_max_error": 0.5,
+    }
+    assert set(values) == set(LIVE_PARAMETERS), "a value for each live parameter"
+    for name, value in values.items():
+        result = node.set_parameters([Parameter(name, value=value)])[0]
+        assert result.successful, (name, result.reason)
+        holder = node.cfg.cache if name.startswith("cache.") else node.cfg
+        assert getattr(holder, name.removeprefix("cache.")) == value, name
+    runtime = node.policy.rmuscle.cfg
+    assert (runtime.threshold, runtime.record, runtime.rebuilds_per_tick) == (0.7, False, 3)
+    assert (runtime.audit_every, runtime.audit_max_error) == (2, 0.5)
+    assert node._buffer.limits.max_image_age_ns == 500_000_000
+
+    mismatch = node.set_parameters([Parameter("exit_after_stall_s", value=2.5)])[0]
+    assert not mismatch.successful, "at or below stall_after_s (3 s): refused while configured"
+    assert mismatch.reason.startswith("exit_after_stall_s: must be 0 (never) or above stall_after_s"), (
+        mismatch.reason
+    )
+    assert node.get_parameter("exit_after_stall_s").value == 10.0 and node.cfg.exit_after_stall_s == 10.0
+    assert node.stats()["errors"] == {}
