@@ -376,11 +376,15 @@ def test_lifecycle_services_and_chunks(harness, engine: dict) -> None:
 
 
 def test_compressed_images_trajectory_and_diagnostics(harness) -> None:
-    h = harness(compressed=True, publish_joint_trajectory=True)
+    # Action joints named apart from the state's (a cell commanding its own controllers' joints): the chunk
+    # and the trajectory name what the actions drive, action_joint_names (found by a mutation review: with
+    # the two alike in every test, joint_names in their place passed)
+    actions = [f"{joint}_command" for joint in ALOHA_JOINTS]
+    h = harness(compressed=True, publish_joint_trajectory=True, action_joint_names=actions)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) >= 2 and len(h.trajectories) >= 2), f"drops {h.drops()}"
     traj = h.trajectories[0]
-    assert list(traj.joint_names) == list(ALOHA_JOINTS) and len(traj.points) == 50
+    assert list(traj.joint_names) == actions == list(h.chunks[0].joint_names) and len(traj.points) == 50
     # Row i is due i periods after the observation, as the streamer executes it (it was one period late).
     assert [traj.points[i].time_from_start.nanosec for i in (0, 1)] == [0, 20_000_000]
     assert np.allclose(traj.points[0].positions, np.asarray(h.chunks[0].actions[:14]), atol=1e-6)
