@@ -313,6 +313,11 @@ def test_each_task_is_served_from_its_own_episodes(harness) -> None:
     )
     status = _cache_status(node)
     assert (status["task"], status["task_episodes"], status["library_episodes"]) == ("sort the screws", 0, 1)
+    # and ~/cache_status says so, once a motion window has stored the status (found by a mutation review:
+    # the library's episodes in place of the task's passed, the two alike everywhere else)
+    assert h.feed_until(lambda: node.stats()["cache"]["task"] == "sort the screws"), node.stats()["cache"]
+    msg = node._cache_status_message()
+    assert (msg.task, msg.task_episodes, msg.library_episodes) == ("sort the screws", 0, 1), msg
 
     # Back to the first task (the harness's prompt), midway through the episode.
     assert node.set_parameters([Parameter("prompt", value="pick")])[0].successful
@@ -513,8 +518,30 @@ def test_an_audit_yields_to_a_callback_waiting_for_the_policy(harness) -> None:
 
     # The skipped audit is counted missed at the next cached call, which is audited instead.
     assert policy.infer(obs).cache_mode == "cached" and policy.cache_status()["audits_missed"] == 1
+    # The next observation falls due while that audit runs: it delayed a call, counted as a window overrun,
+    # and (a blind start: no audit's time known yet) audits are then tried half as often. ~/cache_status
+    # has both counts once the window after it stores the status. Found by a mutation review: the
+    # overrun could go unrecorded, the audits' overruns left out of window_overruns, and CacheStatus
+    # carry the audits in place of the missed ones.
+    audit = policy.audit_cache
+
+    def audit_as_the_observation_falls_due() -> Any:
+        node._tick.set()
+        return audit()
+
+    policy.audit_cache = audit_as_the_observation_falls_due
     node._audit_cache(node.cfg, policy, node.episode_id)
+    node._tick.clear()
+    policy.audit_cache = audit
     assert policy.cache_status()["audits"] == 1 and node.stats()["errors"] == {}
+    assert node._audit_s.overruns == 1 and node._audit_s.memory_s == 2 * JOB_MEMORY_S
+    assert policy.infer(obs).cache_mode == "cached"
+    node._audit_cache(node.cfg, policy, node.episode_id)  # one that ends in time: the memory is back
+    assert node._audit_s.overruns == 1 and node._audit_s.memory_s == JOB_MEMORY_S
+    node._rebuild_cache(policy)
+    assert node.stats()["cache"]["window_overruns"] == 1
+    msg = node._cache_status_message()
+    assert (msg.audits, msg.audits_missed, msg.audit_trips) == (2, 1, 0), msg
 
 
 def test_a_motion_window_s_cache_status_never_replaces_a_reset_s(harness) -> None:
