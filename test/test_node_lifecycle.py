@@ -1190,6 +1190,39 @@ def _said_fatal(h: Harness, pattern: str) -> bool:
     return h.wait_for(lambda: any(said.search(log.msg) and log.level == Log.FATAL for log in h.logs), 5.0)
 
 
+def test_a_pause_of_the_whole_process_is_no_stall_for_the_exit(harness, monkeypatch) -> None:
+    """A process paused (SIGSTOP, `docker pause`, a debugger) and resumed finds a tick that has waited all
+    that time, but the worker had no time to go on either: the watchdog skips its late look and counts the
+    stall from the resume, so exit_after_stall_s ends the process only if the stall lasts that long after
+    it (found by a mutation review: with the late look not skipped, or the stall counted from the tick,
+    a node paused for 9 s was ended at once on its resume). Driven on the watchdog's loop with a stepped
+    clock: looks every WATCHDOG_PERIOD_S, one 9 s late."""
+    from types import SimpleNamespace
+
+    from rmuscle_ros.node.params import node_config
+
+    h = harness()
+    node, clock, ended = h.node, [0.0], []
+    steps = iter([node_module.WATCHDOG_PERIOD_S] * 4 + [9.0] + [node_module.WATCHDOG_PERIOD_S] * 40)
+
+    def wait(timeout: float) -> bool:
+        step = next(steps, None)
+        if step is None:
+            return True  # stopped
+        clock[0] += step
+        return False
+
+    monkeypatch.setattr(node_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(node._watchdog_stop, "wait", wait)
+    monkeypatch.setattr(node, "_end_stalled", lambda what, doing, limit: ended.append((clock[0], what)))
+    monkeypatch.setattr(node, "cfg", node_config({"exit_after_stall_s": 3.0}))
+    monkeypatch.setattr(node, "_tick_waiting_since", 0.0)  # a tick waits from the start on
+    node._watch_for_stalls()
+    # 1 s of stall, a 9 s pause (resumed at 10 s), then 3 s of stall after the resume: the exit at 13 s
+    assert [at for at, _ in ended] == [13.0], ended
+    assert ended[0][1].startswith("a tick has waited 13.0 s for the inference worker"), ended
+
+
 def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(harness, monkeypatch) -> None:
     """With exit_after_stall_s, a tick that has waited that long for a hung call ends the process (status
     70, a fatal log naming the stall, /diagnostics saying so first): the node cannot end the call, and a
