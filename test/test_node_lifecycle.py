@@ -1103,6 +1103,55 @@ def _hold_calls(engine: Any) -> tuple[threading.Event, threading.Event]:
     return entered, release
 
 
+def test_each_warning_alone_turns_diagnostics_to_warn(harness) -> None:
+    """/diagnostics says WARN for each of these on its own, with no drop beside it: an error the node
+    survived (a reset refused), a second publisher on an input topic, ticks that fell due while the worker
+    was busy. Found by a mutation review: in the tests each came with another warning (drops, the refused
+    reset's error), so dropping any one from the level passed, and an operator watching the level would
+    have seen OK."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    ok, warn = DiagnosticStatus.OK, DiagnosticStatus.WARN
+    # no sensor: the ticks wait, no drops; one tick a second: none merges unless the test holds the worker
+    h = harness(sensor_startup_timeout_s=3600.0, actions_per_inference=50, control_period_s=0.02)
+
+    def status() -> DiagnosticStatus:
+        return h.node._diagnostics().status[0]
+
+    assert h.transition(Transition.TRANSITION_CONFIGURE), h.node.last_error
+    assert status().level == ok, status()
+    # An error alone: a reset refused while the policy is held (a hung call) past stall_after_s.
+    assert h.node._policy_lock.acquire(timeout=10.0)
+    try:
+        assert h.node.reset_episode() == 0
+    finally:
+        h.node._policy_lock.release()
+    assert h.node.stats()["errors"] == {"reset": 1} and status().level == warn, status()
+
+    assert h.transition(Transition.TRANSITION_CLEANUP) and h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    assert status().level == ok, status()
+    # A second publisher on a joint-state topic alone.
+    other = rclpy.create_node("second_joint_publisher", context=h.context)
+    try:
+        other.create_publisher(JointState, JOINT_TOPICS[1], qos_profile_sensor_data)
+        assert h.wait_for(lambda: "2 publishers on" in status().message, timeout=10.0), status()
+        assert status().level == warn, status()
+    finally:
+        other.destroy_node()
+    assert h.wait_for(lambda: status().level == ok, timeout=10.0), status()
+    # A tick merged behind a busy worker alone: the policy held across a tick (a call over the period).
+    assert h.node._policy_lock.acquire(timeout=10.0)
+    try:
+        assert h.wait_for(lambda: h.node.stats()["ticks_merged"] >= 1, timeout=10.0), h.node.stats()
+    finally:
+        h.node._policy_lock.release()
+    assert h.wait_for(lambda: h.node.stats()["stalled_s"] == 0.0, timeout=10.0)
+    stats = h.node.stats()
+    assert stats["drops"] == {} and stats["errors"] == {}, stats
+    assert status().level == warn and "fell due while the worker was still busy" in status().message, status()
+
+
 def test_a_call_that_does_not_return_turns_diagnostics_to_error_until_it_does(harness) -> None:
     """A hung call (a GPU that stops answering, a deadlock) gives no chunk and no drop: the ticks wait for
     the worker. /diagnostics says ERROR once a tick has waited stall_after_s, naming what the worker runs,
