@@ -75,12 +75,40 @@ def test_resize_custom_size_and_degenerate_aspect() -> None:
         (np.zeros((224, 224, 4), dtype=np.uint8), "shape"),
         (np.zeros((224, 224, 3), dtype=np.float32), "dtype"),
         (np.zeros((0, 5, 3), dtype=np.uint8), "1x1"),
+        (np.zeros((5, 0, 3), dtype=np.uint8), "1x1"),  # found by a mutation review: a RuntimeError from torch
         ([[[0, 0, 0]]], "numpy array"),
     ],
 )
 def test_resize_rejects_bad_images(image: np.ndarray, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         resize_with_pad(image)
+
+
+@pytest.mark.parametrize("size", [0, -224, True, 224.0])
+def test_resize_rejects_a_size_that_is_no_positive_int(size: object) -> None:
+    """A bad output size is refused naming it, not met by a ZeroDivisionError or a float-sized buffer
+    (found by a mutation review: size 0 passed the check and divided by zero)."""
+    with pytest.raises(ValueError, match="size must be a positive int"):
+        resize_with_pad(_random_image(4, 6), size=size)  # type: ignore[arg-type]
+
+
+def test_resize_truncates_like_the_reference_and_pads_the_odd_row_and_column_last() -> None:
+    """A 225 x 225 frame fits as 223 x 223 (openpi's and LeRobot's int truncation, not rounding), and the
+    one padded row and column go to the bottom and right: the checkpoint sees the pixel grid it was
+    trained on, not one a row or column off. Found by a mutation review (rounding, or the odd row on
+    top, passed the suite)."""
+    out = resize_with_pad(np.full((225, 225, 3), 200, dtype=np.uint8))
+    assert (out[:223, :223] == 200).all()
+    assert not out[223].any() and not out[:, 223].any()
+
+
+def test_resize_keeps_one_column_of_a_one_pixel_wide_image() -> None:
+    """The transposed case of 1 x 1000: a 1000 x 1 frame keeps one column, centered, rather than failing
+    on a zero-width resize (found by a mutation review: only the height's guard was tested)."""
+    out = resize_with_pad(np.full((1000, 1, 3), 90, dtype=np.uint8))
+    assert out.shape == (224, 224, 3)
+    assert np.flatnonzero(out.any(axis=(0, 2))).tolist() == [111]
+    assert (out[:, 111] == 90).all()
 
 
 # --- image_to_model ----------------------------------------------------------------------------
@@ -321,6 +349,13 @@ def test_build_prompt_rejects_float_state() -> None:
         build_prompt("task", np.array([0.5]))
 
 
+def test_build_prompt_rejects_a_state_that_is_not_one_row() -> None:
+    """A (2, 7) array of bins would be written into the prompt as nested lists ("[1, 2, ...]"), text the
+    checkpoint never saw: refused instead (found by a mutation review)."""
+    with pytest.raises(ValueError, match="1-D integer array"):
+        build_prompt("task", np.zeros((2, 7), dtype=np.int64))
+
+
 def test_tokenize_prompt_pads_right() -> None:
     tokenizer = ByteTokenizer()
     result = tokenize_prompt(tokenizer, "ab", max_len=6)
@@ -341,6 +376,22 @@ def test_tokenize_prompt_truncates_and_flags() -> None:
     assert result.tokens.tolist() == [2, 3 + 97, 3 + 98, 3 + 99]
     assert result.mask.all()
     assert result.truncated and result.num_tokens == 7
+
+
+def test_tokenize_prompt_keep_longer_than_max_len_keeps_max_len() -> None:
+    """`keep` (the checkpoint's trained prompt length) past `max_len` cuts at max_len, flagged, instead of
+    failing to fit the tokens into the row (found by a mutation review)."""
+    result = tokenize_prompt(ByteTokenizer(), "abcdef", max_len=4, keep=10)
+    assert result.tokens.tolist() == [2, 3 + 97, 3 + 98, 3 + 99]
+    assert result.mask.all() and result.truncated and result.num_tokens == 7
+
+
+@pytest.mark.parametrize(("max_len", "keep"), [(0, None), (4, 0), (True, None), (4, 2.0)])
+def test_tokenize_prompt_rejects_lengths_that_are_no_positive_int(max_len: object, keep: object) -> None:
+    """A zero-length prompt row would run the model on no tokens at all: refused naming the argument
+    (found by a mutation review: 0 passed the check)."""
+    with pytest.raises(ValueError, match="must be a positive int"):
+        tokenize_prompt(ByteTokenizer(), "ab", max_len=max_len, keep=keep)  # type: ignore[arg-type]
 
 
 def test_tokenized_prompt_validates_consistency() -> None:
