@@ -74,6 +74,10 @@ def test_reused_image_buffer_carries_nothing_over(policy: Policy) -> None:
         ),
         (lambda o: Observation({}, o.state, o.prompt), "no camera image"),
         (lambda o: Observation(o.images, o.state[:7], o.prompt), r"state must have shape \(14,\)"),
+        (  # found by a mutation review: 14 values in the wrong shape reached the prompt's builder
+            lambda o: Observation(o.images, o.state.reshape(2, 7), o.prompt),
+            r"state must have shape \(14,\), got \(2, 7\)",
+        ),
         (lambda o: Observation(o.images, np.full(14, np.nan, np.float32), o.prompt), "NaN"),
         # found in review: a raw AttributeError / UnicodeEncodeError, or a silent cast
         (lambda o: Observation(o.images, o.state, None), "prompt must be text \\(str\\), got NoneType"),
@@ -152,6 +156,10 @@ def test_read_only_model_sized_frames_take_no_copy_warning(policy: Policy) -> No
         ("dtype", "float16"),
         ("state_dim", 40),
         ("cameras", ("a", "a")),
+        # found by a mutation review: a bad device raised a bare RuntimeError from Policy, no cameras ran
+        # until the first call refused every observation
+        ("device", "gpu"),
+        ("cameras", ()),
     ],
 )
 def test_invalid_config_names_the_field(field: str, value) -> None:
@@ -278,3 +286,69 @@ def test_a_cell_without_a_base_camera_fills_the_wrist_slots(backend: str) -> Non
 def test_camera_slots_are_checked(slots: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PolicyConfig(cameras=("left_wrist_0_rgb", "right_wrist_0_rgb"), camera_slots=slots)
+
+
+def test_a_missing_base_camera_masks_its_slot_not_the_last_one(policy: Policy) -> None:
+    """With the base camera missing, slot 0 is masked (and black) and both wrists' slots are seen: the mask
+    follows the slots the cameras fill, not their count (found by a mutation review: masking the first
+    len(present) slots passed the suite, so the model would read the black base image and drop the right
+    wrist)."""
+    obs = synthetic_observation(policy.cfg, "x", seed=5, cameras=("cam_left_wrist", "cam_right_wrist"))
+    inputs, _, _ = policy.preprocess(obs)
+    assert inputs.image_masks.tolist() == [[False, True, True]]
+    assert (inputs.images[0, 0] == -1.0).all() and not (inputs.images[0, 2] == -1.0).all()
+
+
+def test_image_antialias_reaches_the_images_the_model_sees() -> None:
+    """model.image_antialias (openpi checkpoints, trained on PIL's smoothing resize) changes the images the
+    policy feeds the model, exactly as image_to_model_padded(antialias=True) makes them (found by a
+    mutation review: the setting could be dropped on the way without a test noticing)."""
+    from rmuscle_ros.runtime.transforms import image_to_model_padded
+
+    smooth = Policy(PolicyConfig(cameras=CAMERAS, image_antialias=True))
+    obs = synthetic_observation(smooth.cfg, "x", seed=6)
+    images = smooth.preprocess(obs)[0].images[0]
+    for slot, name in enumerate(CAMERAS):
+        expected = image_to_model_padded(obs.images[name], antialias=True)
+        assert torch.equal(images[slot], expected)
+        assert not torch.equal(images[slot], image_to_model_padded(obs.images[name]))
+
+
+def test_a_robot_with_fewer_action_dims_than_state_dims_gets_chunks_of_its_action_dim() -> None:
+    """state_dim 10, action_dim 7 (a robot whose state holds more than it commands): chunks are (horizon, 7),
+    and the warm-up's synthetic observation carries a 10-value state (found by a mutation review: both dims
+    were 14 in every test, so slicing the actions by state_dim, or sizing the synthetic state by action_dim,
+    passed)."""
+    policy = Policy(PolicyConfig(cameras=CAMERAS, state_dim=10, action_dim=7))
+    obs = synthetic_observation(policy.cfg, "x")
+    assert obs.state.shape == (10,)
+    assert policy.infer(obs).actions.shape == (50, 7)
+
+
+def test_reseeding_the_noise_replays_the_chunks_of_that_seed() -> None:
+    """PolicyConfig.seed seeds the noise of calls without `noise`, and reseed_noise(seed) starts that stream
+    again: a benchmark that reseeds per episode gets the same chunks call for call (found by a mutation
+    review: a reseed that did nothing, or a seed the noise ignored, passed the suite)."""
+    policy = Policy(PolicyConfig(cameras=CAMERAS, seed=3))
+    obs = synthetic_observation(policy.cfg, "x", seed=7)
+    first = [policy.infer(obs).actions for _ in range(2)]
+    assert not np.array_equal(first[0], first[1])  # each call draws new noise
+    policy.reseed_noise(3)
+    assert all(np.array_equal(policy.infer(obs).actions, chunk) for chunk in first)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_embeds_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer whose ids run past the preset's embedding table (PaliGemma's tokenizer.model with the
+    tiny preset, say) is refused when the policy is made, naming both sizes, not met by an index error in
+    the first call's embedding lookup (found by a mutation review: dropping the check passed the suite)."""
+    from rmuscle_ros.models.tokenizer import ByteTokenizer
+    from rmuscle_ros.runtime import policy as policy_module
+
+    class WideTokenizer(ByteTokenizer):
+        @property
+        def vocab_size(self) -> int:
+            return 1000
+
+    monkeypatch.setattr(policy_module, "load_tokenizer", lambda path: WideTokenizer())
+    with pytest.raises(ValueError, match=r"tokenizer: vocabulary 1000 exceeds the model's 320"):
+        Policy(PolicyConfig(cameras=CAMERAS))
