@@ -257,6 +257,24 @@ def test_a_truncated_safetensors_file_is_not_called_a_pickle(saved, tmp_path: Pa
     assert "pickle" not in str(e.value)
 
 
+def test_a_truncated_small_safetensors_file_that_begins_like_a_pickle_is_not_called_one(
+    tmp_path: Path,
+) -> None:
+    """The case the test above cannot reach with the tiny checkpoint's long header: a header of 0x380 bytes
+    makes the file begin b"\\x80\\x03", a pickle's PROTO 3, and the file cut off is still named truncated,
+    not a pickle (found by a mutation review: skipping the header check passed the suite)."""
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(64)}, str(path))
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + length] + b" " * (0x380 - length)  # trailing spaces pad a safetensors header
+    path.write_bytes(((0x380).to_bytes(8, "little") + header + data[8 + length :])[:-16])
+    assert path.read_bytes()[:2] == b"\x80\x03"
+    with pytest.raises(CheckpointError, match="corrupt or truncated") as e:
+        load_model(get_preset("tiny"), str(path))
+    assert "pickle" not in str(e.value)
+
+
 def test_git_lfs_pointer_is_named(tmp_path: Path) -> None:
     pointer = tmp_path / "model.safetensors"
     pointer.write_bytes(
