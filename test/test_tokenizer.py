@@ -53,7 +53,8 @@ def test_sentencepiece_roundtrip_with_bos(spm_model: Path) -> None:
 
 def test_sentencepiece_missing_file_names_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "tokenizer.model"
-    with pytest.raises(ValueError, match=re.escape("nope/tokenizer.model")):
+    # "does not exist", not a parse error (found by a mutation review: only the path was matched)
+    with pytest.raises(ValueError, match=re.escape("nope/tokenizer.model") + " does not exist"):
         SentencePieceTokenizer(missing)
 
 
@@ -63,3 +64,39 @@ def test_sentencepiece_garbage_file_names_path(tmp_path: Path) -> None:
     garbage.write_bytes(b"this is not a protobuf")
     with pytest.raises(ValueError, match=r"garbage\.model.*not a SentencePiece model"):
         load_tokenizer(str(garbage))
+
+
+def _train_sentencepiece(prefix: Path, **special_ids: int) -> Path:
+    """A small SentencePiece model with SentencePiece's own default special ids (unk 0, bos 1, eos 2, no
+    pad piece) unless `special_ids` say otherwise."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    text = ["Task: pick up the cube, State: 1 22 128 255;\nAction: ", "fold the towel 0123456789"] * 20
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_prefix=str(prefix),
+        vocab_size=60,
+        model_type="bpe",
+        minloglevel=2,
+        **special_ids,
+    )
+    return Path(f"{prefix}.model")
+
+
+def test_sentencepiece_without_a_pad_piece_pads_with_id_0(tmp_path: Path) -> None:
+    """A tokenizer trained with SentencePiece's defaults has no pad piece (pad_id -1): padded prompt slots get
+    id 0, which the embedding can look up (the mask hides it), never -1 (found by a mutation review:
+    passing -1 through passed the suite)."""
+    from rmuscle_ros.runtime.transforms import tokenize_prompt
+
+    tokenizer = SentencePieceTokenizer(_train_sentencepiece(tmp_path / "no_pad"))
+    assert (tokenizer.bos_id, tokenizer.pad_id) == (1, 0)
+    prompt = tokenize_prompt(tokenizer, "pick", max_len=16)
+    assert prompt.tokens[0] == 1 and (prompt.tokens[~prompt.mask] == 0).all() and (prompt.tokens >= 0).all()
+
+
+def test_sentencepiece_without_a_bos_piece_is_refused(tmp_path: Path) -> None:
+    """Without a BOS piece every prompt would start one token early against the checkpoint's training: the
+    file is refused naming it (found by a mutation review: no test covered the refusal)."""
+    path = _train_sentencepiece(tmp_path / "no_bos", bos_id=-1)
+    with pytest.raises(ValueError, match=r"no_bos\.model defines no BOS piece \(bos_id = -1\)"):
+        load_tokenizer(path)
