@@ -287,3 +287,116 @@ def test_a_sidecar_whose_plan_is_gone_is_pruned_not_kept_as_another_file(cache: 
     assert [v.export for v in old] == [engine_cache.UNKNOWN]
     _, failed = engine_cache.prune(old)
     assert failed == [] and not plan.with_suffix(".json").exists()
+
+
+def test_the_command_lines_prune_keeps_what_a_running_engine_leases_and_holds_the_lock_throughout(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node on the Jetson runs on version a (40 days old) while someone types `engine_cache prune`:
+    the command reads the leases and keeps a, and holds the cache's lock exclusively until its last
+    removal, so no engine takes a lease between the read and the removal. Found by a mutation review: the
+    command's own lease read and lock mode were untested (to_prune's were)."""
+    import fcntl
+
+    lease = engine_cache.hold(cache, "a" * 16)
+    assert lease is not None
+    seen: list[str] = []
+    remove = engine_cache.prune
+
+    def prune_checking_the_lock(versions):  # an engine's hold() takes the lock shared: it must wait now
+        fd = os.open(cache / engine_cache.INUSE / ".lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            seen.append("a lease could be taken mid-prune")
+        except BlockingIOError:
+            seen.append("locked")
+        finally:
+            os.close(fd)
+        return remove(versions)
+
+    monkeypatch.setattr(engine_cache, "prune", prune_checking_the_lock)
+    try:
+        assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "1"]) == 0
+    finally:
+        lease.close()
+    assert seen == ["locked"]
+    left = [v.export for v in engine_cache.scan(cache).versions]
+    assert left == ["c" * 16, "a" * 16], "the leased version stays, the unleased b goes"
+
+
+def test_the_command_line_says_when_it_cannot_prune(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit status 1, and why, when a file could not be removed (a script or cron job running the prune
+    sees the failure), and when the cache's lock cannot be taken (nothing is removed then: the leases of
+    running engines cannot be read safely). Found by a mutation review."""
+    unlink = Path.unlink
+    doomed = next(p for p in (cache / "tensorrt").glob("*.plan") if (
+        json.loads(p.with_suffix(".json").read_text())["key"]["export"] == "a" * 16
+    ))  # fmt: skip
+
+    def refuse_one(self: Path, missing_ok: bool = False) -> None:
+        if self == doomed:
+            raise PermissionError(13, "Permission denied")
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_one)
+    assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "2"]) == 1
+    assert f"could not remove {doomed}: [Errno 13] Permission denied" in capsys.readouterr().err
+    monkeypatch.setattr(Path, "unlink", unlink)
+
+    # The leases' folder cannot be made (here a file sits at its name, as on a read-only volume it
+    # cannot be created): nothing is removed.
+    for entry in (cache / engine_cache.INUSE).iterdir():
+        entry.unlink()
+    (cache / engine_cache.INUSE).rmdir()
+    (cache / engine_cache.INUSE).write_text("")
+    before = [v.export for v in engine_cache.scan(cache).versions]
+    assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "1"]) == 1
+    assert "nothing removed" in capsys.readouterr().err
+    assert [v.export for v in engine_cache.scan(cache).versions] == before
+
+
+def test_a_plan_whose_sidecar_is_not_written_yet_is_left_and_another_users_lease_is_held(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PlanCache.store renames the plan into place, then its sidecar: a plan without one that was just
+    written is a build finishing right now, and stays until the quiet period is over. And a lease this
+    user cannot open (another user's engine sharing the cache) is taken as held: its version stays.
+    Found by a mutation review."""
+    fresh = cache / "tensorrt" / f"denoise-{'f' * 20}.plan"
+    fresh.write_bytes(b"being stored")
+    old = engine_cache.to_prune(engine_cache.scan(cache), keep=3)
+    assert all(fresh not in v.plans for v in old)
+    later = time.time() + onnx_export.LEFTOVER_QUIET_S + 60
+    old = engine_cache.to_prune(engine_cache.scan(cache), keep=3, now=later)
+    assert any(fresh in v.plans for v in old)
+
+    lease = cache / engine_cache.INUSE / f"{'a' * 16}.{engine_cache.EXPORT_ONLY}.4242"
+    lease.parent.mkdir(exist_ok=True)
+    lease.write_text("")
+    open_ = os.open
+
+    def another_users(path, flags, *args):  # running as root here, so a mode cannot refuse it
+        if Path(path) == lease:
+            raise PermissionError(13, "Permission denied", str(path))
+        return open_(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", another_users)
+    held = engine_cache.leases(cache)
+    assert held == {("a" * 16, engine_cache.EXPORT_ONLY)} and lease.exists()
+    assert "a" * 16 not in [
+        v.export for v in engine_cache.to_prune(engine_cache.scan(cache), keep=1, held=held)
+    ]
+
+
+def test_keep_zero_prunes_every_version_no_engine_leases(cache: Path) -> None:
+    """`prune --keep 0` empties the cache of everything not in use (a full disk on the Jetson); a running
+    engine's version stays. Found by a mutation review (keep 0 was untested)."""
+    lease = engine_cache.hold(cache, "c" * 16)
+    assert lease is not None
+    try:
+        assert engine_cache.main(["--cache-dir", str(cache), "prune", "--keep", "0"]) == 0
+    finally:
+        lease.close()
+    assert [v.export for v in engine_cache.scan(cache).versions] == ["c" * 16]
