@@ -51,6 +51,9 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
     trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
     trt.__version__ = "10.13.0-stand-in"
     trt.fail, trt.built, trt.log, trt.addresses, trt.loggers = set(), [], [], [], []
+    # What the builder was asked for: each network's creation flags, each config's workspace limit; and
+    # the stages whose file the parser rejects (as for an operator it does not know).
+    trt.network_flags, trt.workspaces, trt.unparsable = [], [], set()
 
     class Logger:
         WARNING = 2
@@ -83,17 +86,26 @@ def stand_in_tensorrt(reference: Pi05Model) -> types.ModuleType:
 
         def parse_from_file(self, path: str) -> bool:
             self.network.stage = Path(path).name.removesuffix(".onnx")
+            if self.network.stage in trt.unparsable:
+                self.num_errors = 1
+                return False
             return True
+
+        def get_error(self, i: int) -> str:
+            return "In node 7 (importGelu): UNSUPPORTED_NODE"
 
     class Builder:
         def __init__(self, logger: Logger) -> None:
             trt.loggers.append(logger)
 
         def create_network(self, flags: int) -> types.SimpleNamespace:
+            trt.network_flags.append(flags)
             return types.SimpleNamespace(stage=None)
 
         def create_builder_config(self) -> types.SimpleNamespace:
-            config = types.SimpleNamespace(profile={}, set_memory_pool_limit=lambda pool, size: None)
+            config = types.SimpleNamespace(
+                profile={}, set_memory_pool_limit=lambda pool, size: trt.workspaces.append((pool, size))
+            )
             config.add_optimization_profile = lambda profile: config.profile.update(profile.shapes)
             return config
 
@@ -234,10 +246,12 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     _Stream.waits.clear()
     fake.exports = 0
     fake.refuse_plans = False
+    fake.forced = []
 
     def ensure_export(model: Pi05Model, cache_dir: Path, *, weights: str, force: bool = False) -> Path:
         assert model is not None, "the export needs the model's weights"
         fake.exports += 1
+        fake.forced.append(force)
         key = onnx_export.export_key(model.cfg, weights, onnx_export.dtype_name(model))
         (Path(cache_dir) / key.digest()).mkdir(parents=True, exist_ok=True)
         return Path(cache_dir) / key.digest()
@@ -449,3 +463,113 @@ def test_the_node_says_which_bucket_its_prompt_runs_at_and_what_to_set() -> None
     )
     tuned, note = prompt_bucket_note(70, buckets, 64)
     assert not tuned and "runs at the 96-token bucket" in note and "set it to 96" in note
+
+
+def test_a_plan_is_loaded_only_by_the_tensorrt_gpu_and_profile_it_was_built_for(
+    trt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JetPack upgrade (another TensorRT), another GPU or compute capability sharing the cache, another
+    `trt_opt_prompt_len` or workspace: each gets plans of its own, never one built for the others (a
+    TensorRT plan is specific to all of them). Found by a mutation review: dropping any of these from the
+    plans' key left the suite passing, and a stale plan would have been loaded."""
+    from rmuscle_ros.engine.tensorrt import PlanCache
+
+    cache = PlanCache(tmp_path / "tensorrt")
+
+    def paths(**options: Any) -> list[Path]:
+        engine = TensorRTEngine(tiny_model(), device=torch.device("cpu"), cache_dir=tmp_path, **options)
+        return [cache.path(key) for key in engine._plan_keys().values()]
+
+    seen = [paths()]
+    seen.append(paths(opt_prompt_len=96))
+    seen.append(paths(workspace_gib=8.0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 1))
+    seen.append(paths())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Jetson AGX Orin")
+    seen.append(paths())
+    monkeypatch.setattr(trt, "__version__", "10.14.0-stand-in")
+    seen.append(paths())
+    every = [p for ps in seen for p in ps]
+    assert len(set(every)) == len(every) == 3 * len(seen)
+
+
+def test_the_builders_code_digest_follows_its_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans' key holds the digest of tensorrt.py's source, so an update that changes how plans are
+    built (flags, profiles) builds them again on the Jetson. Found by a mutation review: the test above
+    replaces the digest function, so a digest that ignored the source passed."""
+    from rmuscle_ros.engine import tensorrt as trt_engine
+
+    source = tmp_path / "tensorrt.py"
+    source.write_text("FLAGS = 1\n")
+    monkeypatch.setattr(trt_engine, "__file__", str(source))
+    before = trt_engine.builder_code_digest()
+    source.write_text("FLAGS = 2\n")
+    assert trt_engine.builder_code_digest() != before and len(before) == 16
+
+
+def test_the_networks_are_strongly_typed_with_the_workspace_asked_for(trt, tmp_path: Path) -> None:
+    """The bfloat16 export is built as a strongly typed network, so TensorRT keeps its types (float32
+    softmax and norms as eager bfloat16 computes them) instead of picking precisions per layer; the
+    workspace limit is the engine's. Found by a mutation review: the stand-in ignored both."""
+    TensorRTEngine(tiny_model(), device=torch.device("cpu"), cache_dir=tmp_path, workspace_gib=2.0).warmup()
+    strongly_typed = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    assert trt.network_flags == [strongly_typed] * 3
+    assert trt.workspaces == [(trt.MemoryPoolType.WORKSPACE, 2 << 30)] * 3
+
+
+def test_an_export_tensorrt_cannot_parse_is_an_error_naming_the_file_and_the_parsers_words(
+    trt, tmp_path: Path
+) -> None:
+    """Found by a mutation review: with the parser's answer ignored, an empty network would be built
+    (or fail later with nothing said about the ONNX file)."""
+    trt.unparsable = {"denoise"}
+    with pytest.raises(
+        RuntimeError, match=r"TensorRT could not parse .*denoise\.onnx: In node 7 \(importGelu\): UNSUPPORTED"
+    ):
+        engine_on_cpu(tmp_path).warmup()
+    assert "denoise" not in trt.built
+
+
+def test_a_plan_holding_another_stages_engine_is_refused_by_name(trt, tmp_path: Path) -> None:
+    """A plan file whose engine has other tensors than its stage's (another stage's engine stored under
+    its name) is an error naming the stage and both tensor sets, not bound blindly. Found by a mutation
+    review."""
+    from rmuscle_ros.engine.tensorrt import PlanCache
+
+    engine_on_cpu(tmp_path).warmup()
+    engine = engine_on_cpu(tmp_path)
+    keys, cache = engine._plan_keys(), PlanCache(tmp_path / "tensorrt")
+    vision = cache.load(keys["vision"])
+    assert vision is not None
+    cache.store(keys["prefill"], vision, 1.0)
+    with pytest.raises(RuntimeError, match=r"prefill engine has tensors \['images', 'visual'\], expected"):
+        engine.warmup()
+
+
+def test_a_tensor_of_another_dtype_is_refused_before_tensorrt_reads_its_bytes(trt, tmp_path: Path) -> None:
+    """TensorRT reads a bound address as its engine's type: int32 tokens bound as int64 would be read as
+    other tokens. Found by a mutation review."""
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    tokens = aligned_empty((1, 32), torch.int32, torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"prefill\.tokens: torch\.int32, the engine takes torch\.int64"):
+        engine._stages["prefill"].enqueue({"tokens": tokens}, {}, 0)
+
+
+def test_force_rebuild_exports_and_builds_again_with_every_plan_cached(trt, tmp_path: Path) -> None:
+    """`--force-rebuild` (the way out the deserialize error names) builds every plan again and asks for a
+    fresh export, though all are cached. Found by a mutation review."""
+    engine_on_cpu(tmp_path).warmup()
+    trt.built.clear()
+    trt.forced.clear()
+    TensorRTEngine(tiny_model(), device=torch.device("cpu"), cache_dir=tmp_path, force_rebuild=True).warmup()
+    assert trt.built == ["vision", "prefill", "denoise"] and trt.forced == [True]
+
+
+def test_a_noise_batch_other_than_the_inputs_is_refused(trt, tmp_path: Path) -> None:
+    """As eager and onnxruntime refuse it (found by a mutation review: untested on this backend)."""
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    inputs, noise = random_inputs(engine.cfg, batch=2)
+    with pytest.raises(ValueError, match=r"noise must be \(2, 50, 32\)"):
+        engine.sample_actions(inputs, noise[:1])
