@@ -521,3 +521,103 @@ def test_the_export_and_engine_commands_refuse_bad_arguments_before_loading_the_
     with pytest.raises(SystemExit) as usage:
         tensorrt.main(["--preset", "tiny"])
     assert usage.value.code == 2 and "the tensorrt backend needs tensorrt" in capsys.readouterr().err
+
+
+def _stub_export(calls: list[str]):
+    """export_model's stand-in: a valid-looking export (files and manifest as export_model writes them),
+    without tracing the model; `calls` records each."""
+    from dataclasses import asdict
+
+    def export(model, out, *, weights):
+        out = Path(out)
+        out.mkdir(parents=True)
+        calls.append(out.name)
+        key = onnx_export.export_key(model.cfg, weights, onnx_export.dtype_name(model))
+        files = {}
+        for stage in onnx_export.STAGES:
+            for name, data in (
+                (f"{stage}.onnx", b"graph " + stage.encode()),
+                (f"{stage}.onnx.data", b"w" * 64),
+            ):
+                (out / name).write_bytes(data)
+                files[name] = {"bytes": len(data), "sha256": onnx_export._sha256(out / name)}
+        manifest = {"key": asdict(key), "digest": key.digest(), "files": files}
+        (out / onnx_export.MANIFEST).write_text(json.dumps(manifest))
+        return out
+
+    return export
+
+
+def test_the_export_key_holds_the_toolchain_and_the_model_it_was_made_with() -> None:
+    """A JetPack or pip upgrade of torch or onnx-ir (the exporter and its optimisation passes), another
+    opset or another model config each get an export (and plans) of their own, never one made with the
+    others. Found by a mutation review: torch's and onnx-ir's versions, the opset and the config could be
+    left out of the key with the suite passing."""
+    cfg = get_preset("tiny")
+    key = onnx_export.export_key(cfg, "w", "bfloat16")
+    assert key.torch == torch.__version__ and key.onnx_ir == importlib.metadata.version("onnx-ir")
+    assert key.opset == onnx_export.OPSET and key.config == cfg.to_dict() and key.dtype == "bfloat16"
+    assert onnx_export.export_key(get_preset("small"), "w", "bfloat16").digest() != key.digest()
+    assert onnx_export.export_key(cfg, "w", "float32").digest() != key.digest()
+    with pytest.raises(
+        ValueError, match=r"export dtype must be one of \['bfloat16', 'float32'\], got 'float16'"
+    ):
+        onnx_export.export_key(cfg, "w", "float16")
+
+
+def test_an_export_altered_in_place_missing_a_file_or_of_another_format_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """read_manifest checks every file's sha256 (a flipped bit on an SD card keeps the size), that every
+    file is there and the format version; each is an ExportError, so that ensure_export exports again
+    rather than serving or building from a damaged export. Found by a mutation review: only a truncated
+    file was tested."""
+    from dataclasses import asdict
+
+    calls: list[str] = []
+    monkeypatch.setattr(onnx_export, "export_model", _stub_export(calls))
+    model = tiny_model()
+    export = ensure_export(model, tmp_path, weights="sha256:w")
+    data = export / "prefill.onnx.data"
+    data.write_bytes(b"W" + data.read_bytes()[1:])  # same size, another byte
+    read_manifest(export, verify=False)  # sizes only: as documented
+    with pytest.raises(ExportError, match=r"prefill\.onnx\.data does not match its manifest"):
+        read_manifest(export)
+    (export / "denoise.onnx").unlink()
+    with pytest.raises(ExportError, match=r"denoise\.onnx is missing"):
+        read_manifest(export, verify=False)
+    manifest = json.loads((export / onnx_export.MANIFEST).read_text())
+    manifest["files"] = {}
+    manifest["key"]["format_version"] = onnx_export.FORMAT_VERSION + 1
+    (export / onnx_export.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=r"export format 2, this version reads 1"):
+        read_manifest(export)
+    (export / onnx_export.MANIFEST).write_text("{not json")
+    with pytest.raises(ExportError, match=r"unreadable manifest"):
+        read_manifest(export)
+
+    # At the model's digest, a directory whose manifest names another key (copied there by hand): exported
+    # again, not served.
+    shutil.rmtree(export)
+    assert ensure_export(model, tmp_path, weights="sha256:w") == export and len(calls) == 2
+    manifest = json.loads((export / onnx_export.MANIFEST).read_text())
+    manifest["key"]["weights"] = "sha256:another"
+    (export / onnx_export.MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        assert ensure_export(model, tmp_path, weights="sha256:w") == export
+    assert len(calls) == 3 and "exported for another model or toolchain" in caplog.text
+    assert read_manifest(export)["key"] == asdict(onnx_export.export_key(model.cfg, "sha256:w", "float32"))
+
+
+def test_a_forced_export_exports_again_though_one_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """force (the onnxruntime backend's force_export, the tensorrt backend's --force-rebuild) replaces a
+    matching export. Found by a mutation review."""
+    calls: list[str] = []
+    monkeypatch.setattr(onnx_export, "export_model", _stub_export(calls))
+    model = tiny_model()
+    first = ensure_export(model, tmp_path, weights="sha256:w")
+    assert ensure_export(model, tmp_path, weights="sha256:w") == first and len(calls) == 1
+    assert ensure_export(model, tmp_path, weights="sha256:w", force=True) == first and len(calls) == 2
+    assert read_manifest(first)["digest"] == first.name
