@@ -573,3 +573,23 @@ def test_a_noise_batch_other_than_the_inputs_is_refused(trt, tmp_path: Path) -> 
     inputs, noise = random_inputs(engine.cfg, batch=2)
     with pytest.raises(ValueError, match=r"noise must be \(2, 50, 32\)"):
         engine.sample_actions(inputs, noise[:1])
+
+
+def test_a_plan_under_another_keys_name_is_not_loaded_and_the_longest_prompt_can_be_the_opt(
+    tmp_path: Path,
+) -> None:
+    """PlanCache.load checks the sidecar's whole key, not only the file name: a plan and sidecar copied
+    under another key's name (by hand, from another Jetson) are built again, not loaded. And
+    `trt_opt_prompt_len` may be the longest prompt (max_token_len), as PolicyConfig accepts. Found by a
+    mutation review."""
+    from rmuscle_ros.engine.tensorrt import PlanCache, PlanKey, profile_shapes
+
+    cache = PlanCache(tmp_path)
+    orin = PlanKey(2, "a" * 16, "vision", "10.3.0", "NVIDIA Jetson AGX Orin", "8.7", 64, 1 << 32, "b" * 16)
+    thor = PlanKey(2, "a" * 16, "vision", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16)
+    plan = cache.store(orin, b"orin plan", 1.0)
+    plan.rename(cache.path(thor))
+    plan.with_suffix(".json").rename(cache.path(thor).with_suffix(".json"))
+    assert cache.load(thor) is None
+    cfg = tiny_model().cfg
+    assert profile_shapes(cfg, "prefill", cfg.max_token_len)["tokens"][1] == (1, cfg.max_token_len)
