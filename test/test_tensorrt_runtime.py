@@ -469,7 +469,7 @@ def test_a_plan_is_loaded_only_by_the_tensorrt_gpu_and_profile_it_was_built_for(
     trt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A JetPack upgrade (another TensorRT), another GPU or compute capability sharing the cache, another
-    `trt_opt_prompt_len` or workspace: each gets plans of its own, never one built for the others (a
+    `trt_opt_prompt_len` or workspace, another checkpoint: each gets plans of its own, never one built for the others (a
     TensorRT plan is specific to all of them). Found by a mutation review: dropping any of these from the
     plans' key left the suite passing, and a stale plan would have been loaded."""
     from rmuscle_ros.engine.tensorrt import PlanCache
@@ -489,6 +489,9 @@ def test_a_plan_is_loaded_only_by_the_tensorrt_gpu_and_profile_it_was_built_for(
     seen.append(paths())
     monkeypatch.setattr(trt, "__version__", "10.14.0-stand-in")
     seen.append(paths())
+    # Another checkpoint of the same preset (a fine-tune): its own export, so its own plans.
+    engine = TensorRTEngine(tiny_model(seed=1), device=torch.device("cpu"), cache_dir=tmp_path)
+    seen.append([cache.path(key) for key in engine._plan_keys().values()])
     every = [p for ps in seen for p in ps]
     assert len(set(every)) == len(every) == 3 * len(seen)
 
@@ -593,3 +596,38 @@ def test_a_plan_under_another_keys_name_is_not_loaded_and_the_longest_prompt_can
     assert cache.load(thor) is None
     cfg = tiny_model().cfg
     assert profile_shapes(cfg, "prefill", cfg.max_token_len)["tokens"][1] == (1, cfg.max_token_len)
+
+
+def test_what_tensorrt_refuses_or_a_first_call_that_fails_is_an_error_not_stale_actions(
+    trt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An enqueue TensorRT refuses, an output buffer of another shape than the engine's, an observation of
+    another camera count (copy_ would broadcast one camera into all), each raise rather than return the
+    previous call's actions; a warmup whose first call fails leaves the engine unwarmed, to try again.
+    Found by a mutation review."""
+    from rmuscle_ros.models.pi05 import ModelInputs
+
+    engine = engine_on_cpu(tmp_path)
+    engine.warmup()
+    vision = engine._stages["vision"]
+    monkeypatch.setattr(vision.context, "execute_async_v3", lambda stream: False)
+    with pytest.raises(RuntimeError, match=r"TensorRT failed to enqueue the vision engine"):
+        vision.enqueue({"images": engine._images}, {"visual": engine._visual}, 0)
+    cfg = engine.cfg
+    short = aligned_empty((1, cfg.image_tokens - 1, cfg.vlm.width), torch.float32, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"vision\.visual: engine output \(1, \d+, \d+\), buffer"):
+        vision.enqueue({"images": engine._images}, {"visual": short}, 0)
+    inputs, _ = random_inputs(cfg, seed=6)
+    one_camera = ModelInputs(inputs.images[:, :1], inputs.image_masks, inputs.tokens, inputs.token_mask)
+    with pytest.raises(ValueError, match=r"images must be \(1, 3, 3, \d+, \d+\), got \(1, 1, 3"):
+        engine._load(one_camera)
+
+    fresh = engine_on_cpu(tmp_path)
+
+    def failing_call(inputs: Any, noise: Any) -> Any:
+        raise RuntimeError("an asynchronous CUDA error")
+
+    monkeypatch.setattr(fresh, "sample_actions", failing_call)
+    with pytest.raises(RuntimeError, match="an asynchronous CUDA error"):
+        fresh.warmup()
+    assert fresh._stages == {} and fresh.model is not None
