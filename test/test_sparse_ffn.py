@@ -82,3 +82,32 @@ def test_action_cache_error_shrinks_with_rho(weights) -> None:
     assert errors[0] > errors[1] > errors[2]
     assert 0.5 < kept_contribution(scores, 0.5) <= 1.0
     assert mask_overlap(top_neurons(scores, 0.5), top_neurons(scores, 0.5)) == 1.0
+
+
+def test_the_reference_keeps_ceil_rho_of_the_rows_and_neurons_scored_as_documented(weights) -> None:
+    """The PyTorch reference the kernels and probes are checked against: GeGLU with tanh-approximated
+    GELU (Gemma's); ceil(ρ·N) drifted tokens and ceil(ρ·F) neurons; drift measured after the per-channel
+    `scale`; a neuron's score its |Δa| times its down-projection column's norm. Found by a mutation
+    review: each could change with the tests above passing."""
+    import math
+
+    w_gate, w_up, _ = weights
+    x = torch.randn(6, W)
+    g, u = x @ w_gate.t(), x @ w_up.t()
+    tanh_gelu = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    assert torch.allclose(geglu_activations(x, w_gate, w_up), tanh_gelu * u, atol=1e-6)
+
+    ref = torch.zeros(10, W)
+    assert len(select_drifted_tokens(torch.randn(10, W), ref, 0.25)) == 3  # ceil(2.5)
+    assert len(top_neurons(torch.rand(F), 0.25)) == 24 and len(top_neurons(torch.rand(10), 0.25)) == 3
+
+    moved = torch.zeros(2, W)
+    moved[0, 0], moved[1, 1] = 1.0, 2.0  # token 1 moved further, unless channel 0 weighs more
+    assert select_drifted_tokens(moved, torch.zeros(2, W), 0.5).tolist() == [1]
+    scale = torch.ones(W)
+    scale[0] = 5.0
+    assert select_drifted_tokens(moved, torch.zeros(2, W), 0.5, scale).tolist() == [0]
+
+    act_anchor, act = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]])  # equal |Δa|, both signs
+    down = torch.tensor([[1.0, 3.0], [0.0, 4.0]])  # column norms 1 and 5
+    assert contribution_scores(act, act_anchor, down).tolist() == [1.0, 5.0]
