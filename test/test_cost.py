@@ -46,3 +46,15 @@ def test_rmuscle_cost_is_dense_at_rho_one_and_saves_what_the_caches_skip() -> No
     ramp = rmuscle_cost(cfg, 50, 0.4, 0.5, neuron_schedule="ramp")
     assert ramp["denoise"] == cached["denoise"]
     assert cached["vision"] == dense["vision"]
+
+
+def test_rmuscle_cost_saves_the_flops_of_the_neurons_it_skips() -> None:
+    """The Action Cache's saving in FLOPs matches its saving in bytes: 3 weight matrices of the skipped
+    neurons, for every action row (a multiply-add counts 2). Found by a mutation review: only the bytes
+    were checked, so a FLOPs saving off by 2x passed."""
+    from rmuscle_ros.engine.cost import rmuscle_cost
+
+    cfg = get_preset("pi05")
+    dense, cached = call_cost(cfg, prompt_tokens=50), rmuscle_cost(cfg, 50, 1.0, 0.5)
+    e = cfg.expert
+    assert dense["denoise"].flops - cached["denoise"].flops == 2 * cfg.horizon * 3 * e.width * 9 * 18 * 2048
