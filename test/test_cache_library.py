@@ -2209,3 +2209,26 @@ def test_an_interrupted_recording_leaves_no_file_the_index_does_not_name(tmp_pat
     for bad in ({"top_k": 2.5}, {"max_library_mb": 1.5}, {"rebuilds_per_tick": math.nan}, {"anchors": True}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer"):
             RMuscleConfig(**bad)
+
+
+def test_whose_process_is_alive_another_users_pid_0_and_a_draft_from_before_the_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pid_exists decides whether a marker's or a writer's process lives: another user's process (kill
+    answers EPERM) lives, so its marker blocks the library and its staging files stay; pid 0 (and below)
+    names no process (kill(0) would ask about this process group). A marker draft written before this
+    host booted is a leftover though its pid exists again. Found by a mutation review."""
+    from rmuscle_ros.cache import lock
+
+    assert not lock.pid_exists(0) and not lock.pid_exists(-5)
+    draft = tmp_path / f".open.tmp-{os.getpid()}"
+    draft.write_text("")
+    assert lock.marker_draft_alive(draft)
+    os.utime(draft, (1e9, 1e9))  # 2001: before this boot
+    assert not lock.marker_draft_alive(draft)
+
+    def another_users(pid: int, signal: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", another_users)
+    assert lock.pid_exists(4242)
