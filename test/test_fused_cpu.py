@@ -96,3 +96,17 @@ def test_patch_embedding_is_the_convolution(image_size: int, patch_size: int, ca
     assert tokens.shape == (cameras * (image_size // patch_size) ** 2, cfg.vision.width)
     assert tokens.dtype == torch.float32 and tokens.is_contiguous()
     assert rel_l2(tokens, expected) < 1e-6
+
+
+def test_keep_counts_are_exact_for_integral_products_and_refuse_fractions_outside_0_1() -> None:
+    """rho_count is ceil(ρ·n) with float error forgiven (0.14·50 is 7.000000000000001 in binary: 7 rows,
+    not 8), and a keep fraction outside (0, 1] is refused by rho_count and step_neuron_counts themselves
+    rather than kept as one row or neuron. Found by a mutation review."""
+    from rmuscle_ros.engine.fused import rho_count, step_neuron_counts
+
+    assert rho_count(0.14, 50) == 7 and rho_count(0.07, 100) == 7 and rho_count(0.25, 10) == 3
+    for rho in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"a keep fraction must be in \(0, 1\]"):
+            rho_count(rho, 10)
+        with pytest.raises(ValueError, match=r"rho_n must be in \(0, 1\]"):
+            step_neuron_counts(rho, 4096, 10, 1, "uniform")
