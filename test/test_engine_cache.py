@@ -400,3 +400,14 @@ def test_keep_zero_prunes_every_version_no_engine_leases(cache: Path) -> None:
     finally:
         lease.close()
     assert [v.export for v in engine_cache.scan(cache).versions] == ["c" * 16]
+
+
+def test_the_names_the_engines_write_are_the_names_prune_reads() -> None:
+    """An export's folder (ExportKey.digest) and a plan's file (PlanCache.path) are named as scan expects
+    (EXPORT_NAME, PLAN_NAME): otherwise exports would be listed as other files and kept for good, and
+    plans taken for ones without a readable sidecar, pruned an hour after they were built, leases or not.
+    Found by a mutation review: a 15-digit export digest passed the suite."""
+    digest = onnx_export.export_key(get_preset("tiny"), "sha256:w", "bfloat16").digest()
+    assert engine_cache.EXPORT_NAME.match(digest)
+    key = PlanKey(2, digest, "prefill", "10.13.0", "NVIDIA Thor", "11.0", 64, 1 << 32, "b" * 16)
+    assert engine_cache.PLAN_NAME.match(PlanCache(Path("/cache")).path(key).name)
