@@ -29,10 +29,8 @@ from rmuscle_ros.sim.aloha import ARM_JOINTS, SIDES, AlohaSim
 PAD_OFFSET = np.array([0.14, 0.0, 0.0])
 EPISODE_STEPS = 400  # 8 s at 50 Hz, gym-aloha's episode
 MEET = np.array([0.0, 0.5, 0.25])  # where the right gripper presents the cube (m, world frame)
-HANDOVER_LOOK = 255
-FOREARM_ROLL = ARM_JOINTS.index(
-    "forearm_roll"
-)  # the step at which the left arm's approach is aimed at where the cube is then
+HANDOVER_LOOK = 255  # the step at which the left arm's approach is aimed at where the cube is then
+FOREARM_ROLL = ARM_JOINTS.index("forearm_roll")
 
 
 def frame(x_axis: np.ndarray | list[float], y_axis: np.ndarray | list[float]) -> np.ndarray:
