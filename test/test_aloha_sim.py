@@ -98,6 +98,10 @@ def test_the_gripper_is_commanded_and_reported_in_the_real_arms_units(sim: Aloha
         assert (gripper - j_closed) / (j_open - j_closed) == pytest.approx(opening)
         assert right_finger == -left_finger
         openings.append(opening)
+        # its target as the opening (0 closed ... 1 open): past the range, the end (a mutation review)
+        assert sim.targets("right")[6] == min(max((command - j_closed) / (j_open - j_closed), 0.0), 1.0)
+    sim.command_gripper("right", j_closed - 1.0)
+    assert sim.targets("right")[6] == 0.0
     assert openings[0] > 0.9 and openings[1] == pytest.approx(openings[0], abs=0.01)
     # gym-aloha's fingers stop at ~0.1 of their range when closed on nothing, as they start.
     assert openings[2] < 0.15
@@ -243,6 +247,82 @@ def test_cameras_render_the_scene(sim: AlohaSim) -> None:
     assert np.abs(moved.astype(int) - frames["left_wrist"].astype(int)).mean() > 5  # the wrist camera moved
 
 
+def test_an_episode_keeps_its_best_reward_and_a_reset_starts_the_next_with_none(
+    sim: AlohaSim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gym-aloha's success is the top reward at any step of an episode: a later, lower reward does not take
+    it back, a diverged step zeroes the current reward but not the best, and a reset starts the next
+    episode with none (the sim node reports these at ~/reset, a benchmark counts them). Found by a
+    mutation review: none of it was checked (every test episode ended at reward 0)."""
+    rewards = iter([2, 4, 1, 3])
+    monkeypatch.setattr(sim.task, "get_reward", lambda physics: next(rewards))
+    sim.reset(0)
+    assert sim.step() == 2 and sim.best_reward == 2 and not sim.success
+    assert sim.step() == 4 and sim.best_reward == sim.max_reward == 4 and sim.success
+    assert sim.step() == 1 and sim.reward == 1 and sim.best_reward == 4 and sim.success
+    sim.reset(1)
+    assert (sim.reward, sim.best_reward, sim.success) == (0, 0, False)
+    assert sim.step() == 3 and sim.best_reward == 3 and not sim.success
+    sim.physics.data.qvel[0] = math.nan
+    with pytest.raises(SimulationDiverged):
+        sim.step()
+    assert (sim.reward, sim.best_reward) == (0, 3)
+    sim.reset(1)
+
+
+def test_the_seed_places_the_cube_where_gym_alohas_own_sampler_does(sim: AlohaSim) -> None:
+    """Scene `seed` is gym-aloha's scene of that seed (its sample_box_pose, as ACT's and gym-aloha's own
+    evaluations number theirs), so results compare across the two. Found by a mutation review: any other
+    seed-to-scene mapping passed, as long as one seed gave one scene."""
+    from gym_aloha.utils import sample_box_pose
+
+    for seed in (0, 7):
+        sim.reset(seed)
+        np.testing.assert_allclose(
+            sim.physics.named.data.qpos["red_box_joint"][:3], sample_box_pose(seed)[:3], rtol=0, atol=1e-12
+        )
+
+
+def test_joint_velocities_are_in_the_units_of_the_positions() -> None:
+    """joint_states' velocities are the reported positions' rates: the arm joints' rad/s as the model's, the
+    gripper joint's and the fingers' the opening's rate scaled as their positions are (the right finger
+    negated). Found by a mutation review: zero velocities, or the gripper's and fingers' in the opening's
+    own units, passed (only an arm at rest was checked). A gripper range of 2 rad tells the gripper joint's
+    unit from the opening's (the default range is 1.0017 rad)."""
+    s = AlohaSim(SimConfig(cameras=("top",), gripper_joint_range=(0.5, 2.5)))
+    try:
+        s.reset(0)
+        s.command_arm("left", POSE)
+        s.command_gripper("left", 2.5)
+        run(s, 0.1)
+        _, velocity = s.joint_state("left")
+        qvel = s.task.get_qvel(s.physics)[:7]  # gym-aloha's: six joints (rad/s), the opening's rate (1/s)
+        assert np.abs(qvel[:6]).max() > 1e-2 and abs(qvel[6]) > 1e-3, qvel  # moving
+        f_closed, f_open = s.config.finger_range
+        finger = qvel[6] * (f_open - f_closed)
+        np.testing.assert_allclose(velocity, [*qvel[:6], qvel[6] * 2.0, finger, -finger], rtol=1e-12)
+    finally:
+        s.close()
+
+
+def test_the_demonstrators_targets_are_what_it_commanded_within_the_arms_ranges(sim: AlohaSim) -> None:
+    """record_demos records act()'s returned targets as the episode's actions: they must be what the sim was
+    commanded (six joints, then the gripper's opening), each joint within its range (a real arm's servo
+    ignores a goal past it, and the sim node refuses it). Found by a mutation review: a returned opening
+    other than the commanded one passed."""
+    from rmuscle_ros.sim.scripted import TransferCubeDemonstrator
+
+    sim.reset(0)
+    demo = TransferCubeDemonstrator(sim)
+    ranges = {side: np.array(sim.arm_joint_limits(side)) for side in ("left", "right")}
+    for step in range(300):  # through the grasp and the hand-over
+        for side, target in demo.act(step).items():
+            np.testing.assert_allclose(target, sim.targets(side), rtol=0, atol=1e-12)
+            lower, upper = ranges[side].T
+            assert np.all((lower <= target[:6]) & (target[:6] <= upper)), (step, side, target)
+        sim.step()
+
+
 # -- the ROS node -----------------------------------------------------------------------------------------
 
 
@@ -290,6 +370,10 @@ def test_sim_node_parameters_are_validated_naming_the_parameter() -> None:
         ({"camera_rate_hz": math.inf}, "camera_rate_hz"),
         ({"real_time_factor": 1e-9}, "real_time_factor: must be 0 .unpaced. or at least 0.01"),
         ({"episode_s": -1.0}, r"episode_s: must be in \[0, 3600\] s"),
+        # found by a mutation review: the upper bounds were not checked
+        ({"episode_s": 3601.0}, r"episode_s: must be in \[0, 3600\] s"),
+        ({"start_time_s": 2.0**31}, "start_time_s: must be a positive time"),
+        ({"seed": 2**32 - 10**6}, "seed, seed_step: both >= 0 and the seeds within"),
     ):
         with pytest.raises(ParameterError, match=match):
             sim_node_config(params)
@@ -439,6 +523,17 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         single = call_service(robot_info, RobotInfo.Request(cmd_type="single", name="gripper"))
         aloha = streamer_config(load_params_file(CONFIG / "rmuscle_aloha.yaml", "action_streamer"))
         assert (group.mode, single.mode) == ("position", "current_based_position")
+        # the driver's layout of each answer (found by a mutation review: names, counts and indices unchecked)
+        assert (list(group.joint_names), group.num_joints, list(group.joint_state_indices)) == (
+            ["waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate"],
+            6,
+            [0, 1, 2, 3, 4, 5],
+        )
+        assert (list(single.joint_names), single.num_joints, list(single.joint_state_indices)) == (
+            ["left_finger"],
+            1,
+            [7],
+        )
         assert robot_info_problem(aloha, group, single) == ""
         # the gripper's left finger's range, as the driver answers its URDF's (found in review: the
         # recordings' finger travel was answered)
@@ -460,15 +555,28 @@ def test_the_sim_node_takes_commands_refuses_bad_ones_and_resets(tmp_path) -> No
         # past its range drives it to its end, counted
         past = list(POSE)
         past[1] = 2.5  # the shoulder, past its 1.2566 rad
+        past[2] = -2.0  # the elbow, past its -1.7628 rad: each joint counted (a mutation review)
         arm.publish(interbotix.JointGroupCommand(name="arm", cmd=past))
         gripper.publish(interbotix.JointSingleCommand(name="gripper", cmd=100.0))
         wait_for(
             lambda: (
-                values().get("arm_joints_past_limits") == "1"
+                values().get("arm_joints_past_limits") == "2"
                 and values().get("gripper_commands_past_range") == "1"
             )
         )
-        assert node.sim.targets("left")[1] == pytest.approx(POSE[1]) and values()["refused"] == "4"
+        assert node.sim.targets("left")[1:3] == pytest.approx(POSE[1:3]) and values()["refused"] == "4"
+        # the gripper goal past its range was taken (found by a mutation review: unchecked)
+        assert values()["gripper_commands"] == "1"
+        # each arm's commands move that arm (a mutation review: the right gripper's moved the left's)
+        right = peer.create_publisher(
+            interbotix.JointSingleCommand, "/follower_right/commands/joint_single", 10
+        )
+        wait_for(lambda: right.get_subscription_count())
+        right.publish(interbotix.JointSingleCommand(name="gripper", cmd=0.0))  # past closed: closed
+        wait_for(lambda: node.sim.targets("right")[6] == 0.0)
+        assert node.sim.targets("left")[6] == 1.0
+        # refused commands turn /diagnostics to WARN (found by a mutation review: unchecked)
+        assert seen["diag"][-1].status[0].level == DiagnosticStatus.WARN
         clock = seen["clock"][-1].clock.sec
         wait_for(lambda: seen["clock"][-1].clock.sec > clock)  # still stepping
         response = call_service(reset, Trigger.Request())
@@ -675,6 +783,121 @@ def test_a_slowly_paced_sim_node_stops_without_waiting_for_its_step() -> None:
         assert time.monotonic() - started < 1.0 and not node._thread.is_alive()
 
 
+def _stamp_ns(time_msg: object) -> int:
+    return time_msg.sec * 10**9 + time_msg.nanosec
+
+
+def test_the_sim_node_publishes_on_the_cells_topics_stamped_with_its_clock() -> None:
+    """What the node, the streamer and a recorder rely on: each camera on its ALOHA topic (top on cam_high,
+    the wrists on theirs), frames whose `step` is one row of rgb8 bytes, and every frame and joint state
+    stamped with its step's /clock: start_time_s plus whole 20 ms periods, the clock never standing still.
+    Found by a mutation review: unstamped messages, a row step of one byte per pixel, a clock cut to whole
+    seconds, or the cameras moved one topic along all passed."""
+    _ros_or_skip()
+    from rclpy.qos import qos_profile_sensor_data
+    from rosgraph_msgs.msg import Clock
+    from sensor_msgs.msg import Image, JointState
+
+    topics = {
+        "top": "/cam_high/camera/color/image_rect_raw",
+        "left_wrist": "/cam_left_wrist/camera/color/image_rect_raw",
+        "right_wrist": "/cam_right_wrist/camera/color/image_rect_raw",
+    }
+    clocks: list[int] = []
+    images: dict[str, list] = {camera: [] for camera in topics}
+    joints: dict[str, list] = {"left": [], "right": []}
+    with _sim_node(65, camera_rate_hz=10.0, height=48, width=64) as (_, peer):
+        peer.create_subscription(Clock, "/clock", lambda m: clocks.append(_stamp_ns(m.clock)), 100)
+        for camera, topic in topics.items():
+            peer.create_subscription(Image, topic, images[camera].append, qos_profile_sensor_data)
+        for side, received in joints.items():
+            peer.create_subscription(JointState, f"/follower_{side}/joint_states", received.append, 100)
+        _wait_for(
+            lambda: all(len(v) >= 2 for v in images.values()) and all(len(v) >= 5 for v in joints.values())
+        )
+    start, period = 1_700_000_000 * 10**9, 20_000_000
+
+    def on_the_clock(t: int) -> bool:
+        return t > start and (t - start) % period == 0
+
+    assert clocks and all(map(on_the_clock, clocks)), clocks[:5]
+    assert all(a < b for a, b in itertools.pairwise(clocks)), "the clock stood still or went back"
+    for camera, frames in images.items():
+        for frame in frames:
+            assert (frame.header.frame_id, frame.encoding, frame.height, frame.width) == (
+                camera,
+                "rgb8",
+                48,
+                64,
+            )
+            assert frame.step == 64 * 3 and len(frame.data) == 48 * frame.step
+            assert on_the_clock(_stamp_ns(frame.header.stamp)), (camera, frame.header.stamp)
+    for side, states in joints.items():
+        assert all(on_the_clock(_stamp_ns(m.header.stamp)) for m in states), side
+        assert all(tuple(m.name) == JOINT_STATE_NAMES for m in states), side
+
+
+def test_each_episodes_scene_comes_from_seed_plus_episode_times_seed_step() -> None:
+    """`seed` + episode × `seed_step`: a benchmark's scenes are numbered so, and seed_step 0 repeats one
+    scene (the sim demo's repeated task). Found by a mutation review: only the default seed_step 1 ran in
+    the fast tests, where a node that ignored seed_step passed."""
+    _ros_or_skip()
+    from std_srvs.srv import Trigger
+
+    from rmuscle_ros.node.replay_demo import call_service
+
+    for seed_step, seeds in ((3, [5, 8, 11]), (0, [5, 5, 5])):
+        params = {
+            "cameras": ["top"],
+            "camera_rate_hz": 1.0,
+            "real_time_factor": 0.0,
+            "height": 48,
+            "width": 64,
+        }
+        with _sim_node(66, seed=5, seed_step=seed_step, **params) as (node, peer):
+            reset = peer.create_client(Trigger, "/aloha_sim/reset")
+            ended = []
+            for _ in range(2):
+                response = call_service(reset, Trigger.Request())
+                assert response.success, response.message
+                ended.append(json.loads(response.message)["seed"])
+            assert [*ended, node.sim.seed] == seeds, seed_step
+
+
+def test_commands_queued_for_an_ended_episode_do_not_move_the_next_one() -> None:
+    """A command still queued when ~/reset comes was meant for the ended episode's arms: the next episode
+    starts holding its start pose (else a policy's late command drags the arms from it at once). Found by a
+    mutation review. At the slowest pace a step takes 2 s of wall clock: the command and the reset are
+    both queued between two steps."""
+    interbotix = _ros_or_skip()
+    params = {"cameras": ["top"], "camera_rate_hz": 1.0, "real_time_factor": 0.01, "height": 48, "width": 64}
+    with _sim_node(67, **params) as (node, _):
+        _wait_for(lambda: node._steps >= 1)
+        node._on_arm("left", interbotix.JointGroupCommand(name="arm", cmd=list(POSE)))
+        node._reset_request.set()  # what ~/reset does, on the executor's thread
+        _wait_for(lambda: node.episode == 1)
+        steps = node._steps
+        _wait_for(lambda: node._steps > steps)  # that iteration's commands (none) taken
+        np.testing.assert_allclose(node.sim.targets("left")[:6], START, atol=0.01)
+
+
+def test_the_sim_node_runs_no_faster_than_its_real_time_factor() -> None:
+    """real_time_factor 0.5: a step at most every 40 ms of wall clock, and the factor it reports on
+    /diagnostics the one reached. Both bounds are upper ones: a loaded machine only slows the sim. Found by
+    a mutation review: the pace and the reported factor were only checked by the slow sim demo."""
+    _ros_or_skip()
+    import time
+
+    params = {"cameras": ["top"], "camera_rate_hz": 1.0, "real_time_factor": 0.5, "height": 48, "width": 64}
+    with _sim_node(68, **params) as (node, _):
+        _wait_for(lambda: node._steps >= 2)
+        steps, started = node._steps, time.monotonic()
+        time.sleep(1.0)  # a window to count steps in: the bound below holds however long it lasts
+        stepped, elapsed = node._steps - steps, time.monotonic() - started
+        assert stepped <= elapsed * 0.5 / 0.02 + 2, (stepped, elapsed)
+        assert 0 < node.real_time_factor() <= 0.55, node.real_time_factor()
+
+
 # -- record_demos -----------------------------------------------------------------------------------------
 
 
@@ -854,6 +1077,9 @@ def test_seeds_past_32_bits_are_refused_as_a_usage_error(tmp_path, capsys) -> No
         record_demos.main(["--out", str(out), "--episodes", "2", "--seed", str(2**32 - 1)])
     assert exit_.value.code == 2 and "the simulation's seeds are 32-bit" in capsys.readouterr().err
     assert not out.exists()
+    # more frames than control steps: refused, before anything is recorded (found by a mutation review)
+    with pytest.raises(ValueError, match=r"camera rate: in \(0, 50\] Hz"):
+        record_demos.check_settings(60.0, "jpeg")
 
 
 def test_a_failure_before_the_episode_folder_exists_claims_no_leftover(tmp_path, monkeypatch, capsys) -> None:
@@ -870,6 +1096,93 @@ def test_a_failure_before_the_episode_folder_exists_claims_no_leftover(tmp_path,
     err = capsys.readouterr().err
     assert "(seed 0) failed: FileNotFoundError" in err and "left in" not in err, err
     assert list(out.iterdir()) == []
+
+
+def test_a_recorded_episode_holds_each_step_s_observation_and_the_commands_decided_on_it(
+    tmp_path, monkeypatch
+) -> None:
+    """What training on a recording relies on: at step k, stamped (and logged) at the episode's start plus k
+    control periods, both arms' joint states as observed (positions, in JOINT_STATE_NAMES' order), the
+    frames at the camera rate from the first step on, and the demonstrator's commands decided on them, in
+    command units (the gripper joint's rad); episode.json counts what the bag holds, and the next episode
+    starts 1 s after this one ends. Found by a mutation review: frames or stamps a step late, gripper
+    commands in opening units, positions swapped with velocities, commands a step behind, or wrong counts
+    all passed."""
+    from rmuscle_ros.node.bags import bag_info, read_messages
+    from rmuscle_ros.sim.aloha import SIDES
+    from rmuscle_ros.sim.scripted import TransferCubeDemonstrator
+
+    record_demos = _short_recordings(monkeypatch)
+    out = tmp_path / "demos"
+    assert (
+        record_demos.main(["--out", str(out), "--episodes", "2", "--camera-rate", "10", "--seed", "3"]) == 0
+    )
+    # The same demonstration again (the simulation is deterministic): what was observed and commanded.
+    sim = AlohaSim()
+    sim.reset(3)
+    demo = TransferCubeDemonstrator(sim)
+    observed, commanded = [], []
+    for step in range(10):
+        observed.append({side: sim.joint_state(side)[0] for side in SIDES})
+        commanded.append(demo.act(step))
+        sim.step()
+    closed, opened = sim.config.gripper_joint_range
+    episode, start, period = out / "episode_0", record_demos.episode_start_ns(0), 20_000_000
+
+    def stamp(header: object) -> int:
+        return header.stamp.sec * 10**9 + header.stamp.nanosec
+
+    for side in SIDES:
+        joints = read_messages(episode, f"/follower_{side}/joint_states")
+        arm = read_messages(episode, f"/follower_{side}/commands/joint_group")
+        gripper = read_messages(episode, f"/follower_{side}/commands/joint_single")
+        assert len(joints) == len(arm) == len(gripper) == 10
+        for k, ((t, state), (t_arm, group), (t_gripper, single)) in enumerate(
+            zip(joints, arm, gripper, strict=True)
+        ):
+            assert t == t_arm == t_gripper == stamp(state.header) == start + k * period, (side, k)
+            assert tuple(state.name) == JOINT_STATE_NAMES
+            np.testing.assert_allclose(state.position, observed[k][side], atol=1e-9)
+            assert group.name == "arm" and single.name == "gripper"
+            np.testing.assert_allclose(group.cmd, commanded[k][side][:6], rtol=1e-6, atol=1e-6)  # float32
+            assert single.cmd == pytest.approx(closed + commanded[k][side][6] * (opened - closed), rel=1e-6)
+    frames = read_messages(episode, "/cam_high/camera/color/image_rect_raw/compressed")
+    assert [t for t, _ in frames] == [stamp(m.header) for _, m in frames] == [start, start + 5 * period]
+    result = json.loads((episode / "episode.json").read_text())
+    assert result["messages"] == {topic: n for topic, (_, n) in bag_info(episode).topics.items()}
+    next_start = stamp(read_messages(out / "episode_1", "/follower_left/joint_states")[0][1].header)
+    assert next_start - (start + 10 * period) == 10**9
+
+
+def test_a_recording_succeeds_only_holding_the_cube_at_its_end_and_the_total_counts_every_success(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """episode.json's success is the cube held at the episode's end (the final reward 4), stricter than
+    gym-aloha's top reward at any step; the closing line counts the episodes that succeeded, those an
+    earlier run recorded included. Found by a mutation review: every short test episode failed, so success
+    judged on the best reward, or successes never counted, passed."""
+    record_demos = _short_recordings(monkeypatch)
+    rewards = {0: [4] + [2] * 9, 1: [0] * 9 + [4]}  # per seed: touched once then dropped; held at the end
+    step = AlohaSim.step
+
+    def scripted_rewards(self: AlohaSim) -> int:
+        step(self)
+        self.reward = rewards.get(self.seed, [0] * 10)[self.steps - 1]
+        self.best_reward = max(self.best_reward, self.reward)
+        return self.reward
+
+    monkeypatch.setattr(AlohaSim, "step", scripted_rewards)
+    out = tmp_path / "demos"
+    args = ["--out", str(out), "--camera-rate", "10"]
+    assert record_demos.main([*args, "--episodes", "2"]) == 0
+    results = [json.loads((out / f"episode_{k}" / "episode.json").read_text()) for k in range(2)]
+    assert [(r["best_reward"], r["final_reward"], r["success"]) for r in results] == [
+        (4, 2, False),
+        (4, 4, True),
+    ]
+    assert "[record] 1 of 2 demonstrations succeeded" in capsys.readouterr().out
+    assert record_demos.main([*args, "--episodes", "3"]) == 0  # keeps both, records seed 2 (fails)
+    assert "[record] 1 of 3 demonstrations succeeded" in capsys.readouterr().out
 
 
 @pytest.mark.slow
