@@ -2174,6 +2174,48 @@ def test_a_sqlite3_bag_under_a_path_with_uri_characters_is_refused_naming_them(t
     assert bag_info(mcap).topics
 
 
+def test_bag_info_counts_every_message_of_a_topic_and_spans_the_first_to_the_last(tmp_path) -> None:
+    """What the demo plans a replay of recorded bags from (each after the first starts where the one before
+    ends, on one clock) and checks a bag with: the span from the first message's time to the last's, each
+    topic's messages over every connection that recorded it (a topic recorded by two publishers' offers, as
+    rosbag2 does), and a bag whose topics hold no message refused. Found by a mutation review: an end time
+    of the start, a count of one connection's, or an empty bag accepted passed the fast tests."""
+    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+    from rosbags.rosbag2 import Writer
+
+    from rmuscle_ros.node.bags import STORAGE, bag_info
+
+    written = write_aloha_episode(tmp_path / "episode", seconds=0.3, cameras=2, size=(4, 4))
+    info = bag_info(tmp_path / "episode")
+    every = [t for stamps in written.values() for t in stamps]
+    # (rosbags' end time is the last message's plus 1 ns)
+    assert info.start_ns == min(every) and 0 <= info.end_ns - max(every) <= 1
+    assert info.seconds == pytest.approx(0.29)
+    assert {topic: n for topic, (_, n) in info.topics.items()} == {t: len(s) for t, s in written.items()}
+    store = typestore()
+    text = store.types["std_msgs/msg/String"]
+    raw = bytes(store.serialize_cdr(text(data="hi"), "std_msgs/msg/String"))
+    twice, empty = tmp_path / "twice", tmp_path / "empty"
+    with Writer(twice, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        never = QosTime(sec=0, nsec=0)
+        offers = [
+            [Qos(QosHistory.KEEP_LAST, 1, reliability, QosDurability.VOLATILE, never, never,
+                 QosLiveliness.AUTOMATIC, never, False)]
+            for reliability in (QosReliability.RELIABLE, QosReliability.BEST_EFFORT)
+        ]  # fmt: skip
+        first, second = (
+            writer.add_connection("/log", "std_msgs/msg/String", typestore=store, offered_qos_profiles=offer)
+            for offer in offers
+        )
+        for k, connection in enumerate((first, first, second)):
+            writer.write(connection, 10**18 + k, raw)
+    assert bag_info(twice).topics == {"/log": ("std_msgs/msg/String", 3)}
+    with Writer(empty, version=9, storage_plugin=STORAGE["mcap"]) as writer:
+        writer.add_connection("/log", "std_msgs/msg/String", typestore=store)
+    with pytest.raises(ValueError, match=r"empty: holds no message"):
+        bag_info(empty)
+
+
 def test_an_interrupted_demo_keeps_the_chunks_it_received(tmp_path, monkeypatch) -> None:
     """Ctrl-C (or a bag refused) in the second episode: the chunks received were only written after the
     run, so all were lost, and the earlier run's recording had been deleted at the start (found in review).
@@ -2203,6 +2245,21 @@ def test_an_interrupted_demo_keeps_the_chunks_it_received(tmp_path, monkeypatch)
     assert chunks and {c.episode_id for c in chunks} == {0}, "the first episode's chunks"
     assert any(f"chunk(s) received are in {earlier}" in note for note in interrupted.value.__notes__)
     assert not (tmp_path / "action_chunks.partial").exists()
+
+
+def test_the_demo_exits_non_zero_when_the_node_served_no_chunk(tmp_path, monkeypatch) -> None:
+    """A run whose node published nothing (every observation dropped) prints its summary, which says why,
+    and exits 1 for a script or CI job to see. Found by a mutation review: an exit status of 0 either way
+    passed."""
+    from rmuscle_ros.demo import main
+    from rmuscle_ros.node import replay_demo
+
+    printed: list[dict] = []
+    monkeypatch.setattr(replay_demo, "print_summary", printed.append)
+    for chunks, status in ((0, 1), (3, 0)):
+        monkeypatch.setattr(replay_demo, "run", lambda out_dir, chunks=chunks, **_: {"chunks": chunks})
+        assert main(["--out", str(tmp_path), *DEMO_DOMAIN]) == status
+    assert printed == [{"chunks": 0}, {"chunks": 3}]
 
 
 def test_the_demo_refuses_to_write_its_bags_over_what_it_did_not_write(tmp_path) -> None:
@@ -2414,6 +2471,7 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         (["--synthetic", "--param", "prompt=x"], "--param / --sim-param: for the node"),
         (["--synthetic", "--config", str(tmp_path / "absent.yaml")], "no such file"),
         (["--domain-id", "233"], "domain id: 0 to 232, got 233"),
+        (["--sim-param", "seed=3", "--seconds", "0"], "--sim-param: only with --sim"),  # a mutation review
         (
             ["--sim", "--sim-param", "cameras=[top]"],
             "--sim-param cameras: ['top'] for the node's 3 camera_topics",
@@ -2438,6 +2496,17 @@ def test_replay_demo_refuses_bad_parameters_by_name(tmp_path, capsys: pytest.Cap
         printed = capsys.readouterr()
         assert says in printed.err and printed.out == "", (option, printed)
     assert not any(tmp_path.iterdir()), "a refused demo wrote into --out"
+    # --param likewise: an int for a float parameter, or in a list of floats, is that float (found by a
+    # mutation review: passed on as an int, rclpy refuses it at the node's start)
+    from rmuscle_ros.demo import parse_param
+    from rmuscle_ros.node.params import parameter_defaults
+
+    defaults = parameter_defaults()
+    for name, text, value in (("cache.rho_p", "1", 1.0), ("gripper_state_range", "[0, 1]", [0.0, 1.0]),
+                              ("actions_per_inference", "50", 50), ("prompt", "a: b # c", "a: b # c")):  # fmt: skip
+        parsed = parse_param(name, text, defaults)
+        assert parsed == value and type(parsed) is type(value), (name, parsed)
+        assert all(type(v) is float for v in parsed) if isinstance(parsed, list) else True
     # run() from Python with an int where the sim declares a float: passed on as a float (`-p episode_s:=6`
     # was an INTEGER to rclpy, and the sim refused it at start-up; found in review)
     from rmuscle_ros.node.replay_demo import _SimCell
@@ -2969,6 +3038,16 @@ def test_the_player_moves_a_messages_header_stamp_and_nothing_else() -> None:
     # was, so the stamp was read and written big-endian)
     xcdr2 = b"\x00\x07" + bytes(store.serialize_cdr(msg, "sensor_msgs/msg/JointState"))[2:]
     assert struct.unpack_from("<iI", shift_header_stamp(xcdr2, 10**9), 4) == (msg.header.stamp.sec + 1, 1)
+    # Found by a mutation review: a stamp moved past int32 seconds, and stamps inside a message that begins
+    # with a header (a Path's poses), were not checked.
+    from rmuscle_ros.node.bags import MAX_TIME_NS, _stamps_in
+
+    with pytest.raises(ValueError, match="falls outside ROS time"):
+        shift_header_stamp(bytes(store.serialize_cdr(msg, "sensor_msgs/msg/JointState")), MAX_TIME_NS)
+    where = {t: _stamps_in(t, store.fielddefs) for t in ("nav_msgs/msg/Path", "sensor_msgs/msg/JointState",
+                                                        "std_msgs/msg/String", "builtin_interfaces/msg/Time")}  # fmt: skip
+    assert where == {"nav_msgs/msg/Path": "nested", "sensor_msgs/msg/JointState": "header",
+                     "std_msgs/msg/String": "", "builtin_interfaces/msg/Time": "nested"}  # fmt: skip
 
 
 def test_the_player_takes_relative_remaps_and_refuses_what_it_cannot_play_by_name(harness, tmp_path) -> None:
@@ -3001,6 +3080,10 @@ def test_the_player_takes_relative_remaps_and_refuses_what_it_cannot_play_by_nam
     assert lonely.unmatched == ["/nobody"]
     lonely.play()  # no wait, so nothing unmatched
     assert lonely.unmatched == []
+    # --rate 0.5 plays at half the recorded pace at most (an upper bound, whatever the load; a mutation
+    # review found a player that took the rate for its inverse passing: the rate-2 test skips when slow)
+    lonely.play(rate=0.5)
+    assert 0 < lonely.played_s / lonely.wall_s <= 0.5 * 1.01, (lonely.played_s, lonely.wall_s)
     # Joint states stamped on a device's clock (5 s since its start), logged on the host's (2026).
     store, logged = typestore(), 1_796_000_000 * 10**9
     Header, Time = store.types["std_msgs/msg/Header"], store.types["builtin_interfaces/msg/Time"]
@@ -3078,6 +3161,30 @@ def test_replay_demo_replays_recorded_episodes_on_one_clock(
         ("sunday", len(second)),
     ]
     assert summary["episodes"][1]["hit_rate"] > 0 and summary["recorded_bags"] is True
+    # Every figure is what the recorded chunks say, printed as in summary.json (found by a mutation review:
+    # a hit rate of the dense chunks, a rate over one chunk too many, or medians over every mode passed).
+    from collections import Counter
+    from statistics import median
+
+    from rmuscle_ros.node.replay_demo import MODE_NAMES
+
+    for e, got in zip(summary["episodes"], (first, second), strict=True):
+        modes = Counter(MODE_NAMES[c.cache_mode] for c in got)
+        assert e["modes"] == dict(modes) and e["hit_rate"] == modes["cached"] / len(got), e
+        assert (
+            f"episode {e['episode']} ({e['bag']}): {len(got)} chunks: dense {modes['dense']}, cached "
+            f"{modes['cached']}, fallback {modes['fallback']}; hit rate {e['hit_rate']:.2f}" in printed
+        )
+    seconds = [stamp(c) / 1e9 for c in chunks]
+    assert (
+        summary["chunks"] == len(chunks) and f"{len(chunks)} chunks at {summary['rate_hz']:.2f} Hz" in printed
+    )
+    assert summary["rate_hz"] == pytest.approx((len(chunks) - 1) / (seconds[-1] - seconds[0]), rel=1e-6)
+    latencies = [(c.inference_latency_s * 1e3, MODE_NAMES[c.cache_mode]) for c in chunks]
+    assert summary["latency_p50_ms"] == pytest.approx(median(lat for lat, _ in latencies))
+    assert summary["latency_p50_by_mode_ms"] == pytest.approx(
+        {m: median(lat for lat, mode in latencies if mode == m) for m in {mode for _, mode in latencies}}
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["monday", "out", "sunday"], "the bags are kept"
 
 
