@@ -2245,6 +2245,8 @@ def test_an_interrupted_demo_keeps_the_chunks_it_received(tmp_path, monkeypatch)
     assert chunks and {c.episode_id for c in chunks} == {0}, "the first episode's chunks"
     assert any(f"chunk(s) received are in {earlier}" in note for note in interrupted.value.__notes__)
     assert not (tmp_path / "action_chunks.partial").exists()
+    # its file named as a finished bag (it kept `action_chunks.partial.mcap`, found on a GPU run)
+    assert [p.name for p in earlier.glob("*.mcap")] == ["action_chunks.mcap"]
 
 
 def test_the_demo_exits_non_zero_when_the_node_served_no_chunk(tmp_path, monkeypatch) -> None:

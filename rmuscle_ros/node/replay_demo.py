@@ -173,9 +173,15 @@ def _save_chunks(out_dir: Path, topic: str, received: list[tuple[int, bytes]]) -
     record, partial = out_dir / CHUNKS_BAG, out_dir / CHUNKS_PARTIAL
     if partial.is_dir() and not partial.is_symlink():
         shutil.rmtree(partial)
-    write_messages(partial, topic, "rmuscle_ros/msg/ActionChunk", received)
+    # Staged under the record's own name, as record_demos does: rosbags names the bag's file after its
+    # folder, and a bag written as `action_chunks.partial` kept `action_chunks.partial.mcap` once moved
+    # into place (found on the GPU run of 2026-12-05: a finished recording that read as unfinished).
+    partial.mkdir()
+    staged = partial / CHUNKS_BAG
+    write_messages(staged, topic, "rmuscle_ros/msg/ActionChunk", received)
     _fresh(record)
-    partial.rename(record)
+    staged.rename(record)
+    partial.rmdir()
     return record
 
 
