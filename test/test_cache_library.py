@@ -1471,11 +1471,18 @@ def test_an_episode_larger_than_the_whole_library_is_refused_and_nothing_is_evic
     lib.close()
 
 
-def test_bounds_are_inclusive_an_episode_of_exactly_max_bytes_is_recorded(tmp_path: Path, caplog) -> None:
+def test_bounds_are_inclusive_an_episode_of_exactly_max_bytes_is_recorded(
+    tmp_path: Path, caplog, monkeypatch
+) -> None:
     """The bounds are what the library may hold: an episode whose file takes exactly max_bytes is recorded
     (refused only above it), and a library holding exactly max_episodes or max_bytes evicts nothing, at a
     recording or at open, and warns of nothing; one more evicts the least recently used. Found by a mutation
     review: each `>` read as `>=` passed the suite."""
+    import rmuscle_ros.cache.library as library
+
+    # A file's header carries its recording time, whose digits (and so the file's size, to 8 bytes) vary:
+    # one clock reading for all, so that the same episode makes the same file here (found in CI).
+    monkeypatch.setattr(library.time, "time", lambda: 1_764_900_000.25)
     scratch = ReferenceLibrary.open(tmp_path / "scratch", KEY)
     sizes = [scratch.entries[scratch.add(episode(seed=s), {"task": "pick"})].bytes for s in (7, 8)]
     scratch.close()
