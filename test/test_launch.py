@@ -225,6 +225,14 @@ def test_the_launch_file_refuses_a_params_file_that_would_start_a_node_on_its_de
         (tmp_path / "bad.yaml").write_text(bad)
         with pytest.raises(ValueError, match=rf"bad\.yaml, section /\*\*/{section}: {said}"):
             check_params_file(tmp_path / "bad.yaml", both)
+    # one the node once had: its own reason, as configure gives it, not a look-alike
+    (tmp_path / "bad.yaml").write_text(
+        ok.replace("      record: false\n", "      record: false\n      speculate: true\n")
+    )
+    with pytest.raises(
+        ValueError, match=r"section /\*\*/rmuscle_node: cache\.speculate: no longer a parameter: removed on "
+    ):
+        check_params_file(tmp_path / "bad.yaml", both)
     # the streamer's section is not read when the streamer is not started
     (tmp_path / "bad.yaml").write_text(ok.replace("max_step:", "max_joint_step:"))
     check_params_file(tmp_path / "bad.yaml", ("rmuscle_node",))

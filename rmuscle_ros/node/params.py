@@ -19,6 +19,7 @@ import yaml
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.models.config import PRESETS
+from rmuscle_ros.node import params_file
 from rmuscle_ros.node.params_file import likely_meant, section_keys
 from rmuscle_ros.runtime.policy import CACHE_BACKENDS, PI05_CAMERA_SLOTS, PolicyConfig
 from rmuscle_ros.runtime.transforms import check_prompt
@@ -53,11 +54,8 @@ MAX_SECONDS = 3600.0  # the node's time limits and periods: at most an hour
 MIN_STALL_S = 0.5
 # Parameters an earlier version had, with what to do instead: a params file from before an upgrade is
 # refused naming the change, not only as unknown (found in review: cache.speculate was refused among a
-# list of every known name)
-REMOVED_PARAMETERS = {
-    "cache.speculate": "removed on 2026-11-30 (c68d7c1): cache.match_on_gpu (default true) replaced it; "
-    "delete the line",
-}
+# list of every known name). Kept in params_file, whose launch-side check refuses them alike.
+REMOVED_PARAMETERS = params_file.REMOVED_PARAMETERS["rmuscle_node"]
 
 # CacheParams field -> RMuscleConfig field, where the ROS name says more than the runtime's.
 _RUNTIME_NAMES = {"similarity_threshold": "threshold"}

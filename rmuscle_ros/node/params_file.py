@@ -17,6 +17,7 @@ import yaml
 
 __all__ = [
     "NODE_PARAMETERS",
+    "REMOVED_PARAMETERS",
     "camera_remappings",
     "check_params_file",
     "likely_meant",
@@ -53,6 +54,14 @@ NODE_PARAMETERS: dict[str, frozenset[str]] = {
     )),
 }
 # fmt: on
+# Parameters a node once had, with what to do instead: refused by name and reason, at configure
+# (params.node_config) and by the launch file alike (the launch's check had called them unknown).
+REMOVED_PARAMETERS: dict[str, dict[str, str]] = {
+    "rmuscle_node": {
+        "cache.speculate": "removed on 2026-11-30 (c68d7c1): cache.match_on_gpu (default true) replaced it; "
+        "delete the line",
+    },
+}
 # rclpy's own, every node's; and publishers' QoS overrides (qos_overrides.<topic>.publisher.<policy>)
 ROS_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
 
@@ -160,6 +169,11 @@ def check_params_file(path: str | os.PathLike[str], node_names: tuple[str, ...],
                     or parameter.startswith("qos_overrides.")
                 ):
                     continue
+                removed = REMOVED_PARAMETERS.get(name, {}).get(parameter)
+                if removed is not None:
+                    raise ValueError(
+                        f"params file {file}, section {key}: {parameter}: no longer a parameter: {removed}"
+                    )
                 meant = likely_meant(parameter, known)
                 hint = f"did you mean {meant[0]}? " if meant is not None else ""
                 raise ValueError(
