@@ -206,8 +206,13 @@ def test_executed_rows_error_covers_the_rows_the_arms_execute() -> None:
         sim.close()
 
 
-class _LearningPolicy(_CountingPolicy):
-    """The counting policy, its calls run dense to be recorded (RMuscle's learning episode: mode fallback)."""
+class _FallbackPolicy(_CountingPolicy):
+    """The counting policy, its calls in mode fallback for `reason`: RMuscle's learning episode (run dense
+    to be recorded, LEARNING_REASON) or a scene that left the reference (similarity under the threshold)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
 
     def infer(self, obs: object, noise: object) -> object:
         chunk = super().infer(obs, noise)
@@ -215,19 +220,7 @@ class _LearningPolicy(_CountingPolicy):
         return chunk
 
     def cache_call_status(self) -> dict:
-        return {"reason": LEARNING_REASON, "reference_episode": -1, "reference_position": -1}
-
-
-class _FallingBackPolicy(_CountingPolicy):
-    """The counting policy, its calls falling back for their scene (similarity under the threshold)."""
-
-    def infer(self, obs: object, noise: object) -> object:
-        chunk = super().infer(obs, noise)
-        chunk.cache_mode = "fallback"  # type: ignore[attr-defined]
-        return chunk
-
-    def cache_call_status(self) -> dict:
-        return {"reason": "similarity 0.5 below 0.8", "reference_episode": -1, "reference_position": -1}
+        return {"reason": self.reason, "reference_episode": -1, "reference_position": -1}
 
 
 def test_an_episode_run_dense_to_be_recorded_is_counted_apart() -> None:
@@ -236,7 +229,11 @@ def test_an_episode_run_dense_to_be_recorded_is_counted_apart() -> None:
     review: it was, beside the episode that really fell back); the table says how many were learning."""
     sim = sim_success.make_sim(0.25)
     try:
-        policies = (_LearningPolicy(), _CountingPolicy(), _FallingBackPolicy())
+        policies = (
+            _FallbackPolicy(LEARNING_REASON),
+            _CountingPolicy(),
+            _FallbackPolicy("similarity 0.5 below 0.8"),
+        )
         runs = [sim_success.episode(sim, p, 0, 25) for p in policies]
     finally:
         sim.close()
