@@ -14,23 +14,34 @@ from conftest import ros_domain
 LAUNCH = Path(__file__).resolve().parents[1] / "launch" / "rmuscle.launch.py"
 
 
-def remappings(name: str) -> list[tuple[str, str]]:
-    """A remapping table of the launch file (read from its source: launch_ros is not installable here)."""
-    tree = ast.parse(LAUNCH.read_text())
+def remappings(name: str, launch: Path = LAUNCH) -> list[tuple[str, str]]:
+    """A remapping table of a launch file (read from its source: launch_ros is not installable here)."""
+    tree = ast.parse(launch.read_text())
     table = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.targets[0].id == name)
     return ast.literal_eval(table.value)
 
 
-def start_executable(log_dir: Path, env: dict[str, str], module: str, *ros_args: str, table: str = "") -> Any:
-    """`python -m module --ros-args ...` as its own process, with the launch table `table`'s remappings (if
-    any) first; its output goes to log_dir/<module's last part>.log."""
+def start_executable(
+    log_dir: Path,
+    env: dict[str, str],
+    module: str,
+    *ros_args: str,
+    table: str = "",
+    executable: Path | None = None,
+    launch: Path = LAUNCH,
+) -> Any:
+    """`python -m module --ros-args ...` as its own process (or `executable`, an installed node executable,
+    in its stead), with the launch file's table `table`'s remappings (if any) first; its output goes to
+    log_dir/<module's last part>.log."""
     import subprocess
     import sys
 
-    remaps = [arg for frm, to in remappings(table) for arg in ("-r", f"{frm}:={to}")] if table else []
+    remaps = [arg for frm, to in remappings(table, launch) for arg in ("-r", f"{frm}:={to}")] if table else []
     log = (log_dir / f"{module.rsplit('.', 1)[1]}.log").open("wb")
-    command = [sys.executable, "-m", module, "--ros-args", *remaps, *ros_args]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    start = [str(executable)] if executable else [sys.executable, "-m", module]
+    return subprocess.Popen(
+        [*start, "--ros-args", *remaps, *ros_args], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def test_launch_file_is_valid_python_with_the_aloha_remappings() -> None:
@@ -365,6 +376,22 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     states, with the names an Interbotix arm uses) and listens on the followers' command topics, which must
     then carry the policy's actions; it answers get_robot_info on each follower's driver service as an ALOHA
     follower's driver does, which the streamer asks before it sends anything."""
+    drive_an_aloha_stack(tmp_path, config=LAUNCH.parents[1] / "config", launch=LAUNCH)
+
+
+def drive_an_aloha_stack(
+    log_dir: Path,
+    *,
+    config: Path,
+    launch: Path,
+    executables: Path | None = None,
+    env: dict[str, str] | None = None,
+    domain_offset: int = 50,
+) -> None:
+    """Both nodes started as `ros2 launch` would (the launch file `launch`'s remappings, the profiles in
+    `config`; from `executables`, a folder of installed node executables, with the environment `env`, or
+    else with `python -m` in this one), brought up through their lifecycle services, and checked to turn a
+    stand-in ALOHA stack's cameras and joint states into both followers' arm and gripper commands."""
     rclpy = pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
     pytest.importorskip(
         "rmuscle_ros.msg", reason="interfaces not built (scripts/setup_ros_venv.sh builds them)"
@@ -388,16 +415,18 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
     from rmuscle_ros.node.replay_demo import call_service, stop_processes
     from rmuscle_ros.node.spin import BackgroundSpin
 
-    config = LAUNCH.parents[1] / "config"
-    domain = ros_domain(50)  # away from the other tests' nodes
-    env = os.environ | {"ROS_DOMAIN_ID": str(domain)}
+    domain = ros_domain(domain_offset)  # away from the other tests' nodes
+    env = (os.environ if env is None else env) | {"ROS_DOMAIN_ID": str(domain)}
+
+    def start(module: str, *args: str, table: str) -> Any:
+        installed = executables / module.rsplit(".", 1)[1] if executables else None
+        return start_executable(log_dir, env, module, *args, table=table, executable=installed, launch=launch)
 
     processes = [
-        start_executable(tmp_path, env, "rmuscle_ros.node.rmuscle_node", "--params-file",
-                         str(config / "rmuscle_default.yaml"), "-p", "warmup:=false", "-p", "cache.enabled:=false",
-                         table="ALOHA_REMAPPINGS"),
-        start_executable(tmp_path, env, "rmuscle_ros.node.action_streamer", "--params-file",
-                         str(config / "rmuscle_aloha.yaml"), table="STREAMER_REMAPPINGS"),
+        start("rmuscle_ros.node.rmuscle_node", "--params-file", str(config / "rmuscle_default.yaml"),
+              "-p", "warmup:=false", "-p", "cache.enabled:=false", table="ALOHA_REMAPPINGS"),
+        start("rmuscle_ros.node.action_streamer", "--params-file", str(config / "rmuscle_aloha.yaml"),
+              table="STREAMER_REMAPPINGS"),
     ]  # fmt: skip
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain)
@@ -420,7 +449,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
             )  # fmt: skip
             serve(cell, f"/follower_{side}/get_robot_info")  # an ALOHA follower's driver's answers
         cameras = [cell.create_publisher(Image, to, qos_profile_sensor_data)
-                   for frm, to in remappings("ALOHA_REMAPPINGS") if frm.startswith("images/")]  # fmt: skip
+                   for frm, to in remappings("ALOHA_REMAPPINGS", launch) if frm.startswith("images/")]  # fmt: skip
         arms = [cell.create_publisher(JointState, f"/follower_{side}/joint_states", qos_profile_sensor_data)
                 for side in ("left", "right")]  # fmt: skip
         for name in ("rmuscle_node", "action_streamer"):
@@ -428,7 +457,7 @@ def test_the_launch_remappings_connect_both_nodes_to_an_aloha_stack(tmp_path) ->
             for transition in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
                 request = ChangeState.Request()
                 request.transition.id = transition
-                assert call_service(client, request, 120.0).success, (tmp_path / f"{name}.log").read_text()[
+                assert call_service(client, request, 120.0).success, (log_dir / f"{name}.log").read_text()[
                     -3000:
                 ]
         pixels = np.full((48, 64, 3), 90, np.uint8).tobytes()
