@@ -63,7 +63,7 @@ def sourced(root: Path, env: dict[str, str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     if not (VENV_BIN / "colcon").is_file():
-        pytest.skip(f"colcon is not installed in {VENV_BIN.parent} (scripts/setup_ros_venv.sh installs it)")
+        pytest.skip(f"colcon is not installed in {VENV_BIN.parent} (the `dev` extra has it: make venv)")
     pytest.importorskip("rclpy", reason="ROS 2 wheels not installed (make venv installs them)")
     for tool in ("cmake", "make", "c++"):
         if shutil.which(tool) is None:
