@@ -20,9 +20,19 @@ from test_launch import drive_an_aloha_stack
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-# What a clone brings that the build neither reads nor installs (the tests and benchmarks, ~11 MB), and
-# what a developer's checkout has beside its sources.
-NOT_COPIED = (".git", ".venv", ".whl", ".gl", "build", "install", "log", "bench", "test", "_exp")
+# Top-level entries of a clone that the build neither reads nor installs (the tests and benchmarks, ~11 MB),
+# and what a developer's checkout has there beside its sources (besides hidden ones and *.egg-info).
+NOT_COPIED = frozenset(("build", "install", "log", "bench", "test", "_exp"))
+
+
+def not_copied(folder: str, names: list[str]) -> list[str]:
+    """What the workspace's copy of the checkout leaves out (shutil.copytree's `ignore`)."""
+    top = Path(folder) == REPO
+
+    def left_out(name: str) -> bool:
+        return name in NOT_COPIED or name.startswith(".") or name.endswith(".egg-info")
+
+    return [n for n in names if n == "__pycache__" or (top and left_out(n))]
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
         if shutil.which(tool) is None:
             pytest.skip(f"'{tool}' not found: colcon builds the interfaces with CMake and a C++ compiler")
     root = tmp_path_factory.mktemp("colcon_ws")
-    shutil.copytree(
-        REPO, root / "src" / "rmuscle_ros", ignore=shutil.ignore_patterns(*NOT_COPIED, "__pycache__")
-    )
+    shutil.copytree(REPO, root / "src" / "rmuscle_ros", ignore=not_copied)
     env = build_environment(root)
     log = root / "colcon_build.log"
     with log.open("wb") as out:
