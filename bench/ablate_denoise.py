@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, save_results
+from bench.bench_pi05 import cuda_time_ms, gpu_tag, random_graph_engine, record_header, save_results
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 
@@ -119,7 +119,7 @@ def main() -> None:
         "replay_ms": results,
         "kinds": rows,
     }
-    save_results(args.out, f"ablate_denoise_{torch.cuda.get_device_name(device).split()[-1].lower()}", record,
+    save_results(args.out, f"ablate_denoise_{gpu_tag(torch.cuda.get_device_name(device))}", record,
                  "\n".join(lines) + "\n")  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -184,6 +185,14 @@ def finite_or_none(value: object) -> object:
     if isinstance(value, list | tuple):
         return [finite_or_none(v) for v in value]
     return value
+
+
+def gpu_tag(name: str) -> str:
+    """A short, lower-case tag for a device name in result file names and labels: its model ("NVIDIA
+    H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"), else its last word ("NVIDIA GeForce RTX 4090" ->
+    "4090"). Found with an H100's results: the last word alone named them "hbm3"."""
+    model = re.search(r"\b[A-Z]{1,2}\d{2,3}[A-Z]?\b", name)
+    return (model.group(0) if model else name.split()[-1]).lower()
 
 
 def save_results(out: Path, stem: str, record: dict, markdown: str) -> None:
@@ -405,7 +414,7 @@ def main() -> None:
         "capture_s": round(sum(capture.values()), 2),
         "results": results,
     }
-    stem = args.name or f"{args.preset}_{gpu.split()[-1].lower()}_{record['date'][:10]}"
+    stem = args.name or f"{args.preset}_{gpu_tag(gpu)}_{record['date'][:10]}"
     save_results(args.out, stem, record, to_markdown(record))
 
 

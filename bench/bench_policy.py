@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import record_header, save_results
+from bench.bench_pi05 import gpu_tag, record_header, save_results
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, host_threads, synthetic_observation
 
@@ -193,7 +193,7 @@ def main() -> None:
                   "resampling, has run), the span (the call's stages and the gaps the host leaves between "
                   "them), and from its end to the call's return (the actions back on the host, "
                   "postprocessing)."]  # fmt: skip
-    stem = args.name or f"policy_{args.preset}_{device.split()[-1].lower()}_{args.commit}"
+    stem = args.name or f"policy_{args.preset}_{gpu_tag(device)}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
 

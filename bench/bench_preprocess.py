@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import record_header, save_results
+from bench.bench_pi05 import gpu_tag, record_header, save_results
 from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
 from rmuscle_ros.runtime.transforms import (
     ImageUploads,
@@ -208,7 +208,7 @@ def main() -> None:
         "`cameras_batched` (the policy's path on a CPU). `with_busy_thread`: another thread runs Python meanwhile.",
         *gpu_lines,
     ]
-    where = "cpu" if gpu == "none" else gpu.split()[-1].lower()
+    where = "cpu" if gpu == "none" else gpu_tag(gpu)
     save_results(
         args.out, f"preprocess_{where}_{args.commit}_t{args.threads}", record, "\n".join(lines) + "\n"
     )

@@ -37,7 +37,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, measure_ceilings, random_model, record_header, rel_l2, save_results
+from bench.bench_pi05 import (
+    cuda_time_ms,
+    gpu_tag,
+    measure_ceilings,
+    random_model,
+    record_header,
+    rel_l2,
+    save_results,
+)
 from bench.trace_graphs import idle_gaps, traced_events
 from rmuscle_ros.cache.retrieval import Retriever
 from rmuscle_ros.cache.runtime import CallInfo, RMuscle, RMuscleConfig
@@ -691,7 +699,7 @@ def main() -> None:
     dense_cost = call_cost(cfg, args.prompt_tokens)
     cached_cost = rmuscle_cost(cfg, args.prompt_tokens, 0.4, 0.5)
     projection = {}
-    here = f"{gpu.split()[-1].lower()}_measured_ceilings"  # h200_measured_ceilings on an H200
+    here = f"{gpu_tag(gpu)}_measured_ceilings"  # h200_measured_ceilings on an H200
     measured = {here: {"tb_s": bw / 1e12, "tflops": flops_peak / 1e12}} if cuda else {}
     for name, tgt in {**measured, **TARGETS}.items():
 
@@ -737,7 +745,7 @@ def main() -> None:
         "roofline_projection_not_measured": projection,
         "results": results,
     }
-    stem = args.name or f"rmuscle_{args.preset}_{gpu.split()[-1].lower()}_{record['date'][:10]}"
+    stem = args.name or f"rmuscle_{args.preset}_{gpu_tag(gpu)}_{record['date'][:10]}"
     save_results(args.out, stem, record, to_markdown(record))
 
 

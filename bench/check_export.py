@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.bench_pi05 import make_inputs, random_model, record_header, rel_l2, save_results
+from bench.bench_pi05 import gpu_tag, make_inputs, random_model, record_header, rel_l2, save_results
 from rmuscle_ros.engine import onnx_export
 from rmuscle_ros.engine.onnx_runtime import open_sessions, session_runner
 from rmuscle_ros.models.checkpoint import weights_fingerprint
@@ -178,7 +178,7 @@ def main() -> None:
             ),
             "",
         ]
-    name = args.name or f"export_{args.preset}_{args.dtype}_{gpu.split()[-1].lower()}_{args.commit}"
+    name = args.name or f"export_{args.preset}_{args.dtype}_{gpu_tag(gpu)}_{args.commit}"
     save_results(Path(args.out), name, record, "\n".join(lines))
 
 

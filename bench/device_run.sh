@@ -47,6 +47,9 @@ commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace]
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
+# The card in result names ("h200", "h100"): a lease may be either, and a file named for the other misleads.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E '\b[A-Z]{1,2}[0-9]{2,3}[A-Z]?\b' | head -1 | tr 'A-Z' 'a-z')
+card=${card:-gpu}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v -i "warn"; }
@@ -59,30 +62,30 @@ for step in $steps; do
             timeout 300 python3 -m pytest -q -m gpu test/test_engine_gpu.py test/test_rmuscle_runtime.py test/test_transforms.py test/test_checkpoint.py \
                 test/test_rmuscle_engine.py test/test_policy.py 2>&1 | quiet | tail -15 ;;
         pi05)
-            timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_h200_$commit" \
+            timeout 300 python3 bench/bench_pi05.py --commit "$commit" --name "pi05_${card}_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^| \|graph\|Medians" ;;
         pi05-7b)
             timeout 540 python3 bench/bench_pi05.py --preset pi05-7b --no-serial --iters 20 --eager-iters 4 \
-                --rounds 2 --commit "$commit" --name "pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
+                --rounds 2 --commit "$commit" --name "pi05-7b_${card}_$commit" --out "$out" 2>&1 | quiet \
                 | grep "^| \|graph\|Medians\|accuracy\|Error" ;;
         rmuscle)
             timeout 300 python3 bench/bench_rmuscle.py --commit "$commit" \
-                --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
+                --name "rmuscle_pi05_${card}_$commit" --out "$out" 2>&1 | quiet | grep "end to end\|^| rmuscle\|Error" ;;
         library)
             timeout 300 python3 bench/bench_rmuscle.py --rho 0.4,0.5 --no-interference --library-episodes 1 64 256 \
-                --commit "$commit" --name "rmuscle_library_h200_$commit" --out "$out" 2>&1 | quiet \
+                --commit "$commit" --name "rmuscle_library_${card}_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|library of\|^| \|Error" ;;
         rmuscle_bar)  # issue #4's bar: ρ 0.4/0.5 (ramp) against ρ 1/1, the dense graph and eager, ~2.5 min
             timeout 400 python3 bench/bench_rmuscle.py --rho 0.4,0.5,ramp --rho 1,1 --no-interference \
-                --commit "$commit" --name "rmuscle_pi05_h200_$commit" --out "$out" 2>&1 | quiet \
+                --commit "$commit" --name "rmuscle_pi05_${card}_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|^| rmuscle\|Error" ;;
         rmuscle_alone)  # the Action Cache alone (ρp = 1) against the default, same run
             timeout 400 python3 bench/bench_rmuscle.py --rho 1,0.5,ramp --rho 0.4,0.5,ramp --no-interference \
-                --commit "$commit" --name "rmuscle_alone_pi05_h200_$commit" --out "$out" 2>&1 | quiet \
+                --commit "$commit" --name "rmuscle_alone_pi05_${card}_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|^| rmuscle\|Error\|memory" ;;
         rmuscle7b)
             timeout 400 python3 bench/bench_rmuscle.py --preset pi05-7b --rho 0.4,0.5 --iters 10 --no-interference \
-                --commit "$commit" --name "rmuscle_pi05-7b_h200_$commit" --out "$out" 2>&1 | quiet \
+                --commit "$commit" --name "rmuscle_pi05-7b_${card}_$commit" --out "$out" 2>&1 | quiet \
                 | grep "end to end\|^| rmuscle\|Error\|eager\|memory" ;;
         load) probe 240 probe_load_inputs "^\[probe\]\|Error" ;;
         vision_mlp) probe 200 probe_vision_mlp "^\[probe\]\|^| \|Error" ;;
@@ -99,9 +102,9 @@ for step in $steps; do
             for launch in 3:gathered_bn32 8:dense_bn32 13:gathered_bn16; do
                 timeout 200 ncu --clock-control none --cache-control none --kernel-name regex:skinny \
                     --launch-skip "${launch%%:*}" --launch-count 1 $sections python3 bench/ncu_gate_up.py \
-                    > "$out/ncu_gate_up_h200_${commit}_${launch#*:}.txt" 2>&1
+                    > "$out/ncu_gate_up_${card}_${commit}_${launch#*:}.txt" 2>&1
                 grep "Duration\|SM Active Cycles\|Elapsed Cycles\|L1/TEX Cache Throughput\|L2 Cache Throughput" \
-                    "$out/ncu_gate_up_h200_${commit}_${launch#*:}.txt"
+                    "$out/ncu_gate_up_${card}_${commit}_${launch#*:}.txt"
             done ;;
         trace)
             timeout 200 python3 bench/trace_graphs.py --commit "$commit" --order prefill --out "$out" 2>&1 \
@@ -116,9 +119,9 @@ for step in $steps; do
             timeout 200 python3 bench/probe_first_rebuild.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         call_timeline)  # bench/probe_call_timeline.py: the host's steps and the stages of dense and cached calls
             timeout 300 python3 bench/probe_call_timeline.py --commit "$commit" \
-                --name "probe_call_timeline_pi05_h200_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
+                --name "probe_call_timeline_pi05_${card}_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         episode_read)  # bench/bench_episode_read.py: one call's rows against the whole episode, on this host
-            timeout 200 python3 bench/bench_episode_read.py --commit "$commit" --name "episode_read_h200_$commit" \
+            timeout 200 python3 bench/bench_episode_read.py --commit "$commit" --name "episode_read_${card}_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         policy) timeout 400 python3 bench/bench_policy.py --commit "$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
         node|node_setup|node_tests|node_soak|node_soak_ab|node_stacks)  # ROS 2 from the wheels carried in .whl/cp312, into the machine's Python

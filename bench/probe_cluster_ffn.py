@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import record_header, rel_l2, save_results
+from bench.bench_pi05 import gpu_tag, record_header, rel_l2, save_results
 from bench.probe_ffn_kernels import per_kernel_us  # µs per launch of a graph of launches
 from rmuscle_ros.engine import ops, triton_ops
 from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count
@@ -183,7 +183,7 @@ def main() -> None:
     ]
     for name, r in results.items():
         lines.append(f"| {name} | {r.get('hot_us', r.get('error'))} | {r.get('cold_us', '–')} |")
-    stem = f"probe_cluster_ffn_{gpu.split()[-1].lower()}_{args.commit}"
+    stem = f"probe_cluster_ffn_{gpu_tag(gpu)}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
 

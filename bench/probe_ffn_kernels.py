@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, record_header, save_results
+from bench.bench_pi05 import cuda_time_ms, gpu_tag, record_header, save_results
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count, split_k
 from rmuscle_ros.models.config import get_preset
@@ -157,7 +157,7 @@ def main() -> None:
         cells = [results[key].get(col, results[key].get("error", "–")) for key in (name, f"{name}_pdl")
                  for col in ("hot_us", "cold_us")]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
-    stem = args.name or f"probe_ffn_kernels_{gpu.split()[-1].lower()}_{args.commit}"
+    stem = args.name or f"probe_ffn_kernels_{gpu_tag(gpu)}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import record_header, save_results
+from bench.bench_pi05 import gpu_tag, record_header, save_results
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
@@ -151,7 +151,7 @@ def main() -> None:
             for r in rows
         ),
     ]
-    where = "cpu" if not cuda else device.split()[-1].lower()
+    where = "cpu" if not cuda else gpu_tag(device)
     save_results(
         args.out, f"probe_first_rebuild_{args.preset}_{where}_{args.commit}", record, "\n".join(lines) + "\n"
     )

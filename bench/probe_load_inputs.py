@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pi05 import (
+    gpu_tag,
     make_inputs,
     policy_inputs,
     random_model,
@@ -145,7 +146,7 @@ def main() -> None:
     ]
     save_results(
         args.out,
-        f"probe_load_inputs_{gpu.split()[-1].lower()}_{args.commit}",
+        f"probe_load_inputs_{gpu_tag(gpu)}_{args.commit}",
         record,
         "\n".join(lines) + "\n",
     )

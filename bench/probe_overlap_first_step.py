@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import random_graph_engine, record_header, save_results, time_interleaved
+from bench.bench_pi05 import gpu_tag, random_graph_engine, record_header, save_results, time_interleaved
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 
 
@@ -128,7 +128,7 @@ def main() -> None:
     ]
     record = {**record_header(gpu, args.commit), "preset": args.preset, "rho_p": args.rho_p, "rho_n": args.rho_n,
               "bit_identical": checks, "tail_ratio_dense_over_cached": ratio, "results": results}  # fmt: skip
-    save_results(args.out, f"probe_overlap_first_step_{gpu.split()[-1].lower()}_{args.commit}", record,
+    save_results(args.out, f"probe_overlap_first_step_{gpu_tag(gpu)}_{args.commit}", record,
                  "\n".join(lines) + "\n")  # fmt: skip
     if not all(checks.values()):
         raise SystemExit(f"actions differ from the serial tail: {checks}")

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import record_header, save_results, time_interleaved
+from bench.bench_pi05 import gpu_tag, record_header, save_results, time_interleaved
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 
@@ -177,7 +177,7 @@ def main() -> None:
         ),
     ]
     text = "\n".join(lines) + "\n"
-    save_results(args.out, f"probe_prefill_attention_{gpu.split()[-1].lower()}_{args.commit}", record, text)
+    save_results(args.out, f"probe_prefill_attention_{gpu_tag(gpu)}_{args.commit}", record, text)
 
 
 if __name__ == "__main__":

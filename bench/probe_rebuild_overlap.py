@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, random_graph_engine, record_header, save_results
+from bench.bench_pi05 import gpu_tag, make_inputs, random_graph_engine, record_header, save_results
 from rmuscle_ros.engine.fused import ContextRef
 from rmuscle_ros.engine.graph import CacheShapes
 from rmuscle_ros.models.config import get_preset
@@ -121,7 +121,7 @@ def main() -> None:
             for k, r in results.items()
         ),
     ]
-    save_results(args.out, f"probe_rebuild_overlap_{gpu.split()[-1].lower()}_{args.commit}", record,
+    save_results(args.out, f"probe_rebuild_overlap_{gpu_tag(gpu)}_{args.commit}", record,
                  "\n".join(lines) + "\n")  # fmt: skip
 
 

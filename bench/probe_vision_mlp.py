@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, random_model, record_header, save_results, time_interleaved
+from bench.bench_pi05 import gpu_tag, make_inputs, random_model, record_header, save_results, time_interleaved
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.fused import FusedPi05, rho_count
 from rmuscle_ros.models.config import get_preset
@@ -120,9 +120,7 @@ def main() -> None:
         "|---|---|---|",
         *(f"| {k} | {v['median_ms']} | {v.get('saving_upper_bound_ms', '–')} |" for k, v in results.items()),
     ]
-    save_results(
-        args.out, f"probe_vision_mlp_{gpu.split()[-1].lower()}_{args.commit}", record, "\n".join(lines) + "\n"
-    )
+    save_results(args.out, f"probe_vision_mlp_{gpu_tag(gpu)}_{args.commit}", record, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

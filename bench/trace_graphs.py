@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import make_inputs, random_graph_engine, record_header, save_results
+from bench.bench_pi05 import gpu_tag, make_inputs, random_graph_engine, record_header, save_results
 from rmuscle_ros.engine.graph import CacheShapes
 from rmuscle_ros.models.config import get_preset
 
@@ -234,7 +234,7 @@ def main() -> None:
         "cache": args.cache,
         "results": stages,
     }
-    stem = f"trace_graphs_{gpu.split()[-1].lower()}{'_cached' if args.cache else ''}_{args.commit}"
+    stem = f"trace_graphs_{gpu_tag(gpu)}{'_cached' if args.cache else ''}_{args.commit}"
     save_results(args.out, stem, record, "\n".join(lines))
 
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, save_results
+from bench.bench_pi05 import cuda_time_ms, gpu_tag, random_graph_engine, record_header, save_results
 from rmuscle_ros.engine import fused as fused_module
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.engine.fused import gather_splits
@@ -157,7 +157,7 @@ def main() -> None:
             lines.append(f"| {kind} | {row['ms']} | `{row['config']}` |")
     record = {**record_header(gpu, args.commit), "preset": args.preset, "pdl": engine.pdl, "cache": args.cache,
               "results": results}  # fmt: skip
-    stem = f"tune_in_graph_{gpu.split()[-1].lower()}{'_cached' if args.cache else ''}"
+    stem = f"tune_in_graph_{gpu_tag(gpu)}{'_cached' if args.cache else ''}"
     save_results(args.out, stem, record, "\n".join(lines) + "\n")
 
 
