@@ -88,6 +88,21 @@ _CORPUS = [
 ] * 20
 
 
+def train_sentencepiece(prefix: Path, corpus: list[str], vocab_size: int, **options: Any) -> Path:
+    """A small BPE SentencePiece model trained on `corpus` (skips the test without sentencepiece), with
+    SentencePiece's own defaults unless `options` say otherwise; the path of its .model file."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        minloglevel=2,
+        **options,
+    )
+    return Path(f"{prefix}.model")
+
+
 @pytest.fixture(scope="session")
 def spm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 100-piece SentencePiece model laid out like PaliGemma's.
@@ -95,13 +110,10 @@ def spm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Same special ids (pad 0, eos 1, bos 2, unk 3), and like Gemma it keeps text as is (identity
     normalisation, whitespace kept, "\n" a piece of its own) so the prompt's newline survives.
     """
-    sentencepiece = pytest.importorskip("sentencepiece")
-    prefix = tmp_path_factory.mktemp("spm") / "tokenizer"
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(_CORPUS),
-        model_prefix=str(prefix),
-        vocab_size=100,
-        model_type="bpe",
+    return train_sentencepiece(
+        tmp_path_factory.mktemp("spm") / "tokenizer",
+        _CORPUS,
+        100,
         pad_id=0,
         eos_id=1,
         bos_id=2,
@@ -109,9 +121,7 @@ def spm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
         user_defined_symbols=["\n"],
-        minloglevel=2,
     )
-    return Path(f"{prefix}.model")
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import train_sentencepiece
 
 from rmuscle_ros.models.config import TINY_VOCAB_SIZE
 from rmuscle_ros.models.tokenizer import (
@@ -69,17 +70,8 @@ def test_sentencepiece_garbage_file_names_path(tmp_path: Path) -> None:
 def _train_sentencepiece(prefix: Path, **special_ids: int) -> Path:
     """A small SentencePiece model with SentencePiece's own default special ids (unk 0, bos 1, eos 2, no
     pad piece) unless `special_ids` say otherwise."""
-    sentencepiece = pytest.importorskip("sentencepiece")
     text = ["Task: pick up the cube, State: 1 22 128 255;\nAction: ", "fold the towel 0123456789"] * 20
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(text),
-        model_prefix=str(prefix),
-        vocab_size=60,
-        model_type="bpe",
-        minloglevel=2,
-        **special_ids,
-    )
-    return Path(f"{prefix}.model")
+    return train_sentencepiece(prefix, text, 60, **special_ids)
 
 
 def test_sentencepiece_without_a_pad_piece_pads_with_id_0(tmp_path: Path) -> None:
