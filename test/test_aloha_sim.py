@@ -798,6 +798,8 @@ def test_the_sim_node_publishes_on_the_cells_topics_stamped_with_its_clock() -> 
     from rosgraph_msgs.msg import Clock
     from sensor_msgs.msg import Image, JointState
 
+    from rmuscle_ros.node.observation import stamp_ns
+
     topics = {
         "top": "/cam_high/camera/color/image_rect_raw",
         "left_wrist": "/cam_left_wrist/camera/color/image_rect_raw",
@@ -831,9 +833,9 @@ def test_the_sim_node_publishes_on_the_cells_topics_stamped_with_its_clock() -> 
                 64,
             )
             assert frame.step == 64 * 3 and len(frame.data) == 48 * frame.step
-            assert on_the_clock(_stamp_ns(frame.header.stamp)), (camera, frame.header.stamp)
+            assert on_the_clock(stamp_ns(frame.header)), (camera, frame.header.stamp)
     for side, states in joints.items():
-        assert all(on_the_clock(_stamp_ns(m.header.stamp)) for m in states), side
+        assert all(on_the_clock(stamp_ns(m.header)) for m in states), side
         assert all(tuple(m.name) == JOINT_STATE_NAMES for m in states), side
 
 
@@ -1109,6 +1111,7 @@ def test_a_recorded_episode_holds_each_step_s_observation_and_the_commands_decid
     commands in opening units, positions swapped with velocities, commands a step behind, or wrong counts
     all passed."""
     from rmuscle_ros.node.bags import bag_info, read_messages
+    from rmuscle_ros.node.observation import stamp_ns
     from rmuscle_ros.sim.aloha import SIDES
     from rmuscle_ros.sim.scripted import TransferCubeDemonstrator
 
@@ -1129,9 +1132,6 @@ def test_a_recorded_episode_holds_each_step_s_observation_and_the_commands_decid
     closed, opened = sim.config.gripper_joint_range
     episode, start, period = out / "episode_0", record_demos.episode_start_ns(0), 20_000_000
 
-    def stamp(header: object) -> int:
-        return header.stamp.sec * 10**9 + header.stamp.nanosec
-
     for side in SIDES:
         joints = read_messages(episode, f"/follower_{side}/joint_states")
         arm = read_messages(episode, f"/follower_{side}/commands/joint_group")
@@ -1140,17 +1140,17 @@ def test_a_recorded_episode_holds_each_step_s_observation_and_the_commands_decid
         for k, ((t, state), (t_arm, group), (t_gripper, single)) in enumerate(
             zip(joints, arm, gripper, strict=True)
         ):
-            assert t == t_arm == t_gripper == stamp(state.header) == start + k * period, (side, k)
+            assert t == t_arm == t_gripper == stamp_ns(state.header) == start + k * period, (side, k)
             assert tuple(state.name) == JOINT_STATE_NAMES
             np.testing.assert_allclose(state.position, observed[k][side], atol=1e-9)
             assert group.name == "arm" and single.name == "gripper"
             np.testing.assert_allclose(group.cmd, commanded[k][side][:6], rtol=1e-6, atol=1e-6)  # float32
             assert single.cmd == pytest.approx(closed + commanded[k][side][6] * (opened - closed), rel=1e-6)
     frames = read_messages(episode, "/cam_high/camera/color/image_rect_raw/compressed")
-    assert [t for t, _ in frames] == [stamp(m.header) for _, m in frames] == [start, start + 5 * period]
+    assert [t for t, _ in frames] == [stamp_ns(m.header) for _, m in frames] == [start, start + 5 * period]
     result = json.loads((episode / "episode.json").read_text())
     assert result["messages"] == {topic: n for topic, (_, n) in bag_info(episode).topics.items()}
-    next_start = stamp(read_messages(out / "episode_1", "/follower_left/joint_states")[0][1].header)
+    next_start = stamp_ns(read_messages(out / "episode_1", "/follower_left/joint_states")[0][1].header)
     assert next_start - (start + 10 * period) == 10**9
 
 
