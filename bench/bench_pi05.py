@@ -20,7 +20,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import gpu_tag
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.cost import call_cost, total
 from rmuscle_ros.engine.graph import STAGES, GraphEngine
@@ -185,14 +185,6 @@ def finite_or_none(value: object) -> object:
     if isinstance(value, list | tuple):
         return [finite_or_none(v) for v in value]
     return value
-
-
-def gpu_tag(name: str) -> str:
-    """A short, lower-case tag for a device name in result file names and labels: its model ("NVIDIA
-    H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"), else its last word ("NVIDIA GeForce RTX 4090" ->
-    "4090"). Found with an H100's results: the last word alone named them "hbm3"."""
-    model = re.search(r"\b[A-Z]{1,2}\d{2,3}[A-Z]?\b", name)
-    return (model.group(0) if model else name.split()[-1]).lower()
 
 
 def save_results(out: Path, stem: str, record: dict, markdown: str) -> None:

@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import gpu_tag
 from bench.bench_pi05 import (
     cuda_time_ms,
-    gpu_tag,
     measure_ceilings,
     random_model,
     record_header,

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.bench_pi05 import gpu_tag, make_inputs, random_model, record_header, rel_l2, save_results
+from bench import gpu_tag
+from bench.bench_pi05 import make_inputs, random_model, record_header, rel_l2, save_results
 from rmuscle_ros.engine import onnx_export
 from rmuscle_ros.engine.onnx_runtime import open_sessions, session_runner
 from rmuscle_ros.models.checkpoint import weights_fingerprint

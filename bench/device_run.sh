@@ -47,11 +47,13 @@ commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace]
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
-# The card in result names ("h200", "h100"): a lease may be either, and a file named for the other misleads.
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E '\b[A-Z]{1,2}[0-9]{2,3}[A-Z]?\b' | head -1 | tr 'A-Z' 'a-z')
-card=${card:-gpu}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+# The card in result names ("h200", "h100"; bench.gpu_tag, as the benchmarks' own names): a lease may be
+# either, and a file named for the other misleads.
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+card=$([[ -n $gpu_name ]] && python3 -c 'import sys; from bench import gpu_tag; print(gpu_tag(sys.argv[1]))' "$gpu_name")
+card=${card:-gpu}
 quiet() { grep -v -i "warn"; }
 # A probe script's step: its time limit (s), its name in bench/, the lines of its output worth showing.
 probe() { timeout "$1" python3 "bench/$2.py" --commit "$commit" --out "$out" 2>&1 | quiet | grep "$3"; }

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import gpu_tag, record_header, rel_l2, save_results
+from bench import gpu_tag
+from bench.bench_pi05 import record_header, rel_l2, save_results
 from bench.probe_ffn_kernels import per_kernel_us  # µs per launch of a graph of launches
 from rmuscle_ros.engine import ops, triton_ops
 from rmuscle_ros.engine.fused import gather_splits, keep_neuron_count

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import gpu_tag, record_header, save_results
+from bench import gpu_tag
+from bench.bench_pi05 import record_header, save_results
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 

@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import gpu_tag
 from bench.bench_pi05 import (
-    gpu_tag,
     make_inputs,
     policy_inputs,
     random_model,

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import gpu_tag, random_graph_engine, record_header, save_results, time_interleaved
+from bench import gpu_tag
+from bench.bench_pi05 import random_graph_engine, record_header, save_results, time_interleaved
 from rmuscle_ros.engine.graph import CacheShapes, GraphEngine
 
 

@@ -33,7 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import gpu_tag, record_header, save_results, time_interleaved
+from bench import gpu_tag
+from bench.bench_pi05 import record_header, save_results, time_interleaved
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.models.config import get_preset
 

@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import gpu_tag, make_inputs, random_model, record_header, save_results, time_interleaved
+from bench import gpu_tag
+from bench.bench_pi05 import make_inputs, random_model, record_header, save_results, time_interleaved
 from rmuscle_ros.engine import create_engine
 from rmuscle_ros.engine.fused import FusedPi05, rho_count
 from rmuscle_ros.models.config import get_preset

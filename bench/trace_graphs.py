@@ -27,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import gpu_tag, make_inputs, random_graph_engine, record_header, save_results
+from bench import gpu_tag
+from bench.bench_pi05 import make_inputs, random_graph_engine, record_header, save_results
 from rmuscle_ros.engine.graph import CacheShapes
 from rmuscle_ros.models.config import get_preset
 

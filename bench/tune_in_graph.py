@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_pi05 import cuda_time_ms, gpu_tag, random_graph_engine, record_header, save_results
+from bench import gpu_tag
+from bench.bench_pi05 import cuda_time_ms, random_graph_engine, record_header, save_results
 from rmuscle_ros.engine import fused as fused_module
 from rmuscle_ros.engine import triton_ops
 from rmuscle_ros.engine.fused import gather_splits
