@@ -833,3 +833,66 @@ def test_action_step_matches_definition(triton_ops, row_max: int) -> None:
         outs.append((x, res, h.float()))
     assert rel(outs[1][0], outs[0][0]) < 1e-5 and rel(outs[1][1], outs[0][1]) < 1e-5
     assert rel(outs[1][2], outs[0][2]) < 1e-2  # bf16 output rounding
+
+
+# A Triton kernel that stores 4 TiB past its tensor: an illegal address, which loses the process's CUDA
+# context for good (as an uncorrectable ECC error or a GPU fallen off the bus would). Run in a process of its
+# own: the test's process must keep its GPU.
+WILD_STORE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _wild_store(ptr):
+    tl.store(ptr + (1 << 40), 1.0)
+
+
+def fault_the_gpu(torch):
+    x = torch.zeros(1, device="cuda")
+    _wild_store[(1,)](x)
+    torch.cuda.synchronize()  # raises: an illegal memory access
+"""
+
+
+def test_device_fault_tells_a_lost_cuda_context_from_a_call_that_failed(tmp_path) -> None:
+    """`Policy.device_fault` (what the node asks after a call raised): None on a working GPU and after an
+    out-of-memory error, which leaves the context working; after a real illegal address, what the check
+    raised, every time after."""
+    import subprocess
+    import sys
+
+    (tmp_path / "wild_store.py").write_text(WILD_STORE)
+    script = tmp_path / "check.py"
+    script.write_text(
+        """
+import torch
+from wild_store import fault_the_gpu
+from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
+
+policy = Policy(PolicyConfig(backend="graph", device="cuda"))
+policy.infer(synthetic_observation(policy.cfg, "pick"))
+assert policy.device_fault() is None, policy.device_fault()
+try:
+    torch.empty(1 << 50, device="cuda")  # 4 PiB
+except torch.OutOfMemoryError:
+    pass
+else:
+    raise AssertionError("no out-of-memory error")
+assert policy.device_fault() is None, "an out-of-memory error is no lost context"
+try:
+    fault_the_gpu(torch)
+except Exception as e:
+    print("the fault raised:", type(e).__name__, e)
+print("FAULT", policy.device_fault())
+print("AGAIN", policy.device_fault())
+"""
+    )
+    # (the script's folder is first on its path: wild_store imports from there)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = dict(
+        line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith(("FAULT", "AGAIN"))
+    )
+    assert "illegal memory access" in lines["FAULT"], run.stdout
+    assert lines["AGAIN"] != "None", run.stdout

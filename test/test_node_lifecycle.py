@@ -1435,6 +1435,122 @@ def test_a_hung_call_ends_the_node_s_process_with_its_status_and_frees_the_libra
     lock.release()
 
 
+# What torch raises after an asynchronous CUDA fault, and what the context's check then says (the CPU tests'
+# stand-in for a lost GPU; test_a_real_cuda_fault_ends_the_node_s_process faults a real one)
+_CUDA_FAULT = "CUDA error: an illegal memory access was encountered"
+
+
+def _lose_the_gpu(policy: Any) -> None:
+    """From now on each of `policy`'s calls raises as after an asynchronous CUDA fault, and its check of the
+    GPU (`device_fault`) says the context is lost."""
+
+    def raises(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(_CUDA_FAULT)
+
+    policy.infer = raises
+    policy.device_fault = lambda: f"AcceleratorError: {_CUDA_FAULT}"
+
+
+def test_a_lost_gpu_ends_the_process_for_its_supervisor_at_once(harness, monkeypatch) -> None:
+    """A CUDA fault (an illegal address, an uncorrectable ECC error, a GPU fallen off the bus) loses the
+    process's CUDA context for good: every later call raises. With exit_after_stall_s above 0 (a supervisor
+    starts the process again) the node ends it at once, status 70, saying why at fatal level, not after
+    the stall bound: waiting cannot bring the context back. Found in review: each tick was an
+    inference_error drop, the process up and useless until someone restarted it by hand."""
+    ended = _stand_in_for_the_exit(monkeypatch)
+    h = harness(stall_after_s=0.5, exit_after_stall_s=600.0)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2)
+    _lose_the_gpu(h.node.policy)
+    assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
+    assert ended[0] == node_module.STALL_EXIT_STATUS == 70
+    assert _said_fatal(
+        h,
+        re.escape(
+            f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; the call raised RuntimeError: "
+            f"{_CUDA_FAULT}): no call can run in this process again, only a new process gets a working GPU "
+            "(exit_after_stall_s 600): ending the process with status 70 for its supervisor"
+        ),
+    )
+    assert h.drops().get("device_lost", 0) >= 1 and "inference_error" not in h.drops(), h.drops()
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)  # no tick after the exit's stand-in is undone
+
+
+def test_a_lost_gpu_without_a_supervisor_says_error_and_leaves_the_library_as_it_was(
+    harness, tmp_path
+) -> None:
+    """With exit_after_stall_s 0 the process stays up: /diagnostics says ERROR from the first call on, not
+    after error_after_drops, naming the fault; the node logs it once at error level (each tick is a
+    `device_lost` drop). The cleanup does not record the episode in progress (its states are on the lost
+    GPU) yet gives the library up, as it was on disk; configure is then refused, saying to restart the
+    process. A call that raised with the GPU still answering stays an inference_error (the CPU's)."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from rmuscle_ros.cache.lock import LibraryLock
+
+    library = tmp_path / "library"
+    h = harness(**{"cache.enabled": True, "model.backend": "fused", "cache.library_path": str(library)})
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2)
+    assert h.call(h.reset, Trigger.Request()).message.startswith("episode 1 (episode 0 recorded")
+    published = len(h.chunks)
+    assert h.feed_until(lambda: len(h.chunks) >= published + 2)
+    _lose_the_gpu(h.node.policy)
+    assert h.feed_until(lambda: h.drops().get("device_lost", 0) >= 3), h.drops()
+    assert "inference_error" not in h.drops(), h.drops()
+    status = h.node._diagnostics().status[0]
+    assert status.level == DiagnosticStatus.ERROR, status.message
+    assert status.message.startswith(f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; "), (
+        status
+    )
+    said = "no call can run in this process again, only a new process gets a working GPU: restart the process"
+    assert h.wait_for(lambda: any(said in log.msg and log.level == Log.ERROR for log in h.logs), timeout=5.0)
+    assert sum("context is lost" in log.msg and log.level == Log.ERROR for log in h.logs) == 1
+    assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_CLEANUP)
+    index = json.loads((library / "index.json").read_text())
+    assert len(index["episodes"]) == 1, "episode 1, in progress on the lost GPU, was recorded"
+    LibraryLock.take(library).release()  # LibraryBusy if the node still held it
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.node.last_error.startswith("configure: the GPU's CUDA context is lost")
+    assert h.node.last_error.endswith("restart the process"), h.node.last_error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on the device machine)"
+)
+def test_a_real_cuda_fault_ends_the_node_s_process_and_frees_the_library(tmp_path) -> None:
+    """The node as its own process on the graph backend; after 3 chunks a kernel stores to an illegal
+    address (the process's CUDA context is then lost for good). With exit_after_stall_s set the process
+    ends with status 70 at once, naming the fault, and its library's lock went with it."""
+    from test_engine_gpu import WILD_STORE
+
+    from rmuscle_ros.cache.lock import LibraryLock
+
+    library = tmp_path / "library"
+    (tmp_path / "wild_store.py").write_text(WILD_STORE)
+    script = tmp_path / "node.py"
+    faulting = _ENDED_BY_A_STALL.replace(
+        "            threading.Event().wait()\n",
+        "            import torch\n            from wild_store import fault_the_gpu\n"
+        "            fault_the_gpu(torch)\n",
+    ).replace('"model.backend:=fused"', '"model.backend:=graph", "model.device:=cuda"')
+    faulting = faulting.replace('"exit_after_stall_s:=1.0"', '"exit_after_stall_s:=600.0"')
+    assert faulting.count("fault_the_gpu(torch)") == 1 and "exit_after_stall_s:=600.0" in faulting
+    script.write_text(faulting)
+    env = os.environ | {"ROS_DOMAIN_ID": str(ros_domain(63))}
+    run = subprocess.run(
+        [sys.executable, str(script), str(library)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 70, run.stderr[-3000:]
+    said = re.search(r"the GPU's CUDA context is lost \((.*?); the call raised", run.stderr)
+    assert said and "illegal memory access" in said.group(1), run.stderr[-3000:]
+    assert "(exit_after_stall_s 600): ending the process with status 70" in run.stderr, run.stderr[-3000:]
+    lock = LibraryLock.take(library)  # LibraryBusy if the ended process still held it
+    assert not lock.read_only, lock.read_only
+    lock.release()
+
+
 # rmuscle_node's own main (spin_node) in a process of its own, fed observations until it has published 6
 # chunks of its first episode, then stopped by a signal, as ros2 launch or a terminal's Ctrl-C stops it.
 _STOPPED_BY_A_SIGNAL = """

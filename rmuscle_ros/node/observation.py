@@ -58,6 +58,7 @@ class DropReason(enum.Enum):
     BAD_IMAGE = "bad_image"  # encoding, size or truncated data
     BAD_STATE = "bad_state"  # NaN/Inf joint positions, or names and positions that do not pair up
     INFERENCE_ERROR = "inference_error"  # the policy raised; the node keeps running
+    DEVICE_LOST = "device_lost"  # the GPU's CUDA context is lost: no call can run in this process again
     BAD_ACTIONS = "bad_actions"  # the model produced NaN/Inf actions: never published
     PROMPT_TRUNCATED = "prompt_truncated"  # the prompt with the state was longer than the model takes
 

@@ -308,6 +308,9 @@ class RMuscleNode(LifecycleNode):
         self._tick_waiting_since: float | None = None
         self._doing = ""  # what the worker is running ("": waiting for work), for the stall's report
         self._stall_logged = False  # the current stall was logged (once per stall)
+        # Why the GPU's CUDA context is lost (`_lose_device`; None: it is not): for the process's life, since
+        # only a new process gets a working context
+        self._device_lost: str | None = None
         # From activation until the worker has ended: ends the process once a stall outlasts
         # exit_after_stall_s (`_watch_for_stalls`); its own thread, since a stall can hold the executor too
         # (a deactivation or shutdown waits for the worker)
@@ -432,6 +435,8 @@ class RMuscleNode(LifecycleNode):
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
         from rmuscle_ros.node.action_streamer import streamer_defaults
 
+        if self._device_lost is not None:  # the model would load onto the same lost context
+            return self._fail(f"configure: {self._device_lost}: restart the process")
         unknown, others = undeclared_overrides(
             self,
             [*parameter_defaults(), *REMOVED_PARAMETERS],
@@ -862,9 +867,13 @@ class RMuscleNode(LifecycleNode):
             self._release_now(transition)
 
     def _release_now(self, transition: str) -> None:
+        lost = self._device_lost is not None
         if self.policy is not None:
             with self._policy_lock:
                 try:
+                    # its calls' states are on the GPU, out of reach; the library is closed all the same
+                    if lost:
+                        self.policy.discard_episode("the GPU's CUDA context is lost")
                     recorded = self.policy.close()
                 except Exception as e:  # a full disk must not keep the model (and GPU memory) alive
                     self._error("cache_close", f"{transition}: recording into the library failed: {e}")
@@ -888,7 +897,7 @@ class RMuscleNode(LifecycleNode):
         self.policy, self.cfg, self._buffer = None, None, None
         gc.unfreeze()  # configure's objects (the model among them) may be collected again
         gc.collect()
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and not lost:  # on a lost context this raises, freeing nothing
             import torch
 
             torch.cuda.empty_cache()
@@ -1127,14 +1136,42 @@ class RMuscleNode(LifecycleNode):
     def _end_stalled(self, what: str, doing: str, limit: float) -> None:
         """Say what held the node (fatal log; stderr, with every thread's stack; a last /diagnostics), then
         end the process with STALL_EXIT_STATUS."""
+        self._end_for_supervisor(f"inference stalled: {what} ({doing}; exit_after_stall_s {limit:g})")
+
+    def _lose_device(self, error: str, fault: str) -> None:
+        """A tick's call raised (`error`) and the GPU's CUDA context is lost (`fault`, what `device_fault`
+        raised): no call can run in this process again. The tick is a `device_lost` drop; the node says so at
+        error level, once, and `/diagnostics` says ERROR from then on. With exit_after_stall_s above 0 (the
+        process has a supervisor to start it again) the process ends now, as a stall past it would end it:
+        waiting cannot bring the context back."""
+        said = (
+            f"the GPU's CUDA context is lost ({fault}; the call raised {error}): no call can run in this "
+            "process again, only a new process gets a working GPU"
+        )
+        first = self._device_lost is None
+        self._device_lost = said
+        self._drop(DropReason.DEVICE_LOST, said)
+        cfg = self.cfg
+        if cfg is not None and cfg.exit_after_stall_s > 0:
+            self._end_for_supervisor(f"{said} (exit_after_stall_s {cfg.exit_after_stall_s:g})")
+        elif first:
+            self.get_logger().error(
+                f"{said}: restart the process (with exit_after_stall_s above 0 it ends itself, for its "
+                "supervisor to start it again)"
+            )
+
+    def _end_for_supervisor(self, why: str) -> None:
+        """Say why the node cannot go on (fatal log; stderr, with every thread's stack; a last /diagnostics),
+        then end the process with STALL_EXIT_STATUS for its supervisor to start it again: the stall exit and
+        a lost GPU."""
         arm_exit_backstop(EXIT_BACKSTOP_S)  # first: if saying why blocks, the process still ends
         with self._stats_lock:
             calls = self.chunk_id
             episode = self.episode_id
         said = (
-            f"inference stalled: {what} ({doing}; exit_after_stall_s {limit:g}): ending the process with status "
-            f"{STALL_EXIT_STATUS} for its supervisor to start it again; episode {episode} ({calls} chunk(s) "
-            "published) is not recorded, and the library on disk stays as it was"
+            f"{why}: ending the process with status {STALL_EXIT_STATUS} for its supervisor to start it again; "
+            f"episode {episode} ({calls} chunk(s) published) is not recorded, and the library on disk stays "
+            "as it was"
         )
         try:  # what an operator watching /diagnostics sees last; the exit goes ahead whatever this raises
             array_msg = self._diagnostics()
@@ -1220,7 +1257,7 @@ class RMuscleNode(LifecycleNode):
         A replay whose clock stops between episodes (the demo's bags) refills here too: nothing falls
         due while the clock stands still, which the estimate cannot know."""
         cfg, policy = self.cfg, self.policy
-        if cfg is not None and policy is not None and cfg.cache.enabled:
+        if cfg is not None and policy is not None and cfg.cache.enabled and self._device_lost is None:
             self._rebuild_cache(policy, estimate=False)
 
     def _end_late_tick(self) -> None:
@@ -1302,7 +1339,11 @@ class RMuscleNode(LifecycleNode):
                 self._drop(DropReason.BAD_ACTIONS, str(e))
                 return
             except Exception as e:  # the hot path logs, counts and keeps the node alive
-                self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
+                fault = policy.device_fault()  # unless the GPU's context went with the call
+                if fault is not None:
+                    self._lose_device(f"{type(e).__name__}: {e}", fault)
+                else:
+                    self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
                 return
             stamps, t = self._episode_stamps, obs.stamp_ns  # the episode's length so far (min_episode_s)
             self._episode_stamps = (t, t) if stamps is None else (min(stamps[0], t), max(stamps[1], t))
@@ -1783,6 +1824,9 @@ class RMuscleNode(LifecycleNode):
             if not self._stall_logged:
                 self._stall_logged = True
                 self.get_logger().error(f"inference {stalled}: no chunks until it returns")
+        if self._device_lost is not None:  # for good: no call runs until the process is started again
+            status.level = DiagnosticStatus.ERROR
+            status.message = f"{self._device_lost}; " + status.message
         if s["waiting_for"]:
             status.message = (
                 f"waiting for the first messages since the {self._waits_since} ({s['waiting_for']}); "

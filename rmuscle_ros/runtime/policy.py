@@ -573,6 +573,24 @@ class Policy:
         self.rmuscle.exclude_episode(reason)
         return True
 
+    def device_fault(self) -> str | None:
+        """None if the policy's GPU still runs work (or the policy runs on the CPU), else what checking it
+        raised. After an asynchronous CUDA fault (an illegal address, an uncorrectable ECC error, a GPU
+        fallen off the bus) the process's CUDA context is lost for good: every later call raises, and only
+        a new process gets a working one. A call that raised for another reason (out of memory, a bad
+        input) leaves the context working, and this says None. The check waits for the GPU's queued work
+        (every stream), then runs one tiny kernel and reads its result back."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            torch.cuda.synchronize(self.device)
+            probe = torch.ones(1, device=self.device).add_(1)
+            if float(probe.item()) != 2.0:
+                return f"a probe kernel on {self.device} computed {float(probe.item())}, not 2.0"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
     def close(self) -> int | None:
         """Record the current episode if it qualifies and release the cache's temporary files. Later calls
         raise (before, found in review, they ran dense and unrecorded without a word)."""
