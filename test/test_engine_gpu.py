@@ -896,3 +896,58 @@ print("AGAIN", policy.device_fault())
     )
     assert "illegal memory access" in lines["FAULT"], run.stdout
     assert lines["AGAIN"] != "None", run.stdout
+
+
+def test_after_an_episode_served_then_fallen_back_the_next_is_recorded_dense_on_the_gpu() -> None:
+    """The learning episode (test_rmuscle_runtime's, on the CPU) on the graph backend, matched on the GPU:
+    after an episode served from the cache that then fell back, the task's next episode runs dense from its
+    start (mode fallback, the learning reason) with no cached run for nothing (no match rerun: the window
+    is not used), is recorded at its reset, and the one after is served from the cache again."""
+    import numpy as np
+
+    from rmuscle_ros.cache.runtime import LEARNING_REASON, RMuscleConfig
+    from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+
+    cfg = PolicyConfig(backend="graph", device="cuda")
+    base = np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+
+    def episode(n: int, noise: float) -> list[Observation]:
+        rng = np.random.default_rng(int(noise * 10))
+        return [
+            Observation(
+                {c: np.clip(np.roll(base, 6 * i, axis=1) + noise * rng.standard_normal(base.shape), 0, 255)
+                 .astype(np.uint8) for c in cfg.cameras},
+                np.full(14, i / n, np.float32),
+                "stack",
+            )
+            for i in range(n)
+        ]  # fmt: skip
+
+    def run(policy: Policy, observations: list[Observation]) -> list:
+        chunks = []
+        for i, obs in enumerate(observations):
+            chunks.append(
+                policy.infer(obs, torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i)))
+            )
+            policy.rebuild_cache()
+            torch.cuda.synchronize()  # the arm's motion window: rebuilds finish before the next call
+        return chunks
+
+    policy = Policy(cfg, RMuscleConfig(rebuilds_per_tick=20))
+    assert policy.rmuscle.cfg.match_on_gpu
+    policy.warmup()
+    run(policy, episode(4, 0.0))
+    assert policy.reset_episode() == 0
+    live = episode(4, 2.0)
+    assert [c.cache_mode for c in run(policy, live[:2])][-1] == "cached"
+    policy.reconfigure_cache(threshold=1.0)  # the scene leaves the reference's
+    assert [c.cache_mode for c in run(policy, live[2:])] == ["fallback"] * 2
+    policy.reconfigure_cache(threshold=0.8)
+    assert policy.reset_episode() is None, "an episode served from the cache is no reference"
+    reruns = policy.rmuscle.match_reruns
+    learning = run(policy, live)
+    assert {c.cache_mode for c in learning} == {"fallback"} and policy.rmuscle.last.reason == LEARNING_REASON
+    assert policy.rmuscle.match_reruns == reruns, "a cached run for nothing"
+    assert policy.reset_episode() == 1
+    assert [c.cache_mode for c in run(policy, live)][1:] == ["cached"] * 3
+    policy.close()
