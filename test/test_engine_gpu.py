@@ -858,7 +858,7 @@ def fault_the_gpu(torch):
 def test_device_fault_tells_a_lost_cuda_context_from_a_call_that_failed(tmp_path) -> None:
     """`Policy.device_fault` (what the node asks after a call raised): None on a working GPU and after an
     out-of-memory error, which leaves the context working; after a real illegal address, what the check
-    raised, every time after."""
+    raised, every time after. Then released as the node's cleanup releases it, without ending the process."""
     import subprocess
     import sys
 
@@ -866,11 +866,15 @@ def test_device_fault_tells_a_lost_cuda_context_from_a_call_that_failed(tmp_path
     script = tmp_path / "check.py"
     script.write_text(
         """
+import gc
+import sys
+
 import torch
 from wild_store import fault_the_gpu
+from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
 
-policy = Policy(PolicyConfig(backend="graph", device="cuda"))
+policy = Policy(PolicyConfig(backend="graph", device="cuda"), RMuscleConfig(library_path=sys.argv[1]))
 policy.infer(synthetic_observation(policy.cfg, "pick"))
 assert policy.device_fault() is None, policy.device_fault()
 try:
@@ -886,16 +890,25 @@ except Exception as e:
     print("the fault raised:", type(e).__name__, e)
 print("FAULT", policy.device_fault())
 print("AGAIN", policy.device_fault())
+# what the node's cleanup does then: the episode kept out, the cache closed, the model let go
+policy.discard_episode("the GPU's CUDA context is lost")
+policy.close()
+del policy
+gc.collect()
+print("RELEASED")
 """
     )
     # (the script's folder is first on its path: wild_store imports from there)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "library")], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = dict(
         line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith(("FAULT", "AGAIN"))
     )
     assert "illegal memory access" in lines["FAULT"], run.stdout
     assert lines["AGAIN"] != "None", run.stdout
+    assert run.stdout.splitlines()[-1] == "RELEASED", run.stdout
 
 
 def test_after_an_episode_served_then_fallen_back_the_next_is_recorded_dense_on_the_gpu() -> None:
