@@ -3,7 +3,7 @@
 # the repository root). Each step has its own time limit, so one stuck step cannot eat the whole call;
 # results land in $OUT (the device tool brings them back), named with the commit given here.
 #
-#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [rmuscle_alone] [episode_read] [overlap_first_step] [export_f32] [export_bf16]
+#   bash bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [rmuscle_alone] [episode_read] [overlap_first_step] [export_f32] [export_bf16] [lost_gpu]
 #   (default: the first four, ~7 min; rmuscle7b: the same at pi05-7b, ρ 0.4/0.5 only, ~5 min;
 #   pi05-7b: bench_pi05 at pi05-7b, without the serial-launch engine, which would not fit;
 #   load: bench/probe_load_inputs.py, what loading the inputs adds to a call, overlapped or not, ~2 min;
@@ -31,6 +31,7 @@
 #   rmuscle_bar: bench_rmuscle at ρ 0.4/0.5 (ramp) and 1/1 without the interference rows (issue #4's bar), ~2.5 min;
 #   rmuscle_alone: bench_rmuscle at ρ 1/0.5 (the Action Cache alone: no window FFN states, no rebuilds) and
 #   0.4/0.5, both ramp, without the interference rows: speed, engine cache memory and GPU peak per row, ~2.5 min;
+#   lost_gpu: bench/probe_lost_gpu.py, a CUDA fault and a process that lets its policy go, ~1 min;
 #   episode_read: bench/bench_episode_read.py, a rebuild's library read
 #   (one call's rows against the whole episode, pi05 shapes) on the device host's disk, <1 min;
 #   overlap_first_step: bench/probe_overlap_first_step.py, the tail graph with the first denoising step
@@ -43,7 +44,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [episode_read] [overlap_first_step] [export_f32] [export_bf16]}
+commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [episode_read] [overlap_first_step] [export_f32] [export_bf16] [lost_gpu]}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
@@ -122,6 +123,8 @@ for step in $steps; do
         call_timeline)  # bench/probe_call_timeline.py: the host's steps and the stages of dense and cached calls
             timeout 300 python3 bench/probe_call_timeline.py --commit "$commit" \
                 --name "probe_call_timeline_pi05_${card}_$commit" --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;
+        lost_gpu)  # bench/probe_lost_gpu.py: a lost CUDA context, and a process that lets its policy go, ~1 min
+            probe 300 probe_lost_gpu "^[a-z_]* {" ;;
         episode_read)  # bench/bench_episode_read.py: one call's rows against the whole episode, on this host
             timeout 200 python3 bench/bench_episode_read.py --commit "$commit" --name "episode_read_${card}_$commit" \
                 --out "$out" 2>&1 | quiet | grep "^|\|Error" ;;

@@ -18,8 +18,8 @@ chunk came, tens of seconds after the command while the kernels compiled; found 
 stream_actions:=false it is not started. A params file that is not there, or that has no section for a
 node it would start, stops the launch before any node starts (ROS would start that node on its defaults).
 A profile with `compressed_images: true` has the cameras remapped onto their `/compressed` subtopics.
-With end_with_policy_node:=true the launch ends when rmuscle_node's process does (a crash, or
-`exit_after_stall_s` after a call that hung or a lost GPU), so that a supervisor restarting the launch brings the cell
+With end_with_policy_node:=true the launch ends when rmuscle_node's process does (a crash, a lost
+GPU, or `exit_after_stall_s` after a call that hung), so that a supervisor restarting the launch brings the cell
 back as at start: rmuscle_node configured and active, the streamer configured and waiting for the
 operator (unless activate_streamer:=true). Without it the other nodes go on, and nothing restarts the node.
 """
@@ -201,8 +201,8 @@ def generate_launch_description() -> LaunchDescription:
             DeclareLaunchArgument(
                 "end_with_policy_node",
                 default_value="false",
-                description="true: the launch ends when rmuscle_node's process does (a crash, or its "
-                "exit_after_stall_s: a hung call, a lost GPU), with status 0, for a supervisor (systemd Restart=always, a container's "
+                description="true: the launch ends when rmuscle_node's process does (a crash, a lost GPU, "
+                "or its exit_after_stall_s), with status 0, for a supervisor (systemd Restart=always, a container's "
                 "--restart unless-stopped) to start it again as at start; false: the other nodes go on",
             ),
             DeclareLaunchArgument(

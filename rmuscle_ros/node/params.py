@@ -182,8 +182,6 @@ class NodeConfig:
     # ends its process (status 70, logged at fatal level) for a supervisor to start it again: it cannot end
     # a hung CUDA call or disk write itself, and a deactivation or shutdown would wait for it. The episode
     # in progress is not recorded then; the library on disk stays as it was. Must exceed stall_after_s.
-    # Above 0 a lost GPU (a CUDA fault that every later call repeats: `device_lost`) ends it at once, the same
-    # way: waiting cannot bring the context back.
     exit_after_stall_s: float = 0.0
     # With the cache on, an episode whose calls' observations span less than this (s, the node's clock) is
     # not recorded into the library at its reset: a reset sent over and over (`ros2 topic pub` without

@@ -308,9 +308,6 @@ class RMuscleNode(LifecycleNode):
         self._tick_waiting_since: float | None = None
         self._doing = ""  # what the worker is running ("": waiting for work), for the stall's report
         self._stall_logged = False  # the current stall was logged (once per stall)
-        # Why the GPU's CUDA context is lost (`_lose_device`; None: it is not): for the process's life, since
-        # only a new process gets a working context
-        self._device_lost: str | None = None
         # From activation until the worker has ended: ends the process once a stall outlasts
         # exit_after_stall_s (`_watch_for_stalls`); its own thread, since a stall can hold the executor too
         # (a deactivation or shutdown waits for the worker)
@@ -435,8 +432,6 @@ class RMuscleNode(LifecycleNode):
         # dropped by rclpy, and the node would run on that parameter's default (found in review).
         from rmuscle_ros.node.action_streamer import streamer_defaults
 
-        if self._device_lost is not None:  # the model would load onto the same lost context
-            return self._fail(f"configure: {self._device_lost}: restart the process")
         unknown, others = undeclared_overrides(
             self,
             [*parameter_defaults(), *REMOVED_PARAMETERS],
@@ -867,13 +862,9 @@ class RMuscleNode(LifecycleNode):
             self._release_now(transition)
 
     def _release_now(self, transition: str) -> None:
-        lost = self._device_lost is not None
         if self.policy is not None:
             with self._policy_lock:
                 try:
-                    # its calls' states are on the GPU, out of reach; the library is closed all the same
-                    if lost:
-                        self.policy.discard_episode("the GPU's CUDA context is lost")
                     recorded = self.policy.close()
                 except Exception as e:  # a full disk must not keep the model (and GPU memory) alive
                     self._error("cache_close", f"{transition}: recording into the library failed: {e}")
@@ -897,7 +888,7 @@ class RMuscleNode(LifecycleNode):
         self.policy, self.cfg, self._buffer = None, None, None
         gc.unfreeze()  # configure's objects (the model among them) may be collected again
         gc.collect()
-        if device.startswith("cuda") and not lost:  # on a lost context this raises, freeing nothing
+        if device.startswith("cuda"):
             import torch
 
             torch.cuda.empty_cache()
@@ -1140,30 +1131,23 @@ class RMuscleNode(LifecycleNode):
 
     def _lose_device(self, error: str, fault: str) -> None:
         """A tick's call raised (`error`) and the GPU's CUDA context is lost (`fault`, what `device_fault`
-        raised): no call can run in this process again. The tick is a `device_lost` drop; the node says so at
-        error level, once, and `/diagnostics` says ERROR from then on. With exit_after_stall_s above 0 (the
-        process has a supervisor to start it again) the process ends now, as a stall past it would end it:
-        waiting cannot bring the context back."""
+        raised): no call can run in this process again, and only a new process gets a working context. The
+        tick is a `device_lost` drop, and the process ends now, whatever exit_after_stall_s, saying why as
+        the stall exit does (status 70, for a supervisor to start it again): a node kept up could not even
+        be cleaned up or shut down, since letting the model go on a lost context aborts the process
+        (PyTorch's allocator raises from a destructor: SIGABRT, measured on an H100), nor could the
+        episode in progress be recorded, its states being on the GPU."""
         said = (
             f"the GPU's CUDA context is lost ({fault}; the call raised {error}): no call can run in this "
             "process again, only a new process gets a working GPU"
         )
-        first = self._device_lost is None
-        self._device_lost = said
         self._drop(DropReason.DEVICE_LOST, said)
-        cfg = self.cfg
-        if cfg is not None and cfg.exit_after_stall_s > 0:
-            self._end_for_supervisor(f"{said} (exit_after_stall_s {cfg.exit_after_stall_s:g})")
-        elif first:
-            self.get_logger().error(
-                f"{said}: restart the process (with exit_after_stall_s above 0 it ends itself, for its "
-                "supervisor to start it again)"
-            )
+        self._end_for_supervisor(said)
 
     def _end_for_supervisor(self, why: str) -> None:
         """Say why the node cannot go on (fatal log; stderr, with every thread's stack; a last /diagnostics),
         then end the process with STALL_EXIT_STATUS for its supervisor to start it again: the stall exit and
-        a lost GPU."""
+        a lost GPU (`_lose_device`)."""
         arm_exit_backstop(EXIT_BACKSTOP_S)  # first: if saying why blocks, the process still ends
         with self._stats_lock:
             calls = self.chunk_id
@@ -1257,7 +1241,7 @@ class RMuscleNode(LifecycleNode):
         A replay whose clock stops between episodes (the demo's bags) refills here too: nothing falls
         due while the clock stands still, which the estimate cannot know."""
         cfg, policy = self.cfg, self.policy
-        if cfg is not None and policy is not None and cfg.cache.enabled and self._device_lost is None:
+        if cfg is not None and policy is not None and cfg.cache.enabled:
             self._rebuild_cache(policy, estimate=False)
 
     def _end_late_tick(self) -> None:
@@ -1272,7 +1256,8 @@ class RMuscleNode(LifecycleNode):
         what is missing, unless it was refused for timing: then it waits as a tick does); or when a message
         came while a tick's observation, refused for its timing, waits for a later one (`late`:
         LATE_REASONS, until LATE_RETRY_SHARE of the period after the tick)."""
-        from rmuscle_ros.runtime.policy import NonFiniteActions  # loaded at configure: a dict lookup
+        # loaded at configure: a dict lookup
+        from rmuscle_ros.runtime.policy import NonFiniteActions, first_line
 
         cfg, buffer, policy = self.cfg, self._buffer, self.policy
         if cfg is None or buffer is None or policy is None:
@@ -1341,7 +1326,7 @@ class RMuscleNode(LifecycleNode):
             except Exception as e:  # the hot path logs, counts and keeps the node alive
                 fault = policy.device_fault()  # unless the GPU's context went with the call
                 if fault is not None:
-                    self._lose_device(f"{type(e).__name__}: {e}", fault)
+                    self._lose_device(first_line(e), fault)
                 else:
                     self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
                 return
@@ -1824,9 +1809,6 @@ class RMuscleNode(LifecycleNode):
             if not self._stall_logged:
                 self._stall_logged = True
                 self.get_logger().error(f"inference {stalled}: no chunks until it returns")
-        if self._device_lost is not None:  # for good: no call runs until the process is started again
-            status.level = DiagnosticStatus.ERROR
-            status.message = f"{self._device_lost}; " + status.message
         if s["waiting_for"]:
             status.message = (
                 f"waiting for the first messages since the {self._waits_since} ({s['waiting_for']}); "

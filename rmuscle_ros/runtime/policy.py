@@ -579,7 +579,8 @@ class Policy:
         fallen off the bus) the process's CUDA context is lost for good: every later call raises, and only
         a new process gets a working one. A call that raised for another reason (out of memory, a bad
         input) leaves the context working, and this says None. The check waits for the GPU's queued work
-        (every stream), then runs one tiny kernel and reads its result back."""
+        (every stream), then runs one tiny kernel and reads its result back. What it says is one line:
+        PyTorch's CUDA errors carry several lines of advice after the error itself."""
         if self.device.type != "cuda":
             return None
         try:
@@ -588,7 +589,7 @@ class Policy:
             if float(probe.item()) != 2.0:
                 return f"a probe kernel on {self.device} computed {float(probe.item())}, not 2.0"
         except Exception as e:
-            return f"{type(e).__name__}: {e}"
+            return first_line(e)
         return None
 
     def close(self) -> int | None:
@@ -601,6 +602,12 @@ class Policy:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the policy is closed (Policy.close): make a new one to run it again")
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as "Type: its message's first line" (a CUDA error's advice lines dropped)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def synthetic_observation(
