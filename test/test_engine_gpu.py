@@ -766,6 +766,26 @@ def test_retrieval_on_the_gpu_picks_what_the_host_picks() -> None:
             assert gpu.last_similarity == pytest.approx(host.last_similarity, abs=1e-5)
 
 
+def shifted_scene_episode(cfg, n: int, noise: float) -> list:
+    """n observations of one random scene shifted 6 pixels a call (so that no two calls' entries tie in
+    similarity), with `noise` (its seed too): the same scene at another noise is a repeat of the task."""
+    import numpy as np
+
+    from rmuscle_ros.runtime.policy import Observation
+
+    base = np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    rng = np.random.default_rng(int(noise * 10))
+    return [
+        Observation(
+            {c: np.clip(np.roll(base, 6 * i, axis=1) + noise * rng.standard_normal(base.shape), 0, 255)
+             .astype(np.uint8) for c in cfg.cameras},
+            np.full(14, i / n, np.float32),
+            "stack",
+        )
+        for i in range(n)
+    ]  # fmt: skip
+
+
 def test_matching_on_the_gpu_serves_the_chunks_of_matching_on_the_host(tmp_path) -> None:
     """RMuscleConfig.match_on_gpu on the graph backend (pick and load in the match graph, the cached
     graphs queued before the host's retrieval answers): two host-matching runtimes agree bit for bit
@@ -778,19 +798,9 @@ def test_matching_on_the_gpu_serves_the_chunks_of_matching_on_the_host(tmp_path)
     from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
 
     cfg = PolicyConfig(backend="graph", device="cuda")
-    base = np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8)
 
     def episode(n: int, noise: float) -> list[Observation]:
-        rng = np.random.default_rng(int(noise * 10))
-        return [
-            Observation(
-                {c: np.clip(np.roll(base, 6 * i, axis=1) + noise * rng.standard_normal(base.shape), 0, 255)
-                 .astype(np.uint8) for c in cfg.cameras},
-                np.full(14, i / n, np.float32),
-                "stack",
-            )
-            for i in range(n)
-        ]  # fmt: skip
+        return shifted_scene_episode(cfg, n, noise)
 
     def serve(on_gpu: bool) -> tuple[list, dict]:
         policy = Policy(cfg, RMuscleConfig(rebuilds_per_tick=20, match_on_gpu=on_gpu))
@@ -913,25 +923,14 @@ def test_after_an_episode_served_then_fallen_back_the_next_is_recorded_dense_on_
     after an episode served from the cache that then fell back, the task's next episode runs dense from its
     start (mode fallback, the learning reason) with no cached run for nothing (no match rerun: the window
     is not used), is recorded at its reset, and the one after is served from the cache again."""
-    import numpy as np
 
     from rmuscle_ros.cache.runtime import LEARNING_REASON, RMuscleConfig
     from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
 
     cfg = PolicyConfig(backend="graph", device="cuda")
-    base = np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8)
 
     def episode(n: int, noise: float) -> list[Observation]:
-        rng = np.random.default_rng(int(noise * 10))
-        return [
-            Observation(
-                {c: np.clip(np.roll(base, 6 * i, axis=1) + noise * rng.standard_normal(base.shape), 0, 255)
-                 .astype(np.uint8) for c in cfg.cameras},
-                np.full(14, i / n, np.float32),
-                "stack",
-            )
-            for i in range(n)
-        ]  # fmt: skip
+        return shifted_scene_episode(cfg, n, noise)
 
     def run(policy: Policy, observations: list[Observation]) -> list:
         chunks = []
