@@ -2116,7 +2116,9 @@ def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
     calls while active (found in review: with no sensor messages no call, no worker job ever ran). Memory
     may grow at most 0.4 MB a cycle, as before (100 cycles until 1d2e560, then 50: 51 s of the suite's 11
     min). Over the 20 cycles after the warm-up it grew 0.1-0.3 MB a cycle, mostly in those
-    with calls (one-off)."""
+    with calls (one-off). A window over the bound is measured again over the next 30 cycles, and fails
+    only if that one is over it too: a leak grows in every window, a one-off step (20.3 MB in one window of
+    a checkout run on 2026-12-05, none in 4 runs after it) in one."""
     h = harness()
 
     def cycle(with_calls: bool) -> None:
@@ -2130,13 +2132,15 @@ def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
 
     for k in range(10):  # allocator pools, DDS entities and caches reach their steady state
         cycle(with_calls=k % 5 == 0)
-    threads, rss = _threads(), _rss_mb()
-    cycles = 30
-    for k in range(cycles):
-        cycle(with_calls=k % 5 == 0)
-    assert _threads() <= threads, f"threads grew over {cycles} lifecycle cycles"
-    grown = _rss_mb() - rss
-    assert grown < 0.4 * cycles, f"memory grew {grown:.1f} MB over {cycles} cycles"
+    threads, cycles = _threads(), 30
+    windows = []  # MB grown over each window of cycles
+    while len(windows) < 2 and (not windows or windows[-1] >= 0.4 * cycles):
+        rss = _rss_mb()
+        for k in range(cycles):
+            cycle(with_calls=k % 5 == 0)
+        windows.append(_rss_mb() - rss)
+    assert _threads() <= threads, f"threads grew over {cycles * len(windows)} lifecycle cycles"
+    assert windows[-1] < 0.4 * cycles, f"memory grew {windows} MB over consecutive windows of {cycles} cycles"
 
 
 @pytest.mark.parametrize("engine", ENGINES)
