@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -2112,13 +2113,14 @@ def _rss_mb() -> float:
 
 
 def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
-    """30 configure-activate-deactivate-cleanup cycles after 10 to warm up, one in five running inference
+    """40 configure-activate-deactivate-cleanup cycles after 10 to warm up, one in five running inference
     calls while active (found in review: with no sensor messages no call, no worker job ever ran). Memory
     may grow at most 0.4 MB a cycle, as before (100 cycles until 1d2e560, then 50: 51 s of the suite's 11
-    min). Over the 20 cycles after the warm-up it grew 0.1-0.3 MB a cycle, mostly in those
-    with calls (one-off). A window over the bound is measured again over the next 30 cycles, and fails
-    only if that one is over it too: a leak grows in every window, a one-off step (20.3 MB in one window of
-    a checkout run on 2026-12-05, none in 4 runs after it) in one."""
+    min), judged by the median of 8 blocks of 5 cycles (each with one cycle of calls): a leak grows every
+    block, while the process's resident memory also steps up by ~40 MB now and then, in any block, and
+    stays (run alone on 2026-12-05, windows of 30 cycles: [-1.4, 40.0, 2.1, 0.2], [39.4, 0.2, 42.5, 3.4],
+    [2.4, 78.5, -1.0, 2.7] MB; a review's runs had it in the first window after the warm-up 4 times in 5,
+    and one test run failed on it). Checked to fail with 0.5 MB kept per cleanup."""
     h = harness()
 
     def cycle(with_calls: bool) -> None:
@@ -2132,15 +2134,17 @@ def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
 
     for k in range(10):  # allocator pools, DDS entities and caches reach their steady state
         cycle(with_calls=k % 5 == 0)
-    threads, cycles = _threads(), 30
-    windows = []  # MB grown over each window of cycles
-    while len(windows) < 2 and (not windows or windows[-1] >= 0.4 * cycles):
+    threads, block, blocks = _threads(), 5, 8
+    grown = []  # MB per block of cycles
+    for _ in range(blocks):
         rss = _rss_mb()
-        for k in range(cycles):
-            cycle(with_calls=k % 5 == 0)
-        windows.append(_rss_mb() - rss)
-    assert _threads() <= threads, f"threads grew over {cycles * len(windows)} lifecycle cycles"
-    assert windows[-1] < 0.4 * cycles, f"memory grew {windows} MB over consecutive windows of {cycles} cycles"
+        for k in range(block):
+            cycle(with_calls=k == 0)
+        grown.append(_rss_mb() - rss)
+    assert _threads() <= threads, f"threads grew over {block * blocks} lifecycle cycles"
+    assert statistics.median(grown) < 0.4 * block, (
+        f"memory grew {[round(g, 1) for g in grown]} MB by {block} cycles"
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
