@@ -866,10 +866,10 @@ def fault_the_gpu(torch):
 
 
 def test_device_fault_tells_a_lost_cuda_context_from_a_call_that_failed(tmp_path) -> None:
-    """`Policy.device_fault` (what the node asks after a call raised): None on a working GPU and after an
-    out-of-memory error, which leaves the context working; after a real illegal address, what the check
-    raised, every time after. (Letting the policy go then aborts the process: bench/probe_lost_gpu.py. The
-    script ends as the node does, with os._exit.)"""
+    """`Policy.device_fault` (what the node asks after a call raised): None on a working GPU, after an
+    out-of-memory error and with the GPU's memory full, all of which leave the context working; after a
+    real illegal address, what the check raised, every time after. (Letting the policy go then aborts the
+    process: bench/probe_lost_gpu.py. The script ends as the node does, with os._exit.)"""
     import subprocess
     import sys
 
@@ -895,6 +895,16 @@ except torch.OutOfMemoryError:
 else:
     raise AssertionError("no out-of-memory error")
 assert policy.device_fault() is None, "an out-of-memory error is no lost context"
+hog = []  # the GPU's memory full (found in review: the check allocated, and said "lost")
+for size in (1 << 30, 1 << 20, 1 << 12):
+    try:
+        while True:
+            hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        pass
+assert policy.device_fault() is None, "a full GPU is no lost context"
+del hog
+torch.cuda.empty_cache()
 try:
     fault_the_gpu(torch)
 except Exception as e:

@@ -1290,7 +1290,7 @@ def test_a_stall_past_exit_after_stall_s_ends_the_process_for_its_supervisor(har
         assert h.feed_until(lambda: h.node.stats()["stalled_s"] >= 0.6)
         assert not ended, "ended at the stall's report, not past exit_after_stall_s"
         assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
-        assert ended == [node_module.STALL_EXIT_STATUS] == [70]
+        assert ended == [node_module.SUPERVISOR_EXIT_STATUS] == [70]
         assert _said_fatal(
             h, re.escape("(in a call; exit_after_stall_s 1.5): ending the process with status 70")
         )
@@ -1468,7 +1468,7 @@ def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) ->
     assert h.feed_until(lambda: len(h.chunks) >= 2)
     _lose_the_gpu(h.node.policy)
     assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
-    assert ended[0] == node_module.STALL_EXIT_STATUS == 70
+    assert ended[0] == node_module.SUPERVISOR_EXIT_STATUS == 70
     said = (
         f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; the call raised RuntimeError: "
         f"{_CUDA_FAULT}): no call can run in this process again, only a new process gets a working GPU: "

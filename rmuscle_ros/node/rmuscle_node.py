@@ -70,9 +70,10 @@ from rmuscle_ros.node.spin import (
 )
 
 STALL_AFTER_S_DEFAULT = NodeConfig().stall_after_s  # bounds a callback's wait before configure
-# The process's exit status when a stall outlasts exit_after_stall_s (sysexits' EX_SOFTWARE): a failure to a
-# supervisor (systemd's Restart=on-failure, a container's restart policy), told apart from a crash's 1.
-STALL_EXIT_STATUS = 70
+# The process's exit status when the node ends it for its supervisor to start it again (sysexits'
+# EX_SOFTWARE): a stall past exit_after_stall_s, or a lost GPU. A failure to a supervisor (systemd's
+# Restart=on-failure, a container's restart policy), told apart from a crash's 1.
+SUPERVISOR_EXIT_STATUS = 70
 # How often the stall watchdog looks (wall seconds): an exit comes at most this late.
 WATCHDOG_PERIOD_S = 0.25
 # A look that came this much later than asked (the process was paused: SIGSTOP, `docker pause`, a debugger,
@@ -1126,7 +1127,7 @@ class RMuscleNode(LifecycleNode):
 
     def _end_stalled(self, what: str, doing: str, limit: float) -> None:
         """Say what held the node (fatal log; stderr, with every thread's stack; a last /diagnostics), then
-        end the process with STALL_EXIT_STATUS."""
+        end the process with SUPERVISOR_EXIT_STATUS."""
         self._end_for_supervisor(f"inference stalled: {what} ({doing}; exit_after_stall_s {limit:g})")
 
     def _lose_device(self, error: str, fault: str) -> None:
@@ -1146,14 +1147,14 @@ class RMuscleNode(LifecycleNode):
 
     def _end_for_supervisor(self, why: str) -> None:
         """Say why the node cannot go on (fatal log; stderr, with every thread's stack; a last /diagnostics),
-        then end the process with STALL_EXIT_STATUS for its supervisor to start it again: the stall exit and
+        then end the process with SUPERVISOR_EXIT_STATUS for its supervisor to start it again: the stall exit and
         a lost GPU (`_lose_device`)."""
         arm_exit_backstop(EXIT_BACKSTOP_S)  # first: if saying why blocks, the process still ends
         with self._stats_lock:
             calls = self.chunk_id
             episode = self.episode_id
         said = (
-            f"{why}: ending the process with status {STALL_EXIT_STATUS} for its supervisor to start it again; "
+            f"{why}: ending the process with status {SUPERVISOR_EXIT_STATUS} for its supervisor to start it again; "
             f"episode {episode} ({calls} chunk(s) published) is not recorded, and the library on disk stays "
             "as it was"
         )
@@ -1172,7 +1173,7 @@ class RMuscleNode(LifecycleNode):
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         time.sleep(0.2)  # the log line and /diagnostics leave over DDS
-        end_process(STALL_EXIT_STATUS)
+        end_process(SUPERVISOR_EXIT_STATUS)
 
     def stalled_s(self) -> float:
         """How long the oldest tick not yet taken by the worker has waited (0: none waits)."""

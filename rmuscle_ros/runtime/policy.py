@@ -301,6 +301,9 @@ class Policy:
                 if on_gpu
                 else None
             )
+            # `device_fault`'s kernel writes here: a check that allocated could fail on a full GPU, whose
+            # context works (found in review)
+            self._device_probe = torch.zeros(1, device=self.device) if on_gpu else None
         except BaseException:  # out of memory, ...: the library goes back to whoever opens it next
             if self.rmuscle is not None:
                 self.rmuscle.close()
@@ -578,19 +581,21 @@ class Policy:
         raised. After an asynchronous CUDA fault (an illegal address, an uncorrectable ECC error, a GPU
         fallen off the bus) the process's CUDA context is lost for good: every later call raises, and only
         a new process gets a working one. A call that raised for another reason (out of memory, a bad
-        input) leaves the context working, and this says None. The check waits for the GPU's queued work
-        (every stream), then runs one tiny kernel and reads its result back. What it says is one line:
-        PyTorch's CUDA errors carry several lines of advice after the error itself."""
-        if self.device.type != "cuda":
+        input) leaves the context working, and this says None, also with the GPU's memory full. The check
+        waits for the GPU's queued work (every stream), then runs two tiny kernels on a tensor allocated
+        at construction and reads the result back. What it says is one line: PyTorch's CUDA errors carry
+        several lines of advice after the error itself."""
+        probe = self._device_probe
+        if probe is None:
             return None
         try:
             torch.cuda.synchronize(self.device)
-            probe = torch.ones(1, device=self.device).add_(1)
-            if float(probe.item()) != 2.0:
-                return f"a probe kernel on {self.device} computed {float(probe.item())}, not 2.0"
+            got = float(probe.fill_(1.0).add_(1.0).item())
+        except torch.OutOfMemoryError:  # nothing here allocates on the GPU; were it to, a full GPU works
+            return None
         except Exception as e:
             return first_line(e)
-        return None
+        return None if got == 2.0 else f"a probe kernel on {self.device} computed {got}, not 2.0"
 
     def close(self) -> int | None:
         """Record the current episode if it qualifies and release the cache's temporary files. Later calls
