@@ -22,14 +22,33 @@ Writes `probe_lost_gpu_<gpu>_<commit>.{md,json}`. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 CASES = ("exit", "discard", "close", "del", "os_exit", "os_exit_kept", "no_cache_del")
+
+# A module (written beside the script that imports it) whose fault_the_gpu runs a Triton kernel storing 4
+# TiB past its tensor: an illegal address, which loses the process's CUDA context for good, as an
+# uncorrectable ECC error or a GPU fallen off the bus would. The GPU tests fault a GPU with it too.
+WILD_STORE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _wild_store(ptr):
+    tl.store(ptr + (1 << 40), 1.0)
+
+
+def fault_the_gpu(torch):
+    x = torch.zeros(1, device="cuda")
+    _wild_store[(1,)](x)
+    torch.cuda.synchronize()  # raises: an illegal memory access
+"""
 
 CHILD = """
 import gc
@@ -37,16 +56,10 @@ import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
+from wild_store import fault_the_gpu
 
 from rmuscle_ros.cache.runtime import RMuscleConfig
 from rmuscle_ros.runtime.policy import Policy, PolicyConfig, synthetic_observation
-
-
-@triton.jit
-def _wild_store(ptr):
-    tl.store(ptr + (1 << 40), 1.0)
 
 
 def step(name):
@@ -58,11 +71,9 @@ cache = None if case.startswith("no_cache") else RMuscleConfig(library_path=libr
 policy = Policy(PolicyConfig(backend="graph", device="cuda"), cache)
 policy.infer(synthetic_observation(policy.cfg, "pick"))
 step("called")
-x = torch.zeros(1, device="cuda")
-_wild_store[(1,)](x)
 try:
-    torch.cuda.synchronize()
-except Exception as e:
+    fault_the_gpu(torch)
+except Exception:
     step("faulted")
 fault = policy.device_fault()
 print("FAULT", fault, flush=True)
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench import gpu_tag
+    from bench.bench_pi05 import record_header, save_results
 
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -118,36 +130,27 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        child = folder / "child.py"
+        (folder / "wild_store.py").write_text(WILD_STORE)
+        child = folder / "child.py"  # its folder first on its path: wild_store imports from there
         child.write_text(CHILD)
         for case in CASES:
             results[case] = run_case(case, child, folder)
             print(case, results[case], flush=True)
-    name = f"probe_lost_gpu_{gpu_tag(gpu)}_{args.commit}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "commit": args.commit,
-        "torch": torch.__version__,
-        "command": " ".join(["python", "bench/probe_lost_gpu.py", *(argv or sys.argv[1:])]),
-        "results": results,
-    }
-    (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    record = {**record_header(gpu, args.commit), "results": results}
     rows = [
         f"| `{case}` | {r['exit_status']} | {r['last_step']} | {r['terminate'] or '-'} | {r['raised_from'] or '-'} |"
         for case, r in results.items()
     ]
-    (out / f"{name}.md").write_text(
-        f"# A lost CUDA context and the process that goes on — {gpu}, {meta['date']}\n\n"
-        f"commit `{args.commit}`, torch {torch.__version__}, command `{meta['command']}`\n\n"
+    markdown = (
+        f"# A lost CUDA context and the process that goes on — {gpu}, {record['date']}\n\n"
+        f"commit `{args.commit}`, torch {record['torch']}, command `{record['command']}`\n\n"
         "Each case a process of its own (graph backend, `tiny`), its GPU faulted after one call "
         "(bench/probe_lost_gpu.py says what each case does); exit status -6 is SIGABRT.\n\n"
         "| case | exit status | last step reached | terminate | raised from |\n|---|---|---|---|---|\n"
         + "\n".join(rows)
         + "\n"
     )
+    save_results(Path(args.out), f"probe_lost_gpu_{gpu_tag(gpu)}_{args.commit}", record, markdown)
     return 0
 
 

@@ -795,19 +795,16 @@ def test_matching_on_the_gpu_serves_the_chunks_of_matching_on_the_host(tmp_path)
     import numpy as np
 
     from rmuscle_ros.cache.runtime import RMuscleConfig
-    from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
+    from rmuscle_ros.runtime.policy import Policy, PolicyConfig
 
     cfg = PolicyConfig(backend="graph", device="cuda")
-
-    def episode(n: int, noise: float) -> list[Observation]:
-        return shifted_scene_episode(cfg, n, noise)
 
     def serve(on_gpu: bool) -> tuple[list, dict]:
         policy = Policy(cfg, RMuscleConfig(rebuilds_per_tick=20, match_on_gpu=on_gpu))
         policy.warmup()
         chunks = []
         for rep, noise in enumerate((0.0, 2.0)):  # a recorded warm-up, then the repeat
-            for i, obs in enumerate(episode(4, noise)):
+            for i, obs in enumerate(shifted_scene_episode(cfg, 4, noise)):
                 action_noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(i))
                 chunks.append(policy.infer(obs, action_noise))
                 policy.rebuild_cache()
@@ -845,33 +842,16 @@ def test_action_step_matches_definition(triton_ops, row_max: int) -> None:
     assert rel(outs[1][2], outs[0][2]) < 1e-2  # bf16 output rounding
 
 
-# A Triton kernel that stores 4 TiB past its tensor: an illegal address, which loses the process's CUDA
-# context for good (as an uncorrectable ECC error or a GPU fallen off the bus would). Run in a process of its
-# own: the test's process must keep its GPU.
-WILD_STORE = """
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def _wild_store(ptr):
-    tl.store(ptr + (1 << 40), 1.0)
-
-
-def fault_the_gpu(torch):
-    x = torch.zeros(1, device="cuda")
-    _wild_store[(1,)](x)
-    torch.cuda.synchronize()  # raises: an illegal memory access
-"""
-
-
 def test_device_fault_tells_a_lost_cuda_context_from_a_call_that_failed(tmp_path) -> None:
     """`Policy.device_fault` (what the node asks after a call raised): None on a working GPU, after an
     out-of-memory error and with the GPU's memory full, all of which leave the context working; after a
     real illegal address, what the check raised, every time after. (Letting the policy go then aborts the
-    process: bench/probe_lost_gpu.py. The script ends as the node does, with os._exit.)"""
+    process: bench/probe_lost_gpu.py. The script ends as the node does, with os._exit.) Run in a process of
+    its own: the test's process must keep its GPU."""
     import subprocess
     import sys
+
+    from bench.probe_lost_gpu import WILD_STORE
 
     (tmp_path / "wild_store.py").write_text(WILD_STORE)
     script = tmp_path / "check.py"
@@ -933,14 +913,10 @@ def test_after_an_episode_served_then_fallen_back_the_next_is_recorded_dense_on_
     after an episode served from the cache that then fell back, the task's next episode runs dense from its
     start (mode fallback, the learning reason) with no cached run for nothing (no match rerun: the window
     is not used), is recorded at its reset, and the one after is served from the cache again."""
-
     from rmuscle_ros.cache.runtime import LEARNING_REASON, RMuscleConfig
     from rmuscle_ros.runtime.policy import Observation, Policy, PolicyConfig
 
     cfg = PolicyConfig(backend="graph", device="cuda")
-
-    def episode(n: int, noise: float) -> list[Observation]:
-        return shifted_scene_episode(cfg, n, noise)
 
     def run(policy: Policy, observations: list[Observation]) -> list:
         chunks = []
@@ -955,9 +931,9 @@ def test_after_an_episode_served_then_fallen_back_the_next_is_recorded_dense_on_
     policy = Policy(cfg, RMuscleConfig(rebuilds_per_tick=20))
     assert policy.rmuscle.cfg.match_on_gpu
     policy.warmup()
-    run(policy, episode(4, 0.0))
+    run(policy, shifted_scene_episode(cfg, 4, 0.0))
     assert policy.reset_episode() == 0
-    live = episode(4, 2.0)
+    live = shifted_scene_episode(cfg, 4, 2.0)
     assert [c.cache_mode for c in run(policy, live[:2])][-1] == "cached"
     policy.reconfigure_cache(threshold=1.0)  # the scene leaves the reference's
     assert [c.cache_mode for c in run(policy, live[2:])] == ["fallback"] * 2

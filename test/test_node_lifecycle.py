@@ -1437,7 +1437,8 @@ def test_a_hung_call_ends_the_node_s_process_with_its_status_and_frees_the_libra
 
 
 # What torch raises after an asynchronous CUDA fault, and what the context's check then says (the CPU tests'
-# stand-in for a lost GPU; test_a_real_cuda_fault_ends_the_node_s_process faults a real one)
+# stand-in for a lost GPU; test_a_real_cuda_fault_ends_the_node_s_process_and_frees_the_library faults a
+# real one)
 _CUDA_FAULT = "CUDA error: an illegal memory access was encountered"
 
 
@@ -1496,8 +1497,7 @@ def test_a_real_cuda_fault_ends_the_node_s_process_and_frees_the_library(tmp_pat
     address (the process's CUDA context is then lost for good). The process ends with status 70 at once
     (exit_after_stall_s 0: not the stall exit), naming the fault in one line, and its library's lock went
     with it."""
-    from test_engine_gpu import WILD_STORE
-
+    from bench.probe_lost_gpu import WILD_STORE
     from rmuscle_ros.cache.lock import LibraryLock
 
     library = tmp_path / "library"
@@ -2117,8 +2117,8 @@ def test_repeated_cycles_leak_no_threads_or_memory(harness) -> None:
     calls while active (found in review: with no sensor messages no call, no worker job ever ran). Memory
     may grow at most 0.4 MB a cycle, as before (100 cycles until 1d2e560, then 50: 51 s of the suite's 11
     min), judged by the median of 8 blocks of 5 cycles (each with one cycle of calls): a leak grows every
-    block, while the process's resident memory also steps up by ~40 MB now and then, in any block, and
-    stays (run alone on 2026-12-05, windows of 30 cycles: [-1.4, 40.0, 2.1, 0.2], [39.4, 0.2, 42.5, 3.4],
+    block, while the process's resident memory also steps by ~40 MB now and then, in any block, up and
+    sometimes back down (run alone on 2026-12-05, windows of 30 cycles: [-1.4, 40.0, 2.1, 0.2], [39.4, 0.2, 42.5, 3.4],
     [2.4, 78.5, -1.0, 2.7] MB; a review's runs had it in the first window after the warm-up 4 times in 5,
     and one test run failed on it). Checked to fail with 0.5 MB kept per cleanup."""
     h = harness()
