@@ -44,7 +44,7 @@
 #
 # <commit>: `git rev-parse --short HEAD` on the developer's machine (the device copy's git may differ).
 set -u
-commit=${1:?usage: bench/device_run.sh <commit> [tests] [pi05] [rmuscle] [trace] [trace_cached] [rmuscle7b] [load] [pi05-7b] [vision_mlp] [attention] [overlap] [library] [ffn_kernels] [tune_geglu] [ncu_gate_up] [policy] [node] [node_setup] [node_tests] [node_soak] [node_soak_ab] [node_stacks] [preprocess] [first_rebuild] [call_timeline] [rmuscle_bar] [episode_read] [overlap_first_step] [export_f32] [export_bf16] [lost_gpu]}
+commit=${1:?usage: bench/device_run.sh <commit> [step ...], the steps listed at the top of this file}
 shift
 steps=${*:-tests pi05 rmuscle trace}
 out=${OUT:-bench/out}
