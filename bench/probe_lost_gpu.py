@@ -8,6 +8,8 @@ graph backend (`tiny`, the rMuscle cache on unless said), faults the GPU after o
 step it reached:
 - `exit`: nothing released, the interpreter's normal exit (its finalisation frees what is left);
 - `discard`: the episode's recording dropped (`Policy.discard_episode`), as a cleanup would first;
+- `reset`: the episode recorded into the library and the next one started (`Policy.reset_episode`), as an
+  episode's reset does;
 - `close`: `Policy.close()` (without the discard);
 - `del`: the policy deleted and collected;
 - `os_exit`: the policy deleted, then `os._exit(0)`; `os_exit_kept`: `os._exit(0)` with nothing freed,
@@ -22,6 +24,7 @@ Writes `probe_lost_gpu_<gpu>_<commit>.{md,json}`. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = ("exit", "discard", "close", "del", "os_exit", "os_exit_kept", "no_cache_del")
+CASES = ("exit", "discard", "reset", "close", "del", "os_exit", "os_exit_kept", "no_cache_del")
 
 # A module (written beside the script that imports it) whose fault_the_gpu runs a Triton kernel storing 4
 # TiB past its tensor: an illegal address, which loses the process's CUDA context for good, as an
@@ -80,6 +83,9 @@ print("FAULT", fault, flush=True)
 if case == "discard":
     policy.discard_episode("the GPU's CUDA context is lost")
     step("discarded")
+if case == "reset":
+    policy.reset_episode()
+    step("reset")
 if case == "close":
     policy.close()
     step("closed")
@@ -104,12 +110,17 @@ def run_case(case: str, child: Path, folder: Path) -> dict:
     fault = next((line[6:] for line in run.stdout.splitlines() if line.startswith("FAULT ")), None)
     terminate = next((line for line in run.stderr.splitlines() if line.startswith("terminate called")), "")
     raised_from = next((line for line in run.stderr.splitlines() if line.startswith("Exception raised")), "")
+    # a Python exception that ended the script (a traceback's last line), if one did
+    uncaught = [
+        line for line in run.stderr.splitlines() if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)
+    ]
     return {
         "exit_status": run.returncode,
         "last_step": steps[-1] if steps else "",
         "device_fault": fault,
         "terminate": terminate,
         "raised_from": raised_from,
+        "uncaught": uncaught[-1][:200] if uncaught else "",
     }
 
 
@@ -138,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(case, results[case], flush=True)
     record = {**record_header(gpu, args.commit), "results": results}
     rows = [
-        f"| `{case}` | {r['exit_status']} | {r['last_step']} | {r['terminate'] or '-'} | {r['raised_from'] or '-'} |"
+        f"| `{case}` | {r['exit_status']} | {r['last_step']} | {r['terminate'] or '-'} | {r['raised_from'] or '-'} "
+        f"| {r['uncaught'] or '-'} |"
         for case, r in results.items()
     ]
     markdown = (
@@ -146,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         f"commit `{args.commit}`, torch {record['torch']}, command `{record['command']}`\n\n"
         "Each case a process of its own (graph backend, `tiny`), its GPU faulted after one call "
         "(bench/probe_lost_gpu.py says what each case does); exit status -6 is SIGABRT.\n\n"
-        "| case | exit status | last step reached | terminate | raised from |\n|---|---|---|---|---|\n"
-        + "\n".join(rows)
-        + "\n"
+        "| case | exit status | last step reached | terminate | raised from | uncaught Python exception |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
     save_results(Path(args.out), f"probe_lost_gpu_{gpu_tag(gpu)}_{args.commit}", record, markdown)
     return 0

@@ -1442,15 +1442,17 @@ def test_a_hung_call_ends_the_node_s_process_with_its_status_and_frees_the_libra
 _CUDA_FAULT = "CUDA error: an illegal memory access was encountered"
 
 
-def _lose_the_gpu(policy: Any) -> None:
-    """From now on each of `policy`'s calls raises as after an asynchronous CUDA fault, and its check of the
-    GPU (`device_fault`) says the context is lost."""
+def _lose_the_gpu(policy: Any, monkeypatch: pytest.MonkeyPatch, *, calls: bool = True) -> None:
+    """From now on `policy`'s check of the GPU (`device_fault`) says the context is lost and, with `calls`,
+    each of its calls raises as after an asynchronous CUDA fault. Undone before the harness's teardown
+    (`harness` first among a test's fixtures), whose shutdown would otherwise end the test's process."""
 
     def raises(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(_CUDA_FAULT)
 
-    policy.infer = raises
-    policy.device_fault = lambda: f"AcceleratorError: {_CUDA_FAULT}"
+    if calls:
+        monkeypatch.setattr(policy, "infer", raises)
+    monkeypatch.setattr(policy, "device_fault", lambda: f"AcceleratorError: {_CUDA_FAULT}")
 
 
 def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) -> None:
@@ -1467,7 +1469,7 @@ def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) ->
     assert h.node.get_parameter("exit_after_stall_s").value == 0.0
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.feed_until(lambda: len(h.chunks) >= 2)
-    _lose_the_gpu(h.node.policy)
+    _lose_the_gpu(h.node.policy, monkeypatch)
     assert h.feed_until(lambda: bool(ended), timeout=10.0), "no exit"
     assert ended[0] == node_module.SUPERVISOR_EXIT_STATUS == 70
     said = (
@@ -1488,26 +1490,91 @@ def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) ->
     assert h.transition(Transition.TRANSITION_DEACTIVATE)  # no tick after the exit's stand-in is undone
 
 
+@pytest.mark.parametrize("when", ["reset", "discard", "cleanup"])
+def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
+    harness, monkeypatch, tmp_path, when: str
+) -> None:
+    """A context lost while no call runs (a fault in the motion window's rebuild, an ECC error, a GPU
+    fallen off the bus) shows first at a reset, a discard or a cleanup, which let go of the episode's GPU
+    states: on a lost context that aborts the process (bench/probe_lost_gpu.py: discard, close) before
+    anything says why. The node asks first, and ends the process as after a call (status 70, naming
+    what it was about to do), before the cache lets anything go."""
+    ended = _stand_in_for_the_exit(monkeypatch)
+    h = harness(
+        **{"cache.enabled": True, "model.backend": "fused", "cache.library_path": str(tmp_path / "lib")}
+    )
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.feed_until(lambda: len(h.chunks) >= 2)
+    policy = h.node.policy
+    let_go: list[int] = []  # how many exits the node had asked for when the cache let the episode go
+
+    def counted(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            let_go.append(len(ended))
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("reset_episode", "discard_episode", "close"):
+        monkeypatch.setattr(policy, name, counted(getattr(policy, name)))
+    _lose_the_gpu(policy, monkeypatch, calls=False)
+    if when == "reset":
+        h.call(h.reset, Trigger.Request())
+        before = "the reset of episode 0"
+    elif when == "discard":
+        h.node.discard_episode()
+        before = "the discard of episode 0"
+    else:
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+        assert not ended, "a deactivation lets go of nothing"
+        h.transition(Transition.TRANSITION_CLEANUP)
+        before = "the cleanup released the model"
+    assert ended == [70] and let_go and let_go[0] == 1, (ended, let_go)
+    said = (
+        f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; found before {before}): no call can "
+        "run in this process again, only a new process gets a working GPU: ending the process with status 70"
+    )
+    assert _said_fatal(h, re.escape(said)), [m.msg for m in h.logs][-5:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on the device machine)"
 )
-def test_a_real_cuda_fault_ends_the_node_s_process_and_frees_the_library(tmp_path) -> None:
+@pytest.mark.parametrize("when", ["in_a_call", "between_calls"])
+def test_a_real_cuda_fault_ends_the_node_s_process_and_frees_the_library(tmp_path, when: str) -> None:
     """The node as its own process on the graph backend; after 3 chunks a kernel stores to an illegal
-    address (the process's CUDA context is then lost for good). The process ends with status 70 at once
-    (exit_after_stall_s 0: not the stall exit), naming the fault in one line, and its library's lock went
-    with it."""
+    address (the process's CUDA context is then lost for good): inside the 4th call, or between calls (the
+    inputs left to go stale, so that no call runs), followed by an episode reset. The process ends with
+    status 70 at once (exit_after_stall_s 0: not the stall exit), naming the fault and where it was found
+    in one line, and its library's lock went with it."""
     from bench.probe_lost_gpu import WILD_STORE
     from rmuscle_ros.cache.lock import LibraryLock
 
     library = tmp_path / "library"
     (tmp_path / "wild_store.py").write_text(WILD_STORE)
     script = tmp_path / "node.py"
-    faulting = _ENDED_BY_A_STALL.replace(
-        "            threading.Event().wait()\n",
-        "            import torch\n            from wild_store import fault_the_gpu\n"
-        "            fault_the_gpu(torch)\n",
-    ).replace('"model.backend:=fused"', '"model.backend:=graph", "model.device:=cuda"')
+    fault = "            import torch\n            from wild_store import fault_the_gpu\n            fault_the_gpu(torch)\n"
+    if when == "in_a_call":
+        faulting = _ENDED_BY_A_STALL.replace("            threading.Event().wait()\n", fault)
+        found = r"the call raised (.*?)"
+    else:  # the calls run on; the feed stops after 3 chunks, faults the GPU and asks for a reset
+        faulting = _ENDED_BY_A_STALL.replace("            threading.Event().wait()\n", "            pass\n")
+        faulting = faulting.replace("    while True:\n", "    while node.chunk_id < 3:\n").replace(
+            "        time.sleep(0.03)\n",
+            "        time.sleep(0.03)\n"
+            "    time.sleep(2.0)  # past max_image_age_s: the ticks drop, no call runs\n"
+            "    import torch\n    from std_msgs.msg import Empty\n    from wild_store import fault_the_gpu\n"
+            "    reset = peer.create_publisher(Empty, '/rmuscle_node/reset_episode', 10)\n"
+            "    try:\n        fault_the_gpu(torch)\n    except Exception as e:\n"
+            "        print('faulted:', type(e).__name__, file=sys.stderr, flush=True)\n"
+            "    for _ in range(50):  # until a reset arrives (the node's subscription may match late)\n"
+            "        reset.publish(Empty())\n        time.sleep(0.1)\n"
+            "    print('the node outlived its resets', file=sys.stderr, flush=True)\n"
+            "    import os\n    os._exit(3)\n",
+        )
+        found = r"found before (the reset of episode 0)"
+    faulting = faulting.replace('"model.backend:=fused"', '"model.backend:=graph", "model.device:=cuda"')
     faulting = faulting.replace('"exit_after_stall_s:=1.0"', '"exit_after_stall_s:=0.0"')
     assert faulting.count("fault_the_gpu(torch)") == 1 and "exit_after_stall_s:=0.0" in faulting
     script.write_text(faulting)
@@ -1515,8 +1582,8 @@ def test_a_real_cuda_fault_ends_the_node_s_process_and_frees_the_library(tmp_pat
     run = subprocess.run(
         [sys.executable, str(script), str(library)], capture_output=True, text=True, timeout=300, env=env
     )
-    assert run.returncode == 70, run.stderr[-3000:]
-    said = re.search(r"the GPU's CUDA context is lost \((.*?); the call raised (.*?)\): no call", run.stderr)
+    assert run.returncode == 70, (run.returncode, run.stderr[-3000:])
+    said = re.search(rf"the GPU's CUDA context is lost \((.*?); {found}\): no call", run.stderr)
     assert said and "illegal memory access" in said.group(1), run.stderr[-3000:]
     assert "\n" not in said.group(0), "one line (not PyTorch's advice lines)"
     assert "a working GPU: ending the process with status 70" in run.stderr, run.stderr[-3000:]

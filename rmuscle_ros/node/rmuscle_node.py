@@ -865,6 +865,7 @@ class RMuscleNode(LifecycleNode):
     def _release_now(self, transition: str) -> None:
         if self.policy is not None:
             with self._policy_lock:
+                self._end_if_device_lost(self.policy, f"the {transition} released the model")
                 try:
                     recorded = self.policy.close()
                 except Exception as e:  # a full disk must not keep the model (and GPU memory) alive
@@ -924,6 +925,7 @@ class RMuscleNode(LifecycleNode):
         self._resetting_since = time.monotonic()  # the stall watchdog's: a reset on the executor's thread
         try:
             if policy is not None:
+                self._end_if_device_lost(policy, f"the reset of episode {self.episode_id}")
                 self._keep_out_if_short(policy)
                 try:
                     recorded = policy.reset_episode()
@@ -1025,6 +1027,8 @@ class RMuscleNode(LifecycleNode):
             policy = self.policy
             with self._stats_lock:
                 episode = self.episode_id
+            if policy is not None:
+                self._end_if_device_lost(policy, f"the discard of episode {episode}")
             if policy is None or not policy.discard_episode("discarded on ~/discard_episode"):
                 return False, f"episode {episode}: no cache to keep it out of"
             with self._stats_lock:
@@ -1130,20 +1134,29 @@ class RMuscleNode(LifecycleNode):
         end the process with SUPERVISOR_EXIT_STATUS."""
         self._end_for_supervisor(f"inference stalled: {what} ({doing}; exit_after_stall_s {limit:g})")
 
-    def _lose_device(self, error: str, fault: str) -> None:
-        """A tick's call raised (`error`) and the GPU's CUDA context is lost (`fault`, what `device_fault`
-        raised): no call can run in this process again, and only a new process gets a working context. The
-        tick is a `device_lost` drop, and the process ends now, whatever exit_after_stall_s, saying why as
-        the stall exit does (status 70, for a supervisor to start it again): a node kept up could not even
-        be cleaned up or shut down, since letting the model go on a lost context aborts the process
-        (PyTorch's allocator raises from a destructor: SIGABRT, measured on an H100), nor could the
-        episode in progress be recorded, its states being on the GPU."""
-        said = (
-            f"the GPU's CUDA context is lost ({fault}; the call raised {error}): no call can run in this "
-            "process again, only a new process gets a working GPU"
+    def _lose_device(self, fault: str, found: str) -> None:
+        """The GPU's CUDA context is lost (`fault`, what `device_fault` raised; `found`, how the node came to
+        ask): no call can run in this process again, and only a new process gets a working context. The
+        process ends now, whatever exit_after_stall_s, saying why as the stall exit does (status 70, for a
+        supervisor to start it again): a node kept up could not even be cleaned up or shut down, since
+        letting the model go on a lost context aborts the process (PyTorch's allocator raises from a
+        destructor: SIGABRT, measured on an H100), nor could the episode in progress be recorded, its
+        states being on the GPU."""
+        self._end_for_supervisor(
+            f"the GPU's CUDA context is lost ({fault}; {found}): no call can run in this process again, only "
+            "a new process gets a working GPU"
         )
-        self._drop(DropReason.DEVICE_LOST, said)
-        self._end_for_supervisor(said)
+
+    def _end_if_device_lost(self, policy: Any, before: str) -> None:
+        """Before a reset, a discard or a cleanup lets go of the episode's GPU states: if the context was
+        lost since the last call (a fault in the motion window's rebuilds, or outside the node's work: an
+        uncorrectable ECC error, a GPU fallen off the bus), letting them go would abort the process
+        (`bench/probe_lost_gpu.py`: discard, close) before anything said why. So the check comes first, and
+        a lost context ends the process as after a call. Costs a wait for the GPU's queued work and two
+        tiny kernels on a GPU, nothing on the CPU. Under the policy lock."""
+        fault = policy.device_fault()
+        if fault is not None:
+            self._lose_device(fault, f"found before {before}")
 
     def _end_for_supervisor(self, why: str) -> None:
         """Say why the node cannot go on (fatal log; stderr, with every thread's stack; a last /diagnostics),
@@ -1327,7 +1340,9 @@ class RMuscleNode(LifecycleNode):
             except Exception as e:  # the hot path logs, counts and keeps the node alive
                 fault = policy.device_fault()  # unless the GPU's context went with the call
                 if fault is not None:
-                    self._lose_device(first_line(e), fault)
+                    found = f"the call raised {first_line(e)}"
+                    self._drop(DropReason.DEVICE_LOST, f"the GPU's CUDA context is lost ({fault}; {found})")
+                    self._lose_device(fault, found)
                 else:
                     self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
                 return
