@@ -8,8 +8,8 @@ graph backend (`tiny`, the rMuscle cache on unless said), faults the GPU after o
 step it reached:
 - `exit`: nothing released, the interpreter's normal exit (its finalisation frees what is left);
 - `discard`: the episode's recording dropped (`Policy.discard_episode`), as a cleanup would first;
-- `reset`: the episode recorded into the library and the next one started (`Policy.reset_episode`), as an
-  episode's reset does;
+- `reset`: `Policy.reset_episode()`, which records the episode into the library and starts the next, as
+  an episode's reset does;
 - `close`: `Policy.close()` (without the discard);
 - `del`: the policy deleted and collected;
 - `os_exit`: the policy deleted, then `os._exit(0)`; `os_exit_kept`: `os._exit(0)` with nothing freed,
@@ -120,7 +120,7 @@ def run_case(case: str, child: Path, folder: Path) -> dict:
         "device_fault": fault,
         "terminate": terminate,
         "raised_from": raised_from,
-        "uncaught": uncaught[-1][:200] if uncaught else "",
+        "uncaught": uncaught[-1][:200].replace("|", "/") if uncaught else "",  # a Markdown table cell
     }
 
 

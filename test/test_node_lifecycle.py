@@ -1452,7 +1452,7 @@ def _lose_the_gpu(policy: Any, monkeypatch: pytest.MonkeyPatch, *, calls: bool =
 
     if calls:
         monkeypatch.setattr(policy, "infer", raises)
-    monkeypatch.setattr(policy, "device_fault", lambda: f"AcceleratorError: {_CUDA_FAULT}")
+    monkeypatch.setattr(policy, "device_fault", lambda **wait: f"AcceleratorError: {_CUDA_FAULT}")
 
 
 def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) -> None:
@@ -1490,23 +1490,20 @@ def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) ->
     assert h.transition(Transition.TRANSITION_DEACTIVATE)  # no tick after the exit's stand-in is undone
 
 
-@pytest.mark.parametrize("when", ["reset", "discard", "cleanup"])
+@pytest.mark.parametrize("when", ["reset", "discard", "cleanup", "configure", "rebuild"])
 def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
     harness, monkeypatch, tmp_path, when: str
 ) -> None:
     """A context lost while no call runs (a fault in the motion window's rebuild, an ECC error, a GPU
     fallen off the bus) shows first at a reset, a discard or a cleanup, which let go of the episode's GPU
-    states: on a lost context that aborts the process (bench/probe_lost_gpu.py: discard, close) before
+    states, or in a rebuild; a fault in configure's warm-up fails the configure, which lets the model go.
+    On a lost context letting go aborts the process (bench/probe_lost_gpu.py: discard, close) before
     anything says why. The node asks first, and ends the process as after a call (status 70, naming
-    what it was about to do), before the cache lets anything go."""
+    where it found the fault), before the cache or the model lets anything go."""
+    from rmuscle_ros.runtime.policy import Policy
+
     ended = _stand_in_for_the_exit(monkeypatch)
-    h = harness(
-        **{"cache.enabled": True, "model.backend": "fused", "cache.library_path": str(tmp_path / "lib")}
-    )
-    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
-    assert h.feed_until(lambda: len(h.chunks) >= 2)
-    policy = h.node.policy
-    let_go: list[int] = []  # how many exits the node had asked for when the cache let the episode go
+    let_go: list[int] = []  # how many exits the node had asked for when the cache or model let go
 
     def counted(method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -1515,24 +1512,57 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
 
         return call
 
-    for name in ("reset_episode", "discard_episode", "close"):
-        monkeypatch.setattr(policy, name, counted(getattr(policy, name)))
-    _lose_the_gpu(policy, monkeypatch, calls=False)
+    cache = {"cache.enabled": True, "model.backend": "fused", "cache.library_path": str(tmp_path / "lib")}
+    if when == "configure":  # the warm-up's first CUDA call meets the fault
+        monkeypatch.setattr(Policy, "close", counted(Policy.close))
+        monkeypatch.setattr(
+            Policy, "warmup", lambda self, prompt: _lose_the_gpu(self, monkeypatch) or self.infer()
+        )
+        h = harness(**cache, warmup=True)
+        assert not h.transition(Transition.TRANSITION_CONFIGURE)
+        found = (
+            f"found before the failed configure released the model (it raised RuntimeError: {_CUDA_FAULT})"
+        )
+    else:
+        h = harness(**cache)
+        assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+        assert h.feed_until(lambda: len(h.chunks) >= 2)
+        policy = h.node.policy
+        for name in ("reset_episode", "discard_episode", "close"):
+            monkeypatch.setattr(policy, name, counted(getattr(policy, name)))
+    if when == "rebuild":  # after the reset recorded episode 0, the worker refills the window from it
+        lost: list[bool] = []
+
+        def rebuild(*args: Any, **kwargs: Any) -> Any:
+            lost.append(True)
+            raise RuntimeError(_CUDA_FAULT)
+
+        monkeypatch.setattr(policy, "rebuild_cache_slice", rebuild)
+        fault = f"AcceleratorError: {_CUDA_FAULT}"
+        monkeypatch.setattr(policy, "device_fault", lambda **wait: fault if lost else None)
+        assert h.call(h.reset, Trigger.Request()).success
+        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
+        found = f"found when a rebuild raised RuntimeError: {_CUDA_FAULT}"
+    elif when != "configure":
+        _lose_the_gpu(policy, monkeypatch, calls=False)
     if when == "reset":
         h.call(h.reset, Trigger.Request())
-        before = "the reset of episode 0"
+        found = "found before the reset of episode 0"
     elif when == "discard":
         h.node.discard_episode()
-        before = "the discard of episode 0"
-    else:
+        found = "found before the discard of episode 0"
+    elif when == "cleanup":
         assert h.transition(Transition.TRANSITION_DEACTIVATE)
         assert not ended, "a deactivation lets go of nothing"
         h.transition(Transition.TRANSITION_CLEANUP)
-        before = "the cleanup released the model"
-    assert ended == [70] and let_go and let_go[0] == 1, (ended, let_go)
+        found = "found before the cleanup released the model"
+    if when == "rebuild":
+        assert ended == [70] and let_go == [0], (ended, let_go)  # the reset, before the fault
+    else:
+        assert ended == [70] and let_go and let_go[0] == 1, (ended, let_go)
     said = (
-        f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; found before {before}): no call can "
-        "run in this process again, only a new process gets a working GPU: ending the process with status 70"
+        f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; {found}): no call can run in "
+        "this process again, only a new process gets a working GPU: ending the process with status 70"
     )
     assert _said_fatal(h, re.escape(said)), [m.msg for m in h.logs][-5:]
 

@@ -139,6 +139,45 @@ def test_a_closed_policy_refuses_calls() -> None:
             call()
 
 
+class _Probe:
+    """Stands for the GPU tensor `Policy.device_fault` runs its kernels on: each check raises the next
+    error of `errors` (None: the kernels run and read back 2.0)."""
+
+    def __init__(self, *errors: Exception | None) -> None:
+        self.errors = list(errors)
+
+    def fill_(self, value: float) -> _Probe:
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+        return self
+
+    def add_(self, value: float) -> _Probe:
+        return self
+
+    def item(self) -> float:
+        return 2.0
+
+
+def test_only_an_error_the_gpu_check_meets_twice_is_a_lost_context(policy: Policy, monkeypatch) -> None:
+    """A lost CUDA context fails every later CUDA call; an error left over from other work is raised once,
+    then cleared. So `device_fault` checks twice, and only an error in both is a lost GPU (the node ends
+    its process on it): a transient one must not end a working cell. It names the first error, in one
+    line; an out-of-memory error is no lost context."""
+    sticky = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be")
+    monkeypatch.setattr(policy, "_device_probe", _Probe(RuntimeError("CUDA error: launch failure"), None))
+    assert policy.device_fault(wait_all=False) is None
+    monkeypatch.setattr(policy, "_device_probe", _Probe(sticky, RuntimeError("CUDA error: again")))
+    assert (
+        policy.device_fault(wait_all=False)
+        == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    )
+    monkeypatch.setattr(policy, "_device_probe", _Probe(torch.OutOfMemoryError("CUDA out of memory")))
+    assert policy.device_fault(wait_all=False) is None
+    monkeypatch.setattr(policy, "_device_probe", None)  # a CPU policy has none: nothing to lose
+    assert policy.device_fault() is None
+
+
 def test_read_only_model_sized_frames_take_no_copy_warning(policy: Policy) -> None:
     obs = synthetic_observation(policy.cfg, "x", size=(224, 224))
     for image in obs.images.values():

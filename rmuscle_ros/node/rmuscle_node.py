@@ -469,13 +469,13 @@ class RMuscleNode(LifecycleNode):
             policy.expect_task(cfg.prompt)  # the first episode's likely first calls, for activation's refill
             status = policy.cache_status()
         except LibraryError as e:  # LibraryMismatch too: other weights/shapes, corrupt index, version
-            self._close_quietly(policy)
+            self._close_quietly(policy, e)
             return self._fail(f"configure: cannot open the rMuscle library (cache.library_path): {e}")
         except (ValueError, RuntimeError, OSError) as e:  # CheckpointError is a ValueError
-            self._close_quietly(policy)
+            self._close_quietly(policy, e)
             return self._fail(f"configure: cannot load the policy: {e}")
         except Exception as e:  # anything else (a malformed library entry, ...): still a clean FAILURE
-            self._close_quietly(policy)
+            self._close_quietly(policy, e)
             return self._fail(f"configure: cannot load the policy: {type(e).__name__}: {e}")
         self.get_logger().info(
             f"configure: {cfg.model.preset} on {cfg.model.device} ({cfg.model.backend}) loaded in {loaded:.2f} s "
@@ -643,9 +643,17 @@ class RMuscleNode(LifecycleNode):
             f"running {self._doing or 'a job'}; see /diagnostics"
         )
 
-    def _close_quietly(self, policy: Any) -> None:
-        # A configure that failed after the policy was built: free the cache's temporary library now.
+    def _close_quietly(self, policy: Any, failed: BaseException | None = None) -> None:
+        # A configure that failed after the policy was built: free the cache's temporary library now. If it
+        # failed on a lost GPU (a fault in the warm-up), letting the model go would abort the process.
         if policy is not None:
+            if failed is not None:
+                from rmuscle_ros.runtime.policy import first_line
+
+                found = (
+                    f"found before the failed configure released the model (it raised {first_line(failed)})"
+                )
+                self._end_if_device_lost(policy, found)
             try:
                 policy.close()
             except Exception as e:  # the configure error is what matters; this one is only logged
@@ -865,7 +873,7 @@ class RMuscleNode(LifecycleNode):
     def _release_now(self, transition: str) -> None:
         if self.policy is not None:
             with self._policy_lock:
-                self._end_if_device_lost(self.policy, f"the {transition} released the model")
+                self._end_if_device_lost(self.policy, f"found before the {transition} released the model")
                 try:
                     recorded = self.policy.close()
                 except Exception as e:  # a full disk must not keep the model (and GPU memory) alive
@@ -925,7 +933,7 @@ class RMuscleNode(LifecycleNode):
         self._resetting_since = time.monotonic()  # the stall watchdog's: a reset on the executor's thread
         try:
             if policy is not None:
-                self._end_if_device_lost(policy, f"the reset of episode {self.episode_id}")
+                self._end_if_device_lost(policy, f"found before the reset of episode {self.episode_id}")
                 self._keep_out_if_short(policy)
                 try:
                     recorded = policy.reset_episode()
@@ -1028,7 +1036,7 @@ class RMuscleNode(LifecycleNode):
             with self._stats_lock:
                 episode = self.episode_id
             if policy is not None:
-                self._end_if_device_lost(policy, f"the discard of episode {episode}")
+                self._end_if_device_lost(policy, f"found before the discard of episode {episode}")
             if policy is None or not policy.discard_episode("discarded on ~/discard_episode"):
                 return False, f"episode {episode}: no cache to keep it out of"
             with self._stats_lock:
@@ -1147,16 +1155,19 @@ class RMuscleNode(LifecycleNode):
             "a new process gets a working GPU"
         )
 
-    def _end_if_device_lost(self, policy: Any, before: str) -> None:
-        """Before a reset, a discard or a cleanup lets go of the episode's GPU states: if the context was
-        lost since the last call (a fault in the motion window's rebuilds, or outside the node's work: an
-        uncorrectable ECC error, a GPU fallen off the bus), letting them go would abort the process
-        (`bench/probe_lost_gpu.py`: discard, close) before anything said why. So the check comes first, and
-        a lost context ends the process as after a call. Costs a wait for the GPU's queued work and two
-        tiny kernels on a GPU, nothing on the CPU. Under the policy lock."""
-        fault = policy.device_fault()
+    def _end_if_device_lost(self, policy: Any, found: str, *, wait_all: bool = False) -> None:
+        """End the process as after a call (`_lose_device`) if the policy's GPU context is lost. Asked
+        before a reset, a discard, a cleanup or a failed configure lets go of the episode's (or the
+        model's) GPU states, and after a motion-window job raised: a context lost since the last call (a
+        fault in a rebuild, or outside the node's work: an uncorrectable ECC error, a GPU fallen off the
+        bus) shows first there, and letting those states go on it aborts the process
+        (`bench/probe_lost_gpu.py`: discard, close) before anything said why. `found` says where, for the
+        message. Without `wait_all` the check waits for no stream but its own (`Policy.device_fault`), so
+        that a hung stream cannot hang a reset or a cleanup, which no watchdog covers everywhere. Under
+        the policy lock; nothing on a CPU."""
+        fault = policy.device_fault(wait_all=wait_all)
         if fault is not None:
-            self._lose_device(fault, f"found before {before}")
+            self._lose_device(fault, found)
 
     def _end_for_supervisor(self, why: str) -> None:
         """Say why the node cannot go on (fatal log; stderr, with every thread's stack; a last /diagnostics),
@@ -1447,6 +1458,9 @@ class RMuscleNode(LifecycleNode):
             try:
                 audit = policy.audit_cache()
             except Exception as e:  # an audit that fails costs its measurement, not the node
+                from rmuscle_ros.runtime.policy import first_line  # loaded since configure
+
+                self._end_if_device_lost(policy, f"found when an audit raised {first_line(e)}", wait_all=True)
                 self._error("cache_audit", f"{type(e).__name__}: {e}")
                 return
             if audit is not None:
@@ -1492,6 +1506,10 @@ class RMuscleNode(LifecycleNode):
                         now = time.monotonic()
                         self._rebuild_s.record(now, now - start, self._tick.is_set(), estimated=estimate)
                 except Exception as e:  # a failed rebuild only costs cache hits; the next call runs dense
+                    from rmuscle_ros.runtime.policy import first_line  # loaded since configure
+
+                    found = f"found when a rebuild raised {first_line(e)}"
+                    self._end_if_device_lost(policy, found, wait_all=True)
                     self._error("cache_rebuild", f"{type(e).__name__}: {e}")
                     break
             if not queued:

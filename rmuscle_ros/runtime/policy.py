@@ -576,26 +576,37 @@ class Policy:
         self.rmuscle.exclude_episode(reason)
         return True
 
-    def device_fault(self) -> str | None:
+    def device_fault(self, *, wait_all: bool = True) -> str | None:
         """None if the policy's GPU still runs work (or the policy runs on the CPU), else what checking it
         raised. After an asynchronous CUDA fault (an illegal address, an uncorrectable ECC error, a GPU
         fallen off the bus) the process's CUDA context is lost for good: every later call raises, and only
         a new process gets a working one. A call that raised for another reason (out of memory, a bad
-        input) leaves the context working, and this says None, also with the GPU's memory full. The check
-        waits for the GPU's queued work (every stream), then runs two tiny kernels on a tensor allocated
-        at construction and reads the result back. What it says is one line: PyTorch's CUDA errors carry
-        several lines of advice after the error itself."""
+        input) leaves the context working, and this says None, also with the GPU's memory full.
+
+        The check runs two tiny kernels on a tensor allocated at construction and reads the result back on
+        the calling thread's stream; with `wait_all` it first waits for the GPU's queued work on every
+        stream (after a call raised: a fault still pending in its work then shows). Without it, a stream
+        that hangs (the next call's match work, say) cannot hang the check; a fault that has already
+        happened shows all the same, the lost context failing every later CUDA call. An error that
+        does not lose the context (left over from other work) is raised once and then cleared, so the
+        check runs twice and only an error in both counts. What it says is one line: PyTorch's CUDA
+        errors carry several lines of advice after the error itself."""
         probe = self._device_probe
         if probe is None:
             return None
-        try:
-            torch.cuda.synchronize(self.device)
-            got = float(probe.fill_(1.0).add_(1.0).item())
-        except torch.OutOfMemoryError:  # nothing here allocates on the GPU; were it to, a full GPU works
-            return None
-        except Exception as e:
-            return first_line(e)
-        return None if got == 2.0 else f"a probe kernel on {self.device} computed {got}, not 2.0"
+        fault = None
+        for _ in range(2):
+            try:
+                if wait_all:
+                    torch.cuda.synchronize(self.device)
+                got = float(probe.fill_(1.0).add_(1.0).item())
+            except torch.OutOfMemoryError:  # nothing here allocates on the GPU; were it to, a full GPU works
+                return None
+            except Exception as e:
+                fault = fault or first_line(e)  # the first names the fault best
+                continue
+            return None if got == 2.0 else f"a probe kernel on {self.device} computed {got}, not 2.0"
+        return fault
 
     def close(self) -> int | None:
         """Record the current episode if it qualifies and release the cache's temporary files. Later calls
