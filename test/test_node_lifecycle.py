@@ -1490,13 +1490,14 @@ def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) ->
     assert h.transition(Transition.TRANSITION_DEACTIVATE)  # no tick after the exit's stand-in is undone
 
 
-@pytest.mark.parametrize("when", ["reset", "discard", "cleanup", "configure", "rebuild"])
+@pytest.mark.parametrize("when", ["reset", "discard", "cleanup", "configure", "rebuild", "audit"])
 def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
     harness, monkeypatch, tmp_path, when: str
 ) -> None:
     """A context lost while no call runs (a fault in the motion window's rebuild, an ECC error, a GPU
     fallen off the bus) shows first at a reset, a discard or a cleanup, which let go of the episode's GPU
-    states, or in a rebuild; a fault in configure's warm-up fails the configure, which lets the model go.
+    states, or in a motion-window job (a rebuild, an audit), which raises; a fault in configure's warm-up
+    fails the configure, which lets the model go.
     On a lost context letting go aborts the process (bench/probe_lost_gpu.py: discard, close) before
     anything says why. The node asks first, and ends the process as after a call (status 70, naming
     where it found the fault), before the cache or the model lets anything go."""
@@ -1524,25 +1525,27 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
             f"found before the failed configure released the model (it raised RuntimeError: {_CUDA_FAULT})"
         )
     else:
-        h = harness(**cache)
+        h = harness(**cache, **({"cache.audit_every": 1} if when == "audit" else {}))
         assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
         assert h.feed_until(lambda: len(h.chunks) >= 2)
         policy = h.node.policy
         for name in ("reset_episode", "discard_episode", "close"):
             monkeypatch.setattr(policy, name, counted(getattr(policy, name)))
-    if when == "rebuild":  # after the reset recorded episode 0, the worker refills the window from it
+    if when in ("rebuild", "audit"):
+        # After the reset recorded episode 0 the worker refills the window from it (a rebuild), and audits
+        # the next episode's first cached call (cache.audit_every 1). The job meets the fault.
         lost: list[bool] = []
 
-        def rebuild(*args: Any, **kwargs: Any) -> Any:
+        def job(*args: Any, **kwargs: Any) -> Any:
             lost.append(True)
             raise RuntimeError(_CUDA_FAULT)
 
-        monkeypatch.setattr(policy, "rebuild_cache_slice", rebuild)
+        monkeypatch.setattr(policy, "rebuild_cache_slice" if when == "rebuild" else "audit_cache", job)
         fault = f"AcceleratorError: {_CUDA_FAULT}"
         monkeypatch.setattr(policy, "device_fault", lambda **wait: fault if lost else None)
         assert h.call(h.reset, Trigger.Request()).success
-        assert h.wait_for(lambda: bool(ended), timeout=10.0), "no exit"
-        found = f"found when a rebuild raised RuntimeError: {_CUDA_FAULT}"
+        assert h.feed_until(lambda: bool(ended), timeout=20.0), f"no exit; chunks {len(h.chunks)}"
+        found = f"found when {'a rebuild' if when == 'rebuild' else 'an audit'} raised RuntimeError: {_CUDA_FAULT}"
     elif when != "configure":
         _lose_the_gpu(policy, monkeypatch, calls=False)
     if when == "reset":
@@ -1556,7 +1559,7 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
         assert not ended, "a deactivation lets go of nothing"
         h.transition(Transition.TRANSITION_CLEANUP)
         found = "found before the cleanup released the model"
-    if when == "rebuild":
+    if when in ("rebuild", "audit"):
         assert ended == [70] and let_go == [0], (ended, let_go)  # the reset, before the fault
     else:
         assert ended == [70] and let_go and let_go[0] == 1, (ended, let_go)
