@@ -780,6 +780,31 @@ def test_an_unexpected_error_in_a_ticks_call_counts_toward_error_and_the_worker_
     assert h.feed_until(lambda: len(h.chunks) > 0), f"the node stopped publishing: {h.drops()}"
 
 
+def test_a_call_that_raises_a_cuda_error_is_one_line_in_diagnostics_and_the_node_goes_on(harness) -> None:
+    """A call that raised with the GPU still working (a CUDA error that does not lose the context: a bad
+    launch, an out-of-memory error) is an inference_error drop, and the node goes on. PyTorch's CUDA errors
+    carry lines of advice after the error; /diagnostics and the log say the error's own line."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    policy = h.node.policy
+    real = policy.infer
+
+    def raises(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "CUDA error: invalid argument\nCUDA kernel errors might be asynchronously reported at some other "
+            "API call, so the stacktrace below might be incorrect.\nFor debugging consider passing "
+            "CUDA_LAUNCH_BLOCKING=1"
+        )
+
+    policy.infer = raises
+    assert policy.device_fault() is None  # the CPU's policy: nothing lost
+    assert h.feed_until(lambda: h.drops().get("inference_error", 0) >= 1), h.node.stats()
+    values = {v.key: v.value for v in h.node._diagnostics().status[0].values}
+    assert values["last_drop"] == "inference_error: RuntimeError: CUDA error: invalid argument", values
+    policy.infer = real
+    assert h.feed_until(lambda: len(h.chunks) > 0), f"the node stopped publishing: {h.drops()}"
+
+
 def test_a_profile_loaded_one_parameter_at_a_time_is_taken_by_an_unconfigured_node(harness) -> None:
     """`ros2 param load` sets a file's parameters one at a time, each checked against the others. Before
     (noted in review), the ALOHA profile's `model.preset: pi05` was refused because its checkpoint was

@@ -1354,8 +1354,8 @@ class RMuscleNode(LifecycleNode):
                     found = f"the call raised {first_line(e)}"
                     self._drop(DropReason.DEVICE_LOST, f"the GPU's CUDA context is lost ({fault}; {found})")
                     self._lose_device(fault, found)
-                else:
-                    self._drop(DropReason.INFERENCE_ERROR, f"{type(e).__name__}: {e}")
+                else:  # one line: PyTorch's CUDA errors carry lines of advice, no place for them in /diagnostics
+                    self._drop(DropReason.INFERENCE_ERROR, first_line(e))
                 return
             stamps, t = self._episode_stamps, obs.stamp_ns  # the episode's length so far (min_episode_s)
             self._episode_stamps = (t, t) if stamps is None else (min(stamps[0], t), max(stamps[1], t))
