@@ -1584,10 +1584,16 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
         assert not ended, "a deactivation lets go of nothing"
         h.transition(Transition.TRANSITION_CLEANUP)
         found = "found before the cleanup released the model"
+    # The node goes on past the stand-in exit, and a job that raises again asks for another (status 70
+    # after the exit's 0.2 s for its last words): stopped here, while the stand-ins are in force, or it
+    # ended the test's process once they were undone (found in a fresh clone's run).
+    if h.node._worker is not None:
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert ended and set(ended) == {70}, ended
     if when in ("rebuild", "audit"):
-        assert ended == [70] and let_go == [0], (ended, let_go)  # the reset, before the fault
+        assert let_go == [0], let_go  # the reset, before the fault
     else:
-        assert ended == [70] and let_go and let_go[0] == 1, (ended, let_go)
+        assert let_go and let_go[0] == 1, (ended, let_go)
     said = (
         f"the GPU's CUDA context is lost (AcceleratorError: {_CUDA_FAULT}; {found}): no call can run in "
         "this process again, only a new process gets a working GPU: ending the process with status 70"
