@@ -1515,7 +1515,7 @@ def test_a_lost_gpu_ends_the_process_at_once_saying_why(harness, monkeypatch) ->
     assert h.transition(Transition.TRANSITION_DEACTIVATE)  # no tick after the exit's stand-in is undone
 
 
-@pytest.mark.parametrize("when", ["reset", "discard", "cleanup", "configure", "rebuild", "audit"])
+@pytest.mark.parametrize("when", ["reset", "discard", "cleanup", "configure", "rebuild", "audit", "prompt"])
 def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
     harness, monkeypatch, tmp_path, when: str
 ) -> None:
@@ -1572,6 +1572,12 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
         assert h.feed_until(lambda: bool(ended), timeout=20.0), f"no exit; chunks {len(h.chunks)}"
         found = f"found when {'a rebuild' if when == 'rebuild' else 'an audit'} raised RuntimeError: {_CUDA_FAULT}"
     elif when != "configure":
+        if when == "prompt":  # between episodes, where a new task has the cache's retrieval state follow it
+            monkeypatch.setattr(policy, "expect_task", counted(policy.expect_task))
+            assert h.call(h.reset, Trigger.Request()).success and let_go == [
+                0,
+                0,
+            ]  # a reset sets the task too
         _lose_the_gpu(policy, monkeypatch, calls=False)
     if when == "reset":
         h.call(h.reset, Trigger.Request())
@@ -1584,6 +1590,9 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
         assert not ended, "a deactivation lets go of nothing"
         h.transition(Transition.TRANSITION_CLEANUP)
         found = "found before the cleanup released the model"
+    elif when == "prompt":  # the next task, set live
+        h.node.set_parameters([Parameter("prompt", value="stack the cups")])
+        found = "found before prompt changed"
     # The node goes on past the stand-in exit, and a job that raises again asks for another (status 70
     # after the exit's 0.2 s for its last words): stopped here, while the stand-ins are in force, or it
     # ended the test's process once they were undone (found in a fresh clone's run).
@@ -1592,6 +1601,8 @@ def test_a_gpu_lost_between_calls_ends_the_process_before_the_episode_is_let_go(
     assert ended and set(ended) == {70}, ended
     if when in ("rebuild", "audit"):
         assert let_go == [0], let_go  # the reset, before the fault
+    elif when == "prompt":
+        assert let_go == [0, 0, 1], let_go  # the reset before the fault; the new task after the exit
     else:
         assert let_go and let_go[0] == 1, (ended, let_go)
     said = (

@@ -601,6 +601,9 @@ class RMuscleNode(LifecycleNode):
         if not self._lock_policy():
             return SetParametersResult(successful=False, reason=f"not applied: {self._busy()}")
         try:
+            if self.policy is not None and cfg.cache.enabled and (cache or "prompt" in changed):
+                # the cache's settings and task may rebuild its GPU retrieval state, freeing the old
+                self._end_if_device_lost(self.policy, f"found before {', '.join(sorted(changed))} changed")
             if cache and self.policy is not None and cfg.cache.enabled:
                 try:
                     self.policy.reconfigure_cache(**cache)
