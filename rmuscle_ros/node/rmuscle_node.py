@@ -601,14 +601,15 @@ class RMuscleNode(LifecycleNode):
         if not self._lock_policy():
             return SetParametersResult(successful=False, reason=f"not applied: {self._busy()}")
         try:
-            if self.policy is not None and cfg.cache.enabled and (cache or "prompt" in changed):
-                # the cache's settings and task may rebuild its GPU retrieval state, freeing the old
-                self._end_if_device_lost(self.policy, f"found before {', '.join(sorted(changed))} changed")
-            if cache and self.policy is not None and cfg.cache.enabled:
-                try:
-                    self.policy.reconfigure_cache(**cache)
-                except ValueError as e:
-                    return SetParametersResult(successful=False, reason=str(e))
+            if self.policy is not None and cfg.cache.enabled:
+                if cache or "prompt" in changed:  # may rebuild its GPU retrieval state, freeing the old
+                    found = f"found before {', '.join(sorted(changed))} changed"
+                    self._end_if_device_lost(self.policy, found)
+                if cache:
+                    try:
+                        self.policy.reconfigure_cache(**cache)
+                    except ValueError as e:
+                        return SetParametersResult(successful=False, reason=str(e))
             self.cfg = cfg  # the worker reads it at each call
             if self._buffer is not None:
                 self._buffer.limits = limits
@@ -1145,17 +1146,20 @@ class RMuscleNode(LifecycleNode):
         end the process with SUPERVISOR_EXIT_STATUS."""
         self._end_for_supervisor(f"inference stalled: {what} ({doing}; exit_after_stall_s {limit:g})")
 
-    def _lose_device(self, fault: str, found: str) -> None:
+    def _lose_device(self, fault: str, found: str, *, drop: bool = False) -> None:
         """The GPU's CUDA context is lost (`fault`, what `device_fault` raised; `found`, how the node came to
-        ask): no call can run in this process again, and only a new process gets a working context. The
-        process ends now, whatever exit_after_stall_s, saying why as the stall exit does (status 70, for a
-        supervisor to start it again): a node kept up could not even be cleaned up or shut down, since
+        ask): no call can run in this process again, and only a new process gets a working context. With
+        `drop` (a tick's call raised) the tick is a `device_lost` drop. The process ends now, whatever
+        exit_after_stall_s, saying why as the stall exit does (status 70, for a supervisor to start it
+        again): a node kept up could not even be cleaned up or shut down, since
         letting the model go on a lost context aborts the process (PyTorch's allocator raises from a
         destructor: SIGABRT, measured on an H100), nor could the episode in progress be recorded, its
         states being on the GPU."""
+        lost = f"the GPU's CUDA context is lost ({fault}; {found})"
+        if drop:
+            self._drop(DropReason.DEVICE_LOST, lost)
         self._end_for_supervisor(
-            f"the GPU's CUDA context is lost ({fault}; {found}): no call can run in this process again, only "
-            "a new process gets a working GPU"
+            f"{lost}: no call can run in this process again, only a new process gets a working GPU"
         )
 
     def _end_if_device_lost(self, policy: Any, found: str, *, wait_all: bool = False) -> None:
@@ -1354,9 +1358,7 @@ class RMuscleNode(LifecycleNode):
             except Exception as e:  # the hot path logs, counts and keeps the node alive
                 fault = policy.device_fault()  # unless the GPU's context went with the call
                 if fault is not None:
-                    found = f"the call raised {first_line(e)}"
-                    self._drop(DropReason.DEVICE_LOST, f"the GPU's CUDA context is lost ({fault}; {found})")
-                    self._lose_device(fault, found)
+                    self._lose_device(fault, f"the call raised {first_line(e)}", drop=True)
                 else:  # one line: PyTorch's CUDA errors carry lines of advice, no place for them in /diagnostics
                     self._drop(DropReason.INFERENCE_ERROR, first_line(e))
                 return
